@@ -1,0 +1,33 @@
+# Two commands do all the set-up: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench install clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip setuptools wheel
+
+# torch first (local wheels, pinned), then deepspeed without build isolation so that its
+# build step sees the installed torch instead of pulling another one, then the project.
+$(STAMP): pyproject.toml $(BIN)/python
+	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
+	$(BIN)/pip install -q --no-build-isolation "deepspeed>=0.16"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x --timeout=900 tests
+
+demo: $(STAMP)
+	$(BIN)/python -m longvideo.demo
+
+bench: $(STAMP)
+	$(BIN)/python scripts/run_benchmarks.py
+
+clean:
+	rm -rf $(VENV) runs outputs

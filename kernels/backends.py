@@ -1,0 +1,72 @@
+"""Block-attention backends behind one interface (DESIGN.md decision 4).
+
+A backend computes masked attention of a query block against a key/value block:
+
+    forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal) -> (out, lse)
+        q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); q_pos, q_seg (B, Sq); k_pos, k_seg (B, Sk)
+        out (B, Sq, Hq, D) in q.dtype; lse (B, Hq, Sq) float32, -inf on rows with no visible key.
+
+    backward(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal) -> (dq, dk, dv)
+        dq, dk, dv in float32. `out` and `lse` may be the *global* output and log-sum-exp of a
+        larger attention this block is part of (ring attention): the result is then this block's
+        exact contribution to the global gradients, since P = exp(S - lse) and
+        D = rowsum(dout * out) only need the global values.
+
+Backends are chosen by name: "torch" (exact reference, chunked so memory is O(block^2)),
+"cpu" (fast CPU path), "triton" (fused kernel; CUDA, or CPU under TRITON_INTERPRET=1);
+"auto" picks triton on CUDA and cpu otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class BlockBackend(Protocol):
+    name: str
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_seg: Tensor,
+                k_seg: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]: ...
+
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, scale: float,
+                 causal: bool) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+_REGISTRY: dict[str, str] = {
+    "torch": "kernels.torch_backend:TorchBackend",
+    "cpu": "kernels.cpu_backend:CpuBackend",
+    "triton": "kernels.flash_attn:TritonBackend",
+}
+_INSTANCES: dict[str, BlockBackend] = {}
+
+
+def register_backend(name: str, target: str) -> None:
+    """Register 'module:Class' under `name` (the class is built lazily, with no arguments)."""
+    _REGISTRY[name] = target
+    _INSTANCES.pop(name, None)
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    if name != "auto":
+        if name not in _REGISTRY:
+            raise ValueError(f"unknown attention backend '{name}'; choose from auto, {', '.join(available_backends())}")
+        return name
+    return "triton" if device.type == "cuda" else "cpu"
+
+
+def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> BlockBackend:
+    """The backend object for `name` ("auto" resolves by device)."""
+    name = resolve_backend_name(name, torch.device(device))
+    if name not in _INSTANCES:
+        module, cls = _REGISTRY[name].split(":")
+        _INSTANCES[name] = getattr(importlib.import_module(module), cls)()
+    return _INSTANCES[name]

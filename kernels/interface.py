@@ -1,0 +1,64 @@
+"""Differentiable single-device masked attention over a block backend.
+
+    out = block_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, causal=True, backend="auto")
+
+q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); positions and segment ids (B, S) (defaults: 0..S-1 and
+one segment). Returns out (B, Sq, Hq, D) in q.dtype. Gradients flow to q, k and v.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kernels.backends import get_backend
+from kernels.reference import default_meta
+
+
+class _BlockAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, backend):
+        be = get_backend(backend, q.device)
+        out, lse = be.forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal)
+        ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg)
+        ctx.scale, ctx.causal, ctx.backend = scale, causal, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg = ctx.saved_tensors
+        be = get_backend(ctx.backend, q.device)
+        dq, dk, dv = be.backward(dout.contiguous(), q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg,
+                                 ctx.scale, ctx.causal)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+
+
+def block_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Optional[Tensor] = None,
+    k_pos: Optional[Tensor] = None,
+    q_seg: Optional[Tensor] = None,
+    k_seg: Optional[Tensor] = None,
+    *,
+    causal: bool = True,
+    softmax_scale: Optional[float] = None,
+    backend: str = "auto",
+) -> Tensor:
+    """Masked attention (see kernels.reference for the mask rule); differentiable in q, k, v."""
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads {q.shape[2]} must be a multiple of key/value heads {k.shape[2]}")
+    if q_pos is None or q_seg is None:
+        dp, ds = default_meta(q, q.shape[1], q.device)
+        q_pos = dp if q_pos is None else q_pos
+        q_seg = ds if q_seg is None else q_seg
+    if k_pos is None or k_seg is None:
+        dp, ds = default_meta(k, k.shape[1], k.device)
+        k_pos = dp if k_pos is None else k_pos
+        k_seg = ds if k_seg is None else k_seg
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _BlockAttention.apply(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, backend)

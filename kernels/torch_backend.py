@@ -1,0 +1,104 @@
+"""The `torch` block backend: exact, tiled, pure PyTorch. Memory is O(tile^2) per (batch, head).
+
+It is the readable statement of the algorithm every other backend implements: an online softmax
+over key tiles in the forward, and the recomputation form of the backward
+(P = exp(S - lse), dS = P * (dP - rowsum(dO * O))). Tiles whose mask is all false are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels.reference import compute_dtype, visibility
+
+
+def _heads_first(q: Tensor, k: Tensor, v: Tensor, cdt: torch.dtype):
+    """(B, S, H, D) -> q (B, Hkv, G, Sq, D), k and v (B, Hkv, 1, Sk, D) in the compute dtype."""
+    B, Sq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    qh = q.to(cdt).view(B, Sq, Hkv, Hq // Hkv, D).permute(0, 2, 3, 1, 4)
+    kh = k.to(cdt).permute(0, 2, 1, 3).unsqueeze(2)
+    vh = v.to(cdt).permute(0, 2, 1, 3).unsqueeze(2)
+    return qh, kh, vh
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, tile: int = 512):
+        self.tile = tile
+
+    def forward(self, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal):
+        B, Sq, Hq, D = q.shape
+        Sk, Hkv = k.shape[1], k.shape[2]
+        G = Hq // Hkv
+        cdt = compute_dtype(q.dtype)
+        qh, kh, vh = _heads_first(q, k, v, cdt)
+        out = torch.zeros(B, Hkv, G, Sq, D, dtype=cdt, device=q.device)
+        lse = torch.full((B, Hkv, G, Sq), float("-inf"), dtype=cdt, device=q.device)
+        T = self.tile
+        for i in range(0, Sq, T):
+            qi = qh[:, :, :, i:i + T]
+            m = torch.full(qi.shape[:-1], float("-inf"), dtype=cdt, device=q.device)  # running max
+            l = torch.zeros_like(m)  # running sum of exp(s - m)
+            acc = torch.zeros_like(qi)
+            for j in range(0, Sk, T):
+                vis = visibility(q_pos[:, i:i + T], k_pos[:, j:j + T], q_seg[:, i:i + T],
+                                 k_seg[:, j:j + T], causal)[:, None, None]  # (B, 1, 1, tq, tk)
+                if not bool(vis.any()):
+                    continue  # the whole tile is masked: skip it
+                s = torch.matmul(qi, kh[:, :, :, j:j + T].transpose(-1, -2)) * scale
+                s = s.masked_fill(~vis, float("-inf"))
+                m_new = torch.maximum(m, s.amax(-1))
+                m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+                p = torch.exp(s - m_safe[..., None])
+                alpha = torch.exp(m - m_safe)
+                l = l * alpha + p.sum(-1)
+                acc = acc * alpha[..., None] + torch.matmul(p, vh[:, :, :, j:j + T])
+                m = m_new
+            has = l > 0
+            out[:, :, :, i:i + T] = torch.where(has[..., None], acc / l.clamp_min(1e-300)[..., None], 0.0)
+            lse[:, :, :, i:i + T] = torch.where(has, m + torch.log(l.clamp_min(1e-300)), float("-inf"))
+        out = out.permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D).to(q.dtype)
+        lse = lse.reshape(B, Hq, Sq)
+        return out, (lse if cdt == torch.float64 else lse.float())
+
+    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal):
+        B, Sq, Hq, D = q.shape
+        Sk, Hkv = k.shape[1], k.shape[2]
+        G = Hq // Hkv
+        cdt = compute_dtype(q.dtype)
+        qh, kh, vh = _heads_first(q, k, v, cdt)
+        doh, oh, _ = _heads_first(dout, k, v, cdt)
+        oh = out.to(cdt).view(B, Sq, Hkv, G, D).permute(0, 2, 3, 1, 4)
+        lse_h = lse.to(cdt).view(B, Hkv, G, Sq)
+        delta = (doh * oh).sum(-1)  # (B, Hkv, G, Sq)
+        dq = torch.zeros_like(qh)
+        dk = torch.zeros(B, Hkv, Sk, D, dtype=cdt, device=q.device)
+        dv = torch.zeros_like(dk)
+        T = self.tile
+        for i in range(0, Sq, T):
+            qi, doi = qh[:, :, :, i:i + T], doh[:, :, :, i:i + T]
+            li = lse_h[:, :, :, i:i + T]
+            li = torch.where(torch.isinf(li), torch.full_like(li, float("inf")), li)  # empty rows: P = 0
+            di = delta[:, :, :, i:i + T]
+            for j in range(0, Sk, T):
+                vis = visibility(q_pos[:, i:i + T], k_pos[:, j:j + T], q_seg[:, i:i + T],
+                                 k_seg[:, j:j + T], causal)[:, None, None]
+                if not bool(vis.any()):
+                    continue
+                kj, vj = kh[:, :, :, j:j + T], vh[:, :, :, j:j + T]
+                s = torch.matmul(qi, kj.transpose(-1, -2)) * scale
+                p = torch.exp(s - li[..., None]).masked_fill(~vis, 0.0)  # (B, Hkv, G, tq, tk)
+                dv[:, :, j:j + T] += torch.matmul(p.transpose(-1, -2), doi).sum(2)
+                dp = torch.matmul(doi, vj.transpose(-1, -2))
+                ds = p * (dp - di[..., None])
+                dq[:, :, :, i:i + T] += torch.matmul(ds, kj) * scale
+                dk[:, :, j:j + T] += torch.matmul(ds.transpose(-1, -2), qi).sum(2) * scale
+        dq = dq.permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D)
+        dk = dk.permute(0, 2, 1, 3)
+        dv = dv.permute(0, 2, 1, 3)
+        if cdt != torch.float64:
+            dq, dk, dv = dq.float(), dk.float(), dv.float()
+        return dq, dk, dv

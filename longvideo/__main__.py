@@ -1,0 +1,5 @@
+import sys
+
+from longvideo.cli import main
+
+sys.exit(main())

@@ -1,0 +1,48 @@
+"""`longvideo <command> ...`: one entry point; each command lives in its own package.
+
+Commands are looked up lazily so that `longvideo --help` stays fast and a command only imports
+what it needs. Each target is a function `main(argv: list[str]) -> int`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "make-data": ("longvideo.data.cli:make_data_main", "write synthetic video-text shards"),
+    "tokenize": ("longvideo.data.cli:tokenize_main", "VQ-encode raw shards into token shards"),
+    "train-vq": ("longvideo.vq.cli:main", "train the VQ video tokenizer"),
+    "train": ("longvideo.train.cli:main", "train the language model (torchrun/deepspeed/accelerate)"),
+    "chat": ("longvideo.infer.cli:chat_main", "answer questions about a video"),
+    "eval": ("longvideo.infer.cli:eval_main", "QA accuracy and needle-in-a-haystack evaluations"),
+    "import-hf": ("longvideo.export.cli:import_main", "read a Hugging Face Llama checkpoint"),
+    "export": ("longvideo.export.cli:export_main", "write a Hugging Face checkpoint"),
+    "train-tokenizer": ("longvideo.tokenizer:cli_main", "train a small BPE text tokenizer"),
+}
+
+
+def usage() -> str:
+    width = max(len(c) for c in COMMANDS)
+    lines = ["usage: longvideo <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {desc}" for name, (_, desc) in COMMANDS.items()]
+    lines += ["", "`longvideo <command> --help` describes a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"longvideo: unknown command '{name}'\n\n{usage()}", file=sys.stderr)
+        return 2
+    module, func = COMMANDS[name][0].split(":")
+    fn = getattr(importlib.import_module(module), func)
+    return int(fn(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

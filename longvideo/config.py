@@ -1,0 +1,71 @@
+"""The root config: one sub-config per component, loaded from YAML plus dotted overrides.
+
+    cfg = load_config("configs/tiny.yaml", ["model.n_layers=4", "train.lr=1e-3"])
+
+Each component receives only its own sub-config (``cfg.model``, ``cfg.vq``, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from longvideo.configtools import ConfigError, apply_overrides, check, from_dict, load_yaml, to_dict
+from longvideo.data.config import DataConfig
+from longvideo.infer.config import InferConfig
+from longvideo.model.config import ModelConfig
+from longvideo.parallel.config import ParallelConfig
+from longvideo.train.config import TrainConfig
+from longvideo.vq.config import VQConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    name: str = "unnamed"
+    """A label for runs made with this config."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The decoder."""
+    vq: VQConfig = field(default_factory=VQConfig)
+    """The video tokenizer."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Shards and sequence layout."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """dp x sp split."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation and checkpoints."""
+    infer: InferConfig = field(default_factory=InferConfig)
+    """Generation."""
+
+    def __post_init__(self):
+        check(self.model.codebook_size == self.vq.codebook_size, "model.codebook_size",
+              f"must equal vq.codebook_size={self.vq.codebook_size}, got {self.model.codebook_size}")
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A path as given, or else relative to the packaged configs/ directory."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    for candidate in (CONFIG_DIR / p, CONFIG_DIR / f"{p}.yaml"):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"config file not found: {path} (also looked in {CONFIG_DIR})")
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Load a root config from YAML (or defaults when path is None) and apply dotted overrides."""
+    data = load_yaml(resolve_config_path(path)) if path is not None else {}
+    data = apply_overrides(data, list(overrides or []))
+    return from_dict(Config, data)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    import yaml
+
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+__all__ = ["Config", "ConfigError", "load_config", "save_config", "resolve_config_path", "to_dict"]

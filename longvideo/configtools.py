@@ -1,0 +1,215 @@
+"""Typed, frozen configuration: build dataclasses from YAML dicts and dotted overrides.
+
+Every component owns one frozen, keyword-only dataclass (``ModelConfig``, ``VQConfig``, ...).
+This module turns plain dicts into those dataclasses and rejects, before anything runs:
+
+* unknown keys (the error names the dotted key and lists the allowed ones),
+* values of the wrong type (the error names the key, the expected type and the value),
+* inconsistent values (each ``__post_init__`` raises :class:`ConfigError` naming its key).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type, or inconsistent; names the key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"config key '{key}': {message}")
+
+
+def check(condition: bool, key: str, message: str) -> None:
+    """Raise ConfigError(key, message) unless condition holds. For use in __post_init__."""
+    if not condition:
+        raise ConfigError(key, message)
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The one-line docstring written under each field of a config dataclass."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        src = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(src).body[0].body
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name):
+            if isinstance(b, ast.Expr) and isinstance(getattr(b, "value", None), ast.Constant):
+                if isinstance(b.value.value, str):
+                    docs[a.target.id] = b.value.value.strip()
+    return docs
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin in (tuple, list):
+        args = get_args(tp)
+        return f"list of {_type_name(args[0])}" if args else "list"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against annotation `tp`; return it (tuples for sequences). Raise ConfigError."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        raise ConfigError(key, f"got {value!r}; allowed: {_type_name(tp)}")
+    if origin in (Union, types.UnionType):
+        errors = []
+        for arg in get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(key, f"got {value!r}; expected {_type_name(tp)}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(key, f"got {value!r}; expected null")
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"got {value!r}; expected {_type_name(tp)}")
+        args = get_args(tp)
+        inner = args[0] if args else Any
+        return tuple(_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"got {value!r}; expected a mapping for {tp.__name__}")
+        return from_dict(tp, value, prefix=key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"got {value!r}; expected true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(key, f"got {value!r}; expected an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(key, f"got {value!r}; expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(key, f"got {value!r}; expected a string")
+    if tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
+        raise ConfigError(key, f"got {value!r}; expected a mapping")
+    raise ConfigError(key, f"unsupported annotation {tp!r}")
+
+
+def from_dict(cls, data: dict, prefix: str = ""):
+    """Build dataclass `cls` from `data`, recursively; unknown keys and bad types raise ConfigError."""
+    if data is None:
+        data = {}
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            raise ConfigError(dotted, f"unknown key; allowed keys: {', '.join(sorted(fields))}")
+        kwargs[key] = _coerce(value, hints[key], dotted)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        if prefix and not e.key.startswith(prefix + "."):
+            raise ConfigError(f"{prefix}.{e.key}", str(e).split(": ", 1)[1]) from None
+        raise
+
+
+def to_dict(cfg) -> dict:
+    """Plain nested dict (tuples as lists) of a config dataclass, suitable for YAML/JSON."""
+
+    def conv(v):
+        if dataclasses.is_dataclass(v):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v) if f.init}
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        return v
+
+    return conv(cfg)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'model.n_layers=4' -> (['model', 'n_layers'], 4). The value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(text, "an override must look like 'section.key=value'")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(text, "empty key in override")
+    return key.split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Set dotted keys in a nested dict (copying it). Type checks happen later, in from_dict."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(".".join(path), f"'{part}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_yaml(path) -> dict:
+    """Read a YAML mapping. Supports `base: other.yaml` (relative path) for inheritance."""
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "a config file must hold a mapping")
+    base = data.pop("base", None)
+    if base is not None:
+        merged = load_yaml(path.parent / base)
+        data = deep_merge(merged, data)
+    return data
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out

@@ -1,0 +1,99 @@
+"""ModelConfig: the LLaMA decoder's shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from longvideo.configtools import check
+from longvideo.vocab import Vocab
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    text_vocab_size: int = 32000
+    """Ids used by the text tokenizer before the four special tokens are added."""
+    codebook_size: int = 8192
+    """VQ codebook size; codes follow the special tokens in the unified vocabulary."""
+    dim: int = 4096
+    """Hidden size."""
+    n_layers: int = 32
+    """Number of decoder layers."""
+    n_heads: int = 32
+    """Query heads; must divide dim."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads (GQA); must divide n_heads. null means n_heads (MHA)."""
+    ffn_dim: Optional[int] = None
+    """SwiGLU hidden size; null derives LLaMA's int(8*dim/3) rounded up to multiple_of."""
+    multiple_of: int = 256
+    """Rounding of the derived ffn_dim."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base; LWM raises it with the context stage (1e6 at 32K ... 5e7 at 1M)."""
+    max_seq_len: int = 4096
+    """Longest sequence the model is meant for (exported as max_position_embeddings)."""
+    tie_embeddings: bool = False
+    """Share the input embedding and the output projection."""
+    ffn_chunk: int = 4096
+    """Blockwise feed-forward: tokens per chunk (0 = whole sequence at once)."""
+    loss_chunk: int = 4096
+    """Chunked cross-entropy: tokens per chunk; full (tokens x vocab) logits never exist."""
+    activation_checkpointing: bool = False
+    """Recompute each layer in the backward pass instead of storing its activations."""
+    attn_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
+    """Block-attention backend: auto = triton on CUDA, cpu otherwise."""
+    attn_block: int = 1024
+    """Query/key tile size of the single-device attention (memory is O(attn_block^2))."""
+    init_std: float = 0.02
+    """Standard deviation of the weight initialisation."""
+    head_dim: int = field(init=False)
+    """Derived: dim // n_heads."""
+
+    def __post_init__(self):
+        check(self.dim > 0, "dim", f"must be positive, got {self.dim}")
+        check(self.n_layers > 0, "n_layers", f"must be positive, got {self.n_layers}")
+        check(self.n_heads > 0, "n_heads", f"must be positive, got {self.n_heads}")
+        check(self.dim % self.n_heads == 0, "n_heads",
+              f"must divide dim={self.dim}, got {self.n_heads}")
+        kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+        check(kv > 0 and self.n_heads % kv == 0, "n_kv_heads",
+              f"must divide n_heads={self.n_heads}, got {self.n_kv_heads}")
+        object.__setattr__(self, "n_kv_heads", kv)
+        object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        check(self.head_dim % 2 == 0, "n_heads", f"head_dim dim/n_heads={self.head_dim} must be even for RoPE")
+        check(self.text_vocab_size > 0, "text_vocab_size", "must be positive")
+        check(self.codebook_size > 0, "codebook_size", "must be positive")
+        check(self.multiple_of > 0, "multiple_of", "must be positive")
+        if self.ffn_dim is None:
+            hidden = int(2 * (4 * self.dim) / 3)
+            hidden = self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+            object.__setattr__(self, "ffn_dim", hidden)
+        check(self.ffn_dim > 0, "ffn_dim", "must be positive")
+        check(self.norm_eps > 0, "norm_eps", "must be positive")
+        check(self.rope_theta > 0, "rope_theta", "must be positive")
+        check(self.max_seq_len > 0, "max_seq_len", "must be positive")
+        check(self.ffn_chunk >= 0, "ffn_chunk", "must be >= 0 (0 = no chunking)")
+        check(self.loss_chunk >= 0, "loss_chunk", "must be >= 0 (0 = no chunking)")
+        check(self.attn_block > 0, "attn_block", "must be positive")
+
+    @property
+    def vocab(self) -> Vocab:
+        return Vocab(text_size=self.text_vocab_size, codebook_size=self.codebook_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab.size
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings included; tied output counted once)."""
+        d, v, f = self.dim, self.vocab_size, self.ffn_dim
+        kvd = self.n_kv_heads * self.head_dim
+        layer = d * d * 2 + d * kvd * 2 + 3 * d * f + 2 * d
+        return v * d * (1 if self.tie_embeddings else 2) + self.n_layers * layer + d
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (fwd+bwd = 3x fwd), including causal attention."""
+        n = self.num_params() - self.vocab_size * self.dim  # input embedding costs no FLOPs
+        attn = 2 * 2 * self.n_layers * self.dim * seq_len / 2  # QK^T and PV, causal halves it
+        return 3 * (2 * n + attn)
