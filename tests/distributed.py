@@ -1,0 +1,64 @@
+"""Run a function on W gloo ranks in spawned processes and fail the test if any rank fails.
+
+    def body(rank, world, tmp):      # module-level, so it can be pickled
+        ...assert...
+    run_ranks(body, world=2, args=(tmp,))
+
+Each rank gets torch.distributed initialised (gloo, file rendezvous) and torch threads capped at 1.
+An exception or assertion in any rank is re-raised in the test with that rank's traceback; a rank
+that hangs fails the test after `timeout` seconds instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world, init_file, fn, args, errq, threads):
+    try:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120))
+        try:
+            fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        errq.put((rank, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def run_ranks(fn, world: int, args: tuple = (), timeout: float = 300.0, threads: int = 1) -> None:
+    ctx = mp.get_context("spawn")
+    errq = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as d:
+        init_file = os.path.join(d, "rendezvous")
+        procs = [ctx.Process(target=_worker, args=(r, world, init_file, fn, args, errq, threads))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        errors = []
+        while not errq.empty():
+            errors.append(errq.get())
+        if errors:
+            rank, tb = sorted(errors)[0]
+            raise AssertionError(f"rank {rank} of {world} failed:\n{tb}")
+        if hung:
+            raise AssertionError(f"ranks {hung} of {world} did not finish within {timeout} s")
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise AssertionError(f"ranks exited with non-zero codes: {bad}")
