@@ -1,0 +1,329 @@
+"""Synthetic videos: moving coloured shapes, scene captions, QA pairs and a needle frame.
+
+The embedded default dataset. Everything is a pure function of a seed, so a dataset is reproduced
+exactly from ``(seed, index)``. The tasks are deliberately small so a tiny model can learn them on
+a CPU in minutes:
+
+* a video is a sequence of *scenes*; each scene shows one shape (``square`` / ``circle`` /
+  ``triangle``) of one colour (``red`` / ``green`` / ``blue`` / ``yellow``) bouncing on black;
+* timed ``segments`` name each scene ("a red circle"); the ``caption`` joins them;
+* QA pairs have one-word answers from a fixed small set, stored with the pair as ``choices``
+  (chance level = 1 / len(choices));
+* the *needle* task paints a one-second stretch at a random depth as a full-frame solid colour
+  and asks "What colour was the flash frame?". The stretch covers whole seconds so any sampler at
+  >= 1 fps sees it.
+
+Frames are ``uint8`` arrays ``(T, H, W, 3)``; rendering works on frame ranges, so an hour-long
+video is produced chunk by chunk without ever holding all of it.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (230, 40, 40),
+    "green": (40, 200, 60),
+    "blue": (50, 80, 235),
+    "yellow": (235, 215, 40),
+}
+"""Shape and needle colours (RGB), far apart so that a small VQ keeps them apart."""
+COLOUR_NAMES: tuple[str, ...] = tuple(COLOURS)
+SHAPE_KINDS: tuple[str, ...] = ("square", "circle", "triangle")
+NEEDLE_QUESTION = "What colour was the flash frame?"
+FIRST_SHAPE_QUESTION = "What shape came first?"
+LAST_COLOUR_QUESTION = "What colour was the last shape?"
+NEEDLE_CHOICES: tuple[str, ...] = COLOUR_NAMES
+"""Answers of the needle question; chance level is 1 / len(NEEDLE_CHOICES)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One shape moving in straight lines and bouncing off the frame edges (units: pixels/frame)."""
+
+    kind: str
+    colour: str
+    x0: float
+    y0: float
+    vx: float
+    vy: float
+    radius: float
+
+    def centre(self, t: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Centre (x, y) at frame offsets t (T,); bouncing is a triangle wave between the walls."""
+        lo, hi = self.radius, size - 1 - self.radius
+
+        def bounce(p0, v):
+            span = max(hi - lo, 1e-6)
+            u = np.mod(p0 - lo + v * t, 2 * span)
+            return lo + np.where(u <= span, u, 2 * span - u)
+
+        return bounce(self.x0, self.vx), bounce(self.y0, self.vy)
+
+
+def random_shape(rng: np.random.Generator, size: int, kind: Optional[str] = None,
+                 colour: Optional[str] = None) -> Shape:
+    """A shape with random kind, colour, start, velocity (about 1-3 % of the frame per frame)."""
+    kind = kind if kind is not None else SHAPE_KINDS[rng.integers(len(SHAPE_KINDS))]
+    colour = colour if colour is not None else COLOUR_NAMES[rng.integers(len(COLOUR_NAMES))]
+    radius = size * rng.uniform(0.14, 0.22)
+    speed = size * rng.uniform(0.01, 0.03)
+    angle = rng.uniform(0, 2 * np.pi)
+    return Shape(kind=kind, colour=colour,
+                 x0=rng.uniform(radius, size - 1 - radius), y0=rng.uniform(radius, size - 1 - radius),
+                 vx=speed * np.cos(angle), vy=speed * np.sin(angle), radius=radius)
+
+
+def _shape_mask(shape: Shape, cx: np.ndarray, cy: np.ndarray, size: int) -> np.ndarray:
+    """(T, H, W) bool mask of the shape for centres cx, cy (T,)."""
+    grid = np.arange(size, dtype=np.float32)
+    dx = grid[None, None, :] - cx[:, None, None].astype(np.float32)  # (T, 1, W)
+    dy = grid[None, :, None] - cy[:, None, None].astype(np.float32)  # (T, H, 1)
+    r = np.float32(shape.radius)
+    if shape.kind == "square":
+        return (np.abs(dx) <= r * 0.85) & (np.abs(dy) <= r * 0.85)
+    if shape.kind == "circle":
+        return dx * dx + dy * dy <= r * r
+    if shape.kind == "triangle":  # apex up: the half-width grows linearly from top to bottom
+        return (dy >= -r) & (dy <= r) & (np.abs(dx) <= (dy + r) * 0.5)
+    raise ValueError(f"unknown shape kind {shape.kind!r}; expected one of {SHAPE_KINDS}")
+
+
+def render_shapes(shapes: Sequence[Shape], start: int, stop: int, size: int,
+                  background: tuple[int, int, int] = (0, 0, 0)) -> np.ndarray:
+    """Frames [start, stop) of shapes moving from frame 0; returns uint8 (stop-start, size, size, 3)."""
+    t = np.arange(start, stop, dtype=np.float64)
+    out = np.empty((len(t), size, size, 3), np.uint8)
+    out[:] = np.asarray(background, np.uint8)
+    for shape in shapes:  # later shapes are drawn over earlier ones
+        cx, cy = shape.centre(t, size)
+        mask = _shape_mask(shape, cx, cy, size)
+        out[mask] = np.asarray(COLOURS[shape.colour], np.uint8)
+    return out
+
+
+def moving_shapes_video(num_frames: int, size: int = 64, seed: int = 0, *, num_shapes: int = 2,
+                        shapes: Optional[Sequence[Shape]] = None,
+                        background: tuple[int, int, int] = (0, 0, 0)) -> np.ndarray:
+    """A clip of ``num_shapes`` random shapes bouncing on ``background``.
+
+    Returns uint8 (num_frames, size, size, 3). Deterministic in ``seed``; pass ``shapes`` to
+    choose them yourself.
+    """
+    if num_frames <= 0 or size <= 0:
+        raise ValueError(f"num_frames and size must be positive, got {num_frames}, {size}")
+    if shapes is None:
+        rng = np.random.default_rng(seed)
+        shapes = [random_shape(rng, size) for _ in range(num_shapes)]
+    return render_shapes(shapes, 0, num_frames, size, background)
+
+
+# ----------------------------------------------------------------------------- index-coded video
+
+_INDEX_BITS = 16
+
+
+def frame_index_video(start: int, stop: int, size: int = 64) -> np.ndarray:
+    """Frames whose pixels spell their own index in binary (4 x 4 grid of black/white cells).
+
+    Lossy codecs keep such large flat cells, so :func:`decode_frame_index` recovers the index of a
+    decoded frame exactly; used to check which frames a sampler returned. uint8 (T, size, size, 3).
+    """
+    if size % 4:
+        raise ValueError(f"size must be a multiple of 4, got {size}")
+    idx = np.arange(start, stop, dtype=np.int64)
+    bits = (idx[:, None] >> np.arange(_INDEX_BITS)) & 1  # (T, 16)
+    cells = bits.reshape(-1, 4, 4).astype(np.uint8) * 255  # (T, 4, 4)
+    cell = size // 4
+    img = np.repeat(np.repeat(cells, cell, axis=1), cell, axis=2)  # (T, size, size)
+    return np.repeat(img[..., None], 3, axis=-1)
+
+
+def decode_frame_index(frame: np.ndarray) -> int:
+    """Inverse of :func:`frame_index_video` for one (H, W, 3) frame (any square size)."""
+    h, w = frame.shape[:2]
+    g = frame.astype(np.float32).mean(-1)  # (H, W)
+    ch, cw = h // 4, w // 4
+    value = 0
+    for b in range(_INDEX_BITS):
+        r, c = divmod(b, 4)
+        centre = g[r * ch + ch // 4: (r + 1) * ch - ch // 4, c * cw + cw // 4: (c + 1) * cw - cw // 4]
+        value |= int(centre.mean() > 127) << b
+    return value
+
+
+# ----------------------------------------------------------------------------- mp4 writing
+
+def write_mp4(chunks: Iterable[np.ndarray], fps: float, dst=None, *, codec: str = "libx264",
+              crf: int = 18, gop: Optional[int] = None, preset: str = "veryfast") -> Optional[bytes]:
+    """Encode uint8 frame chunks (T, H, W, 3) (or single (H, W, 3) frames) to mp4 with PyAV.
+
+    dst: a path to write, or None to return the bytes. Encoding is single-threaded so that the same
+    frames always give the same bytes. ``gop``: keyframe interval in frames (None = encoder default).
+    """
+    import av
+    from fractions import Fraction
+
+    sink = io.BytesIO() if dst is None else str(dst)
+    rate = Fraction(fps).limit_denominator(1000)
+    with av.open(sink, mode="w", format="mp4") as container:
+        stream = None
+        for chunk in chunks:
+            chunk = np.asarray(chunk)
+            if chunk.ndim == 3:
+                chunk = chunk[None]
+            if chunk.dtype != np.uint8 or chunk.ndim != 4 or chunk.shape[-1] != 3:
+                raise ValueError(f"write_mp4 needs uint8 (T, H, W, 3) chunks, got {chunk.dtype} {chunk.shape}")
+            if stream is None:
+                h, w = chunk.shape[1:3]
+                if h % 2 or w % 2:
+                    raise ValueError(f"yuv420p needs even frame sides, got {h}x{w}")
+                stream = container.add_stream(codec, rate=rate)
+                stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+                stream.thread_count = 1
+                opts = {"crf": str(crf), "preset": preset} if codec == "libx264" else {}
+                if codec == "libx264":
+                    # x264 otherwise writes its build string, which differs between machines
+                    opts["x264-params"] = "threads=1:info=0" + (f":keyint={gop}:min-keyint={gop}" if gop else "")
+                elif gop:
+                    stream.codec_context.gop_size = gop
+                stream.options = opts
+            for img in chunk:
+                for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")):
+                    container.mux(packet)
+        if stream is None:
+            raise ValueError("write_mp4 got no frames")
+        for packet in stream.encode(None):
+            container.mux(packet)
+    return sink.getvalue() if dst is None else None
+
+
+# ----------------------------------------------------------------------------- samples
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """How synthetic samples are drawn. Durations are whole seconds."""
+
+    size: int = 64
+    """Frame side in pixels."""
+    fps: int = 8
+    """Frames per second of the written video."""
+    min_seconds: int = 4
+    """Shortest ordinary video."""
+    max_seconds: int = 12
+    """Longest ordinary video."""
+    long_fraction: float = 0.1
+    """Fraction of samples that are long videos."""
+    long_seconds: int = 60
+    """Duration of a long video."""
+    needle_fraction: float = 0.5
+    """Fraction of samples that carry the needle (flash frame) question."""
+    scene_seconds: tuple[int, int] = (2, 4)
+    """Inclusive range of a scene's duration."""
+    gop_seconds: float = 1.0
+    """Keyframe interval of the written mp4."""
+
+    def __post_init__(self):
+        if self.size <= 0 or self.size % 2:
+            raise ValueError(f"size must be positive and even, got {self.size}")
+        if self.fps <= 0:
+            raise ValueError(f"fps must be positive, got {self.fps}")
+        if not 1 <= self.min_seconds <= self.max_seconds:
+            raise ValueError(f"need 1 <= min_seconds <= max_seconds, got {self.min_seconds}, {self.max_seconds}")
+        if self.long_seconds < 1:
+            raise ValueError(f"long_seconds must be >= 1, got {self.long_seconds}")
+        lo, hi = self.scene_seconds
+        if not 1 <= lo <= hi:
+            raise ValueError(f"scene_seconds must satisfy 1 <= lo <= hi, got {self.scene_seconds}")
+        for name in ("long_fraction", "needle_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+
+@dataclass
+class SyntheticSample:
+    """Scenes, optional needle and the json metadata of one synthetic video."""
+
+    key: str
+    spec: SyntheticSpec
+    duration: int
+    scenes: list[tuple[int, int, Shape]]  # (start second, end second, shape)
+    needle: Optional[tuple[int, str]]  # (second, colour)
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def num_frames(self) -> int:
+        return self.duration * self.spec.fps
+
+    def frames(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
+        """Frames [start, stop) as uint8 (T, H, W, 3)."""
+        fps, size = self.spec.fps, self.spec.size
+        stop = self.num_frames if stop is None else min(stop, self.num_frames)
+        out = np.zeros((max(stop - start, 0), size, size, 3), np.uint8)
+        for s0, s1, shape in self.scenes:
+            a, b = max(start, s0 * fps), min(stop, s1 * fps)
+            if a < b:  # each scene's shape starts moving at the scene's first frame
+                out[a - start: b - start] = render_shapes([shape], a - s0 * fps, b - s0 * fps, size)
+        if self.needle is not None:
+            sec, colour = self.needle
+            a, b = max(start, sec * fps), min(stop, (sec + 1) * fps)
+            if a < b:
+                out[a - start: b - start] = np.asarray(COLOURS[colour], np.uint8)
+        return out
+
+    def chunks(self, chunk_frames: int = 256) -> Iterator[np.ndarray]:
+        for a in range(0, self.num_frames, chunk_frames):
+            yield self.frames(a, a + chunk_frames)
+
+    def mp4(self) -> bytes:
+        gop = max(1, int(round(self.spec.gop_seconds * self.spec.fps)))
+        return write_mp4(self.chunks(), self.spec.fps, gop=gop)
+
+
+def _describe(shape: Shape) -> str:
+    return f"a {shape.colour} {shape.kind}"
+
+
+def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) -> SyntheticSample:
+    """Draw sample ``index`` of the dataset with ``seed`` (independent of every other index)."""
+    rng = np.random.default_rng([seed, index])
+    long = rng.random() < spec.long_fraction
+    duration = spec.long_seconds if long else int(rng.integers(spec.min_seconds, spec.max_seconds + 1))
+    scenes: list[tuple[int, int, Shape]] = []
+    t = 0
+    prev = None
+    while t < duration:
+        length = min(int(rng.integers(spec.scene_seconds[0], spec.scene_seconds[1] + 1)), duration - t)
+        shape = random_shape(rng, spec.size)
+        while prev is not None and (shape.kind, shape.colour) == (prev.kind, prev.colour):
+            shape = random_shape(rng, spec.size)  # consecutive scenes differ, so cuts are visible
+        scenes.append((t, t + length, shape))
+        prev, t = shape, t + length
+    needle = None
+    if rng.random() < spec.needle_fraction:
+        needle = (int(rng.integers(0, duration)), NEEDLE_CHOICES[rng.integers(len(NEEDLE_CHOICES))])
+
+    segments = [{"start": float(a), "end": float(b), "text": _describe(s)} for a, b, s in scenes]
+    qa = []
+    if needle is not None:
+        qa.append({"question": NEEDLE_QUESTION, "answer": needle[1], "choices": list(NEEDLE_CHOICES)})
+    qa.append({"question": FIRST_SHAPE_QUESTION, "answer": scenes[0][2].kind, "choices": list(SHAPE_KINDS)})
+    qa.append({"question": LAST_COLOUR_QUESTION, "answer": scenes[-1][2].colour, "choices": list(COLOUR_NAMES)})
+    key = f"{seed:04d}_{index:08d}"
+    meta = {
+        "caption": ", then ".join(seg["text"] for seg in segments) + ".",
+        "qa": qa,
+        "segments": segments,
+        "fps": float(spec.fps),
+        "source": "synthetic",
+        "task": "needle" if needle is not None else "scenes",
+        "duration": float(duration),
+    }
+    if needle is not None:
+        meta["needle"] = {"start": float(needle[0]), "end": float(needle[0] + 1), "colour": needle[1],
+                          "depth": needle[0] / duration}
+    return SyntheticSample(key=key, spec=spec, duration=duration, scenes=scenes, needle=needle, meta=meta)
