@@ -43,8 +43,6 @@ class ModelConfig:
     """Recompute each layer in the backward pass instead of storing its activations."""
     attn_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
     """Block-attention backend: auto = triton on CUDA, cpu otherwise."""
-    attn_block: int = 1024
-    """Query/key tile size of the single-device attention (memory is O(attn_block^2))."""
     init_std: float = 0.02
     """Standard deviation of the weight initialisation."""
     head_dim: int = field(init=False)
@@ -75,7 +73,6 @@ class ModelConfig:
         check(self.max_seq_len > 0, "max_seq_len", "must be positive")
         check(self.ffn_chunk >= 0, "ffn_chunk", "must be >= 0 (0 = no chunking)")
         check(self.loss_chunk >= 0, "loss_chunk", "must be >= 0 (0 = no chunking)")
-        check(self.attn_block > 0, "attn_block", "must be positive")
 
     @property
     def vocab(self) -> Vocab:

@@ -1,0 +1,56 @@
+"""Multi-head attention with GQA and RoPE, calling the attention seam.
+
+The seam is one function (DESIGN.md decision 2):
+
+    attention_fn(q, k, v, *, q_positions, k_positions, q_segment_ids, k_segment_ids, causal=True)
+        q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); positions / segment ids (B, S) -> out (B, Sq, Hq, D)
+
+A key is visible to a query iff (k_pos <= q_pos) and (k_seg == q_seg) and k_seg >= 0; no S x S
+mask is ever built. `local_attention` is the single-device implementation; sequence-parallel ring
+attention is another one, swapped in by `longvideo.parallel.parallelize`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from torch import Tensor, nn
+
+from kernels import block_attention
+from longvideo.model.config import ModelConfig
+from longvideo.model.layers import apply_rope
+
+AttentionFn = Callable[..., Tensor]
+
+
+def local_attention(q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_positions: Tensor,
+                    q_segment_ids: Tensor, k_segment_ids: Tensor, causal: bool = True,
+                    backend: str = "auto") -> Tensor:
+    """Single-device masked attention over the block-attention backends (kernels/)."""
+    return block_attention(q, k, v, q_positions, k_positions, q_segment_ids, k_segment_ids,
+                           causal=causal, backend=backend)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, segment_ids: Tensor,
+                attention_fn: AttentionFn, cache=None) -> Tensor:
+        B, S, _ = x.shape
+        # local head counts come from the weights, so a sharded projection needs no change here
+        q = self.wq(x).view(B, S, -1, self.head_dim)  # (B, S, Hq, D)
+        k = self.wk(x).view(B, S, -1, self.head_dim)  # (B, S, Hkv, D)
+        v = self.wv(x).view(B, S, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_pos, k_seg = positions, segment_ids
+        if cache is not None:  # append this step's keys and attend over everything cached
+            k, v, k_pos, k_seg = cache.update(k, v)
+        out = attention_fn(q, k, v, q_positions=positions, k_positions=k_pos,
+                           q_segment_ids=segment_ids, k_segment_ids=k_seg, causal=True)
+        return self.wo(out.reshape(B, S, -1))

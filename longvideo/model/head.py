@@ -1,0 +1,87 @@
+"""The output projection with a chunked, weighted cross-entropy.
+
+The full (tokens x vocab) logits never exist: tokens are processed in chunks, and each chunk's
+gradient with respect to the hidden states and the projection weight is computed right away in
+the forward pass (the logits of one chunk are the only vocab-sized tensor alive). The backward
+pass only scales the stored gradients by the incoming gradient.
+
+The loss is returned as a weighted *sum* together with the weight total, so the caller divides by
+the weight total of the whole global batch (DESIGN.md decision 6): packed, sharded and
+gradient-accumulated batches then all give the gradients of one big unsharded batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class _ChunkedWeightedCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, loss_weights, chunk):
+        # hidden (N, dim), weight (V, dim), targets (N,), loss_weights (N,) float
+        N = hidden.shape[0]
+        chunk = N if chunk <= 0 else chunk
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # accumulation dtype
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        d_hidden = torch.zeros_like(hidden) if need_grad else None
+        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad else None
+        for s in range(0, N, chunk):
+            h = hidden[s:s + chunk]
+            w = loss_weights[s:s + chunk].to(acc)
+            t = targets[s:s + chunk]
+            logits = (h @ weight.t()).to(acc)  # (n, V) — the only vocab-sized tensor alive
+            lse = torch.logsumexp(logits, dim=-1)
+            tgt_logit = logits.gather(1, t[:, None]).squeeze(1)
+            total += (w * (lse - tgt_logit)).sum()
+            if need_grad:
+                g = torch.softmax(logits, dim=-1)  # d loss_i / d logits = w_i (softmax - onehot)
+                g[torch.arange(g.shape[0], device=g.device), t] -= 1.0
+                g *= w[:, None]
+                g = g.to(h.dtype)
+                d_hidden[s:s + chunk] = g @ weight
+                d_weight += (g.t() @ h).to(acc)
+        if need_grad:
+            ctx.save_for_backward(d_hidden, d_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        d_hidden, d_weight = ctx.saved_tensors
+        gh = d_hidden * grad_total.to(d_hidden.dtype) if ctx.needs_input_grad[0] else None
+        gw = (d_weight * grad_total).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        return gh, gw, None, None, None
+
+
+def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, loss_weights: Tensor,
+                          chunk: int) -> Tensor:
+    """sum_i loss_weights[i] * CE(hidden[i] @ weight.T, targets[i]); hidden (N, dim), weight (V, dim)."""
+    return _ChunkedWeightedCE.apply(hidden, weight, targets, loss_weights, chunk)
+
+
+class LMHead(nn.Module):
+    """Projection to the vocabulary. Called as a module so that parameter-sharding hooks fire."""
+
+    def __init__(self, dim: int, vocab_size: int, loss_chunk: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim))
+        self.loss_chunk = loss_chunk
+
+    def forward(self, hidden: Tensor, targets: Tensor | None = None, loss_weights: Tensor | None = None):
+        """Without targets: logits (B, S, V). With targets (B, S) and loss_weights (B, S):
+        (weighted loss sum, weight total), both scalars; only the first carries gradients.
+        A negative target means no loss for that token."""
+        if targets is None:
+            return F.linear(hidden, self.weight)
+        if loss_weights is None:
+            loss_weights = torch.ones(targets.shape, dtype=torch.float32, device=targets.device)
+        # negative targets (the -100 convention) carry no loss
+        loss_weights = loss_weights.float() * (targets >= 0)
+        targets = targets.clamp_min(0)
+        dim = hidden.shape[-1]
+        loss_sum = chunked_cross_entropy(hidden.reshape(-1, dim), self.weight, targets.reshape(-1),
+                                         loss_weights.reshape(-1), self.loss_chunk)
+        return loss_sum, loss_weights.sum()

@@ -1,0 +1,108 @@
+"""The LLaMA-style decoder: embeddings -> n x (RMSNorm, attention, RMSNorm, SwiGLU) -> RMSNorm -> head.
+
+Reads top to bottom; no distributed code lives here. Parallelism is applied to a built model from
+outside (`longvideo.parallel.parallelize`) through `set_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from longvideo.model.attention import Attention, AttentionFn, local_attention
+from longvideo.model.cache import KVCache
+from longvideo.model.config import ModelConfig
+from longvideo.model.head import LMHead
+from longvideo.model.layers import FeedForward, RMSNorm, rope_cos_sin
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = FeedForward(cfg.dim, cfg.ffn_dim, cfg.ffn_chunk)
+
+    def forward(self, x, cos, sin, positions, segment_ids, attention_fn, cache=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, positions, segment_ids, attention_fn, cache)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = LMHead(cfg.dim, cfg.vocab_size, cfg.loss_chunk)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_embeddings.weight
+        self.activation_checkpointing = cfg.activation_checkpointing
+        self.attention_fn: AttentionFn = functools.partial(local_attention, backend=cfg.attn_backend)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)  # norm weights
+            elif name.endswith(("wo.weight", "w_down.weight")):
+                # residual projections scaled down with depth, as GPT-2 does
+                nn.init.normal_(p, std=std / math.sqrt(2 * self.cfg.n_layers))
+            else:
+                nn.init.normal_(p, std=std)
+
+    def set_attention(self, fn: AttentionFn) -> None:
+        """Swap the attention implementation (the seam); see longvideo.model.attention."""
+        self.attention_fn = fn
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Optional[Tensor] = None,
+        segment_ids: Optional[Tensor] = None,
+        targets: Optional[Tensor] = None,
+        loss_weights: Optional[Tensor] = None,
+        cache: Optional[KVCache] = None,
+    ):
+        """input_ids (B, S). positions / segment_ids (B, S) default to 0..S-1 (after the cache) and
+        one segment. Without targets: hidden states (B, S, dim) after the final norm. With targets
+        (B, S): (weighted loss sum, weight total), see longvideo.model.head."""
+        B, S = input_ids.shape
+        if positions is None:
+            start = cache.next_position()[:, None] if cache is not None else 0
+            positions = start + torch.arange(S, device=input_ids.device)[None, :].expand(B, S)
+        if segment_ids is None:
+            segment_ids = torch.zeros(B, S, dtype=torch.long, device=input_ids.device)
+        x = self.tok_embeddings(input_ids)  # (B, S, dim)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        if cache is not None:
+            cache.begin(positions, segment_ids)
+        for i, layer in enumerate(self.layers):
+            layer_cache = cache.layer(i) if cache is not None else None
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, positions, segment_ids, self.attention_fn, layer_cache,
+                               use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, positions, segment_ids, self.attention_fn, layer_cache)
+        if cache is not None:
+            cache.commit(S)
+        hidden = self.norm(x)
+        if targets is None:
+            return hidden
+        return self.head(hidden, targets, loss_weights)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """(B, S, dim) -> (B, S, V). Only for short spans (generation); training uses `loss`."""
+        return self.head(hidden)
+
+    def loss(self, hidden: Tensor, targets: Tensor, loss_weights: Optional[Tensor] = None):
+        """(weighted CE sum, weight total) without materialising all logits."""
+        return self.head(hidden, targets, loss_weights)
