@@ -20,6 +20,7 @@ video is produced chunk by chunk without ever holding all of it.
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional, Sequence
 
@@ -327,3 +328,51 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
         meta["needle"] = {"start": float(needle[0]), "end": float(needle[0] + 1), "colour": needle[1],
                           "depth": needle[0] / duration}
     return SyntheticSample(key=key, spec=spec, duration=duration, scenes=scenes, needle=needle, meta=meta)
+
+
+# ----------------------------------------------------------------------------- shards
+
+def _write_shard(args) -> tuple[str, int]:
+    path, seed, indices, spec = args
+    from longvideo.data.shards import ShardWriter
+
+    with ShardWriter(path) as w:
+        for i in indices:
+            sample = make_sample(seed, i, spec)
+            w.write(sample.key, {"mp4": sample.mp4(), "json": json.dumps(sample.meta, sort_keys=True).encode()})
+    return str(path), len(indices)
+
+
+def write_synthetic_shards(out_dir, n: int, *, seed: int = 0, spec: SyntheticSpec = SyntheticSpec(),
+                           samples_per_shard: int = 64, workers: int = 1, progress: bool = True) -> list[str]:
+    """Write samples 0..n-1 of the dataset with ``seed`` as raw shards ``shard-NNNNNN.tar``.
+
+    Each shard is written atomically; shards that already exist are kept (a rerun completes a
+    partial dataset). Returns the shard paths.
+    """
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    if n <= 0 or samples_per_shard <= 0:
+        raise ValueError(f"n and samples_per_shard must be positive, got {n}, {samples_per_shard}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    jobs, paths = [], []
+    for s, start in enumerate(range(0, n, samples_per_shard)):
+        path = out / f"shard-{s:06d}.tar"
+        paths.append(str(path))
+        if not path.exists():
+            jobs.append((path, seed, list(range(start, min(start + samples_per_shard, n))), spec))
+    bar = tqdm(total=sum(len(j[2]) for j in jobs), unit="video", desc="make-data", disable=not progress)
+    if workers > 1 and len(jobs) > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
+            for _, count in pool.imap_unordered(_write_shard, jobs):
+                bar.update(count)
+    else:
+        for job in jobs:
+            bar.update(_write_shard(job)[1])
+    bar.close()
+    return paths

@@ -1,0 +1,355 @@
+"""Shard files: webdataset-style tar archives, read as untrusted input.
+
+Raw shards hold, per sample, ``KEY.<video>`` (mp4, avi, webm, mkv or mov) and ``KEY.json``.
+Token shards (written by ``longvideo tokenize``) hold ``KEY.codes.npy`` (VQ codes, integer
+(G, h, w)), ``KEY.timestamps.npy`` (float64 (G,), seconds of each code group's first frame) and
+``KEY.json`` (the raw json plus a few tokenizer fields).
+
+Reading never extracts anything: member bytes are read into memory, names are only split into
+``KEY`` and extension (never used as paths), only regular files are considered, only the
+extensions above are decoded (json with ``json.loads``; arrays with ``np.load(allow_pickle=False)``),
+and member sizes are bounded. A damaged header is skipped block by block, so the members after
+it are still read; samples that end up incomplete or invalid are counted by reason and skipped.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import logging
+import math
+import os
+import re
+import tarfile
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+VIDEO_EXTS: tuple[str, ...] = ("mp4", "avi", "webm", "mkv", "mov")
+TOKEN_EXTS: tuple[str, ...] = ("codes.npy", "timestamps.npy", "json")
+MAX_JSON_BYTES = 16 << 20
+"""Largest json member accepted."""
+MAX_VIDEO_BYTES = 8 << 30
+"""Largest video member accepted."""
+MAX_NPY_BYTES = 1 << 30
+"""Largest array member accepted."""
+
+
+class ShardError(ValueError):
+    """A shard or one of its samples is unusable; ``reason`` is the counter it is filed under."""
+
+    def __init__(self, reason: str, message: str):
+        self.reason = reason
+        super().__init__(message)
+
+
+class SkipStats(Counter):
+    """Counts of skipped samples by reason (plus ``ok``); logs each skip once at WARNING."""
+
+    def skip(self, reason: str, where: str, detail: str = "") -> None:
+        self[reason] += 1
+        log.warning("skipped %s (%s)%s", where, reason, f": {detail}" if detail else "")
+
+    @property
+    def skipped(self) -> int:
+        return sum(v for k, v in self.items() if k != "ok")
+
+
+# ----------------------------------------------------------------------------- shard lists
+
+def expand_shards(spec: str | os.PathLike | Iterable[str]) -> list[str]:
+    """Sorted shard paths from a directory, a glob, a brace pattern ``a-{000..009}.tar`` or a list."""
+    if not isinstance(spec, (str, os.PathLike)):
+        out = []
+        for s in spec:
+            out += expand_shards(s)
+        return sorted(set(out))
+    spec = str(spec)
+    if os.path.isdir(spec):
+        return sorted(str(p) for p in Path(spec).glob("*.tar"))
+    m = re.search(r"\{(\d+)\.\.(\d+)\}", spec)
+    if m:
+        lo, hi, width = int(m.group(1)), int(m.group(2)), len(m.group(1))
+        return sorted(set(p for i in range(lo, hi + 1)
+                          for p in expand_shards(spec[:m.start()] + f"{i:0{width}d}" + spec[m.end():])))
+    if any(c in spec for c in "*?["):
+        return sorted(glob.glob(spec))
+    return [spec] if os.path.isfile(spec) else []
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """'dir/abc.codes.npy' -> ('dir/abc', 'codes.npy'): the key ends at the basename's first dot."""
+    head, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    return (f"{head}/{stem}" if head else stem), (ext.lower() if dot else "")
+
+
+# ----------------------------------------------------------------------------- tar reading
+
+@dataclass(frozen=True)
+class Member:
+    key: str
+    ext: str
+    offset: int
+    size: int
+
+
+def index_tar(path: str, stats: Optional[SkipStats] = None) -> list[Member]:
+    """Headers of the regular-file members of a tar, in order, without reading their data."""
+    out = []
+    try:
+        with tarfile.open(path, mode="r:", ignore_zeros=True) as tf:
+            while True:
+                try:
+                    info = tf.next()
+                except (tarfile.ReadError, EOFError, OSError) as e:
+                    if stats is not None:
+                        stats.skip("corrupt_tar", path, str(e))
+                    break
+                if info is None:
+                    break
+                if not info.isreg():  # links, devices, directories: never followed
+                    continue
+                key, ext = split_name(info.name)
+                out.append(Member(key, ext, info.offset_data, info.size))
+    except (tarfile.ReadError, OSError) as e:
+        raise ShardError("corrupt_tar", f"{path}: cannot read as tar ({e})") from e
+    return out
+
+
+def group_samples(members: list[Member], exts: Iterable[str]) -> list[tuple[str, dict[str, Member]]]:
+    """Consecutive members with the same key form a sample; members with other extensions are ignored."""
+    wanted = set(exts)
+    samples: list[tuple[str, dict[str, Member]]] = []
+    for m in members:
+        if m.ext not in wanted:
+            continue
+        if samples and samples[-1][0] == m.key and m.ext not in samples[-1][1]:
+            samples[-1][1][m.ext] = m
+        else:
+            samples.append((m.key, {m.ext: m}))
+    return samples
+
+
+def read_member(f, m: Member, limit: int) -> bytes:
+    if m.size > limit:
+        raise ShardError("too_large", f"member {m.key}.{m.ext} has {m.size} bytes (limit {limit})")
+    f.seek(m.offset)
+    data = f.read(m.size)
+    if len(data) != m.size:
+        raise ShardError("truncated_tar", f"member {m.key}.{m.ext} is cut short")
+    return data
+
+
+def parse_json(data: bytes, key: str) -> dict:
+    """Decode and check a sample's json (see docs/data.md for the fields)."""
+    try:
+        meta = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ShardError("bad_json", f"{key}.json is not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ShardError("bad_json", f"{key}.json must hold an object")
+    if "caption" in meta and not isinstance(meta["caption"], str):
+        raise ShardError("bad_json", f"{key}.json: caption must be a string")
+    for item in meta.get("qa", []) if isinstance(meta.get("qa", []), list) else [None]:
+        if not (isinstance(item, dict) and isinstance(item.get("question"), str)
+                and isinstance(item.get("answer"), str)):
+            raise ShardError("bad_json", f"{key}.json: qa must be a list of {{question, answer}} strings")
+    for seg in meta.get("segments", []) if isinstance(meta.get("segments", []), list) else [None]:
+        ok = isinstance(seg, dict) and isinstance(seg.get("text"), str)
+        ok = ok and all(isinstance(seg.get(k), (int, float)) and not isinstance(seg.get(k), bool)
+                        and math.isfinite(seg[k]) for k in ("start", "end"))
+        if not ok or seg["end"] < seg["start"]:
+            raise ShardError("bad_json", f"{key}.json: segments must be a list of {{start <= end, text}}")
+    if "fps" in meta and not (isinstance(meta["fps"], (int, float)) and meta["fps"] > 0):
+        raise ShardError("bad_json", f"{key}.json: fps must be a positive number")
+    return meta
+
+
+# ----------------------------------------------------------------------------- raw shards
+
+@dataclass
+class RawSample:
+    key: str
+    video: bytes
+    video_ext: str
+    meta: dict
+
+
+def iter_raw_samples(path: str, stats: SkipStats) -> Iterator[RawSample]:
+    """Samples of a raw shard with a video and a valid json; the rest are counted in ``stats``."""
+    try:
+        members = index_tar(path, stats)
+    except ShardError as e:
+        stats.skip(e.reason, path, str(e))
+        return
+    with open(path, "rb") as f:
+        for key, parts in group_samples(members, VIDEO_EXTS + ("json",)):
+            where = f"{path}:{key}"
+            videos = [e for e in VIDEO_EXTS if e in parts]
+            if "json" not in parts:
+                stats.skip("missing_json", where)
+                continue
+            if not videos:
+                stats.skip("missing_video", where)
+                continue
+            try:
+                meta = parse_json(read_member(f, parts["json"], MAX_JSON_BYTES), key)
+                video = read_member(f, parts[videos[0]], MAX_VIDEO_BYTES)
+            except ShardError as e:
+                stats.skip(e.reason, where, str(e))
+                continue
+            yield RawSample(key=key, video=video, video_ext=videos[0], meta=meta)
+
+
+# ----------------------------------------------------------------------------- token shards
+
+@dataclass
+class TokenSample:
+    """codes: integer (G, h, w); timestamps: float64 (G,); meta: the sample's json."""
+
+    key: str
+    codes: np.ndarray
+    timestamps: np.ndarray
+    meta: dict
+
+
+def load_npy(data: bytes, key: str) -> np.ndarray:
+    try:
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:  # allow_pickle=False raises ValueError for object arrays
+        raise ShardError("bad_array", f"{key}: not a plain .npy array ({e})") from None
+
+
+def decode_token_sample(key: str, blobs: dict[str, bytes], codebook_size: Optional[int] = None) -> TokenSample:
+    """Check and decode the three members of a token-shard sample."""
+    for ext in TOKEN_EXTS:
+        if ext not in blobs:
+            raise ShardError(f"missing_{ext.split('.')[0]}", f"{key}: no {ext} member")
+    codes = load_npy(blobs["codes.npy"], key)
+    stamps = load_npy(blobs["timestamps.npy"], key)
+    if codes.ndim != 3 or not np.issubdtype(codes.dtype, np.integer) or codes.shape[0] == 0:
+        raise ShardError("bad_array", f"{key}: codes must be integer (G, h, w) with G > 0, got {codes.dtype} {codes.shape}")
+    if stamps.shape != codes.shape[:1] or not np.issubdtype(stamps.dtype, np.floating) \
+            or not np.isfinite(stamps).all():
+        raise ShardError("bad_array", f"{key}: timestamps must be finite float ({codes.shape[0]},), got {stamps.dtype} {stamps.shape}")
+    lo, hi = int(codes.min()), int(codes.max())
+    if lo < 0 or (codebook_size is not None and hi >= codebook_size):
+        raise ShardError("bad_array", f"{key}: codes span [{lo}, {hi}], outside [0, {codebook_size})")
+    return TokenSample(key=key, codes=codes.astype(np.int64), timestamps=stamps.astype(np.float64),
+                       meta=parse_json(blobs["json"], key))
+
+
+class TokenShard:
+    """Random access to the samples of one token shard (headers indexed once, data read on demand)."""
+
+    def __init__(self, path: str, stats: Optional[SkipStats] = None):
+        self.path = path
+        members = index_tar(path, stats)
+        self.samples = group_samples(members, TOKEN_EXTS)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def read(self, i: int, codebook_size: Optional[int] = None) -> TokenSample:
+        key, parts = self.samples[i]
+        limits = {"json": MAX_JSON_BYTES, "codes.npy": MAX_NPY_BYTES, "timestamps.npy": MAX_NPY_BYTES}
+        with open(self.path, "rb") as f:
+            blobs = {ext: read_member(f, m, limits[ext]) for ext, m in parts.items()}
+        return decode_token_sample(key, blobs, codebook_size)
+
+
+def iter_token_samples(path: str, stats: SkipStats, codebook_size: Optional[int] = None) -> Iterator[TokenSample]:
+    try:
+        shard = TokenShard(path, stats)
+    except ShardError as e:
+        stats.skip(e.reason, path, str(e))
+        return
+    for i in range(len(shard)):
+        try:
+            yield shard.read(i, codebook_size)
+        except ShardError as e:
+            stats.skip(e.reason, f"{path}:{shard.samples[i][0]}", str(e))
+
+
+def npy_bytes(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
+    return buf.getvalue()
+
+
+def token_sample_members(key: str, codes: np.ndarray, timestamps: np.ndarray, meta: dict) -> dict[str, bytes]:
+    """The members of a token-shard sample; codes use the narrowest unsigned dtype that fits."""
+    codes = np.asarray(codes)
+    dtype = np.uint16 if codes.size == 0 or int(codes.max()) < (1 << 16) else np.int32
+    return {"codes.npy": npy_bytes(codes.astype(dtype)),
+            "timestamps.npy": npy_bytes(np.asarray(timestamps, np.float64)),
+            "json": json.dumps(meta, sort_keys=True).encode()}
+
+
+# ----------------------------------------------------------------------------- writing
+
+class ShardWriter:
+    """Writes a tar shard atomically: to a temporary file beside it, renamed when closed cleanly.
+
+    Member names are ``KEY.EXT``; mtime/uid/gid are zeroed so the same samples give the same bytes.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        self._f = os.fdopen(fd, "wb")
+        self._tar = tarfile.open(fileobj=self._f, mode="w", format=tarfile.USTAR_FORMAT)
+        self.count = 0
+
+    def write(self, key: str, members: dict[str, bytes]) -> None:
+        if "/" in key or key.startswith(".") or not key:
+            raise ValueError(f"bad sample key {key!r}")
+        for ext, data in members.items():
+            info = tarfile.TarInfo(f"{key}.{ext}")
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            self._tar.addfile(info, io.BytesIO(data))
+        self.count += 1
+
+    def close(self) -> None:
+        self._tar.close()
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.chmod(self.tmp, 0o644)  # mkstemp creates 0600 files
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        try:
+            self._tar.close()
+            self._f.close()
+        finally:
+            if os.path.exists(self.tmp):
+                os.remove(self.tmp)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
