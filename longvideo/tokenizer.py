@@ -1,0 +1,138 @@
+"""The text tokenizer: any local Hugging Face tokenizer plus the four vision special tokens.
+
+    tok = TextTokenizer.from_dir("path/to/llama-tokenizer")      # tokenizer.json or tokenizer.model
+    tok = train_text_tokenizer(texts, vocab_size=512, out_dir=d)  # offline byte-level BPE
+
+`<vision>`, `</vision>`, `<eof>`, `<eov>` are added as *special* tokens right after the text ids,
+so each is one id and `tok.vocab(codebook_size)` gives the unified layout of `longvideo.vocab`.
+`encode` never adds BOS by itself: the sequence builder adds it once per sequence (LWM's code
+adds a stray `<s>` before `<vision>`; that cannot happen here).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Iterable, Optional
+
+from longvideo.vocab import SPECIAL_TOKENS, Vocab
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+class TextTokenizer:
+    def __init__(self, hf_tokenizer):
+        from tokenizers import AddedToken
+
+        self.hf = hf_tokenizer
+        missing = [t for t in SPECIAL_TOKENS if t not in self.hf.get_vocab()]
+        if missing and len(missing) != len(SPECIAL_TOKENS):
+            raise TokenizerError(f"tokenizer has only some of the vision tokens; missing {missing}")
+        if missing:
+            self.hf.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+                               special_tokens=True)
+        ids = [self.hf.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS]
+        self.text_size = ids[0]
+        if ids != list(range(self.text_size, self.text_size + len(SPECIAL_TOKENS))):
+            raise TokenizerError(f"vision tokens must have consecutive ids, got {dict(zip(SPECIAL_TOKENS, ids))}")
+        if len(self.hf) != self.text_size + len(SPECIAL_TOKENS):
+            raise TokenizerError(f"the vision tokens must be the last ids of the tokenizer "
+                                 f"(len {len(self.hf)}, <vision> at {self.text_size})")
+        for t in SPECIAL_TOKENS:  # each must survive encoding as exactly one id
+            enc = self.hf.encode(t, add_special_tokens=False)
+            if enc != [self.hf.convert_tokens_to_ids(t)]:
+                raise TokenizerError(f"{t} encodes to {enc}, expected one id")
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "TextTokenizer":
+        """Load a local tokenizer directory (tokenizer.json, or a SentencePiece tokenizer.model)."""
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"tokenizer directory not found: {path}")
+        if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+            raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {path}")
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
+        return cls(hf)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.hf.save_pretrained(str(path))
+
+    # ---- ids ----------------------------------------------------------------------------------
+    @property
+    def bos_id(self) -> Optional[int]:
+        return self.hf.bos_token_id
+
+    @property
+    def eos_id(self) -> Optional[int]:
+        return self.hf.eos_token_id
+
+    @property
+    def pad_id(self) -> int:
+        pid = self.hf.pad_token_id
+        return pid if pid is not None else (self.eos_id or 0)
+
+    def vocab(self, codebook_size: int) -> Vocab:
+        return Vocab(text_size=self.text_size, codebook_size=codebook_size)
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self.hf.encode(text, add_special_tokens=False)
+        if bos:
+            if self.bos_id is None:
+                raise TokenizerError("this tokenizer has no BOS token")
+            ids = [self.bos_id] + ids
+        if eos:
+            if self.eos_id is None:
+                raise TokenizerError("this tokenizer has no EOS token")
+            ids = ids + [self.eos_id]
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids if int(i) < self.text_size + len(SPECIAL_TOKENS)]  # drop VQ codes
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+
+def train_text_tokenizer(texts: Iterable[str], vocab_size: int = 1024,
+                         out_dir: Optional[str | Path] = None) -> TextTokenizer:
+    """Train a byte-level BPE on `texts` (offline); round trips any string exactly."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    base_specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=base_specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                 unk_token="<unk>", pad_token="<pad>", clean_up_tokenization_spaces=False)
+    out = TextTokenizer(hf)
+    if out_dir is not None:
+        out.save(out_dir)
+    return out
+
+
+def cli_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="longvideo train-tokenizer",
+                                description="Train a byte-level BPE text tokenizer on local text files.")
+    p.add_argument("--texts", nargs="+", required=True, help="text files, one document per line")
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--out", required=True, help="output tokenizer directory")
+    a = p.parse_args(argv)
+    lines = []
+    for f in a.texts:
+        lines += [ln for ln in Path(f).read_text().splitlines() if ln.strip()]
+    if not lines:
+        raise SystemExit("longvideo train-tokenizer: the text files are empty")
+    tok = train_text_tokenizer(lines, a.vocab_size, a.out)
+    print(f"wrote {a.out}: {tok.text_size} text ids + {len(SPECIAL_TOKENS)} vision tokens")
+    return 0

@@ -1,0 +1,128 @@
+"""The decoder against transformers' Llama, and its memory-saving parts against plain computations."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from longvideo.export.hf import to_hf_names
+from longvideo.model import KVCache, ModelConfig, Transformer, chunked_cross_entropy
+
+
+def tiny_cfg(**kw):
+    base = dict(text_vocab_size=90, codebook_size=10, dim=48, n_layers=2, n_heads=4, n_kv_heads=2,
+                ffn_dim=80, rope_theta=1000.0, ffn_chunk=0, loss_chunk=0)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def hf_twin(model: Transformer) -> LlamaForCausalLM:
+    c = model.cfg
+    hc = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim,
+                     num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
+                     num_key_value_heads=c.n_kv_heads, rope_theta=c.rope_theta, rms_norm_eps=c.norm_eps,
+                     tie_word_embeddings=c.tie_embeddings, max_position_embeddings=c.max_seq_len)
+    hc._attn_implementation = "eager"
+    hf = LlamaForCausalLM(hc)
+    sd = {k: v.detach().clone() for k, v in to_hf_names(model.state_dict(), c).items()}
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not unexpected and all(m == "lm_head.weight" for m in missing)
+    if c.tie_embeddings:
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    return hf
+
+
+@pytest.mark.parametrize("n_kv_heads,tie", [(4, False), (2, False), (2, True), (1, True)])
+def test_logits_and_grads_match_transformers(n_kv_heads, tie):
+    torch.manual_seed(0)
+    model = Transformer(tiny_cfg(n_kv_heads=n_kv_heads, tie_embeddings=tie))
+    hf = hf_twin(model)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 23))
+    ours = model.logits(model(ids))
+    ref = hf(ids).logits
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+    targets = torch.randint(0, model.cfg.vocab_size, (2, 23))
+    loss_sum, wsum = model(ids, targets=targets)
+    (loss_sum / wsum).backward()
+    F.cross_entropy(ref.reshape(-1, ref.shape[-1]), targets.reshape(-1)).backward()
+    hf_params = dict(hf.named_parameters())
+    for name, g in to_hf_names({n: p.grad for n, p in model.named_parameters()}, model.cfg).items():
+        torch.testing.assert_close(g, hf_params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_packed_documents_equal_separate_runs():
+    torch.manual_seed(1)
+    model = Transformer(tiny_cfg()).double()
+    a = torch.randint(0, 100, (1, 9))
+    b = torch.randint(0, 100, (1, 14))
+    packed = torch.cat([a, b], dim=1)
+    positions = torch.cat([torch.arange(9), torch.arange(14)])[None]
+    segments = torch.cat([torch.zeros(9), torch.ones(14)]).long()[None]
+    out = model.logits(model(packed, positions, segments))
+    torch.testing.assert_close(out[:, :9], model.logits(model(a)), atol=1e-10, rtol=0)
+    torch.testing.assert_close(out[:, 9:], model.logits(model(b)), atol=1e-10, rtol=0)
+
+
+def test_blockwise_ffn_and_checkpointing_equal_plain():
+    torch.manual_seed(2)
+    plain = Transformer(tiny_cfg()).double()
+    chunked = Transformer(tiny_cfg(ffn_chunk=5, loss_chunk=7, activation_checkpointing=True)).double()
+    chunked.load_state_dict(plain.state_dict())
+    chunked.train()
+    ids = torch.randint(0, 100, (2, 31))
+    targets = torch.randint(0, 100, (2, 31))
+    weights = torch.rand(2, 31, dtype=torch.float64)
+    losses = []
+    for m in (plain, chunked):
+        s, w = m(ids, targets=targets, loss_weights=weights)
+        s.backward()
+        losses.append((s.detach(), w))
+    torch.testing.assert_close(losses[0][0], losses[1][0], atol=1e-10, rtol=0)
+    for (n, p), q in zip(plain.named_parameters(), chunked.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-10, rtol=0, msg=n)
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 6, 64])
+def test_chunked_cross_entropy_equals_plain(chunk):
+    torch.manual_seed(3)
+    h = torch.randn(29, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 50, (29,))
+    lw = torch.rand(29, dtype=torch.float64)
+    ours = chunked_cross_entropy(h, w, t, lw, chunk)
+    ref = (F.cross_entropy(h @ w.t(), t, reduction="none") * lw).sum()
+    torch.testing.assert_close(ours, ref, atol=1e-10, rtol=0)
+    g = torch.tensor(0.7, dtype=torch.float64)
+    gh, gw = torch.autograd.grad(ours, (h, w), g)
+    rh, rw = torch.autograd.grad(ref, (h, w), g)
+    torch.testing.assert_close(gh, rh, atol=1e-10, rtol=0)
+    torch.testing.assert_close(gw, rw, atol=1e-10, rtol=0)
+
+
+def test_negative_targets_carry_no_loss():
+    torch.manual_seed(4)
+    model = Transformer(tiny_cfg())
+    ids = torch.randint(0, 100, (1, 10))
+    t = torch.randint(0, 100, (1, 10))
+    t_masked = t.clone()
+    t_masked[0, :4] = -100
+    w = torch.ones(1, 10)
+    w[0, :4] = 0
+    s1, w1 = model(ids, targets=t_masked)
+    s2, w2 = model(ids, targets=t, loss_weights=w)
+    torch.testing.assert_close(s1, s2)
+    assert w1.item() == w2.item() == 6
+
+
+def test_kv_cache_matches_full_forward():
+    torch.manual_seed(5)
+    model = Transformer(tiny_cfg()).double().eval()
+    ids = torch.randint(0, 100, (2, 17))
+    full = model.logits(model(ids))
+    cache = KVCache(model.cfg, batch=2, max_len=32, dtype=torch.float64)
+    steps = [model.logits(model(ids[:, :8], cache=cache))]
+    for t in range(8, 17):
+        steps.append(model.logits(model(ids[:, t:t + 1], cache=cache)))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-10, rtol=0)
+    assert cache.length == 17
