@@ -1,0 +1,157 @@
+"""Generation with a KV cache: chunked prefill, nucleus sampling and the decoding loop.
+
+    out = generate(model, prompt_ids, max_new_tokens=32, stop_ids=[tok.eos_id], prefill_chunk=2048)
+    out.tokens      # (B, n) generated ids (a finished row repeats its stop id)
+    out.ttft_s      # prefill + first token, seconds
+
+Prefill runs the prompt through the model in chunks of `prefill_chunk` tokens that all append to
+one KV cache: each chunk attends to everything cached before it plus itself (the kernels compute
+that blockwise, the feed-forward is blockwise in the model), so peak memory is the cache plus one
+chunk's activations instead of the whole prompt's. Decoding then feeds one token per step.
+
+The decoding loop is written against two callables, `step(token) -> logits` and
+`pick(logits) -> token`, so the sequence-parallel path (longvideo.infer.sp) reuses it unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from longvideo.model import KVCache, Transformer
+
+
+def sample_token(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0,
+                 generator: Optional[torch.Generator] = None) -> Tensor:
+    """Pick one token per row of logits (B, V) -> (B,) long.
+
+    temperature 0 is greedy (argmax). Otherwise softmax(logits / temperature) restricted to the
+    smallest set of most likely tokens whose mass reaches top_p (nucleus sampling).
+    """
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
+    if top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # drop a token when the tokens ranked above it already carry top_p: the first token stays
+        drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        choice = torch.multinomial(sorted_p, 1, generator=generator)  # multinomial renormalises
+        return order.gather(-1, choice).squeeze(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def new_cache(model: Transformer, batch: int, max_len: int) -> KVCache:
+    """An empty KV cache in the model's dtype and device."""
+    p = next(model.parameters())
+    return KVCache(model.cfg, batch, max_len, dtype=p.dtype, device=p.device)
+
+
+@torch.no_grad()
+def prefill(model: Transformer, ids: Tensor, cache: KVCache, *, chunk: int,
+            positions: Optional[Tensor] = None, segment_ids: Optional[Tensor] = None) -> Tensor:
+    """Append ids (B, S) to `cache`, `chunk` tokens per forward; return the last hidden (B, 1, dim).
+
+    positions / segment_ids (B, S) default to continuing after the cache, and one segment.
+    """
+    B, S = ids.shape
+    if S == 0:
+        raise ValueError("prefill needs at least one token")
+    if chunk < 1:
+        raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
+    if positions is None:
+        positions = cache.next_position()[:, None] + torch.arange(S, device=ids.device)[None, :]
+    if segment_ids is None:
+        segment_ids = torch.zeros(B, S, dtype=torch.long, device=ids.device)
+    last = None
+    for s in range(0, S, chunk):
+        hidden = model(ids[:, s:s + chunk], positions[:, s:s + chunk], segment_ids[:, s:s + chunk],
+                       cache=cache)  # (B, c, dim)
+        last = hidden[:, -1:]
+        del hidden  # only the last token's state is needed; free the chunk before the next one
+    return last
+
+
+def decode_loop(step: Callable[[Tensor], Tensor], first_logits: Tensor, *, max_new_tokens: int,
+                pick: Callable[[Tensor], Tensor], stop_ids: Sequence[int] = ()) -> Tensor:
+    """Generate up to max_new_tokens tokens. first_logits (B, V) are the prompt's last logits;
+    step(tokens (B,)) feeds one token per row and returns the next logits (B, V). A row stops at
+    its first stop id and then repeats it; the loop ends when every row has stopped.
+    Returns (B, n) long."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    B = first_logits.shape[0]
+    stops = torch.tensor(list(stop_ids), dtype=torch.long, device=first_logits.device)
+    done = torch.zeros(B, dtype=torch.bool, device=first_logits.device)
+    filler = stops[:1].expand(B) if len(stops) else None
+    tokens: list[Tensor] = []
+    logits = first_logits
+    for t in range(max_new_tokens):
+        tok = pick(logits)
+        if filler is not None:
+            tok = torch.where(done, filler, tok)
+            done = done | torch.isin(tok, stops)
+        tokens.append(tok)
+        if bool(done.all()) or t == max_new_tokens - 1:
+            break
+        logits = step(tok)
+    return torch.stack(tokens, dim=1)
+
+
+def trim_at_stop(tokens: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
+    """Tokens before the first stop id."""
+    out = []
+    for t in tokens:
+        if t in stop_ids:
+            break
+        out.append(int(t))
+    return out
+
+
+@dataclass
+class Generation:
+    tokens: Tensor
+    """(B, n) generated ids; a row that stopped repeats its stop id."""
+    prompt_len: int
+    """Tokens prefilled."""
+    ttft_s: float
+    """Seconds from the start of prefill to the first token."""
+    total_s: float
+    """Seconds for prefill and all decoding."""
+
+
+def logits_of(model: Transformer, hidden: Tensor) -> Tensor:
+    """Last-position logits (B, V) in fp32 from hidden (B, S, dim)."""
+    return model.logits(hidden[:, -1:])[:, -1].float()
+
+
+@torch.no_grad()
+def generate(model: Transformer, ids: Tensor, *, max_new_tokens: int = 64, temperature: float = 0.0,
+             top_p: float = 1.0, stop_ids: Sequence[int] = (), prefill_chunk: int = 4096,
+             generator: Optional[torch.Generator] = None, cache: Optional[KVCache] = None) -> Generation:
+    """Prefill ids (B, S) in chunks into a KV cache, then decode with the cache.
+
+    `cache`: continue an existing cache (its tokens precede ids); by default a fresh one sized
+    S + max_new_tokens.
+    """
+    B, S = ids.shape
+    if cache is None:
+        cache = new_cache(model, B, S + max_new_tokens)
+    t0 = time.perf_counter()
+    first = logits_of(model, prefill(model, ids, cache, chunk=prefill_chunk))
+    ttft = time.perf_counter() - t0
+
+    def step(tok: Tensor) -> Tensor:
+        return logits_of(model, model(tok[:, None], cache=cache))
+
+    def pick(logits: Tensor) -> Tensor:
+        return sample_token(logits, temperature, top_p, generator)
+
+    tokens = decode_loop(step, first, max_new_tokens=max_new_tokens, pick=pick, stop_ids=stop_ids)
+    return Generation(tokens=tokens, prompt_len=S, ttft_s=ttft, total_s=time.perf_counter() - t0)
