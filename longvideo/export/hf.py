@@ -290,12 +290,17 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, base_config: Optional[str
     if _find(hf_dir, "tokenizer.json", "tokenizer.model"):
         from transformers import AutoTokenizer
 
+        from longvideo.vocab import SPECIAL_TOKENS
+
         hf_tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True, use_fast=True)
-        if len(hf_tok) > v0:
-            raise CheckpointError(f"{hf_dir}: tokenizer has {len(hf_tok)} ids but the embedding only {v0} rows")
-        if len(hf_tok) < v0:  # padded embedding: name the unused rows so the vision tokens follow them
+        has_vision = SPECIAL_TOKENS[0] in hf_tok.get_vocab()
+        if not has_vision and len(hf_tok) < v0:
+            # a padded embedding: name the unused rows so that the vision tokens follow them
             hf_tok.add_tokens([f"<longvideo_unused_{i}>" for i in range(v0 - len(hf_tok))])
         tokenizer = TextTokenizer(hf_tok)
+        if tokenizer.text_size != v0:
+            raise CheckpointError(f"{hf_dir}: the tokenizer has {tokenizer.text_size} text ids but "
+                                  f"model.embed_tokens.weight has {v0} rows")
     mcfg = model_config_from_hf(hf_cfg, text_vocab_size=v0, codebook_size=K)
     mcfg = replace(root.model, **{f: getattr(mcfg, f) for f in (
         "text_vocab_size", "codebook_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
