@@ -120,3 +120,21 @@ def test_decode_loop_stops_per_row():
                          pick=lambda logits: next(script), stop_ids=[9])
     assert tokens.tolist() == [[1, 9, 9, 9], [7, 2, 4, 9]]
     assert trim_at_stop(tokens[1].tolist(), [9]) == [7, 2, 4]
+
+
+def test_engine_follow_up_questions_reuse_the_prefix():
+    """Answers against a cached prefix equal fresh generation of prefix + question, question after question."""
+    from longvideo.infer.engine import LocalEngine
+
+    model = tiny_model()
+    torch.manual_seed(5)
+    prefix = torch.randint(0, model.cfg.vocab_size, (1, 33))
+    engine = LocalEngine(model, prefill_chunk=8, spare=4)  # small spare: the cache must grow
+    engine.set_prefix(prefix)
+    for q_len in (3, 9, 1):
+        question = torch.randint(0, model.cfg.vocab_size, (1, q_len))
+        want = generate(model, torch.cat([prefix, question], 1), max_new_tokens=7)
+        got = engine.generate(question, max_new_tokens=7)
+        assert torch.equal(got.tokens, want.tokens)
+        assert got.prompt_len == 33 + q_len
+        assert engine.cache.length == 33 + q_len + 6  # the last token is sampled, never fed

@@ -1,0 +1,224 @@
+"""Sequence-parallel serving: ring prefill of a long prefix, then decoding over the sharded KV cache.
+
+Under torchrun with W ranks in a sequence-parallel group:
+
+1. The prefix (the video part of the prompt, which is what makes the context long) is sharded with
+   the ring's zigzag layout (`longvideo.parallel.shard_sequence`, padded with segment id -1) and
+   prefilled with ring attention. Each rank keeps only the KV cache of its shard: S/W tokens.
+2. Everything after the prefix (the question, then each generated token) is *replicated*: every
+   rank runs the same tokens. Its queries attend to the rank's local cache with a block backend,
+   which returns the partial (out, lse) of that shard; the partials of all ranks are gathered and
+   merged exactly with the log-sum-exp rule (`merge_partials`), so each rank gets the attention
+   over the whole context. The keys of a replicated token are visible on one rank only (the
+   owner; masked with segment id -1 elsewhere), so every key is counted once.
+3. The sampled token is broadcast from rank 0, so all ranks always feed the same token.
+
+The answer equals the single-process answer up to float rounding of the merge (the same tokens
+under greedy decoding). Memory per rank: the KV cache of S/W prefix tokens plus the replicated
+tail, and one ring block's activations during prefill.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from kernels import get_backend
+from longvideo.infer.engine import copy_cache
+from longvideo.infer.generate import Generation, decode_loop, logits_of, sample_token
+from longvideo.model import KVCache, Transformer
+
+
+def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> Tensor:
+    """Exact attention over the union of key sets from per-set partials.
+
+    outs: W tensors (B, S, H, D), each the softmax-weighted values over one key set; lses: W
+    tensors (B, H, S), the log-sum-exp of that set's scores (-inf where it had no visible key).
+    Returns (B, S, H, D) in the compute dtype (fp32, or fp64 for fp64 inputs); rows with no
+    visible key anywhere are 0. Overflow-free: weights are exp(lse_r - max_r lse_r) <= 1.
+    """
+    cdt = torch.float64 if lses[0].dtype == torch.float64 else torch.float32
+    lse = torch.stack([x.to(cdt) for x in lses])  # (W, B, H, S)
+    m = lse.amax(dim=0)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # all -inf: weights become 0, not nan
+    w = torch.exp(lse - m)  # (W, B, H, S)
+    w = w.permute(0, 1, 3, 2)[..., None]  # (W, B, S, H, 1)
+    num = sum(w[r] * outs[r].to(cdt) for r in range(len(outs)))
+    den = w.sum(dim=0)
+    return torch.where(den > 0, num / den.clamp_min(torch.finfo(cdt).tiny), torch.zeros_like(num))
+
+
+class ShardedKVCache(KVCache):
+    """One rank's part of a sequence-parallel KV cache.
+
+    `owns_new_tokens` decides whether the tokens being appended keep their segment ids (visible
+    here) or get -1 (kept only for their slot: another rank owns their keys).
+    """
+
+    owns_new_tokens: bool = True
+
+    def begin(self, positions: Tensor, segment_ids: Tensor) -> None:
+        if not self.owns_new_tokens:
+            segment_ids = torch.full_like(segment_ids, -1)
+        super().begin(positions, segment_ids)
+
+
+class SequenceParallelAttention:
+    """The model's attention seam during sequence-parallel serving.
+
+    mode "ring": the local queries and the local cache are this rank's zigzag shard of the same
+    tokens (empty cache before the prefix): ring attention over the group.
+    mode "merge": the queries are replicated on every rank: attend to the local cache, gather the
+    partials of all ranks, merge exactly.
+    """
+
+    def __init__(self, group, backend: str = "auto"):
+        self.group, self.backend = group, backend
+        self.mode = "ring"
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_positions: Tensor,
+                 q_segment_ids: Tensor, k_segment_ids: Tensor, causal: bool = True) -> Tensor:
+        if self.mode == "ring":
+            from longvideo.parallel import ring_attention
+
+            if k.shape[1] != q.shape[1]:
+                raise RuntimeError("ring prefill needs an empty cache: the prefix is prefilled first, once")
+            return ring_attention(q, k, v, group=self.group, causal=causal, positions=q_positions,
+                                  segment_ids=q_segment_ids, backend=self.backend)
+        return self.merged(q, k, v, q_positions, k_positions, q_segment_ids, k_segment_ids, causal)
+
+    def merged(self, q, k, v, q_pos, k_pos, q_seg, k_seg, causal) -> Tensor:
+        be = get_backend(self.backend, q.device)
+        out, lse = be.forward(q, k, v, q_pos, k_pos, q_seg, k_seg, 1.0 / math.sqrt(q.shape[-1]), causal)
+        W = dist.get_world_size(self.group)
+        if W == 1:
+            return out
+        outs = [torch.empty_like(out) for _ in range(W)]
+        lses = [torch.empty_like(lse) for _ in range(W)]
+        dist.all_gather(outs, out.contiguous(), group=self.group)
+        dist.all_gather(lses, lse.contiguous(), group=self.group)
+        # every rank merges the same gathered tensors in the same order: bitwise equal results
+        return merge_partials(outs, lses).to(q.dtype)
+
+
+class SequenceParallelEngine:
+    """The `Engine` interface (longvideo.infer.engine) over a sequence-parallel group.
+
+    Call collectively: every rank of `group` calls the same methods with the same ids.
+    """
+
+    def __init__(self, model: Transformer, group=None, *, backend: str = "auto", spare: int = 256):
+        self.model, self.group, self.spare = model, group, spare
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.owner = self.world - 1  # holds the keys of the replicated tokens
+        self.attn = SequenceParallelAttention(group, backend)
+        self.cache: Optional[ShardedKVCache] = None
+        self.prefix_len = 0
+        self.local_prefix_len = 0
+        self.prefix_s = 0.0
+
+    def _new_cache(self, batch: int, max_len: int) -> ShardedKVCache:
+        p = next(self.model.parameters())
+        return ShardedKVCache(self.model.cfg, batch, max_len, dtype=p.dtype, device=p.device)
+
+    def _run(self, mode: str, *args, **kwargs) -> Tensor:
+        """Run the model with the sequence-parallel seam, restoring the model's own afterwards."""
+        previous = self.model.attention_fn
+        self.attn.mode = mode
+        self.model.set_attention(self.attn)
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self.model.set_attention(previous)
+
+    @torch.no_grad()
+    def set_prefix(self, ids: Tensor) -> None:
+        """Shard ids (B, P) over the group with the zigzag layout and prefill them with ring attention."""
+        from longvideo.parallel import shard_sequence
+
+        B, P = ids.shape
+        t0 = time.perf_counter()
+        pos = torch.arange(P, device=ids.device)[None].expand(B, P)
+        seg = torch.zeros(B, P, dtype=torch.long, device=ids.device)
+        local_ids = shard_sequence(ids, self.group, dim=1, pad_value=0) if P else ids
+        local_pos = shard_sequence(pos, self.group, dim=1, pad_value=0) if P else pos
+        local_seg = shard_sequence(seg, self.group, dim=1, pad_value=-1) if P else seg
+        n = local_ids.shape[1]
+        self.cache = self._new_cache(B, n + self.spare)
+        if n:
+            self.cache.owns_new_tokens = True
+            self._run("ring", local_ids, local_pos, local_seg, cache=self.cache)
+        self.prefix_len, self.local_prefix_len = P, n
+        self.prefix_s = time.perf_counter() - t0
+
+    def _replicated(self, ids: Tensor, positions: Tensor) -> Tensor:
+        """Feed tokens every rank holds; return the last logits (B, V)."""
+        self.cache.owns_new_tokens = self.rank == self.owner
+        seg = torch.zeros_like(ids)
+        hidden = self._run("merge", ids, positions, seg, cache=self.cache)
+        return logits_of(self.model, hidden)
+
+    def _broadcast(self, tok: Tensor) -> Tensor:
+        if self.world > 1:
+            dist.broadcast(tok, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+                           group=self.group)
+        return tok
+
+    @torch.no_grad()
+    def generate(self, ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None) -> Generation:
+        """Prefill the replicated ids (B, Q >= 1) after the prefix, then decode; collective."""
+        if self.cache is None:
+            raise RuntimeError("set_prefix must be called before generate")
+        B, Q = ids.shape
+        if Q < 1:
+            raise ValueError("generate needs at least one token after the prefix")
+        self.cache.crop(self.local_prefix_len)
+        need = self.local_prefix_len + Q + max_new_tokens
+        if need > self.cache.max_len:
+            self.cache = copy_cache(self.cache, self._new_cache(B, need + self.spare))
+        t0 = time.perf_counter()
+        start = self.prefix_len
+        pos = start + torch.arange(Q, device=ids.device)[None].expand(B, Q)
+        first = self._replicated(ids, pos)
+        ttft = time.perf_counter() - t0
+        next_pos = [start + Q]
+
+        def step(tok: Tensor) -> Tensor:
+            p = torch.full((B, 1), next_pos[0], dtype=torch.long, device=tok.device)
+            next_pos[0] += 1
+            return self._replicated(tok[:, None], p)
+
+        def pick(logits: Tensor) -> Tensor:
+            return self._broadcast(sample_token(logits, temperature, top_p, generator).contiguous())
+
+        tokens = decode_loop(step, first, max_new_tokens=max_new_tokens, pick=pick, stop_ids=stop_ids)
+        return Generation(tokens=tokens, prompt_len=self.prefix_len + Q, ttft_s=ttft,
+                          total_s=time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def sp_generate(model: Transformer, ids: Tensor, group=None, *, max_new_tokens: int = 64,
+                temperature: float = 0.0, top_p: float = 1.0, stop_ids: Sequence[int] = (),
+                generator: Optional[torch.Generator] = None, tail: int = 1,
+                backend: str = "auto") -> Generation:
+    """Sequence-parallel `generate`: ring prefill of ids[:, :S-tail], replicated rest, sharded decoding.
+
+    Collective over `group` (default: the world); every rank passes the same ids (B, S).
+    ttft_s covers the prefix prefill too.
+    """
+    S = ids.shape[1]
+    tail = max(1, min(tail, S))
+    engine = SequenceParallelEngine(model, group, backend=backend)
+    engine.set_prefix(ids[:, :S - tail])
+    out = engine.generate(ids[:, S - tail:], max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=top_p, stop_ids=stop_ids, generator=generator)
+    out.ttft_s += engine.prefix_s
+    out.total_s += engine.prefix_s
+    return out
