@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from longvideo.configtools import check
+
+_TEMPLATES = ("qa", "segments", "caption")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,10 +20,30 @@ class DataConfig:
     """Frames per second sampled from videos."""
     max_frames: int = 3600
     """Most frames taken from one video (uniform sampling when the cap binds)."""
+    max_resolution: int = 4096
+    """Longest frame side accepted when decoding (larger videos are skipped as unsupported)."""
     text_loss_weight: float = 0.5
     """Loss weight of text tokens (LWM: 0.5)."""
     vision_loss_weight: float = 0.5
     """Loss weight of vision tokens (LWM: 0.5)."""
+    qa_vision_loss: bool = True
+    """Whether the video of a QA sample carries vision loss (else it is prompt only)."""
+    timestamp_every: int = 0
+    """Write the time as text ('[12.0s]') before every k-th frame group (0 = never)."""
+    templates: tuple[str, ...] = _TEMPLATES
+    """Templates to use, in order of preference: qa, segments, caption."""
+    template_mode: Literal["first", "random", "all"] = "first"
+    """Per sample: the first available template, a random one, or one document per template."""
+    question_position: Literal["after", "before", "random"] = "after"
+    """QA: the first question after the video, before it, or either at random."""
+    caption_position: Literal["after", "before", "random"] = "after"
+    """Caption: after the video (captioning), before it (text to video), or either at random."""
+    loss_norm: Literal["token", "sample"] = "token"
+    """token: every weighted token counts alike; sample: each document's weights sum to 1."""
+    shuffle_buffer: int = 256
+    """Samples held in the loader's shuffle buffer."""
+    pack_bins: int = 4
+    """Partly filled sequences the packer keeps open (first fit)."""
     seed: int = 0
     """Shuffle seed."""
 
@@ -28,5 +51,11 @@ class DataConfig:
         check(self.seq_len > 0, "seq_len", "must be positive")
         check(self.fps > 0, "fps", "must be positive")
         check(self.max_frames > 0, "max_frames", "must be positive")
+        check(self.max_resolution > 0, "max_resolution", "must be positive")
         check(self.text_loss_weight >= 0, "text_loss_weight", "must be >= 0")
         check(self.vision_loss_weight >= 0, "vision_loss_weight", "must be >= 0")
+        check(self.timestamp_every >= 0, "timestamp_every", "must be >= 0")
+        check(len(self.templates) > 0 and all(t in _TEMPLATES for t in self.templates), "templates",
+              f"must be a non-empty list of {', '.join(_TEMPLATES)}; got {list(self.templates)}")
+        check(self.shuffle_buffer >= 1, "shuffle_buffer", "must be >= 1")
+        check(self.pack_bins >= 1, "pack_bins", "must be >= 1")

@@ -1,0 +1,85 @@
+"""``longvideo make-data synthetic ...`` and ``longvideo tokenize ...``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def make_data_main(argv: list[str]) -> int:
+    from longvideo.data.synthetic import SyntheticSpec, write_synthetic_shards
+
+    p = argparse.ArgumentParser(prog="longvideo make-data", description="Write raw video-text shards.")
+    sub = p.add_subparsers(dest="kind", required=True)
+    s = sub.add_parser("synthetic", help="moving coloured shapes with captions, QA, timed segments and a needle task",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = SyntheticSpec()
+    s.add_argument("--out", required=True, help="output directory for shard-NNNNNN.tar")
+    s.add_argument("--n", type=int, required=True, help="number of videos")
+    s.add_argument("--seed", type=int, default=0, help="dataset seed (sample i depends only on seed and i)")
+    s.add_argument("--size", type=int, default=d.size, help="frame side in pixels")
+    s.add_argument("--fps", type=int, default=d.fps, help="frames per second of the written videos")
+    s.add_argument("--min-seconds", type=int, default=d.min_seconds)
+    s.add_argument("--max-seconds", type=int, default=d.max_seconds)
+    s.add_argument("--long-fraction", type=float, default=d.long_fraction, help="fraction of long videos")
+    s.add_argument("--long-seconds", type=int, default=d.long_seconds, help="duration of a long video")
+    s.add_argument("--needle-fraction", type=float, default=d.needle_fraction,
+                   help="fraction of videos with a flash frame and its question")
+    s.add_argument("--samples-per-shard", type=int, default=64)
+    s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    a = p.parse_args(argv)
+    try:
+        spec = SyntheticSpec(size=a.size, fps=a.fps, min_seconds=a.min_seconds, max_seconds=a.max_seconds,
+                             long_fraction=a.long_fraction, long_seconds=a.long_seconds,
+                             needle_fraction=a.needle_fraction)
+    except ValueError as e:
+        p.error(str(e))
+    paths = write_synthetic_shards(a.out, a.n, seed=a.seed, spec=spec, samples_per_shard=a.samples_per_shard,
+                                   workers=a.workers, progress=not a.quiet)
+    print(f"wrote {a.n} videos in {len(paths)} shards under {a.out}")
+    return 0
+
+
+def tokenize_main(argv: list[str]) -> int:
+    from longvideo.data.tokenize import TokenizeOptions, tokenize_shards
+
+    d = TokenizeOptions()
+    p = argparse.ArgumentParser(prog="longvideo tokenize", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description="VQ-encode raw shards (video + json) into token shards "
+                                            "(codes + timestamps + json). Resumable: finished shards are skipped.")
+    p.add_argument("--vq", required=True, help="VQ checkpoint directory (longvideo train-vq output)")
+    p.add_argument("--in", dest="inputs", required=True, nargs="+",
+                   help="raw shards: directories, globs or brace patterns")
+    p.add_argument("--out", required=True, help="output directory for token shards")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (each loads the VQ once)")
+    p.add_argument("--config", default=None, help="a root config; its data.fps/max_frames/max_resolution are the defaults")
+    p.add_argument("--fps", type=float, default=None, help=f"frames per second to sample (default {d.fps})")
+    p.add_argument("--max-frames", type=int, default=None, help=f"frame cap per video (default {d.max_frames})")
+    p.add_argument("--max-resolution", type=int, default=None, help=f"longest frame side accepted (default {d.max_resolution})")
+    p.add_argument("--batch-frames", type=int, default=d.batch_frames, help="frames per VQ forward")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR if a.quiet else logging.WARNING, format="%(levelname)s %(message)s")
+    base = d
+    if a.config:
+        from longvideo.config import load_config
+
+        dc = load_config(a.config).data
+        base = TokenizeOptions(fps=dc.fps, max_frames=dc.max_frames, max_resolution=dc.max_resolution,
+                               batch_frames=d.batch_frames)
+    opts = TokenizeOptions(fps=a.fps if a.fps is not None else base.fps,
+                           max_frames=a.max_frames if a.max_frames is not None else base.max_frames,
+                           max_resolution=a.max_resolution if a.max_resolution is not None else base.max_resolution,
+                           batch_frames=a.batch_frames)
+    if opts.fps <= 0 or (opts.max_frames is not None and opts.max_frames <= 0) or opts.batch_frames <= 0:
+        p.error("--fps, --max-frames and --batch-frames must be positive")
+    try:
+        stats = tokenize_shards(a.vq, a.inputs, a.out, opts, workers=a.workers, progress=not a.quiet)
+    except FileNotFoundError as e:
+        print(f"longvideo tokenize: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(stats, sort_keys=True))
+    return 0

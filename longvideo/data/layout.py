@@ -1,0 +1,312 @@
+"""Sequence layout: how a sample becomes token ids and per-token loss weights. Defined only here.
+
+    <bos> text <vision> [ts] codes <eof> ... [ts] codes <eov> </vision> text ... <eos>
+
+A *group* is the unit the VQ codes (one frame in 2d mode, a temporal group in causal-3D mode):
+its h*w codes are followed by ``<eof>``, the last group of a video by ``<eov>``. With
+``timestamp_every = k > 0`` the text ``[12.0s]`` (the group's first frame time) precedes every k-th
+kept group. Templates:
+
+* ``caption``  ``<bos> <vision>...</vision> caption <eos>`` (or the caption first: text-to-video)
+* ``qa``       ``<bos> <vision>...</vision> Question: q1\\nAnswer: a1 <eos> Question: q2\\nAnswer: a2 <eos>``,
+               or the first question before the video: ``<bos> Question: q1\\n <vision>...</vision> Answer: a1 <eos> ...``
+* ``segments`` timed captions interleaved with their frames:
+               ``<bos> <vision>[frames of segment 1]</vision> text1\\n <vision>[frames of segment 2]</vision> text2\\n ... <eos>``
+
+Loss weights are per token, the weight of predicting that token from the ones before it: prompt
+parts (questions, ``<bos>``) get 0, text that is learnt gets ``text_loss_weight``, vision tokens
+(codes, ``<eof>``, ``<eov>``, ``<vision>``, ``</vision>``) get ``vision_loss_weight`` (LWM: 0.5 / 0.5);
+timestamp text inside a video counts as text. In QA samples the video is context, and carries
+vision loss only when ``qa_vision_loss`` is set.
+
+:func:`build_prompt_ids` is the inference prompt: exactly the QA training layout of one question,
+ending where the answer starts.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+QUESTION_TEXT = "Question: {question}\n"
+ANSWER_PROMPT = "Answer:"
+ANSWER_TEXT = " {answer}"
+SEGMENT_TEXT = "{text}\n"
+TIMESTAMP_TEXT = "[{t:.1f}s]"
+TEMPLATES: tuple[str, ...] = ("qa", "segments", "caption")
+
+
+# ----------------------------------------------------------------------------- parts
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+    loss: bool
+
+
+@dataclass(frozen=True)
+class Video:
+    groups: tuple[int, ...]  # indices into the sample's code groups, increasing
+    loss: bool
+
+
+@dataclass(frozen=True)
+class Bos:
+    pass
+
+
+@dataclass(frozen=True)
+class Eos:
+    loss: bool
+
+
+def qa_parts(pairs: Sequence[tuple[str, Optional[str]]], groups: Sequence[int], *, question_first: bool,
+             vision_loss: bool) -> list:
+    """The QA template. An answer of None ends the parts where that answer would start (a prompt)."""
+    if not pairs:
+        raise ValueError("qa_parts needs at least one question")
+    parts: list = [Bos()]
+    video = Video(tuple(groups), vision_loss)
+    for i, (question, answer) in enumerate(pairs):
+        q = QUESTION_TEXT.format(question=question.strip())
+        if i == 0 and question_first:
+            parts += [Text(q, False), video, Text(ANSWER_PROMPT, False)]
+        else:
+            if i == 0:
+                parts.append(video)
+            parts.append(Text(q + ANSWER_PROMPT, False))
+        if answer is None:
+            return parts
+        parts += [Text(ANSWER_TEXT.format(answer=answer.strip()), True), Eos(True)]
+    return parts
+
+
+def caption_parts(caption: str, groups: Sequence[int], *, caption_first: bool) -> list:
+    video = Video(tuple(groups), True)
+    body = [Text(caption.strip(), True), video] if caption_first else [video, Text(caption.strip(), True)]
+    return [Bos(), *body, Eos(True)]
+
+
+def segments_parts(segments: Sequence[dict], timestamps: np.ndarray, groups: Sequence[int]) -> list:
+    """Each kept group joins the first segment that ends after its timestamp; the rest trail."""
+    segs = sorted(segments, key=lambda s: (s["start"], s["end"]))
+    buckets: list[list[int]] = [[] for _ in range(len(segs) + 1)]
+    for g in groups:
+        t = float(timestamps[g])
+        j = next((j for j, s in enumerate(segs) if t < s["end"]), len(segs))
+        buckets[j].append(g)
+    parts: list = [Bos()]
+    for seg, bucket in zip(segs, buckets):
+        if bucket:
+            parts.append(Video(tuple(bucket), True))
+        parts.append(Text(SEGMENT_TEXT.format(text=seg["text"].strip()), True))
+    if buckets[-1]:
+        parts.append(Video(tuple(buckets[-1]), True))
+    return parts + [Eos(True)]
+
+
+# ----------------------------------------------------------------------------- rendering
+
+class _Renderer:
+    """Turns parts into ids and weights. Text pieces are tokenized one by one (no BOS/EOS added)."""
+
+    def __init__(self, tokenizer, vocab, codes: Optional[np.ndarray], timestamps: Optional[np.ndarray],
+                 text_w: float, vision_w: float, timestamp_every: int):
+        self.tok, self.vocab = tokenizer, vocab
+        self.codes, self.timestamps = codes, timestamps
+        self.text_w, self.vision_w, self.every = text_w, vision_w, timestamp_every
+        self.ids: list[int] = []
+        self.weights: list[float] = []
+
+    def _add(self, ids: Sequence[int], w: float) -> None:
+        self.ids.extend(int(i) for i in ids)
+        self.weights.extend([w] * len(ids))
+
+    def render(self, parts: list) -> tuple[np.ndarray, np.ndarray]:
+        for p in parts:
+            if isinstance(p, Bos):
+                if self.tok.bos_id is None:
+                    raise ValueError("the text tokenizer has no BOS token")
+                self._add([self.tok.bos_id], 0.0)
+            elif isinstance(p, Eos):
+                if self.tok.eos_id is None:
+                    raise ValueError("the text tokenizer has no EOS token")
+                self._add([self.tok.eos_id], self.text_w if p.loss else 0.0)
+            elif isinstance(p, Text):
+                if p.text:
+                    self._add(self.tok.encode(p.text), self.text_w if p.loss else 0.0)
+            elif isinstance(p, Video):
+                self._video(p)
+            else:
+                raise TypeError(f"unknown part {p!r}")
+        return np.asarray(self.ids, np.int64), np.asarray(self.weights, np.float32)
+
+    def _video(self, p: Video) -> None:
+        if not p.groups:
+            return
+        vw = self.vision_w if p.loss else 0.0
+        tw = self.text_w if p.loss else 0.0
+        v = self.vocab
+        self._add([v.vision_start], vw)
+        flat = self.codes.reshape(self.codes.shape[0], -1)  # (G, h*w)
+        for i, g in enumerate(p.groups):
+            if self.every and i % self.every == 0:
+                self._add(self.tok.encode(TIMESTAMP_TEXT.format(t=float(self.timestamps[g]))), tw)
+            self._add((flat[g] + v.vq_offset).tolist(), vw)
+            self._add([v.eov if i == len(p.groups) - 1 else v.eof], vw)
+        self._add([v.vision_end], vw)
+
+
+# ----------------------------------------------------------------------------- documents
+
+@dataclass
+class Doc:
+    """One laid-out sample: ids int64 (L,), weights float32 (L,) (weight of predicting token j)."""
+
+    ids: np.ndarray
+    weights: np.ndarray
+    template: str
+    groups_kept: int
+    groups_dropped: int
+    key: str = ""
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+
+def uniform_keep(num_groups: int, keep: int) -> list[int]:
+    """``keep`` group indices spread uniformly over ``num_groups`` (bin centres), increasing."""
+    if keep >= num_groups:
+        return list(range(num_groups))
+    return [int((i + 0.5) * num_groups / keep) for i in range(keep)]
+
+
+def available_templates(meta: dict) -> list[str]:
+    out = []
+    if meta.get("qa"):
+        out.append("qa")
+    if meta.get("segments"):
+        out.append("segments")
+    if isinstance(meta.get("caption"), str) and meta["caption"].strip():
+        out.append("caption")
+    return out
+
+
+@dataclass(frozen=True)
+class LayoutOptions:
+    """The DataConfig fields the layout reads (see longvideo/data/config.py)."""
+
+    text_loss_weight: float = 0.5
+    vision_loss_weight: float = 0.5
+    timestamp_every: int = 0
+    qa_vision_loss: bool = True
+    templates: tuple[str, ...] = TEMPLATES
+    template_mode: str = "first"
+    question_position: str = "after"
+    caption_position: str = "after"
+
+    @classmethod
+    def from_config(cls, cfg) -> "LayoutOptions":
+        return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
+
+
+def choose_templates(meta: dict, opts: LayoutOptions, rng: np.random.Generator) -> list[tuple[str, bool]]:
+    """(template, text_first) pairs to lay out for a sample, following template_mode."""
+    avail = [t for t in opts.templates if t in available_templates(meta)]
+    if not avail:
+        return []
+    if opts.template_mode == "first":
+        chosen = avail[:1]
+    elif opts.template_mode == "random":
+        chosen = [avail[int(rng.integers(len(avail)))]]
+    else:
+        chosen = avail
+    out = []
+    for t in chosen:
+        pos = opts.question_position if t == "qa" else opts.caption_position if t == "caption" else "after"
+        first = pos == "before" or (pos == "random" and bool(rng.integers(2)))
+        out.append((t, first))
+    return out
+
+
+def layout_doc(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta: dict, template: str,
+               text_first: bool, opts: LayoutOptions, max_len: int) -> Optional[Doc]:
+    """Lay out one template; drop groups uniformly (whole groups only) until it fits ``max_len``.
+
+    Returns None when even one group does not fit (the text alone is too long).
+    """
+    num_groups = int(codes.shape[0])
+
+    def parts_for(groups: list[int]) -> list:
+        if template == "qa":
+            pairs = [(x["question"], x["answer"]) for x in meta["qa"]]
+            return qa_parts(pairs, groups, question_first=text_first, vision_loss=opts.qa_vision_loss)
+        if template == "caption":
+            return caption_parts(meta["caption"], groups, caption_first=text_first)
+        if template == "segments":
+            return segments_parts(meta["segments"], timestamps, groups)
+        raise ValueError(f"unknown template {template!r}; expected one of {TEMPLATES}")
+
+    def render(keep: int) -> tuple[np.ndarray, np.ndarray]:
+        r = _Renderer(tokenizer, vocab, codes, timestamps, opts.text_loss_weight, opts.vision_loss_weight,
+                      opts.timestamp_every)
+        return r.render(parts_for(uniform_keep(num_groups, keep)))
+
+    keep = num_groups
+    ids, w = render(keep)
+    while len(ids) > max_len:
+        if keep <= 1:
+            return None
+        base_ids, _ = render(0)  # the text alone
+        per_group = (len(ids) - len(base_ids)) / keep
+        fit = int((max_len - len(base_ids)) // max(per_group, 1e-9))
+        keep = max(0, min(keep - 1, fit))
+        if keep == 0:
+            return None
+        ids, w = render(keep)
+    return Doc(ids=ids, weights=w, template=template, groups_kept=keep, groups_dropped=num_groups - keep)
+
+
+def sample_rng(seed: int, epoch: int, key: str) -> np.random.Generator:
+    """Per-sample randomness (template choice) that depends only on seed, epoch and key."""
+    return np.random.default_rng([seed, epoch, zlib.crc32(key.encode())])
+
+
+def build_docs(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta: dict, opts: LayoutOptions,
+               max_len: int, rng: np.random.Generator, key: str = "") -> tuple[list[Doc], int]:
+    """All documents of one sample; returns (docs, number of templates that did not fit)."""
+    docs, too_long = [], 0
+    for template, first in choose_templates(meta, opts, rng):
+        doc = layout_doc(tokenizer, vocab, codes, timestamps, meta, template, first, opts, max_len)
+        if doc is None:
+            too_long += 1
+        else:
+            doc.key = key
+            docs.append(doc)
+    return docs, too_long
+
+
+# ----------------------------------------------------------------------------- inference
+
+def build_prompt_ids(tokenizer, vocab, codes, timestamps, question: str, *, question_first: bool = False,
+                     timestamp_every: int = 0) -> list[int]:
+    """Ids of a QA prompt for one question, ending exactly where the answer starts.
+
+    codes: integer (G, h, w) (numpy or torch); timestamps: (G,) seconds. Uses the QA training
+    template (:func:`qa_parts`), so a model trained on QA samples sees the same layout.
+    """
+    codes = np.asarray(codes.cpu() if hasattr(codes, "cpu") else codes).astype(np.int64)
+    timestamps = np.asarray(timestamps.cpu() if hasattr(timestamps, "cpu") else timestamps, np.float64)
+    if codes.ndim != 3 or timestamps.shape != codes.shape[:1]:
+        raise ValueError(f"codes must be (G, h, w) and timestamps (G,), got {codes.shape}, {timestamps.shape}")
+    parts = qa_parts([(question, None)], range(codes.shape[0]), question_first=question_first, vision_loss=False)
+    ids, _ = _Renderer(tokenizer, vocab, codes, timestamps, 0.0, 0.0, timestamp_every).render(parts)
+    return ids.tolist()
+
+
+def parse_answer(text: str) -> str:
+    """The answer in generated text: its first line, without surrounding spaces or a final period."""
+    return text.strip().split("\n", 1)[0].strip().rstrip(".").strip()

@@ -1,0 +1,274 @@
+"""The training loader: token shards -> shuffled, laid-out, packed batches, resumable exactly.
+
+    loader = TokenLoader(cfg.data.train_shards, tokenizer, vocab, cfg.data,
+                         batch_size=2, dp_rank=r, dp_size=n)
+    batch = next(loader)          # dict of (B, seq_len) tensors, see longvideo.data.packing
+    state = loader.state_dict()   # plain data; saved in the training checkpoint
+    loader.load_state_dict(state) # the next batch is the one that would have come next
+
+Pipeline, all deterministic in ``seed``:
+
+1. Epoch ``e`` visits the shards in a permuted order (seeded by ``(seed, e)``) and numbers their
+   samples 0, 1, 2, ...; dp rank ``r`` takes the samples numbered ``r (mod dp_size)``, so ranks get
+   disjoint samples and together all of them.
+2. A shuffle buffer of ``shuffle_buffer`` sample references (drained at the end of an epoch).
+3. Each sample is read from its shard (random access), laid out by the templates
+   (:mod:`longvideo.data.layout`), cut to ``seq_len`` by dropping whole frame groups uniformly.
+4. First-fit packing into ``pack_bins`` open rows (:mod:`longvideo.data.packing`).
+
+The state holds only references (shard, sample, epoch, document) and the shuffle generator's
+state, never data: a resume rebuilds the few open documents from their shards. Each sequence is
+later split over the sp ranks by the trainer (``longvideo.parallel.shard_batch``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from typing import Optional
+
+import numpy as np
+import torch
+
+from longvideo.data.layout import Doc, LayoutOptions, build_docs, sample_rng
+from longvideo.data.packing import Packer, pack_row
+from longvideo.data.shards import ShardError, SkipStats, TokenShard, expand_shards
+
+log = logging.getLogger(__name__)
+STATE_VERSION = 1
+
+
+class TokenLoader:
+    """Infinite iterator of packed batches over token shards for one dp rank.
+
+    Each batch: input_ids, targets, positions, segment_ids (long) and loss_weights (float32),
+    all (batch_size, seq_len). ``seq_len`` defaults to ``cfg.seq_len``.
+    """
+
+    def __init__(self, shards, tokenizer, vocab, cfg, *, batch_size: int = 1, dp_rank: int = 0,
+                 dp_size: int = 1, seed: Optional[int] = None, seq_len: Optional[int] = None,
+                 max_open_shards: int = 8):
+        self.paths = expand_shards(shards if shards else cfg.train_shards)
+        if not self.paths:
+            raise FileNotFoundError(f"no token shards match {shards or cfg.train_shards!r}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"need 0 <= dp_rank < dp_size, got {dp_rank}, {dp_size}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.tokenizer, self.vocab, self.cfg = tokenizer, vocab, cfg
+        self.opts = LayoutOptions.from_config(cfg)
+        self.batch_size, self.dp_rank, self.dp_size = batch_size, dp_rank, dp_size
+        self.seed = cfg.seed if seed is None else seed
+        self.seq_len = cfg.seq_len if seq_len is None else seq_len
+        self.pad_id = tokenizer.pad_id if hasattr(tokenizer, "pad_id") else 0
+        self._open: OrderedDict[int, TokenShard] = OrderedDict()
+        self._max_open = max_open_shards
+        self._lengths: dict[int, int] = {}
+        self.stats = SkipStats()
+        self.last_batch_keys: list[list[str]] = []
+        self.last_batch_refs: list[list[tuple]] = []
+        self._reset()
+
+    # ---- state -----------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self.epoch = 0
+        self._start_epoch(0)
+        self.buffer: list[tuple[int, int]] = []
+        self.rng = np.random.default_rng([self.seed, self.dp_rank, 7919])
+        self.packer: Packer[tuple] = Packer(self.seq_len, self.cfg.pack_bins)
+        self.ready: list[list[tuple]] = []
+        self._docs: dict[tuple, Doc] = {}
+        self._epoch_docs = 0
+
+    def _start_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.order = np.random.default_rng([self.seed, epoch]).permutation(len(self.paths)).tolist()
+        self.pos = 0  # global sample number within the epoch (all ranks)
+        self._cursor = (0, 0)  # (index into order, sample within that shard)
+        self.stream_done = False
+
+    def state_dict(self) -> dict:
+        return {
+            "version": STATE_VERSION, "seed": self.seed, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
+            "seq_len": self.seq_len, "num_shards": len(self.paths),
+            "epoch": self.epoch, "pos": self.pos, "stream_done": self.stream_done,
+            "epoch_docs": self._epoch_docs,
+            "buffer": [list(r) for r in self.buffer],
+            "rng": self.rng.bit_generator.state,
+            "packer": self.packer.state_dict(),
+            "ready": [[list(r) for r in row] for row in self.ready],
+            "stats": dict(self.stats),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"loader state version {state.get('version')} != {STATE_VERSION}")
+        for k in ("seed", "dp_rank", "dp_size", "seq_len"):
+            if state[k] != getattr(self, k):
+                raise ValueError(f"loader state was saved with {k}={state[k]}, this loader has "
+                                 f"{getattr(self, k)}; an exact resume needs the same value")
+        if state["num_shards"] != len(self.paths):
+            raise ValueError(f"loader state was saved over {state['num_shards']} shards, "
+                             f"now there are {len(self.paths)}")
+        self._reset()
+        self._start_epoch(int(state["epoch"]))
+        self._seek(int(state["pos"]))
+        self.stream_done = bool(state["stream_done"])
+        self._epoch_docs = int(state["epoch_docs"])
+        self.buffer = [tuple(r) for r in state["buffer"]]
+        self.rng.bit_generator.state = state["rng"]
+        self.packer.load_state_dict(state["packer"])
+        self.ready = [[tuple(r) for r in row] for row in state["ready"]]
+        self.stats = SkipStats(state["stats"])
+        for ref in [r for row in self.packer.open for r, _ in row] + [r for row in self.ready for r in row]:
+            self._docs[ref] = self._rebuild(ref)
+
+    # ---- shards ----------------------------------------------------------------------------
+    def _shard(self, s: int) -> TokenShard:
+        if s in self._open:
+            self._open.move_to_end(s)
+            return self._open[s]
+        try:
+            shard = TokenShard(self.paths[s], self.stats)
+        except ShardError as e:
+            self.stats.skip(e.reason, self.paths[s], str(e))
+            shard = None
+        self._open[s] = shard
+        self._lengths[s] = len(shard) if shard is not None else 0
+        while len(self._open) > self._max_open:
+            self._open.popitem(last=False)
+        return shard
+
+    def _len(self, s: int) -> int:
+        if s not in self._lengths:
+            self._shard(s)
+        return self._lengths[s]
+
+    def _seek(self, pos: int) -> None:
+        """Move the epoch cursor to global sample number ``pos`` (reads shard headers only)."""
+        k, left = 0, pos
+        while k < len(self.order) and left >= self._len(self.order[k]):
+            left -= self._len(self.order[k])
+            k += 1
+        self.pos, self._cursor = pos, (k, left)
+
+    def epoch_refs(self, epoch: int) -> list[tuple[int, int]]:
+        """(shard, sample) references this rank gets in ``epoch``, in stream order (before shuffling)."""
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.paths)).tolist()
+        refs, g = [], 0
+        for s in order:
+            for i in range(self._len(s)):
+                if g % self.dp_size == self.dp_rank:
+                    refs.append((s, i))
+                g += 1
+        return refs
+
+    def key_of(self, ref: tuple) -> str:
+        return self._shard(ref[0]).samples[ref[1]][0]
+
+    # ---- stream ----------------------------------------------------------------------------
+    def _next_stream_ref(self) -> Optional[tuple[int, int]]:
+        k, i = self._cursor
+        while k < len(self.order):
+            s = self.order[k]
+            if i >= self._len(s):
+                k, i = k + 1, 0
+                continue
+            g = self.pos
+            self.pos += 1
+            self._cursor = (k, i + 1)
+            if g % self.dp_size == self.dp_rank:
+                return (s, i)
+            k, i = self._cursor
+        self._cursor = (k, i)
+        return None
+
+    def _next_sample(self) -> tuple[int, int, int]:
+        """The next (shard, sample, epoch) out of the shuffle buffer, moving to a new epoch as needed."""
+        while True:
+            while not self.stream_done and len(self.buffer) < self.cfg.shuffle_buffer:
+                ref = self._next_stream_ref()
+                if ref is None:
+                    self.stream_done = True
+                else:
+                    self.buffer.append(ref)
+            if self.buffer:
+                j = int(self.rng.integers(len(self.buffer)))
+                self.buffer[j], self.buffer[-1] = self.buffer[-1], self.buffer[j]
+                s, i = self.buffer.pop()
+                return s, i, self.epoch
+            if self._epoch_docs == 0:
+                raise RuntimeError(f"dp rank {self.dp_rank}: epoch {self.epoch} of {len(self.paths)} shards "
+                                   f"gave no usable document (skips: {dict(self.stats)})")
+            self._start_epoch(self.epoch + 1)
+            self._epoch_docs = 0
+
+    def _sample_docs(self, s: int, i: int, epoch: int, count: bool) -> list[Doc]:
+        shard = self._shard(s)
+        if shard is None:
+            return []
+        where = f"{self.paths[s]}:{shard.samples[i][0]}"
+        try:
+            sample = shard.read(i, self.vocab.codebook_size)
+        except ShardError as e:
+            if count:
+                self.stats.skip(e.reason, where, str(e))
+            return []
+        docs, too_long = build_docs(self.tokenizer, self.vocab, sample.codes, sample.timestamps, sample.meta,
+                                    self.opts, self.seq_len, sample_rng(self.seed, epoch, sample.key), sample.key)
+        if count:
+            if too_long:
+                self.stats.skip("text_too_long", where, f"{too_long} template(s) longer than seq_len={self.seq_len}")
+            if not docs and not too_long:
+                self.stats.skip("no_text", where, "json has no caption, qa or segments")
+            if docs:
+                self.stats["ok"] += 1
+            for d in docs:
+                self.stats["docs"] += 1
+                self.stats["groups_dropped"] += d.groups_dropped
+                self.stats["docs_cut"] += int(d.groups_dropped > 0)
+        return docs
+
+    def _rebuild(self, ref: tuple) -> Doc:
+        s, i, epoch, j = ref
+        return self._sample_docs(s, i, epoch, count=False)[j]
+
+    def _next_row(self) -> list[tuple]:
+        while not self.ready:
+            s, i, epoch = self._next_sample()
+            docs = self._sample_docs(s, i, epoch, count=True)
+            self._epoch_docs += len(docs)
+            for j, doc in enumerate(docs):
+                ref = (s, i, epoch, j)
+                self._docs[ref] = doc
+                self.ready += self.packer.add(ref, len(doc))
+        return self.ready.pop(0)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        rows, keys, refs = [], [], []
+        for _ in range(self.batch_size):
+            row = self._next_row()
+            docs = [self._docs.pop(r) for r in row]
+            rows.append(pack_row(docs, self.seq_len, self.pad_id, self.cfg.loss_norm))
+            keys.append([d.key for d in docs])
+            refs.append(list(row))
+            used = sum(len(d) for d in docs)
+            self.stats["tokens"] += used
+            self.stats["pad_tokens"] += self.seq_len - used
+        self.last_batch_keys, self.last_batch_refs = keys, refs
+        return {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
+
+    @property
+    def padding_fraction(self) -> float:
+        total = self.stats["tokens"] + self.stats["pad_tokens"]
+        return self.stats["pad_tokens"] / total if total else 0.0
+
+
+def make_loader(cfg, tokenizer, vocab, *, batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                **kw) -> TokenLoader:
+    """A loader over ``cfg.train_shards`` (cfg: DataConfig)."""
+    return TokenLoader(cfg.train_shards, tokenizer, vocab, cfg, batch_size=batch_size, dp_rank=dp_rank,
+                       dp_size=dp_size, **kw)

@@ -1,0 +1,108 @@
+"""Masked sequence packing: documents share a fixed-length row but never see each other.
+
+A row of ``seq_len`` tokens holds whole documents one after another, then padding:
+
+    input_ids    doc0 tokens | doc1 tokens | pad
+    segment_ids  0 0 0 0 0   | 1 1 1 1     | -1 -1
+    positions    0 1 2 3 4   | 0 1 2 3     | 0 0
+    targets      next token within the document; the last token of a document and padding get pad_id
+    loss_weights the weight of that next token; 0 on each document's last token and on padding
+
+Attention follows the mask rule of the kernels (same segment, causal by position), so a document
+attends only to itself and RoPE sees positions from 0, exactly as if it were alone. The loss is the
+weighted sum over all tokens divided by the total weight of the global batch; with
+``loss_norm="token"`` the weights are the layout's, so the loss and its gradients equal those of
+the same documents unpacked (one per row). ``loss_norm="sample"`` scales each document's weights to
+sum to 1, which makes every document count alike (the mean of per-document means).
+
+Documents longer than ``seq_len`` never reach the packer: the layout drops whole frame groups
+uniformly until they fit (see :func:`longvideo.data.layout.layout_doc`).
+"""
+
+from __future__ import annotations
+
+from typing import Generic, Hashable, Sequence, TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+
+def pack_row(docs: Sequence, seq_len: int, pad_id: int, loss_norm: str = "token") -> dict[str, np.ndarray]:
+    """Pack documents (objects with ``ids`` int (L,) and ``weights`` float (L,)) into one row.
+
+    Returns numpy arrays of shape (seq_len,): input_ids, targets, positions, segment_ids (int64) and
+    loss_weights (float32).
+    """
+    if loss_norm not in ("token", "sample"):
+        raise ValueError(f"loss_norm must be 'token' or 'sample', got {loss_norm!r}")
+    input_ids = np.full(seq_len, pad_id, np.int64)
+    targets = np.full(seq_len, pad_id, np.int64)
+    positions = np.zeros(seq_len, np.int64)
+    segment_ids = np.full(seq_len, -1, np.int64)
+    loss_weights = np.zeros(seq_len, np.float32)
+    at = 0
+    for s, doc in enumerate(docs):
+        n = len(doc.ids)
+        if at + n > seq_len:
+            raise ValueError(f"documents of {at + n} tokens do not fit a row of {seq_len}")
+        w = np.asarray(doc.weights, np.float32)[1:]  # weight of predicting token j+1 from j
+        if loss_norm == "sample" and w.sum() > 0:
+            w = w / w.sum()
+        input_ids[at: at + n] = doc.ids
+        targets[at: at + n - 1] = doc.ids[1:]
+        loss_weights[at: at + n - 1] = w
+        positions[at: at + n] = np.arange(n)
+        segment_ids[at: at + n] = s
+        at += n
+    return {"input_ids": input_ids, "targets": targets, "loss_weights": loss_weights,
+            "positions": positions, "segment_ids": segment_ids}
+
+
+class Packer(Generic[T]):
+    """First-fit packing of (item, length) pairs into at most ``bins`` open rows of ``seq_len``.
+
+    ``add`` returns the rows that became final: when an item fits no open row and all ``bins``
+    rows are open, the fullest row is closed. Items are opaque (the loader uses sample references,
+    so the state is small); ``state_dict`` holds them as they are.
+    """
+
+    def __init__(self, seq_len: int, bins: int = 4):
+        if seq_len <= 0 or bins <= 0:
+            raise ValueError(f"seq_len and bins must be positive, got {seq_len}, {bins}")
+        self.seq_len, self.bins = seq_len, bins
+        self.open: list[list[tuple[T, int]]] = []
+
+    @staticmethod
+    def _fill(row: list[tuple[T, int]]) -> int:
+        return sum(n for _, n in row)
+
+    def add(self, item: T, length: int) -> list[list[T]]:
+        if not 0 < length <= self.seq_len:
+            raise ValueError(f"item length {length} outside (0, {self.seq_len}]")
+        for row in self.open:
+            if self._fill(row) + length <= self.seq_len:
+                row.append((item, length))
+                return []
+        closed = []
+        if len(self.open) >= self.bins:
+            fullest = max(range(len(self.open)), key=lambda i: self._fill(self.open[i]))
+            closed.append([it for it, _ in self.open.pop(fullest)])
+        self.open.append([(item, length)])
+        return closed
+
+    def flush(self) -> list[list[T]]:
+        rows = [[it for it, _ in row] for row in self.open]
+        self.open = []
+        return rows
+
+    def state_dict(self) -> dict:
+        return {"open": [[[it, n] for it, n in row] for row in self.open]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.open = [[(_freeze(it), int(n)) for it, n in row] for row in state["open"]]
+
+
+def _freeze(item) -> Hashable:
+    """JSON round trips turn tuples into lists; refs are tuples again after loading."""
+    return tuple(_freeze(x) for x in item) if isinstance(item, list) else item

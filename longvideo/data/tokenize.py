@@ -1,0 +1,203 @@
+"""``longvideo tokenize``: raw shards (video + json) -> token shards (VQ codes + timestamps + json).
+
+Each input shard becomes one output shard of the same name, written atomically (a temporary file
+renamed when complete), so an interrupted run leaves only finished shards behind and a rerun skips
+them. Shards are spread over worker processes, each holding one copy of the VQ model. Videos that
+cannot be read (corrupt, truncated, unsupported, empty) and samples without json are counted by
+reason, logged and skipped; a ``NAME.stats.json`` beside each output shard keeps its counts and
+``tokenize_stats.json`` sums them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from longvideo.data.shards import (ShardWriter, SkipStats, expand_shards, group_samples, index_tar,
+                                   iter_raw_samples, token_sample_members, write_json_atomic, VIDEO_EXTS)
+from longvideo.data.video import VideoError, iter_video
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenizeOptions:
+    fps: float = 1.0
+    """Frames per second sampled from each video."""
+    max_frames: Optional[int] = 3600
+    """Most frames per video (uniform sampling when the cap binds)."""
+    max_resolution: int = 4096
+    """Longest frame side accepted."""
+    batch_frames: int = 16
+    """Frames the VQ encodes at once."""
+
+
+_VQ = None  # the worker's VQ model, loaded once per process
+
+
+def _init_worker(vq_dir: str, threads: int, queue) -> None:
+    global _VQ, _QUEUE
+    import torch
+
+    from longvideo.vq import load_vq
+
+    torch.set_num_threads(max(1, threads))
+    _VQ = load_vq(vq_dir)
+    _QUEUE = queue
+
+
+_QUEUE = None
+
+
+def _reason(err: VideoError) -> str:
+    name = type(err).__name__.replace("VideoError", "").lower()
+    return f"video_{name or 'error'}"
+
+
+def tokenize_sample(vq, video: bytes, opts: TokenizeOptions) -> tuple[np.ndarray, np.ndarray, int]:
+    """codes (G, h, w), per-group timestamps (G,) and the frame count of one video."""
+    import torch
+
+    from longvideo.vq import encode_video
+
+    stamps: list[torch.Tensor] = []
+
+    def frames():
+        for chunk, times in iter_video(video, fps=opts.fps, max_frames=opts.max_frames, size=vq.cfg.resolution,
+                                       max_resolution=opts.max_resolution):
+            stamps.append(times)
+            yield chunk
+
+    with torch.no_grad():
+        codes = encode_video(vq, frames(), batch_frames=opts.batch_frames)
+    codes = np.asarray(codes.cpu() if hasattr(codes, "cpu") else codes)
+    times = torch.cat(stamps).numpy() if stamps else np.zeros(0)
+    groups = vq.group_frame_index(len(times))
+    if len(groups) != codes.shape[0]:
+        raise RuntimeError(f"VQ returned {codes.shape[0]} code groups for {len(times)} frames, "
+                           f"group_frame_index says {len(groups)}")
+    return codes, np.asarray([times[g[0]] for g in groups], np.float64), len(times)
+
+
+def tokenize_shard(vq, src: str, dst: str, opts: TokenizeOptions, progress=None) -> dict:
+    """Tokenize one raw shard into ``dst`` (atomically). Returns its counts."""
+    stats = SkipStats()
+    t0 = time.time()
+    with ShardWriter(dst) as writer:
+        for sample in iter_raw_samples(src, stats):
+            try:
+                codes, stamps, n_frames = tokenize_sample(vq, sample.video, opts)
+            except VideoError as e:
+                stats.skip(_reason(e), f"{src}:{sample.key}", str(e))
+            else:
+                meta = dict(sample.meta)
+                meta["tokenized"] = {"num_frames": n_frames, "num_groups": int(codes.shape[0]),
+                                     "sample_fps": opts.fps, "video_ext": sample.video_ext,
+                                     "vq_mode": vq.cfg.mode, "vq_resolution": vq.cfg.resolution}
+                writer.write(sample.key.replace("/", "_"), token_sample_members(sample.key, codes, stamps, meta))
+                stats["ok"] += 1
+            if progress is not None:
+                progress(1)
+    out = dict(stats)
+    out["seconds"] = round(time.time() - t0, 3)
+    write_json_atomic(stats_path(dst), out)
+    return out
+
+
+def stats_path(shard: str | os.PathLike) -> Path:
+    p = Path(shard)
+    return p.with_name(p.name[: -len(".tar")] + ".stats.json" if p.name.endswith(".tar") else p.name + ".stats.json")
+
+
+def _count_samples(path: str) -> int:
+    try:
+        return len(group_samples(index_tar(path), VIDEO_EXTS + ("json",)))
+    except Exception:
+        return 0
+
+
+def _skipped(counts) -> int:
+    return sum(v for k, v in counts.items() if k not in ("ok", "shards_done", "shards_skipped"))
+
+
+def _worker_job(args) -> tuple[str, dict]:
+    src, dst, opts = args
+    return src, tokenize_shard(_VQ, src, dst, opts, progress=lambda n: _QUEUE.put(n))
+
+
+def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = TokenizeOptions(), *,
+                    workers: int = 1, progress: bool = True) -> dict:
+    """Tokenize every raw shard of ``inputs`` into ``out_dir``; finished outputs are skipped.
+
+    Returns summed counts (``ok`` = samples written, one key per skip reason, ``shards_done``,
+    ``shards_skipped``).
+    """
+    import multiprocessing as mp
+
+    from tqdm import tqdm
+
+    paths = expand_shards(inputs)
+    if not paths:
+        raise FileNotFoundError(f"no raw shards match {inputs!r}")
+    names = [Path(p).name for p in paths]
+    if len(set(names)) != len(names):
+        raise ValueError("input shards must have distinct file names (outputs are named after them)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    total = Counter()
+    jobs = []
+    for src, name in zip(paths, names):
+        dst = out / name
+        if dst.exists():
+            total["shards_skipped"] += 1
+            sp = stats_path(dst)
+            if sp.exists():
+                import json
+
+                total.update({k: v for k, v in json.loads(sp.read_text()).items() if k != "seconds"})
+        else:
+            jobs.append((src, str(dst), opts))
+    bar = tqdm(total=sum(_count_samples(j[0]) for j in jobs), unit="video", desc="tokenize",
+               disable=not progress)
+    cores = os.cpu_count() or 1
+    workers = max(1, min(workers, len(jobs) or 1))
+    if workers == 1:
+        from longvideo.vq import load_vq
+
+        vq = load_vq(vq_dir)
+        for src, dst, o in jobs:
+            res = tokenize_shard(vq, src, dst, o, progress=bar.update)
+            total.update({k: v for k, v in res.items() if k != "seconds"})
+            total["shards_done"] += 1
+            bar.set_postfix(ok=total["ok"], skipped=_skipped(total))
+    else:
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        with ctx.Pool(workers, initializer=_init_worker,
+                      initargs=(vq_dir, max(1, cores // workers), queue)) as pool:
+            pending = [pool.apply_async(_worker_job, (job,)) for job in jobs]
+            while pending:
+                while not queue.empty():
+                    bar.update(queue.get())
+                done = [r for r in pending if r.ready()]
+                for r in done:
+                    _, res = r.get()  # re-raises a worker's exception here
+                    total.update({k: v for k, v in res.items() if k != "seconds"})
+                    total["shards_done"] += 1
+                    pending.remove(r)
+                    bar.set_postfix(ok=total["ok"], skipped=_skipped(total))
+                if not done:
+                    time.sleep(0.05)
+            while not queue.empty():
+                bar.update(queue.get())
+    bar.close()
+    result = dict(total)
+    write_json_atomic(out / "tokenize_stats.json", result)
+    return result
