@@ -155,8 +155,8 @@ class _DecordBackend:
             h, w = self.vr[0].shape[:2] if n > 0 else (0, 0)
         except Exception as e:  # decord raises RuntimeError/DECORDError for anything it cannot open
             raise CorruptVideoError(f"decord cannot open it: {str(e).splitlines()[0][:200]}", label) from e
-        if n <= 0:
-            raise EmptyVideoError("no frames", label)
+        if n <= 0:  # decord trusts the header's count; PyAV may still find frames
+            raise CorruptVideoError("decord finds no frames", label)
         if not math.isfinite(fps) or fps <= 0:
             raise CorruptVideoError(f"bad frame rate {fps}", label)
         _check_frame_size(w, h, max_resolution, label)
@@ -201,9 +201,15 @@ class _PyAVBackend:
         elif self.container.duration is not None:
             duration = self.container.duration / 1_000_000  # av.time_base is microseconds
         n = s.frames or (int(round(duration * fps)) if duration else 0)
+        self.start = float(s.start_time * s.time_base) if s.start_time is not None and s.time_base else 0.0
+        if n <= 0:  # no duration or count in the header (e.g. a streamed webm): count packets instead
+            n, duration = self._scan()
+            self.container.close()
+            self.container = av.open(self._file(), mode="r")
+            self.stream = self.container.streams.video[0]
+            self.stream.thread_type = "AUTO"
         if n <= 0:
             raise EmptyVideoError("no frames", label)
-        self.start = float(s.start_time * s.time_base) if s.start_time is not None and s.time_base else 0.0
         self.info = VideoInfo(num_frames=n, fps=fps, width=cc.width, height=cc.height,
                               duration=duration if duration else n / fps)
         self._frames = None  # the live decode iterator
@@ -211,6 +217,24 @@ class _PyAVBackend:
         self._gop = 2.0  # keyframe spacing in seconds, learnt while decoding; seek beyond it
         self._last_key = None  # time of the newest keyframe seen
         self._end = None  # time of the last frame, once the stream has ended
+
+    def _scan(self) -> tuple[int, float]:
+        """Frame count and duration from the packets (demuxing only, no decoding)."""
+        count, end = 0, 0.0
+        try:
+            for packet in self.container.demux(self.stream):
+                if packet.size == 0 or packet.pts is None:
+                    continue
+                count += 1
+                if count > HARD_MAX_FRAMES * 1000:
+                    raise UnsupportedVideoError("too many frames", self.label)
+                span = packet.duration or 0
+                end = max(end, float((packet.pts + span) * packet.time_base) - self.start)
+        except VideoError:
+            raise
+        except Exception as e:
+            raise CorruptVideoError(f"PyAV cannot demux it: {str(e)[:200]}", self.label) from e
+        return count, end
 
     def _reopen(self) -> None:
         """Decode from the first frame (after a seek failed, or when seeking is off)."""
