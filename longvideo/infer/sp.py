@@ -24,6 +24,7 @@ import math
 import time
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -222,3 +223,44 @@ def sp_generate(model: Transformer, ids: Tensor, group=None, *, max_new_tokens: 
     out.ttft_s += engine.prefix_s
     out.total_s += engine.prefix_s
     return out
+
+
+# ----------------------------------------------------------------------------- sharing inputs
+
+_MAX_DIMS = 6
+
+
+def comm_device(group=None) -> torch.device:
+    """Where tensors for collectives must live: the current GPU under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_array(arr: Optional[np.ndarray], src: int = 0, group=None) -> np.ndarray:
+    """Rank `src`'s integer or float array on every rank (sent as int64 / float64 tensors, no pickling)."""
+    dev = comm_device(group)
+    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.long, device=dev)
+    if dist.get_rank() == src:
+        arr = np.asarray(arr)
+        if arr.ndim > _MAX_DIMS:
+            raise ValueError(f"broadcast_array handles up to {_MAX_DIMS} dims, got {arr.ndim}")
+        header[0] = 1 if np.issubdtype(arr.dtype, np.floating) else 0
+        header[1] = arr.ndim
+        header[2:2 + arr.ndim] = torch.tensor(arr.shape, dtype=torch.long)
+    dist.broadcast(header, src=src, group=group)
+    dtype = torch.float64 if int(header[0]) else torch.long
+    shape = tuple(int(x) for x in header[2:2 + int(header[1])])
+    if dist.get_rank() == src:
+        data = torch.from_numpy(np.ascontiguousarray(arr).astype(np.float64 if dtype == torch.float64 else np.int64))
+        data = data.to(dev)
+    else:
+        data = torch.empty(shape, dtype=dtype, device=dev)
+    dist.broadcast(data, src=src, group=group)
+    return data.cpu().numpy()
+
+
+def broadcast_text(text: Optional[str], src: int = 0, group=None) -> str:
+    """Rank `src`'s string on every rank."""
+    raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64) if dist.get_rank() == src else None
+    return bytes(broadcast_array(raw, src, group).astype(np.uint8).tolist()).decode("utf-8")

@@ -1,0 +1,292 @@
+"""Answering questions about a video: read -> VQ-encode (streaming) -> prompt -> prefill -> generate.
+
+    from longvideo.infer import answer, ChatSession
+    print(answer("exported_dir", "clip.mp4", "What colour was the flash frame?"))
+
+    session = ChatSession.from_video(load_pretrained("exported_dir"), "clip.mp4")
+    session.ask("What shape came first?")          # encodes once, prefills the video once
+    session.ask("What colour was the last shape?")  # reuses the video's KV cache
+
+The video is decoded at the requested fps with the data reader, VQ-encoded in batches of
+`encode_batch_frames` frames as it streams in (a progress bar counts frames), laid out with the QA
+training template (`longvideo.data.layout.build_prompt_ids`), and the video part of the prompt is
+prefilled once into a KV cache; each question is prefilled after it and answered.
+
+A video whose tokens would not fit the model's context (`model.max_seq_len`, less room for the
+question and the answer) is sampled with fewer frames spread over its whole length; a warning
+states the effective fps.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+import torch
+
+from longvideo.infer.config import InferConfig
+from longvideo.infer.engine import Engine, LocalEngine
+from longvideo.infer.generate import trim_at_stop
+
+QUESTION_RESERVE = 64
+"""Tokens kept free for a question when the video is fitted to the context before one is known."""
+
+
+class ContextWarning(UserWarning):
+    """The video was sampled at a lower fps than asked so that it fits the model's context."""
+
+
+@dataclass
+class EncodedVideo:
+    """A video as the language model sees it: VQ code groups and the time of each."""
+
+    codes: np.ndarray
+    """int64 (G, h, w)."""
+    timestamps: np.ndarray
+    """float64 (G,), seconds of each group's first frame."""
+    num_frames: int
+    """Frames read from the video."""
+    duration: float
+    """Length of the video in seconds."""
+    fps: float
+    """Frames per second actually sampled (lower than asked when the context forced it)."""
+
+
+def load_model(model, device: str | torch.device = "cpu"):
+    """A `Pretrained` (model, config, tokenizer, vq) from itself or a directory."""
+    if isinstance(model, (str, Path)):
+        from longvideo.export import load_pretrained
+
+        path = Path(model)
+        if not path.exists():
+            raise FileNotFoundError(f"model directory not found: {path}")
+        return load_pretrained(path, device=device)
+    return model
+
+
+def _require(pretrained, what: str):
+    obj = getattr(pretrained, what, None)
+    if obj is None:
+        where = getattr(pretrained, "path", None) or "the model"
+        raise ValueError(f"{where} has no {'VQ video tokenizer (vq/)' if what == 'vq' else 'text tokenizer'}; "
+                         f"it cannot answer questions about videos")
+    return obj
+
+
+# ----------------------------------------------------------------------------- prompt and context
+
+def prompt_options(pretrained) -> dict:
+    """The layout options the model was trained with (timestamps, question position)."""
+    data = getattr(getattr(pretrained, "config", None), "data", None)
+    every = int(getattr(data, "timestamp_every", 0) or 0)
+    first = getattr(data, "question_position", "after") == "before"
+    return {"timestamp_every": every, "question_first": first}
+
+
+def prompt_ids(pretrained, codes: np.ndarray, timestamps: np.ndarray, question: str) -> list[int]:
+    """The QA prompt (training template) for one question, ending where the answer starts."""
+    from longvideo.data.layout import build_prompt_ids
+
+    tok = _require(pretrained, "tokenizer")
+    return build_prompt_ids(tok, pretrained.model.cfg.vocab, codes, timestamps, question,
+                            **prompt_options(pretrained))
+
+
+def groups_that_fit(length_of: Callable[[int], int], num_groups: int, budget: int) -> int:
+    """Largest g <= num_groups with length_of(g) <= budget (length_of increases with g); 0 if none."""
+    if length_of(num_groups) <= budget:
+        return num_groups
+    lo, hi = 0, num_groups  # length_of(lo) fits or lo == 0; length_of(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if length_of(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def context_budget(pretrained, max_new_tokens: int) -> int:
+    return pretrained.model.cfg.max_seq_len - max_new_tokens
+
+
+def frames_for_groups(vq, groups: int, num_frames: int) -> int:
+    """Most frames (<= num_frames) whose VQ grouping has at most `groups` groups."""
+    return groups_that_fit(lambda n: len(vq.group_frame_index(n)), num_frames, groups)
+
+
+def fit_frames(pretrained, num_frames: int, question: Optional[str], max_new_tokens: int) -> int:
+    """How many of `num_frames` frames fit the context with the question and the answer."""
+    vq = _require(pretrained, "vq")
+    side = vq.cfg.resolution // vq.cfg.downsample
+    q = question if question is not None else "?" * QUESTION_RESERVE
+
+    def length(n: int) -> int:
+        g = len(vq.group_frame_index(n))
+        dummy = np.zeros((g, side, side), np.int64)
+        return len(prompt_ids(pretrained, dummy, np.arange(g, dtype=np.float64), q))
+
+    return groups_that_fit(length, num_frames, context_budget(pretrained, max_new_tokens))
+
+
+def fit_codes(pretrained, codes: np.ndarray, timestamps: np.ndarray, question: str,
+              max_new_tokens: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Drop code groups uniformly over the video until the prompt fits the context.
+    Returns the kept codes, their timestamps and the kept group indices."""
+    from longvideo.data.layout import uniform_keep
+
+    G = codes.shape[0]
+
+    def length(g: int) -> int:
+        keep = uniform_keep(G, g)
+        return len(prompt_ids(pretrained, codes[keep], timestamps[keep], question))
+
+    g = groups_that_fit(length, G, context_budget(pretrained, max_new_tokens))
+    if g == 0:
+        raise ValueError(f"the question alone does not fit the context of {pretrained.model.cfg.max_seq_len} tokens")
+    keep = uniform_keep(G, g)
+    return codes[keep], timestamps[keep], keep
+
+
+# ----------------------------------------------------------------------------- video encoding
+
+def encode_video_file(pretrained, video, *, fps: float = 1.0, max_frames: Optional[int] = None,
+                      question: Optional[str] = None, max_new_tokens: int = 64, batch_frames: int = 16,
+                      progress: bool = True) -> EncodedVideo:
+    """Decode `video` (path or bytes) at `fps`, fitted to the context, and VQ-encode it in batches.
+
+    Raises longvideo.data.video.VideoError (or a subclass) for a missing or unreadable video.
+    """
+    from tqdm.auto import tqdm
+
+    from longvideo.data.video import EmptyVideoError, iter_video, probe_video, sample_indices
+    from longvideo.vq import encode_video
+
+    vq = _require(pretrained, "vq")
+    info = probe_video(video)
+    wanted = len(sample_indices(info.num_frames, info.fps, fps, max_frames))
+    if wanted == 0:
+        raise EmptyVideoError("no frames to read", str(video) if not isinstance(video, (bytes, bytearray)) else "<bytes>")
+    n = fit_frames(pretrained, wanted, question, max_new_tokens)
+    if n == 0:
+        raise ValueError(f"not even one frame fits the context of {pretrained.model.cfg.max_seq_len} tokens")
+    duration = info.duration if info.duration > 0 else info.num_frames / max(info.fps, 1e-9)
+    effective = fps if n == wanted else n / duration
+    if n < wanted:
+        warnings.warn(f"the video ({duration:.1f} s) at {fps:g} fps gives {wanted} frames, more than the "
+                      f"context of {pretrained.model.cfg.max_seq_len} tokens holds with the question and "
+                      f"{max_new_tokens} answer tokens; sampling {n} frames over the whole video instead "
+                      f"(effective fps {effective:.4g})", ContextWarning, stacklevel=2)
+    stamps: list[torch.Tensor] = []
+    bar = tqdm(total=n, unit="frame", desc="encoding video", disable=not progress)
+
+    def chunks() -> Iterator[torch.Tensor]:
+        for frames, times in iter_video(video, fps=fps, max_frames=n, size=vq.cfg.resolution):
+            stamps.append(times)
+            bar.update(int(frames.shape[0]))
+            yield frames
+
+    try:
+        with torch.no_grad():
+            codes = encode_video(vq, chunks(), batch_frames=batch_frames)
+    finally:
+        bar.close()
+    times = torch.cat(stamps).double().numpy() if stamps else np.zeros(0)
+    groups = vq.group_frame_index(len(times))
+    codes = np.asarray(codes.cpu()).astype(np.int64)
+    if codes.shape[0] != len(groups):
+        raise RuntimeError(f"VQ returned {codes.shape[0]} code groups for {len(times)} frames, "
+                           f"expected {len(groups)}")
+    return EncodedVideo(codes=codes, timestamps=np.asarray([times[g[0]] for g in groups], np.float64),
+                        num_frames=len(times), duration=float(duration), fps=float(effective))
+
+
+# ----------------------------------------------------------------------------- answering
+
+def split_prompt(ids: list[int], vision_end: int) -> tuple[list[int], list[int]]:
+    """(prefix, rest): the prefix ends with the last `</vision>` (the part worth caching), the
+    rest holds at least one token."""
+    cut = max((i + 1 for i, t in enumerate(ids) if t == vision_end), default=0)
+    cut = min(cut, len(ids) - 1)
+    return ids[:cut], ids[cut:]
+
+
+class ChatSession:
+    """Questions about one encoded video; the video's KV cache is kept between questions.
+
+    `engine` is a `LocalEngine` by default; a `longvideo.infer.sp.SequenceParallelEngine` serves
+    the same session over a sequence-parallel group (every rank then asks the same questions).
+    """
+
+    def __init__(self, pretrained, video: EncodedVideo, *, infer: Optional[InferConfig] = None,
+                 engine: Optional[Engine] = None):
+        self.pretrained = pretrained
+        self.video = video
+        self.infer = infer or pretrained.config.infer
+        self.tokenizer = _require(pretrained, "tokenizer")
+        self.engine = engine or LocalEngine(pretrained.model, prefill_chunk=self.infer.prefill_chunk)
+        self.generator = torch.Generator(device=next(pretrained.model.parameters()).device)
+        self.generator.manual_seed(self.infer.seed)
+        self._prefix: Optional[list[int]] = None
+        self.last = None  # the last Generation, for timings
+
+    @classmethod
+    def from_video(cls, pretrained, video, *, fps: float = 1.0, max_frames: Optional[int] = None,
+                   question: Optional[str] = None, infer: Optional[InferConfig] = None,
+                   engine: Optional[Engine] = None, progress: bool = True) -> "ChatSession":
+        infer = infer or pretrained.config.infer
+        enc = encode_video_file(pretrained, video, fps=fps, max_frames=max_frames, question=question,
+                                max_new_tokens=infer.max_new_tokens, batch_frames=infer.encode_batch_frames,
+                                progress=progress)
+        return cls(pretrained, enc, infer=infer, engine=engine)
+
+    def prompt(self, question: str) -> list[int]:
+        return prompt_ids(self.pretrained, self.video.codes, self.video.timestamps, question)
+
+    def ask(self, question: str) -> str:
+        """The model's answer to `question` about the video (text up to the end-of-sequence token)."""
+        if not question.strip():
+            raise ValueError("the question is empty")
+        ids = self.prompt(question)
+        limit = self.pretrained.model.cfg.max_seq_len
+        if len(ids) + self.infer.max_new_tokens > limit:
+            warnings.warn(f"prompt of {len(ids)} tokens plus {self.infer.max_new_tokens} answer tokens exceeds "
+                          f"the model's context of {limit}", ContextWarning, stacklevel=2)
+        prefix, rest = split_prompt(ids, self.pretrained.model.cfg.vocab.vision_end)
+        device = next(self.pretrained.model.parameters()).device
+        if prefix != self._prefix:  # first question, or a template that puts the question first
+            self.engine.set_prefix(torch.tensor([prefix], dtype=torch.long, device=device))
+            self._prefix = prefix
+        stop = [self.tokenizer.eos_id] if self.tokenizer.eos_id is not None else []
+        gen = self.engine.generate(torch.tensor([rest], dtype=torch.long, device=device),
+                                   max_new_tokens=self.infer.max_new_tokens, temperature=self.infer.temperature,
+                                   top_p=self.infer.top_p, stop_ids=stop, generator=self.generator)
+        self.last = gen
+        return self.tokenizer.decode(trim_at_stop(gen.tokens[0].tolist(), stop)).strip()
+
+
+def infer_config(pretrained, **overrides) -> InferConfig:
+    """The model's InferConfig with the given fields replaced (None values are ignored)."""
+    base = getattr(getattr(pretrained, "config", None), "infer", None) or InferConfig()
+    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def answer(model, video, question: str, *, fps: float = 1.0, max_frames: Optional[int] = None,
+           max_new_tokens: Optional[int] = None, temperature: Optional[float] = None,
+           top_p: Optional[float] = None, prefill_chunk: Optional[int] = None, seed: Optional[int] = None,
+           device: str | torch.device = "cpu", progress: bool = False) -> str:
+    """Answer one question about one video.
+
+    model: a `Pretrained` (longvideo.export.load_pretrained) or a directory (exported Hugging Face
+    or project checkpoint); video: a path or the file's bytes. Generation settings default to the
+    model's `infer` config.
+    """
+    pretrained = load_model(model, device)
+    cfg = infer_config(pretrained, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                       prefill_chunk=prefill_chunk, seed=seed)
+    session = ChatSession.from_video(pretrained, video, fps=fps, max_frames=max_frames, question=question,
+                                     infer=cfg, progress=progress)
+    return session.ask(question)

@@ -1,0 +1,233 @@
+"""`longvideo chat` and `longvideo eval`.
+
+    longvideo chat --model DIR --video clip.mp4 --question "What colour was the flash frame?"
+    longvideo chat --model DIR --video clip.mp4 --interactive          # follow-ups reuse the KV cache
+    torchrun --nproc-per-node 2 -m longvideo chat --model DIR --video long.mp4 --question "..."
+    longvideo eval qa --model DIR --shards 'heldout/*.tar' --out eval/
+    longvideo eval text-niah --model DIR --lengths 512,1024 --depths 0,0.5,1 --out eval/
+    longvideo eval video-niah --model DIR --lengths 16,32 --out eval/
+
+Under torchrun (WORLD_SIZE > 1) chat serves sequence-parallel: rank 0 reads and encodes the video
+and the questions, every rank holds its shard of the video's KV cache (longvideo.infer.sp), and
+rank 0 prints the answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+EXIT_ERROR = 2
+
+
+def _error(prog: str, err: BaseException) -> int:
+    print(f"{prog}: error: {err}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def _known_errors() -> tuple[type, ...]:
+    from longvideo.data.video import VideoError
+
+    return (VideoError, FileNotFoundError, ValueError, RuntimeError)
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> str:
+    return f"warning: {message}\n"
+
+
+# ----------------------------------------------------------------------------- chat
+
+def chat_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="longvideo chat", description="Answer questions about a video.")
+    p.add_argument("--model", required=True, help="exported Hugging Face directory or project checkpoint")
+    p.add_argument("--video", required=True, help="video file (mp4, webm, mkv, avi, mov)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--question", help="one question; the answer is printed")
+    g.add_argument("--interactive", action="store_true",
+                   help="read questions from stdin until an empty line; the video is encoded and prefilled once")
+    p.add_argument("--fps", type=float, default=1.0, help="frames per second read from the video (default 1)")
+    p.add_argument("--max-frames", type=int, default=None, help="most frames read (uniform over the video)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="most answer tokens (default: model config)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: model config)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill chunk (single process)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--backend", default="auto", help="block-attention backend for sequence-parallel serving")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _device(arg: Optional[str], local_rank: int = 0) -> torch.device:
+    if arg is not None:
+        return torch.device(arg)
+    return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _questions(args) -> Iterator[str]:
+    if args.question is not None:
+        yield args.question
+        return
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            q = input("question> ") if interactive else sys.stdin.readline()
+        except EOFError:
+            return
+        if not q or not q.strip() or q.strip().lower() in ("exit", "quit"):
+            return
+        yield q.strip()
+
+
+def chat_main(argv: list[str]) -> int:
+    args = chat_parser().parse_args(argv)
+    warnings.formatwarning = _warning_line
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return _chat_sequence_parallel(args)
+    from longvideo.infer.chat import ChatSession, infer_config, load_model
+
+    try:
+        pretrained = load_model(args.model, _device(args.device))
+        cfg = infer_config(pretrained, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_p=args.top_p, prefill_chunk=args.prefill_chunk, seed=args.seed)
+        session = ChatSession.from_video(pretrained, args.video, fps=args.fps, max_frames=args.max_frames,
+                                         question=args.question, infer=cfg, progress=not args.quiet)
+        for q in _questions(args):
+            print(session.ask(q), flush=True)
+    except _known_errors() as e:
+        return _error("longvideo chat", e)
+    return 0
+
+
+def _chat_sequence_parallel(args) -> int:
+    """Every rank runs this; rank 0 reads the video and the questions and prints the answers."""
+    import torch.distributed as dist
+
+    from longvideo.infer.chat import ChatSession, EncodedVideo, encode_video_file, infer_config, load_model
+    from longvideo.infer.sp import SequenceParallelEngine, broadcast_array, broadcast_text, comm_device
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = _device(args.device, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank()
+    try:
+        status, pretrained = "", None
+        try:
+            pretrained = load_model(args.model, device)
+            cfg = infer_config(pretrained, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               top_p=args.top_p, seed=args.seed)
+            enc = None
+            if rank == 0:
+                enc = encode_video_file(pretrained, args.video, fps=args.fps, max_frames=args.max_frames,
+                                        question=args.question, max_new_tokens=cfg.max_new_tokens,
+                                        batch_frames=cfg.encode_batch_frames, progress=not args.quiet)
+        except _known_errors() as e:
+            status = str(e) or type(e).__name__
+        # every rank learns whether any rank failed before the collectives start
+        failed = torch.tensor([1 if status else 0], device=comm_device())
+        dist.all_reduce(failed)
+        if int(failed):
+            if status:
+                print(f"longvideo chat: error (rank {rank}): {status}", file=sys.stderr)
+            return EXIT_ERROR
+        codes = broadcast_array(enc.codes if rank == 0 else None, src=0)
+        stamps = broadcast_array(enc.timestamps if rank == 0 else None, src=0)
+        meta = broadcast_array(np.asarray([enc.num_frames, enc.duration, enc.fps]) if rank == 0 else None, src=0)
+        video = EncodedVideo(codes=codes, timestamps=stamps, num_frames=int(meta[0]), duration=float(meta[1]),
+                             fps=float(meta[2]))
+        engine = SequenceParallelEngine(pretrained.model, backend=args.backend)
+        session = ChatSession(pretrained, video, infer=cfg, engine=engine)
+        questions = _questions(args) if rank == 0 else None
+        while True:
+            q = broadcast_text(next(questions, "") if rank == 0 else None, src=0)
+            if not q:
+                break
+            out = session.ask(q)
+            if rank == 0:
+                print(out, flush=True)
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- eval
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="longvideo eval", description="QA accuracy and needle-in-a-haystack "
+                                "evaluations; each writes NAME.json and a heatmap NAME.png into --out.")
+    sub = p.add_subparsers(dest="task", required=True)
+
+    def common(sp):
+        sp.add_argument("--model", required=True, help="exported Hugging Face directory or project checkpoint")
+        sp.add_argument("--out", required=True, help="output directory for the JSON and the PNG")
+        sp.add_argument("--max-new-tokens", type=int, default=16)
+        sp.add_argument("--device", default=None)
+        sp.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    qa = sub.add_parser("qa", help="accuracy on the questions of QA shards (token or raw)")
+    common(qa)
+    qa.add_argument("--shards", required=True, help="directory, glob or brace pattern of shards")
+    qa.add_argument("--max-samples", type=int, default=None)
+    qa.add_argument("--fps", type=float, default=1.0, help="raw shards: frames per second read")
+    tn = sub.add_parser("text-niah", help="text needle in a haystack (LWM's protocol)")
+    common(tn)
+    tn.add_argument("--lengths", type=_ints, default=[256, 512, 1024], help="context lengths in tokens, comma separated")
+    tn.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
+    tn.add_argument("--rounds", type=int, default=2, help="needles per cell")
+    tn.add_argument("--seed", type=int, default=0)
+    vn = sub.add_parser("video-niah", help="video needle in a haystack (needle frame at a depth)")
+    common(vn)
+    vn.add_argument("--lengths", type=_ints, default=[16, 32, 64], help="video lengths in frames (1 fps)")
+    vn.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
+    vn.add_argument("--colours", default=None, help="needle colours, comma separated (default: all)")
+    vn.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def eval_main(argv: list[str]) -> int:
+    args = eval_parser().parse_args(argv)
+    warnings.formatwarning = _warning_line
+    from longvideo.infer import evals
+    from longvideo.infer.chat import load_model
+
+    try:
+        pretrained = load_model(args.model, _device(args.device))
+        progress = not args.quiet
+        if args.task == "qa":
+            res = evals.evaluate_qa(pretrained, args.shards, out_dir=args.out, max_samples=args.max_samples,
+                                    max_new_tokens=args.max_new_tokens, fps=args.fps, progress=progress)
+            print(f"QA accuracy {res['accuracy']:.3f} (chance {res['chance'] or float('nan'):.3f}; "
+                  f"substring {res['substring_accuracy']:.3f}) over {res['questions']} questions "
+                  f"of {res['samples']} videos")
+        elif args.task == "text-niah":
+            res = evals.evaluate_text_needle(pretrained, lengths=args.lengths, depths=args.depths,
+                                             rounds=args.rounds, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                                             out_dir=args.out, progress=progress)
+            print(f"text needle accuracy {res['accuracy']:.3f} over {len(res['cells'])} needles")
+        else:
+            colours = [c.strip() for c in args.colours.split(",")] if args.colours else None
+            res = evals.evaluate_video_needle(pretrained, lengths=args.lengths, depths=args.depths, colours=colours,
+                                              seed=args.seed, max_new_tokens=args.max_new_tokens, out_dir=args.out,
+                                              progress=progress)
+            print(f"video needle accuracy {res['accuracy']:.3f} (chance {res['chance']:.3f}) "
+                  f"over {len(res['cells'])} needles")
+        print(f"wrote {res['json']} and {res['png']}")
+    except _known_errors() as e:
+        return _error("longvideo eval", e)
+    return 0
