@@ -376,3 +376,19 @@ def write_synthetic_shards(out_dir, n: int, *, seed: int = 0, spec: SyntheticSpe
             bar.update(_write_shard(job)[1])
     bar.close()
     return paths
+
+
+def text_corpus(n: int = 200, seed: int = 0, spec: SyntheticSpec = SyntheticSpec()) -> list[str]:
+    """Texts of the synthetic dataset (captions, segments, QA with the layout's wording, timestamps),
+    for training a small text tokenizer that covers it. Cheap: renders no video."""
+    from longvideo.data.layout import ANSWER_PROMPT, ANSWER_TEXT, QUESTION_TEXT, SEGMENT_TEXT, TIMESTAMP_TEXT
+
+    texts = []
+    for i in range(n):
+        meta = make_sample(seed, i, spec).meta
+        texts.append(meta["caption"])
+        texts += [SEGMENT_TEXT.format(text=s["text"]) for s in meta["segments"]]
+        texts += [QUESTION_TEXT.format(question=q["question"]) + ANSWER_PROMPT + ANSWER_TEXT.format(answer=q["answer"])
+                  for q in meta["qa"]]
+    texts += [TIMESTAMP_TEXT.format(t=float(t)) for t in range(0, 120)]
+    return texts
