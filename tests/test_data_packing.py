@@ -51,7 +51,7 @@ def test_packer_first_fit_and_state():
     assert p.add("a", 6) == [] and p.add("b", 5) == []  # b does not fit with a: second bin
     assert p.add("c", 4) == []  # fits in a's bin
     state = p.state_dict()
-    closed = p.add("d", 6)  # fits nowhere, two bins open: the fullest (a, c) closes
+    closed = p.add("d", 6)  # fits nowhere, two bins open: the oldest (a, c) closes
     assert closed == [["a", "c"]]
     q = Packer(seq_len=10, bins=2)
     q.load_state_dict(state)

@@ -63,7 +63,8 @@ class Packer(Generic[T]):
     """First-fit packing of (item, length) pairs into at most ``bins`` open rows of ``seq_len``.
 
     ``add`` returns the rows that became final: when an item fits no open row and all ``bins``
-    rows are open, the fullest row is closed. Items are opaque (the loader uses sample references,
+    rows are open, the oldest row is closed (so no document waits long; later small documents
+    still fill the gaps of older rows). Items are opaque (the loader uses sample references,
     so the state is small); ``state_dict`` holds them as they are.
     """
 
@@ -86,8 +87,8 @@ class Packer(Generic[T]):
                 return []
         closed = []
         if len(self.open) >= self.bins:
-            fullest = max(range(len(self.open)), key=lambda i: self._fill(self.open[i]))
-            closed.append([it for it, _ in self.open.pop(fullest)])
+            # close the oldest row: a document then waits for at most `bins` rows to be closed
+            closed.append([it for it, _ in self.open.pop(0)])
         self.open.append([(item, length)])
         return closed
 
