@@ -9,6 +9,7 @@ from longvideo.export.hf import (
     load_project_state,
     save_project_checkpoint,
 )
+from longvideo.export.processor import LongVideoProcessor
 
-__all__ = ["CheckpointError", "Pretrained", "export_hf", "import_hf", "load_pretrained", "load_project_state",
+__all__ = ["CheckpointError", "LongVideoProcessor", "Pretrained", "export_hf", "import_hf", "load_pretrained", "load_project_state",
            "save_project_checkpoint"]

@@ -364,8 +364,9 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: Optional[str
     tokenizer.save(out)
     save_config(cfg, out / EXPORT_CONFIG)
     vq_src = Path(vq_dir) if vq_dir else _find(ckpt, "vq")
-    if vq_src is not None:
+    if vq_src is not None:  # with a video tokenizer the directory also serves LongVideoProcessor
+        from longvideo.export.processor import LongVideoProcessor
         from longvideo.vq import load_vq
 
-        load_vq(vq_src).save(out / "vq")
+        LongVideoProcessor.from_config(cfg, tokenizer, load_vq(vq_src)).save_pretrained(out)
     return out

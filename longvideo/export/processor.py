@@ -1,0 +1,124 @@
+"""LongVideoProcessor: (video, question) -> input_ids for `AutoModelForCausalLM.generate`, and back.
+
+    from transformers import AutoModelForCausalLM
+    from longvideo.export import LongVideoProcessor
+
+    model = AutoModelForCausalLM.from_pretrained("exported/")
+    proc = LongVideoProcessor.from_pretrained("exported/")
+    inputs = proc(video="clip.mp4", question="What colour was the flash frame?")
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    print(proc.decode(out[0], prompt_length=inputs["input_ids"].shape[1]))
+
+The prompt is built by the same template the model was trained with (longvideo.data.layout), so
+the exported model needs no custom code: positions are 0..L-1 and there is one segment.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+PROCESSOR_CONFIG = "processor_config.json"
+
+
+@dataclass(frozen=True)
+class ProcessorSettings:
+    fps: float = 1.0
+    """Frames per second sampled from the video."""
+    max_frames: int = 3600
+    """Most frames read (uniform sampling when the cap binds)."""
+    max_resolution: int = 4096
+    """Longest frame side accepted from a video file."""
+    timestamp_every: int = 0
+    """Timestamp text before every k-th frame (0 = none), as in training."""
+    question_first: bool = False
+    """Question before the video instead of after it."""
+    batch_frames: int = 16
+    """Frames VQ-encoded at once (bounds memory on long videos)."""
+
+
+class LongVideoProcessor:
+    def __init__(self, tokenizer, vq, settings: ProcessorSettings = ProcessorSettings()):
+        self.tokenizer = tokenizer
+        self.vq = vq
+        self.settings = settings
+        self.vocab = tokenizer.vocab(vq.cfg.codebook_size)
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer, vq) -> "LongVideoProcessor":
+        """Settings from a root Config's data section (what the model was trained with)."""
+        d = cfg.data
+        return cls(tokenizer, vq, ProcessorSettings(
+            fps=d.fps, max_frames=d.max_frames, max_resolution=getattr(d, "max_resolution", 4096),
+            timestamp_every=getattr(d, "timestamp_every", 0),
+            question_first=getattr(d, "question_position", "after") == "before"))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "LongVideoProcessor":
+        from longvideo.tokenizer import TextTokenizer
+        from longvideo.vq import load_vq
+
+        path = Path(path)
+        cfg_file = path / PROCESSOR_CONFIG
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"no {PROCESSOR_CONFIG} in {path}")
+        raw = json.loads(cfg_file.read_text())
+        known = set(ProcessorSettings.__dataclass_fields__)
+        unknown = sorted(set(raw) - known - {"processor_class"})
+        if unknown:
+            raise ValueError(f"{cfg_file}: unknown keys {unknown}; allowed: {sorted(known)}")
+        settings = ProcessorSettings(**{k: v for k, v in raw.items() if k in known})
+        return cls(TextTokenizer.from_dir(path), load_vq(path / "vq"), settings)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        cfg = {"processor_class": "LongVideoProcessor", **asdict(self.settings)}
+        (path / PROCESSOR_CONFIG).write_text(json.dumps(cfg, indent=2))
+        self.tokenizer.save(path)
+        self.vq.save(path / "vq")
+
+    def encode_video(self, video, fps: Optional[float] = None, max_frames: Optional[int] = None):
+        """codes (G, h, w) and per-group timestamps (G,) of a video path or bytes."""
+        from longvideo.data.tokenize import TokenizeOptions, tokenize_sample
+
+        s = self.settings
+        src = Path(video).read_bytes() if isinstance(video, (str, Path)) else video
+        opts = TokenizeOptions(fps=fps or s.fps, max_frames=max_frames or s.max_frames,
+                               max_resolution=s.max_resolution, batch_frames=s.batch_frames)
+        codes, stamps, _ = tokenize_sample(self.vq, src, opts)
+        return codes, stamps
+
+    def prompt_ids(self, codes, timestamps, question: str) -> list[int]:
+        from longvideo.data.layout import build_prompt_ids
+
+        return build_prompt_ids(self.tokenizer, self.vocab, codes, timestamps, question,
+                                question_first=self.settings.question_first,
+                                timestamp_every=self.settings.timestamp_every)
+
+    def __call__(self, video, question: str, fps: Optional[float] = None, max_frames: Optional[int] = None,
+                 return_tensors: str = "pt") -> dict:
+        if isinstance(video, (str, Path)) and not Path(video).is_file():
+            raise FileNotFoundError(f"video not found: {video}")
+        codes, stamps = self.encode_video(video, fps, max_frames)
+        ids = self.prompt_ids(codes, stamps, question)
+        if return_tensors != "pt":
+            return {"input_ids": [ids], "attention_mask": [[1] * len(ids)]}
+        t = torch.tensor([ids], dtype=torch.long)
+        return {"input_ids": t, "attention_mask": torch.ones_like(t)}
+
+    def decode(self, ids, prompt_length: int = 0) -> str:
+        """The answer text of generated ids (after the prompt, up to EOS)."""
+        from longvideo.data.layout import parse_answer
+
+        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)][prompt_length:]
+        if self.tokenizer.eos_id in ids:
+            ids = ids[: ids.index(self.tokenizer.eos_id)]
+        return parse_answer(self.tokenizer.decode(ids))
+
+    def batch_decode(self, batch, prompt_length: int = 0) -> list[str]:
+        return [self.decode(row, prompt_length) for row in batch]
