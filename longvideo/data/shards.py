@@ -93,6 +93,11 @@ def split_name(name: str) -> tuple[str, str]:
 
 # ----------------------------------------------------------------------------- tar reading
 
+def _safe_name(name: str) -> bool:
+    parts = name.replace("\\", "/").split("/")
+    return bool(name) and not name.startswith("/") and ".." not in parts and "\x00" not in name
+
+
 @dataclass(frozen=True)
 class Member:
     key: str
@@ -115,7 +120,10 @@ def index_tar(path: str, stats: Optional[SkipStats] = None) -> list[Member]:
                     break
                 if info is None:
                     break
-                if not info.isreg():  # links, devices, directories: never followed
+                if not info.isreg() or not _safe_name(info.name):
+                    # links, devices, absolute or escaping names: never followed, never used
+                    if stats is not None and not info.isdir():
+                        stats.skip("unsafe_member", f"{path}:{info.name!r}")
                     continue
                 key, ext = split_name(info.name)
                 out.append(Member(key, ext, info.offset_data, info.size))

@@ -1,0 +1,74 @@
+"""Synthetic data: deterministic in the seed, and its answers are visible in the decoded video."""
+
+import numpy as np
+import pytest
+
+from longvideo.data.shards import SkipStats, iter_raw_samples
+from longvideo.data.synthetic import (COLOURS, NEEDLE_CHOICES, NEEDLE_QUESTION, SyntheticSpec, make_sample,
+                                      moving_shapes_video, write_synthetic_shards)
+from longvideo.data.video import read_video
+
+
+def test_moving_shapes_video():
+    a = moving_shapes_video(12, 64, seed=3)
+    assert a.shape == (12, 64, 64, 3) and a.dtype == np.uint8
+    np.testing.assert_array_equal(a, moving_shapes_video(12, 64, seed=3))
+    assert not np.array_equal(a, moving_shapes_video(12, 64, seed=4))
+    assert not np.array_equal(a[0], a[-1])  # the shapes move
+    # only the background and palette colours appear
+    palette = {(0, 0, 0)} | set(COLOURS.values())
+    assert {tuple(c) for c in a.reshape(-1, 3)} <= palette
+
+
+def test_shards_reproducible_from_seed(tmp_path):
+    spec = SyntheticSpec(size=32, fps=4, min_seconds=2, max_seconds=3, long_fraction=0.0)
+    a = write_synthetic_shards(tmp_path / "a", 4, seed=7, spec=spec, samples_per_shard=2, progress=False)
+    b = write_synthetic_shards(tmp_path / "b", 4, seed=7, spec=spec, samples_per_shard=2, progress=False)
+    c = write_synthetic_shards(tmp_path / "c", 4, seed=8, spec=spec, samples_per_shard=2, progress=False)
+    read = lambda p: open(p, "rb").read()  # noqa: E731
+    assert [read(p) for p in a] == [read(p) for p in b]
+    assert [read(p) for p in a] != [read(p) for p in c]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_needle_and_scenes_visible_at_one_fps(index):
+    spec = SyntheticSpec(size=32, fps=8, min_seconds=3, max_seconds=8, long_fraction=0.0, needle_fraction=1.0)
+    s = make_sample(11, index, spec)
+    meta = s.meta
+    qa = {q["question"]: q for q in meta["qa"]}
+    needle = qa[NEEDLE_QUESTION]
+    assert needle["answer"] in needle["choices"] and needle["choices"] == list(NEEDLE_CHOICES)
+    clip = read_video(s.mp4(), fps=1.0)
+    assert len(clip) == s.duration
+    frames = clip.frames.numpy().astype(int)
+    target = np.array(COLOURS[needle["answer"]])
+    flat = np.abs(frames - target).max(axis=-1).mean(axis=(1, 2)) < 12  # a full-frame solid colour
+    assert np.flatnonzero(flat).tolist() == [int(meta["needle"]["start"])]
+    # every other second shows its scene's shape colour on black
+    for t, frame in enumerate(frames):
+        if flat[t]:
+            continue
+        seg = next(g for g in meta["segments"] if g["start"] <= t < g["end"])
+        colour = np.array(COLOURS[seg["text"].split()[1]])
+        assert (np.abs(frame - colour).max(-1) < 40).mean() > 0.02
+
+
+def test_answer_sets_give_known_chance():
+    spec = SyntheticSpec(long_fraction=0.0, needle_fraction=0.5)
+    metas = [make_sample(0, i, spec).meta for i in range(200)]
+    assert 60 < sum(m["task"] == "needle" for m in metas) < 140
+    for m in metas:
+        for q in m["qa"]:
+            assert q["answer"] in q["choices"] and 2 <= len(q["choices"]) <= 4
+    answers = [q["answer"] for m in metas for q in m["qa"] if q["question"] == NEEDLE_QUESTION]
+    counts = np.array([answers.count(c) for c in NEEDLE_CHOICES])
+    assert counts.min() > 0.5 * counts.mean()  # balanced, so chance is 1 / len(choices)
+
+
+def test_long_videos_and_raw_reading(tmp_path):
+    spec = SyntheticSpec(size=32, fps=4, long_fraction=1.0, long_seconds=30)
+    (path,) = write_synthetic_shards(tmp_path, 1, seed=1, spec=spec, progress=False)
+    stats = SkipStats()
+    (sample,) = list(iter_raw_samples(path, stats))
+    assert stats.skipped == 0 and sample.meta["duration"] == 30.0
+    assert len(read_video(sample.video, fps=1.0)) == 30
