@@ -46,3 +46,94 @@ def test_merge_partials_equals_attention_over_all_keys(sq):
     # no visible key anywhere: zeros, not nan
     empty = merge_partials([outs[1]], [lses[1]])
     assert torch.equal(empty, torch.zeros_like(empty))
+
+
+def tiny_model(dtype, seed=0, **kw):
+    from longvideo.model import ModelConfig, Transformer
+
+    cfg = dict(text_vocab_size=40, codebook_size=20, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+               max_seq_len=256, ffn_chunk=16, init_std=0.1)
+    cfg.update(kw)
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig(**cfg)).to(dtype).eval()
+
+
+def single_process_reference():
+    """Greedy tokens and first logits of the single-process path (chunked prefill, KV cache)."""
+    from longvideo.infer.generate import generate, logits_of, new_cache, prefill
+
+    out = {}
+    for name, dtype, backend in (("f64", torch.float64, "torch"), ("f32", torch.float32, "auto")):
+        model = tiny_model(dtype, attn_backend=backend)
+        torch.manual_seed(1)
+        prefix = torch.randint(0, model.cfg.vocab_size, (2, 45))  # not a multiple of 2W: padded shards
+        questions = [torch.randint(0, model.cfg.vocab_size, (2, n)) for n in (4, 1)]
+        runs = []
+        for q in questions:
+            ids = torch.cat([prefix, q], 1)
+            cache = new_cache(model, 2, ids.shape[1])
+            with torch.no_grad():
+                logits = logits_of(model, prefill(model, ids, cache, chunk=16))
+            runs.append((generate(model, ids, max_new_tokens=10, prefill_chunk=16).tokens, logits))
+        out[name] = (prefix, questions, runs)
+    return out
+
+
+def _sp_body(rank, world, ref, chat_case):
+    import contextlib
+    import io
+
+    from longvideo.infer.sp import SequenceParallelEngine, broadcast_text, sp_generate
+
+    for name, dtype, backend in (("f64", torch.float64, "torch"), ("f32", torch.float32, "auto")):
+        prefix, questions, runs = ref[name]
+        model = tiny_model(dtype, attn_backend=backend)
+        engine = SequenceParallelEngine(model, backend=backend)
+        engine.set_prefix(prefix)
+        assert engine.cache.length == 48 // world  # 45 tokens padded to 48, this rank's zigzag shard
+        for q, (want_tokens, want_logits) in zip(questions, runs):  # follow-ups reuse the sharded prefix
+            start = engine.prefix_len
+            engine.cache.crop(engine.local_prefix_len)
+            pos = start + torch.arange(q.shape[1])[None].expand_as(q)
+            with torch.no_grad():
+                logits = engine._replicated(q, pos)
+            tol = 1e-10 if dtype == torch.float64 else 2e-5
+            torch.testing.assert_close(logits, want_logits, rtol=tol, atol=tol)
+            got = engine.generate(q, max_new_tokens=10)
+            assert torch.equal(got.tokens, want_tokens), (name, got.tokens, want_tokens)
+        # the one-call API, with the question replicated (tail) and the prefix ring-prefilled
+        ids = torch.cat([prefix, questions[0]], 1)
+        got = sp_generate(model, ids, max_new_tokens=10, tail=questions[0].shape[1], backend=backend)
+        assert torch.equal(got.tokens, runs[0][0])
+        assert model.attention_fn is not engine.attn  # the model's own seam is restored
+    assert broadcast_text("héllo" if rank == 0 else None) == "héllo"
+
+    # `longvideo chat` under torchrun: rank 0 prints what the single process printed
+    from longvideo.infer import cli
+
+    ckpt, video, question, expected = chat_case
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli._chat_sequence_parallel(cli.chat_parser().parse_args(
+            ["--model", ckpt, "--video", video, "--question", question, "--quiet", "--device", "cpu"]))
+    assert rc == 0
+    assert buf.getvalue().splitlines() == ([expected] if rank == 0 else [])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sequence_parallel_w2_equals_single_process(tmp_path):
+    """W = 2 (ring prefill, sharded KV cache, merged decoding) gives the single-process tokens."""
+    from test_infer_chat import tiny_pretrained, write_video
+
+    from longvideo.data.synthetic import NEEDLE_QUESTION
+    from longvideo.export import save_project_checkpoint
+    from longvideo.infer.chat import answer
+
+    pre = tiny_pretrained(max_seq_len=1024)
+    ckpt = save_project_checkpoint(tmp_path / "ckpt", pre.model.state_dict(), pre.config,
+                                   tokenizer=pre.tokenizer, vq=pre.vq)
+    write_video(tmp_path / "clip.mp4")
+    expected = answer(pre, str(tmp_path / "clip.mp4"), NEEDLE_QUESTION)
+    chat_case = (str(ckpt), str(tmp_path / "clip.mp4"), NEEDLE_QUESTION, expected)
+    run_ranks(_sp_body, world=2, args=(single_process_reference(), chat_case), timeout=240)

@@ -15,6 +15,7 @@ rank 0 prints the answers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import warnings
@@ -39,6 +40,17 @@ def _known_errors() -> tuple[type, ...]:
 
 def _warning_line(message, category, filename, lineno, file=None, line=None) -> str:
     return f"warning: {message}\n"
+
+
+@contextlib.contextmanager
+def _plain_warnings():
+    """Warnings as one 'warning: ...' line for a person at a terminal, restored afterwards."""
+    saved = warnings.formatwarning
+    warnings.formatwarning = _warning_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = saved
 
 
 # ----------------------------------------------------------------------------- chat
@@ -87,7 +99,11 @@ def _questions(args) -> Iterator[str]:
 
 def chat_main(argv: list[str]) -> int:
     args = chat_parser().parse_args(argv)
-    warnings.formatwarning = _warning_line
+    with _plain_warnings():
+        return _chat(args)
+
+
+def _chat(args) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _chat_sequence_parallel(args)
     from longvideo.infer.chat import ChatSession, infer_config, load_model
@@ -116,7 +132,9 @@ def _chat_sequence_parallel(args) -> int:
     device = _device(args.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    owns_group = not dist.is_initialized()  # a caller may have set up the world already
+    if owns_group:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank()
     try:
         status, pretrained = "", None
@@ -155,7 +173,8 @@ def _chat_sequence_parallel(args) -> int:
                 print(out, flush=True)
         return 0
     finally:
-        dist.destroy_process_group()
+        if owns_group:
+            dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- eval
@@ -202,7 +221,11 @@ def eval_parser() -> argparse.ArgumentParser:
 
 def eval_main(argv: list[str]) -> int:
     args = eval_parser().parse_args(argv)
-    warnings.formatwarning = _warning_line
+    with _plain_warnings():
+        return _eval(args)
+
+
+def _eval(args) -> int:
     from longvideo.infer import evals
     from longvideo.infer.chat import load_model
 

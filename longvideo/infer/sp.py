@@ -84,13 +84,12 @@ class SequenceParallelAttention:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_positions: Tensor,
                  q_segment_ids: Tensor, k_segment_ids: Tensor, causal: bool = True) -> Tensor:
-        if self.mode == "ring":
-            from longvideo.parallel import ring_attention
+        if self.mode == "ring":  # the prefix: the local cache holds exactly this shard's keys
+            from longvideo.parallel import RingAttentionSeam
 
-            if k.shape[1] != q.shape[1]:
-                raise RuntimeError("ring prefill needs an empty cache: the prefix is prefilled first, once")
-            return ring_attention(q, k, v, group=self.group, causal=causal, positions=q_positions,
-                                  segment_ids=q_segment_ids, backend=self.backend)
+            return RingAttentionSeam(self.group, self.backend)(
+                q, k, v, q_positions=q_positions, k_positions=k_positions, q_segment_ids=q_segment_ids,
+                k_segment_ids=k_segment_ids, causal=causal)
         return self.merged(q, k, v, q_positions, k_positions, q_segment_ids, k_segment_ids, causal)
 
     def merged(self, q, k, v, q_pos, k_pos, q_seg, k_seg, causal) -> Tensor:

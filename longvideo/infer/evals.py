@@ -1,0 +1,408 @@
+"""Evaluations: QA accuracy on shards, text needle-in-a-haystack, video needle-in-a-haystack.
+
+    from longvideo.infer.evals import evaluate_qa, evaluate_text_needle, evaluate_video_needle
+    res = evaluate_qa(pretrained, "heldout/*.tar", out_dir="eval/qa")    # token or raw shards
+    print(res["accuracy"], res["chance"])
+
+Each returns a dict (also written as JSON when `out_dir` is given, with a heatmap PNG beside it).
+Answers are scored against the reference by exact match of the parsed answer (first line, no
+final period, case-insensitive) and, reported beside it, by substring match.
+
+* QA: every question of every sample, prompted with the QA training template; the chance level
+  is the mean of 1 / len(choices) over the questions that list their choices. Heatmap: accuracy
+  per question x video-length bin.
+* Text needle (LWM's protocol): a haystack of filler text of a given context length in tokens,
+  with "The special magic {city} number is: {number}." inserted at a given depth (at a sentence
+  boundary), then "What is the special magic {city} number?"; correct when the number appears in
+  the answer. Grid: context length x depth, `rounds` needles per cell. The haystack here is
+  generated filler (no essays are downloaded), deterministic in the seed.
+* Video needle (V-NIAH style): a long generated video (moving shapes) with one frame replaced by
+  a full-frame solid colour at a given depth, asked "What colour was the flash frame?"; chance is
+  1 / number of colours. Grid: video length in frames x depth, one cell per needle colour. In 2d
+  VQ mode frames are coded independently, so the haystack is encoded once per length and the
+  needle's codes are spliced in; causal-3D videos are re-encoded per cell.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+
+from longvideo.infer.chat import ChatSession, EncodedVideo, fit_codes, infer_config, load_model
+from longvideo.infer.engine import Engine
+
+EngineFactory = Callable[[object], Engine]
+"""Builds the engine for a loaded model (default: a LocalEngine with the config's prefill chunk)."""
+
+
+# ----------------------------------------------------------------------------- scoring
+
+def normalise(text: str) -> str:
+    from longvideo.data.layout import parse_answer
+
+    return re.sub(r"\s+", " ", parse_answer(text).lower()).strip()
+
+
+def exact_match(prediction: str, reference: str) -> bool:
+    """The parsed answer equals the reference (case- and whitespace-insensitive)."""
+    return normalise(prediction) == normalise(reference) and normalise(reference) != ""
+
+
+def substring_match(prediction: str, reference: str) -> bool:
+    """The reference occurs in the prediction (case-insensitive)."""
+    ref = reference.strip().lower()
+    return bool(ref) and ref in prediction.lower()
+
+
+# ----------------------------------------------------------------------------- output
+
+def save_heatmap(values: np.ndarray, xlabels: Sequence, ylabels: Sequence, path: str | Path, *, title: str,
+                 xlabel: str, ylabel: str) -> None:
+    """values (len(ylabels), len(xlabels)) in [0, 1] as a red-to-green grid with the numbers written in."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = np.asarray(values, dtype=float)
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(xlabels), 1.2 + 0.55 * len(ylabels)))
+    im = ax.imshow(values, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    ax.set_xticks(range(len(xlabels)), [str(x) for x in xlabels])
+    ax.set_yticks(range(len(ylabels)), [str(y) for y in ylabels])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    for i in range(values.shape[0]):
+        for j in range(values.shape[1]):
+            if np.isfinite(values[i, j]):
+                ax.text(j, i, f"{values[i, j]:.2f}", ha="center", va="center", fontsize=8)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # long question labels: grow the canvas, not squeeze
+    plt.close(fig)
+
+
+def _write(result: dict, out_dir: Optional[str | Path], name: str, heatmap: Callable[[Path], None]) -> dict:
+    if out_dir is None:
+        return result
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result["json"] = str(out / f"{name}.json")
+    result["png"] = str(out / f"{name}.png")
+    heatmap(out / f"{name}.png")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _session(pretrained, video: EncodedVideo, infer, engine_factory: Optional[EngineFactory]) -> ChatSession:
+    engine = engine_factory(pretrained) if engine_factory is not None else None
+    return ChatSession(pretrained, video, infer=infer, engine=engine)
+
+
+# ----------------------------------------------------------------------------- QA accuracy
+
+def _qa_samples(pretrained, shards, *, fps: float, max_frames: Optional[int], batch_frames: int,
+                stats) -> Iterator[tuple[str, np.ndarray, np.ndarray, dict]]:
+    """(key, codes, timestamps, meta) of token shards, or of raw shards encoded with the model's VQ."""
+    from longvideo.data.shards import ShardError, expand_shards, index_tar, iter_raw_samples, iter_token_samples
+    from longvideo.data.tokenize import TokenizeOptions, tokenize_sample
+    from longvideo.data.video import VideoError
+
+    paths = expand_shards(shards)
+    if not paths:
+        raise FileNotFoundError(f"no shards match {shards!r}")
+    codebook = pretrained.model.cfg.codebook_size
+    for path in paths:
+        try:
+            is_tokens = any(m.ext == "codes.npy" for m in index_tar(path))
+        except ShardError as e:
+            stats.skip(e.reason, path, str(e))
+            continue
+        if is_tokens:
+            for s in iter_token_samples(path, stats, codebook):
+                yield s.key, s.codes, s.timestamps, s.meta
+            continue
+        if pretrained.vq is None:
+            raise ValueError(f"{path} is a raw shard (videos): evaluating it needs the model's VQ (vq/)")
+        opts = TokenizeOptions(fps=fps, max_frames=max_frames, batch_frames=batch_frames)
+        for raw in iter_raw_samples(path, stats):
+            try:
+                codes, stamps, _ = tokenize_sample(pretrained.vq, raw.video, opts)
+            except VideoError as e:
+                stats.skip("video_error", f"{path}:{raw.key}", str(e))
+                continue
+            yield raw.key, codes, stamps, raw.meta
+
+
+def evaluate_qa(model, shards, *, out_dir: Optional[str | Path] = None, max_samples: Optional[int] = None,
+                max_new_tokens: int = 16, fps: float = 1.0, max_frames: Optional[int] = 3600,
+                engine_factory: Optional[EngineFactory] = None, progress: bool = True) -> dict:
+    """Accuracy over every question of the samples in `shards` (token shards, or raw shards that the
+    model's VQ encodes). Returns accuracy (exact), substring accuracy, chance, per-question results."""
+    from tqdm.auto import tqdm
+
+    from longvideo.data.shards import SkipStats
+
+    pretrained = load_model(model)
+    infer = infer_config(pretrained, max_new_tokens=max_new_tokens, temperature=0.0)
+    stats = SkipStats()
+    records = []
+    t0 = time.time()
+    bar = tqdm(desc="QA eval", unit="sample", disable=not progress)
+    for n, (key, codes, stamps, meta) in enumerate(_qa_samples(
+            pretrained, shards, fps=fps, max_frames=max_frames, batch_frames=infer.encode_batch_frames,
+            stats=stats)):
+        if max_samples is not None and n >= max_samples:
+            break
+        qa = [x for x in meta.get("qa", []) if isinstance(x, dict) and "question" in x and "answer" in x]
+        if not qa:
+            stats.skip("no_qa", key)
+            continue
+        duration = float(meta.get("duration", stamps[-1] if len(stamps) else 0.0))
+        longest = max(qa, key=lambda x: len(x["question"]))["question"]
+        fc, ft, _ = fit_codes(pretrained, codes, stamps, longest, infer.max_new_tokens)
+        video = EncodedVideo(codes=fc, timestamps=ft, num_frames=len(ft), duration=duration,
+                             fps=len(ft) / max(duration, 1e-9))
+        session = _session(pretrained, video, infer, engine_factory)  # the video is prefilled once
+        for x in qa:
+            pred = session.ask(x["question"])
+            choices = x.get("choices")
+            records.append({"key": key, "question": x["question"], "answer": str(x["answer"]),
+                            "prediction": pred, "exact": exact_match(pred, str(x["answer"])),
+                            "substring": substring_match(pred, str(x["answer"])),
+                            "chance": 1.0 / len(choices) if choices else None,
+                            "duration": duration, "groups": int(fc.shape[0]), "groups_dropped": int(codes.shape[0] - fc.shape[0])})
+        bar.update(1)
+    bar.close()
+    if not records:
+        raise ValueError(f"no QA samples found in {shards!r} (skipped: {dict(stats)})")
+    chances = [r["chance"] for r in records if r["chance"] is not None]
+    questions = sorted({r["question"] for r in records})
+    durations = np.array([r["duration"] for r in records])
+    edges = np.unique(np.quantile(durations, [0, 1 / 3, 2 / 3, 1])) if len(records) > 1 else durations[:1]
+    bins = [(float(a), float(b)) for a, b in zip(edges[:-1], edges[1:])] or [(float(durations[0]),) * 2]
+    grid = np.full((len(questions), len(bins)), np.nan)
+    for i, q in enumerate(questions):
+        for j, (a, b) in enumerate(bins):
+            hits = [r["exact"] for r in records if r["question"] == q
+                    and (a <= r["duration"] <= b if j == len(bins) - 1 else a <= r["duration"] < b)]
+            if hits:
+                grid[i, j] = float(np.mean(hits))
+    per_question = {q: {"accuracy": float(np.mean([r["exact"] for r in records if r["question"] == q])),
+                        "count": sum(r["question"] == q for r in records),
+                        "chance": (float(np.mean(c)) if (c := [r["chance"] for r in records
+                                                               if r["question"] == q and r["chance"]]) else None)}
+                    for q in questions}
+    result = {
+        "task": "qa",
+        "accuracy": float(np.mean([r["exact"] for r in records])),
+        "substring_accuracy": float(np.mean([r["substring"] for r in records])),
+        "chance": float(np.mean(chances)) if chances else None,
+        "questions": len(records),
+        "samples": len({r["key"] for r in records}),
+        "per_question": per_question,
+        "duration_bins": bins,
+        "grid": [[None if not np.isfinite(v) else float(v) for v in row] for row in grid],
+        "skipped": {k: v for k, v in stats.items() if k != "ok"},
+        "seconds": round(time.time() - t0, 2),
+        "records": records,
+    }
+    xl = [f"{a:.0f}-{b:.0f}s" for a, b in bins]
+    return _write(result, out_dir, "qa", lambda p: save_heatmap(
+        grid, xl, questions, p, title=f"QA accuracy (chance {result['chance'] or float('nan'):.2f})",
+        xlabel="video length", ylabel="question"))
+
+
+# ----------------------------------------------------------------------------- text needle
+
+CITIES: tuple[str, ...] = ("Chicago", "Lisbon", "Nairobi", "Osaka", "Quito", "Tallinn", "Perth", "Dakar",
+                           "Hanoi", "Lima", "Oslo", "Cairo")
+_SUBJECTS = ("The river", "A small boat", "The old library", "Every morning the market", "The mountain path",
+             "A quiet garden", "The city council", "The winter wind", "Our neighbour", "The long train")
+_VERBS = ("passes", "waits near", "turns toward", "leans on", "drifts past", "looks over", "returns to",
+          "rests beside")
+_OBJECTS = ("the bridge", "a stone wall", "the harbour", "an open field", "the clock tower", "a wooden fence",
+            "the hills", "a narrow street", "the lake", "a row of houses")
+_ENDINGS = ("before noon", "in the rain", "after a while", "as usual", "without a sound", "for an hour",
+            "at dusk", "once again")
+
+
+def filler_sentences(rng: np.random.Generator) -> Iterator[str]:
+    """Endless plain sentences for the haystack (deterministic in rng)."""
+    while True:
+        yield (f"{_SUBJECTS[rng.integers(len(_SUBJECTS))]} {_VERBS[rng.integers(len(_VERBS))]} "
+               f"{_OBJECTS[rng.integers(len(_OBJECTS))]} {_ENDINGS[rng.integers(len(_ENDINGS))]}.")
+
+
+def text_needle_prompt(pretrained, context_len: int, depth: float, city: str, number: int,
+                       seed: int = 0) -> tuple[list[int], dict]:
+    """Prompt ids of about `context_len` tokens with the needle at `depth` (0 = start, 1 = end) of
+    the haystack, inserted at the sentence boundary nearest to that depth; and facts about it."""
+    from longvideo.data.layout import build_prompt_ids
+
+    tok = pretrained.tokenizer
+    vocab = pretrained.model.cfg.vocab
+    needle = f"The special magic {city} number is: {number}."
+    question = f"What is the special magic {city} number?"
+    empty_codes, empty_ts = np.zeros((0, 1, 1), np.int64), np.zeros(0)
+
+    def render(sentences: list[str]) -> list[int]:
+        return build_prompt_ids(tok, vocab, empty_codes, empty_ts, " ".join(sentences) + "\n" + question)
+
+    overhead = len(render([needle]))
+    rng = np.random.default_rng(seed)
+    hay: list[str] = []
+    counts: list[int] = []
+    for s in filler_sentences(rng):
+        n = len(tok.encode(" " + s))
+        if overhead + sum(counts) + n > context_len and hay:
+            break
+        hay.append(s)
+        counts.append(n)
+    # insert at the boundary whose token offset is nearest to depth x haystack tokens
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    at = int(np.argmin(np.abs(offsets - depth * offsets[-1])))
+    ids = render(hay[:at] + [needle] + hay[at:])
+    return ids, {"tokens": len(ids), "needle_sentence": at, "haystack_sentences": len(hay),
+                 "needle_depth": float(offsets[at] / max(offsets[-1], 1)), "needle": needle, "question": question}
+
+
+def evaluate_text_needle(model, *, lengths: Sequence[int] = (256, 512, 1024),
+                         depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0), rounds: int = 2,
+                         seed: int = 0, max_new_tokens: int = 16, out_dir: Optional[str | Path] = None,
+                         engine_factory: Optional[EngineFactory] = None, progress: bool = True) -> dict:
+    """LWM's needle retrieval over a context-length x depth grid; a cell's score is the fraction of
+    its `rounds` needles whose number appears in the answer."""
+    from tqdm.auto import tqdm
+
+    from longvideo.infer.engine import LocalEngine
+    from longvideo.infer.generate import trim_at_stop
+
+    pretrained = load_model(model)
+    if pretrained.tokenizer is None:
+        raise ValueError("the text needle evaluation needs the model's text tokenizer")
+    infer = infer_config(pretrained, max_new_tokens=max_new_tokens, temperature=0.0)
+    tok = pretrained.tokenizer
+    stop = [tok.eos_id] if tok.eos_id is not None else []
+    rng = np.random.default_rng(seed)
+    device = next(pretrained.model.parameters()).device
+    grid = np.zeros((len(depths), len(lengths)))
+    cells = []
+    bar = tqdm(total=len(depths) * len(lengths) * rounds, desc="text needle", disable=not progress)
+    for j, L in enumerate(lengths):
+        for i, d in enumerate(depths):
+            hits = []
+            for r in range(rounds):
+                city = CITIES[int(rng.integers(len(CITIES)))]
+                number = int(rng.integers(1_000_000, 10_000_000))  # 7 digits, as in LWM
+                ids, facts = text_needle_prompt(pretrained, L, d, city, number, seed=seed + 1000 * j + r)
+                engine = engine_factory(pretrained) if engine_factory else LocalEngine(
+                    pretrained.model, prefill_chunk=infer.prefill_chunk)
+                engine.set_prefix(torch.tensor([ids[:-1]], device=device))
+                gen = engine.generate(torch.tensor([ids[-1:]], device=device), max_new_tokens=infer.max_new_tokens,
+                                      stop_ids=stop)
+                pred = tok.decode(trim_at_stop(gen.tokens[0].tolist(), stop)).strip()
+                ok = str(number) in pred
+                hits.append(ok)
+                cells.append({"context": L, "depth": float(d), "round": r, "number": number, "city": city,
+                              "prediction": pred, "correct": ok, "tokens": facts["tokens"],
+                              "needle_depth": facts["needle_depth"], "ttft_s": round(engine.prefix_s + gen.ttft_s, 4)})
+                bar.update(1)
+            grid[i, j] = float(np.mean(hits))
+    bar.close()
+    result = {"task": "text_needle", "protocol": "LWM needle retrieval (substring match of the number)",
+              "lengths": list(lengths), "depths": [float(d) for d in depths], "rounds": rounds,
+              "accuracy": float(grid.mean()), "chance": 0.0, "grid": grid.tolist(), "cells": cells}
+    return _write(result, out_dir, "text_needle", lambda p: save_heatmap(
+        grid, list(lengths), [f"{d:.2f}" for d in depths], p, title="Text needle retrieval",
+        xlabel="context length (tokens)", ylabel="needle depth"))
+
+
+# ----------------------------------------------------------------------------- video needle
+
+def haystack_frames(num_frames: int, size: int, seed: int) -> np.ndarray:
+    """A moving-shapes video of `num_frames` frames at 1 fps (scenes change every few seconds)."""
+    from longvideo.data.synthetic import SyntheticSpec, make_sample
+
+    spec = SyntheticSpec(size=size, fps=1, min_seconds=num_frames, max_seconds=num_frames, long_fraction=0.0,
+                         needle_fraction=0.0)
+    return make_sample(seed, 0, spec).frames()
+
+
+def needle_index(num_frames: int, depth: float) -> int:
+    return int(round(depth * (num_frames - 1)))
+
+
+def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
+                          depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
+                          colours: Optional[Sequence[str]] = None, seed: int = 0, max_new_tokens: int = 8,
+                          out_dir: Optional[str | Path] = None, engine_factory: Optional[EngineFactory] = None,
+                          progress: bool = True) -> dict:
+    """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid; a cell's score is
+    the fraction of needle colours named correctly (exact match). Chance = 1 / len(colours)."""
+    from tqdm.auto import tqdm
+
+    from longvideo.data.synthetic import COLOURS, NEEDLE_CHOICES, NEEDLE_QUESTION
+    from longvideo.vq import encode_video
+
+    pretrained = load_model(model)
+    if pretrained.vq is None or pretrained.tokenizer is None:
+        raise ValueError("the video needle evaluation needs the model's VQ and text tokenizer")
+    vq = pretrained.vq
+    colours = list(colours or NEEDLE_CHOICES)
+    unknown = [c for c in colours if c not in COLOURS]
+    if unknown:
+        raise ValueError(f"unknown needle colours {unknown}; choose from {list(COLOURS)}")
+    infer = infer_config(pretrained, max_new_tokens=max_new_tokens, temperature=0.0)
+    size = vq.cfg.resolution
+    splice = vq.cfg.mode == "2d"  # frames coded independently: needle codes can be spliced in
+    needle_frames = {c: np.broadcast_to(np.asarray(COLOURS[c], np.uint8), (1, size, size, 3)).copy() for c in colours}
+    needle_codes = ({c: np.asarray(encode_video(vq, torch.from_numpy(f)))
+                     for c, f in needle_frames.items()} if splice else {})
+    grid = np.zeros((len(depths), len(lengths)))
+    cells = []
+    bar = tqdm(total=len(depths) * len(lengths) * len(colours), desc="video needle", disable=not progress)
+    for j, T in enumerate(lengths):
+        hay = haystack_frames(T, size, seed + j)
+        hay_codes = np.asarray(encode_video(vq, torch.from_numpy(hay), batch_frames=infer.encode_batch_frames)) \
+            if splice else None
+        times = np.arange(T, dtype=np.float64)
+        for i, d in enumerate(depths):
+            k = needle_index(T, d)
+            hits = []
+            for c in colours:
+                if splice:
+                    codes = hay_codes.copy()
+                    codes[k] = needle_codes[c][0]
+                else:
+                    frames = hay.copy()
+                    frames[k] = needle_frames[c][0]
+                    codes = np.asarray(encode_video(vq, torch.from_numpy(frames), batch_frames=infer.encode_batch_frames))
+                groups = vq.group_frame_index(T)
+                stamps = np.asarray([times[g[0]] for g in groups])
+                codes, stamps, keep = fit_codes(pretrained, codes.astype(np.int64), stamps, NEEDLE_QUESTION,
+                                                infer.max_new_tokens)
+                video = EncodedVideo(codes=codes, timestamps=stamps, num_frames=T, duration=float(T), fps=1.0)
+                session = _session(pretrained, video, infer, engine_factory)
+                pred = session.ask(NEEDLE_QUESTION)
+                ok = exact_match(pred, c)
+                hits.append(ok)
+                cells.append({"frames": T, "depth": float(d), "needle_frame": k, "colour": c, "prediction": pred,
+                              "correct": ok, "substring": substring_match(pred, c), "groups": int(codes.shape[0]),
+                              "needle_kept": any(k in groups[g] for g in keep),
+                              "tokens": session.last.prompt_len})
+                bar.update(1)
+            grid[i, j] = float(np.mean(hits))
+    bar.close()
+    result = {"task": "video_needle", "lengths": list(lengths), "depths": [float(d) for d in depths],
+              "colours": colours, "accuracy": float(grid.mean()), "chance": 1.0 / len(colours),
+              "grid": grid.tolist(), "cells": cells, "vq_mode": vq.cfg.mode}
+    return _write(result, out_dir, "video_needle", lambda p: save_heatmap(
+        grid, list(lengths), [f"{d:.2f}" for d in depths], p,
+        title=f"Video needle retrieval (chance {result['chance']:.2f})", xlabel="video length (frames at 1 fps)",
+        ylabel="needle depth"))

@@ -1,0 +1,150 @@
+"""Evaluation harness: needle prompts, scoring, JSON + heatmap PNG on a tiny model."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from test_infer_chat import tiny_pretrained
+
+from longvideo.data.shards import ShardWriter, token_sample_members
+from longvideo.data.synthetic import SyntheticSpec, make_sample
+from longvideo.export import save_project_checkpoint
+from longvideo.infer import cli
+from longvideo.infer.evals import (evaluate_qa, evaluate_text_needle, evaluate_video_needle, exact_match,
+                                   haystack_frames, needle_index, substring_match, text_needle_prompt)
+from longvideo.infer.generate import Generation
+from longvideo.vq import encode_video
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def pre():
+    return tiny_pretrained(max_seq_len=512)
+
+
+class ConstantEngine:
+    """An engine that always answers the same text (checks the harness's scoring, not a model)."""
+
+    def __init__(self, tokenizer, text):
+        self.ids = tokenizer.encode(text) + [tokenizer.eos_id]
+        self.prefix_len, self.prefix_s, self.prefixes = 0, 0.0, []
+
+    def set_prefix(self, ids):
+        self.prefixes.append(ids[0].tolist())
+        self.prefix_len = ids.shape[1]
+
+    def generate(self, ids, *, max_new_tokens, temperature=0.0, top_p=1.0, stop_ids=(), generator=None):
+        return Generation(tokens=torch.tensor([self.ids]), prompt_len=self.prefix_len + ids.shape[1],
+                          ttft_s=0.0, total_s=0.0)
+
+
+def write_qa_shards(pre, tmp_path, n=3):
+    spec = SyntheticSpec(size=16, fps=2, min_seconds=3, max_seconds=6, long_fraction=0.0, needle_fraction=0.5)
+    samples = [make_sample(7, i, spec) for i in range(n)]
+    with ShardWriter(tmp_path / "tokens-000.tar") as w:
+        for s in samples[:-1]:
+            frames = torch.from_numpy(s.frames()[::2].copy())  # 1 fps
+            codes = encode_video(pre.vq, frames).numpy()
+            w.write(s.key, token_sample_members(s.key, codes, np.arange(len(codes), dtype=np.float64), s.meta))
+    with ShardWriter(tmp_path / "raw-000.tar") as w:
+        import json as _json
+        s = samples[-1]
+        w.write(s.key, {"mp4": s.mp4(), "json": _json.dumps(s.meta).encode()})
+    return samples
+
+
+def test_scoring():
+    assert exact_match(" Blue.\nmore text", "blue") and not exact_match("light blue", "blue")
+    assert substring_match("it was light blue", "Blue") and not substring_match("red", "blue")
+    assert not exact_match("", "") and not substring_match("x", "")
+
+
+def test_text_needle_prompt_places_the_needle_at_its_depth(pre):
+    for depth in (0.0, 0.3, 0.7, 1.0):
+        ids, facts = text_needle_prompt(pre, 300, depth, "Lisbon", 1234567, seed=1)
+        assert 300 - 30 <= len(ids) <= 300 and facts["tokens"] == len(ids)
+        text = pre.tokenizer.decode(ids)
+        needle = "The special magic Lisbon number is: 1234567."
+        start, body = text.index(needle), text.index("What is the special magic Lisbon number?")
+        hay_len = body - len(needle)
+        assert abs(start / hay_len - depth) < 0.1, (depth, start / hay_len)
+        assert text.count("1234567") == 1
+
+
+def test_video_needle_splicing_equals_encoding_the_spliced_video(pre):
+    hay = haystack_frames(6, 16, seed=0)
+    assert hay.shape == (6, 16, 16, 3) and needle_index(6, 0.5) in (2, 3)
+    frames = hay.copy()
+    frames[4] = np.array([230, 40, 40], np.uint8)
+    whole = encode_video(pre.vq, torch.from_numpy(frames))
+    alone = encode_video(pre.vq, torch.from_numpy(frames[4:5]))
+    assert torch.equal(whole[4], alone[0])
+
+
+def test_scores_follow_the_answers_with_a_constant_engine(pre, tmp_path):
+    factory = lambda p: ConstantEngine(p.tokenizer, " red")  # noqa: E731
+    res = evaluate_video_needle(pre, lengths=(4, 6), depths=(0.0, 1.0), colours=("red", "blue"),
+                                engine_factory=factory, progress=False)
+    assert res["grid"] == [[0.5, 0.5], [0.5, 0.5]] and res["chance"] == 0.5
+    assert all(c["needle_kept"] for c in res["cells"])
+    causal = tiny_pretrained(max_seq_len=512, mode="causal3d")  # re-encodes each cell instead of splicing
+    res3 = evaluate_video_needle(causal, lengths=(5,), depths=(0.5,), colours=("blue", "red", "green"),
+                                 engine_factory=factory, progress=False)
+    assert res3["accuracy"] == pytest.approx(1 / 3) and res3["vq_mode"] == "causal3d"
+    samples = write_qa_shards(pre, tmp_path)
+    qa = evaluate_qa(pre, str(tmp_path), engine_factory=factory, progress=False)
+    answers = [x["answer"] for s in samples for x in s.meta["qa"]]
+    assert qa["questions"] == len(answers) and qa["samples"] == len(samples)
+    assert qa["accuracy"] == pytest.approx(np.mean([a == "red" for a in answers]))
+    chance = np.mean([1 / len(x["choices"]) for s in samples for x in s.meta["qa"]])
+    assert qa["chance"] == pytest.approx(chance)
+    text = evaluate_text_needle(pre, lengths=(64,), depths=(0.5,), rounds=2, engine_factory=factory,
+                                progress=False)
+    assert text["accuracy"] == 0.0
+    number = str(text["cells"][0]["number"])
+    right = evaluate_text_needle(pre, lengths=(64,), depths=(0.5,), rounds=1,
+                                 engine_factory=lambda p: ConstantEngine(p.tokenizer, f" {number}"), progress=False)
+    assert right["accuracy"] == 1.0  # same seed: the same first needle
+
+
+def test_eval_harness_on_a_tiny_model_writes_json_and_png(pre, tmp_path, capsys):
+    write_qa_shards(pre, tmp_path / "shards", n=2)
+    outs = {
+        "qa": evaluate_qa(pre, str(tmp_path / "shards"), out_dir=tmp_path / "out", max_new_tokens=3, progress=False),
+        "text_needle": evaluate_text_needle(pre, lengths=(48, 96), depths=(0.0, 1.0), rounds=1, max_new_tokens=3,
+                                            out_dir=tmp_path / "out", progress=False),
+        "video_needle": evaluate_video_needle(pre, lengths=(3, 5), depths=(0.0, 1.0), colours=("red", "blue"),
+                                              max_new_tokens=3, out_dir=tmp_path / "out", progress=False),
+    }
+    for name, res in outs.items():
+        data = json.loads((tmp_path / "out" / f"{name}.json").read_text())
+        assert (tmp_path / "out" / f"{name}.png").read_bytes()[:8] == PNG_MAGIC
+        assert data["accuracy"] == pytest.approx(res["accuracy"]) and 0.0 <= data["accuracy"] <= 1.0
+    for name, key in (("text_needle", "cells"), ("video_needle", "cells")):
+        res = outs[name]
+        grid = np.array(res["grid"])
+        assert grid.shape == (len(res["depths"]), len(res["lengths"]))
+        assert res["accuracy"] == pytest.approx(np.mean([c["correct"] for c in res[key]]))
+    assert outs["qa"]["questions"] == sum(len(r) for r in [outs["qa"]["records"]])
+
+    # the CLI on a saved checkpoint prints the accuracy with the chance level beside it
+    ckpt = save_project_checkpoint(tmp_path / "ckpt", pre.model.state_dict(), pre.config,
+                                   tokenizer=pre.tokenizer, vq=pre.vq)
+    rc = cli.eval_main(["video-niah", "--model", str(ckpt), "--out", str(tmp_path / "cli"), "--lengths", "3",
+                        "--depths", "0,1", "--colours", "red,blue", "--max-new-tokens", "2", "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "chance 0.500" in out and (tmp_path / "cli" / "video_needle.png").is_file()
+    rc = cli.eval_main(["qa", "--model", str(ckpt), "--out", str(tmp_path / "cli"), "--shards",
+                        str(tmp_path / "none*.tar")])
+    assert rc != 0 and "no shards match" in capsys.readouterr().err
