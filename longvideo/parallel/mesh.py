@@ -1,0 +1,96 @@
+"""The dp x sp mesh: which ranks share a sequence (sp axis) and which share nothing but weights (dp).
+
+    mesh = Mesh.build(dp=2, sp=4)            # world of 8: sp groups {0..3}, {4..7}
+    mesh = Mesh.from_config(cfg.parallel)    # dp = -1 derives world // sp
+
+Ranks r = dp_rank * sp + sp_rank: a sequence-parallel group is `sp` neighbouring ranks (on a node
+these share the fastest links, which the ring uses every step); a data-parallel group holds the
+ranks with the same sp_rank in every sp group. The object is created once and passed to whatever
+needs process groups; nothing here is stored in module globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from longvideo.configtools import ConfigError
+
+
+@dataclass(frozen=True)
+class Mesh:
+    world_size: int
+    """Ranks in the job (dp * sp)."""
+    rank: int
+    """This process's global rank."""
+    dp: int
+    """Size of the data-parallel axis."""
+    sp: int
+    """Size of the sequence-parallel (ring) axis."""
+    dp_rank: int
+    """Index of this rank's sp group (which slice of the batch it reads)."""
+    sp_rank: int
+    """Position of this rank in its ring (which zigzag chunks it holds)."""
+    sp_group: Any = None
+    """Process group of this rank's ring (None when the world is a single process)."""
+    dp_group: Any = None
+    """Process group of the ranks holding the same sequence chunks in other sp groups."""
+    world_group: Any = None
+    """All dp x sp ranks: the loss normaliser and ZeRO partition over it (DESIGN.md decision 6)."""
+    config: Any = None
+    """The ParallelConfig the mesh was built from (its `backend` is the ring's block backend)."""
+
+    @classmethod
+    def build(cls, dp: int = -1, sp: int = 1, timeout_s: Optional[float] = None, config: Any = None) -> "Mesh":
+        """Create the groups (collective: every rank calls it with the same arguments).
+
+        Without an initialised process group only dp * sp == 1 is allowed (a single process)."""
+        if sp < 1:
+            raise ConfigError("parallel.sp", f"must be >= 1, got {sp}")
+        if not dist.is_available() or not dist.is_initialized():
+            dp_ = 1 if dp == -1 else dp
+            if dp_ * sp != 1:
+                raise ConfigError("parallel", f"dp={dp} x sp={sp} needs {dp_ * sp} ranks, but torch.distributed "
+                                              "is not initialised (a world of one process); launch with torchrun")
+            return cls(world_size=1, rank=0, dp=1, sp=1, dp_rank=0, sp_rank=0, config=config)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if dp == -1:
+            if world % sp:
+                raise ConfigError("parallel.sp", f"sp={sp} does not divide the world size {world}")
+            dp = world // sp
+        if dp < 1 or dp * sp != world:
+            raise ConfigError("parallel", f"dp={dp} x sp={sp} = {dp * sp} does not match the world size {world}")
+        kw = {} if timeout_s is None else {"timeout": _timedelta(timeout_s)}
+        sp_group = dp_group = None
+        # new_group is collective over the whole world: every rank creates every group, in order
+        for i in range(dp):
+            g = dist.new_group(list(range(i * sp, (i + 1) * sp)), **kw)
+            if i == rank // sp:
+                sp_group = g
+        for j in range(sp):
+            g = dist.new_group(list(range(j, world, sp)), **kw)
+            if j == rank % sp:
+                dp_group = g
+        return cls(world_size=world, rank=rank, dp=dp, sp=sp, dp_rank=rank // sp, sp_rank=rank % sp,
+                   sp_group=sp_group, dp_group=dp_group, world_group=dist.group.WORLD, config=config)
+
+    @classmethod
+    def from_config(cls, cfg) -> "Mesh":
+        """From a ParallelConfig (dp, sp, timeout_s)."""
+        return cls.build(dp=cfg.dp, sp=cfg.sp, timeout_s=cfg.timeout_s, config=cfg)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def __repr__(self) -> str:
+        return (f"Mesh(world={self.world_size}, rank={self.rank}, dp={self.dp}[{self.dp_rank}], "
+                f"sp={self.sp}[{self.sp_rank}])")
+
+
+def _timedelta(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)

@@ -1,0 +1,203 @@
+"""Ring attention (Liu et al., 2024): exact attention over a sequence sharded across a process group.
+
+    out = ring_attention(q, k, v, group=mesh.sp_group, causal=True, positions=pos, segment_ids=seg)
+
+q (B, S_local, Hq, D); k, v (B, S_local, Hkv, D) with Hq % Hkv == 0; positions and segment ids
+(B, S_local). Every rank holds its shard of the same sequence, normally in the zigzag layout of
+`shard_sequence` (positions default to that layout's global positions, segments to one segment).
+
+Forward, on each of the W ranks: keep the local queries; for W steps, post the send of the current
+key/value block (with its positions and segment ids) to the next rank and the receive of the next
+block from the previous rank, compute the local queries against the current block with a block
+backend (-> out, lse), merge into the running result in fp32 with the log-sum-exp rule, then wait
+for the transfer. A block whose mask is provably all false is not computed (it still travels).
+
+Backward (a custom autograd.Function): the key/value blocks travel the ring again; each step adds
+this rank's share of dK/dV for the visiting block to a partial sum that travels with it, in fp32,
+and after the last hop every partial sum arrives at the rank that owns the block. dQ accumulates
+locally in fp32. Block gradients come from the global out and lse saved by the forward
+(P = exp(S - lse)), so no per-step state is kept. Gradients are returned in the inputs' dtypes.
+With GQA only the Hkv heads travel.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kernels import get_backend
+from kernels.cpu_backend import lse_merge_
+from longvideo.parallel.comm import CommStats, DoubleBuffer, RingComm
+from longvideo.parallel.layout import layout_positions
+
+_BIG = torch.iinfo(torch.long).max
+
+
+def block_is_empty(q_pos: Tensor, q_seg: Tensor, k_pos: Tensor, k_seg: Tensor, causal: bool) -> bool:
+    """True when no key of the block can be visible to any query, judged from per-row min/max of
+    the real (segment >= 0) tokens: disjoint segment ranges, no real tokens, or (causal) every key
+    after every query. Never True when some pair is visible; the backends skip finer tiles."""
+    qv, kv = q_seg >= 0, k_seg >= 0
+    qs_min = torch.where(qv, q_seg, _BIG).amin(1)  # (B,)
+    qs_max = torch.where(qv, q_seg, -1).amax(1)
+    ks_min = torch.where(kv, k_seg, _BIG).amin(1)
+    ks_max = torch.where(kv, k_seg, -1).amax(1)
+    empty = (qs_max < 0) | (ks_max < 0) | (qs_max < ks_min) | (ks_max < qs_min)
+    if causal:
+        qp_max = torch.where(qv, q_pos, -_BIG).amax(1)
+        kp_min = torch.where(kv, k_pos, _BIG).amin(1)
+        empty = empty | (kp_min > qp_max)
+    return bool(empty.all())
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _timed(stats: Optional[CommStats], fn, *args):
+    t0 = time.perf_counter()
+    result = fn(*args)
+    if stats is not None:
+        stats.compute_s += time.perf_counter() - t0
+        stats.blocks += 1
+    return result
+
+
+def ring_forward(q, k, v, pos, seg, group, causal, scale, backend, stats: Optional[CommStats] = None):
+    """(out in q.dtype, lse (B, Hq, S) in fp32/fp64) of attention over the whole ring."""
+    be = get_backend(backend, q.device)
+    ring = RingComm(group)
+    if ring.size == 1:  # plain attention: no buffers, no merge
+        return _timed(stats, be.forward, q, k, v, pos, pos, seg, seg, scale, causal)
+    B, S, Hq, D = q.shape
+    acc = _acc_dtype(q.dtype)
+    out = torch.zeros(B, S, Hq, D, dtype=acc, device=q.device)
+    lse = torch.full((B, Hq, S), float("-inf"), dtype=acc, device=q.device)
+    # (2, B, S, Hkv, D) and (2, B, S): one message each per hop; fresh tensors the buffer may own
+    kv = DoubleBuffer([torch.stack([k, v]), torch.stack([pos, seg]).long()])
+    for step in range(ring.size):
+        pending = ring.exchange(kv.current, kv.incoming, stats) if step < ring.size - 1 else None
+        (kk, vv), (kp, ks) = kv.current
+        t0 = time.perf_counter()
+        if block_is_empty(pos, seg, kp, ks, causal):
+            if stats is not None:
+                stats.skipped += 1
+        else:
+            o, l = be.forward(q, kk, vv, pos, kp, seg, ks, scale, causal)  # (B, S, Hq, D), (B, Hq, S)
+            lse_merge_(out, lse, o, l)
+            if stats is not None:
+                stats.blocks += 1
+        if stats is not None:
+            stats.compute_s += time.perf_counter() - t0
+        if pending is not None:
+            pending.wait()
+            kv.swap()
+    return out.to(q.dtype), lse
+
+
+def ring_backward(dout, q, k, v, out, lse, pos, seg, group, causal, scale, backend,
+                  stats: Optional[CommStats] = None):
+    """(dq, dk, dv) in the accumulation dtype (fp32, or fp64 for fp64 inputs) for this rank's shard."""
+    be = get_backend(backend, q.device)
+    ring = RingComm(group)
+    if ring.size == 1:
+        return _timed(stats, be.backward, dout, q, k, v, out, lse, pos, pos, seg, seg, scale, causal)
+    acc = _acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv = DoubleBuffer([torch.stack([k, v]), torch.stack([pos, seg]).long()])
+    # the travelling partial sums of dK and dV for the block currently held
+    dkv = DoubleBuffer([torch.zeros((2,) + tuple(k.shape), dtype=acc, device=k.device)])
+    dkv_pending = None
+    for step in range(ring.size):
+        kv_pending = ring.exchange(kv.current, kv.incoming, stats) if step < ring.size - 1 else None
+        (kk, vv), (kp, ks) = kv.current
+        t0 = time.perf_counter()
+        grads = None
+        if block_is_empty(pos, seg, kp, ks, causal):
+            if stats is not None:
+                stats.skipped += 1
+        else:
+            grads = be.backward(dout, q, kk, vv, out, lse, pos, kp, seg, ks, scale, causal)
+            dq += grads[0]
+            if stats is not None:
+                stats.blocks += 1
+        if stats is not None:
+            stats.compute_s += time.perf_counter() - t0
+        if dkv_pending is not None:  # the partial sum for the block we now hold has arrived
+            dkv_pending.wait()
+            dkv.swap()
+        if grads is not None:
+            dkv.current[0][0] += grads[1]
+            dkv.current[0][1] += grads[2]
+        if ring.size > 1:  # W hops in all: the last one brings every partial sum home
+            dkv_pending = ring.exchange(dkv.current, dkv.incoming, stats, tag=2)
+        if kv_pending is not None:
+            kv_pending.wait()
+            kv.swap()
+    if dkv_pending is not None:
+        dkv_pending.wait()
+        dkv.swap()
+    dk, dv = dkv.current[0]
+    return dq, dk, dv
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, pos, seg, group, causal, scale, backend, stats):
+        out, lse = ring_forward(q, k, v, pos, seg, group, causal, scale, backend, stats)
+        ctx.save_for_backward(q, k, v, out, lse, pos, seg)
+        ctx.group, ctx.causal, ctx.scale, ctx.backend, ctx.stats = group, causal, scale, backend, stats
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, pos, seg = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, pos, seg, ctx.group, ctx.causal,
+                                   ctx.scale, ctx.backend, ctx.stats)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group,
+    causal: bool = True,
+    positions: Optional[Tensor] = None,
+    segment_ids: Optional[Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    backend: str = "auto",
+    comm_stats: Optional[CommStats] = None,
+) -> Tensor:
+    """Exact masked attention of a sequence sharded over `group` (collective: every rank calls it).
+
+    q (B, S, Hq, D); k, v (B, S, Hkv, D), Hq % Hkv == 0, S the same on every rank.
+    positions, segment_ids (B, S): default to the global positions of the zigzag layout and a
+    single segment. Segment id -1 marks padding (sees nothing, is seen by nothing).
+    backend: "auto" | "torch" | "cpu" | "triton" (kernels.get_backend).
+    comm_stats: optional CommStats that accumulates exposed communication and compute time.
+    Returns out (B, S, Hq, D) in q.dtype; differentiable in q, k, v.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be (B, S, H, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, S, Hq, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[1] != S or k.shape[3] != D:
+        raise ValueError(f"k and v must be (B, S, Hkv, D) = ({B}, {S}, Hkv, {D}) like q's local shard; "
+                         f"got {tuple(k.shape)}, {tuple(v.shape)} (ring attention needs Sq == Sk)")
+    if Hq % k.shape[2]:
+        raise ValueError(f"query heads {Hq} must be a multiple of key/value heads {k.shape[2]}")
+    if positions is None:
+        positions = layout_positions(S, group, device=q.device).expand(B, S)
+    if segment_ids is None:
+        segment_ids = torch.zeros(B, S, dtype=torch.long, device=q.device)
+    for name, t in (("positions", positions), ("segment_ids", segment_ids)):
+        if tuple(t.shape) != (B, S):
+            raise ValueError(f"{name} must be (B, S) = ({B}, {S}); got {tuple(t.shape)}")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    return _RingAttention.apply(q, k, v, positions.long(), segment_ids.long(), group, causal, scale, backend,
+                                comm_stats)
