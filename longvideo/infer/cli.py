@@ -19,6 +19,7 @@ import contextlib
 import os
 import sys
 import warnings
+from datetime import timedelta
 from typing import Iterator, Optional
 
 import numpy as np
@@ -134,7 +135,9 @@ def _chat_sequence_parallel(args) -> int:
         torch.cuda.set_device(device)
     owns_group = not dist.is_initialized()  # a caller may have set up the world already
     if owns_group:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # the other ranks wait in a broadcast while a person types the next question
+        wait = timedelta(days=1) if args.interactive else timedelta(minutes=30)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=wait)
     rank = dist.get_rank()
     try:
         status, pretrained = "", None

@@ -325,13 +325,16 @@ def evaluate_text_needle(model, *, lengths: Sequence[int] = (256, 512, 1024),
 
 # ----------------------------------------------------------------------------- video needle
 
-def haystack_frames(num_frames: int, size: int, seed: int) -> np.ndarray:
-    """A moving-shapes video of `num_frames` frames at 1 fps (scenes change every few seconds)."""
+def haystack_frames(num_frames: int, size: int, seed: int, source_fps: int = 8) -> np.ndarray:
+    """A moving-shapes video of `num_frames` seconds sampled at 1 fps (uint8 (T, size, size, 3)).
+
+    Rendered at `source_fps` like the synthetic training videos and sampled at 1 fps the way the
+    reader samples them, so shapes move between frames as they do in training."""
     from longvideo.data.synthetic import SyntheticSpec, make_sample
 
-    spec = SyntheticSpec(size=size, fps=1, min_seconds=num_frames, max_seconds=num_frames, long_fraction=0.0,
-                         needle_fraction=0.0)
-    return make_sample(seed, 0, spec).frames()
+    spec = SyntheticSpec(size=size, fps=source_fps, min_seconds=num_frames, max_seconds=num_frames,
+                         long_fraction=0.0, needle_fraction=0.0)
+    return np.ascontiguousarray(make_sample(seed, 0, spec).frames()[::source_fps])
 
 
 def needle_index(num_frames: int, depth: float) -> int:
