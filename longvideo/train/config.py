@@ -1,8 +1,9 @@
-"""TrainConfig: optimisation, schedule, checkpoints and logging."""
+"""TrainConfig: optimisation, schedule, precision, checkpoints, failure handling and logging."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, Optional
 
 from longvideo.configtools import check
 
@@ -18,23 +19,77 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     """Cosine decay ends at lr * min_lr_ratio."""
     weight_decay: float = 0.1
-    """AdamW weight decay."""
+    """AdamW weight decay (matrices only; norms are not decayed)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
     grad_clip: float = 1.0
-    """Gradient-norm clipping (0 = off)."""
+    """Gradient-norm clipping (0 = off); always written into the DeepSpeed config."""
     micro_batch_size: int = 1
     """Sequences per dp rank per micro step."""
     grad_accum: int = 1
     """Micro steps per optimizer step."""
     seed: int = 0
-    """Random seed."""
+    """Random seed (weights, synthetic data)."""
     out_dir: str = "runs/train"
     """Where checkpoints, logs and plots go."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """auto = bf16 on GPU, fp32 on CPU."""
+    zero_stage: Optional[int] = None
+    """DeepSpeed ZeRO stage 1, 2 or 3; null = the stage in deepspeed_config, else 3."""
+    deepspeed_config: str = ""
+    """Optional DeepSpeed JSON (relative to configs/ or a path) for tuning keys: buckets, overlap, offload."""
+    tokenizer_dir: str = ""
+    """Text tokenizer directory (needed with data.train_shards); copied into the run and its checkpoints."""
+    vq_dir: str = ""
+    """VQ tokenizer checkpoint directory; copied into the run and its checkpoints so chat finds it."""
+    init_from: str = ""
+    """Start from these model weights (a checkpoint dir or run dir); optimizer and step start fresh."""
+    checkpoint_every: int = 500
+    """Write a checkpoint every N steps (0 = only at the end); one is always written at exit."""
+    keep_checkpoints: int = 2
+    """Keep the newest N checkpoints (0 = keep all)."""
+    save_weights: bool = True
+    """Also write model.safetensors (full fp32) into each checkpoint; false leaves consolidation to export."""
+    max_bad_steps: int = 5
+    """A NaN/inf loss skips the step; this many in a row stops the run."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for MFU; 0 = look the GPU up by name (no MFU when unknown)."""
+    log_every: int = 1
+    """Write metrics every N steps."""
+    progress: bool = True
+    """Show a tqdm progress bar on rank 0."""
+    tensorboard: bool = True
+    """Write TensorBoard events under out_dir/tb."""
+    wandb: Literal["disabled", "offline", "online"] = "disabled"
+    """Weights & Biases logging mode (offline needs no network)."""
+    wandb_project: str = "longvideo"
+    """Weights & Biases project name."""
+    plot: bool = True
+    """Write out_dir/loss.png at the end."""
+    synthetic_vocab: int = 0
+    """Synthetic data only: draw tokens from the first N ids (0 = the text vocabulary)."""
 
     def __post_init__(self):
         check(self.steps > 0, "steps", "must be positive")
         check(self.lr > 0, "lr", "must be positive")
         check(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
         check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        check(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
+        check(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
+        check(self.adam_eps > 0, "adam_eps", "must be positive")
         check(self.grad_clip >= 0, "grad_clip", "must be >= 0")
         check(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
         check(self.grad_accum >= 1, "grad_accum", "must be >= 1")
+        check(self.zero_stage in (None, 1, 2, 3), "zero_stage", f"must be 1, 2 or 3, got {self.zero_stage}")
+        check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0 = only at the end)")
+        check(self.keep_checkpoints >= 0, "keep_checkpoints", "must be >= 0 (0 = keep all)")
+        check(self.max_bad_steps >= 1, "max_bad_steps", "must be >= 1")
+        check(self.peak_flops >= 0, "peak_flops", "must be >= 0")
+        check(self.log_every >= 1, "log_every", "must be >= 1")
+        check(self.synthetic_vocab >= 0, "synthetic_vocab", "must be >= 0")
+        check(bool(self.out_dir), "out_dir", "must not be empty")

@@ -1,0 +1,315 @@
+"""Training checkpoints: written atomically, resumable exactly, readable as project checkpoints.
+
+Layout of a run directory:
+
+    OUT/checkpoints/step_000123/      one checkpoint (complete, or absent)
+        config.yaml                   the root Config               } a project checkpoint:
+        model.safetensors             full fp32 weights, own names  } what export / chat read
+        trainer_state.json            step, schedule, counters, world shape
+        loader/rank_00000.json        data position of each rank
+        rng/rank_00000.{json,safetensors}   Python / NumPy / torch RNG states of each rank
+        <DeepSpeed engine files>      module, ZeRO-partitioned optimizer state (one file per rank)
+    OUT/checkpoints/latest            text file naming the newest complete checkpoint
+
+Atomicity: every rank writes into `.tmp_step_000123/`; after a barrier rank 0 renames it to
+`step_000123/` and only then replaces `latest` (write to a temporary file, fsync, os.replace).
+A process killed at any point leaves either the previous checkpoint as `latest` or the new one,
+never a half-written one; stale `.tmp_*` directories are removed at the next start.
+
+The engine files are DeepSpeed's own format (torch pickles): load only checkpoints you wrote.
+Weights meant for sharing are the safetensors file; when it is absent (train.save_weights=false),
+`load_model_state` consolidates the ZeRO shards to fp32 with DeepSpeed's zero_to_fp32 utilities.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+CONFIG_FILE = "config.yaml"
+WEIGHTS_FILE = "model.safetensors"
+STATE_FILE = "trainer_state.json"
+TMP_PREFIX = ".tmp_"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+# ---- small atomic file helpers ----------------------------------------------------------------
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a file so that readers see the old content or the new one, never a partial one."""
+    path = Path(path)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _jsonable(x):
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    if isinstance(x, tuple):
+        return list(x)
+    raise TypeError(f"cannot store {type(x).__name__} in a checkpoint json")
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, default=_jsonable, indent=1))
+
+
+# ---- finding checkpoints ------------------------------------------------------------------------
+
+def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
+    """The checkpoint `latest` names in RUN/checkpoints (or in a checkpoints dir); None if none."""
+    run_dir = Path(run_dir)
+    for ckpts in (run_dir / CHECKPOINTS, run_dir):
+        pointer = ckpts / LATEST
+        if pointer.is_file():
+            name = pointer.read_text().strip()
+            ckpt = ckpts / name
+            if not ckpt.is_dir():
+                raise FileNotFoundError(f"{pointer} names {name}, which does not exist")
+            return ckpt
+    return None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory from a checkpoint dir, a run dir or a checkpoints dir."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    if (path / CONFIG_FILE).is_file() and ((path / WEIGHTS_FILE).is_file() or _has_engine_files(path)):
+        return path
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise FileNotFoundError(f"{path} is neither a checkpoint ({CONFIG_FILE} + {WEIGHTS_FILE} or "
+                                f"DeepSpeed shards) nor a run directory with {CHECKPOINTS}/{LATEST}")
+    return ckpt
+
+
+def _has_engine_files(path: Path) -> bool:
+    return any(path.glob("*model_states.pt"))
+
+
+def clean_stale(run_dir: Path) -> list[Path]:
+    """Remove temporary checkpoint directories left by a process killed while writing."""
+    ckpts = Path(run_dir) / CHECKPOINTS
+    stale = sorted(ckpts.glob(f"{TMP_PREFIX}*")) if ckpts.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return stale
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints (never the one `latest` names)."""
+    if keep <= 0:
+        return
+    ckpts = Path(run_dir) / CHECKPOINTS
+    latest = latest_checkpoint(run_dir)
+    done = sorted(p for p in ckpts.glob("step_*") if p.is_dir())
+    for p in done[:-keep]:
+        if latest is None or p.resolve() != latest.resolve():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# ---- weights ------------------------------------------------------------------------------------
+
+def gather_fp32_state(module: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:
+    """Full fp32 weights under the module's own names, from the fp32 master copy when ZeRO holds one.
+
+    A collective under ZeRO: every rank calls it, parameter by parameter (so at most one full
+    parameter is gathered at a time); only ranks with `keep` collect the tensors on the CPU.
+    Tied parameters appear once, under their first name (as in `named_parameters`).
+    """
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        full = safe_get_full_fp32_param(p)
+        if full is None:  # not managed by a ZeRO optimizer: the parameter is already whole
+            full = p.detach()
+        if keep:
+            out[name] = full.detach().to("cpu", torch.float32).clone()
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    if keep:
+        for name, t in module.state_dict().items():
+            if name not in params and torch.is_tensor(t):  # persistent buffers
+                out[name] = t.detach().cpu().clone()
+    return out
+
+
+def load_model_state(path: str | Path):
+    """(state dict in fp32 with the model's own names, Config) of a project checkpoint or of the
+    latest checkpoint of a training run. Without model.safetensors, the ZeRO shards are
+    consolidated to fp32 (DeepSpeed's zero_to_fp32; reads torch pickles: trusted files only)."""
+    from safetensors.torch import load_file
+
+    from longvideo.config import load_config
+
+    ckpt = resolve_checkpoint(path)
+    cfg = load_config(ckpt / CONFIG_FILE)
+    if (ckpt / WEIGHTS_FILE).is_file():
+        sd = load_file(str(ckpt / WEIGHTS_FILE))
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+        sd = {k: v.float() for k, v in sd.items()}
+    if cfg.model.tie_embeddings and "head.weight" not in sd and "tok_embeddings.weight" in sd:
+        sd["head.weight"] = sd["tok_embeddings.weight"]
+    return sd, cfg
+
+
+def save_weights(out_dir: Path, state: dict[str, torch.Tensor], cfg) -> None:
+    """config.yaml + model.safetensors (a project checkpoint); tied weights stored once."""
+    from longvideo.export.hf import save_project_checkpoint
+
+    save_project_checkpoint(out_dir, state, cfg)
+
+
+# ---- RNG states (no pickles: json + safetensors) -----------------------------------------------
+
+def rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
+    py = random.getstate()
+    npy = np.random.get_state()
+    meta = {"python": [py[0], list(py[1]), py[2]],
+            "numpy": [npy[0], npy[1].tolist(), int(npy[2]), int(npy[3]), float(npy[4])]}
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda_{i}"] = s
+    return meta, tensors
+
+
+def set_rng_state(meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    v, state, gauss = meta["python"]
+    random.setstate((v, tuple(state), gauss))
+    name, keys, pos, has_gauss, cached = meta["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        cuda = [tensors[k] for k in sorted(tensors) if k.startswith("cuda_")]
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+# ---- save / load a training checkpoint ----------------------------------------------------------
+
+def save_training_checkpoint(*, engine, cfg, run_dir: Path, step: int, rank: int, trainer_state: dict,
+                             loader_state: dict, barrier: Callable[[], None],
+                             assets: Optional[dict[str, Path]] = None,
+                             on_staged: Optional[Callable[[Path], None]] = None) -> Path:
+    """Write OUT/checkpoints/step_N atomically (a collective: every rank calls it).
+    `assets` (name -> directory) are copied in, e.g. the tokenizer and VQ that chat needs."""
+    from safetensors.torch import save_file
+
+    ckpts = Path(run_dir) / CHECKPOINTS
+    name = checkpoint_name(step)
+    tmp_name = TMP_PREFIX + name
+    tmp = ckpts / tmp_name
+    if rank == 0:
+        ckpts.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    barrier()
+    # engine state: module, ZeRO-partitioned optimizer (each rank writes its own partition)
+    engine.save_checkpoint(str(ckpts), tag=tmp_name, client_state={}, save_latest=False)
+    weights = gather_fp32_state(engine.module, keep=rank == 0) if cfg.train.save_weights else None
+    write_json(tmp / "loader" / f"rank_{rank:05d}.json", loader_state)
+    meta, tensors = rng_state()
+    write_json(tmp / "rng" / f"rank_{rank:05d}.json", meta)
+    save_file(tensors, str(tmp / "rng" / f"rank_{rank:05d}.safetensors"))
+    if rank == 0:
+        if weights is not None:
+            save_weights(tmp, weights, cfg)
+        else:
+            from longvideo.config import save_config
+
+            save_config(cfg, tmp / CONFIG_FILE)
+        write_json(tmp / STATE_FILE, trainer_state)
+        for name, src in (assets or {}).items():
+            shutil.copytree(src, tmp / name)
+    if on_staged is not None:
+        on_staged(tmp)
+    barrier()  # every rank's files are on disk before the directory becomes visible
+    final = ckpts / name
+    if rank == 0:
+        _fsync_tree(tmp)
+        old = None
+        if final.exists():  # the same step written again: move the old copy aside, drop it after
+            old = ckpts / f"{TMP_PREFIX}old_{name}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(ckpts)
+        write_text_atomic(ckpts / LATEST, name)  # last: the pointer only ever names complete dirs
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            try:
+                fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
+        _fsync_dir(Path(dirpath))
+
+
+def load_training_checkpoint(*, engine, ckpt: Path, rank: int) -> dict:
+    """Restore the engine (weights, optimizer) and this rank's RNG; return the saved states."""
+    from safetensors.torch import load_file
+
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    loader_file = ckpt / "loader" / f"rank_{rank:05d}.json"
+    if not loader_file.is_file():
+        raise FileNotFoundError(f"{ckpt} holds no data state for rank {rank}: it was written by a run with "
+                                f"world size {state.get('world_size')}; resume with the same world size")
+    path, _ = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True,
+                                     load_lr_scheduler_states=False)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load the engine state from {ckpt}")
+    set_rng_state(json.loads((ckpt / "rng" / f"rank_{rank:05d}.json").read_text()),
+                  load_file(str(ckpt / "rng" / f"rank_{rank:05d}.safetensors")))
+    state["loader"] = json.loads(loader_file.read_text())
+    return state

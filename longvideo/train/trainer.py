@@ -1,0 +1,449 @@
+"""The trainer: dp x sp mesh, ring attention, DeepSpeed ZeRO, exact loss normalisation, checkpoints.
+
+Order of construction (STYLE.md: parallelism is applied to a built model, in one place):
+
+    process group -> mesh (dp x sp; a world it does not match is an error here, before any work)
+    -> DeepSpeed config (config errors here) -> model (seeded) -> --init-from weights
+    -> parallelize (ring attention over the sp group) -> deepspeed.initialize (ZeRO over all ranks)
+
+Loss normalisation (DESIGN.md decision 6). All dp x sp ranks are DeepSpeed's data-parallel world
+(their parameters are identical), so DeepSpeed averages the gradients of W = dp * sp ranks. Each
+rank back-propagates
+
+    W * (its weighted token-loss sum over its sequence shards of all micro-batches of the step)
+      / (total loss weight of the whole global batch, all-reduced before the first backward)
+
+and the averaged gradient is exactly that of the global batch's weighted mean loss, as one process
+would compute it (tests/test_train_distributed.py asserts this against a single-process reference).
+
+A NaN/inf loss is detected globally (the loss is all-reduced every step), so every rank makes the
+same decision: the optimizer update of that step is skipped (SkippableAdamW), a warning is logged,
+and `max_bad_steps` in a row stop the run with `LossDiverged`, leaving the last good checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import resource
+import shutil
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from longvideo.config import Config, save_config
+from longvideo.configtools import ConfigError
+from longvideo.train import checkpoint as ckpt_io
+from longvideo.train.deepspeed_config import build_deepspeed_config
+from longvideo.train.logging import RunLogger, mfu, peak_flops_per_device
+from longvideo.train.schedule import WarmupCosine
+from longvideo.train.synthetic import SyntheticTokens
+
+BATCH_KEYS = ("input_ids", "targets", "loss_weights", "positions", "segment_ids")
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (the message says why)."""
+
+
+class LossDiverged(TrainingError):
+    """max_bad_steps NaN/inf losses in a row; the last good checkpoint is kept."""
+
+
+@dataclass
+class TrainResult:
+    status: str
+    """completed | interrupted (SIGTERM/SIGINT: a checkpoint was written)."""
+    step: int
+    """The optimizer step reached."""
+    losses: list[float] = field(default_factory=list)
+    """The global loss of each step run by this call (NaN for skipped steps)."""
+    run_dir: Optional[Path] = None
+    checkpoint: Optional[Path] = None
+    """The newest checkpoint written."""
+
+
+class SkippableAdamW(torch.optim.AdamW):
+    """AdamW whose update can be suppressed for one engine step.
+
+    DeepSpeed's ZeRO wrappers call `step()` on the partitions each rank owns (ZeRO-3 once per
+    sub-group). With `skip` set, all of them stay unchanged and the moments are not touched; the
+    flag is set from the all-reduced loss, so every rank skips the same step. (DeepSpeed skips on
+    overflow only for fp16, or bf16 at ZeRO-1/2; this covers fp32 and ZeRO-3 as well.)
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.skip = False
+
+    def step(self, closure=None):
+        if self.skip:
+            return None
+        return super().step(closure)
+
+
+# ---- process group and mesh -----------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_s: float) -> None:
+    """Join the process group the launcher describes (torchrun, deepspeed, accelerate all set
+    RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT); a plain `python` start is a world of one.
+    A rank that dies or hangs makes the others fail after `timeout_s` instead of waiting forever."""
+    if dist.is_initialized():
+        # started by a test harness or a notebook: DeepSpeed still wants LOCAL_RANK (one node)
+        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    if torch.cuda.is_available():
+        # tear the process down when a collective times out or fails, so it cannot hang
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def build_mesh(parallel_cfg):
+    from longvideo.parallel import Mesh
+
+    return Mesh.from_config(parallel_cfg)  # dp * sp != world: ConfigError
+
+
+# ---- the trainer ----------------------------------------------------------------------------
+
+class Trainer:
+    """One training run. `train()` below is the usual entry; tests drive the pieces directly:
+
+        t = Trainer(cfg)
+        stats = t.forward_backward(t.next_micro_batches())   # gradients reduced, not applied
+        metrics = t.optimizer_step(stats)                    # update (or skip), schedule
+    """
+
+    def __init__(self, cfg: Config, *, resume: bool = False, init_from: Optional[str] = None,
+                 batches: Optional[Iterable[dict]] = None,
+                 callbacks: Iterable[Callable] = ()):
+        self.cfg = cfg
+        tc = cfg.train
+        self.callbacks = list(callbacks)
+        self.run_dir = Path(tc.out_dir)
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+        init_distributed(cfg.parallel.timeout_s)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.mesh = build_mesh(cfg.parallel)  # dp * sp != world raises here, before any work
+        self.bf16 = tc.precision == "bf16" or (tc.precision == "auto" and torch.cuda.is_available())
+        ds_config = build_deepspeed_config(tc, world_size=self.world, bf16=self.bf16)
+        self.zero_stage = ds_config["zero_optimization"]["stage"]
+        self._check_run_dir(resume)
+        self.resume_from = ckpt_io.latest_checkpoint(self.run_dir) if resume else None
+        if tc.wandb != "disabled":
+            try:
+                import wandb  # noqa: F401
+            except ImportError:
+                raise ConfigError("train.wandb", f"'{tc.wandb}' needs the wandb package "
+                                  "(pip install 'longvideo[wandb]')") from None
+        if tc.tokenizer_dir and not Path(tc.tokenizer_dir).is_dir():
+            raise ConfigError("train.tokenizer_dir", f"not a directory: {tc.tokenizer_dir}")
+        if tc.vq_dir and not Path(tc.vq_dir).is_dir():
+            raise ConfigError("train.vq_dir", f"not a directory: {tc.vq_dir}")
+
+        import deepspeed
+
+        from longvideo.model import Transformer
+        from longvideo.parallel import parallelize
+
+        torch.manual_seed(tc.seed)  # identical initial weights on every rank
+        model = Transformer(cfg.model)
+        init_from = init_from if init_from is not None else (tc.init_from or None)
+        if init_from and self.resume_from is None:
+            self._load_init_weights(model, init_from)
+        parallelize(model, self.mesh)
+        self.optimizer = SkippableAdamW(self._param_groups(model), lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2),
+                                        eps=tc.adam_eps, weight_decay=tc.weight_decay)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=ds_config,
+                                                    dist_init_required=False)
+        self.model = self.engine.module
+        self.device = self.engine.device
+        self.schedule = WarmupCosine(self.optimizer, lr=tc.lr, warmup_steps=tc.warmup_steps, total_steps=tc.steps,
+                                     min_lr_ratio=tc.min_lr_ratio)
+        self.loader = batches if batches is not None else self._make_loader()
+        self._batches = None
+        self.step = 0
+        self.tokens_seen = 0
+        self.bad_in_a_row = 0
+        self.last_saved: Optional[int] = None
+        self.last_checkpoint: Optional[Path] = None
+        self.stop_requested = False
+        self.seq_len = cfg.data.seq_len
+        self.peak_flops = peak_flops_per_device(tc.peak_flops)
+        self.flops_per_token = cfg.model.flops_per_token(self.seq_len)
+        if self.resume_from is not None:
+            self._resume(self.resume_from)
+
+    # -- set-up helpers ---------------------------------------------------------------------
+    def _check_run_dir(self, resume: bool) -> None:
+        if self.rank == 0:
+            stale = ckpt_io.clean_stale(self.run_dir)
+            if stale:
+                print(f"removed {len(stale)} incomplete checkpoint(s) left by an interrupted write: "
+                      f"{', '.join(p.name for p in stale)}", flush=True)
+        has_ckpt = ckpt_io.latest_checkpoint(self.run_dir) is not None
+        if has_ckpt and not resume:
+            raise ConfigError("train.out_dir", f"{self.run_dir} already holds checkpoints; pass --resume "
+                                               f"to continue that run, or choose another out_dir")
+
+    def _load_init_weights(self, model, path: str) -> None:
+        """Only the weights of a previous stage; optimizer, schedule and data start fresh."""
+        sd, old = ckpt_io.load_model_state(path)
+        own = model.state_dict()
+        missing = sorted(set(own) - set(sd))
+        unexpected = sorted(set(sd) - set(own))
+        shapes = [f"{k}: {tuple(sd[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
+                  if k in sd and tuple(sd[k].shape) != tuple(v.shape)]
+        if missing or unexpected or shapes:
+            raise ConfigError("train.init_from", f"{path} does not fit this model: missing {missing[:5]}, "
+                                                 f"unexpected {unexpected[:5]}, shapes {shapes[:5]}")
+        model.load_state_dict(sd, strict=True)
+        if self.rank == 0:
+            print(f"initialised from {path} (its rope_theta {old.model.rope_theta:g}, now "
+                  f"{self.cfg.model.rope_theta:g})", flush=True)
+
+    @staticmethod
+    def _param_groups(model) -> list[dict]:
+        decay, no_decay = [], []
+        for _, p in model.named_parameters():
+            (decay if p.dim() >= 2 else no_decay).append(p)  # norm gains are not decayed
+        return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def _make_loader(self):
+        cfg, tc = self.cfg, self.cfg.train
+        if cfg.data.train_shards:
+            from longvideo.data.loader import make_loader
+            from longvideo.tokenizer import TextTokenizer
+
+            if not tc.tokenizer_dir:
+                raise ConfigError("train.tokenizer_dir", "data.train_shards needs the text tokenizer directory")
+            tok = TextTokenizer.from_dir(tc.tokenizer_dir)
+            return make_loader(cfg.data, tok, cfg.model.vocab, batch_size=tc.micro_batch_size,
+                               dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp)
+        vocab = tc.synthetic_vocab or cfg.model.text_vocab_size
+        return SyntheticTokens(seq_len=cfg.data.seq_len, batch_size=tc.micro_batch_size, vocab=vocab,
+                               seed=tc.seed, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp)
+
+    def _emit(self, event: str, **info) -> None:
+        for cb in self.callbacks:
+            cb(event, self, **info)
+
+    # -- data -------------------------------------------------------------------------------
+    def shard(self, batch: dict) -> dict:
+        """This rank's part of a (B, S) batch: the zigzag shard of its sp group, on the device."""
+        from longvideo.parallel import shard_batch
+
+        local = shard_batch({k: batch[k] for k in BATCH_KEYS}, self.mesh.sp_group)
+        return {k: v.to(self.device, non_blocking=True) for k, v in local.items()}
+
+    def next_micro_batches(self) -> list[dict]:
+        """grad_accum batches of this dp rank, sharded for this sp rank."""
+        if self._batches is None:
+            self._batches = iter(self.loader)
+        return [self.shard(next(self._batches)) for _ in range(self.cfg.train.grad_accum)]
+
+    # -- one step ---------------------------------------------------------------------------
+    def forward_backward(self, micro_batches: list[dict]) -> dict:
+        """Forward and backward of one step's micro-batches (this rank's shards). Afterwards the
+        reduced gradients are in the engine (deepspeed.utils.safe_get_full_grad reads them) and
+        `optimizer_step` applies them."""
+        if len(micro_batches) != self.cfg.train.grad_accum:
+            raise ValueError(f"expected {self.cfg.train.grad_accum} micro-batches, got {len(micro_batches)}")
+        from longvideo.parallel import global_weight_total
+
+        local_weight = sum((mb["loss_weights"].float() * (mb["targets"] >= 0)).sum() for mb in micro_batches)
+        # the whole step's weight total, known before the first backward (all micro-batches count)
+        total_weight = float(global_weight_total(local_weight, self.mesh))
+        scale = self.world / max(total_weight, 1e-12)  # DeepSpeed averages over the W ranks
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, mb in enumerate(micro_batches):
+            part, _ = self.engine(mb["input_ids"], mb["positions"], mb["segment_ids"],
+                                  targets=mb["targets"], loss_weights=mb["loss_weights"])
+            self.engine.backward(part * scale, scale_wrt_gas=False)
+            loss_sum += part.detach().double()
+            if i < len(micro_batches) - 1:
+                self.engine.step()  # not a boundary: DeepSpeed only accumulates
+        return {"loss_sum": loss_sum, "total_weight": total_weight,
+                "sequences": sum(mb["input_ids"].shape[0] for mb in micro_batches)}
+
+    def optimizer_step(self, stats: dict) -> dict:
+        """Apply the step (or skip it on a NaN/inf loss), advance the schedule; return metrics."""
+        # one all-reduce: the loss (every rank then makes the same skip decision) and a stop request
+        summed = torch.stack([stats["loss_sum"], torch.tensor(float(self.stop_requested), dtype=torch.float64,
+                                                              device=self.device)])
+        dist.all_reduce(summed)
+        total = stats["total_weight"]
+        loss = float(summed[0]) / total if total > 0 else float("nan")
+        stop = bool(summed[1] > 0)
+        ok = math.isfinite(loss)
+        self.optimizer.skip = not ok
+        try:
+            self.engine.step()
+        finally:
+            self.optimizer.skip = False
+        applied = ok and self.engine.was_step_applied()
+        lr = self.schedule.current()
+        grad_norm = self.engine.get_global_grad_norm()
+        self.schedule.step()
+        self.step += 1
+        self.bad_in_a_row = 0 if applied else self.bad_in_a_row + 1
+        tokens = self.cfg.train.micro_batch_size * self.cfg.train.grad_accum * self.mesh.dp * self.seq_len
+        self.tokens_seen += tokens
+        return {"loss": loss, "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "skipped": not applied, "tokens": tokens, "stop": stop}
+
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        stats = self.forward_backward(self.next_micro_batches())
+        metrics = self.optimizer_step(stats)
+        dt = time.perf_counter() - t0
+        metrics["step_time"] = dt
+        metrics["tokens_per_s"] = metrics["tokens"] / dt
+        metrics["mfu"] = mfu(self.flops_per_token, metrics["tokens_per_s"], self.peak_flops, self.world)
+        metrics["peak_mem_gb"] = peak_memory_gb(self.device)
+        return metrics
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def trainer_state(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "bad_in_a_row": self.bad_in_a_row,
+                "schedule": self.schedule.state_dict(), "world_size": self.world, "dp": self.mesh.dp,
+                "sp": self.mesh.sp, "zero_stage": self.zero_stage, "time": time.time()}
+
+    def save(self) -> Path:
+        """A complete checkpoint of the current step (collective)."""
+        tc = self.cfg.train
+        loader_state = self.loader.state_dict() if hasattr(self.loader, "state_dict") else {}
+        assets = {name: Path(src) for name, src in (("tokenizer", tc.tokenizer_dir), ("vq", tc.vq_dir)) if src}
+        path = ckpt_io.save_training_checkpoint(
+            engine=self.engine, cfg=self.cfg, run_dir=self.run_dir, step=self.step, rank=self.rank,
+            trainer_state=self.trainer_state(), loader_state=loader_state, barrier=dist.barrier, assets=assets,
+            on_staged=lambda p: self._emit("checkpoint_staged", path=p))
+        if self.rank == 0:
+            ckpt_io.prune_checkpoints(self.run_dir, tc.keep_checkpoints)
+        self.last_saved, self.last_checkpoint = self.step, path
+        self._emit("checkpoint_saved", path=path)
+        return path
+
+    def _resume(self, ckpt: Path) -> None:
+        state = ckpt_io.load_training_checkpoint(engine=self.engine, ckpt=ckpt, rank=self.rank)
+        shape = (state["world_size"], state["dp"], state["sp"])
+        if shape != (self.world, self.mesh.dp, self.mesh.sp):
+            raise ConfigError("parallel", f"{ckpt} was written with world {shape[0]} (dp {shape[1]} x sp "
+                                          f"{shape[2]}); an exact resume needs the same, this run has "
+                                          f"world {self.world} (dp {self.mesh.dp} x sp {self.mesh.sp})")
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.bad_in_a_row = int(state["bad_in_a_row"])
+        self.schedule.load_state_dict(state["schedule"])
+        if state["loader"] and hasattr(self.loader, "load_state_dict"):
+            self.loader.load_state_dict(state["loader"])
+        self.last_saved, self.last_checkpoint = self.step, ckpt
+        if self.rank == 0:
+            print(f"resumed from {ckpt} at step {self.step}", flush=True)
+
+    # -- the loop ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _graceful_signals(self):
+        """SIGTERM / first SIGINT: finish the step, write a checkpoint, exit. A second SIGINT aborts."""
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def request_stop(signum, frame):
+            if self.stop_requested and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.stop_requested = True
+
+        old = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def run(self) -> TrainResult:
+        tc = self.cfg.train
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(self.cfg, self.run_dir / "config.yaml")
+            for name, src in (("tokenizer", tc.tokenizer_dir), ("vq", tc.vq_dir)):
+                if src and not (self.run_dir / name).exists():
+                    shutil.copytree(src, self.run_dir / name)
+        log = RunLogger(self.run_dir, enabled=self.rank == 0, total_steps=tc.steps, start_step=self.step,
+                        progress=tc.progress, tensorboard=tc.tensorboard, wandb_mode=tc.wandb,
+                        wandb_project=tc.wandb_project, run_name=self.cfg.name,
+                        config=None)
+        result = TrainResult(status="completed", step=self.step, run_dir=self.run_dir)
+        try:
+            with self._graceful_signals():
+                while self.step < tc.steps:
+                    m = self.train_step()
+                    result.losses.append(m["loss"])
+                    if self.step % tc.log_every == 0 or m["skipped"]:
+                        log.log(self.step, {k: v for k, v in m.items() if k not in ("stop",)})
+                    log.progress(m)
+                    self._emit("step_end", step=self.step, metrics=m)
+                    if m["skipped"]:
+                        log.write(f"warning: step {self.step}: loss {m['loss']}; update skipped "
+                                  f"({self.bad_in_a_row} in a row, the run stops at {tc.max_bad_steps})")
+                        if self.bad_in_a_row >= tc.max_bad_steps:
+                            kept = self.last_checkpoint.name if self.last_checkpoint else "none written"
+                            raise LossDiverged(f"{self.bad_in_a_row} non-finite losses in a row (step "
+                                               f"{self.step}); stopping. Last good checkpoint: {kept}")
+                    if m["stop"]:
+                        result.status = "interrupted"
+                        log.write(f"stop requested: writing a checkpoint at step {self.step}")
+                        break
+                    if tc.checkpoint_every and self.step % tc.checkpoint_every == 0:
+                        self.save()
+                if self.last_saved != self.step:
+                    self.save()
+        finally:
+            log.close(plot=tc.plot)
+        result.step, result.checkpoint = self.step, self.last_checkpoint
+        return result
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak on GPU, peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def train(cfg: Config, *, resume: bool = False, init_from: Optional[str] = None,
+          batches: Optional[Iterable[dict]] = None, callbacks: Iterable[Callable] = ()) -> TrainResult:
+    """Train `cfg` in this process as one rank of the launcher's world (or a world of one).
+
+    resume: continue from OUT/checkpoints/latest when there is one (same world shape).
+    init_from: start from the model weights of a checkpoint or run dir (the previous stage).
+    batches: an iterable of (B, S) batch dicts replacing the configured data (tests).
+    callbacks: functions `cb(event, trainer, **info)`; events step_end(step, metrics),
+        checkpoint_staged(path), checkpoint_saved(path).
+    """
+    trainer = Trainer(cfg, resume=resume, init_from=init_from, batches=batches, callbacks=callbacks)
+    return trainer.run()
