@@ -113,21 +113,19 @@ def context_budget(pretrained, max_new_tokens: int) -> int:
     return pretrained.model.cfg.max_seq_len - max_new_tokens
 
 
-def frames_for_groups(vq, groups: int, num_frames: int) -> int:
-    """Most frames (<= num_frames) whose VQ grouping has at most `groups` groups."""
-    return groups_that_fit(lambda n: len(vq.group_frame_index(n)), num_frames, groups)
-
-
-def fit_frames(pretrained, num_frames: int, question: Optional[str], max_new_tokens: int) -> int:
-    """How many of `num_frames` frames fit the context with the question and the answer."""
+def fit_frames(pretrained, num_frames: int, question: Optional[str], max_new_tokens: int,
+               duration: float = 0.0) -> int:
+    """How many of `num_frames` frames (spread over `duration` seconds) fit the context with the
+    question (QUESTION_RESERVE tokens when it is not known yet) and the answer."""
     vq = _require(pretrained, "vq")
     side = vq.cfg.resolution // vq.cfg.downsample
-    q = question if question is not None else "?" * QUESTION_RESERVE
+    reserve = QUESTION_RESERVE if question is None else 0
 
     def length(n: int) -> int:
         g = len(vq.group_frame_index(n))
         dummy = np.zeros((g, side, side), np.int64)
-        return len(prompt_ids(pretrained, dummy, np.arange(g, dtype=np.float64), q))
+        times = np.linspace(0.0, max(duration, float(g)), g, endpoint=False)  # timestamp text grows with t
+        return len(prompt_ids(pretrained, dummy, times, question or "")) + reserve
 
     return groups_that_fit(length, num_frames, context_budget(pretrained, max_new_tokens))
 
@@ -170,11 +168,13 @@ def encode_video_file(pretrained, video, *, fps: float = 1.0, max_frames: Option
     wanted = len(sample_indices(info.num_frames, info.fps, fps, max_frames))
     if wanted == 0:
         raise EmptyVideoError("no frames to read", str(video) if not isinstance(video, (bytes, bytearray)) else "<bytes>")
-    n = fit_frames(pretrained, wanted, question, max_new_tokens)
+    duration = info.duration if info.duration > 0 else info.num_frames / max(info.fps, 1e-9)
+    n = fit_frames(pretrained, wanted, question, max_new_tokens, duration)
     if n == 0:
         raise ValueError(f"not even one frame fits the context of {pretrained.model.cfg.max_seq_len} tokens")
-    duration = info.duration if info.duration > 0 else info.num_frames / max(info.fps, 1e-9)
-    effective = fps if n == wanted else n / duration
+    # max_frames or the context may thin the sampling out: report the rate actually taken
+    full = len(sample_indices(info.num_frames, info.fps, fps, None))
+    effective = min(fps, info.fps) if n == full else n / duration
     if n < wanted:
         warnings.warn(f"the video ({duration:.1f} s) at {fps:g} fps gives {wanted} frames, more than the "
                       f"context of {pretrained.model.cfg.max_seq_len} tokens holds with the question and "
