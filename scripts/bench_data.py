@@ -183,13 +183,21 @@ def plot(res: dict, path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     v = res["video"]
-    names = ["read_video\n(decord)", "read_video\n(PyAV backend)", "PyAV decode\nevery frame"]
-    secs = [v["project_decord"]["seconds"], v["project_pyav"]["seconds"], v["pyav_decode_all"]["seconds"]]
-    a.bar(names, secs, color=["tab:blue", "tab:cyan", "tab:gray"])
-    for i, s in enumerate(secs):
-        a.text(i, s, f"{s:.1f} s", ha="center", va="bottom")
+    labels = ["read_video (decord)", "read_video (PyAV backend)", "PyAV decode every frame"]
+    keys = ["project_decord", "project_pyav", "pyav_decode_all"]
+    colours = ["tab:blue", "tab:cyan", "tab:gray"]
+    width = 0.8 / len(keys)
+    for j, (key, label, colour) in enumerate(zip(keys, labels, colours)):
+        xs = [i + (j - 1) * width for i in range(len(v["runs"]))]
+        secs = [r[key]["seconds"] for r in v["runs"]]
+        a.bar(xs, secs, width, label=label, color=colour)
+        for x, sec in zip(xs, secs):
+            a.text(x, sec, f"{sec:.1f}", ha="center", va="bottom", fontsize=7)
+    a.set_xticks(range(len(v["runs"])), [f"GOP {r['gop_seconds']:g} s" for r in v["runs"]])
     a.set_ylabel("seconds")
-    a.set_title(f"1 fps from a {v['minutes']:g}-min {v['size']}p video ({v['src_fps']} fps, GOP {v['gop_seconds']:g} s)")
+    a.set_ylim(0, 1.3 * max(r[k]["seconds"] for r in v["runs"] for k in keys))
+    a.legend(fontsize=7, loc="upper left", ncol=3)
+    a.set_title(f"1 fps from a {v['minutes']:g}-min {v['size']}p video ({v['src_fps']} fps)")
     ld = res["loader"]
     names = ["loader\n(this CPU)", "train step\nsmall model, CPU", "train step 7B\nH200 est. per GPU"]
     vals = [ld["tokens_per_s"], res["train_step_cpu"]["tokens_per_s"], res["train_step_7b_h200"]["tokens_per_s_per_gpu"]]
@@ -208,7 +216,8 @@ def main(argv=None) -> int:
     p.add_argument("--minutes", type=float, default=60.0, help="video length")
     p.add_argument("--size", type=int, default=256, help="frame side (256p)")
     p.add_argument("--src-fps", type=int, default=8, help="frame rate of the generated video")
-    p.add_argument("--gop-seconds", type=float, default=2.0, help="keyframe interval of the generated video")
+    p.add_argument("--gop-seconds", type=float, nargs="+", default=[2.0],
+                   help="keyframe interval(s) of the generated video; one video per value")
     p.add_argument("--cache", default=os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"),
                                                    "longvideo", "bench"), help="where the video is kept")
     p.add_argument("--seq-len", type=int, default=16384, help="loader sequence length")
@@ -222,24 +231,26 @@ def main(argv=None) -> int:
 
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
-    video = cache / f"bench_{a.minutes:g}min_{a.size}p_{a.src_fps}fps_gop{a.gop_seconds:g}s.mp4"
-    if not video.exists():
-        t = time.perf_counter()
-        make_video(video, a.minutes, a.size, a.src_fps, a.gop_seconds)
-        print(f"generated {video} in {time.perf_counter() - t:.0f} s")
     res = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                        "loadavg_start": os.getloadavg()}}
-    v = {"minutes": a.minutes, "size": a.size, "src_fps": a.src_fps, "gop_seconds": a.gop_seconds,
-         "file_mb": video.stat().st_size / 2**20}
-    print("timing read_video (decord) ...", flush=True)
-    v["project_decord"] = time_project_reader(video, "auto")
-    print("timing read_video (PyAV backend) ...", flush=True)
-    v["project_pyav"] = time_project_reader(video, "pyav")
-    print("timing PyAV decode of every frame ...", flush=True)
-    v["pyav_decode_all"] = time_pyav_decode_all(video)
-    base = v["pyav_decode_all"]["seconds"]
-    v["speedup_decord"] = base / v["project_decord"]["seconds"]
-    v["speedup_pyav_backend"] = base / v["project_pyav"]["seconds"]
+    v = {"minutes": a.minutes, "size": a.size, "src_fps": a.src_fps, "runs": []}
+    for gop in a.gop_seconds:
+        video = cache / f"bench_{a.minutes:g}min_{a.size}p_{a.src_fps}fps_gop{gop:g}s.mp4"
+        if not video.exists():
+            t = time.perf_counter()
+            make_video(video, a.minutes, a.size, a.src_fps, gop)
+            print(f"generated {video} in {time.perf_counter() - t:.0f} s")
+        run = {"gop_seconds": gop, "file_mb": video.stat().st_size / 2**20}
+        print(f"GOP {gop:g} s: timing read_video (decord) ...", flush=True)
+        run["project_decord"] = time_project_reader(video, "auto")
+        print(f"GOP {gop:g} s: timing read_video (PyAV backend) ...", flush=True)
+        run["project_pyav"] = time_project_reader(video, "pyav")
+        print(f"GOP {gop:g} s: timing PyAV decode of every frame ...", flush=True)
+        run["pyav_decode_all"] = time_pyav_decode_all(video)
+        base = run["pyav_decode_all"]["seconds"]
+        run["speedup_decord"] = base / run["project_decord"]["seconds"]
+        run["speedup_pyav_backend"] = base / run["project_pyav"]["seconds"]
+        v["runs"].append(run)
     res["video"] = v
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -165,3 +165,41 @@ def _pickled_npy():
     buf = io.BytesIO()
     np.save(buf, np.array([{"x": 1}], dtype=object), allow_pickle=True)
     return buf.getvalue()
+
+
+class _ByteTokenizer:
+    """Bytes as text ids (enough for the layout; keeps the spawned ranks free of transformers)."""
+
+    text_size, bos_id, eos_id, pad_id = 259, 256, 257, 258
+
+    def encode(self, text):
+        return list(text.encode())
+
+    def vocab(self, codebook_size):
+        from longvideo.vocab import Vocab
+
+        return Vocab(self.text_size, codebook_size)
+
+
+def _sp_rank_body(rank, world, root):
+    from longvideo.parallel import shard_batch
+
+    tok = _ByteTokenizer()
+    cfg = DataConfig(seq_len=96, shuffle_buffer=5, template_mode="all")
+    loader = TokenLoader(root, tok, tok.vocab(K), cfg, batch_size=2)  # every sp rank reads the same batch
+    for _ in range(3):
+        full = next(loader)
+        local = shard_batch(full, None)
+        chunk = 96 // (2 * world)
+        idx = torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                         torch.arange((2 * world - 1 - rank) * chunk, (2 * world - rank) * chunk)])
+        for k, v in full.items():
+            assert torch.equal(local[k], v[:, idx]), k  # the ring's zigzag layout; positions/segments travel along
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_batches_shard_over_sp_ranks_with_the_ring_layout(shards):
+    from distributed import run_ranks
+
+    run_ranks(_sp_rank_body, world=2, args=(str(shards[0]),), timeout=240)
