@@ -49,7 +49,7 @@ def test_sample_norm_gives_each_document_weight_one():
 def test_packer_first_fit_and_state():
     p = Packer(seq_len=10, bins=2)
     assert p.add("a", 6) == [] and p.add("b", 5) == []  # b does not fit with a: second bin
-    assert p.add("c", 4) == []  # fits in a's bin
+    assert p.add("c", 3) == []  # fits in a's bin
     state = p.state_dict()
     closed = p.add("d", 6)  # fits nowhere, two bins open: the oldest (a, c) closes
     assert closed == [["a", "c"]]
@@ -58,6 +58,9 @@ def test_packer_first_fit_and_state():
     assert q.add("d", 6) == closed and q.flush() == p.flush()
     with pytest.raises(ValueError):
         p.add("e", 11)
+    r = Packer(seq_len=10, bins=2)
+    assert r.add("x", 4) == [] and r.add("y", 6) == [["x", "y"]]  # exactly full: closes at once
+    assert r.add("z", 10) == [["z"]] and r.open == []
 
 
 def _tiny_model():

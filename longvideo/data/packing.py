@@ -64,7 +64,7 @@ class Packer(Generic[T]):
 
     ``add`` returns the rows that became final: when an item fits no open row and all ``bins``
     rows are open, the oldest row is closed (so no document waits long; later small documents
-    still fill the gaps of older rows). Items are opaque (the loader uses sample references,
+    still fill the gaps of older rows); a row that is exactly full closes at once. Items are opaque (the loader uses sample references,
     so the state is small); ``state_dict`` holds them as they are.
     """
 
@@ -81,16 +81,21 @@ class Packer(Generic[T]):
     def add(self, item: T, length: int) -> list[list[T]]:
         if not 0 < length <= self.seq_len:
             raise ValueError(f"item length {length} outside (0, {self.seq_len}]")
-        for row in self.open:
+        for i, row in enumerate(self.open):
             if self._fill(row) + length <= self.seq_len:
                 row.append((item, length))
-                return []
+                return [self._close(i)] if self._fill(row) == self.seq_len else []
         closed = []
         if len(self.open) >= self.bins:
             # close the oldest row: a document then waits for at most `bins` rows to be closed
-            closed.append([it for it, _ in self.open.pop(0)])
+            closed.append(self._close(0))
         self.open.append([(item, length)])
+        if length == self.seq_len:
+            closed.append(self._close(len(self.open) - 1))
         return closed
+
+    def _close(self, i: int) -> list[T]:
+        return [it for it, _ in self.open.pop(i)]
 
     def flush(self) -> list[list[T]]:
         rows = [[it for it, _ in row] for row in self.open]
