@@ -42,6 +42,8 @@ class TrainConfig:
     """DeepSpeed ZeRO stage 1, 2 or 3; null = the stage in deepspeed_config, else 3."""
     deepspeed_config: str = ""
     """Optional DeepSpeed JSON (relative to configs/ or a path) for tuning keys: buckets, overlap, offload."""
+    data_source: Literal["auto", "shards", "synthetic"] = "auto"
+    """shards: data.train_shards (required); synthetic: generated tokens; auto: shards if set, else synthetic."""
     tokenizer_dir: str = ""
     """Text tokenizer directory (needed with data.train_shards); copied into the run and its checkpoints."""
     vq_dir: str = ""

@@ -233,7 +233,9 @@ class Trainer:
 
     def _make_loader(self):
         cfg, tc = self.cfg, self.cfg.train
-        if cfg.data.train_shards:
+        if tc.data_source == "shards" and not cfg.data.train_shards:
+            raise ConfigError("data.train_shards", "train.data_source is 'shards' but no shards are set")
+        if tc.data_source == "shards" or (tc.data_source == "auto" and cfg.data.train_shards):
             from longvideo.data.loader import make_loader
             from longvideo.tokenizer import TextTokenizer
 
@@ -418,7 +420,8 @@ class Trainer:
                         result.status = "interrupted"
                         log.write(f"stop requested: writing a checkpoint at step {self.step}")
                         break
-                    if tc.checkpoint_every and self.step % tc.checkpoint_every == 0:
+                    # no periodic checkpoint inside a streak of bad steps: the last one stays the good one
+                    if tc.checkpoint_every and self.step % tc.checkpoint_every == 0 and self.bad_in_a_row == 0:
                         self.save()
                 if self.last_saved != self.step:
                     self.save()
