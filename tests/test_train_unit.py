@@ -242,3 +242,18 @@ def test_disabled_logger_writes_nothing(tmp_path):
     log.log(1, {"loss": 1.0})
     log.write("hello")
     assert log.close() is None and not (tmp_path / "x").exists()
+
+
+def test_world_size_mismatch_is_a_clear_error_before_work(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, "-m", "longvideo", "train", "--config", "tiny.yaml", "parallel.sp=2",
+                           "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "parallel.sp" in proc.stderr and "world size 1" in proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing was started
