@@ -60,6 +60,8 @@ def tokenize_main(argv: list[str]) -> int:
     p.add_argument("--max-frames", type=int, default=None, help=f"frame cap per video (default {d.max_frames})")
     p.add_argument("--max-resolution", type=int, default=None, help=f"longest frame side accepted (default {d.max_resolution})")
     p.add_argument("--batch-frames", type=int, default=d.batch_frames, help="frames per VQ forward")
+    p.add_argument("--backend", choices=["auto", "decord", "pyav"], default=None,
+                   help=f"video decoder (default {d.backend}: decord, PyAV where decord fails)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR if a.quiet else logging.WARNING, format="%(levelname)s %(message)s")
@@ -69,11 +71,12 @@ def tokenize_main(argv: list[str]) -> int:
 
         dc = load_config(a.config).data
         base = TokenizeOptions(fps=dc.fps, max_frames=dc.max_frames, max_resolution=dc.max_resolution,
-                               batch_frames=d.batch_frames)
+                               batch_frames=d.batch_frames, backend=dc.video_backend)
     opts = TokenizeOptions(fps=a.fps if a.fps is not None else base.fps,
                            max_frames=a.max_frames if a.max_frames is not None else base.max_frames,
                            max_resolution=a.max_resolution if a.max_resolution is not None else base.max_resolution,
-                           batch_frames=a.batch_frames)
+                           batch_frames=a.batch_frames,
+                           backend=a.backend if a.backend is not None else base.backend)
     if opts.fps <= 0 or (opts.max_frames is not None and opts.max_frames <= 0) or opts.batch_frames <= 0:
         p.error("--fps, --max-frames and --batch-frames must be positive")
     try:

@@ -22,6 +22,8 @@ class DataConfig:
     """Most frames taken from one video (uniform sampling when the cap binds)."""
     max_resolution: int = 4096
     """Longest frame side accepted when decoding (larger videos are skipped as unsupported)."""
+    video_backend: Literal["auto", "decord", "pyav"] = "auto"
+    """Video decoder: auto = decord, PyAV where decord fails; or one of them only."""
     text_loss_weight: float = 0.5
     """Loss weight of text tokens (LWM: 0.5)."""
     vision_loss_weight: float = 0.5

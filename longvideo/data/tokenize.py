@@ -37,6 +37,8 @@ class TokenizeOptions:
     """Longest frame side accepted."""
     batch_frames: int = 16
     """Frames the VQ encodes at once."""
+    backend: str = "auto"
+    """Video decoder: auto (decord, PyAV where decord fails), decord or pyav."""
 
 
 _VQ = None  # the worker's VQ model, loaded once per process
@@ -71,7 +73,7 @@ def tokenize_sample(vq, video: bytes, opts: TokenizeOptions) -> tuple[np.ndarray
 
     def frames():
         for chunk, times in iter_video(video, fps=opts.fps, max_frames=opts.max_frames, size=vq.cfg.resolution,
-                                       max_resolution=opts.max_resolution):
+                                       max_resolution=opts.max_resolution, backend=opts.backend):
             stamps.append(times)
             yield chunk
 
