@@ -1,0 +1,290 @@
+"""`make demo`: train a tiny long-video model on CPU from nothing and question it on unseen videos.
+
+Every stage runs the same command a user would type, so the demo is also a tour of the CLI:
+
+  1. make-data      synthetic mp4 shards (train and held-out) with captions, QA and a needle frame
+  2. tokenizer      a small byte-level BPE trained on the dataset's own text
+  3. train-vq       the tiny VQ video tokenizer
+  4. tokenize       raw shards -> token shards (training never decodes video)
+  5. train          the tiny LM with ring attention over 2 processes (sp = 2, ZeRO-3), through the
+                    tiny context ladder (each stage starts from the previous one's weights)
+  6. eval           QA accuracy and video needle retrieval on held-out videos (JSON + PNG, chance)
+  7. export         a Hugging Face directory, reloaded with transformers
+  8. chat           one question about a held-out video, through `longvideo chat`
+
+Stages whose outputs exist are skipped, so an interrupted demo continues where it stopped.
+
+    python -m longvideo.demo                 # the full demo (about 25 minutes on 2 cores)
+    python -m longvideo.demo --quick         # the CI-sized version (a few minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class DemoPlan:
+    """Sizes of one demo run."""
+
+    train_videos: int = 1200
+    """Synthetic training videos."""
+    test_videos: int = 64
+    """Held-out videos (a different seed: never seen in training)."""
+    max_seconds: int = 12
+    """Longest ordinary video (seconds; sampled at 1 fps)."""
+    long_seconds: int = 40
+    """Duration of the long videos."""
+    tokenizer_vocab: int = 384
+    """Text ids of the BPE tokenizer."""
+    vq_seconds: float = 200.0
+    """Training time of the VQ tokenizer."""
+    vq_steps: int = 1500
+    """Most VQ steps (whichever comes first)."""
+    stages: tuple[tuple[int, int, float], ...] = ((1024, 260, 1e4), (2048, 60, 1e5), (4096, 30, 1e6))
+    """The context ladder: (sequence length, optimizer steps, RoPE theta) per stage."""
+    lr: float = 3e-3
+    """Peak learning rate of the first stage (later stages use a third of it)."""
+    eval_samples: int = 64
+    """Held-out QA samples scored."""
+    needle_lengths: tuple[int, ...] = (8, 16, 40)
+    """Video lengths (frames at 1 fps) of the video needle grid."""
+    needle_depths: tuple[float, ...] = (0.0, 0.5, 1.0)
+    """Needle depths of the video needle grid."""
+    nproc: int = 2
+    """Processes of the language-model training (all in one ring: sp = nproc)."""
+
+
+FULL = DemoPlan()
+QUICK = DemoPlan(train_videos=96, test_videos=12, max_seconds=8, long_seconds=16, tokenizer_vocab=320,
+                 vq_seconds=40.0, vq_steps=200, stages=((512, 25, 1e4), (1024, 8, 1e5)), eval_samples=12,
+                 needle_lengths=(8, 16), needle_depths=(0.0, 1.0))
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class DemoError(RuntimeError):
+    pass
+
+
+class Demo:
+    def __init__(self, out: Path, plan: DemoPlan, quiet: bool = False):
+        self.out, self.plan, self.quiet = out, plan, quiet
+        self.timings: dict[str, float] = {}
+        self.env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
+                        TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                        PYTHONUNBUFFERED="1")
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def say(self, msg: str) -> None:
+        print(f"\n=== {msg}", flush=True)
+
+    def run(self, args: list[str], *, threads: int | None = None) -> None:
+        env = dict(self.env)
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
+        cmd = [str(a) for a in args]
+        print("$ " + " ".join(cmd if cmd[0] != sys.executable else ["python"] + cmd[1:]), flush=True)
+        r = subprocess.run(cmd, env=env, cwd=str(ROOT))
+        if r.returncode != 0:
+            raise DemoError(f"command failed with exit code {r.returncode}: {' '.join(cmd)}")
+
+    def lv(self, *args, threads: int | None = None) -> None:
+        self.run([sys.executable, "-m", "longvideo", *args], threads=threads)
+
+    def stage(self, name: str, done: Path, fn) -> None:
+        if done.exists():
+            print(f"=== {name}: done already ({done.relative_to(self.out)}), skipped", flush=True)
+            return
+        self.say(name)
+        t0 = time.time()
+        fn()
+        self.timings[name] = round(time.time() - t0, 1)
+        print(f"--- {name}: {self.timings[name]:.0f} s", flush=True)
+
+    # ---- stages ---------------------------------------------------------------------------------
+    def make_data(self) -> None:
+        p = self.plan
+        common = ["--max-seconds", p.max_seconds, "--long-seconds", p.long_seconds, "--samples-per-shard", 64,
+                  "--workers", 2] + (["--quiet"] if self.quiet else [])
+        self.lv("make-data", "synthetic", "--out", self.out / "data/train", "--n", p.train_videos, "--seed", 0, *common)
+        self.lv("make-data", "synthetic", "--out", self.out / "data/test", "--n", p.test_videos, "--seed", 1, *common)
+        (self.out / "data/.done").touch()
+
+    def tokenizer(self) -> None:
+        from longvideo.data.synthetic import SyntheticSpec, text_corpus
+
+        spec = SyntheticSpec(max_seconds=self.plan.max_seconds, long_seconds=self.plan.long_seconds)
+        corpus = self.out / "tokenizer_corpus.txt"
+        corpus.write_text("\n".join(text_corpus(n=400, seed=0, spec=spec)) + "\n")
+        self.lv("train-tokenizer", "--texts", corpus, "--vocab-size", self.plan.tokenizer_vocab,
+                "--out", self.out / "tokenizer")
+
+    def train_vq(self) -> None:
+        self.lv("train-vq", "--config", "vq/tiny.yaml", "--data", self.out / "data/train", "--out", self.out / "vq",
+                "--steps", self.plan.vq_steps, "--time-budget", self.plan.vq_seconds, "--no-tensorboard",
+                *(["--quiet"] if self.quiet else []))
+
+    def tokenize(self) -> None:
+        for split in ("train", "test"):
+            self.lv("tokenize", "--vq", self.out / "vq", "--in", self.out / f"data/{split}",
+                    "--out", self.out / f"tokens/{split}", "--config", "tiny", "--workers", 2,
+                    *(["--quiet"] if self.quiet else []))
+        (self.out / "tokens/.done").touch()
+
+    def text_size(self) -> int:
+        from longvideo.tokenizer import TextTokenizer
+
+        return TextTokenizer.from_dir(self.out / "tokenizer").text_size
+
+    def train_lm(self) -> None:
+        p = self.plan
+        prev = None
+        for i, (seq, steps, theta) in enumerate(p.stages):
+            run_dir = self.out / f"lm/stage{i}-{seq}"
+            if (run_dir / "checkpoints/latest").exists():
+                print(f"stage {seq}: done already", flush=True)
+                prev = run_dir
+                continue
+            overrides = [
+                f"model.text_vocab_size={self.text_size()}", f"model.max_seq_len={seq}",
+                f"model.rope_theta={theta}", f"data.seq_len={seq}",
+                f"data.train_shards={self.out / 'tokens/train'}", f"parallel.sp={p.nproc}",
+                f"train.steps={steps}", f"train.warmup_steps={max(1, steps // 10)}",
+                f"train.lr={p.lr if prev is None else p.lr / 3}", f"train.checkpoint_every={steps}",
+                f"train.tokenizer_dir={self.out / 'tokenizer'}", f"train.vq_dir={self.out / 'vq'}",
+                "train.zero_stage=3", f"train.out_dir={run_dir}", "train.micro_batch_size=1",
+            ]
+            if self.quiet:
+                overrides.append("train.progress=false")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p.nproc}",
+                   "-m", "longvideo", "train", "--config", "tiny", *overrides]
+            if prev is not None:
+                cmd += ["--init-from", prev]
+            print(f"--- stage {i + 1}/{len(p.stages)}: context {seq}, RoPE theta {theta:g}, {steps} steps", flush=True)
+            self.run(cmd, threads=1)
+            prev = run_dir
+        (self.out / "lm/final").write_text(str(prev))
+
+    def final_lm(self) -> Path:
+        return Path((self.out / "lm/final").read_text().strip())
+
+    def export(self) -> None:
+        self.lv("export", "--ckpt", self.final_lm(), "--out", self.out / "hf")
+
+    def evaluate(self) -> None:
+        p = self.plan
+        quiet = ["--quiet"] if self.quiet else []
+        self.lv("eval", "qa", "--model", self.out / "hf", "--shards", self.out / "tokens/test",
+                "--max-samples", p.eval_samples, "--out", self.out / "eval/qa", *quiet)
+        self.lv("eval", "video-niah", "--model", self.out / "hf", "--out", self.out / "eval/video_niah",
+                "--lengths", ",".join(map(str, p.needle_lengths)), "--depths", ",".join(map(str, p.needle_depths)),
+                *quiet)
+
+    def held_out_video(self) -> tuple[Path, dict]:
+        """One held-out needle video, written as a plain mp4 file (what a user would bring)."""
+        from longvideo.data.synthetic import SyntheticSpec, make_sample
+
+        spec = SyntheticSpec(max_seconds=self.plan.max_seconds, long_seconds=self.plan.long_seconds,
+                             needle_fraction=1.0, long_fraction=0.0)
+        sample = make_sample(seed=7, index=0, spec=spec)
+        path = self.out / "held_out.mp4"
+        path.write_bytes(sample.mp4())
+        return path, sample.meta
+
+    def chat(self) -> None:
+        video, meta = self.held_out_video()
+        question = meta["qa"][0]["question"]
+        self.lv("chat", "--model", self.out / "hf", "--video", video, "--question", question,
+                "--max-new-tokens", 8, *(["--quiet"] if self.quiet else []))
+        print(f"(the true answer: {meta['qa'][0]['answer']})", flush=True)
+        self.transformers_answer(video, question, meta["qa"][0]["answer"])
+
+    def transformers_answer(self, video: Path, question: str, truth: str) -> None:
+        """Reload the export with plain transformers and answer through LongVideoProcessor."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from longvideo.export import LongVideoProcessor
+
+        model = AutoModelForCausalLM.from_pretrained(self.out / "hf")
+        proc = LongVideoProcessor.from_pretrained(self.out / "hf")
+        inputs = proc(video=video, question=question)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+        answer = proc.decode(out[0], prompt_length=inputs["input_ids"].shape[1])
+        print(f"transformers.AutoModelForCausalLM + LongVideoProcessor: Q: {question}  A: {answer}  "
+              f"(truth: {truth})", flush=True)
+        (self.out / "chat.json").write_text(json.dumps({"question": question, "answer": answer, "truth": truth}))
+
+    # ---- driver -------------------------------------------------------------------------------
+    def main(self) -> dict:
+        t0 = time.time()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.stage("1/8 make-data: synthetic shards", self.out / "data/.done", self.make_data)
+        self.stage("2/8 text tokenizer", self.out / "tokenizer/tokenizer.json", self.tokenizer)
+        self.stage("3/8 train-vq", self.out / "vq/model.safetensors", self.train_vq)
+        self.stage("4/8 tokenize", self.out / "tokens/.done", self.tokenize)
+        self.stage("5/8 train the LM (ring attention, sp=2, ZeRO-3)", self.out / "lm/final", self.train_lm)
+        self.stage("6/8 export a Hugging Face directory", self.out / "hf/config.json", self.export)
+        self.stage("7/8 evaluate on held-out videos", self.out / "eval/video_niah", self.evaluate)
+        self.stage("8/8 chat", self.out / "chat.json", self.chat)
+        summary = self.summary(time.time() - t0)
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.report(summary)
+        return summary
+
+    def summary(self, seconds: float) -> dict:
+        def load(name):
+            files = sorted((self.out / "eval" / name).glob("*.json"))
+            return json.loads(files[0].read_text()) if files else {}
+
+        qa, niah = load("qa"), load("video_niah")
+        chat = json.loads((self.out / "chat.json").read_text()) if (self.out / "chat.json").exists() else {}
+        return {"plan": asdict(self.plan), "seconds": round(seconds, 1), "stage_seconds": self.timings,
+                "qa": {k: qa.get(k) for k in ("accuracy", "chance", "n", "per_question") if k in qa},
+                "video_niah": {k: niah.get(k) for k in ("accuracy", "chance", "n") if k in niah},
+                "chat": chat}
+
+    def report(self, s: dict) -> None:
+        self.say("results")
+        qa, niah = s["qa"], s["video_niah"]
+        if qa:
+            print(f"held-out QA accuracy:          {qa.get('accuracy', float('nan')):.1%}   (chance {qa.get('chance', float('nan')):.1%})")
+            for q, r in (qa.get("per_question") or {}).items():
+                print(f"    {q:<40} {r.get('accuracy', float('nan')):.1%}   (chance {r.get('chance', float('nan')):.1%})")
+        if niah:
+            print(f"video needle retrieval:        {niah.get('accuracy', float('nan')):.1%}   (chance {niah.get('chance', float('nan')):.1%})")
+        print(f"artefacts under {self.out}: eval/*/ (JSON + PNG), hf/ (Hugging Face export), lm/ (checkpoints, loss curves)")
+        print(f"demo time: {s['seconds'] / 60:.1f} min")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m longvideo.demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/demo", help="where everything goes")
+    ap.add_argument("--quick", action="store_true", help="the CI-sized version")
+    ap.add_argument("--fresh", action="store_true", help="delete --out first")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    a = ap.parse_args(argv)
+    out = Path(a.out).resolve()
+    if a.fresh and out.exists():
+        shutil.rmtree(out)
+    try:
+        Demo(out, QUICK if a.quick else FULL, quiet=a.quiet).main()
+    except DemoError as e:
+        print(f"demo failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
