@@ -1,0 +1,232 @@
+"""scripts/run_benchmarks.py: the markdown built from fabricated benchmark JSON (tables, targets met
+or not, "not measured" for missing or malformed files) and the runner's handling of scripts that
+fail or run past the timeout."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def rb():
+    spec = importlib.util.spec_from_file_location("run_benchmarks", ROOT / "scripts" / "run_benchmarks.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop(spec.name, None)
+
+
+def _write(d: Path, name: str, obj) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{name}.json").write_text(obj if isinstance(obj, str) else json.dumps(obj))
+
+
+def _summary(text: str) -> dict[str, list[str]]:
+    """{benchmark label: [measured, target, met]} from the summary table at the top."""
+    rows = {}
+    for line in text.split("\n## ")[0].splitlines():
+        if line.startswith("| ["):
+            cells = [c.strip() for c in line.strip("|").split(" | ")]
+            rows[cells[0].split("](")[0][1:]] = cells[1:]
+    return rows
+
+
+def _section(text: str, name: str) -> str:
+    return text.split(f'<a id="{name}"></a>')[1].split("<a id=")[0]
+
+
+def model_json(hf_gib_16k: float, hf_s_4k: float) -> dict:
+    return {"machine": "2-core CPU", "loadavg": [3.0, 2.0, 1.0],
+            "config": {"dim": 64, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 512, "threads": 2,
+                       "repeats": 1, "budget_gib": 8.0},
+            "results": [],
+            "table": [{"seq_len": 4096, "ours_s": 1.0, "hf_s": hf_s_4k, "ours_gib": 0.5, "hf_gib": 0.8},
+                      {"seq_len": 16384, "ours_s": 5.0, "hf_s": 8.0, "ours_gib": 1.0, "hf_gib": hf_gib_16k}],
+            "max_len_fit": {"longvideo": 120000.0, "transformers": 20000.0}}
+
+
+def ring_json(exposed_w2: float) -> dict:
+    def row(world, layout, exposed, balance, saved, peak):
+        return {"world": world, "layout": layout, "s_local": 16384 // world, "step_s": 2.0 / world,
+                "ranks": [], "exposed_frac_max": exposed, "balance_slowest_over_mean": balance,
+                "ideal_ratio": 0.9, "ideal_ratio_cpu": 0.95, "saved_mem_over_single_div_w": saved,
+                "peak_mem_over_single_div_w": peak}
+
+    return {"args": {"seq": 16384, "heads": 4, "kv_heads": 4, "head_dim": 64, "dtype": "float32",
+                     "backend": "cpu", "threads": 1, "iters": 2},
+            "machine": {"cpus": 2, "torch": "2.x", "loadavg_before": [1.0, 1.0, 1.0]},
+            "rows": [row(1, "zigzag", 0.0, 1.0, 1.0, 1.0), row(2, "zigzag", exposed_w2, 1.04, 1.1, 1.5),
+                     row(2, "contiguous", 0.4, 1.45, 1.1, 1.5), row(4, "zigzag", 0.3, 1.08, 1.15, 2.0)]}
+
+
+TRAIN = {"model": "tiny", "budget_gb": 16.0, "seq": 2048,
+         "targets": {"ours_sp1_over_transformers": 16.0, "ours_spW_over_Wx_sp1": 0.9},
+         "machine": {"cores": 2, "loadavg": [1.0, 1.0, 1.0]},
+         "systems": [
+             {"system": s, "ranks": w, "seqs": [1024, 2048], "peak_mib_per_rank": [100.0, 150.0],
+              "fit": {"coef": [50.0, 0.05], "form": "a + b S", "kib_per_token": 51.2},
+              "context_at_budget": ctx, "throughput": {"seq": 2048, "step_s": 1.0, "tokens_per_s": tps}}
+             for s, w, ctx, tps in (("transformers eager", 1, 1000.0, 900.0), ("transformers sdpa", 1, 4000.0, 1000.0),
+                                    ("ours sp=1", 1, 32000.0, 800.0), ("ours sp=2", 2, 60000.0, 1200.0),
+                                    ("ours sp=4", 4, 100000.0, 1500.0))]}
+
+INFER = {"lengths": [1024, 2048], "kv_cache_bytes": [2 * 2**20, 4 * 2**20],
+         "config": {"dim": 64, "layers": 2, "heads": 4, "kv_heads": 2, "chunk": 256, "backend": "cpu",
+                    "dtype": "float32"},
+         "machine": {"cpus": 2, "loadavg_before": [1.0, 1.0, 1.0]},
+         "modes": {"one_shot": [{"ttft_s": 1.0, "peak_mb": 10.0}, {"ttft_s": 2.0, "peak_mb": 40.0}],
+                   "chunked": [{"ttft_s": 1.5, "peak_mb": 5.0}, {"ttft_s": 2.5, "peak_mb": 10.0}],
+                   "sp2": [{"ttft_s": 0.8, "peak_mb": 6.0}, {"ttft_s": 1.5, "peak_mb": 20.0}]},
+         "same_tokens_all_modes": [True, True]}
+
+KERNELS_SKIPPED = {"machine": {"cpus": 2, "loadavg": [1.0, 1.0, 1.0]}, "config": {"target": 0.9},
+                   "skipped": True, "reason": "no CUDA device"}
+
+
+def test_tables_and_targets(rb, tmp_path):
+    bench = tmp_path / "docs" / "bench"
+    _write(bench, "model", model_json(hf_gib_16k=5.0, hf_s_4k=1.2))
+    _write(bench, "ring", ring_json(exposed_w2=0.05))
+    _write(bench, "kernels", KERNELS_SKIPPED)
+    _write(bench, "train", TRAIN)
+    _write(bench, "infer", INFER)
+    (bench / "infer.png").write_bytes(b"\x89PNG")
+    out = tmp_path / "docs" / "benchmarks.md"
+    text = rb.build_markdown(bench, out, tmp_path / "docs")
+    assert out.read_text() == text
+    s = _summary(text)
+
+    # model: 1.0 / 5.0 GiB = 0.2 <= 1/4; 1.2 s / 1.0 s = 1.2x transformers' speed at 4K
+    assert s["model: peak memory at 16K"][0].startswith("0.200x") and s["model: peak memory at 16K"][2] == "yes"
+    assert s["model: step time at 4K"][0].startswith("1.20x") and s["model: step time at 4K"][2] == "yes"
+    model = _section(text, "model")
+    assert "| 16,384 | 5.00 | 8.00 | 1.60x | 1.00 | 5.00 | 0.200 |" in model
+    assert "longvideo 117.2K, transformers 19.5K (6.0x)" in model
+
+    # ring: exposed 5 % at S_local 8K (W=4 has S_local 4K, outside the target), worst balance 1.08,
+    # worst saved-for-backward 1.15x single / W
+    assert s["ring: exposed communication"][0].startswith("5.0 %") and s["ring: exposed communication"][2] == "yes"
+    assert s["ring: zigzag balance"][0].startswith("slowest / mean CPU s = 1.080") and s["ring: zigzag balance"][2] == "yes"
+    assert s["ring: per-rank activation memory"][0].startswith("saved for backward: 1.15x")
+    assert s["ring: per-rank activation memory"][2] == "yes"
+    assert "| 2 | contiguous | 8,192 | 1.00 | 0.90 | 0.95 | 40.0 % | 1.450 | 1.10x | 1.50x |" in _section(text, "ring")
+
+    assert s["kernels: Triton flash attention fwd+bwd"][2] == "not measurable here"
+    assert "Skipped: no CUDA device" in _section(text, "kernels")
+
+    # train: 32000 / 1000 = 32x eager (met), 32000 / 4000 = 8x sdpa (not met);
+    # sp=2: 60000 / (2 x 32000) = 0.94, sp=4: 100000 / (4 x 32000) = 0.78 -> not met
+    assert s["train: our sp=1 context vs transformers (eager)"][0].startswith("32.0x")
+    assert s["train: our sp=1 context vs transformers (eager)"][2] == "yes"
+    assert s["train: our sp=1 context vs transformers (sdpa)"][0].startswith("8.0x")
+    assert s["train: our sp=1 context vs transformers (sdpa)"][2] == "**no**"
+    assert s["train: our sp=W context"][0].startswith("sp=2: 0.94 (58.6K); sp=4: 0.78")
+    assert s["train: our sp=W context"][2] == "**no**"
+
+    infer = _section(text, "infer")
+    assert "| 2,048 | 4 | 2.00 s / 40.0 MiB | 2.50 s / 10.0 MiB (0.25x) | 1.50 s / 20.0 MiB (0.50x) |" in infer
+    assert "![Inference: time to first token and memory vs context](bench/infer.png)" in infer
+    assert s["infer: TTFT and peak memory vs context"][2] == "n/a"
+    assert "Machine: 2-core CPU; load average (1/5/15 min) 1.0/1.0/1.0 (before)." in infer
+    assert "[inference.md](inference.md)" in infer
+
+    # nothing written for vq or data: their targets say so and their sections say how to measure
+    assert s["vq: encode throughput and quality after a fixed budget"][2] == "not measured yet"
+    assert "_Not measured yet (no data.json): run `python scripts/bench_data.py`._" in _section(text, "data")
+
+
+def test_targets_not_met(rb, tmp_path):
+    bench = tmp_path / "bench"
+    _write(bench, "model", model_json(hf_gib_16k=3.0, hf_s_4k=0.9))
+    _write(bench, "ring", ring_json(exposed_w2=0.15))
+    _write(bench, "kernels", {**KERNELS_SKIPPED, "skipped": False,
+                              "results": [{"seqlen": 4096, "batch": 16, "ours_fwd_tflops": 300.0,
+                                           "sdpa_fwd_tflops": 320.0, "ours_fwdbwd_tflops": 200.0,
+                                           "sdpa_fwdbwd_tflops": 250.0, "max_abs_diff_vs_sdpa": 0.004}]})
+    s = _summary(rb.build_markdown(bench, tmp_path / "b.md", tmp_path))
+    assert s["model: peak memory at 16K"][0].startswith("0.333x") and s["model: peak memory at 16K"][2] == "**no**"
+    assert s["model: step time at 4K"][0].startswith("0.90x") and s["model: step time at 4K"][2] == "**no**"
+    assert s["ring: exposed communication"][0].startswith("15.0 %") and s["ring: exposed communication"][2] == "**no**"
+    # 200 / 250 = 80 % < 90 %
+    assert s["kernels: Triton flash attention fwd+bwd"][0].startswith("80% of SDPA flash")
+    assert s["kernels: Triton flash attention fwd+bwd"][2] == "**no**"
+
+
+def test_missing_and_malformed_json(rb, tmp_path):
+    bench = tmp_path / "bench"
+    _write(bench, "data", {"video": {"runs": "nonsense"}})  # a layout the formatter does not read
+    _write(bench, "ring", "{not json")
+    _write(bench, "train", [1, 2, 3])
+    _write(bench, "infer", {"lengths": [1024], "modes": {"one_shot": [{"ttft_s": 1.0}]}})
+    text = rb.build_markdown(bench, tmp_path / "b.md", tmp_path)
+    for name in rb.BENCHES:
+        sec = _section(text, name)
+        assert f"_Not measured yet (" in sec and f"run `python scripts/bench_{name}.py`._" in sec, name
+        assert "| --- |" not in sec and "|---|" not in sec, name  # no table
+    assert "data.json has a layout this page does not read" in _section(text, "data")
+    assert "ring.json is not readable JSON" in _section(text, "ring")
+    assert "no model.json" in _section(text, "model")
+    s = _summary(text)
+    assert len(s) == sum(len(b.targets) for b in rb.BENCHES.values())
+    assert all(row[2] == "not measured yet" for row in s.values())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def test_runner_reports_failures_and_timeouts(rb, tmp_path):
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "bench_ok.py").write_text("print('hello from ok')\n")
+    (scripts / "bench_bad.py").write_text("import sys\nprint('boom: bad input', file=sys.stderr)\nsys.exit(3)\n")
+    pidfile = tmp_path / "child.pid"
+    (scripts / "bench_slow.py").write_text(
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen(['sleep', '60'])\nopen({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+        "print('slow started', file=sys.stderr, flush=True)\ntime.sleep(60)\n")
+    found = rb.discover(scripts)
+    assert list(found) == ["bad", "ok", "slow"]
+    out, err = io.BytesIO(), io.BytesIO()
+    t0 = time.perf_counter()
+    runs = rb.run_all(found, timeout=3, cwd=tmp_path, out=out, err=err)
+    assert time.perf_counter() - t0 < 20
+    assert [runs[n].status for n in ("bad", "ok", "slow")] == ["failed", "ok", "timeout"]
+    assert runs["bad"].returncode == 3 and "boom: bad input" in runs["bad"].stderr_tail
+    assert "slow started" in runs["slow"].stderr_tail and "timeout" in runs["slow"].stderr_tail
+    assert b"hello from ok" in out.getvalue() and b"boom: bad input" in err.getvalue()
+    # the whole process group went, including what the script spawned
+    assert not _alive(int(pidfile.read_text()))
+
+    bench = tmp_path / "bench"
+    _write(bench, "infer", INFER)
+    text = rb.build_markdown(bench, tmp_path / "b.md", tmp_path,
+                             runs={"infer": rb.RunResult("infer", "failed", 3, 1.0, "boom: bad input"), **runs})
+    sec = _section(text, "infer")
+    assert "failed (exit 3)" in sec and "boom: bad input" in sec and "already there" in sec
+    assert "| 1,024 |" in sec  # the existing figures are still shown
+    assert "(last run failed)" in _summary(text)["infer: TTFT and peak memory vs context"][2]
+    assert "timed out" in _section(text, "slow")
+
+    # through the CLI: --only runs the one script, the markdown is written, the exit status says it failed
+    md = tmp_path / "c.md"
+    rc = rb.main(["--only", "bench_bad.py", "--scripts-dir", str(scripts), "--bench-dir", str(bench),
+                  "--out", str(md), "--docs-dir", str(tmp_path), "--timeout", "5"])
+    assert rc == 1 and "boom: bad input" in md.read_text()
+    assert rb.main(["--skip-run", "--bench-dir", str(bench), "--out", str(md), "--docs-dir", str(tmp_path)]) == 0
+    assert "boom" not in md.read_text()
+    with pytest.raises(SystemExit):
+        rb.main(["--only", "nosuch", "--scripts-dir", str(scripts), "--out", str(md)])
