@@ -594,12 +594,12 @@ def fmt_data(d: dict) -> Section:
     if isinstance(d.get("train_step_cpu"), dict):
         c = d["train_step_cpu"]
         cons.append((f"{c.get('model', 'small model')} train step on this CPU, seq {c.get('seq_len', '?'):,} "
-                     "(measured)", "the CPU train step", _req(c, "tokens_per_s")))
+                     "(measured)", "the measured tokens/s of the CPU train step", _req(c, "tokens_per_s")))
     if isinstance(d.get("train_step_7b_h200"), dict):
         c = d["train_step_7b_h200"]
         cons.append((f"{c.get('model', '7B')} at {c.get('seq_len', 0):,} tokens on one H200 at "
                      f"{100 * c.get('mfu', 0):.0f} % MFU (estimated from FLOPs per token)",
-                     f"a {c.get('model', '7B')} step per H200, estimated", _req(c, "tokens_per_s_per_gpu")))
+                     f"the estimated tokens/s of a {c.get('model', '7B')} step on one H200", _req(c, "tokens_per_s_per_gpu")))
     rows2 = [[f"token-shard loader, rows of {ld.get('seq_len', 0):,} (padding "
               f"{100 * ld.get('padding_fraction', 0):.1f} %)", f"{tps:,.0f}", "-"]]
     rows2 += [[name, f"{x:,.0f}", f"{tps / x:,.0f}x"] for name, _, x in cons]
@@ -607,7 +607,7 @@ def fmt_data(d: dict) -> Section:
     load = Target(DATA_TARGETS[1].what, DATA_TARGETS[1].goal)
     if cons:
         _, short, worst = min(cons, key=lambda c: tps / c[2])
-        load.figure = f"{tps:,.0f} tokens/s, {tps / worst:,.0f}x what {short} consumes"
+        load.figure = f"{tps:,.0f} tokens/s = {tps / worst:,.0f}x {short}"
         load.met = _yes(tps >= worst)
     else:
         load.figure, load.met = f"{tps:,.0f} tokens/s (no training step in the JSON)", "unknown"
