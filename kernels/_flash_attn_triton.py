@@ -20,7 +20,6 @@ Softmax runs in base 2: s2 = (q . k) * scale * log2(e), lse2 = lse * log2(e).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -35,7 +34,6 @@ from torch import Tensor
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 _BIG = 2 ** 62
 HEAD_DIMS = (16, 32, 64, 128)  # tl.arange needs a power of two; tl.dot needs >= 16
 
@@ -44,8 +42,9 @@ HEAD_DIMS = (16, 32, 64, 128)  # tl.arange needs a power of two; tl.dot needs >=
 # Every dot is tl.dot(a.to(DOT), b.to(DOT), input_precision=PREC). On a GPU, DOT is the input dtype
 # (the casts are no-ops); under the interpreter it is fp32 (see INTERPRET). PREC is "tf32x3" for
 # fp32 inputs on a GPU (three TF32 products: fp32-level error on tensor cores, where exact "ieee"
-# dots spill heavily), "ieee" under the interpreter, and "tf32" otherwise (unused by 16-bit dots). Helpers are inlined by hand in the loops: the interpreter re-patches the
-# language on every call of a jit function, which would dominate its run time.
+# dots spill heavily), "ieee" under the interpreter, and "tf32" otherwise (unused by 16-bit dots).
+# Helpers are inlined by hand in the loops: the interpreter re-patches the language on every call
+# of a jit function, which would dominate its run time.
 
 
 @triton.jit
@@ -92,7 +91,7 @@ def _fwd_kernel(Q, K, V, O, LSE, QPOS, KPOS, QSEG, KSEG, PLAN, NFULL, NPART,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     """One query tile of one (batch, query head): out and lse."""
-    pid_m = tl.program_id(0)
+    pid_m = N_M_TILES - 1 - tl.program_id(0)  # under a causal mask late tiles have most work: start them first
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq
@@ -297,7 +296,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, QPOS, KPOS, QSEG, KSEG, PLAN, N
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     """One query tile of one (batch, query head): dQ."""
-    pid_m = tl.program_id(0)
+    pid_m = N_M_TILES - 1 - tl.program_id(0)  # late tiles first, as in the forward
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq

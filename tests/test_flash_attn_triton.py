@@ -314,3 +314,52 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path):
     r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, "128", "bf16"], env=env, capture_output=True,
                        text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+
+
+# ---- ring attention over W = 2 ranks with this backend ----------------------------------------
+
+def _ring_case(group, seed, S, causal, dtype, heads, D):
+    """Full-sequence inputs made on rank 0 and broadcast; the float64 reference on the whole
+    sequence, sliced with the production layout (shard_sequence), against ring_attention."""
+    from longvideo.parallel.layout import shard_sequence, unshard_sequence
+    from longvideo.parallel.ring import ring_attention
+
+    g = torch.Generator().manual_seed(seed)
+    Hq, Hkv = heads
+    q, k, v, dout = (torch.randn(2, S, h, D, generator=g) for h in (Hq, Hkv, Hkv, Hq))
+    pos, seg = packed_meta(2, S, g, min_len=2, max_len=S // 2, restart=True, pad=2)
+    for t in (q, k, v, dout, pos, seg):
+        dist.broadcast(t, src=0, group=group)
+    q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+    truth = reference(q, k, v, pos, pos, seg, seg, causal, dout, upcast=True)
+    plain = reference(q, k, v, pos, pos, seg, seg, causal, dout, upcast=False)
+
+    def local(x, pad=0):
+        return shard_sequence(x, group, dim=1, pad_value=pad)
+
+    lq, lk, lv = (local(x).requires_grad_(True) for x in (q, k, v))
+    out = ring_attention(lq, lk, lv, group=group, causal=causal, positions=local(pos), segment_ids=local(seg, -1),
+                         backend="triton")
+    out.backward(local(dout))
+    what = f"ring W=2 S={S} causal={causal} {dtype} heads={heads} D={D}"
+    eps = EPS[dtype]
+    for name, got, t, p in zip(("out", "dq", "dk", "dv"), (out, lq.grad, lk.grad, lv.grad), truth, plain):
+        assert got.dtype == dtype, f"{what}: {name} dtype {got.dtype}"
+        assert_within(f"{what}: {name}", got, local(t), local(p), eps=eps * (1 + t.abs().max().item()))
+    full = unshard_sequence(out.detach(), group, dim=1, length=S)
+    assert max_err(full, truth[0]) <= 2 * max_err(plain[0], truth[0]) + eps * (1 + truth[0].abs().max().item())
+
+
+def _ring_body(rank, world):
+    assert os.environ.get("TRITON_INTERPRET") or torch.cuda.is_available()
+    group = dist.group.WORLD
+    _ring_case(group, 71, 37, True, torch.bfloat16, (4, 2), 32)  # packed documents, padding, GQA
+    _ring_case(group, 72, 22, False, torch.float32, (2, 1), 32)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ring_attention_with_triton_backend():
+    from distributed import run_ranks
+
+    run_ranks(_ring_body, world=2, timeout=300)
