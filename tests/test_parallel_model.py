@@ -103,6 +103,7 @@ def test_parallelize_with_one_rank_keeps_the_models_attention():
     assert model.attention_fn is before and model.activation_checkpointing
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_decoder_dp2_sp2_matches_one_process():
     run_ranks(_body, world=4, timeout=240)

@@ -1,0 +1,311 @@
+"""Benchmark ring attention on CPU (gloo): W = 1, 2, 4 processes at one total sequence length.
+
+    python scripts/bench_ring.py                         # defaults: a few minutes on 2 cores
+    python scripts/bench_ring.py --seq 65536 --threads 4 --worlds 1,2,4 --iters 3
+
+Causal attention, forward + backward, fp32, the `cpu` block backend. W = 1 is one process doing the
+whole sequence (the baseline); W > 1 runs the zigzag layout, and also a contiguous layout to show
+what the zigzag balances. Per rank: step time, exposed communication (time blocked waiting for a
+transfer the compute did not hide), compute time, peak memory of the step (resident-set high-water
+mark above the inputs) and the bytes saved for backward. Writes docs/bench/ring.json and ring.png.
+
+Every rank uses --threads threads, as the baseline does, so T_single / (W x T_ring) = 1 means W
+ranks did the one-process work W times faster; that needs W x threads free cores (the JSON records
+the machine's core count and load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _malloc_returns_freed_memory() -> bool:
+    """glibc: a fixed 128 KiB mmap threshold (no dynamic raise) and trim of what is free now."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        ok = libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024) and libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
+        libc.malloc_trim(0)
+        return bool(ok)
+    except (OSError, AttributeError):
+        return False
+
+
+def _rank_main(rank, world, init_file, args, plan, queue):
+    """One process of the benchmark world: runs every (W, layout) of the plan; ranks >= W idle."""
+    try:
+        torch.set_num_threads(args.threads)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=3600))
+        # new_group is collective over the world: every rank creates every ring, in order
+        rings = {w: dist.new_group(list(range(w))) for w in sorted({w for w, _ in plan})}
+        # all timings first; then the memory steps, with glibc set to return freed tensors
+        # (that setting costs page faults, so it must not touch the timings)
+        for phase in ("time", "memory"):
+            if phase == "memory":
+                exact = _malloc_returns_freed_memory()
+            for w, layout in plan:
+                if rank < w:
+                    res = _measure(rank, w, rings[w], args, layout, phase)
+                    if phase == "memory" and not exact:
+                        res["peak_mib"] = None
+                    queue.put((w, layout, rank, phase, res))
+                dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        import traceback
+
+        queue.put((None, None, rank, None, {"error": f"{e!r}\n{traceback.format_exc()}"}))
+
+
+def _measure(rank, world, group, args, layout, phase):
+    from longvideo.parallel import CommStats, ring_attention, zigzag_indices
+
+    S, H, Hkv, D = args.seq, args.heads, args.kv_heads, args.head_dim
+    n = S // world
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(rank)
+    q, k, v, dout = (torch.randn(1, n, h, D, generator=g).to(dtype) for h in (H, Hkv, Hkv, H))
+    if layout == "zigzag":
+        pos = zigzag_indices(S, world, rank)[None]
+    else:
+        pos = torch.arange(rank * n, (rank + 1) * n)[None]
+
+    def step(stats, saved=None):
+        qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
+
+        def pack(t):  # bytes kept for backward, each storage once
+            st = t.untyped_storage()
+            saved[(st.data_ptr(), st.nbytes())] = st.nbytes()
+            return t
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if saved is not None else None
+        if hooks is not None:
+            hooks.__enter__()
+        try:
+            out = ring_attention(qq, kk, vv, group=group, positions=pos, backend=args.backend, comm_stats=stats)
+        finally:
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
+        out.backward(dout)
+
+    if phase == "memory":
+        # the resident-set high-water mark over one step above what is live before it (every
+        # tensor over 128 KiB is its own mapping now, so freed tensors leave the resident set)
+        saved: dict = {}
+        dist.barrier(group)
+        can_reset = _reset_peak_rss()
+        base = _status_kib("VmRSS")
+        step(CommStats(), saved)
+        return {"peak_mib": (_status_kib("VmHWM") - base) / 1024 if can_reset else None,
+                "saved_mib": sum(saved.values()) / 2**20,
+                "q_mib": n * H * D * torch.tensor([], dtype=dtype).element_size() / 2**20}
+    for _ in range(args.warmup):  # first-call costs (thread pools, gloo pair buffers) stay out
+        step(CommStats())
+    times, cpu, exposed, compute = [], [], [], []
+    for _ in range(args.iters):
+        stats = CommStats()
+        dist.barrier(group)
+        t0, c0 = time.perf_counter(), time.process_time()
+        step(stats)
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+        exposed.append(stats.exposed_s)
+        compute.append(stats.compute_s)
+    return {"step_s": statistics.median(times), "cpu_s": statistics.median(cpu),
+            "exposed_s": statistics.median(exposed), "compute_s": statistics.median(compute),
+            "step_s_all": times, "s_local": n}
+
+
+def run_plan(plan, args):
+    """All (W, layout) runs in one spawned world of max W processes -> {(W, layout): [rank results]}."""
+    world = max(w for w, _ in plan)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    results: dict = {}
+    expected = 2 * sum(w for w, _ in plan)  # a timing and a memory result per rank and run
+    with tempfile.TemporaryDirectory() as d:
+        procs = [ctx.Process(target=_rank_main, args=(r, world, os.path.join(d, "rdzv"), args, plan, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        done = 0
+        while done < expected:
+            try:
+                w, layout, rank, phase, res = queue.get(timeout=10)
+            except Exception:  # noqa: BLE001 - queue.Empty: check that nobody died silently
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    for p in procs:
+                        p.kill()
+                    raise RuntimeError(f"ranks exited without a result: {dead}") from None
+                continue
+            if "error" in res:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"rank {rank} failed:\n{res['error']}")
+            results.setdefault((w, layout), {}).setdefault(rank, {}).update(res)
+            if phase == "time" and rank == 0:
+                print(f"  timed W={w} {layout}", flush=True)
+            done += 1
+        for p in procs:
+            p.join()
+    return {key: [ranks[r] for r in range(key[0])] for key, ranks in results.items()}
+
+
+def summarise(world, layout, ranks, single):
+    step = max(r["step_s"] for r in ranks)  # the ring advances at the pace of its slowest rank
+    cpu = [r["cpu_s"] for r in ranks]  # CPU seconds: not inflated by being descheduled on a busy machine
+    row = {
+        "world": world, "layout": layout, "s_local": ranks[0]["s_local"], "step_s": step,
+        "ranks": ranks,
+        "exposed_frac_max": max(r["exposed_s"] / r["step_s"] for r in ranks),
+        "balance_slowest_over_mean": max(cpu) / statistics.mean(cpu),
+    }
+    if single is not None:
+        row["ideal_ratio"] = single["step_s"] / (world * step)
+        # the same ratio in CPU seconds: what wall time would show with W idle cores for W ranks
+        # (the shared 2-core machine time-slices W busy processes with everyone else's work)
+        row["ideal_ratio_cpu"] = single["cpu_s"] / (world * max(cpu))
+        row["cpu_efficiency"] = single["cpu_s"] / sum(cpu)  # total CPU work vs one process
+        if single["peak_mib"] and all(r["peak_mib"] is not None for r in ranks):
+            row["peak_mem_over_single_div_w"] = max(r["peak_mib"] for r in ranks) / (single["peak_mib"] / world)
+        row["saved_mem_over_single_div_w"] = max(r["saved_mib"] for r in ranks) / (single["saved_mib"] / world)
+    return row
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    zig = [r for r in rows if r["layout"] == "zigzag"]
+    single = dict(zig[0], cpu_s=zig[0]["ranks"][0]["cpu_s"])
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    ws = [r["world"] for r in zig]
+    ax[0].plot(ws, [r["step_s"] for r in zig], "o-", label="ring, wall (zigzag)")
+    ax[0].plot(ws, [single["step_s"] / w for w in ws], "k--", label="ideal wall T_single / W")
+    cpu = [max(rk["cpu_s"] for rk in r["ranks"]) for r in zig]
+    ax[0].plot(ws, cpu, "s-", label="ring, CPU s of slowest rank")
+    ax[0].plot(ws, [single["ranks"][0]["cpu_s"] / w for w in ws], "k:", label="ideal CPU s / W")
+    for r, c in zip(zig, cpu):
+        if r["world"] > 1:
+            ax[0].annotate(f"{r['ideal_ratio']:.0%}", (r["world"], r["step_s"]), textcoords="offset points",
+                           xytext=(5, 5))
+            ax[0].annotate(f"{r['ideal_ratio_cpu']:.0%}", (r["world"], c), textcoords="offset points",
+                           xytext=(5, -12))
+    ax[0].set(xlabel="ranks W", ylabel="fwd+bwd step (s)", title="Step time (ratio to ideal)", xticks=ws)
+    ax[0].legend()
+    # per-rank work (CPU seconds, immune to time-slicing) and exposed wait, zigzag vs contiguous
+    labels, work, expo = [], [], []
+    for r in rows:
+        if r["world"] == 1:
+            continue
+        for i, rk in enumerate(r["ranks"]):
+            labels.append(f"{r['layout'][:3]} W{r['world']}\nr{i}")
+            work.append(rk["cpu_s"])
+            expo.append(rk["exposed_s"])
+    x = list(range(len(labels)))
+    ax[1].bar([i - 0.2 for i in x], work, width=0.4, label="CPU s of the step (work)")
+    ax[1].bar([i + 0.2 for i in x], expo, width=0.4, label="exposed comm / wait (wall s)")
+    ax[1].set_xticks(x, labels, fontsize=7)
+    ax[1].set(ylabel="seconds per step", title="Per-rank balance: zigzag vs contiguous")
+    ax[1].legend(fontsize=8)
+    mem = [max(rk["peak_mib"] or 0 for rk in r["ranks"]) for r in zig]
+    sav = [max(rk["saved_mib"] for rk in r["ranks"]) for r in zig]
+    ax[2].plot(ws, mem, "o-", label="peak during step (max rank)")
+    ax[2].plot(ws, [single["ranks"][0]["peak_mib"] / w for w in ws], "k--", label="single peak / W")
+    ax[2].plot(ws, sav, "s-", label="saved for backward")
+    ax[2].set(xlabel="ranks W", ylabel="MiB", title="Per-rank memory", xticks=ws)
+    ax[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", type=int, default=16384, help="total sequence length (multiple of 2 x max W)")
+    ap.add_argument("--worlds", default="1,2,4", help="comma-separated ring sizes; 1 is the baseline")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (and for the baseline)")
+    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps before the timed ones")
+    ap.add_argument("--no-contiguous", action="store_true", help="skip the contiguous-layout comparison")
+    ap.add_argument("--out", default=str(ROOT / "docs/bench/ring.json"))
+    ap.add_argument("--plot", default=str(ROOT / "docs/bench/ring.png"))
+    args = ap.parse_args(argv)
+    worlds = sorted({int(w) for w in args.worlds.split(",")} | {1})
+    if args.seq % (2 * max(worlds)):
+        ap.error(f"--seq {args.seq} must be a multiple of 2 x {max(worlds)}")
+    load_before = os.getloadavg()
+    plan = [(w, layout) for w in worlds
+            for layout in (("zigzag",) if (w == 1 or args.no_contiguous) else ("zigzag", "contiguous"))]
+    t0 = time.perf_counter()
+    measured = run_plan(plan, args)
+    rows, single = [], measured[(1, "zigzag")][0]
+    for w, layout in plan:
+        row = summarise(w, layout, measured[(w, layout)], single)
+        rows.append(row)
+        print(f"W={w} {layout:10s} S_local={row['s_local']:6d} step {row['step_s']:.3f}s "
+              f"ideal {row.get('ideal_ratio', 1):.2f} (cpu {row.get('ideal_ratio_cpu', 1):.2f}) exposed<={row['exposed_frac_max']:.1%} "
+              f"balance {row['balance_slowest_over_mean']:.3f} "
+              f"peak/(single/W) {row.get('peak_mem_over_single_div_w', float('nan')):.2f} "
+              f"saved/(single/W) {row.get('saved_mem_over_single_div_w', float('nan')):.2f}", flush=True)
+    print(f"total {time.perf_counter() - t0:.0f}s")
+    result = {
+        "benchmark": "ring attention, causal fwd+bwd, CPU gloo",
+        "args": vars(args),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0],
+                    "torch": torch.__version__, "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(rows, args.plot)
+    print(f"wrote {args.out} and {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
