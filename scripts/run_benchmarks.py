@@ -348,8 +348,9 @@ def fmt_ring(d: dict) -> Section:
     notes.append("\"ideal\" is T_single / (W x T_ring): 1.0 means W ranks did the one-process work W times faster; "
                  "the wall-clock figure needs W free cores, the CPU-seconds figure does not. Exposed communication "
                  "is time blocked on a transfer the compute did not hide. The memory target is read on the "
-                 "activations saved for backward; the whole-step peak also holds the ring's transient "
-                 "receive and gradient buffers.")
+                 "activations saved for backward; the whole-step peak (resident-set high-water mark) also "
+                 "counts what the step allocates only transiently (gradients, communication buffers, "
+                 "workspace).")
     contig = [r for r in rows if r["world"] > 1 and r["layout"] == "contiguous"]
     if contig:
         notes.append("Contiguous rows (no zigzag) show the imbalance the zigzag layout removes: slowest / mean "
