@@ -257,3 +257,14 @@ def test_world_size_mismatch_is_a_clear_error_before_work(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "parallel.sp" in proc.stderr and "world size 1" in proc.stderr
     assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_tiny_root_config_carries_the_tiny_vq_shape():
+    from longvideo.configtools import from_dict, load_yaml
+    from longvideo.vq.config import VQConfig
+
+    vq = from_dict(VQConfig, load_yaml(CONFIG_DIR / "vq" / "tiny.yaml"))
+    root = load_config("tiny.yaml").vq
+    for f in ("mode", "resolution", "downsample", "codebook_size", "patch_size", "channels", "channel_mult",
+              "num_res_blocks", "quantizer", "codes_per_frame"):
+        assert getattr(root, f) == getattr(vq, f), f
