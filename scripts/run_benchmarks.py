@@ -234,6 +234,8 @@ def _tokens(n) -> str:
         return "-"
     if isinstance(n, float) and math.isinf(n):
         return "unbounded"
+    if n >= 2**20:
+        return f"{n / 2**20:,.2f}M"
     return f"{n / 1024:,.1f}K" if n >= 1024 else f"{n:,.0f}"
 
 
