@@ -461,6 +461,13 @@ def fmt_train(d: dict) -> Section:
     notes = [f"Model: {d.get('model', '?')}; a full training step (forward, backward, AdamW), fp32. Context "
              f"column: the longest S whose fitted per-rank peak fits {d.get('budget_gb', '?')} GiB "
              f"(an extrapolation from the measured lengths)."]
+    flat = [f"{sy['system']} {max(sy['peak_mib_per_rank']) - min(sy['peak_mib_per_rank']):,.0f} MiB over "
+            f"{min(sy['peak_mib_per_rank']):,.0f}" for sy in systems
+            if max(sy["peak_mib_per_rank"]) - min(sy["peak_mib_per_rank"]) < 0.1 * min(sy["peak_mib_per_rank"])]
+    if flat:
+        notes.append("Caution: across the measured lengths the peak rose only a little above the fixed cost ("
+                     + "; ".join(flat) + "), so those slopes, and the contexts extrapolated from them, carry "
+                     "the measurement noise; longer `--mem-seqs` (or a deeper model) tighten them.")
     tp = [(sy["ranks"], sy["throughput"]["tokens_per_s"]) for sy in systems if sy["system"].startswith("ours sp=")]
     if ours1 and len(tp) > 1:
         base = ours1["throughput"]["tokens_per_s"]
