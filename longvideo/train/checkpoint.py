@@ -261,8 +261,8 @@ def save_training_checkpoint(*, engine, cfg, run_dir: Path, step: int, rank: int
 
             save_config(cfg, tmp / CONFIG_FILE)
         write_json(tmp / STATE_FILE, trainer_state)
-        for name, src in (assets or {}).items():
-            shutil.copytree(src, tmp / name)
+        for asset, src in (assets or {}).items():
+            shutil.copytree(src, tmp / asset)
     if on_staged is not None:
         on_staged(tmp)
     barrier()  # every rank's files are on disk before the directory becomes visible
