@@ -1,33 +1,212 @@
-"""VQConfig: the video tokenizer's shape and training settings."""
+"""VQConfig: the video tokenizer's shape, quantizer, losses and training settings."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 from longvideo.configtools import check
 
 
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def fsq_levels_for(codebook_size: int) -> tuple[int, ...] | None:
+    """Balanced FSQ levels (each 2..8) whose product is exactly `codebook_size`, or None.
+
+    Uses as few dimensions as 8 levels per dimension allow, then the most even split:
+    256 -> (8, 8, 4), 1024 -> (8, 8, 4, 4), 8192 -> (8, 8, 8, 4, 4).
+    """
+    if codebook_size < 2:
+        return None
+    dims = max(1, math.ceil(math.log(codebook_size) / math.log(8) - 1e-9))
+    best = None
+
+    def search(rest: int, left: int, hi: int, acc: tuple[int, ...]):
+        nonlocal best
+        if left == 0:
+            if rest == 1 and (best is None or max(acc) - min(acc) < max(best) - min(best)):
+                best = acc
+            return
+        for lv in range(min(hi, rest), 1, -1):
+            if rest % lv == 0:
+                search(rest // lv, left - 1, lv, acc + (lv,))
+
+    for d in range(dims, dims + 3):  # a prime factor > 8 makes any split impossible
+        search(codebook_size, d, 8, ())
+        if best is not None:
+            return best
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class VQConfig:
+    # --- shape ---
     mode: Literal["2d", "causal3d"] = "2d"
     """2d: each frame coded alone (LWM layout); causal3d: frames grouped in time, causally."""
     resolution: int = 256
     """Square frame side in pixels."""
     downsample: int = 16
-    """Spatial factor f: a frame becomes (resolution/f)^2 codes."""
+    """Spatial factor f (a power of 2): a frame becomes (resolution/f)^2 codes."""
     temporal_downsample: int = 4
-    """Causal-3D only: t frames per temporal group (the first frame is coded alone)."""
+    """Causal-3D only: t frames per temporal group (a power of 2; the first frame is coded alone)."""
     codebook_size: int = 8192
     """Number of codes."""
+    # --- architecture ---
+    patch_size: int = 1
+    """Pixels folded into channels (space-to-depth) before the first conv; a power of 2 <= f."""
+    channels: int = 128
+    """Width of the first encoder level (last decoder level)."""
+    channel_mult: tuple[int, ...] = (1, 1, 2, 2, 4)
+    """Width multiplier per level; log2(downsample / patch_size) + 1 entries."""
+    num_res_blocks: int = 2
+    """Residual blocks per level in the encoder and the decoder."""
+    temporal_kernel: int = 3
+    """Causal-3D only: temporal size of the residual convolutions' kernels."""
+    # --- quantizer ---
+    quantizer: Literal["fsq", "vq"] = "fsq"
+    """fsq: finite scalar quantisation; vq: l2-normalised codebook with EMA updates and restarts."""
+    fsq_levels: tuple[int, ...] = ()
+    """FSQ levels per latent channel, product = codebook_size; empty chooses balanced ones."""
+    codebook_dim: int = 8
+    """VQ only: width of the l2-normalised code vectors."""
+    ema_decay: float = 0.99
+    """VQ only: decay of the codebook's moving averages."""
+    dead_code_threshold: float = 0.05
+    """VQ only: a code whose EMA assignments per step drop below this restarts on an encoder output."""
+    # --- losses ---
+    l1_weight: float = 1.0
+    """Weight of the L1 reconstruction loss (pixels in [-1, 1])."""
+    l2_weight: float = 1.0
+    """Weight of the L2 reconstruction loss."""
+    commit_weight: float = 0.25
+    """VQ only: weight of the commitment loss pulling encoder outputs to their codes."""
+    disc_weight: float = 0.0
+    """Weight of the patch-discriminator (hinge GAN) loss; 0 turns the discriminator off."""
+    disc_start: int = 5000
+    """Step from which the discriminator trains and its loss reaches the generator."""
+    disc_channels: int = 64
+    """Width of the patch discriminator's first layer."""
+    # --- training ---
+    steps: int = 20000
+    """Optimizer steps."""
+    lr: float = 2e-4
+    """Peak learning rate (AdamW), reached after warmup_steps, cosine decay to 10 %."""
+    warmup_steps: int = 200
+    """Linear warm-up steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient-norm clipping (0 = off)."""
+    batch_size: int = 16
+    """Frames (2d) or clips (causal3d) per step."""
+    clip_groups: int = 3
+    """Causal-3D only: code groups per training clip (1 + t * (clip_groups - 1) frames)."""
+    eval_every: int = 500
+    """Steps between evaluations (held-out PSNR, codebook usage, PNG grid)."""
+    eval_frames: int = 32
+    """Held-out frames (2d) or frames across held-out clips (causal3d) used by evaluations."""
+    log_every: int = 20
+    """Steps between TensorBoard training scalars."""
+    save_every: int = 1000
+    """Steps between resumable checkpoints (one is always written at the end)."""
+    seed: int = 0
+    """Random seed of initialisation and frame sampling."""
+    fps: float = 1.0
+    """Frames per second sampled from training videos."""
+    max_frames_per_video: int = 512
+    """Most frames read from one training video."""
+    pool_frames: int = 4096
+    """Most training frames kept in memory (videos are read once, then sampled from RAM)."""
 
     def __post_init__(self):
         check(self.resolution > 0, "resolution", "must be positive")
-        check(self.downsample > 0 and self.resolution % self.downsample == 0, "downsample",
+        check(_is_pow2(self.downsample) and self.downsample >= 2, "downsample",
+              f"must be a power of 2 >= 2, got {self.downsample}")
+        check(self.resolution % self.downsample == 0, "downsample",
               f"must divide resolution={self.resolution}, got {self.downsample}")
         check(self.temporal_downsample >= 1, "temporal_downsample", "must be >= 1")
+        check(_is_pow2(self.patch_size) and self.patch_size <= self.downsample // 2, "patch_size",
+              f"must be a power of 2 <= downsample / 2 = {self.downsample // 2}, got {self.patch_size}")
+        if self.mode == "causal3d":
+            check(_is_pow2(self.temporal_downsample), "temporal_downsample",
+                  f"must be a power of 2, got {self.temporal_downsample}")
+            check(self.temporal_downsample <= self.downsample // self.patch_size, "temporal_downsample",
+                  f"must be <= downsample / patch_size = {self.downsample // self.patch_size} "
+                  "(one halving per level)")
+            check(self.temporal_kernel >= 1, "temporal_kernel", "must be >= 1")
         check(self.codebook_size >= 2, "codebook_size", "must be >= 2")
+        check(self.channels >= 1, "channels", "must be positive")
+        levels = int(math.log2(self.downsample // self.patch_size)) + 1
+        check(len(self.channel_mult) == levels and all(m >= 1 for m in self.channel_mult),
+              "channel_mult", f"needs log2(downsample / patch_size) + 1 = {levels} positive entries, "
+              f"got {list(self.channel_mult)}")
+        check(self.num_res_blocks >= 0, "num_res_blocks", "must be >= 0")
+        if self.quantizer == "fsq":
+            if self.fsq_levels:
+                check(all(lv >= 2 for lv in self.fsq_levels), "fsq_levels", "each level must be >= 2")
+                check(math.prod(self.fsq_levels) == self.codebook_size, "fsq_levels",
+                      f"product {math.prod(self.fsq_levels)} must equal codebook_size="
+                      f"{self.codebook_size}")
+            else:
+                check(fsq_levels_for(self.codebook_size) is not None, "codebook_size",
+                      f"{self.codebook_size} has no split into FSQ levels 2..8; set fsq_levels "
+                      "or use quantizer: vq")
+        check(self.codebook_dim >= 1, "codebook_dim", "must be positive")
+        check(0 < self.ema_decay < 1, "ema_decay", "must be in (0, 1)")
+        check(self.dead_code_threshold >= 0, "dead_code_threshold", "must be >= 0")
+        for key in ("l1_weight", "l2_weight", "commit_weight", "disc_weight"):
+            check(getattr(self, key) >= 0, key, "must be >= 0")
+        check(self.l1_weight + self.l2_weight > 0, "l1_weight", "l1_weight + l2_weight must be > 0")
+        check(self.disc_start >= 0, "disc_start", "must be >= 0")
+        check(self.disc_channels >= 1, "disc_channels", "must be positive")
+        check(self.steps > 0, "steps", "must be positive")
+        check(self.lr > 0, "lr", "must be positive")
+        check(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        check(self.grad_clip >= 0, "grad_clip", "must be >= 0")
+        check(self.batch_size >= 1, "batch_size", "must be >= 1")
+        check(self.clip_groups >= 1, "clip_groups", "must be >= 1")
+        for key in ("eval_every", "eval_frames", "log_every", "save_every", "max_frames_per_video",
+                    "pool_frames"):
+            check(getattr(self, key) >= 1, key, "must be >= 1")
+        check(self.fps > 0, "fps", "must be positive")
+
+    @property
+    def latent_size(self) -> int:
+        """Codes per side of a frame: resolution / downsample."""
+        return self.resolution // self.downsample
 
     @property
     def codes_per_frame(self) -> int:
-        return (self.resolution // self.downsample) ** 2
+        """Codes per code group (one frame in 2d, t frames in causal3d): (resolution / f)^2."""
+        return self.latent_size**2
+
+    @property
+    def frames_per_group(self) -> int:
+        """Source frames per code group after the first: 1 in 2d, t in causal3d."""
+        return self.temporal_downsample if self.mode == "causal3d" else 1
+
+    @property
+    def levels(self) -> tuple[int, ...]:
+        """FSQ levels in use (given or derived from codebook_size)."""
+        return tuple(self.fsq_levels) or fsq_levels_for(self.codebook_size) or ()
+
+    @property
+    def latent_dim(self) -> int:
+        """Channels the encoder emits into the quantizer."""
+        return len(self.levels) if self.quantizer == "fsq" else self.codebook_dim
+
+    def num_groups(self, num_frames: int) -> int:
+        """Code groups for a video of num_frames frames: T in 2d, 1 + ceil((T - 1) / t) in causal3d."""
+        if num_frames <= 0:
+            return 0
+        if self.mode == "2d":
+            return num_frames
+        t = self.temporal_downsample
+        return 1 + -(-(num_frames - 1) // t)
+
+    def tokens_per_hour(self, fps: float = 1.0) -> int:
+        """VQ codes for one hour of video sampled at `fps` (no special tokens)."""
+        return self.num_groups(round(3600 * fps)) * self.codes_per_frame

@@ -1,0 +1,209 @@
+"""Training frames for the tokenizer: read videos once into RAM, then sample frames or clips.
+
+Sources: a folder of video files, raw webdataset shards (a directory of .tar, a glob, a brace
+pattern or one .tar), one video file, or in-memory videos (a uint8 tensor/array (T, H, W, 3) or
+a list of them). Videos are sampled at `cfg.fps` and resized/centre-cropped to the tokenizer's
+resolution. Unreadable videos are skipped and counted. The last video(s) are held out for
+evaluation (a single video gives its last fifth).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence, Union
+
+import numpy as np
+import torch
+
+from longvideo.vq.config import VQConfig
+
+log = logging.getLogger(__name__)
+
+VIDEO_SUFFIXES = (".mp4", ".avi", ".webm", ".mkv", ".mov")
+Source = Union[str, os.PathLike, torch.Tensor, np.ndarray, Sequence]
+
+
+@dataclass
+class FrameSource:
+    """Videos in RAM (uint8 (T, H, W, 3) each): `train` to sample from, `heldout` for evaluation."""
+
+    train: list[torch.Tensor]
+    heldout: list[torch.Tensor]
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Videos that could not be read, by reason."""
+
+    def __post_init__(self):
+        if not self.train:
+            raise ValueError("no training frames: every video was empty or unreadable "
+                             f"(skipped: {self.skipped or 'none'})")
+        self._lengths = torch.tensor([v.shape[0] for v in self.train])
+        self._offsets = torch.cumsum(self._lengths, 0) - self._lengths
+
+    @property
+    def num_frames(self) -> int:
+        return int(self._lengths.sum())
+
+    def sample_frames(self, n: int, gen: torch.Generator) -> torch.Tensor:
+        """n frames drawn uniformly from all training frames: uint8 (n, H, W, 3)."""
+        flat = torch.randint(self.num_frames, (n,), generator=gen)
+        vid = torch.searchsorted(self._offsets, flat, right=True) - 1
+        return torch.stack([self.train[v][f - self._offsets[v]] for v, f in zip(vid.tolist(), flat.tolist())])
+
+    def sample_clips(self, n: int, length: int, gen: torch.Generator) -> torch.Tensor:
+        """n clips of `length` consecutive frames: uint8 (n, length, H, W, 3).
+
+        Videos are drawn in proportion to their length; a video shorter than the clip is padded
+        by repeating its last frame (as encoding pads a last group).
+        """
+        vids = torch.multinomial(self._lengths.double(), n, replacement=True, generator=gen)
+        out = []
+        for v in vids.tolist():
+            video = self.train[v]
+            start = int(torch.randint(max(video.shape[0] - length, 0) + 1, (1,), generator=gen))
+            out.append(_pad_to(video[start: start + length], length))
+        return torch.stack(out)
+
+    def eval_frames(self, count: int) -> torch.Tensor:
+        """`count` held-out frames spread evenly over the held-out videos: uint8 (N, H, W, 3)."""
+        allf = torch.cat(self.heldout)
+        idx = torch.linspace(0, allf.shape[0] - 1, min(count, allf.shape[0])).round().long()
+        return allf[idx]
+
+    def eval_clips(self, count: int, length: int) -> torch.Tensor:
+        """ceil(count / length) held-out clips of `length` frames: uint8 (C, length, H, W, 3)."""
+        n = max(1, -(-count // length))
+        clips = []
+        for i in range(n):
+            video = self.heldout[i % len(self.heldout)]
+            slots = max(video.shape[0] - length, 0)
+            k, per = i // len(self.heldout), -(-n // len(self.heldout))
+            start = round(slots * (k + 0.5) / per) if per > 1 else slots // 2
+            clips.append(_pad_to(video[start: start + length], length))
+        return torch.stack(clips)
+
+
+def _pad_to(clip: torch.Tensor, length: int) -> torch.Tensor:
+    if clip.shape[0] >= length:
+        return clip[:length]
+    return torch.cat([clip, clip[-1:].expand(length - clip.shape[0], -1, -1, -1)])
+
+
+def _as_video(v, res: int) -> torch.Tensor:
+    from longvideo.data.video import resize_crop
+
+    if isinstance(v, np.ndarray):
+        v = torch.from_numpy(np.ascontiguousarray(v))
+    if not isinstance(v, torch.Tensor) or v.dtype != torch.uint8 or v.ndim != 4 or v.shape[-1] != 3:
+        got = f"{v.dtype} {tuple(v.shape)}" if hasattr(v, "shape") else type(v).__name__
+        raise ValueError(f"expected videos as uint8 (T, H, W, 3), got {got}")
+    if tuple(v.shape[1:3]) != (res, res):
+        v = resize_crop(v, res)
+    return v
+
+
+def _iter_files(source: str, cfg: VQConfig, skipped: dict) -> Iterator[torch.Tensor]:
+    """Decoded videos from a path: a video file, a folder of videos, or raw shards."""
+    from longvideo.data.shards import SkipStats, expand_shards, iter_raw_samples
+    from longvideo.data.video import VideoError, read_video
+
+    def read(src, where):
+        try:
+            clip = read_video(src, fps=cfg.fps, max_frames=cfg.max_frames_per_video, size=cfg.resolution)
+        except VideoError as e:
+            reason = type(e).__name__
+            skipped[reason] = skipped.get(reason, 0) + 1
+            log.warning("skipped %s: %s", where, e)
+            return None
+        return clip.frames
+
+    path = Path(source)
+    if path.is_file() and path.suffix.lower() in VIDEO_SUFFIXES:
+        files, shards = [path], []
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in VIDEO_SUFFIXES)
+        shards = sorted(str(p) for p in path.rglob("*.tar"))
+    else:
+        files, shards = [], expand_shards(str(source))
+    if not files and not shards:
+        raise FileNotFoundError(f"no videos (.mp4, .avi, .webm, .mkv, .mov) or .tar shards found at {source}")
+    for f in files:
+        frames = read(str(f), str(f))
+        if frames is not None:
+            yield frames
+    for shard in shards:
+        stats = SkipStats()
+        for sample in iter_raw_samples(shard, stats):
+            frames = read(sample.video, f"{shard}:{sample.key}")
+            if frames is not None:
+                yield frames
+        for reason, n in stats.items():
+            if reason != "ok":
+                skipped[reason] = skipped.get(reason, 0) + n
+
+
+def build_frame_source(source: Source | FrameSource, cfg: VQConfig, *, progress: bool = False) -> FrameSource:
+    """Load training and held-out videos from `source` (see the module docstring)."""
+    if isinstance(source, FrameSource):
+        return source
+    skipped: dict[str, int] = {}
+    if isinstance(source, (str, os.PathLike)):
+        videos_iter: Iterator = _iter_files(str(source), cfg, skipped)
+    elif isinstance(source, (torch.Tensor, np.ndarray)):
+        videos_iter = iter([source])
+    else:
+        videos_iter = iter(source)
+    from tqdm import tqdm
+
+    videos: list[torch.Tensor] = []
+    total = 0
+    # the held-out share is read on top of the training pool
+    budget = cfg.pool_frames + max(cfg.eval_frames, 1 + cfg.frames_per_group * cfg.clip_groups)
+    with tqdm(total=budget, unit="frame", desc="reading videos", disable=not progress) as bar:
+        for v in videos_iter:
+            v = _as_video(v, cfg.resolution)
+            if v.shape[0] == 0:
+                skipped["empty"] = skipped.get("empty", 0) + 1
+                continue
+            v = v[: budget - total].clone()
+            videos.append(v)
+            total += v.shape[0]
+            bar.update(v.shape[0])
+            if total >= budget:
+                break
+    return split_heldout(videos, cfg, skipped)
+
+
+def split_heldout(videos: list[torch.Tensor], cfg: VQConfig, skipped: dict | None = None) -> FrameSource:
+    """Hold out trailing videos holding at least eval_frames frames; one video: its last fifth."""
+    skipped = dict(skipped or {})
+    if not videos:
+        return FrameSource([], [], skipped)
+    if len(videos) == 1:
+        v = videos[0]
+        if v.shape[0] < 2:
+            raise ValueError("a single one-frame video cannot be split into training and held-out frames")
+        cut = max(1, min(v.shape[0] - 1, round(v.shape[0] * 0.8)))
+        return FrameSource([v[:cut]], [v[cut:]], skipped)
+    want = cfg.eval_frames
+    held: list[torch.Tensor] = []
+    while len(videos) > 1 and sum(v.shape[0] for v in held) < want:
+        held.insert(0, videos.pop())
+    return FrameSource(videos, held, skipped)
+
+
+def synthetic_videos(n: int, cfg: VQConfig, *, fps: float = 4.0, seed: int = 0) -> list[torch.Tensor]:
+    """n generated moving-shapes videos (longvideo.data.synthetic) at the tokenizer's resolution.
+
+    Frames are taken at about `fps` from the 8 fps renderings: uint8 (T, R, R, 3) each.
+    """
+    from longvideo.data.synthetic import SyntheticSpec, make_sample
+
+    if n < 1:
+        raise ValueError(f"need at least one synthetic video, got {n}")
+    spec = SyntheticSpec(size=cfg.resolution, fps=8)
+    stride = max(1, round(spec.fps / fps))
+    return [torch.from_numpy(np.ascontiguousarray(make_sample(seed, i, spec).frames()[::stride]))
+            for i in range(n)]

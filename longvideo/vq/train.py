@@ -1,0 +1,314 @@
+"""Training the tokenizer: reconstruction (L1 + L2) + quantizer loss (+ an optional patch GAN).
+
+    from longvideo.vq import VQConfig, train_vq
+    result = train_vq(VQConfig(...), "data/videos", "runs/vq", time_budget_s=180)
+    result.metrics  # {'psnr': ..., 'usage': ..., 'perplexity': ..., 'codes_used': ...}
+
+`out_dir` receives `model.safetensors` + `config.json` (the tokenizer, loadable by `load_vq`),
+`train_state.pt` (optimizer, step, sampler state: what resuming needs), `metrics.jsonl` (one line
+per evaluation), `samples/step_XXXXXXX.png` (held-out originals above their reconstructions) and
+`tb/` (TensorBoard: losses, PSNR, codebook usage, learning rate, the sample grid).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from longvideo.configtools import to_dict
+from longvideo.vq.codec import frames_to_input, output_to_frames
+from longvideo.vq.config import VQConfig
+from longvideo.vq.discriminator import PatchDiscriminator, adaptive_weight, hinge_d_loss
+from longvideo.vq.frames import FrameSource, Source, build_frame_source
+from longvideo.vq.model import CONFIG_FILE, VQModel
+from longvideo.vq.quantizer import codebook_usage
+
+STATE_FILE = "train_state.pt"
+METRICS_FILE = "metrics.jsonl"
+ARCH_KEYS = ("mode", "resolution", "downsample", "temporal_downsample", "codebook_size", "patch_size",
+             "channels", "channel_mult", "num_res_blocks", "temporal_kernel", "quantizer",
+             "fsq_levels", "codebook_dim")
+"""Config fields that shape the weights: a resumed run must keep them."""
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    """Where the tokenizer and its logs were written."""
+    step: int
+    """Optimizer steps done in total (across resumes)."""
+    seconds: float
+    """Training wall time in total (across resumes)."""
+    metrics: dict
+    """Last held-out evaluation: psnr (dB), usage (fraction of codes), perplexity, codes_used."""
+    history: list[dict] = field(default_factory=list)
+    """Every evaluation, the first one (step 0) made before any update."""
+
+
+def lr_at(cfg: VQConfig, step: int, progress: float) -> float:
+    """Linear warm-up over warmup_steps, then cosine decay to 10 % at progress = 1."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """PSNR in dB of two uint8 tensors, from the mean squared error over all their pixels."""
+    mse = (a.double() - b.double()).pow(2).mean().item()
+    return 100.0 if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+@torch.no_grad()
+def evaluate(vq: VQModel, batch: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """Reconstruct held-out uint8 frames (N, H, W, 3) (2d) or clips (C, L, H, W, 3) (causal3d).
+
+    Returns ({psnr, usage, perplexity, codes_used}, reconstructions shaped like `batch`).
+    """
+    was = vq.training
+    vq.eval()
+    device = next(vq.parameters()).device
+    recons, codes = [], []
+    if vq.cfg.mode == "2d":
+        for part in batch.split(16):
+            rec, c, _ = vq(frames_to_input(part, device, as_clip=False))
+            recons.append(output_to_frames(rec))
+            codes.append(c.cpu())
+    else:
+        for clip in batch:
+            rec, c, _ = vq(frames_to_input(clip, device, as_clip=True))
+            recons.append(output_to_frames(rec)[None])
+            codes.append(c.cpu())
+    vq.train(was)
+    recon = torch.cat(recons)
+    metrics = {"psnr": psnr(recon, batch), **codebook_usage(torch.cat([c.flatten() for c in codes]),
+                                                           vq.cfg.codebook_size)}
+    return metrics, recon
+
+
+def sample_grid(orig: torch.Tensor, recon: torch.Tensor, max_cols: int = 8) -> torch.Tensor:
+    """uint8 image (H', W', 3): rows of originals, each above the same frames reconstructed."""
+    if orig.ndim == 4:  # frames: wrap into rows of max_cols
+        n = orig.shape[0]
+        cols = min(n, max_cols)
+        rows_o = [orig[i: i + cols] for i in range(0, n, cols)]
+        rows_r = [recon[i: i + cols] for i in range(0, n, cols)]
+    else:  # clips: one clip per row pair
+        cols = min(orig.shape[1], max_cols * 2)
+        rows_o, rows_r = [c[:cols] for c in orig], [c[:cols] for c in recon]
+    h, w = orig.shape[-3:-1]
+    gap = 2
+    canvas = torch.full((len(rows_o) * 2 * (h + gap) - gap, cols * (w + gap) - gap, 3), 255, dtype=torch.uint8)
+    for r, (ro, rr) in enumerate(zip(rows_o, rows_r)):
+        for k, row in enumerate((ro, rr)):
+            y = (2 * r + k) * (h + gap)
+            for c, img in enumerate(row):
+                canvas[y: y + h, c * (w + gap): c * (w + gap) + w] = img
+    return canvas
+
+
+def save_png(img: torch.Tensor, path: Path) -> None:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(img.numpy()).save(path)
+
+
+def _vq_config(cfg) -> VQConfig:
+    if isinstance(cfg, VQConfig):
+        return cfg
+    if isinstance(getattr(cfg, "vq", None), VQConfig):
+        return cfg.vq
+    raise TypeError(f"expected a VQConfig or a root Config, got {type(cfg).__name__}")
+
+
+def _check_resume(cfg: VQConfig, out: Path) -> None:
+    saved = json.loads((out / CONFIG_FILE).read_text())
+    now = to_dict(cfg)
+    diff = [k for k in ARCH_KEYS if k in saved and saved[k] != now[k]]
+    if diff:
+        raise ValueError(f"cannot resume {out}: its tokenizer has different "
+                         + ", ".join(f"{k}={saved[k]!r} (now {now[k]!r})" for k in diff)
+                         + "; pass resume=False (--no-resume) or another output directory")
+
+
+class _Batches:
+    """Random training batches: uint8 frames (B, H, W, 3) or clips (B, L, H, W, 3), flipped at random."""
+
+    def __init__(self, src: FrameSource, cfg: VQConfig, gen: torch.Generator):
+        self.src, self.cfg, self.gen = src, cfg, gen
+        self.clip_len = 1 + cfg.frames_per_group * (cfg.clip_groups - 1)
+
+    def next(self) -> torch.Tensor:
+        cfg = self.cfg
+        if cfg.mode == "2d":
+            x = self.src.sample_frames(cfg.batch_size, self.gen)
+        else:
+            x = self.src.sample_clips(cfg.batch_size, self.clip_len, self.gen)
+        flip = torch.rand(x.shape[0], generator=self.gen) < 0.5
+        x[flip] = x[flip].flip(-2)  # horizontal flip (W is the second-last dim)
+        return x
+
+    def eval_set(self) -> torch.Tensor:
+        if self.cfg.mode == "2d":
+            return self.src.eval_frames(self.cfg.eval_frames)
+        return self.src.eval_clips(self.cfg.eval_frames, self.clip_len)
+
+
+def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: int | None = None,
+             time_budget_s: float | None = None, resume: bool = True, device: str | None = None,
+             progress: bool = True, tensorboard: bool = True) -> TrainResult:
+    """Train a tokenizer from scratch (or resume the run in `out_dir`).
+
+    cfg: a VQConfig, or a root Config (its `vq` section is used).
+    source: a folder of videos, raw shards (directory of .tar / glob / brace pattern), a video
+        file, in-memory uint8 videos (T, H, W, 3) (one or a list), or a FrameSource.
+    steps: overrides cfg.steps. time_budget_s: also stop after this much training time (the
+        learning-rate decay then follows whichever of steps and time runs out first).
+    resume: continue from `out_dir/train_state.pt` when present.
+    """
+    cfg = _vq_config(cfg)
+    if steps is not None:
+        cfg = dataclasses.replace(cfg, steps=steps)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    torch.manual_seed(cfg.seed)
+    vq = VQModel(cfg).to(device)
+    disc = PatchDiscriminator(cfg.disc_channels).to(device) if cfg.disc_weight > 0 else None
+    opt = torch.optim.AdamW(vq.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    d_opt = (torch.optim.AdamW(disc.parameters(), lr=cfg.lr, betas=(0.5, 0.9), weight_decay=0.0)
+             if disc is not None else None)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    step, elapsed, history = 0, 0.0, []
+
+    state_path = out / STATE_FILE
+    if resume and state_path.is_file():
+        _check_resume(cfg, out)
+        state = torch.load(state_path, map_location=device, weights_only=True)
+        vq.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        if disc is not None and "disc" in state:
+            disc.load_state_dict(state["disc"])
+            d_opt.load_state_dict(state["disc_optimizer"])
+        gen.set_state(state["sampler"])
+        step, elapsed = int(state["step"]), float(state["seconds"])
+        history = json.loads(state["history"])
+
+    src = build_frame_source(source, cfg, progress=progress)
+    batches = _Batches(src, cfg, gen)
+    eval_set = batches.eval_set()
+
+    writer = None
+    if tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(out / "tb"))
+
+    def run_eval() -> dict:
+        metrics, recon = evaluate(vq, eval_set)
+        metrics = {"step": step, "seconds": round(elapsed, 2), **metrics}
+        history.append(metrics)
+        with open(out / METRICS_FILE, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        grid = sample_grid(eval_set, recon)
+        save_png(grid, out / "samples" / f"step_{step:07d}.png")
+        if writer is not None:
+            for k in ("psnr", "usage", "perplexity"):
+                writer.add_scalar(f"eval/{k}", metrics[k], step)
+            writer.add_image("eval/originals_over_reconstructions", grid.permute(2, 0, 1), step)
+            writer.flush()
+        return metrics
+
+    def save() -> None:
+        vq.save(out)
+        state = {"model": vq.state_dict(), "optimizer": opt.state_dict(), "sampler": gen.get_state(),
+                 "step": step, "seconds": elapsed, "history": json.dumps(history)}
+        if disc is not None:
+            state["disc"], state["disc_optimizer"] = disc.state_dict(), d_opt.state_dict()
+        tmp = state_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(state_path)
+
+    if step == 0 and not history:
+        run_eval()  # the untrained baseline
+    last_weight = vq.decoder.layers[-1].conv.weight
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.steps, initial=step, unit="step", desc="train-vq", disable=not progress)
+    hist = torch.zeros(cfg.codebook_size, dtype=torch.long)
+    vq.train()
+    last_eval_step = step if history and history[-1]["step"] == step else -1
+    while step < cfg.steps and not (time_budget_s is not None and elapsed >= time_budget_s):
+        t0 = time.perf_counter()
+        frames = batches.next()
+        if cfg.mode == "2d":
+            x = frames_to_input(frames, device, as_clip=False)  # (B, 3, 1, H, W)
+        else:
+            x = frames.to(device).float().div_(127.5).sub_(1.0).permute(0, 4, 1, 2, 3)  # (B, 3, L, H, W)
+        progress_frac = step / cfg.steps
+        if time_budget_s:
+            progress_frac = max(progress_frac, elapsed / time_budget_s)
+        lr = lr_at(cfg, step, progress_frac)
+        for g in opt.param_groups:
+            g["lr"] = lr
+
+        recon, codes, aux = vq(x)
+        err = recon - x
+        rec_loss = cfg.l1_weight * err.abs().mean() + cfg.l2_weight * err.pow(2).mean()
+        loss = rec_loss + aux
+        gan_on = disc is not None and step >= cfg.disc_start
+        if gan_on:
+            fake = recon.transpose(1, 2).flatten(0, 1)  # frames (B T, 3, H, W)
+            g_loss = -disc(fake).mean()
+            loss = loss + cfg.disc_weight * adaptive_weight(rec_loss, g_loss, last_weight) * g_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(vq.parameters(), cfg.grad_clip)
+        opt.step()
+        if gan_on:
+            real = x.transpose(1, 2).flatten(0, 1)
+            d_loss = hinge_d_loss(disc(real), disc(fake.detach()))
+            d_opt.zero_grad(set_to_none=True)
+            d_loss.backward()
+            d_opt.step()
+
+        step += 1
+        elapsed += time.perf_counter() - t0
+        hist += torch.bincount(codes.flatten().cpu(), minlength=cfg.codebook_size)
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            with torch.no_grad():
+                batch_psnr = 10 * math.log10(4.0 / max(err.pow(2).mean().item(), 1e-10))
+            used = (hist > 0).float().mean().item()
+            bar.set_postfix(loss=f"{loss.item():.4f}", psnr=f"{batch_psnr:.1f}", usage=f"{used:.2f}")
+            if writer is not None:
+                writer.add_scalar("train/loss", loss.item(), step)
+                writer.add_scalar("train/rec_loss", rec_loss.item(), step)
+                writer.add_scalar("train/quant_loss", float(aux), step)
+                writer.add_scalar("train/psnr", batch_psnr, step)
+                writer.add_scalar("train/usage", used, step)
+                writer.add_scalar("train/lr", lr, step)
+                if gan_on:
+                    writer.add_scalar("train/d_loss", d_loss.item(), step)
+            hist.zero_()
+        if step % cfg.eval_every == 0:
+            run_eval()
+            last_eval_step = step
+        if step % cfg.save_every == 0:
+            save()
+    bar.close()
+    if last_eval_step != step:
+        run_eval()
+    save()
+    if writer is not None:
+        writer.close()
+    return TrainResult(out_dir=out, step=step, seconds=elapsed, metrics=history[-1], history=history)
