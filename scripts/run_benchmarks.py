@@ -350,9 +350,8 @@ def fmt_ring(d: dict) -> Section:
     notes.append("\"ideal\" is T_single / (W x T_ring): 1.0 means W ranks did the one-process work W times faster; "
                  "the wall-clock figure needs W free cores, the CPU-seconds figure does not. Exposed communication "
                  "is time blocked on a transfer the compute did not hide. The memory target is read on the "
-                 "activations saved for backward; the whole-step peak (resident-set high-water mark) also "
-                 "counts what the step allocates only transiently (gradients, communication buffers, "
-                 "workspace).")
+                 "activations saved for backward; the whole-step peak also counts what the step allocates "
+                 "only transiently (gradients, communication buffers, workspace).")
     contig = [r for r in rows if r["world"] > 1 and r["layout"] == "contiguous"]
     if contig:
         notes.append("Contiguous rows (no zigzag) show the imbalance the zigzag layout removes: slowest / mean "
@@ -533,6 +532,7 @@ def fmt_vq(d: dict) -> Section:
             ("dec", "decode frames/s", ["decode_frames_per_s", "decode_fps"]),
             ("psnr", "PSNR dB", ["psnr", "psnr_db", "val_psnr"]),
             ("use", "codebook usage", ["codebook_usage", "usage", "code_usage"]),
+            ("ppl", "codebook perplexity", ["perplexity", "codebook_perplexity"]),
             ("tok", "tokens per second of video", ["tokens_per_second_of_video", "tokens_per_video_second"])]
     present = [(key, head, next(a for a in aliases if any(a in r for r in rows)))
                for key, head, aliases in cols if any(a in r for r in rows for a in aliases)]
