@@ -270,7 +270,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="tiny.yaml")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (LLaMA-2 7B has 32)")
     p.add_argument("--seq", type=int, default=2048, help="total sequence length for the throughput steps")
-    p.add_argument("--mem-seqs", default="2048,4096,8192",
+    p.add_argument("--mem-seqs", default="4096,8192,16384",
                    help="total lengths for the memory fit (above the loss/ffn chunk sizes, so the fit is linear)")
     p.add_argument("--eager-mem-seqs", default="512,1024,2048",
                    help="lengths for transformers' eager attention, whose S x S weights outgrow memory sooner")

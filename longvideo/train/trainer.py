@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from longvideo.config import Config, save_config
-from longvideo.configtools import ConfigError
+from longvideo.configtools import ConfigError, to_dict
 from longvideo.train import checkpoint as ckpt_io
 from longvideo.train.deepspeed_config import build_deepspeed_config
 from longvideo.train.logging import RunLogger, mfu, peak_flops_per_device
@@ -163,13 +163,19 @@ class Trainer:
         if tc.vq_dir and not Path(tc.vq_dir).is_dir():
             raise ConfigError("train.vq_dir", f"not a directory: {tc.vq_dir}")
 
+        # the data source is checked (shards found, tokenizer readable) before the model is built
+        self.loader = batches if batches is not None else self._make_loader()
+
         import deepspeed
 
         from longvideo.model import Transformer
         from longvideo.parallel import parallelize
 
         torch.manual_seed(tc.seed)  # identical initial weights on every rank
-        model = Transformer(cfg.model)
+        # built on the rank's own device: a 7B model never sits in host memory once per rank
+        build_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        with build_device or contextlib.nullcontext():
+            model = Transformer(cfg.model)
         init_from = init_from if init_from is not None else (tc.init_from or None)
         if init_from and self.resume_from is None:
             self._load_init_weights(model, init_from)
@@ -182,7 +188,6 @@ class Trainer:
         self.device = self.engine.device
         self.schedule = WarmupCosine(self.optimizer, lr=tc.lr, warmup_steps=tc.warmup_steps, total_steps=tc.steps,
                                      min_lr_ratio=tc.min_lr_ratio)
-        self.loader = batches if batches is not None else self._make_loader()
         self._batches = None
         self.step = 0
         self.tokens_seen = 0
@@ -398,7 +403,7 @@ class Trainer:
         log = RunLogger(self.run_dir, enabled=self.rank == 0, total_steps=tc.steps, start_step=self.step,
                         progress=tc.progress, tensorboard=tc.tensorboard, wandb_mode=tc.wandb,
                         wandb_project=tc.wandb_project, run_name=self.cfg.name,
-                        config=None)
+                        config=to_dict(self.cfg) if tc.wandb != "disabled" else None)
         result = TrainResult(status="completed", step=self.step, run_dir=self.run_dir)
         try:
             with self._graceful_signals():
