@@ -174,6 +174,7 @@ class Section:
     table: str
     targets: list[Target] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    images: list[tuple[str, str]] = field(default_factory=list)  # (alt text, file name in the bench dir)
 
 
 @dataclass
@@ -518,55 +519,55 @@ def fmt_infer(d: dict) -> Section:
 
 # vq ---------------------------------------------------------------------------------------------------
 
-VQ_TARGETS = [Target("vq: encode throughput and quality after a fixed budget",
+VQ_TARGETS = [Target("vq: throughput and quality after a fixed training budget",
                      "no numeric target (frames/s, PSNR, codebook usage)", met="n/a")]
 
 
 def fmt_vq(d: dict) -> Section:
-    """Rows of a list under 'results', 'runs', 'rows' or 'models'; known columns picked by name."""
-    rows = next((d[k] for k in ("results", "runs", "rows", "models") if isinstance(d.get(k), list) and d[k]), None)
-    if rows is None:
-        raise LayoutError("no list of results")
-    cols = [("name", "model", ["name", "model", "arch", "variant", "system"]),
-            ("fps", "frames/s", ["frames_per_s", "fps", "encode_fps", "encode_frames_per_s"]),
-            ("dec", "decode frames/s", ["decode_frames_per_s", "decode_fps"]),
-            ("psnr", "PSNR dB", ["psnr", "psnr_db", "val_psnr"]),
-            ("use", "codebook usage", ["codebook_usage", "usage", "code_usage"]),
-            ("ppl", "codebook perplexity", ["perplexity", "codebook_perplexity"]),
-            ("tok", "tokens per second of video", ["tokens_per_second_of_video", "tokens_per_video_second"])]
-    present = [(key, head, next(a for a in aliases if any(a in r for r in rows)))
-               for key, head, aliases in cols if any(a in r for r in rows for a in aliases)]
-    if not any(k in ("fps", "psnr") for k, _, _ in present):
-        raise LayoutError("no frames/s or PSNR column")
+    thr = _list(d, "throughput")
     body = []
-    for r in rows:
-        line = []
-        for key, _, a in present:
-            v = r.get(a)
-            if key == "use" and isinstance(v, float) and v <= 1:
-                line.append(f"{100 * v:.1f} %")
-            elif isinstance(v, (int, float)) and not isinstance(v, bool):
-                line.append(_num(v, ",.2f" if key != "tok" else ",.0f"))
-            else:
-                line.append("-" if v is None else str(v))
-        body.append(line)
+    for r in thr:
+        body.append([f"`{_req(r, 'name')}`", str(r.get("mode", "-")), str(r.get("resolution", "-")),
+                     _num(r.get("params_M"), ".2f"), str(r.get("codes_per_group", "-")),
+                     f"{r.get('codebook_size', 0):,}", _num(_req(r, "encode_fps"), ",.1f"),
+                     _num(_req(r, "decode_fps"), ",.1f"), _num(r.get("tokens_per_second_of_video"), ",.0f"),
+                     _num(r.get("tokens_per_hour_1fps"), ",.0f")])
+    table = md_table(["config", "mode", "resolution", "parameters (M)", "codes per group", "codebook",
+                      "encode frames/s", "decode frames/s", "codes per second of video (1 fps)",
+                      "codes per hour (1 fps)"], body)
+    trained = d.get("training") or []
+    if not isinstance(trained, list):
+        raise LayoutError("training is not a list")
+    rows2 = []
+    for r in trained:
+        rows2.append([f"`{_req(r, 'name')}`", _num(_req(r, "train_seconds"), ",.0f"), f"{_req(r, 'steps'):,}",
+                      f"{_num(r.get('psnr_untrained'), '.1f')} -> {_num(_req(r, 'psnr'), '.1f')}",
+                      _num(100 * _req(r, "usage"), ".1f", " %"), _num(r.get("perplexity"), ",.0f"),
+                      _num(r.get("codes_used"), ",.0f")])
+    if rows2:
+        table += "\n\n" + md_table(["config", "training s", "steps", "held-out PSNR dB (untrained -> trained)",
+                                      "codebook used", "codebook perplexity", "codes used"], rows2)
     t = Target(VQ_TARGETS[0].what, VQ_TARGETS[0].goal, met="n/a")
+    by = {r["name"]: r for r in thr}
     figs = []
-    for r in rows:
-        label = next((str(r[a]) for _, _, a in present[:1] if a in r), "")
-        bits = [f"{r[a]:,.1f} frames/s" for k, _, a in present if k == "fps" and isinstance(r.get(a), (int, float))]
-        bits += [f"PSNR {r[a]:.1f} dB" for k, _, a in present if k == "psnr" and isinstance(r.get(a), (int, float))]
-        if bits:
-            figs.append(f"{label}: " + ", ".join(bits) if label else ", ".join(bits))
-    t.figure = "; ".join(figs) or "-"
-    notes = []
-    for k in ("budget", "config", "train_steps", "steps"):
-        if k in d and not isinstance(d[k], (list, dict)):
-            notes.append(f"{k.replace('_', ' ')}: {d[k]}")
-        elif isinstance(d.get(k), dict):
-            notes.append(f"{k}: " + ", ".join(f"{a} {b}" for a, b in d[k].items()
-                                              if not isinstance(b, (list, dict)) and a != "out"))
-    return Section(md_table([h for _, h, _ in present], body), [t], notes)
+    for r in trained:
+        enc = by.get(r["name"], {}).get("encode_fps")
+        figs.append(f"`{r['name']}`: " + (f"{enc:,.0f} frames/s encode, " if enc else "")
+                    + f"PSNR {r['psnr']:.1f} dB, {100 * r['usage']:.0f} % of the codebook after "
+                    f"{r['train_seconds']:,.0f} s")
+    if not figs:
+        figs = [f"`{r['name']}`: {r['encode_fps']:,.0f} frames/s encode" for r in thr]
+    t.figure = "; ".join(figs)
+    notes = ["Throughput: weights at initialisation (speed does not depend on them), the fastest of the "
+             "timings. Quality: each trained config starts from scratch on generated moving-shapes videos "
+             "and stops at its training-time budget; PSNR and codebook usage are measured on held-out frames. "
+             "The baselines are the untrained tokenizer (PSNR) and, for token cost, the 2D per-frame configs "
+             "beside the causal 3D ones."]
+    if not trained:
+        notes.append("No training run in this JSON (run without `--skip-train` for the quality columns).")
+    images = [(f"held-out frames and reconstructions, {r['name']}", f"vq_{r['name']}_samples.png")
+              for r in trained]
+    return Section(table, [t], notes, images)
 
 
 # data -------------------------------------------------------------------------------------------------
@@ -656,8 +657,9 @@ BENCHES: dict[str, Bench] = {
                    "prefill (the baseline), chunked prefill and W = 2 sequence-parallel prefill.",
                    ["inference.md"], fmt_infer, INFER_TARGETS),
     "vq": Bench("VQ video tokenizer",
-                "Encoding throughput (frames/s) and reconstruction quality (PSNR, codebook usage) after a "
-                "fixed training budget.",
+                "Encode and decode frames/s of each VQ config (2D per frame and causal 3D) and the codes it "
+                "spends per second of video; held-out PSNR and codebook usage after training from scratch for "
+                "a fixed time budget, against the untrained tokenizer.",
                 ["vq.md"], fmt_vq, VQ_TARGETS),
     "data": Bench("Data pipeline",
                   "Sampling 1 fps from an hour of video with the project's reader against decoding every "
@@ -791,9 +793,10 @@ def build_markdown(bench_dir: Path = BENCH_DIR, out_path: Path = OUT_PATH, docs_
             for note in section.notes:
                 lines += [note, ""]
             lines += [f"Machine: {machine_line(data)}.", ""]
-        png = bench_dir / f"{name}.png"
-        if png.exists() and section is not None:
-            lines += [f"![{bench.title}]({_rel(png, out_dir)})", ""]
+        if section is not None:
+            for alt, fname in [(bench.title, f"{name}.png")] + section.images:
+                if (bench_dir / fname).exists():
+                    lines += [f"![{alt}]({_rel(bench_dir / fname, out_dir)})", ""]
         ref = [f"Details: {_doc_link(bench, docs_dir, out_dir)}."]
         if data is not None:
             ref.append(f"Data: [{_rel(bench_dir / f'{name}.json', out_dir)}]"

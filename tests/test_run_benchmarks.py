@@ -89,6 +89,16 @@ INFER = {"lengths": [1024, 2048], "kv_cache_bytes": [2 * 2**20, 4 * 2**20],
                    "sp2": [{"ttft_s": 0.8, "peak_mb": 6.0}, {"ttft_s": 1.5, "peak_mb": 20.0}]},
          "same_tokens_all_modes": [True, True]}
 
+VQ = {"machine": {"cpu_count": 2, "loadavg_start": [1.0, 1.0, 1.0]},
+      "throughput": [{"name": "tiny", "mode": "2d", "resolution": 32, "codes_per_group": 16, "codebook_size": 1024,
+                      "params_M": 0.5, "frames": 64, "encode_fps": 250.0, "decode_fps": 200.0,
+                      "tokens_per_second_of_video": 16.0, "tokens_per_hour_1fps": 57600},
+                     {"name": "causal3d-tiny", "mode": "causal3d", "resolution": 32, "codes_per_group": 16,
+                      "codebook_size": 1024, "params_M": 0.7, "frames": 64, "encode_fps": 120.0, "decode_fps": 90.0,
+                      "tokens_per_second_of_video": 4.0, "tokens_per_hour_1fps": 14400}],
+      "training": [{"name": "tiny", "train_seconds": 180.2, "steps": 400, "psnr": 24.31, "usage": 0.875,
+                    "perplexity": 600.0, "codes_used": 896, "psnr_untrained": 9.5, "curve": []}]}
+
 KERNELS_SKIPPED = {"machine": {"cpus": 2, "loadavg": [1.0, 1.0, 1.0]}, "config": {"target": 0.9},
                    "skipped": True, "reason": "no CUDA device"}
 
@@ -100,7 +110,9 @@ def test_tables_and_targets(rb, tmp_path):
     _write(bench, "kernels", KERNELS_SKIPPED)
     _write(bench, "train", TRAIN)
     _write(bench, "infer", INFER)
-    (bench / "infer.png").write_bytes(b"\x89PNG")
+    _write(bench, "vq", VQ)
+    for png in ("infer.png", "vq_tiny_samples.png"):
+        (bench / png).write_bytes(b"\x89PNG")
     out = tmp_path / "docs" / "benchmarks.md"
     text = rb.build_markdown(bench, out, tmp_path / "docs")
     assert out.read_text() == text
@@ -141,8 +153,15 @@ def test_tables_and_targets(rb, tmp_path):
     assert "Machine: 2-core CPU; load average (1/5/15 min) 1.0/1.0/1.0 (before)." in infer
     assert "[inference.md](inference.md)" in infer
 
-    # nothing written for vq or data: their targets say so and their sections say how to measure
-    assert s["vq: encode throughput and quality after a fixed budget"][2] == "not measured yet"
+    vq = _section(text, "vq")
+    assert "| `causal3d-tiny` | causal3d | 32 | 0.70 | 16 | 1,024 | 120.0 | 90.0 | 4 | 14,400 |" in vq
+    assert "| `tiny` | 180 | 400 | 9.5 -> 24.3 | 87.5 % | 600 | 896 |" in vq
+    assert "![held-out frames and reconstructions, tiny](bench/vq_tiny_samples.png)" in vq
+    assert "![VQ video tokenizer](bench/vq.png)" not in vq  # no vq.png written
+    assert s["vq: throughput and quality after a fixed training budget"][0] == \
+        "`tiny`: 250 frames/s encode, PSNR 24.3 dB, 88 % of the codebook after 180 s"
+
+    # nothing written for data: its section says how to measure it
     assert "_Not measured yet (no data.json): run `python scripts/bench_data.py`._" in _section(text, "data")
 
 
