@@ -1,0 +1,52 @@
+"""The CI-sized demo: every stage of `make demo` runs through the real commands and leaves its
+artefacts (shards, tokenizer, VQ, token shards, LM checkpoints, export, evaluations, chat)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_quick_demo_produces_every_artefact(tmp_path):
+    out = tmp_path / "demo"
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    r = subprocess.run([sys.executable, "-m", "longvideo.demo", "--quick", "--quiet", "--out", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+    assert len(list((out / "data/train").glob("shard-*.tar"))) == 2
+    assert (out / "tokenizer/tokenizer.json").is_file()
+    assert (out / "vq/model.safetensors").is_file() and (out / "vq/config.json").is_file()
+    assert list((out / "tokens/train").glob("*.tar")) and list((out / "tokens/test").glob("*.tar"))
+    final = Path((out / "lm/final").read_text().strip())
+    assert (final / "checkpoints/latest").is_file()
+    latest = final / "checkpoints" / (final / "checkpoints/latest").read_text().strip()
+    assert (latest / "model.safetensors").is_file()
+    for stage in sorted((out / "lm").glob("stage*")):
+        assert (stage / "loss.png").is_file(), stage
+        losses = [json.loads(ln)["loss"] for ln in (stage / "metrics.jsonl").read_text().splitlines()
+                  if '"loss"' in ln]
+        assert losses and all(l == l for l in losses)  # recorded, no NaN
+    first = sorted((out / "lm").glob("stage*"))[0]
+    losses = [json.loads(ln)["loss"] for ln in (first / "metrics.jsonl").read_text().splitlines() if '"loss"' in ln]
+    assert min(losses[-5:]) < losses[0] - 1.0, losses  # the first stage learns
+
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "processor_config.json", "vq/model.safetensors"):
+        assert (out / "hf" / f).is_file(), f
+    qa = json.loads((out / "eval/qa/qa.json").read_text())
+    needle = json.loads((out / "eval/video_niah/video_needle.json").read_text())
+    for res in (qa, needle):
+        assert 0.0 <= res["accuracy"] <= 1.0 and 0.0 < res["chance"] < 1.0
+    assert (out / "eval/qa/qa.png").is_file() and (out / "eval/video_niah/video_needle.png").is_file()
+    chat = json.loads((out / "chat.json").read_text())
+    assert chat["question"] and "answer" in chat
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["qa"]["chance"] == pytest.approx(qa["chance"])
+    assert "held-out QA accuracy" in r.stdout and "chance" in r.stdout
