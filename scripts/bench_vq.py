@@ -1,0 +1,169 @@
+"""VQ tokenizer benchmark: encode/decode throughput per config, and quality after a training budget.
+
+    python scripts/bench_vq.py                                    # defaults: a few minutes on a CPU
+    python scripts/bench_vq.py --train tiny:600 causal3d-tiny:300 --fps-frames 128
+    python scripts/bench_vq.py --skip-train --configs tiny lwm-256
+
+1. Throughput: frames per second that `encode_video` and `decode_codes` process for each config
+   (weights at initialisation: speed does not depend on them), side by side in one run, with the
+   codes each config spends per second of video at 1 fps (2d: one group per frame; causal3d: one
+   group per 4 frames, so a quarter of the tokens).
+2. Quality: each `name:seconds` of --train trains that config from scratch on generated
+   moving-shapes videos (the demo's data) for that much training time, and reports held-out PSNR,
+   the fraction of the codebook used and its perplexity along the way. `tiny:180` is the demo's
+   budget: three minutes.
+
+Writes docs/bench/vq.json, docs/bench/vq.png and docs/bench/vq_<config>_samples.png (held-out
+originals above their reconstructions at the end of training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from longvideo.vq import VQModel, decode_codes, encode_video  # noqa: E402
+from longvideo.vq.cli import load_vq_config  # noqa: E402
+from longvideo.vq.frames import synthetic_videos  # noqa: E402
+from longvideo.vq.train import train_vq  # noqa: E402
+
+
+def throughput(name: str, frames: int, batch: int, repeats: int) -> dict:
+    cfg = load_vq_config(str(ROOT / "configs" / "vq" / f"{name}.yaml"), [])
+    torch.manual_seed(0)
+    vq = VQModel(cfg).eval()
+    r = cfg.resolution
+    video = torch.randint(0, 256, (frames, r, r, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    encode_video(vq, video[: min(frames, batch)], batch_frames=batch)  # warm-up
+    enc, dec = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        codes = encode_video(vq, video, batch_frames=batch)
+        enc.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        out = decode_codes(vq, codes, batch_groups=max(1, batch // cfg.frames_per_group))
+        dec.append(time.perf_counter() - t0)
+    params = sum(p.numel() for p in vq.parameters())
+    return {"name": name, "mode": cfg.mode, "resolution": r, "codes_per_group": cfg.codes_per_frame,
+            "codebook_size": cfg.codebook_size, "params_M": round(params / 1e6, 2), "frames": frames,
+            "encode_fps": frames / min(enc), "decode_fps": out.shape[0] / min(dec),
+            "tokens_per_second_of_video": cfg.tokens_per_hour(1.0) / 3600,
+            "tokens_per_hour_1fps": cfg.tokens_per_hour(1.0)}
+
+
+def train_budget(name: str, seconds: float, videos: int, work: Path, docs: Path) -> dict:
+    cfg = load_vq_config(str(ROOT / "configs" / "vq" / f"{name}.yaml"), [])
+    # the step count only sets the length of the learning-rate decay; time stops the run
+    cfg = dataclasses.replace(cfg, steps=100_000, eval_every=100, save_every=100_000)
+    data = synthetic_videos(videos, cfg, fps=4.0, seed=0)
+    out = work / name
+    t0 = time.perf_counter()
+    res = train_vq(cfg, data, out, time_budget_s=seconds, resume=False, progress=True, tensorboard=False)
+    wall = time.perf_counter() - t0
+    last = sorted((out / "samples").glob("step_*.png"))[-1]
+    shutil.copy(last, docs / f"vq_{name}_samples.png")
+    return {"name": name, "train_seconds": round(res.seconds, 1), "wall_seconds": round(wall, 1),
+            "steps": res.step, "batch_size": cfg.batch_size, "psnr": res.metrics["psnr"],
+            "usage": res.metrics["usage"], "perplexity": res.metrics["perplexity"],
+            "codes_used": res.metrics["codes_used"], "psnr_untrained": res.history[0]["psnr"],
+            "curve": [{k: h[k] for k in ("step", "seconds", "psnr", "usage", "perplexity")} for h in res.history]}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    rows = results["throughput"]
+    names = [r["name"] for r in rows]
+    x = range(len(rows))
+    axes[0].bar([i - 0.2 for i in x], [r["encode_fps"] for r in rows], 0.4, label="encode")
+    axes[0].bar([i + 0.2 for i in x], [r["decode_fps"] for r in rows], 0.4, label="decode")
+    axes[0].set_xticks(list(x), names, rotation=15)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("frames / s (CPU)")
+    axes[0].set_title("throughput")
+    axes[0].legend()
+    for r in results["training"]:
+        c = r["curve"]
+        axes[1].plot([p["seconds"] for p in c], [p["psnr"] for p in c], marker="o", label=r["name"])
+        axes[2].plot([p["seconds"] for p in c], [100 * p["usage"] for p in c], marker="o", label=r["name"])
+    axes[1].set_xlabel("training seconds")
+    axes[1].set_ylabel("held-out PSNR (dB)")
+    axes[1].set_title("quality vs training time")
+    axes[2].set_xlabel("training seconds")
+    axes[2].set_ylabel("codebook used (%)")
+    axes[2].set_title("codebook usage (held-out frames)")
+    for ax in axes[1:]:
+        ax.grid(alpha=0.3)
+        if results["training"]:
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=["tiny", "causal3d-tiny", "lwm-256", "causal3d-256"],
+                   help="configs/vq/<name>.yaml to time")
+    p.add_argument("--fps-frames", type=int, default=64, help="frames encoded per timing (small configs)")
+    p.add_argument("--fps-frames-256", type=int, default=9, help="frames per timing for 256 x 256 configs")
+    p.add_argument("--repeats", type=int, default=2, help="timings per config (the fastest is kept)")
+    p.add_argument("--train", nargs="*", default=["tiny:180", "causal3d-tiny:120"], metavar="NAME:SECONDS",
+                   help="configs to train from scratch and their training-time budgets")
+    p.add_argument("--skip-train", action="store_true")
+    p.add_argument("--videos", type=int, default=60, help="synthetic training videos")
+    p.add_argument("--out", default=str(ROOT / "docs" / "bench" / "vq.json"))
+    a = p.parse_args(argv)
+
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = {"machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                           "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                           "loadavg_start": list(os.getloadavg())},
+               "throughput": [], "training": []}
+    for name in a.configs:
+        big = load_vq_config(str(ROOT / "configs" / "vq" / f"{name}.yaml"), []).resolution >= 128
+        n = a.fps_frames_256 if big else a.fps_frames
+        row = throughput(name, n, batch=min(16, n), repeats=a.repeats)
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        results["throughput"].append(row)
+    if not a.skip_train:
+        with tempfile.TemporaryDirectory() as work:
+            for spec in a.train:
+                name, _, secs = spec.partition(":")
+                row = train_budget(name, float(secs or 180), a.videos, Path(work), out.parent)
+                print(json.dumps({k: v for k, v in row.items() if k != "curve"}), flush=True)
+                results["training"].append(row)
+    results["machine"]["loadavg_end"] = list(os.getloadavg())
+    # one row per config for the summary table: throughput joined with training quality
+    trained = {r["name"]: r for r in results["training"]}
+    results["results"] = [{**t, **{k: trained[t["name"]][k] for k in ("psnr", "usage", "perplexity", "steps",
+                                                                        "train_seconds")
+                                   if t["name"] in trained}} for t in results["throughput"]]
+    results["results"] += [{"name": r["name"], **{k: r[k] for k in ("psnr", "usage", "perplexity", "steps",
+                                                                    "train_seconds")}}
+                           for r in results["training"] if r["name"] not in a.configs]
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
