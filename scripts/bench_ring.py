@@ -6,8 +6,8 @@
 Causal attention, forward + backward, fp32, the `cpu` block backend. W = 1 is one process doing the
 whole sequence (the baseline); W > 1 runs the zigzag layout, and also a contiguous layout to show
 what the zigzag balances. Per rank: step time, exposed communication (time blocked waiting for a
-transfer the compute did not hide), compute time, peak memory of the step (resident-set high-water
-mark above the inputs) and the bytes saved for backward. Writes docs/bench/ring.json and ring.png.
+transfer the compute did not hide), compute and CPU time, peak memory of the step (malloc'd bytes
+in use above the inputs, sampled) and the bytes saved for backward. Writes docs/bench/ring.json and ring.png.
 
 Every rank uses --threads threads, as the baseline does, so T_single / (W x T_ring) = 1 means W
 ranks did the one-process work W times faster; that needs W x threads free cores (the JSON records
@@ -34,36 +34,55 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
+class MallocPeak:
+    """Peak bytes in use by malloc (glibc mallinfo2: heap in use + mmapped chunks) over a region,
+    sampled every 0.5 ms by a thread. Counts live allocations, not pages glibc keeps after a
+    free, so consecutive measurements in one process do not disturb each other."""
 
-
-def _reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _malloc_returns_freed_memory() -> bool:
-    """glibc: a fixed 128 KiB mmap threshold (no dynamic raise) and trim of what is free now."""
-    try:
+    def __init__(self):
         import ctypes
 
-        libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        ok = libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024) and libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
-        libc.malloc_trim(0)
-        return bool(ok)
-    except (OSError, AttributeError):
-        return False
+        class _Info(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                       "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+        self._fn = ctypes.CDLL("libc.so.6").mallinfo2
+        self._fn.restype = _Info
+
+    def in_use(self) -> int:
+        m = self._fn()
+        return m.uordblks + m.hblkhd
+
+    def __enter__(self):
+        import threading
+
+        self.base = self.peak = self.in_use()
+        self._stop = threading.Event()
+
+        def sample():
+            while not self._stop.is_set():
+                self.peak = max(self.peak, self.in_use())
+                time.sleep(0.0005)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.in_use())
+
+    @property
+    def delta_mib(self) -> float:
+        return (self.peak - self.base) / 2**20
+
+
+def _malloc_peak():
+    try:
+        return MallocPeak()
+    except (OSError, AttributeError):  # not glibc >= 2.33
+        return None
 
 
 def _rank_main(rank, world, init_file, args, plan, queue):
@@ -74,17 +93,11 @@ def _rank_main(rank, world, init_file, args, plan, queue):
                                 timeout=timedelta(seconds=3600))
         # new_group is collective over the world: every rank creates every ring, in order
         rings = {w: dist.new_group(list(range(w))) for w in sorted({w for w, _ in plan})}
-        # all timings first; then the memory steps, with glibc set to return freed tensors
-        # (that setting costs page faults, so it must not touch the timings)
+        # all timings first, then the memory steps (their sampling thread must not touch timings)
         for phase in ("time", "memory"):
-            if phase == "memory":
-                exact = _malloc_returns_freed_memory()
             for w, layout in plan:
                 if rank < w:
-                    res = _measure(rank, w, rings[w], args, layout, phase)
-                    if phase == "memory" and not exact:
-                        res["peak_mib"] = None
-                    queue.put((w, layout, rank, phase, res))
+                    queue.put((w, layout, rank, phase, _measure(rank, w, rings[w], args, layout, phase)))
                 dist.barrier()
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported by the parent
@@ -94,7 +107,7 @@ def _rank_main(rank, world, init_file, args, plan, queue):
 
 
 def _measure(rank, world, group, args, layout, phase):
-    from longvideo.parallel import CommStats, ring_attention, zigzag_indices
+    from longvideo.parallel import CommStats, RingComm, ring_attention, zigzag_indices
 
     S, H, Hkv, D = args.seq, args.heads, args.kv_heads, args.head_dim
     n = S // world
@@ -125,14 +138,16 @@ def _measure(rank, world, group, args, layout, phase):
         out.backward(dout)
 
     if phase == "memory":
-        # the resident-set high-water mark over one step above what is live before it (every
-        # tensor over 128 KiB is its own mapping now, so freed tensors leave the resident set)
+        # peak malloc'd bytes during one step above what is live before it (inputs excluded)
         saved: dict = {}
         dist.barrier(group)
-        can_reset = _reset_peak_rss()
-        base = _status_kib("VmRSS")
-        step(CommStats(), saved)
-        return {"peak_mib": (_status_kib("VmHWM") - base) / 1024 if can_reset else None,
+        meter = _malloc_peak()
+        if meter is None:
+            step(CommStats(), saved)
+        else:
+            with meter:
+                step(CommStats(), saved)
+        return {"peak_mib": meter.delta_mib if meter is not None else None,
                 "saved_mib": sum(saved.values()) / 2**20,
                 "q_mib": n * H * D * torch.tensor([], dtype=dtype).element_size() / 2**20}
     for _ in range(args.warmup):  # first-call costs (thread pools, gloo pair buffers) stay out
@@ -147,9 +162,21 @@ def _measure(rank, world, group, args, layout, phase):
         cpu.append(time.process_time() - c0)
         exposed.append(stats.exposed_s)
         compute.append(stats.compute_s)
+    # a bare hop (one key/value block with its metadata, no compute): what a step would expose if
+    # nothing overlapped; unlike the waits above it does not depend on the other ranks' timing
+    hop = []
+    if world > 1:
+        ring = RingComm(group)
+        send = [torch.stack([k, v]), torch.stack([pos, pos])]
+        recv = [torch.empty_like(t) for t in send]
+        for _ in range(3):
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            ring.exchange(send, recv).wait()
+            hop.append(time.perf_counter() - t0)
     return {"step_s": statistics.median(times), "cpu_s": statistics.median(cpu),
             "exposed_s": statistics.median(exposed), "compute_s": statistics.median(compute),
-            "step_s_all": times, "s_local": n}
+            "step_s_all": times, "s_local": n, "hop_s": statistics.median(hop) if hop else 0.0}
 
 
 def run_plan(plan, args):
@@ -195,6 +222,9 @@ def summarise(world, layout, ranks, single):
         "world": world, "layout": layout, "s_local": ranks[0]["s_local"], "step_s": step,
         "ranks": ranks,
         "exposed_frac_max": max(r["exposed_s"] / r["step_s"] for r in ranks),
+        # 3W-2 hops per step (W-1 forward, W-1 + W backward; dK/dV sums are fp32 like the block
+        # here): their serial time over the step is what the overlap has to hide
+        "serial_comm_frac": max(r["hop_s"] for r in ranks) * (3 * world - 2) / step if world > 1 else 0.0,
         "balance_slowest_over_mean": max(cpu) / statistics.mean(cpu),
     }
     if single is not None:
@@ -288,7 +318,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"W={w} {layout:10s} S_local={row['s_local']:6d} step {row['step_s']:.3f}s "
               f"ideal {row.get('ideal_ratio', 1):.2f} (cpu {row.get('ideal_ratio_cpu', 1):.2f}) exposed<={row['exposed_frac_max']:.1%} "
-              f"balance {row['balance_slowest_over_mean']:.3f} "
+              f"serial comm {row['serial_comm_frac']:.1%} balance {row['balance_slowest_over_mean']:.3f} "
               f"peak/(single/W) {row.get('peak_mem_over_single_div_w', float('nan')):.2f} "
               f"saved/(single/W) {row.get('saved_mem_over_single_div_w', float('nan')):.2f}", flush=True)
     print(f"total {time.perf_counter() - t0:.0f}s")
