@@ -130,7 +130,7 @@ def test_tables_and_targets(rb, tmp_path):
     assert s["ring: exposed communication"][0].startswith("5.0 %") and s["ring: exposed communication"][2] == "yes"
     assert s["ring: zigzag balance"][0].startswith("slowest / mean CPU s = 1.080") and s["ring: zigzag balance"][2] == "yes"
     assert s["ring: per-rank activation memory"][0].startswith("saved for backward: 1.15x")
-    assert s["ring: per-rank activation memory"][2] == "yes"
+    assert s["ring: per-rank activation memory"][2] == "saved for backward: yes; whole-step peak: **no**"
     assert "| 2 | contiguous | 8,192 | 1.00 | 0.90 | 0.95 | 40.0 % | 1.450 | 1.10x | 1.50x |" in _section(text, "ring")
 
     assert s["kernels: Triton flash attention fwd+bwd"][2] == "not measurable here"
