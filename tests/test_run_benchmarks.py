@@ -60,7 +60,7 @@ def ring_json(exposed_w2: float) -> dict:
         return {"world": world, "layout": layout, "s_local": 16384 // world, "step_s": 2.0 / world,
                 "ranks": [], "exposed_frac_max": exposed, "balance_slowest_over_mean": balance,
                 "ideal_ratio": 0.9, "ideal_ratio_cpu": 0.95, "saved_mem_over_single_div_w": saved,
-                "peak_mem_over_single_div_w": peak}
+                "peak_mem_over_single_div_w": peak, "serial_comm_frac": 0.01 * world}
 
     return {"args": {"seq": 16384, "heads": 4, "kv_heads": 4, "head_dim": 64, "dtype": "float32",
                      "backend": "cpu", "threads": 1, "iters": 2},
@@ -127,11 +127,13 @@ def test_tables_and_targets(rb, tmp_path):
 
     # ring: exposed 5 % at S_local 8K (W=4 has S_local 4K, outside the target), worst balance 1.08,
     # worst saved-for-backward 1.15x single / W
-    assert s["ring: exposed communication"][0].startswith("5.0 %") and s["ring: exposed communication"][2] == "yes"
+    assert s["ring: exposed communication"][0] == ("5.0 % blocked in wait (worst rank, W = 2, S_local >= 8K); "
+                                                   "the transfers alone, unoverlapped, 2.0 % of the step")
+    assert s["ring: exposed communication"][2] == "yes"
     assert s["ring: zigzag balance"][0].startswith("slowest / mean CPU s = 1.080") and s["ring: zigzag balance"][2] == "yes"
     assert s["ring: per-rank activation memory"][0].startswith("saved for backward: 1.15x")
     assert s["ring: per-rank activation memory"][2] == "saved for backward: yes; whole-step peak: **no**"
-    assert "| 2 | contiguous | 8,192 | 1.00 | 0.90 | 0.95 | 40.0 % | 1.450 | 1.10x | 1.50x |" in _section(text, "ring")
+    assert "| 2 | contiguous | 8,192 | 1.00 | 0.90 | 0.95 | 40.0 % | 2.0 % | 1.450 | 1.10x | 1.50x |" in _section(text, "ring")
 
     assert s["kernels: Triton flash attention fwd+bwd"][2] == "not measurable here"
     assert "Skipped: no CUDA device" in _section(text, "kernels")
