@@ -6,7 +6,8 @@
 Causal attention, forward + backward, fp32, the `cpu` block backend. W = 1 is one process doing the
 whole sequence (the baseline); W > 1 runs the zigzag layout, and also a contiguous layout to show
 what the zigzag balances. Per rank: step time, exposed communication (time blocked waiting for a
-transfer the compute did not hide), compute and CPU time, peak memory of the step (malloc'd bytes
+transfer the compute did not hide; the part of it after both neighbours had posted their side is
+the transfer's own share), compute and CPU time, peak memory of the step (malloc'd bytes
 in use above the inputs, sampled) and the bytes saved for backward. Writes docs/bench/ring.json and ring.png.
 
 Every rank uses --threads threads, as the baseline does, so T_single / (W x T_ring) = 1 means W
@@ -106,6 +107,18 @@ def _rank_main(rank, world, init_file, args, plan, queue):
         queue.put((None, None, rank, None, {"error": f"{e!r}\n{traceback.format_exc()}"}))
 
 
+def _exposed_transfer(timeline: list, group) -> float:
+    """Seconds this rank was blocked after both ring neighbours had posted their side of each hop:
+    time attributable to the transfer itself, not to a neighbour that is late (busy, or descheduled
+    on a shared machine). All ranks run on one host, so perf_counter times are comparable."""
+    ev = torch.tensor(timeline, dtype=torch.float64)  # (hops, 3): posted, wait start, wait end
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    every = [torch.empty_like(ev) for _ in range(W)]
+    dist.all_gather(every, ev, group=group)
+    start = torch.stack([ev[:, 1], every[(r - 1) % W][:, 0], every[(r + 1) % W][:, 0]]).amax(0)
+    return float((ev[:, 2] - start).clamp_min(0).sum())
+
+
 def _measure(rank, world, group, args, layout, phase):
     from longvideo.parallel import CommStats, RingComm, ring_attention, zigzag_indices
 
@@ -152,9 +165,9 @@ def _measure(rank, world, group, args, layout, phase):
                 "q_mib": n * H * D * torch.tensor([], dtype=dtype).element_size() / 2**20}
     for _ in range(args.warmup):  # first-call costs (thread pools, gloo pair buffers) stay out
         step(CommStats())
-    times, cpu, exposed, compute = [], [], [], []
+    times, cpu, exposed, transfer, compute = [], [], [], [], []
     for _ in range(args.iters):
-        stats = CommStats()
+        stats = CommStats(timeline=[])
         dist.barrier(group)
         t0, c0 = time.perf_counter(), time.process_time()
         step(stats)
@@ -162,6 +175,7 @@ def _measure(rank, world, group, args, layout, phase):
         cpu.append(time.process_time() - c0)
         exposed.append(stats.exposed_s)
         compute.append(stats.compute_s)
+        transfer.append(_exposed_transfer(stats.timeline, group) if world > 1 else 0.0)
     # a bare hop (one key/value block with its metadata, no compute): what a step would expose if
     # nothing overlapped; unlike the waits above it does not depend on the other ranks' timing
     hop = []
@@ -175,7 +189,8 @@ def _measure(rank, world, group, args, layout, phase):
             ring.exchange(send, recv).wait()
             hop.append(time.perf_counter() - t0)
     return {"step_s": statistics.median(times), "cpu_s": statistics.median(cpu),
-            "exposed_s": statistics.median(exposed), "compute_s": statistics.median(compute),
+            "exposed_s": statistics.median(exposed), "exposed_transfer_s": statistics.median(transfer),
+            "compute_s": statistics.median(compute),
             "step_s_all": times, "s_local": n, "hop_s": statistics.median(hop) if hop else 0.0}
 
 
@@ -222,6 +237,7 @@ def summarise(world, layout, ranks, single):
         "world": world, "layout": layout, "s_local": ranks[0]["s_local"], "step_s": step,
         "ranks": ranks,
         "exposed_frac_max": max(r["exposed_s"] / r["step_s"] for r in ranks),
+        "exposed_transfer_frac_max": max(r["exposed_transfer_s"] / r["step_s"] for r in ranks),
         # 3W-2 hops per step (W-1 forward, W-1 + W backward; dK/dV sums are fp32 like the block
         # here): their serial time over the step is what the overlap has to hide
         "serial_comm_frac": max(r["hop_s"] for r in ranks) * (3 * world - 2) / step if world > 1 else 0.0,
@@ -318,6 +334,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"W={w} {layout:10s} S_local={row['s_local']:6d} step {row['step_s']:.3f}s "
               f"ideal {row.get('ideal_ratio', 1):.2f} (cpu {row.get('ideal_ratio_cpu', 1):.2f}) exposed<={row['exposed_frac_max']:.1%} "
+              f"(transfer {row['exposed_transfer_frac_max']:.1%}) "
               f"serial comm {row['serial_comm_frac']:.1%} balance {row['balance_slowest_over_mean']:.3f} "
               f"peak/(single/W) {row.get('peak_mem_over_single_div_w', float('nan')):.2f} "
               f"saved/(single/W) {row.get('saved_mem_over_single_div_w', float('nan')):.2f}", flush=True)

@@ -14,7 +14,7 @@ so the transfer hides behind the compute (the Ring Attention overlap). Waiting t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -40,10 +40,16 @@ class CommStats:
     """Blocks computed."""
     skipped: int = 0
     """Blocks skipped because their mask was entirely false."""
+    timeline: Optional[list] = field(default=None)
+    """Set to a list to record (posted, wait started, wait ended) perf_counter times per exchange, in
+    order; every rank of a ring makes the same exchanges in the same order, so the lists of
+    neighbours can be matched (benchmarks use this to tell transfer time from a late neighbour)."""
 
     def reset(self) -> None:
         self.exposed_s = self.compute_s = 0.0
         self.bytes_sent = self.hops = self.blocks = self.skipped = 0
+        if self.timeline is not None:
+            self.timeline.clear()
 
 
 class Pending:
@@ -51,6 +57,7 @@ class Pending:
 
     def __init__(self, works: list, stats: Optional[CommStats]):
         self.works, self.stats = works, stats
+        self.posted = time.perf_counter()
 
     def wait(self) -> None:
         t0 = time.perf_counter()
@@ -58,7 +65,10 @@ class Pending:
             w.wait()
         self.works = []
         if self.stats is not None:
-            self.stats.exposed_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.stats.exposed_s += t1 - t0
+            if self.stats.timeline is not None:
+                self.stats.timeline.append((self.posted, t0, t1))
 
 
 class RingComm:
