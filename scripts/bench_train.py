@@ -2,7 +2,7 @@
 Ring Attention paper's Table 3 (longest context that fits a per-rank memory budget).
 
     python scripts/bench_train.py                                  # tiny model, a few minutes
-    python scripts/bench_train.py --layers 32 --out docs/bench/train_deep.json   # 7B depth, tiny width
+    python scripts/bench_train.py --deep-layers 32                 # also 7B's depth at the tiny width
     python scripts/bench_train.py --seq 8192 --mem-seqs 2048,4096,8192 --budget-gb 64
 
 Systems, each a full training step (forward, backward, AdamW) in fp32 on CPU:
@@ -237,32 +237,67 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    systems = result["systems"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
-    for s in systems:
-        line, = ax1.plot(s["seqs"], s["peak_mib_per_rank"], "o", label=s["system"])
-        xs = [min(s["seqs"]) + i * (max(s["seqs"]) - min(s["seqs"])) / 40 for i in range(41)]
-        c = s["fit"]["coef"]
-        ax1.plot(xs, [c[0] + c[1] * x + (c[2] * x * x if len(c) > 2 else 0) for x in xs], "-",
-                 color=line.get_color(), lw=1)
-    ax1.set_xlabel("total sequence length S (tokens)")
-    ax1.set_ylabel("peak memory per rank (MiB)")
-    ax1.set_title("one training step (points) and fits (lines)")
-    ax1.legend(fontsize=8)
-    ax1.grid(alpha=0.3)
-    names = [s["system"] for s in systems]
-    ctx = [s["context_at_budget"] for s in systems]
-    bars = ax2.bar(range(len(names)), ctx, color=[f"C{i}" for i in range(len(names))])
-    ax2.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
-    ax2.set_yscale("log")
-    ax2.set_ylabel("max context (tokens)")
-    ax2.set_title(f"longest context within {result['budget_gb']:g} GiB per rank")
-    for b, v in zip(bars, ctx):
-        ax2.text(b.get_x() + b.get_width() / 2, v, f"{v / 1024:,.0f}K", ha="center", va="bottom", fontsize=7)
-    fig.suptitle(f"{result['model']} on CPU ({result['machine']['cores']} cores)", fontsize=10)
+    parts = [p for p in (result, result.get("deeper_model")) if p]
+    fig, axes = plt.subplots(len(parts), 2, figsize=(11, 4 * len(parts)), dpi=120, squeeze=False)
+    for (ax1, ax2), part in zip(axes, parts):
+        systems = part["systems"]
+        for s in systems:
+            line, = ax1.plot(s["seqs"], s["peak_mib_per_rank"], "o", label=s["system"])
+            xs = [min(s["seqs"]) + i * (max(s["seqs"]) - min(s["seqs"])) / 40 for i in range(41)]
+            c = s["fit"]["coef"]
+            ax1.plot(xs, [c[0] + c[1] * x + (c[2] * x * x if len(c) > 2 else 0) for x in xs], "-",
+                     color=line.get_color(), lw=1)
+        ax1.set_xlabel("total sequence length S (tokens)")
+        ax1.set_ylabel("peak memory per rank (MiB)")
+        ax1.set_title(part["model"], fontsize=8)
+        ax1.legend(fontsize=8)
+        ax1.grid(alpha=0.3)
+        names = [s["system"] for s in systems]
+        ctx = [s["context_at_budget"] for s in systems]
+        bars = ax2.bar(range(len(names)), ctx, color=[f"C{i}" for i in range(len(names))])
+        ax2.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
+        ax2.set_yscale("log")
+        ax2.set_ylabel("max context (tokens)")
+        ax2.set_title(f"longest context within {part['budget_gb']:g} GiB per rank (fit)", fontsize=9)
+        for b, v in zip(bars, ctx):
+            ax2.text(b.get_x() + b.get_width() / 2, v, f"{v / 1024:,.0f}K", ha="center", va="bottom", fontsize=7)
+    fig.suptitle(f"one training step (forward, backward, AdamW), fp32, CPU ({result['machine']['cores']} cores)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def measure_shape(args, sps: list[int]) -> dict:
+    """Every system at one model shape: {model, budget_gb, seq, systems, ratios}."""
+    systems = []
+    for attn in [a for a in args.hf.split(",") if a]:
+        print(f"transformers ({attn}) ...", flush=True)
+        systems.append(run_hf(args, attn))
+    for sp in sps:
+        print(f"ours sp={sp} ...", flush=True)
+        systems.append(run_ours(args, sp))
+    by = {s["system"]: s for s in systems}
+    ratios = {}
+    ours1 = by.get("ours sp=1")
+    if ours1:
+        for attn in ("eager", "sdpa"):
+            if f"transformers {attn}" in by:
+                ratios[f"ours_sp1_over_transformers_{attn}"] = (ours1["context_at_budget"]
+                                                                 / by[f"transformers {attn}"]["context_at_budget"])
+        for sp in sps:
+            if sp > 1:
+                ratios[f"ours_sp{sp}_over_{sp}x_sp1"] = by[f"ours sp={sp}"]["context_at_budget"] / (sp * ours1["context_at_budget"])
+                ratios[f"tokens_per_s_sp{sp}_over_sp1"] = (by[f"ours sp={sp}"]["throughput"]["tokens_per_s"]
+                                                          / ours1["throughput"]["tokens_per_s"])
+    from longvideo.config import load_config
+
+    m = load_config(args.config, _overrides(args, 1, "unused")).model
+    return {
+        "model": f"{args.config} with {m.n_layers} layers (dim {m.dim}, {m.n_heads}/{m.n_kv_heads} heads, "
+                 f"vocab {m.vocab_size}, activation checkpointing {m.activation_checkpointing})",
+        "budget_gb": args.budget_gb, "seq": args.seq, "systems": systems, "ratios": ratios,
+    }
 
 
 def main(argv=None) -> int:
@@ -280,8 +315,14 @@ def main(argv=None) -> int:
     p.add_argument("--budget-gb", type=float, default=16.0, help="memory per rank for the context column")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads shared by a system's ranks")
     p.add_argument("--override", action="append", default=[], help="extra dotted config override")
+    p.add_argument("--deep-layers", type=int, default=0,
+                   help="also measure transformers and ours sp=1 at this depth (e.g. 32, LLaMA-2 7B's)")
+    p.add_argument("--deep-mem-seqs", default="2048,4096,8192", help="lengths for the deeper model's fit")
+    p.add_argument("--deep-eager-mem-seqs", default="256,512,1024", help="lengths for its eager baseline")
     p.add_argument("--out", default=str(ROOT / "docs" / "bench" / "train.json"))
     args = p.parse_args(argv)
+    args.deep_mem_seqs = [int(x) for x in args.deep_mem_seqs.split(",")]
+    args.deep_eager_mem_seqs = [int(x) for x in args.deep_eager_mem_seqs.split(",")]
     args.mem_seqs = [int(x) for x in args.mem_seqs.split(",")]
     args.eager_mem_seqs = [int(x) for x in args.eager_mem_seqs.split(",")]
     sps = [int(x) for x in args.sps.split(",")]
@@ -290,47 +331,37 @@ def main(argv=None) -> int:
     # freed, so the resident-set peak of a step is that step's, not memory the heap kept from before
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
 
-    systems = []
-    for attn in [a for a in args.hf.split(",") if a]:
-        print(f"transformers ({attn}) ...", flush=True)
-        systems.append(run_hf(args, attn))
-    for sp in sps:
-        print(f"ours sp={sp} ...", flush=True)
-        systems.append(run_ours(args, sp))
-    by = {s["system"]: s for s in systems}
-    ratios = {}
-    ours1 = by.get("ours sp=1")
-    if ours1:
-        for attn in ("eager", "sdpa"):
-            if f"transformers {attn}" in by:
-                ratios[f"ours_sp1_over_transformers_{attn}"] = ours1["context_at_budget"] / by[f"transformers {attn}"]["context_at_budget"]
-        for sp in sps:
-            if sp > 1:
-                ratios[f"ours_sp{sp}_over_{sp}x_sp1"] = by[f"ours sp={sp}"]["context_at_budget"] / (sp * ours1["context_at_budget"])
-                ratios[f"tokens_per_s_sp{sp}_over_sp1"] = (by[f"ours sp={sp}"]["throughput"]["tokens_per_s"]
-                                                          / ours1["throughput"]["tokens_per_s"])
-    from longvideo.config import load_config
+    result = measure_shape(args, sps)
+    if args.deep_layers:
+        # a second shape: LLaMA-2 7B's depth at the tiny width, where activation checkpointing and the
+        # blockwise pieces save what they save on the real model (one layer input kept per layer)
+        import copy
 
-    m = load_config(args.config, _overrides(args, 1, "unused")).model
-    result = {
-        "model": f"{args.config} with {m.n_layers} layers (dim {m.dim}, {m.n_heads}/{m.n_kv_heads} heads, "
-                 f"vocab {m.vocab_size}, activation checkpointing {m.activation_checkpointing})",
-        "budget_gb": args.budget_gb, "seq": args.seq, "systems": systems, "ratios": ratios,
+        deep = copy.copy(args)
+        deep.layers, deep.seq = args.deep_layers, min(args.deep_mem_seqs)
+        deep.mem_seqs, deep.eager_mem_seqs = args.deep_mem_seqs, args.deep_eager_mem_seqs
+        print(f"--- {args.deep_layers} layers ---", flush=True)
+        result["deeper_model"] = measure_shape(deep, [1])
+    result.update({
         "targets": {"ours_sp1_over_transformers": 16.0, "ours_spW_over_Wx_sp1": 0.9},
         "machine": {"cores": os.cpu_count(), "loadavg": os.getloadavg(), "platform": platform.platform(),
                     "torch": torch.__version__, "threads": args.threads},
         "argv": sys.argv[1:] if argv is None else argv,
-    }
+    })
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out.with_suffix(".png"))
-    print(f"{'system':<22}{'KiB/token':>12}{'context@' + format(args.budget_gb, 'g') + 'GiB':>18}{'tok/s':>10}")
-    for s in systems:
-        print(f"{s['system']:<22}{s['fit']['kib_per_token']:>12.1f}{s['context_at_budget']:>18,.0f}"
-              f"{s['throughput']['tokens_per_s']:>10.0f}")
-    for k, v in ratios.items():
-        print(f"{k}: {v:.2f}")
+    for part in (result, result.get("deeper_model")):
+        if part is None:
+            continue
+        print(part["model"])
+        print(f"{'system':<22}{'KiB/token':>12}{'context@' + format(args.budget_gb, 'g') + 'GiB':>18}{'tok/s':>10}")
+        for sy in part["systems"]:
+            print(f"{sy['system']:<22}{sy['fit']['kib_per_token']:>12.1f}{sy['context_at_budget']:>18,.0f}"
+                  f"{sy['throughput']['tokens_per_s']:>10.0f}")
+        for k, v in part["ratios"].items():
+            print(f"  {k}: {v:.2f}")
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
