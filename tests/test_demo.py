@@ -14,11 +14,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.timeout(2400)  # about 5 minutes on an idle 2-core machine; much longer when it is shared
 def test_quick_demo_produces_every_artefact(tmp_path):
     out = tmp_path / "demo"
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     r = subprocess.run([sys.executable, "-m", "longvideo.demo", "--quick", "--quiet", "--out", str(out)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=2300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
     assert len(list((out / "data/train").glob("shard-*.tar"))) == 2
