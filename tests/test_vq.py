@@ -292,7 +292,9 @@ def test_streaming_encode_memory_does_not_grow_with_length(tmp_path):
         short, _ = growth(lambda: encode_video(vq, chunks(64), batch_frames=16))
         long, codes = growth(lambda: encode_video(vq, chunks(1200), batch_frames=16))
         assert codes.shape[0] == 1 + 1199 // 4 + 1
-        held, _ = growth(lambda: torch.cat(list(chunks(1200))).float())  # 14 MiB of float frames
+        # control: 113 MiB of float64 frames, above malloc's mmap threshold so that memory freed
+        # by the encodes above cannot hide it
+        held, _ = growth(lambda: torch.cat(list(chunks(4800))).double())
         print(short, long, held)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
