@@ -122,9 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", nargs="+", default=["tiny", "causal3d-tiny", "lwm-256", "causal3d-256"],
                    help="configs/vq/<name>.yaml to time")
     p.add_argument("--fps-frames", type=int, default=64, help="frames encoded per timing (small configs)")
-    p.add_argument("--fps-frames-256", type=int, default=9, help="frames per timing for 256 x 256 configs")
-    p.add_argument("--repeats", type=int, default=2, help="timings per config (the fastest is kept)")
-    p.add_argument("--train", nargs="*", default=["tiny:180", "causal3d-tiny:120"], metavar="NAME:SECONDS",
+    p.add_argument("--fps-frames-256", type=int, default=5, help="frames per timing for 256 x 256 configs")
+    p.add_argument("--repeats", type=int, default=2, help="timings per small config (the fastest is kept)")
+    p.add_argument("--repeats-256", type=int, default=1, help="timings per 256 x 256 config")
+    p.add_argument("--train", nargs="*", default=["tiny:180", "causal3d-tiny:180"], metavar="NAME:SECONDS",
                    help="configs to train from scratch and their training-time budgets")
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--videos", type=int, default=60, help="synthetic training videos")
@@ -133,14 +134,15 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY") if k in os.environ}
     results = {"machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                           "loadavg_start": list(os.getloadavg())},
+                           "loadavg_start": list(os.getloadavg()), "env": env},
                "throughput": [], "training": []}
     for name in a.configs:
         big = load_vq_config(str(ROOT / "configs" / "vq" / f"{name}.yaml"), []).resolution >= 128
         n = a.fps_frames_256 if big else a.fps_frames
-        row = throughput(name, n, batch=min(16, n), repeats=a.repeats)
+        row = throughput(name, n, batch=min(16, n), repeats=a.repeats_256 if big else a.repeats)
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         results["throughput"].append(row)
     if not a.skip_train:

@@ -12,6 +12,7 @@ no_grad and is deterministic.
 
 from __future__ import annotations
 
+from itertools import chain, repeat
 from typing import Iterable, Iterator, Union
 
 import numpy as np
@@ -113,21 +114,15 @@ def encode_video(vq: VQModel, frames: Frames, *, batch_frames: int = 16) -> torc
     out: list[torch.Tensor] = []
     with _EvalMode(vq):
         if cfg.mode == "2d":
-            sizes = iter(lambda: batch_frames, None)
-            for piece in _pieces(stream, sizes):
+            for piece in _pieces(stream, repeat(batch_frames)):
                 _, codes, _ = vq.encode(frames_to_input(piece, device, as_clip=False))
                 out.append(codes[:, 0].cpu())  # (n, h, w)
         else:
             state: dict = {}
-            first, body = 1 + ((batch_frames - 1) // t) * t, (batch_frames // t) * t
-
-            def size_iter():  # frame 0 plus whole groups, then whole groups
-                yield first
-                while True:
-                    yield body
-
+            # frame 0 plus whole groups, then whole groups
+            sizes = chain([1 + ((batch_frames - 1) // t) * t], repeat((batch_frames // t) * t))
             is_first = True
-            for piece in _pieces(stream, size_iter()):
+            for piece in _pieces(stream, sizes):
                 n = piece.shape[0]
                 short = (t - (n - (1 if is_first else 0)) % t) % t
                 if short:  # the video ended inside a group: repeat its last frame

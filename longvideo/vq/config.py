@@ -128,8 +128,8 @@ class VQConfig:
         check(self.resolution % self.downsample == 0, "downsample",
               f"must divide resolution={self.resolution}, got {self.downsample}")
         check(self.temporal_downsample >= 1, "temporal_downsample", "must be >= 1")
-        check(_is_pow2(self.patch_size) and self.patch_size <= self.downsample // 2, "patch_size",
-              f"must be a power of 2 <= downsample / 2 = {self.downsample // 2}, got {self.patch_size}")
+        check(_is_pow2(self.patch_size) and self.patch_size <= self.downsample, "patch_size",
+              f"must be a power of 2 <= downsample = {self.downsample}, got {self.patch_size}")
         if self.mode == "causal3d":
             check(_is_pow2(self.temporal_downsample), "temporal_downsample",
                   f"must be a power of 2, got {self.temporal_downsample}")

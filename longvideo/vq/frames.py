@@ -173,11 +173,14 @@ def build_frame_source(source: Source | FrameSource, cfg: VQConfig, *, progress:
             bar.update(v.shape[0])
             if total >= budget:
                 break
+        bar.total = total  # fewer frames than the budget: the bar ends full
+        bar.refresh()
     return split_heldout(videos, cfg, skipped)
 
 
 def split_heldout(videos: list[torch.Tensor], cfg: VQConfig, skipped: dict | None = None) -> FrameSource:
-    """Hold out trailing videos holding at least eval_frames frames; one video: its last fifth."""
+    """Hold out trailing videos: at least eval_frames frames and, when there are 10 or more videos,
+    a tenth of them (at most 8) so that the evaluation sees several scenes. One video: its last fifth."""
     skipped = dict(skipped or {})
     if not videos:
         return FrameSource([], [], skipped)
@@ -187,9 +190,9 @@ def split_heldout(videos: list[torch.Tensor], cfg: VQConfig, skipped: dict | Non
             raise ValueError("a single one-frame video cannot be split into training and held-out frames")
         cut = max(1, min(v.shape[0] - 1, round(v.shape[0] * 0.8)))
         return FrameSource([v[:cut]], [v[cut:]], skipped)
-    want = cfg.eval_frames
+    want_videos = min(8, max(1, len(videos) // 10))
     held: list[torch.Tensor] = []
-    while len(videos) > 1 and sum(v.shape[0] for v in held) < want:
+    while len(videos) > 1 and (sum(v.shape[0] for v in held) < cfg.eval_frames or len(held) < want_videos):
         held.insert(0, videos.pop())
     return FrameSource(videos, held, skipped)
 

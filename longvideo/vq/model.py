@@ -36,17 +36,21 @@ class Head(nn.Module):
         return self.conv(F.silu(self.norm(x)))
 
 
-def _plan(cfg: VQConfig) -> tuple[list[int], int, list[bool]]:
-    """Widths per level, temporal kernel, and which of the log2(f) halvings also halve time."""
+def _plan(cfg: VQConfig) -> tuple[list[int], list[int], list[bool]]:
+    """Widths per level, temporal kernel size per level, and which halvings also halve time.
+
+    Time is halved in the deepest levels, where tensors (and streaming carries) are smallest.
+    Residual blocks mix time (kernel kt > 1) from the first level that halves time downwards;
+    shallower, full-resolution levels work on each frame alone, which keeps the causal 3D model's
+    cost near the 2D one's (a 3 x 3 x 3 kernel at 256 x 256 costs three 2D convolutions).
+    """
     widths = [cfg.channels * m for m in cfg.channel_mult]
     levels = len(widths) - 1
-    if cfg.mode == "causal3d":
-        t_levels, kt = int(math.log2(cfg.temporal_downsample)), cfg.temporal_kernel
-    else:
-        t_levels, kt = 0, 1
-    # time is halved in the deepest levels, where tensors (and carries) are smallest
+    t_levels = int(math.log2(cfg.temporal_downsample)) if cfg.mode == "causal3d" else 0
     temporal = [i >= levels - t_levels for i in range(levels)]
-    return widths, kt, temporal
+    first = levels - t_levels if t_levels else len(widths)
+    kts = [cfg.temporal_kernel if i >= first else 1 for i in range(len(widths))]
+    return widths, kts, temporal
 
 
 def space_to_depth(x: torch.Tensor, p: int) -> torch.Tensor:
@@ -70,17 +74,17 @@ def depth_to_space(x: torch.Tensor, p: int) -> torch.Tensor:
 class Encoder(nn.Module):
     def __init__(self, cfg: VQConfig):
         super().__init__()
-        widths, kt, temporal = _plan(cfg)
+        widths, kts, temporal = _plan(cfg)
         self.patch = cfg.patch_size
         layers: list[nn.Module] = [Conv(3 * self.patch**2, widths[0], 3)]
         c = widths[0]
         for i, w in enumerate(widths):
             for _ in range(cfg.num_res_blocks):
-                layers.append(ResBlock(c, w, kt))
+                layers.append(ResBlock(c, w, kts[i]))
                 c = w
             if i < len(widths) - 1:
                 layers.append(Downsample(c, temporal[i]))
-        layers += [ResBlock(c, c, kt), Head(c, cfg.latent_dim)]
+        layers += [ResBlock(c, c, kts[-1]), Head(c, cfg.latent_dim)]
         self.layers = nn.ModuleList(layers)
 
     def forward(self, x: torch.Tensor, state: dict | None = None) -> torch.Tensor:
@@ -94,12 +98,12 @@ class Encoder(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, cfg: VQConfig):
         super().__init__()
-        widths, kt, temporal = _plan(cfg)
+        widths, kts, temporal = _plan(cfg)
         c = widths[-1]
-        layers: list[nn.Module] = [Conv(cfg.latent_dim, c, 3), ResBlock(c, c, kt)]
+        layers: list[nn.Module] = [Conv(cfg.latent_dim, c, 3), ResBlock(c, c, kts[-1])]
         for i in reversed(range(len(widths))):
             for _ in range(cfg.num_res_blocks):
-                layers.append(ResBlock(c, widths[i], kt))
+                layers.append(ResBlock(c, widths[i], kts[i]))
                 c = widths[i]
             if i > 0:
                 layers.append(Upsample(c, temporal[i - 1]))

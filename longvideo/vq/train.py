@@ -191,7 +191,7 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
     state_path = out / STATE_FILE
     if resume and state_path.is_file():
         _check_resume(cfg, out)
-        state = torch.load(state_path, map_location=device, weights_only=True)
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
         vq.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         if disc is not None and "disc" in state:
@@ -242,7 +242,8 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
 
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.steps, initial=step, unit="step", desc="train-vq", disable=not progress)
+    desc = "train-vq" + (f" (stops after {time_budget_s:g} s)" if time_budget_s else "")
+    bar = tqdm(total=cfg.steps, initial=step, unit="step", desc=desc, disable=not progress)
     hist = torch.zeros(cfg.codebook_size, dtype=torch.long)
     vq.train()
     last_eval_step = step if history and history[-1]["step"] == step else -1
