@@ -32,6 +32,9 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # the deepspeed launcher (without --no_local_rank) puts --local_rank=N before the command
+    while argv and argv[0].split("=")[0] in ("--local_rank", "--local-rank"):
+        argv = argv[1:]
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
