@@ -260,7 +260,7 @@ def test_streaming_encode_holds_a_bounded_number_of_frames(mode):
 
 @pytest.mark.slow
 def test_streaming_encode_memory_does_not_grow_with_length(tmp_path):
-    """RSS growth in a child process: streaming 64 frames vs 1200 frames vs holding them as floats."""
+    """RSS growth in a child process: streaming 64 frames vs 2400 frames vs holding a video."""
     vq = small_model("causal3d", seed=3)
     vq.save(tmp_path / "vq")
     script = textwrap.dedent(f"""
@@ -290,8 +290,12 @@ def test_streaming_encode_memory_does_not_grow_with_length(tmp_path):
 
         encode_video(vq, chunks(64), batch_frames=16)  # warm up allocator and kernels
         short, _ = growth(lambda: encode_video(vq, chunks(64), batch_frames=16))
-        long, codes = growth(lambda: encode_video(vq, chunks(1200), batch_frames=16))
-        assert codes.shape[0] == 1 + 1199 // 4 + 1
+        # the smaller of two runs: growth that comes with the length shows in both, while a
+        # one-off allocator spike (a few MiB seen now and then) does not
+        (long, codes), (long2, _) = [growth(lambda: encode_video(vq, chunks(2400), batch_frames=16))
+                                     for _ in range(2)]
+        long = min(long, long2)
+        assert codes.shape[0] == 1 + 2399 // 4 + 1
         # control: 113 MiB of float64 frames, above malloc's mmap threshold so that memory freed
         # by the encodes above cannot hide it
         held, _ = growth(lambda: torch.cat(list(chunks(4800))).double())
@@ -301,7 +305,8 @@ def test_streaming_encode_memory_does_not_grow_with_length(tmp_path):
                          cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     short, long, held = map(float, out.stdout.split()[-3:])
-    assert long - short < 4.0, (short, long, held)  # streaming: flat in the video's length
+    # streaming: flat in the video's length (2400 frames are 7 MiB as uint8, 28 MiB as float32)
+    assert long - short < 5.0, (short, long, held)
     assert held > 10.0, (short, long, held)  # the measurement does see a video held in memory
 
 
