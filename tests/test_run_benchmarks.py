@@ -276,3 +276,25 @@ def test_runner_reports_failures_and_timeouts(rb, tmp_path):
     assert "boom" not in md.read_text()
     with pytest.raises(SystemExit):
         rb.main(["--only", "nosuch", "--scripts-dir", str(scripts), "--out", str(md)])
+
+
+def test_readme_summary_is_rewritten_between_its_markers(rb, tmp_path):
+    """The README's benchmark table is generated from the same rows as docs/benchmarks.md, with links
+    into it; a README without the markers is left as it is."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    _write(bench, "model", model_json(4.0, 1.2))
+    docs = tmp_path / "docs"
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{rb.README_BEGIN}\nold table\n{rb.README_END}\n\nafter\n")
+    text = rb.build_markdown(bench, docs / "benchmarks.md", docs, names=["model"], readme=readme)
+    got = readme.read_text()
+    assert "old table" not in got and got.startswith("# x\n\n") and got.endswith("\n\nafter\n")
+    assert "[model: peak memory at 16K](docs/benchmarks.md#model)" in got
+    rows = [ln for ln in got.splitlines() if ln.startswith("| [model")]
+    assert [r.replace("docs/benchmarks.md#", "#") for r in rows] == \
+        [ln for ln in text.splitlines() if ln.startswith("| [model")]
+    plain = tmp_path / "PLAIN.md"
+    plain.write_text("no markers\n")
+    assert rb.update_readme(plain, [["[a](#a)", "1", "2", "yes"]], docs / "benchmarks.md") is False
+    assert plain.read_text() == "no markers\n"
