@@ -173,3 +173,24 @@ def test_templates_chosen_per_mode(tok, vocab):
     picks = {build_docs(tok, vocab, codes, ts, meta, LayoutOptions(template_mode="random"), 10_000,
                         sample_rng(0, e, "k"))[0][0].template for e in range(20)}
     assert picks == {"qa", "segments", "caption"}
+
+
+def test_qa_pairs_shuffled_per_epoch_unless_given_order(tok, vocab):
+    """Each epoch lays the pairs out in a new order (so no answer can be learnt from its place),
+    every pair exactly once with its own answer; qa_order='given' keeps the json's order."""
+    meta = {"qa": [{"question": "What colour was the flash frame?", "answer": "red"},
+                   {"question": "What shape came first?", "answer": "circle"},
+                   {"question": "What colour was the last shape?", "answer": "blue"}]}
+    codes, ts = _codes(2), np.arange(2.0)
+
+    def order(opts, epoch):
+        doc = build_docs(tok, vocab, codes, ts, meta, opts, 10_000, sample_rng(0, epoch, "k"))[0][0]
+        text = tok.decode([i for i in doc.ids.tolist() if i < tok.text_size])
+        found = sorted((text.index(f"Question: {x['question']}\nAnswer: {x['answer']}"), x["answer"])
+                       for x in meta["qa"])  # ValueError if a pair is missing or split
+        return tuple(a for _, a in found)
+
+    shuffled = {order(LayoutOptions(), e) for e in range(12)}
+    assert len(shuffled) >= 3 and all(sorted(o) == ["blue", "circle", "red"] for o in shuffled)
+    assert order(LayoutOptions(), 5) == order(LayoutOptions(), 5)  # deterministic per (seed, epoch, key)
+    assert {order(LayoutOptions(qa_order="given"), e) for e in range(6)} == {("red", "circle", "blue")}

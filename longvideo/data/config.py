@@ -40,6 +40,8 @@ class DataConfig:
     """QA: the first question after the video, before it, or either at random."""
     caption_position: Literal["after", "before", "random"] = "after"
     """Caption: after the video (captioning), before it (text to video), or either at random."""
+    qa_order: Literal["shuffle", "given"] = "shuffle"
+    """QA pairs of a sample in a new random order per epoch, or in the order the json gives them."""
     loss_norm: Literal["token", "sample"] = "token"
     """token: every weighted token counts alike; sample: each document's weights sum to 1."""
     shuffle_buffer: int = 256

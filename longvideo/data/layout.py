@@ -9,7 +9,8 @@ kept group. Templates:
 
 * ``caption``  ``<bos> <vision>...</vision> caption <eos>`` (or the caption first: text-to-video)
 * ``qa``       ``<bos> <vision>...</vision> Question: q1\\nAnswer: a1 <eos> Question: q2\\nAnswer: a2 <eos>``,
-               or the first question before the video: ``<bos> Question: q1\\n <vision>...</vision> Answer: a1 <eos> ...``
+               or the first question before the video: ``<bos> Question: q1\\n <vision>...</vision> Answer: a1 <eos> ...``;
+               the pairs in a new random order per sample and epoch (``qa_order``), or as given
 * ``segments`` timed captions interleaved with their frames:
                ``<bos> <vision>[frames of segment 1]</vision> text1\\n <vision>[frames of segment 2]</vision> text2\\n ... <eos>``
 
@@ -207,6 +208,7 @@ class LayoutOptions:
     template_mode: str = "first"
     question_position: str = "after"
     caption_position: str = "after"
+    qa_order: str = "shuffle"
 
     @classmethod
     def from_config(cls, cfg) -> "LayoutOptions":
@@ -280,7 +282,12 @@ def build_docs(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta
     """All documents of one sample; returns (docs, number of templates that did not fit)."""
     docs, too_long = [], 0
     for template, first in choose_templates(meta, opts, rng):
-        doc = layout_doc(tokenizer, vocab, codes, timestamps, meta, template, first, opts, max_len)
+        m = meta
+        if template == "qa" and opts.qa_order == "shuffle" and len(meta["qa"]) > 1:
+            # a fixed order lets a model learn each answer from its place (the first answer after
+            # the video is always the needle's colour) instead of from its question
+            m = dict(meta, qa=[meta["qa"][k] for k in rng.permutation(len(meta["qa"]))])
+        doc = layout_doc(tokenizer, vocab, codes, timestamps, m, template, first, opts, max_len)
         if doc is None:
             too_long += 1
         else:
