@@ -14,7 +14,7 @@ Every stage runs the same command a user would type, so the demo is also a tour 
 
 Stages whose outputs exist are skipped, so an interrupted demo continues where it stopped.
 
-    python -m longvideo.demo                 # the full demo (about 21 minutes on an idle 2-core CPU)
+    python -m longvideo.demo                 # the full demo (about 20 minutes on an idle 2-core CPU)
     python -m longvideo.demo --quick         # the CI-sized version (about 6.5 minutes)
 """
 
