@@ -1,15 +1,34 @@
-"""Attention kernels: block-attention backends (torch, cpu, triton) and their pure-PyTorch reference."""
+"""Attention kernels: block-attention backends (torch, cpu, triton), their shared math and the
+pure-PyTorch reference. Installed as `longvideo.kernels`; imports nothing else of the project.
 
-from kernels.backends import BlockBackend, available_backends, get_backend, register_backend
-from kernels.interface import block_attention
-from kernels.reference import flash_attn_ref, visibility
+    from longvideo.kernels import block_attention, flash_attn_ref, get_backend
+"""
+
+from .attention_math import (FULL, PARTIAL, SKIP, TileStats, accum_dtype, block_class, classify_tiles,
+                             default_meta, fill_meta, lse_merge_, merge_partials, tile_stats, visibility)
+from .backends import BlockBackend, available_backends, get_backend, register_backend, resolve_backend_name
+from .interface import block_attention
+from .reference import flash_attn_ref
 
 __all__ = [
     "BlockBackend",
+    "FULL",
+    "PARTIAL",
+    "SKIP",
+    "TileStats",
+    "accum_dtype",
     "available_backends",
     "block_attention",
+    "block_class",
+    "classify_tiles",
+    "default_meta",
+    "fill_meta",
     "flash_attn_ref",
     "get_backend",
+    "lse_merge_",
+    "merge_partials",
     "register_backend",
+    "resolve_backend_name",
+    "tile_stats",
     "visibility",
 ]

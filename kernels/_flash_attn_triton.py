@@ -4,7 +4,8 @@ Layouts: q, out, dout (B, Sq, Hq, D); k, v (B, Sk, Hkv, D), any strides with a u
 positions and segment ids int32 (B, S); lse (B, Hq, Sq) float32.
 
 Masks are never materialised. A *tile plan* (built here in PyTorch, O(B * tiles^2) integers)
-classifies every (query tile, key tile) pair from per-tile min/max of positions and segment ids:
+classifies every (query tile, key tile) pair from per-tile min/max of positions and segment ids
+(attention_math.classify_tiles, the same bounds every backend and the ring use):
 
     skip     no pair in the tile can be visible (disjoint segment ranges, all keys in the future,
              only padding)                                    -> never visited
@@ -28,13 +29,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .attention_math import classify_tiles, tile_stats
+
 # Triton's interpreter computes tl.dot on bf16 operands wrongly; under it every dot upcasts its
 # operands to fp32 (values already rounded to the input dtype, so the result matches a GPU dot
 # with fp32 accumulation). Read once, at import, the moment triton.jit reads it too.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 LOG2E = 1.4426950408889634
-_BIG = 2 ** 62
 HEAD_DIMS = (16, 32, 64, 128)  # tl.arange needs a power of two; tl.dot needs >= 16
 
 
@@ -353,42 +355,10 @@ class TilePlan:
     n_part: Tensor
 
 
-def _tile_stats(pos: Tensor, seg: Tensor, T: int):
-    """Per tile of T tokens: min/max position and segment over real (seg >= 0) tokens, and
-    whether the tile is complete (every slot in range and real). Each (B, n)."""
-    B, S = pos.shape
-    n = triton.cdiv(S, T)
-    pad = n * T - S
-    pos = pos.long()
-    seg = seg.long()
-    real = seg >= 0
-    if pad:
-        pos = torch.cat([pos, pos.new_zeros(B, pad)], 1)
-        seg = torch.cat([seg, seg.new_full((B, pad), -1)], 1)
-        real = torch.cat([real, real.new_zeros(B, pad)], 1)
-    big = torch.tensor(_BIG, dtype=torch.long, device=pos.device)
-
-    def red(x, fill, fn):
-        return fn(torch.where(real, x, fill).view(B, n, T), dim=-1)
-
-    return (red(pos, big, torch.amin), red(pos, -big, torch.amax), red(seg, big, torch.amin),
-            red(seg, -big, torch.amax), real.view(B, n, T).all(-1))
-
-
 def tile_classes(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causal: bool,
                  block_m: int, block_n: int) -> Tensor:
-    """(B, n_m, n_n) int8: 0 skip, 1 partial (needs the mask), 2 full (every pair visible)."""
-    qpmin, qpmax, qsmin, qsmax, qcomplete = _tile_stats(q_pos, q_seg, block_m)
-    kpmin, kpmax, ksmin, ksmax, kcomplete = _tile_stats(k_pos, k_seg, block_n)
-    Q = lambda x: x[:, :, None]  # noqa: E731 - (B, n_m, 1)
-    K = lambda x: x[:, None, :]  # noqa: E731 - (B, 1, n_n)
-    # segment ranges must overlap (an empty range is [BIG, -BIG], overlapping nothing)
-    visit = (Q(qsmin) <= K(ksmax)) & (K(ksmin) <= Q(qsmax))
-    full = visit & Q(qcomplete) & K(kcomplete) & Q(qsmin == qsmax) & K(ksmin == ksmax) & (Q(qsmin) == K(ksmin))
-    if causal:
-        visit = visit & (K(kpmin) <= Q(qpmax))
-        full = full & (K(kpmax) <= Q(qpmin))
-    return visit.to(torch.int8) + full.to(torch.int8)
+    """(B, n_m, n_n) int8: SKIP 0, PARTIAL 1 (needs the mask), FULL 2 (every pair visible)."""
+    return classify_tiles(tile_stats(q_pos, q_seg, block_m), tile_stats(k_pos, k_seg, block_n), causal)
 
 
 def plan_from_classes(cls: Tensor) -> TilePlan:

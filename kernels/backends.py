@@ -1,4 +1,4 @@
-"""Block-attention backends behind one interface (DESIGN.md decision 4).
+"""Block-attention backends behind one interface (docs/architecture.md, decision 4).
 
 A backend computes masked attention of a query block against a key/value block:
 
@@ -37,16 +37,17 @@ class BlockBackend(Protocol):
                  causal: bool) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
-_REGISTRY: dict[str, str] = {
-    "torch": "kernels.torch_backend:TorchBackend",
-    "cpu": "kernels.cpu_backend:CpuBackend",
-    "triton": "kernels.flash_attn:TritonBackend",
+_REGISTRY: dict[str, str] = {  # module names relative to this package, or absolute ones
+    "torch": ".torch_backend:TorchBackend",
+    "cpu": ".cpu_backend:CpuBackend",
+    "triton": ".flash_attn:TritonBackend",
 }
 _INSTANCES: dict[str, BlockBackend] = {}
 
 
 def register_backend(name: str, target: str) -> None:
-    """Register 'module:Class' under `name` (the class is built lazily, with no arguments)."""
+    """Register 'module:Class' under `name` (the class is built lazily, with no arguments).
+    A module name starting with '.' is relative to this package."""
     _REGISTRY[name] = target
     _INSTANCES.pop(name, None)
 
@@ -68,5 +69,5 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> Block
     name = resolve_backend_name(name, torch.device(device))
     if name not in _INSTANCES:
         module, cls = _REGISTRY[name].split(":")
-        _INSTANCES[name] = getattr(importlib.import_module(module), cls)()
+        _INSTANCES[name] = getattr(importlib.import_module(module, __package__), cls)()
     return _INSTANCES[name]

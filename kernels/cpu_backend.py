@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels.reference import compute_dtype, visibility
+from .attention_math import FULL as _FULL, SKIP as _SKIP, accum_dtype, classify_tiles, lse_merge_, tile_stats, visibility
 
 _flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -44,17 +44,12 @@ SKIP, FULL, CAUSAL, MASKED = "skip", "full", "causal", "masked"
 
 @dataclass(frozen=True)
 class Tile:
-    """A slice [start, stop) of a sequence plus per-batch-row statistics of its metadata."""
+    """A slice [start, stop) of a sequence."""
 
     start: int
     stop: int
     pure: bool
     """One segment and consecutive positions in every batch row (a single run)."""
-    seg_min: Tensor  # (B,)
-    seg_max: Tensor  # (B,)
-    pos_min: Tensor  # (B,)
-    pos_max: Tensor  # (B,)
-    pos_first: Tensor  # (B,)
 
 
 def _runs(pos: Tensor, seg: Tensor) -> list[tuple[int, int]]:
@@ -82,47 +77,45 @@ def make_tiles(pos: Tensor, seg: Tensor, tile: int, min_tile: int) -> list[Tile]
                 merged[-1] = (pa, b, False)
                 continue
         merged.append((a, b, pure))
-    tiles = []
-    for a, b, pure in merged:
-        p, s = pos[:, a:b], seg[:, a:b]
-        tiles.append(Tile(a, b, pure, s.amin(1), s.amax(1), p.amin(1), p.amax(1), p[:, 0]))
-    return tiles
+    return [Tile(a, b, pure) for a, b, pure in merged]
 
 
-def classify(qt: Tile, kt: Tile, causal: bool) -> str:
-    """SKIP, FULL, CAUSAL or MASKED for a (query tile, key tile) pair; every test holds per batch row."""
-    disjoint = (kt.seg_max < 0) | (qt.seg_max < kt.seg_min) | (kt.seg_max < qt.seg_min)
-    if causal:
-        disjoint = disjoint | (kt.pos_min > qt.pos_max)
-    if bool(disjoint.all()):
-        return SKIP
-    one_seg = (qt.seg_min == qt.seg_max) & (kt.seg_min == kt.seg_max) & (qt.seg_min == kt.seg_min) \
-        & (qt.seg_min >= 0)
-    if not bool(one_seg.all()):
-        return MASKED
-    if not causal or bool((kt.pos_max <= qt.pos_min).all()):
-        return FULL
-    if qt.pure and kt.pure and qt.stop - qt.start == kt.stop - kt.start \
-            and bool((qt.pos_first == kt.pos_first).all()):
-        return CAUSAL
-    return MASKED
-
-
-def lse_merge_(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -> None:
-    """Merge a partial attention result into a running one, in place, without overflow.
-
-    out, blk_out (B, S, H, D); lse, blk_lse (B, H, S). out/lse are the accumulators (fp32 or fp64);
-    blk_out may be in any dtype. lse_new = logaddexp(lse, blk_lse) and
-    out_new = exp(lse - lse_new) * out + exp(blk_lse - lse_new) * blk_out; both weights are <= 1,
-    so nothing overflows, and rows where both sides are empty (-inf) stay out = 0, lse = -inf.
-    """
-    new = torch.logaddexp(lse, blk_lse.to(lse.dtype))  # (B, H, S)
-    empty = torch.isneginf(new)
-    safe = torch.where(empty, torch.zeros_like(new), new)
-    w_old = torch.exp(lse - safe).masked_fill_(empty, 0.0).transpose(1, 2).unsqueeze(-1)  # (B, S, H, 1)
-    w_blk = torch.exp(blk_lse.to(lse.dtype) - safe).masked_fill_(empty, 0.0).transpose(1, 2).unsqueeze(-1)
-    out.mul_(w_old).addcmul_(blk_out.to(out.dtype), w_blk)
-    lse.copy_(new)
+def plan(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causal: bool, tile: int,
+         min_tile: int) -> list[tuple[Tile, list[tuple[Tile, str, Tensor | None]]]]:
+    """Per query tile, the key tiles to compute with their kind (FULL, CAUSAL or MASKED; MASKED
+    pairs carry their (B, tq, tk) visibility). Classes come from the shared tile bounds
+    (attention_math.classify_tiles); a partial pair that is the same run of consecutive positions
+    in one segment on both sides is CAUSAL: the op's top-left triangle is then exactly the rule."""
+    qts = make_tiles(q_pos, q_seg, tile, min_tile)
+    kts = make_tiles(k_pos, k_seg, tile, min_tile)
+    if not qts or not kts:
+        return [(qt, []) for qt in qts]
+    qs = tile_stats(q_pos, q_seg, [t.start for t in qts] + [qts[-1].stop])
+    ks = tile_stats(k_pos, k_seg, [t.start for t in kts] + [kts[-1].stop])
+    cls = classify_tiles(qs, ks, causal)  # (B, n_q, n_k)
+    classes = cls.amin(0).tolist()  # a pair is FULL only when it is FULL in every batch row
+    visit = (cls != _SKIP).any(0).tolist()  # and visited when some row may see something
+    q_first, k_first = q_pos[:, [t.start for t in qts]], k_pos[:, [t.start for t in kts]]
+    out = []
+    for i, qt in enumerate(qts):
+        pairs = []
+        for j, kt in enumerate(kts):
+            if not visit[i][j]:
+                continue
+            if classes[i][j] == _FULL:
+                pairs.append((kt, FULL, None))
+                continue
+            one_run = qt.pure and kt.pure and qt.stop - qt.start == kt.stop - kt.start
+            if causal and one_run and bool((q_first[:, i] == k_first[:, j]).all()) \
+                    and bool((qs.seg_min[:, i] == ks.seg_min[:, j]).all()) and bool((qs.seg_min[:, i] >= 0).all()):
+                pairs.append((kt, CAUSAL, None))
+                continue
+            vis = visibility(q_pos[:, qt.start:qt.stop], k_pos[:, kt.start:kt.stop], q_seg[:, qt.start:qt.stop],
+                             k_seg[:, kt.start:kt.stop], causal)
+            if bool(vis.any()):
+                pairs.append((kt, MASKED, vis))
+        out.append((qt, pairs))
+    return out
 
 
 class CpuBackend:
@@ -133,23 +126,7 @@ class CpuBackend:
         self.min_tile = min_tile
 
     def _plan(self, q_pos, k_pos, q_seg, k_seg, causal):
-        qts = make_tiles(q_pos, q_seg, self.tile, self.min_tile)
-        kts = make_tiles(k_pos, k_seg, self.tile, self.min_tile)
-        plan = []
-        for qt in qts:
-            pairs = []
-            for kt in kts:
-                kind = classify(qt, kt, causal)
-                if kind == MASKED:
-                    vis = visibility(q_pos[:, qt.start:qt.stop], k_pos[:, kt.start:kt.stop],
-                                     q_seg[:, qt.start:qt.stop], k_seg[:, kt.start:kt.stop], causal)
-                    if not bool(vis.any()):
-                        continue
-                    pairs.append((kt, kind, vis))
-                elif kind != SKIP:
-                    pairs.append((kt, kind, None))
-            plan.append((qt, pairs))
-        return plan
+        return plan(q_pos, k_pos, q_seg, k_seg, causal, self.tile, self.min_tile)
 
     @staticmethod
     def _mask(vis: Tensor, dtype: torch.dtype) -> Tensor:
@@ -158,7 +135,7 @@ class CpuBackend:
 
     def forward(self, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal):
         B, Sq, Hq, D = q.shape
-        cdt = compute_dtype(q.dtype)
+        cdt = accum_dtype(q.dtype)
         qc, kc, vc = (x.to(cdt).transpose(1, 2) for x in (q, k, v))  # (B, H, S, D) views
         out = torch.zeros(B, Sq, Hq, D, dtype=cdt)
         lse = torch.full((B, Hq, Sq), float("-inf"), dtype=cdt)
@@ -184,7 +161,7 @@ class CpuBackend:
 
     def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal):
         B, Sq, Hq, D = q.shape
-        cdt = compute_dtype(q.dtype)
+        cdt = accum_dtype(q.dtype)
         qc, kc, vc, doc, oc = (x.to(cdt).transpose(1, 2) for x in (q, k, v, dout, out))
         # Rows with no visible key anywhere (lse = -inf) get lse = +inf, so P = exp(S - lse) = 0.
         lse_c = lse.to(cdt).masked_fill(torch.isneginf(lse), float("inf"))

@@ -5,7 +5,7 @@
 
 q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D) with Hq % Hkv == 0 (GQA: each query head reads kv head
 h // (Hq // Hkv); K/V are never repeated); positions and segment ids (B, S) integers.
-Mask rule (kernels.reference): key j is visible to query i iff q_seg[i] == k_seg[j], k_seg[j] >= 0
+Mask rule (kernels/attention_math.py): key j is visible to query i iff q_seg[i] == k_seg[j], k_seg[j] >= 0
 and, when causal, k_pos[j] <= q_pos[i]. A row with no visible key gets out = 0 and lse = -inf.
 Inputs fp16, bf16 or fp32 with fp32 accumulation; head dims 16, 32, 64, 128; any lengths,
 Sq != Sk allowed.
@@ -16,8 +16,8 @@ Layers (as in flash-attention's interface):
 2. `FlashAttnFunc`, the `autograd.Function` wiring them together;
 3. `flash_attn`, the functional API.
 `TritonBackend` serves the same ops to ring attention through the block-backend interface
-(kernels/backends.py); its backward accepts the global out/lse of a ring.
-`flash_attn_ref` (kernels/reference.py) is the materialised pure-PyTorch reference.
+(backends.py); its backward accepts the global out/lse of a ring.
+`flash_attn_ref` (reference.py) is the materialised pure-PyTorch reference.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels import _flash_attn_triton as _tk
-from kernels.reference import default_meta, flash_attn_ref
+from . import _flash_attn_triton as _tk
+from .attention_math import fill_meta
+from .reference import flash_attn_ref
 
 __all__ = ["FlashAttnFunc", "TritonBackend", "flash_attn", "flash_attn_bwd", "flash_attn_fwd", "flash_attn_ref"]
 
@@ -152,14 +153,7 @@ def flash_attn(
     Returns out (B, Sq, Hq, D) in q.dtype, and with return_lse also lse (B, Hq, Sq) float32
     (-inf on rows with no visible key, whose out is 0). Differentiable in q, k, v.
     """
-    if q_pos is None or q_seg is None:
-        dp, ds = default_meta(q, q.shape[1], q.device)
-        q_pos = dp if q_pos is None else q_pos
-        q_seg = ds if q_seg is None else q_seg
-    if k_pos is None or k_seg is None:
-        dp, ds = default_meta(k, k.shape[1], k.device)
-        k_pos = dp if k_pos is None else k_pos
-        k_seg = ds if k_seg is None else k_seg
+    q_pos, k_pos, q_seg, k_seg = fill_meta(q, k, q_pos, k_pos, q_seg, k_seg)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, lse = FlashAttnFunc.apply(q, k, v, q_pos, k_pos, q_seg, k_seg, float(scale), bool(causal))
     return (out, lse) if return_lse else out
@@ -169,7 +163,7 @@ def flash_attn(
 
 
 class TritonBackend:
-    """The `triton` block backend (kernels/backends.py): same ops, block-backend signatures."""
+    """The `triton` block backend (backends.py): same ops, block-backend signatures."""
 
     name = "triton"
 

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels.backends import get_backend
-from kernels.reference import default_meta
+from .attention_math import fill_meta
+from .backends import get_backend
 
 
 class _BlockAttention(torch.autograd.Function):
@@ -49,16 +49,9 @@ def block_attention(
     softmax_scale: Optional[float] = None,
     backend: str = "auto",
 ) -> Tensor:
-    """Masked attention (see kernels.reference for the mask rule); differentiable in q, k, v."""
+    """Masked attention (the mask rule of kernels/attention_math.py); differentiable in q, k, v."""
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"query heads {q.shape[2]} must be a multiple of key/value heads {k.shape[2]}")
-    if q_pos is None or q_seg is None:
-        dp, ds = default_meta(q, q.shape[1], q.device)
-        q_pos = dp if q_pos is None else q_pos
-        q_seg = ds if q_seg is None else q_seg
-    if k_pos is None or k_seg is None:
-        dp, ds = default_meta(k, k.shape[1], k.device)
-        k_pos = dp if k_pos is None else k_pos
-        k_seg = ds if k_seg is None else k_seg
+    q_pos, k_pos, q_seg, k_seg = fill_meta(q, k, q_pos, k_pos, q_seg, k_seg)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return _BlockAttention.apply(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, backend)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.reference import compute_dtype, visibility
+from .attention_math import accum_dtype, visibility
 
 
 def _heads_first(q: Tensor, k: Tensor, v: Tensor, cdt: torch.dtype):
@@ -33,7 +33,7 @@ class TorchBackend:
         B, Sq, Hq, D = q.shape
         Sk, Hkv = k.shape[1], k.shape[2]
         G = Hq // Hkv
-        cdt = compute_dtype(q.dtype)
+        cdt = accum_dtype(q.dtype)
         qh, kh, vh = _heads_first(q, k, v, cdt)
         out = torch.zeros(B, Hkv, G, Sq, D, dtype=cdt, device=q.device)
         lse = torch.full((B, Hkv, G, Sq), float("-inf"), dtype=cdt, device=q.device)
@@ -68,7 +68,7 @@ class TorchBackend:
         B, Sq, Hq, D = q.shape
         Sk, Hkv = k.shape[1], k.shape[2]
         G = Hq // Hkv
-        cdt = compute_dtype(q.dtype)
+        cdt = accum_dtype(q.dtype)
         qh, kh, vh = _heads_first(q, k, v, cdt)
         doh, oh, _ = _heads_first(dout, k, v, cdt)
         oh = out.to(cdt).view(B, Sq, Hkv, G, D).permute(0, 2, 3, 1, 4)

@@ -12,7 +12,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-data": ("longvideo.data.cli:make_data_main", "write synthetic video-text shards"),
     "tokenize": ("longvideo.data.cli:tokenize_main", "VQ-encode raw shards into token shards"),
-    "train-vq": ("longvideo.vq.cli:main", "train the VQ video tokenizer"),
+    "train-vq": ("longvideo.train.vq_cli:main", "train the VQ video tokenizer"),
     "train": ("longvideo.train.cli:main", "train the language model (torchrun/deepspeed/accelerate)"),
     "chat": ("longvideo.infer.cli:chat_main", "answer questions about a video"),
     "eval": ("longvideo.infer.cli:eval_main", "QA accuracy and needle-in-a-haystack evaluations"),

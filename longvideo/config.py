@@ -11,16 +11,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from longvideo.configtools import ConfigError, apply_overrides, check, from_dict, load_yaml, to_dict
+import yaml
+
+from longvideo.atomic import write_text_atomic
+from longvideo.configtools import (CONFIG_DIR, ConfigError, apply_overrides, check, from_dict, load_yaml,
+                                   resolve_config_path, to_dict)
 from longvideo.data.config import DataConfig
 from longvideo.infer.config import InferConfig
 from longvideo.model.config import ModelConfig
 from longvideo.parallel.config import ParallelConfig
 from longvideo.train.config import TrainConfig
 from longvideo.vq.config import VQConfig
-
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
@@ -44,17 +45,6 @@ class Config:
               f"must equal vq.codebook_size={self.vq.codebook_size}, got {self.model.codebook_size}")
 
 
-def resolve_config_path(path: str | Path) -> Path:
-    """A path as given, or else relative to the packaged configs/ directory."""
-    p = Path(path)
-    if p.is_file():
-        return p
-    for candidate in (CONFIG_DIR / p, CONFIG_DIR / f"{p}.yaml"):
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(f"config file not found: {path} (also looked in {CONFIG_DIR})")
-
-
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
     """Load a root config from YAML (or defaults when path is None) and apply dotted overrides."""
     data = load_yaml(resolve_config_path(path)) if path is not None else {}
@@ -63,9 +53,8 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    import yaml
+    """Write the config as YAML (atomically: an interrupted write leaves the old file)."""
+    write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
-
-__all__ = ["Config", "ConfigError", "load_config", "save_config", "resolve_config_path", "to_dict"]
+__all__ = ["CONFIG_DIR", "Config", "ConfigError", "load_config", "save_config", "resolve_config_path", "to_dict"]

@@ -10,9 +10,14 @@ This module turns plain dicts into those dataclasses and rejects, before anythin
 
 from __future__ import annotations
 
+import ast
+import copy
 import dataclasses
+import inspect
+import textwrap
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
@@ -34,10 +39,6 @@ def check(condition: bool, key: str, message: str) -> None:
 
 def field_docs(cls) -> dict[str, str]:
     """The one-line docstring written under each field of a config dataclass."""
-    import ast
-    import inspect
-    import textwrap
-
     try:
         src = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
@@ -175,8 +176,6 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Set dotted keys in a nested dict (copying it). Type checks happen later, in from_dict."""
-    import copy
-
     data = copy.deepcopy(data)
     for text in overrides:
         path, value = parse_override(text)
@@ -192,10 +191,28 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+"""Where the shipped configs are: `longvideo/configs/` in an installed wheel (the top-level configs/
+folder is installed as the package `longvideo.configs`, see pyproject.toml), else the checkout's
+top-level configs/ (source tree and editable installs)."""
+if not CONFIG_DIR.is_dir():
+    CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def resolve_config_path(path: str | Path, suffixes: tuple[str, ...] = (".yaml",)) -> Path:
+    """A path as given, or else relative to the shipped configs (CONFIG_DIR), with or without a
+    suffix: `tiny`, `stages/tiny-1k`, `vq/tiny.yaml`, `deepspeed/zero3.json`."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    for candidate in (CONFIG_DIR / p, *(CONFIG_DIR / f"{p}{s}" for s in suffixes)):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"config file not found: {path} (also looked in {CONFIG_DIR})")
+
+
 def load_yaml(path) -> dict:
     """Read a YAML mapping. Supports `base: other.yaml` (relative path) for inheritance."""
-    from pathlib import Path
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")

@@ -30,6 +30,12 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from longvideo.checkpoint import latest_checkpoint
+from longvideo.data.synthetic import SyntheticSpec, make_sample, text_corpus
+from longvideo.export import LongVideoProcessor
+from longvideo.tokenizer import TextTokenizer
+from longvideo.train.checkpoint import STATE_FILE
+
 
 @dataclass(frozen=True)
 class DemoPlan:
@@ -82,8 +88,6 @@ class DemoError(RuntimeError):
 
 def finished_step(run_dir: Path) -> int:
     """The step of the run's latest complete checkpoint (0 when it has none)."""
-    from longvideo.train.checkpoint import STATE_FILE, latest_checkpoint
-
     ckpt = latest_checkpoint(run_dir)
     return int(json.loads((ckpt / STATE_FILE).read_text())["step"]) if ckpt is not None else 0
 
@@ -134,8 +138,6 @@ class Demo:
         (self.out / "data/.done").touch()
 
     def tokenizer(self) -> None:
-        from longvideo.data.synthetic import SyntheticSpec, text_corpus
-
         spec = SyntheticSpec(max_seconds=self.plan.max_seconds, long_seconds=self.plan.long_seconds,
                              needle_fraction=self.plan.needle_fraction)
         corpus = self.out / "tokenizer_corpus.txt"
@@ -156,8 +158,6 @@ class Demo:
         (self.out / "tokens/.done").touch()
 
     def text_size(self) -> int:
-        from longvideo.tokenizer import TextTokenizer
-
         return TextTokenizer.from_dir(self.out / "tokenizer").text_size
 
     def train_lm(self) -> None:
@@ -212,8 +212,6 @@ class Demo:
 
     def held_out_video(self) -> tuple[Path, dict]:
         """One held-out needle video, written as a plain mp4 file (what a user would bring)."""
-        from longvideo.data.synthetic import SyntheticSpec, make_sample
-
         spec = SyntheticSpec(max_seconds=self.plan.max_seconds, long_seconds=self.plan.long_seconds,
                              needle_fraction=1.0, long_fraction=0.0)
         sample = make_sample(seed=7, index=0, spec=spec)
@@ -233,8 +231,6 @@ class Demo:
         """Reload the export with plain transformers and answer through LongVideoProcessor."""
         import torch
         from transformers import AutoModelForCausalLM
-
-        from longvideo.export import LongVideoProcessor
 
         model = AutoModelForCausalLM.from_pretrained(self.out / "hf")
         proc = LongVideoProcessor.from_pretrained(self.out / "hf")

@@ -14,8 +14,10 @@ single id and the exported checkpoint is a plain LlamaForCausalLM whose tokenize
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the token space is plain integers: no torch needed to compose a config
+    import torch
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<vision>", "</vision>", "<eof>", "<eov>")
 VISION_START, VISION_END, END_OF_FRAME, END_OF_VIDEO = SPECIAL_TOKENS

@@ -92,7 +92,7 @@ def kv_bytes(cfg, S: int) -> int:
 
 
 def run_single(model, S: int, chunk: int, decode: int) -> dict:
-    from longvideo.infer.generate import generate
+    from longvideo.infer.generation import generate
 
     ids = prompt(model, S)
     with PeakRSS() as mem:

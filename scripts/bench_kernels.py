@@ -83,7 +83,7 @@ def bench_one(S: int, args, device) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
-    from kernels.flash_attn import flash_attn
+    from longvideo.kernels.flash_attn import flash_attn
 
     dtype = getattr(torch, args.dtype)
     B = max(1, args.tokens // S)

@@ -32,7 +32,7 @@ def child(impl: str, seq: int, args) -> dict:
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    from longvideo.export.hf import to_hf_names
+    from longvideo.checkpoint import to_hf_names
     from longvideo.model import ModelConfig, Transformer
 
     cfg = ModelConfig(text_vocab_size=args.vocab - 4 - 64, codebook_size=64, dim=args.dim, n_layers=args.layers,

@@ -36,9 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from longvideo.vq import VQModel, decode_codes, encode_video  # noqa: E402
-from longvideo.vq.cli import load_vq_config  # noqa: E402
-from longvideo.vq.frames import synthetic_videos  # noqa: E402
-from longvideo.vq.train import train_vq  # noqa: E402
+from longvideo.data.frames import synthetic_videos  # noqa: E402
+from longvideo.train.vq import train_vq  # noqa: E402
+from longvideo.vq.config import load_vq_config  # noqa: E402
 
 
 def throughput(name: str, frames: int, batch: int, repeats: int) -> dict:

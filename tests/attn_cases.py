@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import flash_attn_ref
+from longvideo.kernels import flash_attn_ref
 
 
 def packed_meta(B: int, S: int, gen: torch.Generator, *, min_len: int = 1, max_len: int = 40,

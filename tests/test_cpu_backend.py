@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from attn_cases import assert_within, packed_meta, reference
-from kernels import block_attention, get_backend
-from kernels.cpu_backend import CAUSAL, FULL, MASKED, CpuBackend, lse_merge_, make_tiles
+from longvideo.kernels import block_attention, get_backend
+from longvideo.kernels.cpu_backend import CAUSAL, FULL, MASKED, CpuBackend, lse_merge_, make_tiles
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 
@@ -61,7 +61,7 @@ def one_thread():
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiles of 16 tokens (pool below 4) so tiny tests cross many tile boundaries."""
-    from kernels import backends
+    from longvideo.kernels import backends
 
     be = CpuBackend(tile=16, min_tile=4)
     monkeypatch.setitem(backends._INSTANCES, "cpu", be)

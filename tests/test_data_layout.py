@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from longvideo.data.layout import (LayoutOptions, build_docs, build_prompt_ids, layout_doc, parse_answer,
+from longvideo.data.layout import (LayoutOptions, PromptOptions, build_docs, build_prompt_ids, layout_doc, parse_answer,
                                    sample_rng, uniform_keep)
 from longvideo.data.synthetic import make_sample, text_corpus
 from longvideo.tokenizer import train_text_tokenizer
@@ -100,7 +100,7 @@ def test_prompt_is_the_training_prefix(tok, vocab):
             opts = LayoutOptions(timestamp_every=every)
             doc = layout_doc(tok, vocab, codes, ts, meta, "qa", question_first, opts, 10_000)
             prompt = build_prompt_ids(tok, vocab, codes, ts, "What colour was the flash frame?",
-                                      question_first=question_first, timestamp_every=every)
+                                      PromptOptions(question_first=question_first, timestamp_every=every))
             assert doc.ids.tolist()[: len(prompt)] == prompt
             answer = doc.ids.tolist()[len(prompt):]
             assert tok.decode(answer) == " blue" and doc.weights[len(prompt)] > 0

@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from longvideo.config import Config
-from longvideo.export import CheckpointError, export_hf, import_hf, load_pretrained, save_project_checkpoint
+from longvideo.checkpoint import CheckpointError, load_pretrained, save_project_checkpoint
+from longvideo.export import export_hf, import_hf
 from longvideo.export.hf import rope_theta_of
 from longvideo.model import ModelConfig, Transformer
 from longvideo.tokenizer import TextTokenizer, train_text_tokenizer

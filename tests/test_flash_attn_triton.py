@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from attn_cases import assert_within, max_err, packed_meta, reference
-from kernels import _flash_attn_triton as tk
-from kernels import block_attention, flash_attn_ref, get_backend, visibility
-from kernels.backends import resolve_backend_name
-from kernels.flash_attn import TritonBackend, flash_attn
+from longvideo.kernels import _flash_attn_triton as tk
+from longvideo.kernels import block_attention, flash_attn_ref, get_backend, visibility
+from longvideo.kernels.backends import resolve_backend_name
+from longvideo.kernels.flash_attn import TritonBackend, flash_attn
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or tk.INTERPRET),
                                 reason="needs CUDA or TRITON_INTERPRET=1")
@@ -264,7 +264,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     import torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from kernels import _flash_attn_triton as k
+    from longvideo.kernels import _flash_attn_triton as k
     D, dt = int(sys.argv[1]), sys.argv[2]
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")

@@ -11,7 +11,7 @@ from longvideo.config import Config
 from longvideo.data.layout import build_prompt_ids
 from longvideo.data.synthetic import NEEDLE_QUESTION, SyntheticSpec, make_sample
 from longvideo.data.video import read_video
-from longvideo.export import Pretrained, save_project_checkpoint
+from longvideo.checkpoint import Pretrained, save_project_checkpoint
 from longvideo.infer import cli
 from longvideo.infer.chat import ChatSession, ContextWarning, answer, encode_video_file
 from longvideo.infer.config import InferConfig

@@ -10,11 +10,11 @@ from test_infer_chat import tiny_pretrained
 
 from longvideo.data.shards import ShardWriter, token_sample_members
 from longvideo.data.synthetic import SyntheticSpec, make_sample
-from longvideo.export import save_project_checkpoint
+from longvideo.checkpoint import save_project_checkpoint
 from longvideo.infer import cli
 from longvideo.infer.evals import (evaluate_qa, evaluate_text_needle, evaluate_video_needle, exact_match,
                                    haystack_frames, needle_index, substring_match, text_needle_prompt)
-from longvideo.infer.generate import Generation
+from longvideo.infer.generation import Generation
 from longvideo.vq import encode_video
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

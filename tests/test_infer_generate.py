@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from longvideo.infer.generate import (decode_loop, generate, logits_of, new_cache, prefill, sample_token,
+from longvideo.infer.generation import (decode_loop, generate, logits_of, new_cache, prefill, sample_token,
                                       trim_at_stop)
 from longvideo.model import ModelConfig, Transformer
 
@@ -124,7 +124,7 @@ def test_decode_loop_stops_per_row():
 
 def test_engine_follow_up_questions_reuse_the_prefix():
     """Answers against a cached prefix equal fresh generation of prefix + question, question after question."""
-    from longvideo.infer.engine import LocalEngine
+    from longvideo.infer.generation import LocalEngine
 
     model = tiny_model()
     torch.manual_seed(5)

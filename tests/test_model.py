@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from longvideo.export.hf import to_hf_names
+from longvideo.checkpoint import to_hf_names
 from longvideo.model import KVCache, ModelConfig, Transformer, chunked_cross_entropy
 
 

@@ -1,5 +1,5 @@
 """The whole decoder under dp=2 x sp=2 gives the loss and parameter gradients of one process on the
-whole batch (DESIGN.md decision 6): ring attention over the sp pair, zigzag-sharded inputs, and the
+whole batch (docs/architecture.md, decision 6): ring attention over the sp pair, zigzag-sharded inputs, and the
 loss normalised by the global weight total."""
 
 import pytest

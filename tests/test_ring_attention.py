@@ -26,7 +26,7 @@ from longvideo.parallel import (
     unshard_sequence,
     zigzag_indices,
 )
-from kernels import visibility
+from longvideo.kernels import visibility
 
 
 # ---- single-process pieces ------------------------------------------------------------------
@@ -236,7 +236,7 @@ def _body(rank, world, backends):
 def _backends():
     found = ["cpu", "torch"]
     try:
-        from kernels import get_backend
+        from longvideo.kernels import get_backend
 
         get_backend("triton", "cpu")
         found.append("triton")

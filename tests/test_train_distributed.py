@@ -129,7 +129,7 @@ def test_sp2_zero3_loss_falls_and_matches_golden(sp2_run):
 def test_checkpoints_hold_weights_state_and_consolidate(sp2_run, tmp_path):
     import shutil
 
-    from longvideo.train.checkpoint import latest_checkpoint, load_model_state
+    from longvideo.checkpoint import latest_checkpoint, load_project_state as load_model_state
 
     run = sp2_run / "run"
     ckpts = run / "checkpoints"
@@ -180,7 +180,8 @@ class NaNAt:
 
 def _many_trainers(rank, world, out):
     from longvideo.configtools import ConfigError
-    from longvideo.train.checkpoint import gather_fp32_state, load_model_state
+    from longvideo.checkpoint import load_project_state as load_model_state
+    from longvideo.train.checkpoint import gather_fp32_state
     from longvideo.train.synthetic import SyntheticTokens
     from longvideo.train.trainer import LossDiverged, Trainer
 
@@ -312,7 +313,7 @@ def _spawn_expecting_death(fn, world, args, timeout):
 
 
 def test_kill_during_checkpoint_then_resume_gives_identical_losses(sp2_run, tmp_path):
-    from longvideo.train.checkpoint import latest_checkpoint, load_model_state
+    from longvideo.checkpoint import latest_checkpoint, load_project_state as load_model_state
     from longvideo.train.logging import read_metrics
 
     codes, hung = _spawn_expecting_death(_killed_while_saving, 2, (str(tmp_path),), timeout=300)

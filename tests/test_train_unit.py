@@ -12,6 +12,8 @@ import torch
 
 from longvideo.config import CONFIG_DIR, load_config
 from longvideo.configtools import ConfigError
+from longvideo import checkpoint as fmt
+from longvideo.atomic import write_text_atomic
 from longvideo.train import checkpoint as ck
 from longvideo.train.config import TrainConfig
 from longvideo.train.deepspeed_config import build_deepspeed_config
@@ -172,34 +174,34 @@ def test_synthetic_is_deterministic_resumable_and_dp_disjoint():
 # ---- checkpoint files -----------------------------------------------------------------------------
 
 def test_latest_pointer_stale_cleanup_and_pruning(tmp_path):
-    ckpts = tmp_path / ck.CHECKPOINTS
+    ckpts = tmp_path / fmt.CHECKPOINTS
     for s in (5, 10, 15):
         (ckpts / ck.checkpoint_name(s)).mkdir(parents=True)
     (ckpts / ".tmp_step_000020").mkdir()  # a write killed halfway
-    assert ck.latest_checkpoint(tmp_path) is None
-    ck.write_text_atomic(ckpts / ck.LATEST, ck.checkpoint_name(15))
-    assert ck.latest_checkpoint(tmp_path).name == "step_000015"
-    assert ck.latest_checkpoint(ckpts).name == "step_000015"
+    assert fmt.latest_checkpoint(tmp_path) is None
+    write_text_atomic(ckpts / fmt.LATEST, ck.checkpoint_name(15))
+    assert fmt.latest_checkpoint(tmp_path).name == "step_000015"
+    assert fmt.latest_checkpoint(ckpts).name == "step_000015"
     assert [p.name for p in ck.clean_stale(tmp_path)] == [".tmp_step_000020"]
     assert not (ckpts / ".tmp_step_000020").exists()
     ck.prune_checkpoints(tmp_path, keep=2)
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000010", "step_000015"]
-    ck.write_text_atomic(ckpts / ck.LATEST, "step_000099")
+    write_text_atomic(ckpts / fmt.LATEST, "step_000099")
     with pytest.raises(FileNotFoundError, match="step_000099"):
-        ck.latest_checkpoint(tmp_path)
+        fmt.latest_checkpoint(tmp_path)
     with pytest.raises(FileNotFoundError, match="neither a checkpoint"):
-        ck.resolve_checkpoint(tmp_path / ck.CHECKPOINTS / "step_000010")
+        fmt.resolve_checkpoint(tmp_path / fmt.CHECKPOINTS / "step_000010")
 
 
-def test_load_model_state_reads_a_project_checkpoint(tmp_path):
+def test_load_project_state_reads_a_project_checkpoint(tmp_path):
     from longvideo.model import Transformer
 
     cfg = load_config(None, ["model.text_vocab_size=64", "model.codebook_size=16", "vq.codebook_size=16",
                              "model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.tie_embeddings=true"])
     torch.manual_seed(0)
     model = Transformer(cfg.model)
-    ck.save_weights(tmp_path / "p", dict(model.named_parameters()), cfg)
-    sd, cfg2 = ck.load_model_state(tmp_path / "p")
+    fmt.save_project_checkpoint(tmp_path / "p", dict(model.named_parameters()), cfg)
+    sd, cfg2 = fmt.load_project_state(tmp_path / "p")
     assert cfg2 == cfg
     fresh = Transformer(cfg.model)
     fresh.load_state_dict(sd)  # strict: every name present, tied head restored

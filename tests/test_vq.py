@@ -18,7 +18,8 @@ import torch
 
 from longvideo.configtools import ConfigError
 from longvideo.data.synthetic import moving_shapes_video
-from longvideo.vq import VQConfig, VQModel, decode_codes, encode_video, load_vq, train_vq
+from longvideo.train.vq import train_vq
+from longvideo.vq import VQConfig, VQModel, decode_codes, encode_video, load_vq
 from longvideo.vq.config import fsq_levels_for
 from longvideo.vq.quantizer import FSQ, EMAVectorQuantizer, codebook_usage
 
@@ -71,7 +72,7 @@ def test_fsq_levels_for():
 
 @pytest.mark.parametrize("name", ["tiny", "lwm-256", "causal3d-tiny", "causal3d-256"])
 def test_shipped_configs_load_and_count_tokens(name):
-    from longvideo.vq.cli import load_vq_config
+    from longvideo.vq.config import load_vq_config
 
     cfg = load_vq_config(str(REPO / "configs" / "vq" / f"{name}.yaml"), [])
     model = VQModel(cfg)
@@ -373,7 +374,7 @@ def test_training_raises_psnr_and_uses_the_codebook(tmp_path):
     assert last["usage"] >= 0.25, last
     # round trip: re-coding a reconstruction reproduces it far more closely than it matches the
     # original (decode(encode(decode(c))) ~ decode(c))
-    from longvideo.vq.train import psnr
+    from longvideo.train.vq import psnr
 
     vq = load_vq(tmp_path)
     held = shapes(16, 32, seed=5)
@@ -383,7 +384,7 @@ def test_training_raises_psnr_and_uses_the_codebook(tmp_path):
 
 
 def test_train_resume_continues_exactly(tmp_path, monkeypatch):
-    from longvideo.vq import train as train_mod
+    from longvideo.train import vq as train_mod
 
     cfg = small_cfg("causal3d", batch_size=2, clip_groups=2, steps=4, eval_every=2, eval_frames=5,
                     log_every=1, save_every=2, warmup_steps=1, disc_weight=0.5, disc_start=1,
@@ -418,7 +419,7 @@ def test_train_resume_continues_exactly(tmp_path, monkeypatch):
 
 def test_cli_trains_from_a_folder_of_videos(tmp_path):
     from longvideo.data.synthetic import write_mp4
-    from longvideo.vq.cli import main
+    from longvideo.train.vq_cli import main
 
     for i in range(3):
         write_mp4([moving_shapes_video(16, 32, seed=i)], fps=8, dst=tmp_path / f"v{i}.mp4")

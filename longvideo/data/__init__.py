@@ -1,22 +1,45 @@
 """Data: video reading, shards, tokenization, sequence layout, packing and the training loader.
 
 Raw shards (video + json) -> ``longvideo tokenize`` -> token shards (VQ codes + timestamps + json)
--> :class:`TokenLoader` (layout, packing) -> batches. See docs/data.md.
+-> :class:`TokenLoader` (layout, packing) -> batches. See docs/data.md. Names load lazily
+(longvideo._lazy).
 """
 
-from longvideo.data.config import DataConfig
-from longvideo.data.layout import LayoutOptions, build_docs, build_prompt_ids, parse_answer
-from longvideo.data.loader import TokenLoader, make_loader
-from longvideo.data.packing import Packer, pack_row
-from longvideo.data.shards import ShardError, SkipStats, TokenShard, expand_shards
-from longvideo.data.synthetic import moving_shapes_video, write_synthetic_shards
-from longvideo.data.video import (CorruptVideoError, EmptyVideoError, UnsupportedVideoError, VideoClip,
-                                  VideoError, VideoInfo, iter_video, probe_video, read_video, sample_indices)
+from longvideo._lazy import lazy_exports
 
-__all__ = [
-    "DataConfig", "LayoutOptions", "build_docs", "build_prompt_ids", "parse_answer", "TokenLoader",
-    "make_loader", "Packer", "pack_row", "ShardError", "SkipStats", "TokenShard", "expand_shards",
-    "moving_shapes_video", "write_synthetic_shards", "CorruptVideoError", "EmptyVideoError",
-    "UnsupportedVideoError", "VideoClip", "VideoError", "VideoInfo", "iter_video", "probe_video", "read_video",
-    "sample_indices",
-]
+_EXPORTS = {
+    "VideoCodes": "codes",
+    "frames_to_codes": "codes",
+    "video_to_codes": "codes",
+    "DataConfig": "config",
+    "FrameSource": "frames",
+    "build_frame_source": "frames",
+    "synthetic_videos": "frames",
+    "LayoutOptions": "layout",
+    "PromptOptions": "layout",
+    "build_docs": "layout",
+    "build_prompt_ids": "layout",
+    "parse_answer": "layout",
+    "TokenLoader": "loader",
+    "make_loader": "loader",
+    "Packer": "packing",
+    "pack_row": "packing",
+    "ShardError": "shards",
+    "SkipStats": "shards",
+    "TokenShard": "shards",
+    "expand_shards": "shards",
+    "moving_shapes_video": "synthetic",
+    "write_synthetic_shards": "synthetic",
+    "CorruptVideoError": "video",
+    "EmptyVideoError": "video",
+    "UnsupportedVideoError": "video",
+    "VideoClip": "video",
+    "VideoError": "video",
+    "VideoInfo": "video",
+    "iter_video": "video",
+    "probe_video": "video",
+    "read_video": "video",
+    "sample_indices": "video",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -7,10 +7,12 @@ import json
 import logging
 import sys
 
+from longvideo.config import load_config
+from longvideo.data.synthetic import SyntheticSpec, write_synthetic_shards
+from longvideo.data.tokenize import TokenizeOptions, tokenize_shards
+
 
 def make_data_main(argv: list[str]) -> int:
-    from longvideo.data.synthetic import SyntheticSpec, write_synthetic_shards
-
     p = argparse.ArgumentParser(prog="longvideo make-data", description="Write raw video-text shards.")
     sub = p.add_subparsers(dest="kind", required=True)
     s = sub.add_parser("synthetic", help="moving coloured shapes with captions, QA, timed segments and a needle task",
@@ -44,8 +46,6 @@ def make_data_main(argv: list[str]) -> int:
 
 
 def tokenize_main(argv: list[str]) -> int:
-    from longvideo.data.tokenize import TokenizeOptions, tokenize_shards
-
     d = TokenizeOptions()
     p = argparse.ArgumentParser(prog="longvideo tokenize", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 description="VQ-encode raw shards (video + json) into token shards "
@@ -67,8 +67,6 @@ def tokenize_main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.ERROR if a.quiet else logging.WARNING, format="%(levelname)s %(message)s")
     base = d
     if a.config:
-        from longvideo.config import load_config
-
         dc = load_config(a.config).data
         base = TokenizeOptions(fps=dc.fps, max_frames=dc.max_frames, max_resolution=dc.max_resolution,
                                batch_frames=d.batch_frames, backend=dc.video_backend)

@@ -32,6 +32,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from longvideo.data.config import DataConfig
+
 QUESTION_TEXT = "Question: {question}\n"
 ANSWER_PROMPT = "Answer:"
 ANSWER_TEXT = " {answer}"
@@ -211,7 +213,7 @@ class LayoutOptions:
     qa_order: str = "shuffle"
 
     @classmethod
-    def from_config(cls, cfg) -> "LayoutOptions":
+    def from_config(cls, cfg: DataConfig) -> "LayoutOptions":
         return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
 
 
@@ -298,13 +300,30 @@ def build_docs(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta
 
 # ----------------------------------------------------------------------------- inference
 
-def build_prompt_ids(tokenizer, vocab, codes, timestamps, question: str, *, question_first: bool = False,
-                     timestamp_every: int = 0) -> list[int]:
+@dataclass(frozen=True)
+class PromptOptions:
+    """How a question about a video is laid out at inference: the QA training template's settings."""
+
+    timestamp_every: int = 0
+    """Timestamp text before every k-th code group (0: none), as in training."""
+    question_first: bool = False
+    """The question before the video instead of after it."""
+
+    @classmethod
+    def from_config(cls, data: DataConfig) -> "PromptOptions":
+        """The options a model trained with `data` expects (a 'random' question position trained
+        both orders; the prompt then asks after the video)."""
+        return cls(timestamp_every=data.timestamp_every, question_first=data.question_position == "before")
+
+
+def build_prompt_ids(tokenizer, vocab, codes, timestamps, question: str,
+                     options: PromptOptions = PromptOptions()) -> list[int]:
     """Ids of a QA prompt for one question, ending exactly where the answer starts.
 
     codes: integer (G, h, w) (numpy or torch); timestamps: (G,) seconds. Uses the QA training
     template (:func:`qa_parts`), so a model trained on QA samples sees the same layout.
     """
+    question_first, timestamp_every = options.question_first, options.timestamp_every
     codes = np.asarray(codes.cpu() if hasattr(codes, "cpu") else codes).astype(np.int64)
     timestamps = np.asarray(timestamps.cpu() if hasattr(timestamps, "cpu") else timestamps, np.float64)
     if codes.ndim != 3 or timestamps.shape != codes.shape[:1]:

@@ -22,13 +22,14 @@ import math
 import os
 import re
 import tarfile
-import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import numpy as np
+
+from longvideo.atomic import atomic_open
 
 log = logging.getLogger(__name__)
 
@@ -305,17 +306,15 @@ def token_sample_members(key: str, codes: np.ndarray, timestamps: np.ndarray, me
 # ----------------------------------------------------------------------------- writing
 
 class ShardWriter:
-    """Writes a tar shard atomically: to a temporary file beside it, renamed when closed cleanly.
+    """Writes a tar shard atomically (longvideo.atomic): readers never see a partial shard.
 
     Member names are ``KEY.EXT``; mtime/uid/gid are zeroed so the same samples give the same bytes.
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        self._f = os.fdopen(fd, "wb")
-        self._tar = tarfile.open(fileobj=self._f, mode="w", format=tarfile.USTAR_FORMAT)
+        self._file = atomic_open(self.path, "wb")
+        self._tar = tarfile.open(fileobj=self._file.__enter__(), mode="w", format=tarfile.USTAR_FORMAT)
         self.count = 0
 
     def write(self, key: str, members: dict[str, bytes]) -> None:
@@ -328,20 +327,17 @@ class ShardWriter:
         self.count += 1
 
     def close(self) -> None:
+        """Finish the shard and move it into place."""
         self._tar.close()
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        os.chmod(self.tmp, 0o644)  # mkstemp creates 0600 files
-        os.replace(self.tmp, self.path)
+        self._file.__exit__(None, None, None)
 
     def abort(self) -> None:
+        """Drop the partial shard; the target path is left as it was."""
         try:
             self._tar.close()
-            self._f.close()
         finally:
-            if os.path.exists(self.tmp):
-                os.remove(self.tmp)
+            err = RuntimeError("shard aborted")
+            self._file.__exit__(type(err), err, None)
 
     def __enter__(self):
         return self
@@ -352,12 +348,3 @@ class ShardWriter:
         else:
             self.abort()
         return False
-
-
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)

@@ -21,10 +21,18 @@ from __future__ import annotations
 
 import io
 import json
+import multiprocessing as mp
 from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
+import av
 import numpy as np
+from tqdm import tqdm
+
+from longvideo.data.layout import ANSWER_PROMPT, ANSWER_TEXT, QUESTION_TEXT, SEGMENT_TEXT, TIMESTAMP_TEXT
+from longvideo.data.shards import ShardWriter
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (230, 40, 40),
@@ -166,9 +174,6 @@ def write_mp4(chunks: Iterable[np.ndarray], fps: float, dst=None, *, codec: str 
     dst: a path to write, or None to return the bytes. Encoding is single-threaded so that the same
     frames always give the same bytes. ``gop``: keyframe interval in frames (None = encoder default).
     """
-    import av
-    from fractions import Fraction
-
     sink = io.BytesIO() if dst is None else str(dst)
     rate = Fraction(fps).limit_denominator(1000)
     with av.open(sink, mode="w", format="mp4") as container:
@@ -334,8 +339,6 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
 
 def _write_shard(args) -> tuple[str, int]:
     path, seed, indices, spec = args
-    from longvideo.data.shards import ShardWriter
-
     with ShardWriter(path) as w:
         for i in indices:
             sample = make_sample(seed, i, spec)
@@ -350,10 +353,6 @@ def write_synthetic_shards(out_dir, n: int, *, seed: int = 0, spec: SyntheticSpe
     Each shard is written atomically; shards that already exist are kept (a rerun completes a
     partial dataset). Returns the shard paths.
     """
-    from pathlib import Path
-
-    from tqdm import tqdm
-
     if n <= 0 or samples_per_shard <= 0:
         raise ValueError(f"n and samples_per_shard must be positive, got {n}, {samples_per_shard}")
     out = Path(out_dir)
@@ -366,8 +365,6 @@ def write_synthetic_shards(out_dir, n: int, *, seed: int = 0, spec: SyntheticSpe
             jobs.append((path, seed, list(range(start, min(start + samples_per_shard, n))), spec))
     bar = tqdm(total=sum(len(j[2]) for j in jobs), unit="video", desc="make-data", disable=not progress)
     if workers > 1 and len(jobs) > 1:
-        import multiprocessing as mp
-
         with mp.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
             for _, count in pool.imap_unordered(_write_shard, jobs):
                 bar.update(count)
@@ -381,8 +378,6 @@ def write_synthetic_shards(out_dir, n: int, *, seed: int = 0, spec: SyntheticSpe
 def text_corpus(n: int = 200, seed: int = 0, spec: SyntheticSpec = SyntheticSpec()) -> list[str]:
     """Texts of the synthetic dataset (captions, segments, QA with the layout's wording, timestamps),
     for training a small text tokenizer that covers it. Cheap: renders no video."""
-    from longvideo.data.layout import ANSWER_PROMPT, ANSWER_TEXT, QUESTION_TEXT, SEGMENT_TEXT, TIMESTAMP_TEXT
-
     texts = []
     for i in range(n):
         meta = make_sample(seed, i, spec).meta

@@ -10,7 +10,9 @@ reason, logged and skipped; a ``NAME.stats.json`` beside each output shard keeps
 
 from __future__ import annotations
 
+import json
 import logging
+import multiprocessing as mp
 import os
 import time
 from collections import Counter
@@ -18,11 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
+import torch
+from tqdm import tqdm
 
-from longvideo.data.shards import (ShardWriter, SkipStats, expand_shards, group_samples, index_tar,
-                                   iter_raw_samples, token_sample_members, write_json_atomic, VIDEO_EXTS)
-from longvideo.data.video import VideoError, iter_video
+from longvideo.atomic import write_json_atomic
+from longvideo.data.codes import video_to_codes
+from longvideo.data.shards import (VIDEO_EXTS, ShardWriter, SkipStats, expand_shards, group_samples, index_tar,
+                                   iter_raw_samples, token_sample_members)
+from longvideo.data.video import VideoError
+from longvideo.vq.model import load_vq
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +52,6 @@ _VQ = None  # the worker's VQ model, loaded once per process
 
 def _init_worker(vq_dir: str, threads: int, queue) -> None:
     global _VQ, _QUEUE
-    import torch
-
-    from longvideo.vq import load_vq
-
     torch.set_num_threads(max(1, threads))
     _VQ = load_vq(vq_dir)
     _QUEUE = queue
@@ -63,31 +65,6 @@ def _reason(err: VideoError) -> str:
     return f"video_{name or 'error'}"
 
 
-def tokenize_sample(vq, video: bytes, opts: TokenizeOptions) -> tuple[np.ndarray, np.ndarray, int]:
-    """codes (G, h, w), per-group timestamps (G,) and the frame count of one video."""
-    import torch
-
-    from longvideo.vq import encode_video
-
-    stamps: list[torch.Tensor] = []
-
-    def frames():
-        for chunk, times in iter_video(video, fps=opts.fps, max_frames=opts.max_frames, size=vq.cfg.resolution,
-                                       max_resolution=opts.max_resolution, backend=opts.backend):
-            stamps.append(times)
-            yield chunk
-
-    with torch.no_grad():
-        codes = encode_video(vq, frames(), batch_frames=opts.batch_frames)
-    codes = np.asarray(codes.cpu() if hasattr(codes, "cpu") else codes)
-    times = torch.cat(stamps).numpy() if stamps else np.zeros(0)
-    groups = vq.group_frame_index(len(times))
-    if len(groups) != codes.shape[0]:
-        raise RuntimeError(f"VQ returned {codes.shape[0]} code groups for {len(times)} frames, "
-                           f"group_frame_index says {len(groups)}")
-    return codes, np.asarray([times[g[0]] for g in groups], np.float64), len(times)
-
-
 def tokenize_shard(vq, src: str, dst: str, opts: TokenizeOptions, progress=None) -> dict:
     """Tokenize one raw shard into ``dst`` (atomically). Returns its counts."""
     stats = SkipStats()
@@ -95,15 +72,17 @@ def tokenize_shard(vq, src: str, dst: str, opts: TokenizeOptions, progress=None)
     with ShardWriter(dst) as writer:
         for sample in iter_raw_samples(src, stats):
             try:
-                codes, stamps, n_frames = tokenize_sample(vq, sample.video, opts)
+                vc = video_to_codes(vq, sample.video, fps=opts.fps, max_frames=opts.max_frames,
+                                    max_resolution=opts.max_resolution, batch_frames=opts.batch_frames,
+                                    backend=opts.backend)
             except VideoError as e:
                 stats.skip(_reason(e), f"{src}:{sample.key}", str(e))
             else:
                 meta = dict(sample.meta)
-                meta["tokenized"] = {"num_frames": n_frames, "num_groups": int(codes.shape[0]),
+                meta["tokenized"] = {"num_frames": vc.num_frames, "num_groups": int(vc.codes.shape[0]),
                                      "sample_fps": opts.fps, "video_ext": sample.video_ext,
                                      "vq_mode": vq.cfg.mode, "vq_resolution": vq.cfg.resolution}
-                writer.write(sample.key.replace("/", "_"), token_sample_members(sample.key, codes, stamps, meta))
+                writer.write(sample.key.replace("/", "_"), token_sample_members(sample.key, vc.codes, vc.timestamps, meta))
                 stats["ok"] += 1
             if progress is not None:
                 progress(1)
@@ -141,10 +120,6 @@ def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = T
     Returns summed counts (``ok`` = samples written, one key per skip reason, ``shards_done``,
     ``shards_skipped``).
     """
-    import multiprocessing as mp
-
-    from tqdm import tqdm
-
     paths = expand_shards(inputs)
     if not paths:
         raise FileNotFoundError(f"no raw shards match {inputs!r}")
@@ -161,8 +136,6 @@ def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = T
             total["shards_skipped"] += 1
             sp = stats_path(dst)
             if sp.exists():
-                import json
-
                 total.update({k: v for k, v in json.loads(sp.read_text()).items() if k != "seconds"})
         else:
             jobs.append((src, str(dst), opts))
@@ -171,8 +144,6 @@ def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = T
     cores = os.cpu_count() or 1
     workers = max(1, min(workers, len(jobs) or 1))
     if workers == 1:
-        from longvideo.vq import load_vq
-
         vq = load_vq(vq_dir)
         for src, dst, o in jobs:
             res = tokenize_shard(vq, src, dst, o, progress=bar.update)

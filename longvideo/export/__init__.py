@@ -1,15 +1,18 @@
-"""Hugging Face interoperability: import, export, and loading any checkpoint for inference."""
+"""Hugging Face interoperability: `import-hf`, `export`, and the processor of exported models.
 
-from longvideo.export.hf import (
-    CheckpointError,
-    Pretrained,
-    export_hf,
-    import_hf,
-    load_pretrained,
-    load_project_state,
-    save_project_checkpoint,
-)
-from longvideo.export.processor import LongVideoProcessor
+    from longvideo.export import export_hf, import_hf, LongVideoProcessor
 
-__all__ = ["CheckpointError", "LongVideoProcessor", "Pretrained", "export_hf", "import_hf", "load_pretrained", "load_project_state",
-           "save_project_checkpoint"]
+The checkpoint formats themselves live in longvideo.checkpoint (also `load_pretrained`).
+See docs/export.md.
+"""
+
+from longvideo._lazy import lazy_exports
+
+_EXPORTS = {
+    "export_hf": "hf",
+    "import_hf": "hf",
+    "LongVideoProcessor": "processor",
+    "ProcessorSettings": "processor",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

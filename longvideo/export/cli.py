@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from longvideo.checkpoint import CheckpointError
+from longvideo.export.hf import export_hf, import_hf
+
 
 def import_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="longvideo import-hf",
@@ -15,8 +18,6 @@ def import_main(argv: list[str]) -> int:
     p.add_argument("--config", default=None, help="root config to take the non-model sections from")
     p.add_argument("--codebook-size", type=int, default=None, help="VQ codebook size (default: the config's)")
     a = p.parse_args(argv)
-    from longvideo.export.hf import CheckpointError, import_hf
-
     try:
         out = import_hf(a.hf, a.out, base_config=a.config, codebook_size=a.codebook_size)
     except (CheckpointError, FileNotFoundError, ValueError) as e:
@@ -34,8 +35,6 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: CKPT/tokenizer)")
     p.add_argument("--vq", default=None, help="VQ tokenizer directory (default: CKPT/vq if present)")
     a = p.parse_args(argv)
-    from longvideo.export.hf import CheckpointError, export_hf
-
     try:
         out = export_hf(a.ckpt, a.out, tokenizer_dir=a.tokenizer, vq_dir=a.vq)
     except (CheckpointError, FileNotFoundError, ValueError) as e:

@@ -22,6 +22,12 @@ from typing import Optional
 
 import torch
 
+from longvideo.config import Config
+from longvideo.data.codes import video_to_codes
+from longvideo.data.layout import PromptOptions, build_prompt_ids, parse_answer
+from longvideo.tokenizer import TextTokenizer
+from longvideo.vq import VQModel, load_vq
+
 PROCESSOR_CONFIG = "processor_config.json"
 
 
@@ -40,28 +46,34 @@ class ProcessorSettings:
     batch_frames: int = 16
     """Frames VQ-encoded at once (bounds memory on long videos)."""
 
+    @classmethod
+    def from_config(cls, cfg: Config) -> "ProcessorSettings":
+        """What a model trained with `cfg` expects (its data section)."""
+        d = cfg.data
+        prompt = PromptOptions.from_config(d)
+        return cls(fps=d.fps, max_frames=d.max_frames, max_resolution=d.max_resolution,
+                   timestamp_every=prompt.timestamp_every, question_first=prompt.question_first,
+                   batch_frames=cfg.infer.encode_batch_frames)
+
+    @property
+    def prompt(self) -> PromptOptions:
+        return PromptOptions(timestamp_every=self.timestamp_every, question_first=self.question_first)
+
 
 class LongVideoProcessor:
-    def __init__(self, tokenizer, vq, settings: ProcessorSettings = ProcessorSettings()):
+    def __init__(self, tokenizer: TextTokenizer, vq: VQModel, settings: ProcessorSettings = ProcessorSettings()):
         self.tokenizer = tokenizer
         self.vq = vq
         self.settings = settings
         self.vocab = tokenizer.vocab(vq.cfg.codebook_size)
 
     @classmethod
-    def from_config(cls, cfg, tokenizer, vq) -> "LongVideoProcessor":
-        """Settings from a root Config's data section (what the model was trained with)."""
-        d = cfg.data
-        return cls(tokenizer, vq, ProcessorSettings(
-            fps=d.fps, max_frames=d.max_frames, max_resolution=getattr(d, "max_resolution", 4096),
-            timestamp_every=getattr(d, "timestamp_every", 0),
-            question_first=getattr(d, "question_position", "after") == "before"))
+    def from_config(cls, cfg: Config, tokenizer: TextTokenizer, vq: VQModel) -> "LongVideoProcessor":
+        """Settings from a root Config (what the model was trained with)."""
+        return cls(tokenizer, vq, ProcessorSettings.from_config(cfg))
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "LongVideoProcessor":
-        from longvideo.tokenizer import TextTokenizer
-        from longvideo.vq import load_vq
-
         path = Path(path)
         cfg_file = path / PROCESSOR_CONFIG
         if not cfg_file.is_file():
@@ -84,21 +96,13 @@ class LongVideoProcessor:
 
     def encode_video(self, video, fps: Optional[float] = None, max_frames: Optional[int] = None):
         """codes (G, h, w) and per-group timestamps (G,) of a video path or bytes."""
-        from longvideo.data.tokenize import TokenizeOptions, tokenize_sample
-
         s = self.settings
-        src = Path(video).read_bytes() if isinstance(video, (str, Path)) else video
-        opts = TokenizeOptions(fps=fps or s.fps, max_frames=max_frames or s.max_frames,
-                               max_resolution=s.max_resolution, batch_frames=s.batch_frames)
-        codes, stamps, _ = tokenize_sample(self.vq, src, opts)
-        return codes, stamps
+        vc = video_to_codes(self.vq, video, fps=fps or s.fps, max_frames=max_frames or s.max_frames,
+                            max_resolution=s.max_resolution, batch_frames=s.batch_frames)
+        return vc.codes, vc.timestamps
 
     def prompt_ids(self, codes, timestamps, question: str) -> list[int]:
-        from longvideo.data.layout import build_prompt_ids
-
-        return build_prompt_ids(self.tokenizer, self.vocab, codes, timestamps, question,
-                                question_first=self.settings.question_first,
-                                timestamp_every=self.settings.timestamp_every)
+        return build_prompt_ids(self.tokenizer, self.vocab, codes, timestamps, question, self.settings.prompt)
 
     def __call__(self, video, question: str, fps: Optional[float] = None, max_frames: Optional[int] = None,
                  return_tensors: str = "pt") -> dict:
@@ -113,8 +117,6 @@ class LongVideoProcessor:
 
     def decode(self, ids, prompt_length: int = 0) -> str:
         """The answer text of generated ids (after the prompt, up to EOS)."""
-        from longvideo.data.layout import parse_answer
-
         ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)][prompt_length:]
         if self.tokenizer.eos_id in ids:
             ids = ids[: ids.index(self.tokenizer.eos_id)]

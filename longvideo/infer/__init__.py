@@ -4,35 +4,31 @@ about a video, and the evaluations (QA accuracy, text and video needle in a hays
     from longvideo.infer import answer, ChatSession, generate
     answer("exported_dir", "clip.mp4", "What colour was the flash frame?")
 
-See docs/inference.md.
+See docs/inference.md. Names load lazily (longvideo._lazy).
 """
 
-from longvideo.infer.chat import (ChatSession, ContextWarning, EncodedVideo, answer, encode_video_file,
-                                  load_model)
-from longvideo.infer.config import InferConfig
-from longvideo.infer.engine import Engine, LocalEngine
-from longvideo.infer.evals import evaluate_qa, evaluate_text_needle, evaluate_video_needle
-from longvideo.infer.generate import Generation, generate, prefill, sample_token
-from longvideo.infer.sp import SequenceParallelEngine, merge_partials, sp_generate
+from longvideo._lazy import lazy_exports
 
-__all__ = [
-    "ChatSession",
-    "ContextWarning",
-    "EncodedVideo",
-    "Engine",
-    "Generation",
-    "InferConfig",
-    "LocalEngine",
-    "SequenceParallelEngine",
-    "answer",
-    "encode_video_file",
-    "evaluate_qa",
-    "evaluate_text_needle",
-    "evaluate_video_needle",
-    "generate",
-    "load_model",
-    "merge_partials",
-    "prefill",
-    "sample_token",
-    "sp_generate",
-]
+_EXPORTS = {
+    "ChatSession": "chat",
+    "ContextWarning": "chat",
+    "EncodedVideo": "chat",
+    "answer": "chat",
+    "encode_video_file": "chat",
+    "load_model": "chat",
+    "InferConfig": "config",
+    "evaluate_qa": "evals",
+    "evaluate_text_needle": "evals",
+    "evaluate_video_needle": "evals",
+    "Engine": "generation",
+    "Generation": "generation",
+    "LocalEngine": "generation",
+    "generate": "generation",
+    "prefill": "generation",
+    "sample_token": "generation",
+    "MergedAttentionSeam": "sp",
+    "SequenceParallelEngine": "sp",
+    "sp_generate": "sp",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

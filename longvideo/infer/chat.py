@@ -3,12 +3,12 @@
     from longvideo.infer import answer, ChatSession
     print(answer("exported_dir", "clip.mp4", "What colour was the flash frame?"))
 
-    session = ChatSession.from_video(load_pretrained("exported_dir"), "clip.mp4")
+    session = ChatSession.from_video(load_model("exported_dir"), "clip.mp4")
     session.ask("What shape came first?")          # encodes once, prefills the video once
     session.ask("What colour was the last shape?")  # reuses the video's KV cache
 
-The video is decoded at the requested fps with the data reader, VQ-encoded in batches of
-`encode_batch_frames` frames as it streams in (a progress bar counts frames), laid out with the QA
+The video is decoded at the requested fps and VQ-encoded in batches of `encode_batch_frames`
+frames as it streams in (longvideo.data.codes; a progress bar counts frames), laid out with the QA
 training template (`longvideo.data.layout.build_prompt_ids`), and the video part of the prompt is
 prefilled once into a KV cache; each question is prefilled after it and answered.
 
@@ -22,14 +22,17 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+from longvideo.checkpoint import Pretrained, load_pretrained
+from longvideo.data.codes import video_to_codes
+from longvideo.data.layout import PromptOptions, build_prompt_ids, uniform_keep
+from longvideo.data.video import EmptyVideoError, probe_video, sample_indices
 from longvideo.infer.config import InferConfig
-from longvideo.infer.engine import Engine, LocalEngine
-from longvideo.infer.generate import trim_at_stop
+from longvideo.infer.generation import Engine, LocalEngine, trim_at_stop
 
 QUESTION_RESERVE = 64
 """Tokens kept free for a question when the video is fitted to the context before one is known."""
@@ -55,15 +58,10 @@ class EncodedVideo:
     """Frames per second actually sampled (lower than asked when the context forced it)."""
 
 
-def load_model(model, device: str | torch.device = "cpu"):
-    """A `Pretrained` (model, config, tokenizer, vq) from itself or a directory."""
+def load_model(model, device: str | torch.device = "cpu") -> Pretrained:
+    """A `Pretrained` (model, config, tokenizer, vq) from itself or a directory (longvideo.checkpoint)."""
     if isinstance(model, (str, Path)):
-        from longvideo.export import load_pretrained
-
-        path = Path(model)
-        if not path.exists():
-            raise FileNotFoundError(f"model directory not found: {path}")
-        return load_pretrained(path, device=device)
+        return load_pretrained(model, device=device)
     return model
 
 
@@ -78,21 +76,11 @@ def _require(pretrained, what: str):
 
 # ----------------------------------------------------------------------------- prompt and context
 
-def prompt_options(pretrained) -> dict:
-    """The layout options the model was trained with (timestamps, question position)."""
-    data = getattr(getattr(pretrained, "config", None), "data", None)
-    every = int(getattr(data, "timestamp_every", 0) or 0)
-    first = getattr(data, "question_position", "after") == "before"
-    return {"timestamp_every": every, "question_first": first}
-
-
 def prompt_ids(pretrained, codes: np.ndarray, timestamps: np.ndarray, question: str) -> list[int]:
     """The QA prompt (training template) for one question, ending where the answer starts."""
-    from longvideo.data.layout import build_prompt_ids
-
     tok = _require(pretrained, "tokenizer")
     return build_prompt_ids(tok, pretrained.model.cfg.vocab, codes, timestamps, question,
-                            **prompt_options(pretrained))
+                            PromptOptions.from_config(pretrained.config.data))
 
 
 def groups_that_fit(length_of: Callable[[int], int], num_groups: int, budget: int) -> int:
@@ -134,8 +122,6 @@ def fit_codes(pretrained, codes: np.ndarray, timestamps: np.ndarray, question: s
               max_new_tokens: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """Drop code groups uniformly over the video until the prompt fits the context.
     Returns the kept codes, their timestamps and the kept group indices."""
-    from longvideo.data.layout import uniform_keep
-
     G = codes.shape[0]
 
     def length(g: int) -> int:
@@ -158,11 +144,6 @@ def encode_video_file(pretrained, video, *, fps: float = 1.0, max_frames: Option
 
     Raises longvideo.data.video.VideoError (or a subclass) for a missing or unreadable video.
     """
-    from tqdm.auto import tqdm
-
-    from longvideo.data.video import EmptyVideoError, iter_video, probe_video, sample_indices
-    from longvideo.vq import encode_video
-
     vq = _require(pretrained, "vq")
     info = probe_video(video)
     wanted = len(sample_indices(info.num_frames, info.fps, fps, max_frames))
@@ -180,28 +161,10 @@ def encode_video_file(pretrained, video, *, fps: float = 1.0, max_frames: Option
                       f"context of {pretrained.model.cfg.max_seq_len} tokens holds with the question and "
                       f"{max_new_tokens} answer tokens; sampling {n} frames over the whole video instead "
                       f"(effective fps {effective:.4g})", ContextWarning, stacklevel=2)
-    stamps: list[torch.Tensor] = []
-    bar = tqdm(total=n, unit="frame", desc="encoding video", disable=not progress)
-
-    def chunks() -> Iterator[torch.Tensor]:
-        for frames, times in iter_video(video, fps=fps, max_frames=n, size=vq.cfg.resolution):
-            stamps.append(times)
-            bar.update(int(frames.shape[0]))
-            yield frames
-
-    try:
-        with torch.no_grad():
-            codes = encode_video(vq, chunks(), batch_frames=batch_frames)
-    finally:
-        bar.close()
-    times = torch.cat(stamps).double().numpy() if stamps else np.zeros(0)
-    groups = vq.group_frame_index(len(times))
-    codes = np.asarray(codes.cpu()).astype(np.int64)
-    if codes.shape[0] != len(groups):
-        raise RuntimeError(f"VQ returned {codes.shape[0]} code groups for {len(times)} frames, "
-                           f"expected {len(groups)}")
-    return EncodedVideo(codes=codes, timestamps=np.asarray([times[g[0]] for g in groups], np.float64),
-                        num_frames=len(times), duration=float(duration), fps=float(effective))
+    vc = video_to_codes(vq, video, fps=fps, max_frames=n, batch_frames=batch_frames, progress=progress,
+                        total_frames=n)
+    return EncodedVideo(codes=vc.codes, timestamps=vc.timestamps, num_frames=vc.num_frames,
+                        duration=float(duration), fps=float(effective))
 
 
 # ----------------------------------------------------------------------------- answering
@@ -280,8 +243,8 @@ def answer(model, video, question: str, *, fps: float = 1.0, max_frames: Optiona
            device: str | torch.device = "cpu", progress: bool = False) -> str:
     """Answer one question about one video.
 
-    model: a `Pretrained` (longvideo.export.load_pretrained) or a directory (exported Hugging Face
-    or project checkpoint); video: a path or the file's bytes. Generation settings default to the
+    model: a `Pretrained` (longvideo.checkpoint.load_pretrained) or a directory (exported Hugging
+    Face or project checkpoint); video: a path or the file's bytes. Generation settings default to the
     model's `infer` config.
     """
     pretrained = load_model(model, device)

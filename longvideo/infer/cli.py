@@ -24,6 +24,12 @@ from typing import Iterator, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+from longvideo.data.video import VideoError
+from longvideo.infer import evals
+from longvideo.infer.chat import ChatSession, EncodedVideo, encode_video_file, infer_config, load_model
+from longvideo.infer.sp import SequenceParallelEngine, broadcast_array, broadcast_text, comm_device
 
 EXIT_ERROR = 2
 
@@ -34,8 +40,6 @@ def _error(prog: str, err: BaseException) -> int:
 
 
 def _known_errors() -> tuple[type, ...]:
-    from longvideo.data.video import VideoError
-
     return (VideoError, FileNotFoundError, ValueError, RuntimeError)
 
 
@@ -107,8 +111,6 @@ def chat_main(argv: list[str]) -> int:
 def _chat(args) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _chat_sequence_parallel(args)
-    from longvideo.infer.chat import ChatSession, infer_config, load_model
-
     try:
         pretrained = load_model(args.model, _device(args.device))
         cfg = infer_config(pretrained, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -124,11 +126,6 @@ def _chat(args) -> int:
 
 def _chat_sequence_parallel(args) -> int:
     """Every rank runs this; rank 0 reads the video and the questions and prints the answers."""
-    import torch.distributed as dist
-
-    from longvideo.infer.chat import ChatSession, EncodedVideo, encode_video_file, infer_config, load_model
-    from longvideo.infer.sp import SequenceParallelEngine, broadcast_array, broadcast_text, comm_device
-
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _device(args.device, local_rank)
     if device.type == "cuda":
@@ -229,9 +226,6 @@ def eval_main(argv: list[str]) -> int:
 
 
 def _eval(args) -> int:
-    from longvideo.infer import evals
-    from longvideo.infer.chat import load_model
-
     try:
         pretrained = load_model(args.model, _device(args.device))
         progress = not args.quiet

@@ -33,9 +33,17 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
+from longvideo.data.codes import video_to_codes
+from longvideo.data.layout import build_prompt_ids, parse_answer
+from longvideo.data.shards import (ShardError, SkipStats, expand_shards, index_tar, iter_raw_samples,
+                                   iter_token_samples)
+from longvideo.data.synthetic import COLOURS, NEEDLE_CHOICES, NEEDLE_QUESTION, SyntheticSpec, make_sample
+from longvideo.data.video import VideoError
 from longvideo.infer.chat import ChatSession, EncodedVideo, fit_codes, infer_config, load_model
-from longvideo.infer.engine import Engine
+from longvideo.infer.generation import Engine, LocalEngine, trim_at_stop
+from longvideo.vq.codec import encode_video
 
 EngineFactory = Callable[[object], Engine]
 """Builds the engine for a loaded model (default: a LocalEngine with the config's prefill chunk)."""
@@ -44,8 +52,6 @@ EngineFactory = Callable[[object], Engine]
 # ----------------------------------------------------------------------------- scoring
 
 def normalise(text: str) -> str:
-    from longvideo.data.layout import parse_answer
-
     return re.sub(r"\s+", " ", parse_answer(text).lower()).strip()
 
 
@@ -109,10 +115,6 @@ def _session(pretrained, video: EncodedVideo, infer, engine_factory: Optional[En
 def _qa_samples(pretrained, shards, *, fps: float, max_frames: Optional[int], batch_frames: int,
                 stats) -> Iterator[tuple[str, np.ndarray, np.ndarray, dict]]:
     """(key, codes, timestamps, meta) of token shards, or of raw shards encoded with the model's VQ."""
-    from longvideo.data.shards import ShardError, expand_shards, index_tar, iter_raw_samples, iter_token_samples
-    from longvideo.data.tokenize import TokenizeOptions, tokenize_sample
-    from longvideo.data.video import VideoError
-
     paths = expand_shards(shards)
     if not paths:
         raise FileNotFoundError(f"no shards match {shards!r}")
@@ -129,14 +131,14 @@ def _qa_samples(pretrained, shards, *, fps: float, max_frames: Optional[int], ba
             continue
         if pretrained.vq is None:
             raise ValueError(f"{path} is a raw shard (videos): evaluating it needs the model's VQ (vq/)")
-        opts = TokenizeOptions(fps=fps, max_frames=max_frames, batch_frames=batch_frames)
         for raw in iter_raw_samples(path, stats):
             try:
-                codes, stamps, _ = tokenize_sample(pretrained.vq, raw.video, opts)
+                vc = video_to_codes(pretrained.vq, raw.video, fps=fps, max_frames=max_frames,
+                                    batch_frames=batch_frames)
             except VideoError as e:
                 stats.skip("video_error", f"{path}:{raw.key}", str(e))
                 continue
-            yield raw.key, codes, stamps, raw.meta
+            yield raw.key, vc.codes, vc.timestamps, raw.meta
 
 
 def evaluate_qa(model, shards, *, out_dir: Optional[str | Path] = None, max_samples: Optional[int] = None,
@@ -144,10 +146,6 @@ def evaluate_qa(model, shards, *, out_dir: Optional[str | Path] = None, max_samp
                 engine_factory: Optional[EngineFactory] = None, progress: bool = True) -> dict:
     """Accuracy over every question of the samples in `shards` (token shards, or raw shards that the
     model's VQ encodes). Returns accuracy (exact), substring accuracy, chance, per-question results."""
-    from tqdm.auto import tqdm
-
-    from longvideo.data.shards import SkipStats
-
     pretrained = load_model(model)
     infer = infer_config(pretrained, max_new_tokens=max_new_tokens, temperature=0.0)
     stats = SkipStats()
@@ -243,8 +241,6 @@ def text_needle_prompt(pretrained, context_len: int, depth: float, city: str, nu
                        seed: int = 0) -> tuple[list[int], dict]:
     """Prompt ids of about `context_len` tokens with the needle at `depth` (0 = start, 1 = end) of
     the haystack, inserted at the sentence boundary nearest to that depth; and facts about it."""
-    from longvideo.data.layout import build_prompt_ids
-
     tok = pretrained.tokenizer
     vocab = pretrained.model.cfg.vocab
     needle = f"The special magic {city} number is: {number}."
@@ -278,11 +274,6 @@ def evaluate_text_needle(model, *, lengths: Sequence[int] = (256, 512, 1024),
                          engine_factory: Optional[EngineFactory] = None, progress: bool = True) -> dict:
     """LWM's needle retrieval over a context-length x depth grid; a cell's score is the fraction of
     its `rounds` needles whose number appears in the answer."""
-    from tqdm.auto import tqdm
-
-    from longvideo.infer.engine import LocalEngine
-    from longvideo.infer.generate import trim_at_stop
-
     pretrained = load_model(model)
     if pretrained.tokenizer is None:
         raise ValueError("the text needle evaluation needs the model's text tokenizer")
@@ -330,8 +321,6 @@ def haystack_frames(num_frames: int, size: int, seed: int, source_fps: int = 8) 
 
     Rendered at `source_fps` like the synthetic training videos and sampled at 1 fps the way the
     reader samples them, so shapes move between frames as they do in training."""
-    from longvideo.data.synthetic import SyntheticSpec, make_sample
-
     spec = SyntheticSpec(size=size, fps=source_fps, min_seconds=num_frames, max_seconds=num_frames,
                          long_fraction=0.0, needle_fraction=0.0)
     return np.ascontiguousarray(make_sample(seed, 0, spec).frames()[::source_fps])
@@ -348,11 +337,6 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                           progress: bool = True) -> dict:
     """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid; a cell's score is
     the fraction of needle colours named correctly (exact match). Chance = 1 / len(colours)."""
-    from tqdm.auto import tqdm
-
-    from longvideo.data.synthetic import COLOURS, NEEDLE_CHOICES, NEEDLE_QUESTION
-    from longvideo.vq import encode_video
-
     pretrained = load_model(model)
     if pretrained.vq is None or pretrained.tokenizer is None:
         raise ValueError("the video needle evaluation needs the model's VQ and text tokenizer")

@@ -29,72 +29,32 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kernels import get_backend
-from longvideo.infer.engine import copy_cache
-from longvideo.infer.generate import Generation, decode_loop, logits_of, sample_token
+from longvideo.infer.generation import Generation, copy_cache, decode_loop, logits_of, sample_token
+from longvideo.kernels import get_backend, merge_partials
 from longvideo.model import KVCache, Transformer
+from longvideo.parallel import RingAttentionSeam, shard_sequence
 
 
-def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> Tensor:
-    """Exact attention over the union of key sets from per-set partials.
+class MergedAttentionSeam:
+    """The attention seam for tokens every rank holds (the question, then each generated token).
 
-    outs: W tensors (B, S, H, D), each the softmax-weighted values over one key set; lses: W
-    tensors (B, H, S), the log-sum-exp of that set's scores (-inf where it had no visible key).
-    Returns (B, S, H, D) in the compute dtype (fp32, or fp64 for fp64 inputs); rows with no
-    visible key anywhere are 0. Overflow-free: weights are exp(lse_r - max_r lse_r) <= 1.
-    """
-    cdt = torch.float64 if lses[0].dtype == torch.float64 else torch.float32
-    lse = torch.stack([x.to(cdt) for x in lses])  # (W, B, H, S)
-    m = lse.amax(dim=0)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # all -inf: weights become 0, not nan
-    w = torch.exp(lse - m)  # (W, B, H, S)
-    w = w.permute(0, 1, 3, 2)[..., None]  # (W, B, S, H, 1)
-    num = sum(w[r] * outs[r].to(cdt) for r in range(len(outs)))
-    den = w.sum(dim=0)
-    return torch.where(den > 0, num / den.clamp_min(torch.finfo(cdt).tiny), torch.zeros_like(num))
-
-
-class ShardedKVCache(KVCache):
-    """One rank's part of a sequence-parallel KV cache.
-
-    `owns_new_tokens` decides whether the tokens being appended keep their segment ids (visible
-    here) or get -1 (kept only for their slot: another rank owns their keys).
+    The queries attend to this rank's part of the KV cache with a block backend, which returns the
+    partial (out, lse) over those keys; the partials of all ranks are gathered and merged exactly
+    (longvideo.kernels.merge_partials), in rank order, so every rank gets bitwise the same result.
+    The keys of the replicated tokens themselves (positions >= `shared_from`) are cached on every
+    rank but count on the `owner` rank only, so that every key is counted once.
     """
 
-    owns_new_tokens: bool = True
-
-    def begin(self, positions: Tensor, segment_ids: Tensor) -> None:
-        if not self.owns_new_tokens:
-            segment_ids = torch.full_like(segment_ids, -1)
-        super().begin(positions, segment_ids)
-
-
-class SequenceParallelAttention:
-    """The model's attention seam during sequence-parallel serving.
-
-    mode "ring": the local queries and the local cache are this rank's zigzag shard of the same
-    tokens (empty cache before the prefix): ring attention over the group.
-    mode "merge": the queries are replicated on every rank: attend to the local cache, gather the
-    partials of all ranks, merge exactly.
-    """
-
-    def __init__(self, group, backend: str = "auto"):
-        self.group, self.backend = group, backend
-        self.mode = "ring"
+    def __init__(self, group, backend: str, *, shared_from: int, owner: bool):
+        self.group, self.backend, self.shared_from, self.owner = group, backend, shared_from, owner
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_positions: Tensor,
                  q_segment_ids: Tensor, k_segment_ids: Tensor, causal: bool = True) -> Tensor:
-        if self.mode == "ring":  # the prefix: the local cache holds exactly this shard's keys
-            from longvideo.parallel import RingAttentionSeam
-
-            return RingAttentionSeam(self.group, self.backend)(
-                q, k, v, q_positions=q_positions, k_positions=k_positions, q_segment_ids=q_segment_ids,
-                k_segment_ids=k_segment_ids, causal=causal)
-        return self.merged(q, k, v, q_positions, k_positions, q_segment_ids, k_segment_ids, causal)
-
-    def merged(self, q, k, v, q_pos, k_pos, q_seg, k_seg, causal) -> Tensor:
+        if not self.owner:
+            k_segment_ids = k_segment_ids.masked_fill(k_positions >= self.shared_from, -1)
         be = get_backend(self.backend, q.device)
-        out, lse = be.forward(q, k, v, q_pos, k_pos, q_seg, k_seg, 1.0 / math.sqrt(q.shape[-1]), causal)
+        out, lse = be.forward(q, k, v, q_positions, k_positions, q_segment_ids, k_segment_ids,
+                              1.0 / math.sqrt(q.shape[-1]), causal)
         W = dist.get_world_size(self.group)
         if W == 1:
             return out
@@ -102,8 +62,7 @@ class SequenceParallelAttention:
         lses = [torch.empty_like(lse) for _ in range(W)]
         dist.all_gather(outs, out.contiguous(), group=self.group)
         dist.all_gather(lses, lse.contiguous(), group=self.group)
-        # every rank merges the same gathered tensors in the same order: bitwise equal results
-        return merge_partials(outs, lses).to(q.dtype)
+        return merge_partials(outs, lses)[0].to(q.dtype)
 
 
 class SequenceParallelEngine:
@@ -117,31 +76,21 @@ class SequenceParallelEngine:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.owner = self.world - 1  # holds the keys of the replicated tokens
-        self.attn = SequenceParallelAttention(group, backend)
-        self.cache: Optional[ShardedKVCache] = None
+        self.ring = RingAttentionSeam(group, backend)
+        self.merged: Optional[MergedAttentionSeam] = None  # built for each prefix (it knows its length)
+        self.backend = backend
+        self.cache: Optional[KVCache] = None
         self.prefix_len = 0
         self.local_prefix_len = 0
         self.prefix_s = 0.0
 
-    def _new_cache(self, batch: int, max_len: int) -> ShardedKVCache:
+    def _new_cache(self, batch: int, max_len: int) -> KVCache:
         p = next(self.model.parameters())
-        return ShardedKVCache(self.model.cfg, batch, max_len, dtype=p.dtype, device=p.device)
-
-    def _run(self, mode: str, *args, **kwargs) -> Tensor:
-        """Run the model with the sequence-parallel seam, restoring the model's own afterwards."""
-        previous = self.model.attention_fn
-        self.attn.mode = mode
-        self.model.set_attention(self.attn)
-        try:
-            return self.model(*args, **kwargs)
-        finally:
-            self.model.set_attention(previous)
+        return KVCache(self.model.cfg, batch, max_len, dtype=p.dtype, device=p.device)
 
     @torch.no_grad()
     def set_prefix(self, ids: Tensor) -> None:
         """Shard ids (B, P) over the group with the zigzag layout and prefill them with ring attention."""
-        from longvideo.parallel import shard_sequence
-
         B, P = ids.shape
         t0 = time.perf_counter()
         pos = torch.arange(P, device=ids.device)[None].expand(B, P)
@@ -151,17 +100,15 @@ class SequenceParallelEngine:
         local_seg = shard_sequence(seg, self.group, dim=1, pad_value=-1) if P else seg
         n = local_ids.shape[1]
         self.cache = self._new_cache(B, n + self.spare)
-        if n:
-            self.cache.owns_new_tokens = True
-            self._run("ring", local_ids, local_pos, local_seg, cache=self.cache)
+        if n:  # the cache is empty: queries and keys are this rank's shard, as the ring needs
+            self.model(local_ids, local_pos, local_seg, cache=self.cache, attention_fn=self.ring)
         self.prefix_len, self.local_prefix_len = P, n
+        self.merged = MergedAttentionSeam(self.group, self.backend, shared_from=P, owner=self.rank == self.owner)
         self.prefix_s = time.perf_counter() - t0
 
     def _replicated(self, ids: Tensor, positions: Tensor) -> Tensor:
         """Feed tokens every rank holds; return the last logits (B, V)."""
-        self.cache.owns_new_tokens = self.rank == self.owner
-        seg = torch.zeros_like(ids)
-        hidden = self._run("merge", ids, positions, seg, cache=self.cache)
+        hidden = self.model(ids, positions, torch.zeros_like(ids), cache=self.cache, attention_fn=self.merged)
         return logits_of(self.model, hidden)
 
     def _broadcast(self, tok: Tensor) -> Tensor:

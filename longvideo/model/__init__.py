@@ -1,9 +1,14 @@
 """The LLaMA-style decoder. Never imports torch.distributed or deepspeed."""
 
-from longvideo.model.attention import AttentionFn, local_attention
-from longvideo.model.cache import KVCache
-from longvideo.model.config import ModelConfig
-from longvideo.model.head import chunked_cross_entropy
-from longvideo.model.transformer import Transformer
+from longvideo._lazy import lazy_exports
 
-__all__ = ["AttentionFn", "KVCache", "ModelConfig", "Transformer", "chunked_cross_entropy", "local_attention"]
+_EXPORTS = {
+    "AttentionFn": "attention",
+    "local_attention": "attention",
+    "KVCache": "cache",
+    "ModelConfig": "config",
+    "chunked_cross_entropy": "head",
+    "Transformer": "transformer",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

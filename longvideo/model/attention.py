@@ -1,13 +1,13 @@
 """Multi-head attention with GQA and RoPE, calling the attention seam.
 
-The seam is one function (DESIGN.md decision 2):
+The seam is one function (docs/architecture.md, decision 2):
 
     attention_fn(q, k, v, *, q_positions, k_positions, q_segment_ids, k_segment_ids, causal=True)
         q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); positions / segment ids (B, S) -> out (B, Sq, Hq, D)
 
 A key is visible to a query iff (k_pos <= q_pos) and (k_seg == q_seg) and k_seg >= 0; no S x S
 mask is ever built. `local_attention` is the single-device implementation; sequence-parallel ring
-attention is another one, swapped in by `longvideo.parallel.parallelize`.
+attention is another one, swapped in by `longvideo.parallel.apply`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 from torch import Tensor, nn
 
-from kernels import block_attention
+from longvideo.kernels import block_attention
 from longvideo.model.config import ModelConfig
 from longvideo.model.layers import apply_rope
 

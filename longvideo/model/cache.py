@@ -1,7 +1,7 @@
 """A preallocated key/value cache for generation.
 
 Per layer: K and V buffers (B, max_len, Hkv, D); shared by all layers: the positions and segment
-ids of the cached tokens (B, max_len), so masks stay position-based (DESIGN.md decision 2).
+ids of the cached tokens (B, max_len), so masks stay position-based (docs/architecture.md, decision 2).
 Usage by the model: `cache.begin(positions, segment_ids)` before the layers, each layer calls
 `cache.layer(i).update(k, v)`, then `cache.commit(S)` after the layers.
 """

@@ -6,7 +6,7 @@ the forward pass (the logits of one chunk are the only vocab-sized tensor alive)
 pass only scales the stored gradients by the incoming gradient.
 
 The loss is returned as a weighted *sum* together with the weight total, so the caller divides by
-the weight total of the whole global batch (DESIGN.md decision 6): packed, sharded and
+the weight total of the whole global batch (docs/architecture.md, decision 6): packed, sharded and
 gradient-accumulated batches then all give the gradients of one big unsharded batch.
 """
 
@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from longvideo.kernels import accum_dtype
+
 
 class _ChunkedWeightedCE(torch.autograd.Function):
     @staticmethod
@@ -24,7 +26,7 @@ class _ChunkedWeightedCE(torch.autograd.Function):
         N = hidden.shape[0]
         chunk = N if chunk <= 0 else chunk
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # accumulation dtype
+        acc = accum_dtype(hidden.dtype)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         d_hidden = torch.zeros_like(hidden) if need_grad else None
         d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad else None

@@ -1,7 +1,7 @@
 """The LLaMA-style decoder: embeddings -> n x (RMSNorm, attention, RMSNorm, SwiGLU) -> RMSNorm -> head.
 
 Reads top to bottom; no distributed code lives here. Parallelism is applied to a built model from
-outside (`longvideo.parallel.parallelize`) through `set_attention`.
+outside (`longvideo.parallel.apply`) through `set_attention`.
 """
 
 from __future__ import annotations
@@ -71,10 +71,12 @@ class Transformer(nn.Module):
         targets: Optional[Tensor] = None,
         loss_weights: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
+        attention_fn: Optional[AttentionFn] = None,
     ):
         """input_ids (B, S). positions / segment_ids (B, S) default to 0..S-1 (after the cache) and
         one segment. Without targets: hidden states (B, S, dim) after the final norm. With targets
-        (B, S): (weighted loss sum, weight total), see longvideo.model.head."""
+        (B, S): (weighted loss sum, weight total), see longvideo.model.head. attention_fn: the seam
+        for this call only (default: the model's own, see set_attention)."""
         B, S = input_ids.shape
         if positions is None:
             start = cache.next_position()[:, None] if cache is not None else 0
@@ -85,13 +87,13 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         if cache is not None:
             cache.begin(positions, segment_ids)
+        attn = attention_fn or self.attention_fn
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layer(i) if cache is not None else None
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, positions, segment_ids, self.attention_fn, layer_cache,
-                               use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, positions, segment_ids, attn, layer_cache, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, positions, segment_ids, self.attention_fn, layer_cache)
+                x = layer(x, cos, sin, positions, segment_ids, attn, layer_cache)
         if cache is not None:
             cache.commit(S)
         hidden = self.norm(x)

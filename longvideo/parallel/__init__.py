@@ -5,40 +5,31 @@
     local = shard_batch(batch, mesh.sp_group)              # this rank's zigzag shard of a batch
     loss, total = normalized_loss(*model(**local), mesh)   # loss over the whole global batch
 
-See docs/ring_attention.md.
+See docs/ring_attention.md. Names load lazily (longvideo._lazy).
 """
 
-from longvideo.parallel.comm import CommStats, DoubleBuffer, RingComm
-from longvideo.parallel.layout import (
-    BATCH_PAD_VALUES,
-    layout_positions,
-    padded_length,
-    shard_batch,
-    shard_sequence,
-    unshard_sequence,
-    zigzag_indices,
-)
-from longvideo.parallel.loss import global_weight_total, normalized_loss
-from longvideo.parallel.mesh import Mesh
-from longvideo.parallel.parallelize import RingAttentionSeam, parallelize
-from longvideo.parallel.ring import block_is_empty, ring_attention
+from longvideo._lazy import lazy_exports
 
-__all__ = [
-    "BATCH_PAD_VALUES",
-    "CommStats",
-    "DoubleBuffer",
-    "Mesh",
-    "RingAttentionSeam",
-    "RingComm",
-    "block_is_empty",
-    "global_weight_total",
-    "layout_positions",
-    "normalized_loss",
-    "padded_length",
-    "parallelize",
-    "ring_attention",
-    "shard_batch",
-    "shard_sequence",
-    "unshard_sequence",
-    "zigzag_indices",
-]
+_EXPORTS = {
+    "CommStats": "comm",
+    "DoubleBuffer": "comm",
+    "RingComm": "comm",
+    "BATCH_PAD_VALUES": "layout",
+    "layout_positions": "layout",
+    "padded_length": "layout",
+    "shard_batch": "layout",
+    "shard_sequence": "layout",
+    "unshard_sequence": "layout",
+    "zigzag_indices": "layout",
+    "global_weight_total": "loss",
+    "loss_scale": "loss",
+    "normalized_loss": "loss",
+    "Mesh": "mesh",
+    "ParallelConfig": "config",
+    "RingAttentionSeam": "apply",
+    "parallelize": "apply",
+    "block_is_empty": "ring",
+    "ring_attention": "ring",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -1,14 +1,15 @@
-"""Loss normalisation over the whole dp x sp batch (DESIGN.md decision 6).
+"""Loss normalisation over the whole dp x sp batch (docs/architecture.md, decision 6).
 
 Each rank's model returns a weighted loss *sum* over its tokens and their weight total. The loss
-of the step is the sum over all ranks divided by the global weight total, so that sharding the
-sequence (sp) or the batch (dp) gives the gradients of one unsharded batch:
+of the step is the sum over all ranks (and micro-batches) divided by the global weight total, so
+that sharding the sequence (sp) or the batch (dp) gives the gradients of one unsharded batch:
 
-    loss, total = normalized_loss(loss_sum, weight_sum, mesh)
-    loss.backward()      # then reduce gradients over all dp x sp ranks
+    scale, total = loss_scale(weight_of_all_my_micro_batches, mesh)   # one all-reduce per step
+    for mb in micro_batches:
+        (model(**mb)[0] * scale).backward()     # then gradients are reduced over all dp x sp ranks
 
 `grad_reduction` says how the gradients will be reduced across the world: "mean" (DeepSpeed and
-DDP average) multiplies the loss by the world size to undo the average; "sum" leaves it.
+DDP average) multiplies by the world size to undo the average; "sum" leaves it.
 """
 
 from __future__ import annotations
@@ -29,15 +30,22 @@ def global_weight_total(weight_sum: Tensor, mesh: Mesh) -> Tensor:
     return total
 
 
+def loss_scale(weight_sum: Tensor, mesh: Mesh, *, grad_reduction: str = "mean") -> tuple[float, float]:
+    """(factor, global weight total): multiply every loss sum this rank back-propagates in the step
+    by `factor`. `weight_sum` is this rank's weight total over all of the step's micro-batches
+    (collective: one all-reduce)."""
+    if grad_reduction not in ("mean", "sum"):
+        raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
+    total = float(global_weight_total(weight_sum, mesh))
+    ranks = mesh.world_size if grad_reduction == "mean" else 1
+    return ranks / max(total, 1e-12), total
+
+
 def normalized_loss(loss_sum: Tensor, weight_sum: Tensor, mesh: Mesh, *,
-                    grad_reduction: str = "mean") -> tuple[Tensor, Tensor]:
-    """(this rank's loss to back-propagate, global weight total).
+                    grad_reduction: str = "mean") -> tuple[Tensor, float]:
+    """(this rank's loss to back-propagate, global weight total) for a step of one micro-batch.
 
     The values of the returned losses summed over all ranks (divided by world size for "mean")
     equal the global loss."""
-    if grad_reduction not in ("mean", "sum"):
-        raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
-    total = global_weight_total(weight_sum, mesh)
-    factor = mesh.world_size if grad_reduction == "mean" else 1
-    denom = total.clamp_min(1e-12).to(loss_sum.dtype)
-    return loss_sum * factor / denom, total
+    factor, total = loss_scale(weight_sum, mesh, grad_reduction=grad_reduction)
+    return loss_sum * factor, total

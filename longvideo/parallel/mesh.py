@@ -38,7 +38,7 @@ class Mesh:
     dp_group: Any = None
     """Process group of the ranks holding the same sequence chunks in other sp groups."""
     world_group: Any = None
-    """All dp x sp ranks: the loss normaliser and ZeRO partition over it (DESIGN.md decision 6)."""
+    """All dp x sp ranks: the loss normaliser and ZeRO partition over it (docs/architecture.md, decision 6)."""
     config: Any = None
     """The ParallelConfig the mesh was built from (its `backend` is the ring's block backend)."""
 

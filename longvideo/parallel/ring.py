@@ -29,33 +29,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels import get_backend
-from kernels.cpu_backend import lse_merge_
+from longvideo.kernels import SKIP, accum_dtype, block_class, get_backend, lse_merge_
 from longvideo.parallel.comm import CommStats, DoubleBuffer, RingComm
 from longvideo.parallel.layout import layout_positions
 
-_BIG = torch.iinfo(torch.long).max
-
 
 def block_is_empty(q_pos: Tensor, q_seg: Tensor, k_pos: Tensor, k_seg: Tensor, causal: bool) -> bool:
-    """True when no key of the block can be visible to any query, judged from per-row min/max of
-    the real (segment >= 0) tokens: disjoint segment ranges, no real tokens, or (causal) every key
-    after every query. Never True when some pair is visible; the backends skip finer tiles."""
-    qv, kv = q_seg >= 0, k_seg >= 0
-    qs_min = torch.where(qv, q_seg, _BIG).amin(1)  # (B,)
-    qs_max = torch.where(qv, q_seg, -1).amax(1)
-    ks_min = torch.where(kv, k_seg, _BIG).amin(1)
-    ks_max = torch.where(kv, k_seg, -1).amax(1)
-    empty = (qs_max < 0) | (ks_max < 0) | (qs_max < ks_min) | (ks_max < qs_min)
-    if causal:
-        qp_max = torch.where(qv, q_pos, -_BIG).amax(1)
-        kp_min = torch.where(kv, k_pos, _BIG).amin(1)
-        empty = empty | (kp_min > qp_max)
-    return bool(empty.all())
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    """True when no key of the block can be visible to any query: the block's tile class
+    (longvideo.kernels.block_class, the bounds every backend uses) is SKIP in every batch row.
+    Never True when some pair is visible; the backends skip finer tiles."""
+    return bool((block_class(q_pos, k_pos, q_seg, k_seg, causal) == SKIP).all())
 
 
 def _timed(stats: Optional[CommStats], fn, *args):
@@ -74,7 +57,7 @@ def ring_forward(q, k, v, pos, seg, group, causal, scale, backend, stats: Option
     if ring.size == 1:  # plain attention: no buffers, no merge
         return _timed(stats, be.forward, q, k, v, pos, pos, seg, seg, scale, causal)
     B, S, Hq, D = q.shape
-    acc = _acc_dtype(q.dtype)
+    acc = accum_dtype(q.dtype)
     out = torch.zeros(B, S, Hq, D, dtype=acc, device=q.device)
     lse = torch.full((B, Hq, S), float("-inf"), dtype=acc, device=q.device)
     # (2, B, S, Hkv, D) and (2, B, S): one message each per hop; fresh tensors the buffer may own
@@ -106,7 +89,7 @@ def ring_backward(dout, q, k, v, out, lse, pos, seg, group, causal, scale, backe
     ring = RingComm(group)
     if ring.size == 1:
         return _timed(stats, be.backward, dout, q, k, v, out, lse, pos, pos, seg, seg, scale, causal)
-    acc = _acc_dtype(q.dtype)
+    acc = accum_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = DoubleBuffer([torch.stack([k, v]), torch.stack([pos, seg]).long()])
     # the travelling partial sums of dK and dV for the block currently held
@@ -179,7 +162,7 @@ def ring_attention(
     q (B, S, Hq, D); k, v (B, S, Hkv, D), Hq % Hkv == 0, S the same on every rank.
     positions, segment_ids (B, S): default to the global positions of the zigzag layout and a
     single segment. Segment id -1 marks padding (sees nothing, is seen by nothing).
-    backend: "auto" | "torch" | "cpu" | "triton" (kernels.get_backend).
+    backend: "auto" | "torch" | "cpu" | "triton" (longvideo.kernels.get_backend).
     comm_stats: optional CommStats that accumulates exposed communication and compute time.
     Returns out (B, S, Hq, D) in q.dtype; differentiable in q, k, v.
     """

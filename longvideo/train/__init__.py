@@ -1,35 +1,27 @@
-"""Training: the DeepSpeed trainer over the dp x sp mesh, checkpoints, schedule and logging.
+"""Training: the DeepSpeed trainer over the dp x sp mesh, its checkpoints, schedule and logging, and
+the VQ video tokenizer's trainer.
 
-    from longvideo.train import train, load_model_state
-    result = train(cfg, resume=True)                 # one rank of a torchrun/deepspeed/accelerate world
-    state_dict, cfg = load_model_state("runs/x")     # fp32 weights of the latest checkpoint
+    from longvideo.train import train, train_vq
+    result = train(cfg, resume=True)        # one rank of a torchrun/deepspeed/accelerate world
+    vq_result = train_vq(vq_cfg, "videos/", "runs/vq", time_budget_s=600)
 
-See docs/training.md. Attributes load lazily: `longvideo.config` imports this package's config
-module, and the trainer imports `longvideo.config`.
+See docs/training.md and docs/vq.md. Names load lazily (longvideo._lazy).
 """
 
-from longvideo.train.config import TrainConfig
+from longvideo._lazy import lazy_exports
 
-_LAZY = {
-    "train": "longvideo.train.trainer",
-    "Trainer": "longvideo.train.trainer",
-    "TrainResult": "longvideo.train.trainer",
-    "TrainingError": "longvideo.train.trainer",
-    "LossDiverged": "longvideo.train.trainer",
-    "load_model_state": "longvideo.train.checkpoint",
-    "latest_checkpoint": "longvideo.train.checkpoint",
-    "lr_at": "longvideo.train.schedule",
-    "build_deepspeed_config": "longvideo.train.deepspeed_config",
-    "SyntheticTokens": "longvideo.train.synthetic",
+_EXPORTS = {
+    "TrainConfig": "config",
+    "train": "trainer",
+    "Trainer": "trainer",
+    "TrainResult": "trainer",
+    "TrainingError": "trainer",
+    "LossDiverged": "trainer",
+    "lr_at": "schedule",
+    "build_deepspeed_config": "deepspeed_config",
+    "SyntheticTokens": "synthetic",
+    "train_vq": "vq",
+    "VQTrainResult": "vq:TrainResult",
 }
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'longvideo.train' has no attribute '{name}'")
-
-
-__all__ = ["TrainConfig", *_LAZY]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -18,7 +18,8 @@ never a half-written one; stale `.tmp_*` directories are removed at the next sta
 
 The engine files are DeepSpeed's own format (torch pickles): load only checkpoints you wrote.
 Weights meant for sharing are the safetensors file; when it is absent (train.save_weights=false),
-`load_model_state` consolidates the ZeRO shards to fp32 with DeepSpeed's zero_to_fp32 utilities.
+`longvideo.checkpoint.load_project_state` consolidates the ZeRO shards to fp32 (DeepSpeed's utility).
+The file names and the project checkpoint inside each step are longvideo.checkpoint's.
 """
 
 from __future__ import annotations
@@ -32,44 +33,17 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-CONFIG_FILE = "config.yaml"
-WEIGHTS_FILE = "model.safetensors"
+from longvideo.atomic import TMP_PREFIX, fsync_dir, fsync_tree, write_text_atomic
+from longvideo.checkpoint import (CHECKPOINTS, CONFIG_FILE, LATEST, latest_checkpoint, save_project_checkpoint)
+from longvideo.config import save_config
+
 STATE_FILE = "trainer_state.json"
-TMP_PREFIX = ".tmp_"
 
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}"
-
-
-# ---- small atomic file helpers ----------------------------------------------------------------
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a file so that readers see the old content or the new one, never a partial one."""
-    path = Path(path)
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def _jsonable(x):
@@ -87,42 +61,9 @@ def _jsonable(x):
 
 
 def write_json(path: Path, obj) -> None:
+    """A json file inside a staging directory (the directory itself is renamed into place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, default=_jsonable, indent=1))
-
-
-# ---- finding checkpoints ------------------------------------------------------------------------
-
-def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
-    """The checkpoint `latest` names in RUN/checkpoints (or in a checkpoints dir); None if none."""
-    run_dir = Path(run_dir)
-    for ckpts in (run_dir / CHECKPOINTS, run_dir):
-        pointer = ckpts / LATEST
-        if pointer.is_file():
-            name = pointer.read_text().strip()
-            ckpt = ckpts / name
-            if not ckpt.is_dir():
-                raise FileNotFoundError(f"{pointer} names {name}, which does not exist")
-            return ckpt
-    return None
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from a checkpoint dir, a run dir or a checkpoints dir."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    if (path / CONFIG_FILE).is_file() and ((path / WEIGHTS_FILE).is_file() or _has_engine_files(path)):
-        return path
-    ckpt = latest_checkpoint(path)
-    if ckpt is None:
-        raise FileNotFoundError(f"{path} is neither a checkpoint ({CONFIG_FILE} + {WEIGHTS_FILE} or "
-                                f"DeepSpeed shards) nor a run directory with {CHECKPOINTS}/{LATEST}")
-    return ckpt
-
-
-def _has_engine_files(path: Path) -> bool:
-    return any(path.glob("*model_states.pt"))
 
 
 def clean_stale(run_dir: Path) -> list[Path]:
@@ -155,7 +96,7 @@ def gather_fp32_state(module: torch.nn.Module, keep: bool) -> dict[str, torch.Te
     parameter is gathered at a time); only ranks with `keep` collect the tensors on the CPU.
     Tied parameters appear once, under their first name (as in `named_parameters`).
     """
-    from deepspeed.utils import safe_get_full_fp32_param
+    from deepspeed.utils import safe_get_full_fp32_param  # heavy; the trainer has imported it already
 
     out: dict[str, torch.Tensor] = {}
     for name, p in module.named_parameters():
@@ -170,35 +111,6 @@ def gather_fp32_state(module: torch.nn.Module, keep: bool) -> dict[str, torch.Te
             if name not in params and torch.is_tensor(t):  # persistent buffers
                 out[name] = t.detach().cpu().clone()
     return out
-
-
-def load_model_state(path: str | Path):
-    """(state dict in fp32 with the model's own names, Config) of a project checkpoint or of the
-    latest checkpoint of a training run. Without model.safetensors, the ZeRO shards are
-    consolidated to fp32 (DeepSpeed's zero_to_fp32; reads torch pickles: trusted files only)."""
-    from safetensors.torch import load_file
-
-    from longvideo.config import load_config
-
-    ckpt = resolve_checkpoint(path)
-    cfg = load_config(ckpt / CONFIG_FILE)
-    if (ckpt / WEIGHTS_FILE).is_file():
-        sd = load_file(str(ckpt / WEIGHTS_FILE))
-    else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
-        sd = {k: v.float() for k, v in sd.items()}
-    if cfg.model.tie_embeddings and "head.weight" not in sd and "tok_embeddings.weight" in sd:
-        sd["head.weight"] = sd["tok_embeddings.weight"]
-    return sd, cfg
-
-
-def save_weights(out_dir: Path, state: dict[str, torch.Tensor], cfg) -> None:
-    """config.yaml + model.safetensors (a project checkpoint); tied weights stored once."""
-    from longvideo.export.hf import save_project_checkpoint
-
-    save_project_checkpoint(out_dir, state, cfg)
 
 
 # ---- RNG states (no pickles: json + safetensors) -----------------------------------------------
@@ -235,8 +147,6 @@ def save_training_checkpoint(*, engine, cfg, run_dir: Path, step: int, rank: int
                              on_staged: Optional[Callable[[Path], None]] = None) -> Path:
     """Write OUT/checkpoints/step_N atomically (a collective: every rank calls it).
     `assets` (name -> directory) are copied in, e.g. the tokenizer and VQ that chat needs."""
-    from safetensors.torch import save_file
-
     ckpts = Path(run_dir) / CHECKPOINTS
     name = checkpoint_name(step)
     tmp_name = TMP_PREFIX + name
@@ -255,10 +165,8 @@ def save_training_checkpoint(*, engine, cfg, run_dir: Path, step: int, rank: int
     save_file(tensors, str(tmp / "rng" / f"rank_{rank:05d}.safetensors"))
     if rank == 0:
         if weights is not None:
-            save_weights(tmp, weights, cfg)
+            save_project_checkpoint(tmp, weights, cfg)
         else:
-            from longvideo.config import save_config
-
             save_config(cfg, tmp / CONFIG_FILE)
         write_json(tmp / STATE_FILE, trainer_state)
         for asset, src in (assets or {}).items():
@@ -268,13 +176,13 @@ def save_training_checkpoint(*, engine, cfg, run_dir: Path, step: int, rank: int
     barrier()  # every rank's files are on disk before the directory becomes visible
     final = ckpts / name
     if rank == 0:
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         old = None
         if final.exists():  # the same step written again: move the old copy aside, drop it after
             old = ckpts / f"{TMP_PREFIX}old_{name}"
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(ckpts)
+        fsync_dir(ckpts)
         write_text_atomic(ckpts / LATEST, name)  # last: the pointer only ever names complete dirs
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -282,24 +190,8 @@ def save_training_checkpoint(*, engine, cfg, run_dir: Path, step: int, rank: int
     return final
 
 
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            try:
-                fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass
-        _fsync_dir(Path(dirpath))
-
-
 def load_training_checkpoint(*, engine, ckpt: Path, rank: int) -> dict:
     """Restore the engine (weights, optimizer) and this rank's RNG; return the saved states."""
-    from safetensors.torch import load_file
-
     state = json.loads((ckpt / STATE_FILE).read_text())
     loader_file = ckpt / "loader" / f"rank_{rank:05d}.json"
     if not loader_file.is_file():

@@ -2,7 +2,7 @@
 
 Every rank runs this command; the launcher says how many there are:
 
-    torchrun --nproc_per_node 8 -m longvideo train --config stages/lwm-7b-32k.yaml
+    torchrun --nproc_per_node 8 -m longvideo train --config stages/lwm-vl-32k.yaml
     deepspeed --no_local_rank --num_gpus 8 --module longvideo train --config ...
     accelerate launch --config_file configs/accelerate/gpu-8.yaml -m longvideo train --config ...
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 -m longvideo train --config tiny.yaml parallel.sp=2
@@ -16,6 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+import torch.distributed as dist
+
+from longvideo.config import load_config
+from longvideo.configtools import ConfigError
+from longvideo.train.trainer import TrainingError, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,9 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_intermixed_args(argv)  # overrides may follow options
-    from longvideo.config import load_config
-    from longvideo.configtools import ConfigError
-
     overrides = list(args.overrides)
     if args.out:
         overrides.append(f"train.out_dir={args.out}")
@@ -48,10 +51,6 @@ def main(argv: list[str]) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"longvideo train: {e}", file=sys.stderr)
         return 2
-
-    import torch.distributed as dist
-
-    from longvideo.train.trainer import TrainingError, train
 
     code = 0
     try:

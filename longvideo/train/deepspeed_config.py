@@ -6,7 +6,7 @@ bucket sizes, communication overlap or CPU offload. An owned key in the JSON mus
 or equal to the generated value; anything else is a ConfigError rather than a silent override.
 
 All dp x sp ranks form DeepSpeed's data-parallel world (no `mpu`): their parameters are identical,
-and ZeRO partitions over all of them (DESIGN.md decision 6).
+and ZeRO partitions over all of them (docs/architecture.md, decision 6).
 """
 
 from __future__ import annotations
@@ -16,19 +16,16 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from longvideo.configtools import ConfigError
+from longvideo.configtools import ConfigError, resolve_config_path
 from longvideo.train.config import TrainConfig
-
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 def resolve_json(path: str) -> Path:
-    """A path as given, else relative to configs/ (e.g. 'deepspeed/zero3.json')."""
-    p = Path(path)
-    for candidate in (p, CONFIG_DIR / p):
-        if candidate.is_file():
-            return candidate
-    raise ConfigError("train.deepspeed_config", f"file not found: {path} (also looked in {CONFIG_DIR})")
+    """A path as given, else relative to the shipped configs (e.g. 'deepspeed/zero3.json')."""
+    try:
+        return resolve_config_path(path, suffixes=(".json",))
+    except FileNotFoundError as e:
+        raise ConfigError("train.deepspeed_config", str(e)) from None
 
 
 def load_base(path: str) -> dict:

@@ -1,12 +1,12 @@
 """The trainer: dp x sp mesh, ring attention, DeepSpeed ZeRO, exact loss normalisation, checkpoints.
 
-Order of construction (STYLE.md: parallelism is applied to a built model, in one place):
+Order of construction (parallelism is applied to a built model, in one place):
 
     process group -> mesh (dp x sp; a world it does not match is an error here, before any work)
     -> DeepSpeed config (config errors here) -> model (seeded) -> --init-from weights
     -> parallelize (ring attention over the sp group) -> deepspeed.initialize (ZeRO over all ranks)
 
-Loss normalisation (DESIGN.md decision 6). All dp x sp ranks are DeepSpeed's data-parallel world
+Loss normalisation (docs/architecture.md, decision 6; `longvideo.parallel.loss`). All dp x sp ranks are DeepSpeed's data-parallel world
 (their parameters are identical), so DeepSpeed averages the gradients of W = dp * sp ranks. Each
 rank back-propagates
 
@@ -30,6 +30,7 @@ import resource
 import shutil
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -41,6 +42,12 @@ import torch.distributed as dist
 
 from longvideo.config import Config, save_config
 from longvideo.configtools import ConfigError, to_dict
+from longvideo.data.loader import make_loader
+from longvideo.model import Transformer
+from longvideo.parallel import Mesh, parallelize, shard_batch
+from longvideo.parallel.loss import loss_scale
+from longvideo.tokenizer import TextTokenizer
+from longvideo.checkpoint import latest_checkpoint, load_project_state
 from longvideo.train import checkpoint as ckpt_io
 from longvideo.train.deepspeed_config import build_deepspeed_config
 from longvideo.train.logging import RunLogger, mfu, peak_flops_per_device
@@ -119,9 +126,7 @@ def init_distributed(timeout_s: float) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
-def build_mesh(parallel_cfg):
-    from longvideo.parallel import Mesh
-
+def build_mesh(parallel_cfg) -> Mesh:
     return Mesh.from_config(parallel_cfg)  # dp * sp != world: ConfigError
 
 
@@ -151,7 +156,7 @@ class Trainer:
         ds_config = build_deepspeed_config(tc, world_size=self.world, bf16=self.bf16)
         self.zero_stage = ds_config["zero_optimization"]["stage"]
         self._check_run_dir(resume)
-        self.resume_from = ckpt_io.latest_checkpoint(self.run_dir) if resume else None
+        self.resume_from = latest_checkpoint(self.run_dir) if resume else None
         if tc.wandb != "disabled":
             try:
                 import wandb  # noqa: F401
@@ -166,10 +171,7 @@ class Trainer:
         # the data source is checked (shards found, tokenizer readable) before the model is built
         self.loader = batches if batches is not None else self._make_loader()
 
-        import deepspeed
-
-        from longvideo.model import Transformer
-        from longvideo.parallel import parallelize
+        import deepspeed  # heavy: imported once the config and data have been checked
 
         torch.manual_seed(tc.seed)  # identical initial weights on every rank
         # built on the rank's own device: a 7B model never sits in host memory once per rank
@@ -208,14 +210,14 @@ class Trainer:
             if stale:
                 print(f"removed {len(stale)} incomplete checkpoint(s) left by an interrupted write: "
                       f"{', '.join(p.name for p in stale)}", flush=True)
-        has_ckpt = ckpt_io.latest_checkpoint(self.run_dir) is not None
+        has_ckpt = latest_checkpoint(self.run_dir) is not None
         if has_ckpt and not resume:
             raise ConfigError("train.out_dir", f"{self.run_dir} already holds checkpoints; pass --resume "
                                                f"to continue that run, or choose another out_dir")
 
     def _load_init_weights(self, model, path: str) -> None:
         """Only the weights of a previous stage; optimizer, schedule and data start fresh."""
-        sd, old = ckpt_io.load_model_state(path)
+        sd, old = load_project_state(path)
         own = model.state_dict()
         missing = sorted(set(own) - set(sd))
         unexpected = sorted(set(sd) - set(own))
@@ -241,9 +243,6 @@ class Trainer:
         if tc.data_source == "shards" and not cfg.data.train_shards:
             raise ConfigError("data.train_shards", "train.data_source is 'shards' but no shards are set")
         if tc.data_source == "shards" or (tc.data_source == "auto" and cfg.data.train_shards):
-            from longvideo.data.loader import make_loader
-            from longvideo.tokenizer import TextTokenizer
-
             if not tc.tokenizer_dir:
                 raise ConfigError("train.tokenizer_dir", "data.train_shards needs the text tokenizer directory")
             tok = TextTokenizer.from_dir(tc.tokenizer_dir)
@@ -260,8 +259,6 @@ class Trainer:
     # -- data -------------------------------------------------------------------------------
     def shard(self, batch: dict) -> dict:
         """This rank's part of a (B, S) batch: the zigzag shard of its sp group, on the device."""
-        from longvideo.parallel import shard_batch
-
         local = shard_batch({k: batch[k] for k in BATCH_KEYS}, self.mesh.sp_group)
         return {k: v.to(self.device, non_blocking=True) for k, v in local.items()}
 
@@ -278,12 +275,10 @@ class Trainer:
         `optimizer_step` applies them."""
         if len(micro_batches) != self.cfg.train.grad_accum:
             raise ValueError(f"expected {self.cfg.train.grad_accum} micro-batches, got {len(micro_batches)}")
-        from longvideo.parallel import global_weight_total
-
         local_weight = sum((mb["loss_weights"].float() * (mb["targets"] >= 0)).sum() for mb in micro_batches)
-        # the whole step's weight total, known before the first backward (all micro-batches count)
-        total_weight = float(global_weight_total(local_weight, self.mesh))
-        scale = self.world / max(total_weight, 1e-12)  # DeepSpeed averages over the W ranks
+        # the whole step's weight total, known before the first backward (all micro-batches count);
+        # DeepSpeed averages gradients over all dp x sp ranks ("mean")
+        scale, total_weight = loss_scale(local_weight, self.mesh, grad_reduction="mean")
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro_batches):
             part, _ = self.engine(mb["input_ids"], mb["positions"], mb["segment_ids"],
@@ -374,8 +369,6 @@ class Trainer:
     @contextlib.contextmanager
     def _graceful_signals(self):
         """SIGTERM / first SIGINT: finish the step, write a checkpoint, exit. A second SIGINT aborts."""
-        import threading
-
         if threading.current_thread() is not threading.main_thread():
             yield
             return

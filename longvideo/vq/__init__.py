@@ -1,17 +1,22 @@
 """The VQ video tokenizer: frames -> integer codes -> frames.
 
-    from longvideo.vq import VQConfig, VQModel, load_vq, encode_video, decode_codes, train_vq
+    from longvideo.vq import VQConfig, VQModel, load_vq, encode_video, decode_codes
 
 2d mode codes each frame alone (LWM's layout); causal3d mode codes frame 0 alone and then groups
-of t frames with causal temporal convolutions. See docs/vq.md.
+of t frames with causal temporal convolutions. Its trainer is `longvideo.train.vq`. See docs/vq.md.
 """
 
-from longvideo.vq.codec import decode_codes, encode_video, iter_decode
-from longvideo.vq.config import VQConfig
-from longvideo.vq.model import VQModel, load_vq
-from longvideo.vq.quantizer import codebook_usage
-from longvideo.vq.train import TrainResult, train_vq
+from longvideo._lazy import lazy_exports
 
-
-__all__ = ["VQConfig", "VQModel", "load_vq", "encode_video", "decode_codes", "iter_decode",
-           "train_vq", "TrainResult", "codebook_usage"]
+_EXPORTS = {
+    "VQConfig": "config",
+    "load_vq_config": "config",
+    "VQModel": "model",
+    "load_vq": "model",
+    "encode_video": "codec",
+    "decode_codes": "codec",
+    "iter_decode": "codec",
+    "codebook_usage": "quantizer",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from longvideo.configtools import check
+from longvideo.configtools import apply_overrides, check, from_dict, load_yaml, resolve_config_path
 
 
 def _is_pow2(n: int) -> bool:
@@ -210,3 +210,13 @@ class VQConfig:
     def tokens_per_hour(self, fps: float = 1.0) -> int:
         """VQ codes for one hour of video sampled at `fps` (no special tokens)."""
         return self.num_groups(round(3600 * fps)) * self.codes_per_frame
+
+
+def load_vq_config(path: str | None, overrides: list[str] = ()) -> VQConfig:
+    """A VQConfig from a flat VQ yaml (configs/vq/*.yaml) or a root config's `vq:` section, plus
+    `key=value` overrides (a `vq.` prefix is accepted). `path` may be a name such as `vq/tiny`."""
+    data = load_yaml(resolve_config_path(path)) if path else {}
+    if isinstance(data.get("vq"), dict):
+        data = data["vq"]
+    overrides = [o[3:] if o.startswith("vq.") else o for o in overrides]
+    return from_dict(VQConfig, apply_overrides(data, list(overrides)))

@@ -1,6 +1,6 @@
 """Training the tokenizer: reconstruction (L1 + L2) + quantizer loss (+ an optional patch GAN).
 
-    from longvideo.vq import VQConfig, train_vq
+    from longvideo.train.vq import train_vq
     result = train_vq(VQConfig(...), "data/videos", "runs/vq", time_budget_s=180)
     result.metrics  # {'psnr': ..., 'usage': ..., 'perplexity': ..., 'codes_used': ...}
 
@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from longvideo.configtools import to_dict
+from longvideo.data.frames import FrameSource, Source, build_frame_source
 from longvideo.vq.codec import frames_to_input, output_to_frames
 from longvideo.vq.config import VQConfig
 from longvideo.vq.discriminator import PatchDiscriminator, adaptive_weight, hinge_d_loss
-from longvideo.vq.frames import FrameSource, Source, build_frame_source
 from longvideo.vq.model import CONFIG_FILE, VQModel
 from longvideo.vq.quantizer import codebook_usage
 

@@ -15,18 +15,10 @@ import argparse
 import json
 import sys
 
-
-def load_vq_config(path: str | None, overrides: list[str]):
-    """A VQConfig from a flat VQ yaml or a root config's `vq:` section, plus `key=value` overrides."""
-    from longvideo.config import resolve_config_path
-    from longvideo.configtools import apply_overrides, from_dict, load_yaml
-    from longvideo.vq.config import VQConfig
-
-    data = load_yaml(resolve_config_path(path)) if path else {}
-    if isinstance(data.get("vq"), dict):
-        data = data["vq"]
-    overrides = [o[3:] if o.startswith("vq.") else o for o in overrides]
-    return from_dict(VQConfig, apply_overrides(data, overrides))
+from longvideo.configtools import ConfigError
+from longvideo.data.frames import synthetic_videos
+from longvideo.train.vq import train_vq
+from longvideo.vq.config import load_vq_config
 
 
 def main(argv: list[str]) -> int:
@@ -48,16 +40,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. lr=1e-3")
     a = p.parse_args(argv)
 
-    from longvideo.configtools import ConfigError
-
     try:
         cfg = load_vq_config(a.config, a.overrides)
     except (ConfigError, FileNotFoundError) as e:
         print(f"train-vq: {e}", file=sys.stderr)
         return 2
-
-    from longvideo.vq.frames import synthetic_videos
-    from longvideo.vq.train import train_vq
 
     source = synthetic_videos(a.synthetic, cfg, fps=a.synthetic_fps, seed=cfg.seed) if a.synthetic else a.data
     try:

@@ -1,23 +1,30 @@
-"""Generation with a KV cache: chunked prefill, nucleus sampling and the decoding loop.
+"""Generation with a KV cache: chunked prefill, nucleus sampling, the decoding loop, and engines.
 
     out = generate(model, prompt_ids, max_new_tokens=32, stop_ids=[tok.eos_id], prefill_chunk=2048)
     out.tokens      # (B, n) generated ids (a finished row repeats its stop id)
     out.ttft_s      # prefill + first token, seconds
+
+    engine = LocalEngine(model, prefill_chunk=2048)   # many questions against one long prefix
+    engine.set_prefix(video_ids)                      # (B, P): prefilled once, its KV cache kept
+    out = engine.generate(question_ids, max_new_tokens=32, stop_ids=[eos])
 
 Prefill runs the prompt through the model in chunks of `prefill_chunk` tokens that all append to
 one KV cache: each chunk attends to everything cached before it plus itself (the kernels compute
 that blockwise, the feed-forward is blockwise in the model), so peak memory is the cache plus one
 chunk's activations instead of the whole prompt's. Decoding then feeds one token per step.
 
-The decoding loop is written against two callables, `step(token) -> logits` and
-`pick(logits) -> token`, so the sequence-parallel path (longvideo.infer.sp) reuses it unchanged.
+An *engine* answers many questions against one long prefix: `set_prefix` prefills it once, and
+each `generate` crops the cache back to the prefix, prefills the question and decodes. `generate`
+above is a `LocalEngine` with an empty prefix. The decoding loop is written against two
+callables, `step(token) -> logits` and `pick(logits) -> token`, so the sequence-parallel engine
+(longvideo.infer.sp), whose prefix is sharded over ranks, reuses it unchanged.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -131,6 +138,79 @@ def logits_of(model: Transformer, hidden: Tensor) -> Tensor:
     return model.logits(hidden[:, -1:])[:, -1].float()
 
 
+class Engine(Protocol):
+    prefix_len: int
+    prefix_s: float
+
+    def set_prefix(self, ids: Tensor) -> None: ...
+
+    def generate(self, ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None) -> Generation: ...
+
+
+def copy_cache(src: KVCache, dst: KVCache) -> KVCache:
+    """Copy the cached tokens of `src` into the (larger, empty) cache `dst`; return dst."""
+    n = src.length
+    if n > dst.max_len:
+        raise ValueError(f"cannot copy {n} cached tokens into a cache of {dst.max_len}")
+    for i in range(len(src.k)):
+        dst.k[i][:, :n] = src.k[i][:, :n]
+        dst.v[i][:, :n] = src.v[i][:, :n]
+    dst.positions[:, :n] = src.positions[:, :n]
+    dst.segment_ids[:, :n] = src.segment_ids[:, :n]
+    dst.length = n
+    return dst
+
+
+class LocalEngine:
+    """Single-process engine: chunked prefill of the prefix into one KV cache.
+
+    cache: start from an existing cache (its tokens are the prefix) instead of calling set_prefix.
+    """
+
+    def __init__(self, model: Transformer, *, prefill_chunk: int = 4096, spare: int = 256,
+                 cache: Optional[KVCache] = None):
+        self.model, self.prefill_chunk, self.spare = model, prefill_chunk, spare
+        self.cache = cache
+        self.prefix_len = cache.length if cache is not None else 0
+        self.prefix_s = 0.0
+
+    @torch.no_grad()
+    def set_prefix(self, ids: Tensor) -> None:
+        """Prefill ids (B, P) (P may be 0) into a fresh cache sized P + `spare`."""
+        B, P = ids.shape
+        t0 = time.perf_counter()
+        self.cache = new_cache(self.model, B, P + self.spare)
+        if P:
+            prefill(self.model, ids, self.cache, chunk=self.prefill_chunk)
+        self.prefix_len, self.prefix_s = P, time.perf_counter() - t0
+
+    @torch.no_grad()
+    def generate(self, ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None) -> Generation:
+        """Prefill ids (B, Q >= 1) after the prefix and decode; the cache returns to the prefix after."""
+        if self.cache is None:
+            raise RuntimeError("set_prefix must be called before generate")
+        self.cache.crop(self.prefix_len)  # forget the previous question and answer
+        need = self.prefix_len + ids.shape[1] + max_new_tokens
+        if need > self.cache.max_len:
+            self.cache = copy_cache(self.cache, new_cache(self.model, ids.shape[0], need + self.spare))
+        model, cache = self.model, self.cache
+        t0 = time.perf_counter()
+        first = logits_of(model, prefill(model, ids, cache, chunk=self.prefill_chunk))
+        ttft = time.perf_counter() - t0
+
+        def step(tok: Tensor) -> Tensor:
+            return logits_of(model, model(tok[:, None], cache=cache))
+
+        def pick(logits: Tensor) -> Tensor:
+            return sample_token(logits, temperature, top_p, generator)
+
+        tokens = decode_loop(step, first, max_new_tokens=max_new_tokens, pick=pick, stop_ids=stop_ids)
+        return Generation(tokens=tokens, prompt_len=self.prefix_len + ids.shape[1], ttft_s=ttft,
+                          total_s=time.perf_counter() - t0)
+
+
 @torch.no_grad()
 def generate(model: Transformer, ids: Tensor, *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_p: float = 1.0, stop_ids: Sequence[int] = (), prefill_chunk: int = 4096,
@@ -141,17 +221,7 @@ def generate(model: Transformer, ids: Tensor, *, max_new_tokens: int = 64, tempe
     S + max_new_tokens.
     """
     B, S = ids.shape
-    if cache is None:
-        cache = new_cache(model, B, S + max_new_tokens)
-    t0 = time.perf_counter()
-    first = logits_of(model, prefill(model, ids, cache, chunk=prefill_chunk))
-    ttft = time.perf_counter() - t0
-
-    def step(tok: Tensor) -> Tensor:
-        return logits_of(model, model(tok[:, None], cache=cache))
-
-    def pick(logits: Tensor) -> Tensor:
-        return sample_token(logits, temperature, top_p, generator)
-
-    tokens = decode_loop(step, first, max_new_tokens=max_new_tokens, pick=pick, stop_ids=stop_ids)
-    return Generation(tokens=tokens, prompt_len=S, ttft_s=ttft, total_s=time.perf_counter() - t0)
+    engine = LocalEngine(model, prefill_chunk=prefill_chunk, spare=0,
+                         cache=cache if cache is not None else new_cache(model, B, S + max_new_tokens))
+    return engine.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                           stop_ids=stop_ids, generator=generator)

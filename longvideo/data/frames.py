@@ -1,4 +1,4 @@
-"""Training frames for the tokenizer: read videos once into RAM, then sample frames or clips.
+"""Training frames for the video tokenizer (longvideo.train.vq): read videos once into RAM, then sample frames or clips.
 
 Sources: a folder of video files, raw webdataset shards (a directory of .tar, a glob, a brace
 pattern or one .tar), one video file, or in-memory videos (a uint8 tensor/array (T, H, W, 3) or
@@ -18,6 +18,9 @@ from typing import Iterator, Sequence, Union
 import numpy as np
 import torch
 
+from longvideo.data.shards import SkipStats, expand_shards, iter_raw_samples
+from longvideo.data.synthetic import SyntheticSpec, make_sample
+from longvideo.data.video import VideoError, read_video, resize_crop
 from longvideo.vq.config import VQConfig
 
 log = logging.getLogger(__name__)
@@ -92,8 +95,6 @@ def _pad_to(clip: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def _as_video(v, res: int) -> torch.Tensor:
-    from longvideo.data.video import resize_crop
-
     if isinstance(v, np.ndarray):
         v = torch.from_numpy(np.ascontiguousarray(v))
     if not isinstance(v, torch.Tensor) or v.dtype != torch.uint8 or v.ndim != 4 or v.shape[-1] != 3:
@@ -106,9 +107,6 @@ def _as_video(v, res: int) -> torch.Tensor:
 
 def _iter_files(source: str, cfg: VQConfig, skipped: dict) -> Iterator[torch.Tensor]:
     """Decoded videos from a path: a video file, a folder of videos, or raw shards."""
-    from longvideo.data.shards import SkipStats, expand_shards, iter_raw_samples
-    from longvideo.data.video import VideoError, read_video
-
     def read(src, where):
         try:
             clip = read_video(src, fps=cfg.fps, max_frames=cfg.max_frames_per_video, size=cfg.resolution)
@@ -202,8 +200,6 @@ def synthetic_videos(n: int, cfg: VQConfig, *, fps: float = 4.0, seed: int = 0) 
 
     Frames are taken at about `fps` from the 8 fps renderings: uint8 (T, R, R, 3) each.
     """
-    from longvideo.data.synthetic import SyntheticSpec, make_sample
-
     if n < 1:
         raise ValueError(f"need at least one synthetic video, got {n}")
     spec = SyntheticSpec(size=cfg.resolution, fps=8)

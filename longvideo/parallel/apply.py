@@ -1,4 +1,4 @@
-"""Apply sequence parallelism to a built model, in one place (DESIGN.md decision 5).
+"""Apply sequence parallelism to a built model, in one place (docs/architecture.md, decision 5).
 
     mesh = Mesh.from_config(cfg.parallel)
     parallelize(model, mesh)              # ring attention over mesh.sp_group (+ checkpointing flag)

@@ -1,0 +1,90 @@
+"""Atomic file writes: readers see the old file or the new one, never a partial one.
+
+    with atomic_open("out/shard.tar", "wb") as f:   # a temporary file beside the target...
+        f.write(...)                                  # ...renamed over it when the block ends cleanly
+    write_json_atomic("out/stats.json", counts)
+
+The temporary file lives in the target's directory (so the rename never crosses file systems), is
+fsynced before the rename, and the directory is fsynced after it; an exception inside the block
+removes the temporary file and leaves the target untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import IO, Iterator
+
+TMP_PREFIX = ".tmp_"
+"""Prefix of temporary files and directories that a killed writer may leave behind."""
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a directory entry (a rename inside it) to disk; a no-op where that is unsupported."""
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every file and directory under root (before a directory is renamed into place)."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
+        fsync_dir(dirpath)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", *, file_mode: int = 0o644) -> Iterator[IO]:
+    """Open a temporary file beside `path` for writing; on a clean exit it replaces `path`."""
+    if not any(c in mode for c in "wx"):
+        raise ValueError(f"atomic_open writes a new file; mode {mode!r} does not")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode.replace("x", "w")) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, file_mode)  # mkstemp creates 0600 files
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    with atomic_open(path, "w") as f:
+        f.write(text)
+
+
+def write_json_atomic(path: str | os.PathLike, obj, **dump_kwargs) -> None:
+    """JSON with indent=1 and sorted keys unless told otherwise."""
+    dump_kwargs.setdefault("indent", 1)
+    dump_kwargs.setdefault("sort_keys", True)
+    write_text_atomic(path, json.dumps(obj, **dump_kwargs))

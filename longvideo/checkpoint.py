@@ -1,0 +1,273 @@
+"""The checkpoint formats on disk, in one place: what training writes, what export and chat read.
+
+A *project checkpoint* is a directory
+
+    config.yaml            the root Config
+    model.safetensors      the model's parameters under its own names, unsharded; a tied output
+                           head is stored once (as the embedding) and re-tied on load
+    tokenizer/, vq/        optional: the text tokenizer and the VQ video tokenizer
+
+A *training run* (`train.out_dir`) holds `checkpoints/step_NNNNNN/` (each a project checkpoint plus
+the trainer's state) and `checkpoints/latest`, a file naming the newest complete one; anything that
+reads a checkpoint also accepts a run directory. When a training checkpoint was written without
+model.safetensors (train.save_weights=false), the ZeRO shards are consolidated to fp32 with
+DeepSpeed's utility (it reads torch pickles: only load runs you wrote).
+
+An *exported directory* is what `transformers.AutoModelForCausalLM.from_pretrained` loads with no
+custom code: a plain LlamaForCausalLM (config.json, model.safetensors under transformers' names,
+the tokenizer files), plus `longvideo.yaml` (the root Config), `vq/` and a processor config.
+
+`load_pretrained` reads all three kinds. Writes are atomic (longvideo.atomic): an interrupted save
+leaves the previous files intact. Weights are read with safetensors only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file, save
+
+from longvideo.atomic import write_bytes_atomic
+from longvideo.config import Config, load_config, save_config
+from longvideo.model import ModelConfig, Transformer
+from longvideo.tokenizer import TextTokenizer
+from longvideo.vq import VQModel, load_vq
+
+CONFIG_FILE = "config.yaml"
+WEIGHTS_FILE = "model.safetensors"
+EXPORT_CONFIG = "longvideo.yaml"
+TOKENIZER_DIR = "tokenizer"
+VQ_DIR = "vq"
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+
+TIED_HEAD, TIED_TO = "head.weight", "tok_embeddings.weight"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match what the config (or the format) says it should hold."""
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def untie(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The state dict as stored: a tied head is dropped (it is the embedding)."""
+    return {k: v for k, v in sd.items() if not (cfg.tie_embeddings and k == TIED_HEAD)}
+
+
+def tie(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The state dict the model loads: a tied head is the embedding tensor itself."""
+    if cfg.tie_embeddings and TIED_TO in sd:
+        sd = dict(sd)
+        sd[TIED_HEAD] = sd[TIED_TO]
+    return sd
+
+
+def meta_model(cfg: ModelConfig) -> Transformer:
+    """A model on the meta device: shapes without memory."""
+    with torch.device("meta"):
+        return Transformer(cfg)
+
+
+def check_shapes(sd: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> None:
+    """Every tensor the config expects, with its shape, and nothing else; else CheckpointError."""
+    expected = meta_model(cfg).state_dict()
+    missing = sorted(set(expected) - set(sd))
+    if missing:
+        raise CheckpointError(f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    extra = sorted(set(sd) - set(expected))
+    if extra:
+        raise CheckpointError(f"{source}: unexpected tensors {extra[:5]}")
+    for k, t in expected.items():
+        if tuple(sd[k].shape) != tuple(t.shape):
+            raise CheckpointError(f"{source}: tensor '{k}' has shape {tuple(sd[k].shape)}, "
+                                  f"the config expects {tuple(t.shape)}")
+
+
+def write_weights(path: str | Path, sd: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> None:
+    """A safetensors file, atomically (contiguous CPU copies; no shared storage)."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in sd.items()}
+    write_bytes_atomic(path, save(tensors, metadata=metadata))
+
+
+# ----------------------------------------------------------------------------- project checkpoints
+
+
+def save_project_checkpoint(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg: Config,
+                            tokenizer: Optional[TextTokenizer] = None, vq: Optional[VQModel] = None) -> Path:
+    """Write config.yaml + model.safetensors (+ tokenizer/, vq/) into out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_weights(out / WEIGHTS_FILE, untie(state_dict, cfg.model))
+    save_config(cfg, out / CONFIG_FILE)
+    if tokenizer is not None:
+        tokenizer.save(out / TOKENIZER_DIR)
+    if vq is not None:
+        vq.save(out / VQ_DIR)
+    return out
+
+
+def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
+    """The checkpoint `latest` names in RUN/checkpoints (or in a checkpoints dir); None if none."""
+    run_dir = Path(run_dir)
+    for ckpts in (run_dir / CHECKPOINTS, run_dir):
+        pointer = ckpts / LATEST
+        if pointer.is_file():
+            name = pointer.read_text().strip()
+            ckpt = ckpts / name
+            if not ckpt.is_dir():
+                raise FileNotFoundError(f"{pointer} names {name}, which does not exist")
+            return ckpt
+    return None
+
+
+def _has_engine_files(path: Path) -> bool:
+    return any(path.glob("*model_states.pt"))
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory from a checkpoint dir, a run dir or a checkpoints dir."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    if (path / CONFIG_FILE).is_file() and ((path / WEIGHTS_FILE).is_file() or _has_engine_files(path)):
+        return path
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise FileNotFoundError(f"{path} is neither a checkpoint ({CONFIG_FILE} + {WEIGHTS_FILE} or "
+                                f"DeepSpeed shards) nor a run directory with {CHECKPOINTS}/{LATEST}")
+    return ckpt
+
+
+def load_project_state(path: str | Path) -> tuple[dict[str, torch.Tensor], Config]:
+    """(state dict with the model's own names, tied where the config ties, Config) of a project
+    checkpoint, or of the latest checkpoint of a training run."""
+    ckpt = resolve_checkpoint(path)
+    cfg = load_config(ckpt / CONFIG_FILE)
+    if (ckpt / WEIGHTS_FILE).is_file():
+        sd = load_file(str(ckpt / WEIGHTS_FILE))
+    else:  # ZeRO shards only; DeepSpeed is a heavy import, needed on this path alone
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+        sd = {k: v.float() for k, v in sd.items()}
+    return tie(sd, cfg.model), cfg
+
+
+# ----------------------------------------------------------------------------- exported (transformers) layout
+
+_LAYER_MAP = {  # ours -> transformers, per layer
+    "attn.wq.weight": "self_attn.q_proj.weight",
+    "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight",
+    "attn.wo.weight": "self_attn.o_proj.weight",
+    "ffn.w_gate.weight": "mlp.gate_proj.weight",
+    "ffn.w_up.weight": "mlp.up_proj.weight",
+    "ffn.w_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+            TIED_HEAD: "lm_head.weight"}
+
+
+def to_hf_names(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our names -> transformers' LlamaForCausalLM names (a tied head is left out: transformers re-ties it)."""
+    out = {}
+    for name, t in untie(sd, cfg).items():
+        if name in _TOP_MAP:
+            out[_TOP_MAP[name]] = t
+            continue
+        parts = name.split(".", 2)
+        if parts[0] != "layers" or len(parts) < 3 or parts[2] not in _LAYER_MAP:
+            raise CheckpointError(f"unexpected parameter '{name}'")
+        out[f"model.layers.{parts[1]}.{_LAYER_MAP[parts[2]]}"] = t
+    return out
+
+
+def from_hf_names(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """transformers' LlamaForCausalLM names -> ours (tied as the config says)."""
+    inv_top = {v: k for k, v in _TOP_MAP.items()}
+    inv_layer = {v: k for k, v in _LAYER_MAP.items()}
+    out = {}
+    for name, t in sd.items():
+        if "rotary_emb" in name:
+            continue  # a buffer some versions save; recomputed from the config
+        if name in inv_top:
+            out[inv_top[name]] = t
+        elif name.startswith("model.layers."):
+            _, _, idx, rest = name.split(".", 3)
+            if rest not in inv_layer:
+                raise CheckpointError(f"unexpected tensor '{name}' in the Hugging Face checkpoint")
+            out[f"layers.{idx}.{inv_layer[rest]}"] = t
+        else:
+            raise CheckpointError(f"unexpected tensor '{name}' in the Hugging Face checkpoint")
+    if not cfg.tie_embeddings and TIED_HEAD not in out:
+        raise CheckpointError("the checkpoint has no lm_head.weight but tie_word_embeddings is false")
+    return tie(untie(out, cfg), cfg)
+
+
+def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, or the shards listed in model.safetensors.index.json."""
+    single = path / WEIGHTS_FILE
+    if single.is_file():
+        return load_file(str(single))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        sd = {}
+        for f in files:
+            if not (path / f).is_file():
+                raise FileNotFoundError(f"shard listed in {index} is missing: {path / f}")
+            sd.update(load_file(str(path / f)))
+        return sd
+    raise FileNotFoundError(f"no {WEIGHTS_FILE} (or model.safetensors.index.json) in {path}")
+
+
+def is_exported(path: str | Path) -> bool:
+    path = Path(path)
+    return (path / EXPORT_CONFIG).is_file() and (path / "config.json").is_file()
+
+
+# ----------------------------------------------------------------------------- loading anything
+
+
+@dataclass
+class Pretrained:
+    """A loaded model with what it needs to read videos and text."""
+
+    model: Transformer
+    config: Config
+    tokenizer: Optional[TextTokenizer] = None
+    vq: Optional[VQModel] = None
+    path: Optional[Path] = None
+
+
+def _has_tokenizer(path: Optional[Path]) -> bool:
+    return path is not None and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+
+
+def load_pretrained(path: str | Path, device: str | torch.device = "cpu") -> Pretrained:
+    """Load a project checkpoint, a training run, or an exported Hugging Face directory (eval mode)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    if is_exported(path):
+        cfg = load_config(path / EXPORT_CONFIG)
+        sd = from_hf_names(read_safetensors_dir(path), cfg.model)
+        tok_dir: Optional[Path] = path
+    else:
+        sd, cfg = load_project_state(path)
+        tok_dir = path / TOKENIZER_DIR
+    check_shapes(sd, cfg.model, str(path))
+    model = Transformer(cfg.model)
+    model.load_state_dict(sd)
+    model.to(device).eval()
+    tokenizer = TextTokenizer.from_dir(tok_dir) if _has_tokenizer(tok_dir) else None
+    vq = load_vq(path / VQ_DIR) if (path / VQ_DIR).is_dir() else None
+    return Pretrained(model=model, config=cfg, tokenizer=tokenizer, vq=vq, path=path)

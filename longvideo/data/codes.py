@@ -1,0 +1,81 @@
+"""Video -> VQ codes: the one path that `tokenize`, chat, the processor and the evaluations take.
+
+    vc = video_to_codes(vq, "talk.mp4", fps=1.0, max_frames=3600)
+    vc.codes        # int64 (G, h, w): one code map per frame (2d) or per temporal group (causal3d)
+    vc.timestamps   # float64 (G,): seconds of each group's first frame
+    vc.num_frames   # frames read
+
+The video is decoded at `fps` by the data reader (longvideo.data.video: bounded, untrusted input
+raises VideoError) and streamed into the VQ encoder `batch_frames` frames at a time, so memory
+does not grow with the video's length; only the codes accumulate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from longvideo.data.video import DEFAULT_MAX_RESOLUTION, VideoSource, iter_video
+from longvideo.vq.codec import encode_video
+from longvideo.vq.model import VQModel
+
+
+@dataclass
+class VideoCodes:
+    """A video as VQ codes."""
+
+    codes: np.ndarray
+    """int64 (G, h, w)."""
+    timestamps: np.ndarray
+    """float64 (G,), seconds of each group's first frame."""
+    num_frames: int
+    """Frames read from the video."""
+
+
+def frames_to_codes(vq: VQModel, chunks: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
+                    batch_frames: int = 16) -> VideoCodes:
+    """Encode chunks of (frames uint8 (n, H, W, 3) at the tokenizer's resolution, times (n,) seconds)."""
+    stamps: list[torch.Tensor] = []
+
+    def frames() -> Iterator[torch.Tensor]:
+        for chunk, times in chunks:
+            stamps.append(torch.as_tensor(times))
+            yield chunk
+
+    with torch.no_grad():
+        codes = encode_video(vq, frames(), batch_frames=batch_frames)
+    times = torch.cat(stamps).double().numpy() if stamps else np.zeros(0)
+    groups = vq.group_frame_index(len(times))
+    codes = np.asarray(codes.cpu()).astype(np.int64)
+    if codes.shape[0] != len(groups):
+        raise RuntimeError(f"VQ returned {codes.shape[0]} code groups for {len(times)} frames, "
+                           f"expected {len(groups)}")
+    return VideoCodes(codes=codes, timestamps=np.asarray([times[g[0]] for g in groups], np.float64),
+                      num_frames=len(times))
+
+
+def video_to_codes(vq: VQModel, video: VideoSource, *, fps: float = 1.0, max_frames: Optional[int] = None,
+                   max_resolution: int = DEFAULT_MAX_RESOLUTION, batch_frames: int = 16, backend: str = "auto",
+                   progress: bool = False, total_frames: Optional[int] = None) -> VideoCodes:
+    """Decode `video` (a path or the file's bytes) at `fps` and VQ-encode it.
+
+    max_frames: sample at most this many frames, spread over the whole video. progress: a bar
+    counting frames (`total_frames`, when known, sizes it). Raises VideoError (or a subclass) for
+    a missing or unreadable video.
+    """
+    bar = tqdm(total=total_frames, unit="frame", desc="encoding video", disable=not progress)
+
+    def chunks():
+        for frames, times in iter_video(video, fps=fps, max_frames=max_frames, size=vq.cfg.resolution,
+                                        max_resolution=max_resolution, backend=backend):
+            bar.update(int(frames.shape[0]))
+            yield frames, times
+
+    try:
+        return frames_to_codes(vq, chunks(), batch_frames=batch_frames)
+    finally:
+        bar.close()
