@@ -34,6 +34,75 @@ sys.path.insert(0, str(ROOT))
 from longvideo.data.synthetic import decode_frame_index, frame_index_video, write_mp4  # noqa: E402
 from longvideo.data.video import read_video, sample_indices  # noqa: E402
 
+# ------------------------------------------------------------------------------------------- report
+# Read by run_benchmarks.py to build docs/benchmarks.md: the title, what is measured, the detail docs
+# under docs/ (the first that exists is linked), the targets (the summary rows while nothing is
+# measured) and report(), which turns this script's JSON into a table, the targets met or not, and
+# notes.
+
+from benchreport import Section, Target, fmt_num, md_table, req, req_list, yes_no  # noqa: E402
+
+TITLE = "Data pipeline"
+MEASURES = ("Sampling 1 fps from an hour of video with the project's reader against decoding every frame; "
+            "token-shard loader throughput against the tokens per second a training step consumes.")
+DOCS = ["data.md"]
+TARGETS = [Target("data: 1 fps sampling from an hour of video", "faster than decoding every frame"),
+           Target("data: loader tokens/s", "keeps up with a training step")]
+
+
+def report(result: dict) -> Section:
+    v = req(result, "video")
+    runs = req_list(v, "runs")
+    body, dec, pyav = [], [], []
+    for r in runs:
+        base = req(r, "pyav_decode_all", "seconds")
+        sd, sp = req(r, "project_decord", "seconds"), req(r, "project_pyav", "seconds")
+        dec.append(base / sd)
+        pyav.append(base / sp)
+        ok = all(r[k].get("correct", False) for k in ("project_decord", "project_pyav", "pyav_decode_all"))
+        body.append([f"{req(r, 'gop_seconds'):g} s", fmt_num(r.get("file_mb"), ".1f"),
+                     f"{sd:.1f} ({base / sd:.2f}x)", f"{sp:.1f} ({base / sp:.2f}x)", f"{base:.1f}",
+                     "yes" if ok else "**no**"])
+    table = md_table(["keyframe interval", "file MiB", "`read_video` decord s (speed-up)",
+                      "`read_video` PyAV backend s (speed-up)", "PyAV decode every frame s",
+                      "right frames"], body)
+    samp = Target(TARGETS[0].what, TARGETS[0].goal)
+
+    def span(xs):
+        return f"{min(xs):.2f}x" if len(xs) == 1 or abs(max(xs) - min(xs)) < 5e-3 else f"{min(xs):.2f}-{max(xs):.2f}x"
+
+    samp.figure = f"PyAV backend {span(pyav)}, decord (the default `auto`) {span(dec)}"
+    samp.met = f"PyAV backend: {yes_no(min(pyav) > 1)}; decord: {yes_no(min(dec) > 1)}"
+    ld = req(result, "loader")
+    tps = req(ld, "tokens_per_s")
+    cons = []
+    if isinstance(result.get("train_step_cpu"), dict):
+        c = result["train_step_cpu"]
+        cons.append((f"{c.get('model', 'small model')} train step on this CPU, seq {c.get('seq_len', '?'):,} "
+                     "(measured)", "the measured tokens/s of the CPU train step", req(c, "tokens_per_s")))
+    if isinstance(result.get("train_step_7b_h200"), dict):
+        c = result["train_step_7b_h200"]
+        cons.append((f"{c.get('model', '7B')} at {c.get('seq_len', 0):,} tokens on one H200 at "
+                     f"{100 * c.get('mfu', 0):.0f} % MFU (estimated from FLOPs per token)",
+                     f"the estimated tokens/s of a {c.get('model', '7B')} step on one H200", req(c, "tokens_per_s_per_gpu")))
+    rows2 = [[f"token-shard loader, rows of {ld.get('seq_len', 0):,} (padding "
+              f"{100 * ld.get('padding_fraction', 0):.1f} %)", f"{tps:,.0f}", "-"]]
+    rows2 += [[name, f"{x:,.0f}", f"{tps / x:,.0f}x"] for name, _, x in cons]
+    table += "\n\n" + md_table(["producer / consumer", "tokens/s", "loader headroom"], rows2)
+    load = Target(TARGETS[1].what, TARGETS[1].goal)
+    if cons:
+        _, short, worst = min(cons, key=lambda c: tps / c[2])
+        load.figure = f"{tps:,.0f} tokens/s = {tps / worst:,.0f}x {short}"
+        load.met = yes_no(tps >= worst)
+    else:
+        load.figure, load.met = f"{tps:,.0f} tokens/s (no training step in the JSON)", "unknown"
+    notes = [f"Video: a {v.get('minutes', '?'):g}-minute {v.get('size', '?')}p x264 file at {v.get('src_fps', '?')} fps, "
+             "one frame taken per second; every returned frame is checked against the index drawn into it. "
+             "Baseline: PyAV decoding every frame and converting each to RGB. Each time is the best of the "
+             "interleaved repeats."]
+    return Section(table, [samp, load], notes)
+
+
 CORNER = 64  # pixels of the index pattern in the top-left corner
 
 

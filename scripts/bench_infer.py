@@ -32,6 +32,54 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+# ------------------------------------------------------------------------------------------- report
+# Read by run_benchmarks.py to build docs/benchmarks.md: the title, what is measured, the detail docs
+# under docs/ (the first that exists is linked), the targets (the summary rows while nothing is
+# measured) and report(), which turns this script's JSON into a table, the targets met or not, and
+# notes.
+
+from benchreport import LayoutError, Section, Target, fmt_num, md_table, ratio, req, req_list
+
+TITLE = "Inference: time to first token and memory vs context"
+MEASURES = ("Time to first token and peak memory during prefill against context length, for one-shot "
+            "prefill (the baseline), chunked prefill and W = 2 sequence-parallel prefill.")
+DOCS = ["inference.md"]
+TARGETS = [Target("infer: TTFT and peak memory vs context", "no numeric target", met="n/a")]
+
+
+def report(result: dict) -> Section:
+    lengths = req_list(result, "lengths")
+    modes = req(result, "modes")
+    one, chunk, sp = (req_list(modes, m) for m in ("one_shot", "chunked", "sp2"))
+    kv = result.get("kv_cache_bytes") or [None] * len(lengths)
+    if not len(one) == len(chunk) == len(sp) == len(lengths):
+        raise LayoutError("modes and lengths differ in length")
+    body = []
+    for S, o, c, s, k in zip(lengths, one, chunk, sp, kv):
+        po, pc, ps = (req(x, "peak_mb") for x in (o, c, s))
+        body.append([f"{S:,}", fmt_num(k and k / 2**20, ".0f"),
+                     f"{fmt_num(req(o, 'ttft_s'))} s / {fmt_num(po, '.1f')} MiB",
+                     f"{fmt_num(req(c, 'ttft_s'))} s / {fmt_num(pc, '.1f')} MiB ({fmt_num(ratio(pc, po), '.2f')}x)",
+                     f"{fmt_num(req(s, 'ttft_s'))} s / {fmt_num(ps, '.1f')} MiB ({fmt_num(ratio(ps, po), '.2f')}x)"])
+    S, o, c, s = lengths[-1], one[-1], chunk[-1], sp[-1]
+    t = Target(TARGETS[0].what, TARGETS[0].goal, met="n/a")
+    t.figure = (f"at {S:,}: TTFT {o['ttft_s']:.1f} / {c['ttft_s']:.1f} / {s['ttft_s']:.1f} s, peak "
+                f"{o['peak_mb']:.0f} / {c['peak_mb']:.0f} / {s['peak_mb']:.0f} MiB (one-shot / chunked / W=2)")
+    cfg = result.get("config") or {}
+    notes = [f"Model: dim {cfg.get('dim')}, {cfg.get('layers')} layers, {cfg.get('heads')} / {cfg.get('kv_heads')} "
+             f"heads, {cfg.get('dtype')}, `{cfg.get('backend')}` backend; chunked prefill in chunks of "
+             f"{cfg.get('chunk')}; W=2 is two gloo processes and its peak is the larger rank's. Peak memory is the "
+             "rise of resident memory during prefill (it includes the KV cache)."]
+    same = result.get("same_tokens_all_modes")
+    if isinstance(same, list):
+        notes.append("All three modes generated the same tokens at every length." if all(same) else
+                     f"**The modes generated different tokens** at lengths "
+                     f"{[L for L, ok in zip(lengths, same) if not ok]}.")
+    headers = ["S", "KV cache MiB", "one-shot: TTFT / peak", "chunked: TTFT / peak (vs one-shot)",
+               "sp W=2: TTFT / peak per rank (vs one-shot)"]
+    return Section(md_table(headers, body), [t], notes)
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

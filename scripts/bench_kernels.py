@@ -27,6 +27,62 @@ from pathlib import Path
 
 import torch
 
+# ------------------------------------------------------------------------------------------- report
+# Read by run_benchmarks.py to build docs/benchmarks.md: the title, what is measured, the detail docs
+# under docs/ (the first that exists is linked), the targets (the summary rows while nothing is
+# measured) and report(), which turns this script's JSON into a table, the targets met or not, and
+# notes.
+
+from benchreport import Section, Target, fmt_num, md_table, ratio, req, req_list, yes_no
+
+TITLE = "Triton flash-attention kernel"
+MEASURES = ("Forward and forward + backward TFLOP/s of the Triton kernel against PyTorch SDPA with the "
+            "flash backend, same inputs (GPU only).")
+DOCS = ["kernels.md"]
+TARGETS = [Target("kernels: Triton flash attention fwd+bwd", ">= 90 % of SDPA-flash throughput (GPU)")]
+
+
+def report(result: dict) -> Section:
+    t = Target(TARGETS[0].what, TARGETS[0].goal)
+    if req(result, "skipped"):
+        t.figure, t.met = "-", "not measurable here"
+        return Section("", [t], [f"Skipped: {result.get('reason', 'no reason recorded')}. Run "
+                                 "`python scripts/bench_kernels.py` on a CUDA machine."])
+    goal = (result.get("config") or {}).get("target", 0.9)
+    t.goal = f">= {goal:.0%} of SDPA-flash throughput (GPU)"
+    body, ratios = [], []
+    for r in req_list(result, "results"):
+        rf = ratio(r.get("ours_fwd_tflops"), r.get("sdpa_fwd_tflops"))
+        rb = ratio(r.get("ours_fwdbwd_tflops"), r.get("sdpa_fwdbwd_tflops"))
+        if rb is not None:
+            ratios.append((r["seqlen"], rb))
+        diff = r.get("max_abs_diff_vs_sdpa")
+        body.append([f"{req(r, 'seqlen'):,}", str(r.get("batch", "-")), fmt_num(r.get("ours_fwd_tflops"), ".1f"),
+                     fmt_num(r.get("sdpa_fwd_tflops"), ".1f"), fmt_num(rf, ".2f"), fmt_num(r.get("ours_fwdbwd_tflops"), ".1f"),
+                     fmt_num(r.get("sdpa_fwdbwd_tflops"), ".1f"), fmt_num(rb, ".2f"),
+                     fmt_num(r.get("ours_fwdbwd_frac_peak") and 100 * r["ours_fwdbwd_frac_peak"], ".0f", " %"),
+                     diff if isinstance(diff, str) else fmt_num(diff, ".2g")])
+    if ratios:
+        S, worst = min(ratios, key=lambda x: x[1])
+        t.figure = f"{worst:.0%} of SDPA flash (worst, at S = {S:,})"
+        t.met = yes_no(worst >= goal)
+    else:
+        t.figure, t.met = "no length measured on both sides", "unknown"
+    cfg = result.get("config") or {}
+    notes = [f"Causal, {cfg.get('dtype')}, {cfg.get('heads')} heads"
+             + (f" / {cfg['kv_heads']} key-value heads" if cfg.get("kv_heads") else "")
+             + f", head dim {cfg.get('head_dim')}, {cfg.get('docs', 1)} document(s) per sequence, "
+             f"{cfg.get('tokens', '?')} tokens per batch; median of {cfg.get('reps')} timed calls. "
+             f"FLOPs: {result.get('flops', 'see the script')}."]
+    for r in result["results"]:
+        errs = [f"{k[:-6]}: {v}" for k, v in r.items() if k.endswith("_error")]
+        if errs:
+            notes.append(f"S = {r['seqlen']:,} failed in part: " + "; ".join(errs))
+    headers = ["S", "batch", "ours fwd TFLOP/s", "SDPA fwd TFLOP/s", "fwd ratio", "ours fwd+bwd TFLOP/s",
+               "SDPA fwd+bwd TFLOP/s", "fwd+bwd ratio", "ours fwd+bwd % of peak", "max abs diff vs SDPA"]
+    return Section(md_table(headers, body), [t], notes)
+
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 

@@ -21,6 +21,75 @@ import sys
 import time
 from pathlib import Path
 
+# ------------------------------------------------------------------------------------------- report
+# Read by run_benchmarks.py to build docs/benchmarks.md: the title, what is measured, the detail docs
+# under docs/ (the first that exists is linked), the targets (the summary rows while nothing is
+# measured) and report(), which turns this script's JSON into a table, the targets met or not, and
+# notes.
+
+from benchreport import Section, Target, fmt_num, fmt_tokens, md_table, ratio, req, req_list, yes_no
+
+TITLE = "Decoder step: longvideo vs transformers"
+MEASURES = ("Forward + backward time and peak resident memory of one training step of the decoder, single "
+            "process, against transformers' `LlamaForCausalLM` (sdpa attention) with the same weights and "
+            "batch; each run in a fresh process.")
+DOCS = ["model.md", "architecture.md"]
+TARGETS = [Target("model: peak memory at 16K", "<= 1/4 of transformers'"),
+           Target("model: step time at 4K", "no slower than transformers")]
+
+
+def report(result: dict) -> Section:
+    rows = req_list(result, "table")
+    body, by = [], {}
+    for r in rows:
+        S = req(r, "seq_len")
+        by[S] = r
+        speed = ratio(r.get("hf_s"), r.get("ours_s"))
+        mem = ratio(r.get("ours_gib"), r.get("hf_gib"))
+        body.append([f"{S:,}", fmt_num(r.get("ours_s")), fmt_num(r.get("hf_s")), fmt_num(speed, ".2f", "x"),
+                     fmt_num(r.get("ours_gib")), fmt_num(r.get("hf_gib")), fmt_num(mem, ".3f")])
+    errors = {(e.get("impl"), e.get("seq_len")): e["error"] for e in result.get("results", [])
+              if isinstance(e, dict) and "error" in e}
+
+    def missing(S):
+        errs = [f"{impl} at {s:,}: {msg}" for (impl, s), msg in errors.items() if s == S]
+        return "; ".join(errs) if errs else f"no complete run at {S:,} tokens"
+
+    mem_t, speed_t = (Target(t.what, t.goal) for t in TARGETS)
+    r16 = by.get(16384, {})
+    mem = ratio(r16.get("ours_gib"), r16.get("hf_gib"))
+    if mem is None:
+        mem_t.figure, mem_t.met = missing(16384), "unknown"
+    else:
+        mem_t.figure = f"{mem:.3f}x ({r16['ours_gib']:.2f} vs {r16['hf_gib']:.2f} GiB)"
+        mem_t.met = yes_no(mem <= 0.25)
+    r4 = by.get(4096, {})
+    speed = ratio(r4.get("hf_s"), r4.get("ours_s"))
+    if speed is None:
+        speed_t.figure, speed_t.met = missing(4096), "unknown"
+    else:
+        speed_t.figure = f"{speed:.2f}x transformers' speed ({r4['ours_s']:.2f} vs {r4['hf_s']:.2f} s)"
+        speed_t.met = yes_no(speed >= 1.0)
+    notes = []
+    cfg = result.get("config") or {}
+    if cfg:
+        notes.append(f"Model: dim {cfg.get('dim')}, {cfg.get('layers')} layers, {cfg.get('heads')} heads / "
+                     f"{cfg.get('kv_heads')} key-value heads, vocabulary {cfg.get('vocab')}, fp32; "
+                     f"{cfg.get('threads')} threads, best of {cfg.get('repeats')} timed step(s) after a warm-up.")
+    fits = result.get("max_len_fit") or {}
+    if fits:
+        ours, hf = fits.get("longvideo"), fits.get("transformers")
+        line = (f"Longest context under {cfg.get('budget_gib', '?')} GiB (a linear fit of peak memory against "
+                f"length, an extrapolation): longvideo {fmt_tokens(ours)}, transformers {fmt_tokens(hf)}")
+        r = ratio(ours, hf)
+        notes.append(line + (f" ({r:.1f}x)." if r else "."))
+    for (impl, s), msg in errors.items():
+        notes.append(f"{impl} at {s:,} tokens did not complete: {msg}")
+    headers = ["S", "longvideo s", "transformers s", "speed-up (hf s / ours s)", "longvideo peak GiB",
+               "transformers peak GiB", "memory (ours / hf)"]
+    return Section(md_table(headers, body), [mem_t, speed_t], notes)
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

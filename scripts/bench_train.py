@@ -38,6 +38,104 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+# ------------------------------------------------------------------------------------------- report
+# Read by run_benchmarks.py to build docs/benchmarks.md: the title, what is measured, the detail docs
+# under docs/ (the first that exists is linked), the targets (the summary rows while nothing is
+# measured) and report(), which turns this script's JSON into a table, the targets met or not, and
+# notes.
+
+import re
+from benchreport import Section, Target, fmt_num, fmt_tokens, md_table, ratio, req, req_list, yes_no
+
+TITLE = "Training: longest context per memory budget"
+MEASURES = ("Per-rank peak memory and throughput of a full training step (forward, backward, AdamW) of our "
+            "trainer at sp = 1, 2, 4 (DeepSpeed ZeRO-3, ring attention) against transformers' Llama of the "
+            "same shape with eager and sdpa attention; the longest context within a per-rank budget, as in "
+            "the Ring Attention paper's table.")
+DOCS = ["training.md"]
+TARGETS = [Target("train: our sp=1 context vs transformers (eager)", ">= 16x"),
+           Target("train: our sp=1 context vs transformers (sdpa)", ">= 16x"),
+           Target("train: our sp=W context", ">= 0.9 x W x our sp=1")]
+
+
+def _train_shape(part: dict, goals: dict, label: str) -> tuple[str, list[Target], list[str]]:
+    """Table, target rows and notes for one model shape of bench_train's JSON."""
+    systems = req_list(part, "systems")
+    seqs = sorted({s for sy in systems for s in req(sy, "seqs")})
+    by = {}
+    body = []
+    for sy in systems:
+        name = req(sy, "system")
+        by[name] = sy
+        peaks = dict(zip(sy["seqs"], req(sy, "peak_mib_per_rank")))
+        body.append([name, str(req(sy, "ranks"))] + [fmt_num(peaks.get(S), ",.0f") for S in seqs]
+                    + [f"{fmt_num(req(sy, 'fit', 'kib_per_token'), ',.1f')} ({sy['fit'].get('form', '?')})",
+                       fmt_tokens(req(sy, "context_at_budget")),
+                       fmt_num(req(sy, "throughput", "tokens_per_s"), ",.0f")])
+    hf_goal = goals.get("ours_sp1_over_transformers", 16.0)
+    w_goal = goals.get("ours_spW_over_Wx_sp1", 0.9)
+    eager_t, sdpa_t, w_t = (Target(t.what.replace("train:", label), t.goal) for t in TARGETS)
+    eager_t.goal = sdpa_t.goal = f">= {hf_goal:g}x"
+    w_t.goal = f">= {w_goal:g} x W x our sp=1"
+    ours1 = by.get("ours sp=1")
+    for t, attn in ((eager_t, "eager"), (sdpa_t, "sdpa")):
+        hf = by.get(f"transformers {attn}")
+        r = ratio(ours1 and ours1["context_at_budget"], hf and hf["context_at_budget"])
+        if r is None:
+            t.figure, t.met = f"needs 'ours sp=1' and 'transformers {attn}' in the JSON", "unknown"
+        else:
+            t.figure = (f"{r:,.1f}x ({fmt_tokens(ours1['context_at_budget'])} vs "
+                        f"{fmt_tokens(hf['context_at_budget'])} tokens)")
+            t.met = yes_no(r >= hf_goal)
+    parts, oks = [], []
+    for sy in systems:
+        if sy["system"].startswith("ours sp=") and sy["ranks"] > 1 and ours1:
+            r = ratio(sy["context_at_budget"], sy["ranks"] * ours1["context_at_budget"])
+            if r is not None:
+                parts.append(f"sp={sy['ranks']}: {r:.2f} ({fmt_tokens(sy['context_at_budget'])})")
+                oks.append(r >= w_goal)
+    targets = [eager_t, sdpa_t]
+    if parts:
+        w_t.figure, w_t.met = "; ".join(parts), yes_no(all(oks))
+        targets.append(w_t)
+    elif label == "train:":  # the main shape must have the sp = W runs; a deeper one may be sp = 1 only
+        w_t.figure, w_t.met = "needs 'ours sp=1' and an 'ours sp=W' run with W > 1", "unknown"
+        targets.append(w_t)
+    notes = [f"Model: {part.get('model', '?')}; a full training step (forward, backward, AdamW), fp32. Context "
+             f"column: the longest S whose fitted per-rank peak fits {part.get('budget_gb', '?')} GiB "
+             f"(an extrapolation from the measured lengths)."]
+    flat = [f"{sy['system']} {max(sy['peak_mib_per_rank']) - min(sy['peak_mib_per_rank']):,.0f} MiB over "
+            f"{min(sy['peak_mib_per_rank']):,.0f}" for sy in systems
+            if max(sy["peak_mib_per_rank"]) - min(sy["peak_mib_per_rank"]) < 0.1 * min(sy["peak_mib_per_rank"])]
+    if flat:
+        notes.append("Caution: across the measured lengths the peak rose only a little above the fixed cost ("
+                     + "; ".join(flat) + "), so those slopes, and the contexts extrapolated from them, carry "
+                     "the measurement noise; longer `--mem-seqs` (or a deeper model) tighten them.")
+    tp = [(sy["ranks"], sy["throughput"]["tokens_per_s"]) for sy in systems if sy["system"].startswith("ours sp=")]
+    if ours1 and len(tp) > 1:
+        base = ours1["throughput"]["tokens_per_s"]
+        notes.append(f"Throughput at S = {part.get('seq', '?'):,} relative to our sp=1: "
+                     + ", ".join(f"sp={w}: {v / base:.2f}x" for w, v in tp if w > 1)
+                     + " (the ranks share the machine's cores).")
+    headers = (["system", "ranks"] + [f"peak MiB/rank at {S:,}" for S in seqs]
+               + ["KiB per token (fit)", f"context within {part.get('budget_gb', '?')} GiB", "tokens/s"])
+    return md_table(headers, body), targets, notes
+
+
+def report(result: dict) -> Section:
+    goals = result.get("targets") or {}
+    table, targets, notes = _train_shape(result, goals, "train:")
+    deep = result.get("deeper_model")
+    if isinstance(deep, dict):
+        m = re.search(r"(\d+) layers", str(deep.get("model", "")))
+        label = f"train ({m.group(1)} layers):" if m else "train (deeper model):"
+        t2, g2, n2 = _train_shape(deep, goals, label)
+        table += f"\n\n**{label[:-1].capitalize()}**\n\n" + t2
+        targets += g2
+        notes += [f"{label[:-1].capitalize()}: {n}" for n in n2]
+    return Section(table, targets, notes)
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -40,6 +40,72 @@ from longvideo.data.frames import synthetic_videos  # noqa: E402
 from longvideo.train.vq import train_vq  # noqa: E402
 from longvideo.vq.config import load_vq_config  # noqa: E402
 
+# ------------------------------------------------------------------------------------------- report
+# Read by run_benchmarks.py to build docs/benchmarks.md: the title, what is measured, the detail docs
+# under docs/ (the first that exists is linked), the targets (the summary rows while nothing is
+# measured) and report(), which turns this script's JSON into a table, the targets met or not, and
+# notes.
+
+from benchreport import LayoutError, Section, Target, fmt_num, md_table, req, req_list  # noqa: E402
+
+TITLE = "VQ video tokenizer"
+MEASURES = ("Encode and decode frames/s of each VQ config (2D per frame and causal 3D) and the codes it "
+            "spends per second of video; held-out PSNR and codebook usage after training from scratch for a "
+            "fixed time budget, against the untrained tokenizer.")
+DOCS = ["vq.md"]
+TARGETS = [Target("vq: throughput and quality after a fixed training budget",
+                  "no numeric target (frames/s, PSNR, codebook usage)", met="n/a")]
+
+
+def _fps(x) -> str:
+    return fmt_num(x, ",.1f" if isinstance(x, (int, float)) and x >= 10 else ".3g")
+
+
+def report(result: dict) -> Section:
+    thr = req_list(result, "throughput")
+    body = []
+    for r in thr:
+        body.append([f"`{req(r, 'name')}`", str(r.get("mode", "-")), str(r.get("resolution", "-")),
+                     fmt_num(r.get("params_M"), ".2f"), str(r.get("codes_per_group", "-")),
+                     f"{r.get('codebook_size', 0):,}", _fps(req(r, "encode_fps")), _fps(req(r, "decode_fps")), fmt_num(r.get("tokens_per_second_of_video"), ",.0f"),
+                     fmt_num(r.get("tokens_per_hour_1fps"), ",.0f")])
+    table = md_table(["config", "mode", "resolution", "parameters (M)", "codes per group", "codebook",
+                      "encode frames/s", "decode frames/s", "codes per second of video (1 fps)",
+                      "codes per hour (1 fps)"], body)
+    trained = result.get("training") or []
+    if not isinstance(trained, list):
+        raise LayoutError("training is not a list")
+    rows2 = []
+    for r in trained:
+        rows2.append([f"`{req(r, 'name')}`", fmt_num(req(r, "train_seconds"), ",.0f"), f"{req(r, 'steps'):,}",
+                      f"{fmt_num(r.get('psnr_untrained'), '.1f')} -> {fmt_num(req(r, 'psnr'), '.1f')}",
+                      fmt_num(100 * req(r, "usage"), ".1f", " %"), fmt_num(r.get("perplexity"), ",.0f"),
+                      fmt_num(r.get("codes_used"), ",.0f")])
+    if rows2:
+        table += "\n\n" + md_table(["config", "training s", "steps", "held-out PSNR dB (untrained -> trained)",
+                                      "codebook used", "codebook perplexity", "codes used"], rows2)
+    t = Target(TARGETS[0].what, TARGETS[0].goal, met="n/a")
+    by = {r["name"]: r for r in thr}
+    figs = []
+    for r in trained:
+        enc = by.get(r["name"], {}).get("encode_fps")
+        figs.append(f"`{r['name']}`: " + (f"{enc:,.0f} frames/s encode, " if enc else "")
+                    + f"PSNR {r['psnr']:.1f} dB, {100 * r['usage']:.0f} % of the codebook after "
+                    f"{r['train_seconds']:,.0f} s")
+    if not figs:
+        figs = [f"`{r['name']}`: {r['encode_fps']:,.0f} frames/s encode" for r in thr]
+    t.figure = "; ".join(figs)
+    notes = ["Throughput: weights at initialisation (speed does not depend on them), the fastest of the "
+             "timings. Quality: each trained config starts from scratch on generated moving-shapes videos "
+             "and stops at its training-time budget; PSNR and codebook usage are measured on held-out frames. "
+             "The baselines are the untrained tokenizer (PSNR) and, for token cost, the 2D per-frame configs "
+             "beside the causal 3D ones."]
+    if not trained:
+        notes.append("No training run in this JSON (run without `--skip-train` for the quality columns).")
+    images = [(f"held-out frames and reconstructions, {r['name']}", f"vq_{r['name']}_samples.png")
+              for r in trained]
+    return Section(table, [t], notes, images)
+
 
 def throughput(name: str, frames: int, batch: int, repeats: int) -> dict:
     cfg = load_vq_config(str(ROOT / "configs" / "vq" / f"{name}.yaml"), [])
