@@ -1,9 +1,11 @@
-"""scripts/run_benchmarks.py: the markdown built from fabricated benchmark JSON (tables, targets met
-or not, "not measured" for missing or malformed files) and the runner's handling of scripts that
-fail or run past the timeout."""
+"""scripts/run_benchmarks.py: the markdown built from fabricated benchmark JSON by each bench
+script's report() (tables, targets met or not, "not measured" for missing or malformed files, or
+a script that cannot be imported), the runner's handling of scripts that fail or run past the
+timeout, and what every scripts/bench_*.py exposes for the page."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import io
 import json
@@ -215,7 +217,7 @@ def test_missing_and_malformed_json(rb, tmp_path):
     _write(bench, "train", [1, 2, 3])
     _write(bench, "infer", {"lengths": [1024], "modes": {"one_shot": [{"ttft_s": 1.0}]}})
     text = rb.build_markdown(bench, tmp_path / "b.md", tmp_path)
-    for name in rb.BENCHES:
+    for name in rb.ORDER:
         sec = _section(text, name)
         assert f"_Not measured yet (" in sec and f"run `python scripts/bench_{name}.py`._" in sec, name
         assert "| --- |" not in sec and "|---|" not in sec, name  # no table
@@ -223,7 +225,7 @@ def test_missing_and_malformed_json(rb, tmp_path):
     assert "ring.json is not readable JSON" in _section(text, "ring")
     assert "no model.json" in _section(text, "model")
     s = _summary(text)
-    assert len(s) == sum(len(b.targets) for b in rb.BENCHES.values())
+    assert len(s) == sum(len(rb.load_bench(n, p).targets) for n, p in rb.discover().items())
     assert all(row[2] == "not measured yet" for row in s.values())
 
 
@@ -237,13 +239,15 @@ def _alive(pid: int) -> bool:
 def test_runner_reports_failures_and_timeouts(rb, tmp_path):
     scripts = tmp_path / "scripts"
     scripts.mkdir()
-    (scripts / "bench_ok.py").write_text("print('hello from ok')\n")
-    (scripts / "bench_bad.py").write_text("import sys\nprint('boom: bad input', file=sys.stderr)\nsys.exit(3)\n")
+    # like the real scripts, each runs only as __main__ (the CLI below imports them for the page)
+    (scripts / "bench_ok.py").write_text("if __name__ == '__main__':\n    print('hello from ok')\n")
+    (scripts / "bench_bad.py").write_text(
+        "import sys\nif __name__ == '__main__':\n    print('boom: bad input', file=sys.stderr)\n    sys.exit(3)\n")
     pidfile = tmp_path / "child.pid"
     (scripts / "bench_slow.py").write_text(
-        "import subprocess, sys, time\n"
-        f"p = subprocess.Popen(['sleep', '60'])\nopen({str(pidfile)!r}, 'w').write(str(p.pid))\n"
-        "print('slow started', file=sys.stderr, flush=True)\ntime.sleep(60)\n")
+        "import subprocess, sys, time\nif __name__ == '__main__':\n"
+        f"    p = subprocess.Popen(['sleep', '60'])\n    open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+        "    print('slow started', file=sys.stderr, flush=True)\n    time.sleep(60)\n")
     found = rb.discover(scripts)
     assert list(found) == ["bad", "ok", "slow"]
     out, err = io.BytesIO(), io.BytesIO()
@@ -298,3 +302,76 @@ def test_readme_summary_is_rewritten_between_its_markers(rb, tmp_path):
     plain.write_text("no markers\n")
     assert rb.update_readme(plain, [["[a](#a)", "1", "2", "yes"]], docs / "benchmarks.md") is False
     assert plain.read_text() == "no markers\n"
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
+            and [c.value for c in node.test.comparators if isinstance(c, ast.Constant)] == ["__main__"])
+
+
+def test_every_bench_script_exposes_its_report(rb, capfd):
+    """Each scripts/bench_*.py has TITLE, MEASURES, DOCS, TARGETS and report(), and importing it (as
+    the runner does for the page) runs nothing: its main() is called only under `__main__`."""
+    import benchreport
+
+    found = rb.discover()
+    assert list(found)[:len(rb.ORDER)] == rb.ORDER
+    for name, path in found.items():
+        tree = ast.parse(path.read_text())
+        guards = [n for n in tree.body if _is_main_guard(n)]
+        assert len(guards) == 1, f"{path.name}: no `if __name__ == '__main__':` block"
+        assert "main" in ast.unparse(guards[0]), path.name
+        calls = [ast.unparse(n) for n in tree.body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)]
+        assert all(c.startswith("sys.path.insert(") for c in calls), f"{path.name} calls at import: {calls}"
+        assert any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body), path.name
+
+        t0 = time.perf_counter()
+        bench = rb.load_bench(name, path)
+        assert bench.error is None, f"{path.name}: {bench.error}"
+        assert time.perf_counter() - t0 < 120, path.name  # an import, not a benchmark run
+        assert isinstance(bench.title, str) and bench.title and bench.title != name, path.name
+        assert isinstance(bench.measures, str) and bench.measures, path.name
+        assert bench.docs and all(isinstance(d, str) and d.endswith(".md") for d in bench.docs), path.name
+        assert bench.targets and all(isinstance(t, benchreport.Target) for t in bench.targets), path.name
+        assert callable(bench.report), path.name
+        mod = sys.modules[f"bench_{name}"]
+        assert callable(mod.main) and mod.TARGETS == bench.targets, path.name
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", (out, err)  # nothing ran
+
+
+def test_broken_and_bare_scripts_and_order(rb, tmp_path):
+    """A script that cannot be imported says so on the page and the others are still built; a script
+    without report() gets the generic section; other scripts follow the known ones, by name."""
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "bench_infer.py").write_text((ROOT / "scripts" / "bench_infer.py").read_text())  # a real one
+    for name in ("data", "model"):
+        (scripts / f"bench_{name}.py").write_text("if __name__ == '__main__':\n    raise SystemExit('ran')\n")
+    (scripts / "bench_broken.py").write_text("import no_such_module_for_this_test\n")
+    (scripts / "bench_exits.py").write_text("import sys\nsys.exit(2)\n")
+    (scripts / "bench_hf.py").write_text("TITLE = 'Hugging Face comparison'\n"
+                                         "if __name__ == '__main__':\n    raise SystemExit('ran')\n")
+    assert list(rb.discover(scripts)) == ["model", "infer", "data", "broken", "exits", "hf"]
+
+    bench = tmp_path / "bench"
+    _write(bench, "infer", INFER)
+    _write(bench, "broken", {"x": 1})
+    _write(bench, "hf", {"x": 1})
+    _write(bench, "aaa", {"x": 1})  # a JSON without a script
+    text = rb.build_markdown(bench, tmp_path / "b.md", tmp_path, scripts_dir=scripts)
+    order = [ln.split('"')[1] for ln in text.splitlines() if ln.startswith('<a id="')]
+    assert order == ["model", "infer", "data", "aaa", "broken", "exits", "hf"]
+    broken = _section(text, "broken")
+    assert ("_Not measured yet (formatter could not be loaded: ModuleNotFoundError: No module named "
+            "'no_such_module_for_this_test'): run `python scripts/bench_broken.py`._") in broken
+    assert "Data: [bench/broken.json]" in broken
+    assert "formatter could not be loaded: SystemExit: 2" in _section(text, "exits")
+    hf = _section(text, "hf")
+    assert "## Hugging Face comparison (`scripts/bench_hf.py`)" in hf
+    assert "No formatter for this benchmark yet; see the JSON." in hf
+    assert "No formatter for this benchmark yet; see the JSON." in _section(text, "aaa")
+    assert "| 1,024 |" in _section(text, "infer")  # the others are built as usual
+    s = _summary(text)
+    assert s["broken"][2] == "not measured yet" and s["hf"][2] == "n/a"
