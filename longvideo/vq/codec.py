@@ -93,6 +93,44 @@ def _pieces(chunks: Iterator[torch.Tensor], sizes: Iterator[int]) -> Iterator[to
         yield torch.cat(buf) if len(buf) > 1 else buf[0]
 
 
+def _piece_sizes(cfg, batch_frames: int) -> Iterator[int]:
+    """Frames per encoder call: in causal3d, frame 0 plus whole groups, then whole groups (so the
+    pieces cut the video on group boundaries, and the codes equal those of one whole-clip call)."""
+    if cfg.mode == "2d":
+        return repeat(batch_frames)
+    t = cfg.frames_per_group
+    return chain([1 + ((batch_frames - 1) // t) * t], repeat((batch_frames // t) * t))
+
+
+def _encode_piece(vq: VQModel, piece: torch.Tensor, state: dict, is_first: bool) -> torch.Tensor:
+    """Codes (g, h, w) of one piece (uint8 (n, H, W, 3)); causal3d carries its temporal context
+    in `state` from piece to piece, and a video ending inside a group repeats its last frame."""
+    device = _device(vq)
+    if vq.cfg.mode == "2d":
+        _, codes, _ = vq.encode(frames_to_input(piece, device, as_clip=False))
+        return codes[:, 0].cpu()
+    t = vq.cfg.frames_per_group
+    short = (t - (piece.shape[0] - (1 if is_first else 0)) % t) % t
+    if short:
+        piece = torch.cat([piece, piece[-1:].expand(short, -1, -1, -1)])
+    _, codes, _ = vq.encode(frames_to_input(piece, device, as_clip=True), state)
+    return codes[0].cpu()
+
+
+def _check_batch(vq: VQModel, batch_frames: int) -> None:
+    if batch_frames < 1:
+        raise ValueError(f"batch_frames must be >= 1, got {batch_frames}")
+    t = vq.cfg.frames_per_group
+    if vq.cfg.mode != "2d" and batch_frames < t:
+        raise ValueError(f"batch_frames must be >= temporal_downsample={t} in causal3d mode, "
+                         f"got {batch_frames}")
+
+
+def _empty_codes(vq: VQModel) -> torch.Tensor:
+    h = vq.cfg.latent_size
+    return torch.zeros(0, h, h, dtype=torch.long)
+
+
 @torch.no_grad()
 def encode_video(vq: VQModel, frames: Frames, *, batch_frames: int = 16) -> torch.Tensor:
     """Codes of a video: LongTensor (G, h, w) on the CPU.
@@ -102,37 +140,82 @@ def encode_video(vq: VQModel, frames: Frames, *, batch_frames: int = 16) -> torc
     group padded by repeating the last frame. At most `batch_frames` frames are encoded at once
     (causal3d needs batch_frames >= t).
     """
-    cfg = vq.cfg
-    if batch_frames < 1:
-        raise ValueError(f"batch_frames must be >= 1, got {batch_frames}")
-    t = cfg.frames_per_group
-    if batch_frames < t:
-        raise ValueError(f"batch_frames must be >= temporal_downsample={t} in causal3d mode, "
-                         f"got {batch_frames}")
-    device = _device(vq)
-    stream = _chunks(frames, cfg.resolution)
+    _check_batch(vq, batch_frames)
+    state: dict = {}
     out: list[torch.Tensor] = []
     with _EvalMode(vq):
-        if cfg.mode == "2d":
-            for piece in _pieces(stream, repeat(batch_frames)):
-                _, codes, _ = vq.encode(frames_to_input(piece, device, as_clip=False))
-                out.append(codes[:, 0].cpu())  # (n, h, w)
-        else:
-            state: dict = {}
-            # frame 0 plus whole groups, then whole groups
-            sizes = chain([1 + ((batch_frames - 1) // t) * t], repeat((batch_frames // t) * t))
-            is_first = True
-            for piece in _pieces(stream, sizes):
-                n = piece.shape[0]
-                short = (t - (n - (1 if is_first else 0)) % t) % t
-                if short:  # the video ended inside a group: repeat its last frame
-                    piece = torch.cat([piece, piece[-1:].expand(short, -1, -1, -1)])
-                _, codes, _ = vq.encode(frames_to_input(piece, device, as_clip=True), state)
-                out.append(codes[0].cpu())  # (g, h, w)
-                is_first = False
-    if not out:
-        return torch.zeros(0, cfg.latent_size, cfg.latent_size, dtype=torch.long)
-    return torch.cat(out)
+        for i, piece in enumerate(_pieces(_chunks(frames, vq.cfg.resolution), _piece_sizes(vq.cfg, batch_frames))):
+            out.append(_encode_piece(vq, piece, state, i == 0))
+    return torch.cat(out) if out else _empty_codes(vq)
+
+
+class SplicingEncoder:
+    """Codes of one video with a few frames replaced, without encoding the whole video again.
+
+        enc = SplicingEncoder(vq, frames)            # encodes once, keeping the temporal context
+        codes = enc.codes_with({k: flash_frame})     # exact: equal to encode_video of the edited video
+
+    2d mode re-encodes the replaced frames only. In causal3d a replaced frame changes the codes of
+    its group and of the few groups its temporal receptive field reaches: encoding resumes from the
+    saved context at the piece holding the first replaced frame and stops at the first piece
+    boundary where the context equals the original video's again (compared exactly), so the result
+    is bitwise what encoding the edited video from the start gives.
+    """
+
+    @torch.no_grad()
+    def __init__(self, vq: VQModel, frames: torch.Tensor, *, batch_frames: int = 16):
+        _check_batch(vq, batch_frames)
+        self.vq, self.frames = vq, _check_frames(frames, vq.cfg.resolution)
+        self.starts: list[int] = []  # first frame of each piece
+        self.contexts: list[dict] = []  # the temporal context before each piece
+        self.piece_codes: list[torch.Tensor] = []
+        sizes, start, state = _piece_sizes(vq.cfg, batch_frames), 0, {}
+        with _EvalMode(vq):
+            while start < self.frames.shape[0]:
+                n = next(sizes)
+                self.starts.append(start)
+                self.contexts.append({k: v.clone() for k, v in state.items()})
+                self.piece_codes.append(_encode_piece(vq, self.frames[start: start + n], state, start == 0))
+                start += n
+        self.starts.append(self.frames.shape[0])
+        self.codes = torch.cat(self.piece_codes) if self.piece_codes else _empty_codes(vq)
+
+    @torch.no_grad()
+    def codes_with(self, replace: dict[int, torch.Tensor | np.ndarray]) -> torch.Tensor:
+        """Codes (G, h, w) of the video with frames {index: uint8 (H, W, 3)} replaced."""
+        if not replace:
+            return self.codes.clone()
+        T = self.frames.shape[0]
+        bad = [k for k in replace if not 0 <= k < T]
+        if bad:
+            raise IndexError(f"frames {bad} are outside the video's {T} frames")
+        edited = self.frames.clone()
+        for k, frame in replace.items():
+            edited[k] = torch.as_tensor(frame, dtype=torch.uint8)
+        if self.vq.cfg.mode == "2d":
+            keys = sorted(replace)
+            codes = self.codes.clone()
+            with _EvalMode(self.vq):
+                codes[keys] = _encode_piece(self.vq, edited[keys], {}, False)
+            return codes
+        first = min(replace)
+        p = next(i for i in range(len(self.piece_codes)) if self.starts[i + 1] > first)
+        state = {k: v.clone() for k, v in self.contexts[p].items()}
+        parts = self.piece_codes[:p]
+        last_edit = max(replace)
+        with _EvalMode(self.vq):
+            while p < len(self.piece_codes):
+                a, b = self.starts[p], self.starts[p + 1]
+                parts.append(_encode_piece(self.vq, edited[a:b], state, a == 0))
+                p += 1
+                if b > last_edit and p < len(self.piece_codes) and _same_context(state, self.contexts[p]):
+                    parts += self.piece_codes[p:]  # the edit no longer reaches: the rest is unchanged
+                    break
+        return torch.cat(parts)
+
+
+def _same_context(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _check_codes(vq: VQModel, codes) -> torch.Tensor:
