@@ -148,3 +148,33 @@ def test_eval_harness_on_a_tiny_model_writes_json_and_png(pre, tmp_path, capsys)
     rc = cli.eval_main(["qa", "--model", str(ckpt), "--out", str(tmp_path / "cli"), "--shards",
                         str(tmp_path / "none*.tar")])
     assert rc != 0 and "no shards match" in capsys.readouterr().err
+
+
+def test_video_needle_trials_per_length_and_exact_splices(pre):
+    """Trials cycle the colours over fresh backgrounds; each cell's prompt holds the codes of the
+    edited haystack exactly as a full encode gives them (2d and causal3d)."""
+    seen = []
+
+    class Recording(ConstantEngine):
+        def set_prefix(self, ids):
+            seen.append(ids[0].tolist())
+            super().set_prefix(ids)
+
+    factory = lambda p: Recording(p.tokenizer, " blue")  # noqa: E731
+    res = evaluate_video_needle(pre, lengths=(4, 7), depths=(0.0, 0.5, 1.0), colours=("red", "blue"),
+                                trials=(3, 2), engine_factory=factory, progress=False)
+    assert res["trials"] == [3, 2] and len(res["cells"]) == 3 * 5
+    assert [c["colour"] for c in res["cells"] if c["frames"] == 4][::3] == ["red", "blue", "red"]
+    assert np.allclose(res["grid"], [[1 / 3, 1 / 2]] * 3)
+    causal = tiny_pretrained(max_seq_len=512, mode="causal3d")
+    seen.clear()
+    res3 = evaluate_video_needle(causal, lengths=(9,), depths=(0.5,), colours=("green",), trials=1,
+                                 engine_factory=factory, progress=False)
+    cell = res3["cells"][0]
+    frames = haystack_frames(9, causal.vq.cfg.resolution, seed=0)
+    frames[cell["needle_frame"]] = np.array([40, 200, 60], np.uint8)
+    codes = encode_video(causal.vq, torch.from_numpy(frames)).numpy()
+    ids = seen[0]
+    vocab = causal.model.cfg.vocab
+    got = [t - vocab.vq_offset for t in ids if vocab.vq_offset <= t < vocab.size]
+    assert got == codes.reshape(-1).tolist()

@@ -281,6 +281,25 @@ class SyntheticSample:
                 out[a - start: b - start] = np.asarray(COLOURS[colour], np.uint8)
         return out
 
+    def frames_at(self, indices) -> np.ndarray:
+        """The frames at the given indices (any order, any stride) as uint8 (len, H, W, 3): e.g.
+        one frame per second of an hour without rendering the other frames."""
+        fps, size = self.spec.fps, self.spec.size
+        idx = np.asarray(indices, dtype=np.int64)
+        out = np.zeros((len(idx), size, size, 3), np.uint8)
+        for s0, s1, shape in self.scenes:
+            sel = np.nonzero((idx >= s0 * fps) & (idx < s1 * fps))[0]
+            if len(sel):  # the scene's shape moves from the scene's first frame
+                cx, cy = shape.centre((idx[sel] - s0 * fps).astype(np.float64), size)
+                mask = _shape_mask(shape, cx, cy, size)
+                part = out[sel]
+                part[mask] = np.asarray(COLOURS[shape.colour], np.uint8)
+                out[sel] = part
+        if self.needle is not None:
+            sec, colour = self.needle
+            out[(idx >= sec * fps) & (idx < (sec + 1) * fps)] = np.asarray(COLOURS[colour], np.uint8)
+        return out
+
     def chunks(self, chunk_frames: int = 256) -> Iterator[np.ndarray]:
         for a in range(0, self.num_frames, chunk_frames):
             yield self.frames(a, a + chunk_frames)

@@ -198,6 +198,7 @@ def eval_parser() -> argparse.ArgumentParser:
         sp.add_argument("--max-new-tokens", type=int, default=16)
         sp.add_argument("--device", default=None)
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
+        sp.add_argument("--backend", default="auto", help="block-attention backend of sequence-parallel prefill")
 
     qa = sub.add_parser("qa", help="accuracy on the questions of QA shards (token or raw)")
     common(qa)
@@ -215,6 +216,8 @@ def eval_parser() -> argparse.ArgumentParser:
     vn.add_argument("--lengths", type=_ints, default=[16, 32, 64], help="video lengths in frames (1 fps)")
     vn.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
     vn.add_argument("--colours", default=None, help="needle colours, comma separated (default: all)")
+    vn.add_argument("--trials", type=_ints, default=None,
+                    help="trials per cell: one number, or one per length (default: one per colour)")
     vn.add_argument("--seed", type=int, default=0)
     return p
 
@@ -226,28 +229,47 @@ def eval_main(argv: list[str]) -> int:
 
 
 def _eval(args) -> int:
+    """One process, or every rank of a torchrun world: then each rank runs the same evaluation with
+    the prompts' video prefilled by ring attention over all ranks (sp = world size) and decoding
+    over the sharded KV cache; rank 0 writes the results."""
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed and not dist.is_initialized():
+        device = _device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
+    rank = dist.get_rank() if distributed else 0
     try:
-        pretrained = load_model(args.model, _device(args.device))
-        progress = not args.quiet
+        pretrained = load_model(args.model, _device(args.device, int(os.environ.get("LOCAL_RANK", "0"))))
+        progress = not args.quiet and rank == 0
+        out = args.out if rank == 0 else None
+        factory = (lambda p: SequenceParallelEngine(p.model, backend=args.backend)) if distributed else None
         if args.task == "qa":
-            res = evals.evaluate_qa(pretrained, args.shards, out_dir=args.out, max_samples=args.max_samples,
-                                    max_new_tokens=args.max_new_tokens, fps=args.fps, progress=progress)
-            print(f"QA accuracy {res['accuracy']:.3f} (chance {res['chance'] or float('nan'):.3f}; "
-                  f"substring {res['substring_accuracy']:.3f}) over {res['questions']} questions "
-                  f"of {res['samples']} videos")
+            res = evals.evaluate_qa(pretrained, args.shards, out_dir=out, max_samples=args.max_samples,
+                                    max_new_tokens=args.max_new_tokens, fps=args.fps, engine_factory=factory,
+                                    progress=progress)
+            line = (f"QA accuracy {res['accuracy']:.3f} (chance {res['chance'] or float('nan'):.3f}; "
+                    f"substring {res['substring_accuracy']:.3f}) over {res['questions']} questions "
+                    f"of {res['samples']} videos")
         elif args.task == "text-niah":
             res = evals.evaluate_text_needle(pretrained, lengths=args.lengths, depths=args.depths,
                                              rounds=args.rounds, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                                             out_dir=args.out, progress=progress)
-            print(f"text needle accuracy {res['accuracy']:.3f} over {len(res['cells'])} needles")
+                                             out_dir=out, engine_factory=factory, progress=progress)
+            line = f"text needle accuracy {res['accuracy']:.3f} over {len(res['cells'])} needles"
         else:
             colours = [c.strip() for c in args.colours.split(",")] if args.colours else None
+            trials = None if args.trials is None else (args.trials[0] if len(args.trials) == 1 else args.trials)
             res = evals.evaluate_video_needle(pretrained, lengths=args.lengths, depths=args.depths, colours=colours,
-                                              seed=args.seed, max_new_tokens=args.max_new_tokens, out_dir=args.out,
-                                              progress=progress)
-            print(f"video needle accuracy {res['accuracy']:.3f} (chance {res['chance']:.3f}) "
-                  f"over {len(res['cells'])} needles")
-        print(f"wrote {res['json']} and {res['png']}")
+                                              trials=trials, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                                              out_dir=out, engine_factory=factory, progress=progress)
+            line = (f"video needle accuracy {res['accuracy']:.3f} (chance {res['chance']:.3f}) "
+                    f"over {len(res['cells'])} needles")
+        if rank == 0:
+            print(line + (f" (sequence-parallel over {dist.get_world_size()} ranks)" if distributed else ""))
+            print(f"wrote {res['json']} and {res['png']}")
     except _known_errors() as e:
         return _error("longvideo eval", e)
+    finally:
+        if distributed and dist.is_initialized():
+            dist.destroy_process_group()
     return 0

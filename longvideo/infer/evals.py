@@ -43,7 +43,7 @@ from longvideo.data.synthetic import COLOURS, NEEDLE_CHOICES, NEEDLE_QUESTION, S
 from longvideo.data.video import VideoError
 from longvideo.infer.chat import ChatSession, EncodedVideo, fit_codes, infer_config, load_model
 from longvideo.infer.generation import Engine, LocalEngine, trim_at_stop
-from longvideo.vq.codec import encode_video
+from longvideo.vq.codec import SplicingEncoder
 
 EngineFactory = Callable[[object], Engine]
 """Builds the engine for a loaded model (default: a LocalEngine with the config's prefill chunk)."""
@@ -320,23 +320,38 @@ def haystack_frames(num_frames: int, size: int, seed: int, source_fps: int = 8) 
     """A moving-shapes video of `num_frames` seconds sampled at 1 fps (uint8 (T, size, size, 3)).
 
     Rendered at `source_fps` like the synthetic training videos and sampled at 1 fps the way the
-    reader samples them, so shapes move between frames as they do in training."""
+    reader samples them, so shapes move between frames as they do in training; only the sampled
+    frames are rendered, so an hour costs 3600 frames."""
     spec = SyntheticSpec(size=size, fps=source_fps, min_seconds=num_frames, max_seconds=num_frames,
                          long_fraction=0.0, needle_fraction=0.0)
-    return np.ascontiguousarray(make_sample(seed, 0, spec).frames()[::source_fps])
+    return make_sample(seed, 0, spec).frames_at(np.arange(num_frames) * source_fps)
 
 
 def needle_index(num_frames: int, depth: float) -> int:
     return int(round(depth * (num_frames - 1)))
 
 
+def trials_per_length(lengths: Sequence[int], trials) -> list[int]:
+    """Trials of each length: one int for all, or one per length."""
+    per = [int(trials)] * len(lengths) if isinstance(trials, (int, np.integer)) else [int(t) for t in trials]
+    if len(per) != len(lengths) or min(per) < 1:
+        raise ValueError(f"trials must be a positive int or one per length ({len(lengths)}), got {trials}")
+    return per
+
+
 def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                           depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
-                          colours: Optional[Sequence[str]] = None, seed: int = 0, max_new_tokens: int = 8,
-                          out_dir: Optional[str | Path] = None, engine_factory: Optional[EngineFactory] = None,
-                          progress: bool = True) -> dict:
-    """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid; a cell's score is
-    the fraction of needle colours named correctly (exact match). Chance = 1 / len(colours)."""
+                          colours: Optional[Sequence[str]] = None, trials=None, seed: int = 0,
+                          max_new_tokens: int = 8, out_dir: Optional[str | Path] = None,
+                          engine_factory: Optional[EngineFactory] = None, progress: bool = True) -> dict:
+    """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid.
+
+    A trial is one background video (its own seed) with a needle colour (colours taken in turn);
+    it is encoded once, and for each depth the flash frame is spliced in exactly
+    (`vq.codec.SplicingEncoder`: the codes equal those of encoding the edited video). A cell's
+    score is the fraction of its trials whose colour is named correctly (exact match); chance is
+    1 / len(colours). trials: per length (an int, or one per length; default len(colours)).
+    """
     pretrained = load_model(model)
     if pretrained.vq is None or pretrained.tokenizer is None:
         raise ValueError("the video needle evaluation needs the model's VQ and text tokenizer")
@@ -345,50 +360,44 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
     unknown = [c for c in colours if c not in COLOURS]
     if unknown:
         raise ValueError(f"unknown needle colours {unknown}; choose from {list(COLOURS)}")
+    per_length = trials_per_length(lengths, len(colours) if trials is None else trials)
     infer = infer_config(pretrained, max_new_tokens=max_new_tokens, temperature=0.0)
     size = vq.cfg.resolution
-    splice = vq.cfg.mode == "2d"  # frames coded independently: needle codes can be spliced in
-    needle_frames = {c: np.broadcast_to(np.asarray(COLOURS[c], np.uint8), (1, size, size, 3)).copy() for c in colours}
-    needle_codes = ({c: np.asarray(encode_video(vq, torch.from_numpy(f)))
-                     for c, f in needle_frames.items()} if splice else {})
-    grid = np.zeros((len(depths), len(lengths)))
+    flash = {c: torch.from_numpy(np.broadcast_to(np.asarray(COLOURS[c], np.uint8), (size, size, 3)).copy())
+             for c in colours}
+    hits = np.zeros((len(depths), len(lengths)))
     cells = []
-    bar = tqdm(total=len(depths) * len(lengths) * len(colours), desc="video needle", disable=not progress)
-    for j, T in enumerate(lengths):
-        hay = haystack_frames(T, size, seed + j)
-        hay_codes = np.asarray(encode_video(vq, torch.from_numpy(hay), batch_frames=infer.encode_batch_frames)) \
-            if splice else None
+    bar = tqdm(total=len(depths) * sum(per_length), desc="video needle", disable=not progress)
+    for j, (T, n_trials) in enumerate(zip(lengths, per_length)):
         times = np.arange(T, dtype=np.float64)
-        for i, d in enumerate(depths):
-            k = needle_index(T, d)
-            hits = []
-            for c in colours:
-                if splice:
-                    codes = hay_codes.copy()
-                    codes[k] = needle_codes[c][0]
-                else:
-                    frames = hay.copy()
-                    frames[k] = needle_frames[c][0]
-                    codes = np.asarray(encode_video(vq, torch.from_numpy(frames), batch_frames=infer.encode_batch_frames))
-                groups = vq.group_frame_index(T)
-                stamps = np.asarray([times[g[0]] for g in groups])
-                codes, stamps, keep = fit_codes(pretrained, codes.astype(np.int64), stamps, NEEDLE_QUESTION,
-                                                infer.max_new_tokens)
-                video = EncodedVideo(codes=codes, timestamps=stamps, num_frames=T, duration=float(T), fps=1.0)
+        groups = vq.group_frame_index(T)
+        stamps_all = np.asarray([times[g[0]] for g in groups])
+        for trial in range(n_trials):
+            c = colours[trial % len(colours)]
+            background = SplicingEncoder(vq, haystack_frames(T, size, seed + 1000 * j + trial),
+                                         batch_frames=infer.encode_batch_frames)
+            for i, d in enumerate(depths):
+                k = needle_index(T, d)
+                codes = background.codes_with({k: flash[c]}).numpy().astype(np.int64)
+                kept_codes, stamps, keep = fit_codes(pretrained, codes, stamps_all, NEEDLE_QUESTION,
+                                                     infer.max_new_tokens)
+                video = EncodedVideo(codes=kept_codes, timestamps=stamps, num_frames=T, duration=float(T), fps=1.0)
                 session = _session(pretrained, video, infer, engine_factory)
                 pred = session.ask(NEEDLE_QUESTION)
                 ok = exact_match(pred, c)
-                hits.append(ok)
-                cells.append({"frames": T, "depth": float(d), "needle_frame": k, "colour": c, "prediction": pred,
-                              "correct": ok, "substring": substring_match(pred, c), "groups": int(codes.shape[0]),
-                              "needle_kept": any(k in groups[g] for g in keep),
+                hits[i, j] += ok
+                group = next(g for g, members in enumerate(groups) if k in members)
+                cells.append({"frames": T, "depth": float(d), "trial": trial, "needle_frame": k,
+                              "needle_group": group, "frame_in_group": groups[group].index(k), "colour": c,
+                              "prediction": pred, "correct": ok, "substring": substring_match(pred, c),
+                              "groups": int(kept_codes.shape[0]), "needle_kept": group in set(keep),
                               "tokens": session.last.prompt_len})
                 bar.update(1)
-            grid[i, j] = float(np.mean(hits))
     bar.close()
+    grid = hits / np.asarray(per_length)[None, :]
     result = {"task": "video_needle", "lengths": list(lengths), "depths": [float(d) for d in depths],
-              "colours": colours, "accuracy": float(grid.mean()), "chance": 1.0 / len(colours),
-              "grid": grid.tolist(), "cells": cells, "vq_mode": vq.cfg.mode}
+              "colours": colours, "trials": per_length, "accuracy": float(hits.sum() / (len(depths) * sum(per_length))),
+              "chance": 1.0 / len(colours), "grid": grid.tolist(), "cells": cells, "vq_mode": vq.cfg.mode}
     return _write(result, out_dir, "video_needle", lambda p: save_heatmap(
         grid, list(lengths), [f"{d:.2f}" for d in depths], p,
         title=f"Video needle retrieval (chance {result['chance']:.2f})", xlabel="video length (frames at 1 fps)",
