@@ -232,6 +232,8 @@ class SyntheticSpec:
     """Inclusive range of a scene's duration."""
     gop_seconds: float = 1.0
     """Keyframe interval of the written mp4."""
+    needle_at: Optional[float] = None
+    """Depth of the needle in [0, 1] (0 = first second, 1 = last); None draws it at random."""
 
     def __post_init__(self):
         if self.size <= 0 or self.size % 2:
@@ -245,6 +247,8 @@ class SyntheticSpec:
         lo, hi = self.scene_seconds
         if not 1 <= lo <= hi:
             raise ValueError(f"scene_seconds must satisfy 1 <= lo <= hi, got {self.scene_seconds}")
+        if self.needle_at is not None and not 0.0 <= self.needle_at <= 1.0:
+            raise ValueError(f"needle_at must be in [0, 1], got {self.needle_at}")
         for name in ("long_fraction", "needle_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
@@ -330,7 +334,10 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
         prev, t = shape, t + length
     needle = None
     if rng.random() < spec.needle_fraction:
-        needle = (int(rng.integers(0, duration)), NEEDLE_CHOICES[rng.integers(len(NEEDLE_CHOICES))])
+        second = int(rng.integers(0, duration))
+        if spec.needle_at is not None:
+            second = int(round(spec.needle_at * (duration - 1)))
+        needle = (second, NEEDLE_CHOICES[rng.integers(len(NEEDLE_CHOICES))])
 
     segments = [{"start": float(a), "end": float(b), "text": _describe(s)} for a, b, s in scenes]
     qa = []

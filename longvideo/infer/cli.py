@@ -216,6 +216,8 @@ def eval_parser() -> argparse.ArgumentParser:
     vn.add_argument("--lengths", type=_ints, default=[16, 32, 64], help="video lengths in frames (1 fps)")
     vn.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
     vn.add_argument("--colours", default=None, help="needle colours, comma separated (default: all)")
+    vn.add_argument("--source-fps", type=int, default=8,
+                    help="frame rate the backgrounds are rendered at before 1 fps sampling (as the training videos)")
     vn.add_argument("--trials", type=_ints, default=None,
                     help="trials per cell: one number, or one per length (default: one per colour)")
     vn.add_argument("--seed", type=int, default=0)
@@ -260,7 +262,8 @@ def _eval(args) -> int:
             colours = [c.strip() for c in args.colours.split(",")] if args.colours else None
             trials = None if args.trials is None else (args.trials[0] if len(args.trials) == 1 else args.trials)
             res = evals.evaluate_video_needle(pretrained, lengths=args.lengths, depths=args.depths, colours=colours,
-                                              trials=trials, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                                              trials=trials, seed=args.seed, source_fps=args.source_fps,
+                                              max_new_tokens=args.max_new_tokens,
                                               out_dir=out, engine_factory=factory, progress=progress)
             line = (f"video needle accuracy {res['accuracy']:.3f} (chance {res['chance']:.3f}) "
                     f"over {len(res['cells'])} needles")

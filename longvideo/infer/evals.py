@@ -342,7 +342,7 @@ def trials_per_length(lengths: Sequence[int], trials) -> list[int]:
 def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                           depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
                           colours: Optional[Sequence[str]] = None, trials=None, seed: int = 0,
-                          max_new_tokens: int = 8, out_dir: Optional[str | Path] = None,
+                          source_fps: int = 8, max_new_tokens: int = 8, out_dir: Optional[str | Path] = None,
                           engine_factory: Optional[EngineFactory] = None, progress: bool = True) -> dict:
     """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid.
 
@@ -351,6 +351,8 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
     (`vq.codec.SplicingEncoder`: the codes equal those of encoding the edited video). A cell's
     score is the fraction of its trials whose colour is named correctly (exact match); chance is
     1 / len(colours). trials: per length (an int, or one per length; default len(colours)).
+    source_fps: the frame rate the backgrounds are rendered at before 1 fps sampling (match the
+    training videos': shapes move source_fps frames' worth between samples).
     """
     pretrained = load_model(model)
     if pretrained.vq is None or pretrained.tokenizer is None:
@@ -374,7 +376,7 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
         stamps_all = np.asarray([times[g[0]] for g in groups])
         for trial in range(n_trials):
             c = colours[trial % len(colours)]
-            background = SplicingEncoder(vq, haystack_frames(T, size, seed + 1000 * j + trial),
+            background = SplicingEncoder(vq, haystack_frames(T, size, seed + 1000 * j + trial, source_fps),
                                          batch_frames=infer.encode_batch_frames)
             for i, d in enumerate(depths):
                 k = needle_index(T, d)
