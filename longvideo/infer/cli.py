@@ -57,9 +57,11 @@ def _plain_warnings():
 # ----------------------------------------------------------------------------- chat
 
 def chat_parser() -> argparse.ArgumentParser:
+    from longvideo.data.video import VIDEO_EXTS
+
     p = argparse.ArgumentParser(prog="longvideo chat", description="Answer questions about a video.")
     p.add_argument("--model", required=True, help="exported Hugging Face directory or project checkpoint")
-    p.add_argument("--video", required=True, help="video file (mp4, webm, mkv, avi, mov)")
+    p.add_argument("--video", required=True, help=f"video file ({', '.join(VIDEO_EXTS)})")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--question", help="one question; the answer is printed")
     g.add_argument("--interactive", action="store_true",
