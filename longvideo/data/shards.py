@@ -1,6 +1,7 @@
 """Shard files: webdataset-style tar archives, read as untrusted input.
 
-Raw shards hold, per sample, ``KEY.<video>`` (mp4, avi, webm, mkv or mov) and ``KEY.json``.
+Raw shards hold, per sample, ``KEY.<video>`` (any extension of
+:data:`longvideo.data.video.VIDEO_EXTS`) and ``KEY.json``.
 Token shards (written by ``longvideo tokenize``) hold ``KEY.codes.npy`` (VQ codes, integer
 (G, h, w)), ``KEY.timestamps.npy`` (float64 (G,), seconds of each code group's first frame) and
 ``KEY.json`` (the raw json plus a few tokenizer fields).
@@ -10,6 +11,8 @@ Reading never extracts anything: member bytes are read into memory, names are on
 extensions above are decoded (json with ``json.loads``; arrays with ``np.load(allow_pickle=False)``),
 and member sizes are bounded. A damaged header is skipped block by block, so the members after
 it are still read; samples that end up incomplete or invalid are counted by reason and skipped.
+Raw shards are streamed (local files and URLs alike, :mod:`longvideo.data.streams`); token shards on
+local disk are read by random access, remote ones streamed.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
+from longvideo.data.video import VIDEO_EXTS  # the one list of accepted video extensions
+
 log = logging.getLogger(__name__)
 
-VIDEO_EXTS: tuple[str, ...] = ("mp4", "avi", "webm", "mkv", "mov")
 TOKEN_EXTS: tuple[str, ...] = ("codes.npy", "timestamps.npy", "json")
 MAX_JSON_BYTES = 16 << 20
 """Largest json member accepted."""
@@ -191,30 +195,33 @@ class RawSample:
     meta: dict
 
 
-def iter_raw_samples(path: str, stats: SkipStats) -> Iterator[RawSample]:
-    """Samples of a raw shard with a video and a valid json; the rest are counted in ``stats``."""
-    try:
-        members = index_tar(path, stats)
-    except ShardError as e:
-        stats.skip(e.reason, path, str(e))
-        return
-    with open(path, "rb") as f:
-        for key, parts in group_samples(members, VIDEO_EXTS + ("json",)):
-            where = f"{path}:{key}"
-            videos = [e for e in VIDEO_EXTS if e in parts]
-            if "json" not in parts:
-                stats.skip("missing_json", where)
-                continue
-            if not videos:
-                stats.skip("missing_video", where)
-                continue
-            try:
-                meta = parse_json(read_member(f, parts["json"], MAX_JSON_BYTES), key)
-                video = read_member(f, parts[videos[0]], MAX_VIDEO_BYTES)
-            except ShardError as e:
-                stats.skip(e.reason, where, str(e))
-                continue
-            yield RawSample(key=key, video=video, video_ext=videos[0], meta=meta)
+def iter_raw_samples(path: str, stats: SkipStats, *, handler=None) -> Iterator[RawSample]:
+    """Samples of a raw shard with a video and a valid json; the rest are counted in ``stats``.
+
+    ``path``: a local file or a URL (see :mod:`longvideo.data.streams`); the shard is streamed
+    front to back. ``handler``: a webdataset-style handler for shard-level failures (default: count).
+    """
+    from longvideo.data.streams import iter_tar
+
+    for key, parts in iter_tar(path, stats, VIDEO_EXTS + ("json",), handler=handler):
+        where = f"{path}:{key}"
+        videos = [e for e in VIDEO_EXTS if e in parts]
+        if "json" not in parts:
+            stats.skip("missing_json", where)
+            continue
+        if not videos:
+            stats.skip("missing_video", where)
+            continue
+        try:
+            for part in (parts["json"], parts[videos[0]]):
+                if isinstance(part, ShardError):
+                    raise part
+                if part is parts["json"]:
+                    meta = parse_json(part, key)
+        except ShardError as e:
+            stats.skip(e.reason, where, str(e))
+            continue
+        yield RawSample(key=key, video=parts[videos[0]], video_ext=videos[0], meta=meta)
 
 
 # ----------------------------------------------------------------------------- token shards
@@ -275,6 +282,16 @@ class TokenShard:
 
 
 def iter_token_samples(path: str, stats: SkipStats, codebook_size: Optional[int] = None) -> Iterator[TokenSample]:
+    """The valid samples of a token shard (a local file, read by random access, or a URL, streamed)."""
+    from longvideo.data.streams import is_url, iter_tar
+
+    if is_url(path):
+        for key, parts in iter_tar(path, stats, TOKEN_EXTS):
+            try:
+                yield decode_token_blobs(key, parts, codebook_size)
+            except ShardError as e:
+                stats.skip(e.reason, f"{path}:{key}", str(e))
+        return
     try:
         shard = TokenShard(path, stats)
     except ShardError as e:
@@ -285,6 +302,14 @@ def iter_token_samples(path: str, stats: SkipStats, codebook_size: Optional[int]
             yield shard.read(i, codebook_size)
         except ShardError as e:
             stats.skip(e.reason, f"{path}:{shard.samples[i][0]}", str(e))
+
+
+def decode_token_blobs(key: str, parts: dict, codebook_size: Optional[int] = None) -> TokenSample:
+    """:func:`decode_token_sample` of streamed parts, raising a part's ShardError (too_large) first."""
+    for part in parts.values():
+        if isinstance(part, ShardError):
+            raise part
+    return decode_token_sample(key, parts, codebook_size)
 
 
 def npy_bytes(arr: np.ndarray) -> bytes:
