@@ -248,3 +248,17 @@ def test_train_vq_frames_from_corpus_folder(tmp_path, good, corpus, backend, mon
     src = build_frame_source(str(tmp_path), cfg)
     assert len(src.train) + len(src.heldout) > len(CONTAINERS) - (0 if backend == "pyav" else len(DECORD_CANNOT))
     assert sum(src.skipped.values()) > 0
+
+
+def test_chat_reads_every_container(good, tmp_path):
+    from longvideo.infer.chat import encode_video_file
+    from test_infer_chat import tiny_pretrained
+
+    pre = tiny_pretrained()
+    for enc in CONTAINERS:
+        path = tmp_path / f"{enc.name}.{enc.ext}"
+        path.write_bytes(good[enc.name])
+        video = encode_video_file(pre, str(path), fps=2.0, progress=False)
+        want = _expected(enc.frames, enc.fps, 2.0)
+        assert video.num_frames == len(want) and video.codes.shape[0] == len(want), enc.name
+        np.testing.assert_allclose(video.timestamps, np.array(want) / enc.fps, atol=0.02)

@@ -225,3 +225,17 @@ def test_loader_goes_on_after_a_dropped_shard(token_shards, tok, server):
     full = {t.key for t in iter_token_samples(f"{base}/tok/part-001.tar", SkipStats())}
     part = {t.key for t in iter_token_samples(srcs[1], SkipStats())}
     assert part < full  # the dropped shard gave only what arrived before the drop
+
+
+def test_train_vq_frames_from_http_shards_equal_disk(server):
+    from longvideo.vq.frames import build_frame_source
+
+    base, root = server
+    _write_raw(root / "vqin", 2, 3)
+    cfg = VQConfig(mode="2d", resolution=16, downsample=4, channels=8, channel_mult=(1, 1, 1), num_res_blocks=0,
+                   codebook_size=16, fps=2.0, eval_frames=4)
+    disk = build_frame_source(str(root / "vqin"), cfg)
+    web = build_frame_source(f"{base}/vqin/shard-{{000..001}}.tar", cfg)
+    assert len(disk.train) + len(disk.heldout) == 6
+    for a, b in zip(disk.train + disk.heldout, web.train + web.heldout):
+        assert torch.equal(a, b)

@@ -97,6 +97,14 @@ class _Worker:
         self.kill()
         return DecoderCrashError(f"decord's process died ({how})" + (f": {tail}" if tail else ""), label)
 
+    def reset_log(self) -> None:
+        """Empty the child's stderr file (the child shares its offset), so it does not grow with reuse."""
+        try:
+            self.log.seek(0)
+            self.log.truncate()
+        except (OSError, ValueError):
+            pass
+
     def stderr_tail(self, limit: int = 300) -> str:
         try:
             self.log.seek(0, os.SEEK_END)
@@ -209,6 +217,7 @@ class IsolatedDecordBackend:
         self.label = label
         self.max_resolution = max_resolution
         self._w: Optional[_Worker] = _acquire()
+        self._w.reset_log()
         if isinstance(src, (bytes, bytearray, memoryview)):
             req, payload = {"op": "open"}, bytes(src)
         else:

@@ -187,6 +187,9 @@ class _PyAVBackend:
                 raise UnsupportedVideoError(f"no decoder for the video stream ({s.codec_tag or 'unknown codec'})",
                                             label)
             w, h = ctx.width, ctx.height
+            if w <= 0 or h <= 0:
+                raise CorruptVideoError("no frame size: a damaged header, or frames over max_resolution^2 pixels "
+                                        "that FFmpeg refused to allocate", label)
             _check_frame_size(w, h, max_resolution, label)
             rate = s.average_rate or s.guessed_rate or s.base_rate
             fps = float(rate) if rate else 0.0
