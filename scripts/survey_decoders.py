@@ -178,7 +178,7 @@ def survey_pyav(files: list[dict], timeout: float, memory_gib: float) -> None:
         for line in out:
             if line.startswith("file "):
                 current = line[5:]
-            elif current is not None:
+            elif current is not None and line != "end":
                 results[current] = line
         done = 0
         for f in todo:
