@@ -10,9 +10,6 @@ sample is delivered with the right frames.
 
 import io
 import json
-import os
-import signal
-import sys
 import tarfile
 import textwrap
 import time
@@ -23,7 +20,7 @@ import torch
 
 from longvideo.data import isolate
 from longvideo.data.corpus import CONTAINERS, damaged, encode, not_videos
-from longvideo.data.shards import SkipStats, iter_raw_samples, iter_token_samples
+from longvideo.data.shards import SkipStats, iter_token_samples
 from longvideo.data.synthetic import decode_frame_index
 from longvideo.data.tokenize import TokenizeOptions, tokenize_shard
 from longvideo.data.video import VIDEO_EXTS, VideoError, iter_video, probe_video, read_video

@@ -5,11 +5,9 @@ mid-shard, and the training loader's exact resume over streamed shards."""
 import functools
 import http.server
 import json
-import os
 import shutil
 import tarfile
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
