@@ -303,7 +303,7 @@ def read_section(bench: Bench, bench_dir: Path) -> tuple[Section | None, str | N
     except (LayoutError, KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
         return None, f"{path.name} has a layout this page does not read: {e}", data
     except Exception as e:  # a bug in one report must not take the whole page down
-        return None, f"the report of bench_{name}.py failed: {type(e).__name__}: {e}", data
+        return None, f"the report of bench_{bench.name}.py failed: {type(e).__name__}: {e}", data
 
 
 def update_readme(readme: Path, summary: list[list[str]], out_path: Path) -> bool:

@@ -121,7 +121,7 @@ def test_pyav_fallback_reads_what_decord_cannot():
     data = _streamed("webm", "libvpx-vp9")
     with pytest.raises(VideoError):
         read_video(data, backend="decord")
-    clip = read_video(data, fps=2.0)  # auto: decord fails, PyAV reads it
+    clip = read_video(data, fps=2.0)  # auto = PyAV, which reads it
     assert [decode_frame_index(f.numpy()) for f in clip.frames] == _expected(40, 8, 2.0, None)
 
 

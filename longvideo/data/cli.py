@@ -54,7 +54,8 @@ def tokenize_main(argv: list[str]) -> int:
                                             "(codes + timestamps + json). Resumable: finished shards are skipped.")
     p.add_argument("--vq", required=True, help="VQ checkpoint directory (longvideo train-vq output)")
     p.add_argument("--in", dest="inputs", required=True, nargs="+",
-                   help="raw shards: directories, globs or brace patterns")
+                   help="raw shards: directories, globs, brace patterns, or URLs (http(s)://..., pipe:...; "
+                        "streamed, brace patterns allowed)")
     p.add_argument("--out", required=True, help="output directory for token shards")
     p.add_argument("--workers", type=int, default=1, help="worker processes (each loads the VQ once)")
     p.add_argument("--config", default=None, help="a root config; its data.fps/max_frames/max_resolution are the defaults")
@@ -63,7 +64,7 @@ def tokenize_main(argv: list[str]) -> int:
     p.add_argument("--max-resolution", type=int, default=None, help=f"longest frame side accepted (default {d.max_resolution})")
     p.add_argument("--batch-frames", type=int, default=d.batch_frames, help="frames per VQ forward")
     p.add_argument("--backend", choices=["auto", "decord", "pyav"], default=None,
-                   help=f"video decoder (default {d.backend}: decord, PyAV where decord fails)")
+                   help=f"video decoder (default {d.backend} = pyav; decord runs in a child process)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR if a.quiet else logging.WARNING, format="%(levelname)s %(message)s")

@@ -13,7 +13,7 @@ _TEMPLATES = ("qa", "segments", "caption")
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     train_shards: str = ""
-    """Token shards for training: a directory, a glob, or a brace pattern."""
+    """Token shards for training: a directory, a glob, a brace pattern, or URLs (http(s)://, pipe:; streamed)."""
     seq_len: int = 4096
     """Tokens per packed training sequence (the context length of the stage)."""
     fps: float = 1.0
@@ -23,7 +23,7 @@ class DataConfig:
     max_resolution: int = 4096
     """Longest frame side accepted when decoding (larger videos are skipped as unsupported)."""
     video_backend: Literal["auto", "decord", "pyav"] = "auto"
-    """Video decoder: auto = decord, PyAV where decord fails; or one of them only."""
+    """Video decoder: auto = pyav (in this process); decord runs in a child process (a crash skips the video)."""
     text_loss_weight: float = 0.5
     """Loss weight of text tokens (LWM: 0.5)."""
     vision_loss_weight: float = 0.5

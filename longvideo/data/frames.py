@@ -1,10 +1,12 @@
-"""Training frames for the video tokenizer (longvideo.train.vq): read videos once into RAM, then sample frames or clips.
+"""Training frames for the video tokenizer (longvideo.train.vq): videos read once into RAM, then
+sampled as frames or clips.
 
 Sources: a folder of video files, raw webdataset shards (a directory of .tar, a glob, a brace
-pattern or one .tar), one video file, or in-memory videos (a uint8 tensor/array (T, H, W, 3) or
-a list of them). Videos are sampled at `cfg.fps` and resized/centre-cropped to the tokenizer's
-resolution. Unreadable videos are skipped and counted. The last video(s) are held out for
-evaluation (a single video gives its last fifth).
+pattern, one .tar, or URLs such as http(s):// and pipe:, streamed), one video file, or in-memory
+videos (a uint8 tensor/array (T, H, W, 3) or a list of them). Videos are sampled at `cfg.fps` with
+`cfg.video_backend` and resized/centre-cropped to the tokenizer's resolution. Unreadable videos
+are skipped and counted. The last video(s) are held out for evaluation (a single video gives its
+last fifth).
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ from typing import Iterator, Sequence, Union
 import numpy as np
 import torch
 
-from longvideo.data.shards import SkipStats, expand_shards, iter_raw_samples
+from longvideo.data.shards import SkipStats, iter_raw_samples
+from longvideo.data.streams import expand_sources, is_url
 from longvideo.data.synthetic import SyntheticSpec, make_sample
-from longvideo.data.video import VideoError, read_video, resize_crop
+from longvideo.data.video import VIDEO_EXTS, VideoError, read_video, resize_crop
 from longvideo.vq.config import VQConfig
 
 log = logging.getLogger(__name__)
 
-VIDEO_SUFFIXES = (".mp4", ".avi", ".webm", ".mkv", ".mov")
+VIDEO_SUFFIXES = tuple(f".{e}" for e in VIDEO_EXTS)
 Source = Union[str, os.PathLike, torch.Tensor, np.ndarray, Sequence]
 
 
@@ -109,7 +112,8 @@ def _iter_files(source: str, cfg: VQConfig, skipped: dict) -> Iterator[torch.Ten
     """Decoded videos from a path: a video file, a folder of videos, or raw shards."""
     def read(src, where):
         try:
-            clip = read_video(src, fps=cfg.fps, max_frames=cfg.max_frames_per_video, size=cfg.resolution)
+            clip = read_video(src, fps=cfg.fps, max_frames=cfg.max_frames_per_video, size=cfg.resolution,
+                              backend=cfg.video_backend)
         except VideoError as e:
             reason = type(e).__name__
             skipped[reason] = skipped.get(reason, 0) + 1
@@ -118,15 +122,17 @@ def _iter_files(source: str, cfg: VQConfig, skipped: dict) -> Iterator[torch.Ten
         return clip.frames
 
     path = Path(source)
-    if path.is_file() and path.suffix.lower() in VIDEO_SUFFIXES:
+    if is_url(source):
+        files, shards = [], expand_sources(source)
+    elif path.is_file() and path.suffix.lower() in VIDEO_SUFFIXES:
         files, shards = [path], []
     elif path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix.lower() in VIDEO_SUFFIXES)
         shards = sorted(str(p) for p in path.rglob("*.tar"))
     else:
-        files, shards = [], expand_shards(str(source))
+        files, shards = [], expand_sources(str(source))
     if not files and not shards:
-        raise FileNotFoundError(f"no videos (.mp4, .avi, .webm, .mkv, .mov) or .tar shards found at {source}")
+        raise FileNotFoundError(f"no videos ({', '.join(VIDEO_SUFFIXES)}) or .tar shards found at {source}")
     for f in files:
         frames = read(str(f), str(f))
         if frames is not None:

@@ -16,15 +16,24 @@ Pipeline, all deterministic in ``seed``:
    (:mod:`longvideo.data.layout`), cut to ``seq_len`` by dropping whole frame groups uniformly.
 4. First-fit packing into ``pack_bins`` open rows (:mod:`longvideo.data.packing`).
 
-The state holds only references (shard, sample, epoch, document) and the shuffle generator's
-state, never data: a resume rebuilds the few open documents from their shards. Each sequence is
-later split over the sp ranks by the trainer (``longvideo.parallel.shard_batch``).
+The state holds only references (shard, sample, epoch, document), the stream cursor (position in
+the epoch's shard order and sample offset within that shard) and the shuffle generator's state,
+never data: a resume rebuilds the few open documents from their shards. Each sequence is later
+split over the sp ranks by the trainer (``longvideo.parallel.shard_batch``).
+
+Shards may be local files (read by random access) or URLs (``https://``, ``pipe:``, ... see
+:mod:`longvideo.data.streams`), which are streamed front to back: the loader keeps the bytes of
+the samples waiting in its shuffle buffer, and a resume re-streams the current shard up to the
+recorded offset (and the shards of the few samples still buffered or in open rows). The order of
+samples, and so the batch sequence, is the same for a shard read locally or streamed, and a
+resumed run gives the batches the uninterrupted run would have given, as long as the storage
+serves the same bytes. A shard whose stream fails part-way ends there (``shard_io_error``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from typing import Optional
 
 import numpy as np
@@ -32,10 +41,21 @@ import torch
 
 from longvideo.data.layout import Doc, LayoutOptions, build_docs, sample_rng
 from longvideo.data.packing import Packer, pack_row
-from longvideo.data.shards import ShardError, SkipStats, TokenShard, expand_shards
+from longvideo.data.shards import TOKEN_EXTS, ShardError, SkipStats, TokenShard, decode_token_blobs
+from longvideo.data.streams import expand_sources, is_url, iter_tar
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
+
+
+class _Forward(SkipStats):
+    """Skip counts that go to ``sink`` once it is set, and nowhere before."""
+
+    sink: Optional[SkipStats] = None
+
+    def skip(self, reason: str, where: str, detail: str = "") -> None:
+        if self.sink is not None:
+            self.sink.skip(reason, where, detail)
 
 
 class TokenLoader:
@@ -48,7 +68,7 @@ class TokenLoader:
     def __init__(self, shards, tokenizer, vocab, cfg, *, batch_size: int = 1, dp_rank: int = 0,
                  dp_size: int = 1, seed: Optional[int] = None, seq_len: Optional[int] = None,
                  max_open_shards: int = 8):
-        self.paths = expand_shards(shards if shards else cfg.train_shards)
+        self.paths = expand_sources(shards if shards else cfg.train_shards)
         if not self.paths:
             raise FileNotFoundError(f"no token shards match {shards or cfg.train_shards!r}")
         if not 0 <= dp_rank < dp_size:
@@ -64,6 +84,11 @@ class TokenLoader:
         self._open: OrderedDict[int, TokenShard] = OrderedDict()
         self._max_open = max_open_shards
         self._lengths: dict[int, int] = {}
+        self._remote = [is_url(p) for p in self.paths]
+        self._data: dict[tuple[int, int], tuple[str, dict]] = {}  # streamed samples not yet laid out
+        self._keys: dict[tuple[int, int], str] = {}  # keys of streamed samples
+        self._stream = None  # the open stream of a remote shard ...
+        self._stream_at: Optional[tuple[int, int]] = None  # ... and the (order index, sample) it reads next
         self.stats = SkipStats()
         self.last_batch_keys: list[list[str]] = []
         self.last_batch_refs: list[list[tuple]] = []
@@ -78,6 +103,7 @@ class TokenLoader:
         self.packer: Packer[tuple] = Packer(self.seq_len, self.cfg.pack_bins)
         self.ready: list[list[tuple]] = []
         self._docs: dict[tuple, Doc] = {}
+        self._data = {}
         self._epoch_docs = 0
 
     def _start_epoch(self, epoch: int) -> None:
@@ -86,12 +112,13 @@ class TokenLoader:
         self.pos = 0  # global sample number within the epoch (all ranks)
         self._cursor = (0, 0)  # (index into order, sample within that shard)
         self.stream_done = False
+        self._close_stream()
 
     def state_dict(self) -> dict:
         return {
             "version": STATE_VERSION, "seed": self.seed, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
             "seq_len": self.seq_len, "num_shards": len(self.paths),
-            "epoch": self.epoch, "pos": self.pos, "stream_done": self.stream_done,
+            "epoch": self.epoch, "pos": self.pos, "cursor": list(self._cursor), "stream_done": self.stream_done,
             "epoch_docs": self._epoch_docs,
             "buffer": [list(r) for r in self.buffer],
             "rng": self.rng.bit_generator.state,
@@ -112,7 +139,10 @@ class TokenLoader:
                              f"now there are {len(self.paths)}")
         self._reset()
         self._start_epoch(int(state["epoch"]))
-        self._seek(int(state["pos"]))
+        if "cursor" in state:  # where the epoch's stream stands: shard (index into the order) and sample
+            self.pos, self._cursor = int(state["pos"]), (int(state["cursor"][0]), int(state["cursor"][1]))
+        else:  # states written before the cursor was recorded
+            self._seek(int(state["pos"]))
         self.stream_done = bool(state["stream_done"])
         self._epoch_docs = int(state["epoch_docs"])
         self.buffer = [tuple(r) for r in state["buffer"]]
@@ -120,11 +150,60 @@ class TokenLoader:
         self.packer.load_state_dict(state["packer"])
         self.ready = [[tuple(r) for r in row] for row in state["ready"]]
         self.stats = SkipStats(state["stats"])
-        for ref in [r for row in self.packer.open for r, _ in row] + [r for row in self.ready for r in row]:
+        rows = [r for row in self.packer.open for r, _ in row] + [r for row in self.ready for r in row]
+        self._refetch({(r[0], r[1]) for r in rows} | set(self.buffer))
+        for ref in rows:
             self._docs[ref] = self._rebuild(ref)
+        for ref in rows:
+            if (ref[0], ref[1]) not in self.buffer:
+                self._data.pop((ref[0], ref[1]), None)
+
+    def _refetch(self, refs) -> None:
+        """Re-read the streamed samples among ``refs`` (buffered or in open rows at the save)."""
+        by_shard: dict[int, set[int]] = {}
+        for s, i in refs:
+            if self._remote[s]:
+                by_shard.setdefault(s, set()).add(i)
+        for s, want in sorted(by_shard.items()):
+            last = max(want)
+            for i, item in enumerate(iter_tar(self.paths[s], SkipStats(), TOKEN_EXTS)):
+                if i in want:
+                    self._data[(s, i)] = item
+                    self._keys[(s, i)] = item[0]
+                if i >= last:
+                    break
+            missing = sorted(want - {i for (t, i) in self._data if t == s})
+            if missing:
+                raise RuntimeError(f"cannot resume exactly: samples {missing[:5]} of {self.paths[s]} could not be "
+                                   f"read again (the stream failed or the shard changed)")
 
     # ---- shards ----------------------------------------------------------------------------
+    def _close_stream(self) -> None:
+        if getattr(self, "_stream", None) is not None:
+            self._stream.close()
+        self._stream, self._stream_at = None, None
+
+    def _stream_next(self, k: int, i: int) -> Optional[tuple[str, dict]]:
+        """Sample ``i`` of the remote shard ``order[k]`` as (key, parts), or None past its end."""
+        if self._stream_at != (k, i):
+            self._close_stream()
+            counts = _Forward()  # what the part read before a resume held was counted then
+            self._stream = iter_tar(self.paths[self.order[k]], counts, TOKEN_EXTS)
+            for _ in range(i):
+                if next(self._stream, None) is None:
+                    self._close_stream()
+                    return None
+            counts.sink = self.stats
+        item = next(self._stream, None)
+        if item is None:
+            self._close_stream()
+            return None
+        self._stream_at = (k, i + 1)
+        return item
+
     def _shard(self, s: int) -> TokenShard:
+        if self._remote[s]:
+            raise ValueError(f"{self.paths[s]} is streamed, it has no random access")
         if s in self._open:
             self._open.move_to_end(s)
             return self._open[s]
@@ -141,7 +220,10 @@ class TokenLoader:
 
     def _len(self, s: int) -> int:
         if s not in self._lengths:
-            self._shard(s)
+            if self._remote[s]:  # the whole stream is read to count its samples
+                self._lengths[s] = sum(1 for _ in iter_tar(self.paths[s], SkipStats(), TOKEN_EXTS))
+            else:
+                self._shard(s)
         return self._lengths[s]
 
     def _seek(self, pos: int) -> None:
@@ -164,6 +246,8 @@ class TokenLoader:
         return refs
 
     def key_of(self, ref: tuple) -> str:
+        if self._remote[ref[0]]:
+            return self._keys[(ref[0], ref[1])]
         return self._shard(ref[0]).samples[ref[1]][0]
 
     # ---- stream ----------------------------------------------------------------------------
@@ -171,13 +255,23 @@ class TokenLoader:
         k, i = self._cursor
         while k < len(self.order):
             s = self.order[k]
-            if i >= self._len(s):
+            item = None
+            if self._remote[s]:
+                item = self._stream_next(k, i)
+                if item is None:  # the end of the shard (or its stream failed: counted, next shard)
+                    k, i = k + 1, 0
+                    self._cursor = (k, i)
+                    continue
+            elif i >= self._len(s):
                 k, i = k + 1, 0
                 continue
             g = self.pos
             self.pos += 1
             self._cursor = (k, i + 1)
             if g % self.dp_size == self.dp_rank:
+                if item is not None:
+                    self._data[(s, i)] = item
+                    self._keys[(s, i)] = item[0]
                 return (s, i)
             k, i = self._cursor
         self._cursor = (k, i)
@@ -203,13 +297,21 @@ class TokenLoader:
             self._start_epoch(self.epoch + 1)
             self._epoch_docs = 0
 
-    def _sample_docs(self, s: int, i: int, epoch: int, count: bool) -> list[Doc]:
+    def _read(self, s: int, i: int, count: bool):
+        """(where, sample) of reference (s, i); raises ShardError. Streamed data is used up when counted."""
+        if self._remote[s]:
+            key, parts = self._data.pop((s, i)) if count else self._data[(s, i)]
+            return f"{self.paths[s]}:{key}", decode_token_blobs(key, parts, self.vocab.codebook_size)
         shard = self._shard(s)
-        if shard is None:
-            return []
         where = f"{self.paths[s]}:{shard.samples[i][0]}"
+        return where, shard.read(i, self.vocab.codebook_size)
+
+    def _sample_docs(self, s: int, i: int, epoch: int, count: bool) -> list[Doc]:
+        if not self._remote[s] and self._shard(s) is None:
+            return []
+        where = f"{self.paths[s]}:{self.key_of((s, i))}"
         try:
-            sample = shard.read(i, self.vocab.codebook_size)
+            where, sample = self._read(s, i, count)
         except ShardError as e:
             if count:
                 self.stats.skip(e.reason, where, str(e))

@@ -1,6 +1,7 @@
 """Shard files: webdataset-style tar archives, read as untrusted input.
 
-Raw shards hold, per sample, ``KEY.<video>`` (mp4, avi, webm, mkv or mov) and ``KEY.json``.
+Raw shards hold, per sample, ``KEY.<video>`` (any extension of
+:data:`longvideo.data.video.VIDEO_EXTS`) and ``KEY.json``.
 Token shards (written by ``longvideo tokenize``) hold ``KEY.codes.npy`` (VQ codes, integer
 (G, h, w)), ``KEY.timestamps.npy`` (float64 (G,), seconds of each code group's first frame) and
 ``KEY.json`` (the raw json plus a few tokenizer fields).
@@ -10,19 +11,18 @@ Reading never extracts anything: member bytes are read into memory, names are on
 extensions above are decoded (json with ``json.loads``; arrays with ``np.load(allow_pickle=False)``),
 and member sizes are bounded. A damaged header is skipped block by block, so the members after
 it are still read; samples that end up incomplete or invalid are counted by reason and skipped.
+Raw shards are streamed (local files and URLs alike, :mod:`longvideo.data.streams`); token shards on
+local disk are read by random access, remote ones streamed.
 """
 
 from __future__ import annotations
 
-import glob
 import io
 import json
 import logging
 import math
 import os
-import re
 import tarfile
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
@@ -30,75 +30,13 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from longvideo.atomic import atomic_open
+from longvideo.data.streams import (MAX_JSON_BYTES, MAX_NPY_BYTES, ShardError, SkipStats, is_url, iter_tar,
+                                    safe_member_name, split_name)
+from longvideo.data.video_base import VIDEO_EXTS  # the one list of accepted video extensions
 
 log = logging.getLogger(__name__)
 
-VIDEO_EXTS: tuple[str, ...] = ("mp4", "avi", "webm", "mkv", "mov")
 TOKEN_EXTS: tuple[str, ...] = ("codes.npy", "timestamps.npy", "json")
-MAX_JSON_BYTES = 16 << 20
-"""Largest json member accepted."""
-MAX_VIDEO_BYTES = 8 << 30
-"""Largest video member accepted."""
-MAX_NPY_BYTES = 1 << 30
-"""Largest array member accepted."""
-
-
-class ShardError(ValueError):
-    """A shard or one of its samples is unusable; ``reason`` is the counter it is filed under."""
-
-    def __init__(self, reason: str, message: str):
-        self.reason = reason
-        super().__init__(message)
-
-
-class SkipStats(Counter):
-    """Counts of skipped samples by reason (plus ``ok``); logs each skip once at WARNING."""
-
-    def skip(self, reason: str, where: str, detail: str = "") -> None:
-        self[reason] += 1
-        log.warning("skipped %s (%s)%s", where, reason, f": {detail}" if detail else "")
-
-    @property
-    def skipped(self) -> int:
-        return sum(v for k, v in self.items() if k != "ok")
-
-
-# ----------------------------------------------------------------------------- shard lists
-
-def expand_shards(spec: str | os.PathLike | Iterable[str]) -> list[str]:
-    """Sorted shard paths from a directory, a glob, a brace pattern ``a-{000..009}.tar`` or a list."""
-    if not isinstance(spec, (str, os.PathLike)):
-        out = []
-        for s in spec:
-            out += expand_shards(s)
-        return sorted(set(out))
-    spec = str(spec)
-    if os.path.isdir(spec):
-        return sorted(str(p) for p in Path(spec).glob("*.tar"))
-    m = re.search(r"\{(\d+)\.\.(\d+)\}", spec)
-    if m:
-        lo, hi, width = int(m.group(1)), int(m.group(2)), len(m.group(1))
-        return sorted(set(p for i in range(lo, hi + 1)
-                          for p in expand_shards(spec[:m.start()] + f"{i:0{width}d}" + spec[m.end():])))
-    if any(c in spec for c in "*?["):
-        return sorted(glob.glob(spec))
-    return [spec] if os.path.isfile(spec) else []
-
-
-def split_name(name: str) -> tuple[str, str]:
-    """'dir/abc.codes.npy' -> ('dir/abc', 'codes.npy'): the key ends at the basename's first dot."""
-    head, _, base = name.rpartition("/")
-    stem, dot, ext = base.partition(".")
-    return (f"{head}/{stem}" if head else stem), (ext.lower() if dot else "")
-
-
-# ----------------------------------------------------------------------------- tar reading
-
-def _safe_name(name: str) -> bool:
-    parts = name.replace("\\", "/").split("/")
-    return bool(name) and not name.startswith("/") and ".." not in parts and "\x00" not in name
-
-
 @dataclass(frozen=True)
 class Member:
     key: str
@@ -121,7 +59,7 @@ def index_tar(path: str, stats: Optional[SkipStats] = None) -> list[Member]:
                     break
                 if info is None:
                     break
-                if not info.isreg() or not _safe_name(info.name):
+                if not info.isreg() or not safe_member_name(info.name):
                     # links, devices, absolute or escaping names: never followed, never used
                     if stats is not None and not info.isdir():
                         stats.skip("unsafe_member", f"{path}:{info.name!r}")
@@ -192,30 +130,31 @@ class RawSample:
     meta: dict
 
 
-def iter_raw_samples(path: str, stats: SkipStats) -> Iterator[RawSample]:
-    """Samples of a raw shard with a video and a valid json; the rest are counted in ``stats``."""
-    try:
-        members = index_tar(path, stats)
-    except ShardError as e:
-        stats.skip(e.reason, path, str(e))
-        return
-    with open(path, "rb") as f:
-        for key, parts in group_samples(members, VIDEO_EXTS + ("json",)):
-            where = f"{path}:{key}"
-            videos = [e for e in VIDEO_EXTS if e in parts]
-            if "json" not in parts:
-                stats.skip("missing_json", where)
-                continue
-            if not videos:
-                stats.skip("missing_video", where)
-                continue
-            try:
-                meta = parse_json(read_member(f, parts["json"], MAX_JSON_BYTES), key)
-                video = read_member(f, parts[videos[0]], MAX_VIDEO_BYTES)
-            except ShardError as e:
-                stats.skip(e.reason, where, str(e))
-                continue
-            yield RawSample(key=key, video=video, video_ext=videos[0], meta=meta)
+def iter_raw_samples(path: str, stats: SkipStats, *, handler=None) -> Iterator[RawSample]:
+    """Samples of a raw shard with a video and a valid json; the rest are counted in ``stats``.
+
+    ``path``: a local file or a URL (see :mod:`longvideo.data.streams`); the shard is streamed
+    front to back. ``handler``: a webdataset-style handler for shard-level failures (default: count).
+    """
+    for key, parts in iter_tar(path, stats, VIDEO_EXTS + ("json",), handler=handler):
+        where = f"{path}:{key}"
+        videos = [e for e in VIDEO_EXTS if e in parts]
+        if "json" not in parts:
+            stats.skip("missing_json", where)
+            continue
+        if not videos:
+            stats.skip("missing_video", where)
+            continue
+        try:
+            for part in (parts["json"], parts[videos[0]]):
+                if isinstance(part, ShardError):
+                    raise part
+                if part is parts["json"]:
+                    meta = parse_json(part, key)
+        except ShardError as e:
+            stats.skip(e.reason, where, str(e))
+            continue
+        yield RawSample(key=key, video=parts[videos[0]], video_ext=videos[0], meta=meta)
 
 
 # ----------------------------------------------------------------------------- token shards
@@ -276,6 +215,14 @@ class TokenShard:
 
 
 def iter_token_samples(path: str, stats: SkipStats, codebook_size: Optional[int] = None) -> Iterator[TokenSample]:
+    """The valid samples of a token shard (a local file, read by random access, or a URL, streamed)."""
+    if is_url(path):
+        for key, parts in iter_tar(path, stats, TOKEN_EXTS):
+            try:
+                yield decode_token_blobs(key, parts, codebook_size)
+            except ShardError as e:
+                stats.skip(e.reason, f"{path}:{key}", str(e))
+        return
     try:
         shard = TokenShard(path, stats)
     except ShardError as e:
@@ -286,6 +233,14 @@ def iter_token_samples(path: str, stats: SkipStats, codebook_size: Optional[int]
             yield shard.read(i, codebook_size)
         except ShardError as e:
             stats.skip(e.reason, f"{path}:{shard.samples[i][0]}", str(e))
+
+
+def decode_token_blobs(key: str, parts: dict, codebook_size: Optional[int] = None) -> TokenSample:
+    """:func:`decode_token_sample` of streamed parts, raising a part's ShardError (too_large) first."""
+    for part in parts.values():
+        if isinstance(part, ShardError):
+            raise part
+    return decode_token_sample(key, parts, codebook_size)
 
 
 def npy_bytes(arr: np.ndarray) -> bytes:

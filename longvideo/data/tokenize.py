@@ -25,8 +25,9 @@ from tqdm import tqdm
 
 from longvideo.atomic import write_json_atomic
 from longvideo.data.codes import video_to_codes
-from longvideo.data.shards import (VIDEO_EXTS, ShardWriter, SkipStats, expand_shards, group_samples, index_tar,
-                                   iter_raw_samples, token_sample_members)
+from longvideo.data.shards import (VIDEO_EXTS, ShardWriter, SkipStats, group_samples, index_tar, iter_raw_samples,
+                                   token_sample_members)
+from longvideo.data.streams import expand_sources, is_url, shard_name
 from longvideo.data.video import VideoError
 from longvideo.vq.model import load_vq
 
@@ -44,7 +45,7 @@ class TokenizeOptions:
     batch_frames: int = 16
     """Frames the VQ encodes at once."""
     backend: str = "auto"
-    """Video decoder: auto (decord, PyAV where decord fails), decord or pyav."""
+    """Video decoder: auto (= pyav, in this process), pyav, or decord (in a child process)."""
 
 
 _VQ = None  # the worker's VQ model, loaded once per process
@@ -61,31 +62,44 @@ _QUEUE = None
 
 
 def _reason(err: VideoError) -> str:
-    name = type(err).__name__.replace("VideoError", "").lower()
-    return f"video_{name or 'error'}"
+    return err.reason  # video_corrupt, video_empty, ..., decoder_crash, decoder_timeout
+
+
+class _StreamFailed(Exception):
+    """The shard's source failed part-way: its output is not kept, so a rerun reads it again."""
 
 
 def tokenize_shard(vq, src: str, dst: str, opts: TokenizeOptions, progress=None) -> dict:
-    """Tokenize one raw shard into ``dst`` (atomically). Returns its counts."""
+    """Tokenize one raw shard (a path or URL) into ``dst`` (atomically). Returns its counts.
+
+    When the source fails part-way (``shard_io_error``, e.g. a dropped connection) no output is
+    written, so that a rerun tokenizes the shard again.
+    """
     stats = SkipStats()
     t0 = time.time()
-    with ShardWriter(dst) as writer:
-        for sample in iter_raw_samples(src, stats):
-            try:
-                vc = video_to_codes(vq, sample.video, fps=opts.fps, max_frames=opts.max_frames,
-                                    max_resolution=opts.max_resolution, batch_frames=opts.batch_frames,
-                                    backend=opts.backend)
-            except VideoError as e:
-                stats.skip(_reason(e), f"{src}:{sample.key}", str(e))
-            else:
-                meta = dict(sample.meta)
-                meta["tokenized"] = {"num_frames": vc.num_frames, "num_groups": int(vc.codes.shape[0]),
-                                     "sample_fps": opts.fps, "video_ext": sample.video_ext,
-                                     "vq_mode": vq.cfg.mode, "vq_resolution": vq.cfg.resolution}
-                writer.write(sample.key.replace("/", "_"), token_sample_members(sample.key, vc.codes, vc.timestamps, meta))
-                stats["ok"] += 1
-            if progress is not None:
-                progress(1)
+    try:
+        with ShardWriter(dst) as writer:
+            for sample in iter_raw_samples(src, stats):
+                try:
+                    vc = video_to_codes(vq, sample.video, fps=opts.fps, max_frames=opts.max_frames,
+                                        max_resolution=opts.max_resolution, batch_frames=opts.batch_frames,
+                                        backend=opts.backend)
+                except VideoError as e:
+                    stats.skip(_reason(e), f"{src}:{sample.key}", str(e))
+                else:
+                    meta = dict(sample.meta)
+                    meta["tokenized"] = {"num_frames": vc.num_frames, "num_groups": int(vc.codes.shape[0]),
+                                         "sample_fps": opts.fps, "video_ext": sample.video_ext,
+                                         "vq_mode": vq.cfg.mode, "vq_resolution": vq.cfg.resolution}
+                    writer.write(sample.key.replace("/", "_"), token_sample_members(sample.key, vc.codes, vc.timestamps,
+                                                                                        meta))
+                    stats["ok"] += 1
+                if progress is not None:
+                    progress(1)
+            if stats["shard_io_error"]:
+                raise _StreamFailed(src)
+    except _StreamFailed:
+        pass
     out = dict(stats)
     out["seconds"] = round(time.time() - t0, 3)
     write_json_atomic(stats_path(dst), out)
@@ -98,6 +112,8 @@ def stats_path(shard: str | os.PathLike) -> Path:
 
 
 def _count_samples(path: str) -> int:
+    if is_url(path):
+        return 0  # counting would mean reading the whole stream
     try:
         return len(group_samples(index_tar(path), VIDEO_EXTS + ("json",)))
     except Exception:
@@ -105,7 +121,7 @@ def _count_samples(path: str) -> int:
 
 
 def _skipped(counts) -> int:
-    return sum(v for k, v in counts.items() if k not in ("ok", "shards_done", "shards_skipped"))
+    return sum(v for k, v in counts.items() if k not in ("ok", "shards_done", "shards_skipped", "shards_failed"))
 
 
 def _worker_job(args) -> tuple[str, dict]:
@@ -118,12 +134,12 @@ def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = T
     """Tokenize every raw shard of ``inputs`` into ``out_dir``; finished outputs are skipped.
 
     Returns summed counts (``ok`` = samples written, one key per skip reason, ``shards_done``,
-    ``shards_skipped``).
+    ``shards_skipped``, ``shards_failed``: sources that failed part-way, left for a rerun).
     """
-    paths = expand_shards(inputs)
+    paths = expand_sources(inputs)
     if not paths:
         raise FileNotFoundError(f"no raw shards match {inputs!r}")
-    names = [Path(p).name for p in paths]
+    names = [shard_name(p) for p in paths]
     if len(set(names)) != len(names):
         raise ValueError("input shards must have distinct file names (outputs are named after them)")
     out = Path(out_dir)
@@ -139,7 +155,7 @@ def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = T
                 total.update({k: v for k, v in json.loads(sp.read_text()).items() if k != "seconds"})
         else:
             jobs.append((src, str(dst), opts))
-    bar = tqdm(total=sum(_count_samples(j[0]) for j in jobs), unit="video", desc="tokenize",
+    bar = tqdm(total=sum(_count_samples(j[0]) for j in jobs) or None, unit="video", desc="tokenize",
                disable=not progress)
     cores = os.cpu_count() or 1
     workers = max(1, min(workers, len(jobs) or 1))
@@ -148,7 +164,7 @@ def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = T
         for src, dst, o in jobs:
             res = tokenize_shard(vq, src, dst, o, progress=bar.update)
             total.update({k: v for k, v in res.items() if k != "seconds"})
-            total["shards_done"] += 1
+            total["shards_failed" if res.get("shard_io_error") else "shards_done"] += 1
             bar.set_postfix(ok=total["ok"], skipped=_skipped(total))
     else:
         ctx = mp.get_context("spawn")
@@ -163,7 +179,7 @@ def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = T
                 for r in done:
                     _, res = r.get()  # re-raises a worker's exception here
                     total.update({k: v for k, v in res.items() if k != "seconds"})
-                    total["shards_done"] += 1
+                    total["shards_failed" if res.get("shard_io_error") else "shards_done"] += 1
                     pending.remove(r)
                     bar.set_postfix(ok=total["ok"], skipped=_skipped(total))
                 if not done:

@@ -6,12 +6,19 @@
 
 Sampling: the frame shown at t = 0, 1/fps, 2/fps, ... (t < duration) is taken; when that gives
 more than ``max_frames`` frames, ``max_frames`` frames spread uniformly over the whole video are
-taken instead. Only those frames are decoded: decord seeks to the keyframe before each one. decord
-cannot open some files (broken container metadata, some codecs); PyAV reads those, seeking by
-time. Inputs are untrusted, so decoding is bounded: frames larger than ``max_resolution`` on their
-long side are refused, and at most ``max_frames`` (or :data:`HARD_MAX_FRAMES`) frames are returned.
+taken instead. Only those frames are decoded, from the keyframe before each one.
 
-Every failure raises a :class:`VideoError` subclass, which the pipeline counts and skips.
+Backends: PyAV (the default, ``backend="auto"`` or ``"pyav"``), in this process: it demuxes the
+file once to learn the exact frame count and keyframe times, then seeks only where a keyframe lies
+ahead. decord (``backend="decord"``) only runs in a child process
+(:mod:`longvideo.data.isolate`): decord 0.6 crashes the interpreter on some damaged files, and
+there a crash or hang costs one sample (:class:`DecoderCrashError`), not the process.
+
+Inputs are untrusted, so decoding is bounded: FFmpeg refuses frames of more than
+``max_resolution``^2 pixels before allocating them, frames larger than ``max_resolution`` on their
+long side are refused, and at most ``max_frames`` (or :data:`HARD_MAX_FRAMES`) frames are
+returned. Every failure raises a :class:`VideoError` subclass, which the pipeline counts under its
+``reason`` and skips.
 """
 
 from __future__ import annotations
@@ -20,13 +27,16 @@ import io
 import math
 import os
 from dataclasses import dataclass
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-VideoSource = Union[str, os.PathLike, bytes, bytearray, memoryview]
+from longvideo.data.isolate import IsolatedDecordBackend
+from longvideo.data.video_base import (VIDEO_EXTS, CorruptVideoError, EmptyVideoError,  # noqa: F401 (re-exported:
+                                      UnsupportedVideoError, VideoError, VideoInfo,  # the reader's public names)
+                                      VideoSource, check_frame_size)
 
 HARD_MAX_FRAMES = 1 << 16
 """Bound on frames returned when the caller sets no max_frames (about 18 hours at 1 fps)."""
@@ -34,36 +44,8 @@ DEFAULT_MAX_RESOLUTION = 4096
 """Longest frame side accepted by default (pixels)."""
 _CHUNK_BYTES = 64 << 20  # decoded bytes per chunk before resizing
 
-
-class VideoError(Exception):
-    """A video could not be read. ``source`` names it (a path or '<bytes>')."""
-
-    def __init__(self, message: str, source: str = "<bytes>"):
-        self.source = source
-        super().__init__(f"{source}: {message}")
-
-
-class EmptyVideoError(VideoError):
-    """Zero bytes, or a container that holds no frames."""
-
-
-class CorruptVideoError(VideoError):
-    """Neither decoder can read the data (truncated file, damaged stream, not a video)."""
-
-
-class UnsupportedVideoError(VideoError):
-    """Readable container but no decodable video stream, or a frame larger than allowed."""
-
-
-@dataclass(frozen=True)
-class VideoInfo:
-    """What a reader learnt from the container."""
-
-    num_frames: int
-    fps: float
-    width: int
-    height: int
-    duration: float
+BACKENDS: tuple[str, ...] = ("auto", "pyav", "decord")
+"""auto = pyav (in this process); decord runs in a child process (longvideo.data.isolate)."""
 
 
 @dataclass
@@ -134,42 +116,6 @@ def _label(src: VideoSource) -> str:
     return "<bytes>" if isinstance(src, (bytes, bytearray, memoryview)) else str(src)
 
 
-def _check_frame_size(width: int, height: int, max_resolution: int, label: str) -> None:
-    if width <= 0 or height <= 0:
-        raise CorruptVideoError(f"invalid frame size {width}x{height}", label)
-    if max(width, height) > max_resolution:
-        raise UnsupportedVideoError(
-            f"frame size {width}x{height} exceeds max_resolution={max_resolution}", label)
-
-
-class _DecordBackend:
-    name = "decord"
-
-    def __init__(self, src: VideoSource, label: str, max_resolution: int):
-        import decord
-
-        f = io.BytesIO(bytes(src)) if isinstance(src, (bytes, bytearray, memoryview)) else str(src)
-        try:
-            self.vr = decord.VideoReader(f, ctx=decord.cpu(0), num_threads=0)  # 0: FFmpeg picks (2x faster here)
-            n, fps = len(self.vr), float(self.vr.get_avg_fps())
-            h, w = self.vr[0].shape[:2] if n > 0 else (0, 0)
-        except Exception as e:  # decord raises RuntimeError/DECORDError for anything it cannot open
-            raise CorruptVideoError(f"decord cannot open it: {str(e).splitlines()[0][:200]}", label) from e
-        if n <= 0:  # decord trusts the header's count; PyAV may still find frames
-            raise CorruptVideoError("decord finds no frames", label)
-        if not math.isfinite(fps) or fps <= 0:
-            raise CorruptVideoError(f"bad frame rate {fps}", label)
-        _check_frame_size(w, h, max_resolution, label)
-        self.vr.seek(0)
-        self.info = VideoInfo(num_frames=n, fps=fps, width=w, height=h, duration=n / fps)
-
-    def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """uint8 (t, H, W, 3) frames and float64 (t,) start times of ``indices``."""
-        frames = self.vr.get_batch(indices.tolist()).asnumpy()
-        times = np.asarray(self.vr.get_frame_timestamp(indices.tolist()), np.float64).reshape(-1, 2)[:, 0]
-        return frames, times
-
-
 class _PyAVBackend:
     name = "pyav"
 
@@ -181,29 +127,40 @@ class _PyAVBackend:
         data = bytes(src) if isinstance(src, (bytes, bytearray, memoryview)) else None
         self._file = (lambda: io.BytesIO(data)) if data is not None else (lambda: str(src))
         self._seekable = True
+        # FFmpeg refuses larger frames before allocating them (a damaged header can declare
+        # 15000 x 15000 for a codec that takes its size from the container, e.g. MS-MPEG4 in AVI)
+        self._options = {"max_pixels": str(max_resolution * max_resolution)}
+        self.container = None
         try:
-            self.container = av.open(self._file(), mode="r")
-        except Exception as e:
-            raise CorruptVideoError(f"PyAV cannot open it: {str(e)[:200]}", label) from e
-        if not self.container.streams.video:
-            raise UnsupportedVideoError("no video stream", label)
-        self.stream = s = self.container.streams.video[0]
-        s.thread_type = "AUTO"
-        w, h = s.codec_context.width, s.codec_context.height
-        _check_frame_size(w, h, max_resolution, label)
-        rate = s.average_rate or s.guessed_rate or s.base_rate
-        fps = float(rate) if rate else 0.0
-        if not math.isfinite(fps) or fps <= 0:
-            raise CorruptVideoError(f"bad frame rate {rate}", label)
-        self.start = float(s.start_time * s.time_base) if s.start_time is not None and s.time_base else 0.0
-        # one pass over the packets (demuxing, no decoding) gives the exact frame count, the duration
-        # and the keyframe times, so reads can seek exactly when a keyframe lies ahead
-        n, duration, keys = self._scan()
-        self.container.close()
-        self.container = av.open(self._file(), mode="r")
-        self.stream = self.container.streams.video[0]
-        self.stream.thread_type = "AUTO"
+            self._open_container()
+            s = self.stream
+            ctx = s.codec_context
+            if ctx is None:
+                raise UnsupportedVideoError(f"no decoder for the video stream ({s.codec_tag or 'unknown codec'})",
+                                            label)
+            w, h = ctx.width, ctx.height
+            if w <= 0 or h <= 0:
+                raise CorruptVideoError("no frame size: a damaged header, or frames over max_resolution^2 pixels "
+                                        "that FFmpeg refused to allocate", label)
+            check_frame_size(w, h, max_resolution, label)
+            rate = s.average_rate or s.guessed_rate or s.base_rate
+            fps = float(rate) if rate else 0.0
+            if not math.isfinite(fps) or fps <= 0:
+                raise CorruptVideoError(f"bad frame rate {rate}", label)
+            self.start = float(s.start_time * s.time_base) if s.start_time is not None and s.time_base else 0.0
+            # one pass over the packets (demuxing, no decoding) gives the exact frame count, the
+            # duration and the keyframe times, so reads can seek exactly when a keyframe lies ahead
+            n, duration, keys = self._scan()
+            self.container.close()
+            self._open_container()
+        except VideoError:
+            self.close()
+            raise
+        except Exception as e:  # anything else PyAV raises on damaged input is a corrupt video too
+            self.close()
+            raise CorruptVideoError(f"PyAV cannot read it: {type(e).__name__}: {str(e)[:200]}", label) from e
         if n <= 0:
+            self.close()
             raise EmptyVideoError("no frames", label)
         self.info = VideoInfo(num_frames=n, fps=fps, width=w, height=h,
                               duration=duration if duration > 0 else n / fps)
@@ -211,6 +168,18 @@ class _PyAVBackend:
         self._frames = None  # the live decode iterator
         self._last = None  # (time, frame) of the newest decoded frame
         self._end = None  # time of the last frame, once the stream has ended
+
+    def _open_container(self) -> None:
+        try:
+            self.container = self._av.open(self._file(), mode="r", options=self._options)
+        except Exception as e:
+            raise CorruptVideoError(f"PyAV cannot open it: {str(e)[:200]}", self.label) from e
+        if not self.container.streams.video:
+            raise UnsupportedVideoError("no video stream", self.label)
+        self.stream = self.container.streams.video[0]
+        self.stream.thread_type = "AUTO"
+        if self.stream.codec_context is not None:
+            self.stream.codec_context.options = dict(self._options)
 
     def _scan(self) -> tuple[int, float, np.ndarray]:
         """Frame count, duration and keyframe times from the packets."""
@@ -235,9 +204,7 @@ class _PyAVBackend:
     def _reopen(self) -> None:
         """Decode from the first frame (after a seek failed, or when seeking is off)."""
         self.container.close()
-        self.container = self._av.open(self._file(), mode="r")
-        self.stream = self.container.streams.video[0]
-        self.stream.thread_type = "AUTO"
+        self._open_container()
         self._frames = self.container.decode(self.stream)
         self._last = None
 
@@ -316,30 +283,23 @@ class _PyAVBackend:
         return np.stack(out), np.asarray(times, np.float64)
 
     def close(self) -> None:
-        self.container.close()
+        if self.container is not None:
+            self.container.close()
 
 
 # ----------------------------------------------------------------------------- public API
 
-def probe_video(src: VideoSource, *, max_resolution: int = DEFAULT_MAX_RESOLUTION) -> VideoInfo:
-    """Frame count, fps, size and duration, without decoding frames."""
-    reader = _open(src, _label(src), max_resolution)
-    if hasattr(reader, "close"):
-        reader.close()
+def probe_video(src: VideoSource, *, max_resolution: int = DEFAULT_MAX_RESOLUTION,
+                backend: str = "auto") -> VideoInfo:
+    """Frame count, fps, size and duration, without decoding frames (beyond what opening takes)."""
+    reader = _open(src, _label(src), max_resolution, backend)
+    reader.close()
     return reader.info
 
 
-def _is_mpegts(src: VideoSource) -> bool:
-    """MPEG-TS files start with 0x47 sync bytes every 188 bytes."""
-    if isinstance(src, (bytes, bytearray, memoryview)):
-        head = bytes(src[:377])
-    else:
-        with open(src, "rb") as f:
-            head = f.read(377)
-    return len(head) == 377 and head[0] == head[188] == head[376] == 0x47
-
-
 def _open(src: VideoSource, label: str, max_resolution: int, backend: str = "auto"):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if isinstance(src, (bytes, bytearray, memoryview)):
         if len(src) == 0:
             raise EmptyVideoError("zero bytes", label)
@@ -347,21 +307,9 @@ def _open(src: VideoSource, label: str, max_resolution: int, backend: str = "aut
         raise VideoError("no such file", label)
     elif os.path.getsize(src) == 0:
         raise EmptyVideoError("zero bytes", label)
-    if backend not in ("auto", "decord", "pyav"):
-        raise ValueError(f"backend must be auto, decord or pyav, got {backend!r}")
-    if backend == "auto" and _is_mpegts(src):
-        backend = "pyav"  # decord returns frames shifted by one GOP on MPEG-TS (seen with decord 0.6)
-    errors: list[VideoError] = []
-    for cls in ((_DecordBackend, _PyAVBackend) if backend == "auto"
-                else (_DecordBackend,) if backend == "decord" else (_PyAVBackend,)):
-        try:
-            return cls(src, label, max_resolution)
-        except (UnsupportedVideoError, EmptyVideoError):
-            raise  # the other decoder would not change these verdicts
-        except VideoError as e:
-            errors.append(e)
-    raise errors[-1] if len(errors) == 1 else CorruptVideoError(
-        "; ".join(str(e).split(": ", 1)[-1] for e in errors), label)
+    if backend == "decord":
+        return IsolatedDecordBackend(src, label, max_resolution)
+    return _PyAVBackend(src, label, max_resolution)
 
 
 def _chunks(reader, src: VideoSource, label: str, *, fps, max_frames, size, max_resolution,
@@ -379,10 +327,8 @@ def _chunks(reader, src: VideoSource, label: str, *, fps, max_frames, size, max_
             except VideoError:
                 raise
             except Exception as e:
-                if reader.name != "decord" or backend == "decord":
-                    raise CorruptVideoError(f"{reader.name} decode failed: {str(e)[:200]}", label) from e
-                reader = _open(src, label, max_resolution, "pyav")  # decord failed mid-stream
-                continue
+                raise CorruptVideoError(f"{reader.name} decode failed: {type(e).__name__}: {str(e)[:200]}",
+                                        label) from e
             if len(frames) == 0:
                 break
             done += len(want)
@@ -390,8 +336,7 @@ def _chunks(reader, src: VideoSource, label: str, *, fps, max_frames, size, max_
             if len(frames) < len(want):
                 break  # the stream ended before the header said it would
     finally:
-        if hasattr(reader, "close"):
-            reader.close()
+        reader.close()
 
 
 def iter_video(src: VideoSource, *, fps: Optional[float] = 1.0, max_frames: Optional[int] = None,
@@ -400,8 +345,8 @@ def iter_video(src: VideoSource, *, fps: Optional[float] = 1.0, max_frames: Opti
                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Stream the sampled frames as chunks ``(frames uint8 (t, H, W, 3), timestamps float64 (t,))``.
 
-    Decoding memory is bounded by the chunk size (about 64 MiB of raw frames by default). When
-    decord fails part-way, the remaining frames are read with PyAV. See :func:`read_video`.
+    Decoding memory is bounded by the chunk size (about 64 MiB of raw frames by default). See
+    :func:`read_video`.
     """
     label = _label(src)
     reader = _open(src, label, max_resolution, backend)
@@ -414,11 +359,12 @@ def read_video(src: VideoSource, *, fps: Optional[float] = 1.0, max_frames: Opti
                backend: str = "auto") -> VideoClip:
     """Decode the frames sampled at ``fps`` (None: all), capped at ``max_frames``, resized to ``size``.
 
-    src: a path or the bytes of a video file (mp4, avi, webm, mkv, mov, ...).
+    src: a path or the bytes of a video file (any of :data:`VIDEO_EXTS`; FFmpeg looks at the content).
     Returns a :class:`VideoClip` with frames uint8 (T, H, W, 3) (H = W = size when size is given)
     and timestamps float64 (T,). Raises :class:`VideoError` (a subclass) when the video is empty,
-    corrupt, truncated, unsupported or larger than ``max_resolution``. ``backend``: auto (decord,
-    PyAV when decord fails), decord or pyav.
+    corrupt, truncated, unsupported or larger than ``max_resolution``; with ``backend="decord"``
+    also :class:`~longvideo.data.isolate.DecoderCrashError` when decord's process died on it.
+    ``backend``: auto (= pyav) or pyav, in this process, or decord, in a child process.
     """
     label = _label(src)
     reader = _open(src, label, max_resolution, backend)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from longvideo.data.video import VideoError
+from longvideo.data.video import VIDEO_EXTS, VideoError
 from longvideo.infer import evals
 from longvideo.infer.chat import ChatSession, EncodedVideo, encode_video_file, infer_config, load_model
 from longvideo.infer.sp import SequenceParallelEngine, broadcast_array, broadcast_text, comm_device
@@ -61,9 +61,10 @@ def _plain_warnings():
 # ----------------------------------------------------------------------------- chat
 
 def chat_parser() -> argparse.ArgumentParser:
+
     p = argparse.ArgumentParser(prog="longvideo chat", description="Answer questions about a video.")
     p.add_argument("--model", required=True, help="exported Hugging Face directory or project checkpoint")
-    p.add_argument("--video", required=True, help="video file (mp4, webm, mkv, avi, mov)")
+    p.add_argument("--video", required=True, help=f"video file ({', '.join(VIDEO_EXTS)})")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--question", help="one question; the answer is printed")
     g.add_argument("--interactive", action="store_true",

@@ -37,8 +37,8 @@ from tqdm.auto import tqdm
 
 from longvideo.data.codes import video_to_codes
 from longvideo.data.layout import build_prompt_ids, parse_answer
-from longvideo.data.shards import (ShardError, SkipStats, expand_shards, index_tar, iter_raw_samples,
-                                   iter_token_samples)
+from longvideo.data.shards import index_tar, iter_raw_samples, iter_token_samples
+from longvideo.data.streams import ShardError, SkipStats, expand_shards
 from longvideo.data.synthetic import COLOURS, NEEDLE_CHOICES, NEEDLE_QUESTION, SyntheticSpec, make_sample
 from longvideo.data.video import VideoError
 from longvideo.infer.chat import ChatSession, EncodedVideo, fit_codes, infer_config, load_model

@@ -66,7 +66,7 @@ class MergedAttentionSeam:
 
 
 class SequenceParallelEngine:
-    """The `Engine` interface (longvideo.infer.engine) over a sequence-parallel group.
+    """The `Engine` interface (longvideo.infer.generation) over a sequence-parallel group.
 
     Call collectively: every rank of `group` calls the same methods with the same ids.
     """

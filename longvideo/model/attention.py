@@ -12,7 +12,7 @@ attention is another one, swapped in by `longvideo.parallel.apply`.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 from torch import Tensor, nn
 

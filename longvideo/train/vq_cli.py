@@ -26,7 +26,8 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="VQ yaml (configs/vq/*.yaml) or a root config")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--data", help="folder of videos, a video file, or raw shards (dir, glob, {a..b} pattern)")
+    src.add_argument("--data", help="folder of videos, a video file, or raw shards (dir, glob, {a..b} pattern, "
+                                    "or URLs: http(s)://..., pipe:...)")
     src.add_argument("--synthetic", type=int, metavar="N",
                      help="train on N generated moving-shapes videos instead (no files needed)")
     p.add_argument("--synthetic-fps", type=float, default=4.0, help="frame rate of --synthetic videos")

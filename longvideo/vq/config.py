@@ -118,6 +118,8 @@ class VQConfig:
     """Frames per second sampled from training videos."""
     max_frames_per_video: int = 512
     """Most frames read from one training video."""
+    video_backend: Literal["auto", "decord", "pyav"] = "auto"
+    """Video decoder: auto = pyav (in this process); decord runs in a child process (a crash skips the video)."""
     pool_frames: int = 4096
     """Most training frames kept in memory (videos are read once, then sampled from RAM)."""
 

@@ -1,0 +1,109 @@
+"""The decord decoder's child process (see longvideo/data/isolate.py). Run as a script, not imported.
+
+It imports only numpy and decord (not the package, not torch), so it starts fast. It answers
+requests on stdin/stdout, one at a time: each message is a 4-byte big-endian length, a JSON header
+and, when the header names ``nbytes``, that many raw bytes. Replies are JSON plus raw frame bytes,
+never pickles, so a decoder taken over by a crafted file has no way to run code in the parent
+through a reply. Anything decord or FFmpeg print goes to stderr: stdout carries only replies.
+
+    open  {"op": "open", "path": P} or {"op": "open", "nbytes": N} + N bytes
+          -> {"ok": true, "num_frames", "fps", "width", "height"}
+    read  {"op": "read", "indices": [...]} -> {"ok": true, "shape": [t, h, w, 3], "times": [...], "nbytes"} + bytes
+    close {"op": "close"} -> {"ok": true}
+    failure of any request -> {"ok": false, "error": "..."}
+"""
+
+import json
+import math
+import os
+import resource
+import struct
+import sys
+import tempfile
+
+
+def _read_exact(f, n):
+    chunks, left = [], n
+    while left:
+        b = f.read(min(left, 1 << 20))
+        if not b:
+            raise EOFError("parent closed the pipe")
+        chunks.append(b)
+        left -= len(b)
+    return b"".join(chunks)
+
+
+def main():
+    limit = int(float(sys.argv[1]) * (1 << 30)) if len(sys.argv) > 1 else 0
+    if limit > 0:  # a huge declared frame size fails an allocation here instead of exhausting the machine
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    inp = sys.stdin.buffer
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # stray prints from C libraries land on stderr, never in a reply
+
+    def reply(header, payload=b""):
+        h = json.dumps(header).encode()
+        out.write(struct.pack(">I", len(h)) + h)
+        if payload:
+            out.write(payload)
+        out.flush()
+
+    import decord
+    import numpy as np
+
+    vr, spool = None, None
+    while True:
+        try:
+            (n,) = struct.unpack(">I", _read_exact(inp, 4))
+        except EOFError:
+            return
+        req = json.loads(_read_exact(inp, n))
+        data = _read_exact(inp, req["nbytes"]) if req.get("nbytes") else None
+        op = req.get("op")
+        try:
+            if op == "open":
+                vr = None
+                if spool is not None:
+                    os.unlink(spool)
+                    spool = None
+                path = req.get("path")
+                if data is not None and os.environ.get("LONGVIDEO_DECORD_FILEOBJ") == "1":
+                    import io  # decord reading a file object, as an in-process reader of bytes would (tests)
+
+                    path, data = io.BytesIO(data), None
+                if data is not None:
+                    # decord reads a file path more safely than a file object (from bytes, truncated
+                    # AVIs crash it), so the bytes are spooled to a private temporary file
+                    fd, spool = tempfile.mkstemp(prefix="longvideo-decord-", suffix=req.get("suffix", ""))
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
+                    path, data = spool, None
+                vr = decord.VideoReader(path, ctx=decord.cpu(0), num_threads=0)
+                count, fps = len(vr), float(vr.get_avg_fps())
+                h, w = vr[0].shape[:2] if count > 0 else (0, 0)
+                vr.seek(0)
+                reply({"ok": True, "num_frames": count, "fps": fps if math.isfinite(fps) else 0.0,
+                       "width": int(w), "height": int(h)})
+            elif op == "read":
+                idx = [int(i) for i in req["indices"]]
+                frames = np.ascontiguousarray(vr.get_batch(idx).asnumpy(), dtype=np.uint8)
+                times = np.asarray(vr.get_frame_timestamp(idx), np.float64).reshape(-1, 2)[:, 0]
+                payload = frames.tobytes()
+                reply({"ok": True, "shape": list(frames.shape), "times": times.tolist(), "nbytes": len(payload)},
+                      payload)
+            elif op == "close":
+                vr = None
+                if spool is not None:
+                    os.unlink(spool)
+                    spool = None
+                reply({"ok": True})
+            else:
+                reply({"ok": False, "error": f"unknown request {op!r}"})
+        except Exception as e:  # decord raises RuntimeError/DECORDError for what it cannot read
+            msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            reply({"ok": False, "error": msg})
+
+
+if __name__ == "__main__":
+    main()

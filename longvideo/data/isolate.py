@@ -1,0 +1,297 @@
+"""decord in a child process: a decoder crash or hang costs one sample, never the process.
+
+decord 0.6 kills the interpreter (SIGSEGV) on some damaged files, e.g. truncated AVIs given to it as
+bytes (docs/data.md lists what crashed it). So ``backend="decord"`` never runs decord in the
+calling process: a child process (``_decord_child.py``, started with ``subprocess`` as a fresh
+interpreter, so nothing is forked from a process that holds threads or a CUDA context) opens and
+decodes the video and sends the frames back.
+
+- The child is started once and reused for the next videos; one child serves one open video at a
+  time, so readers alive at once each get their own. At most :data:`IDLE_WORKERS` idle children
+  are kept per process.
+- Every request has a deadline (:data:`OPEN_TIMEOUT_S`, and for a read :data:`READ_TIMEOUT_S` plus
+  :data:`PER_FRAME_TIMEOUT_S` per frame). A child that dies raises :class:`DecoderCrashError`
+  (reason ``decoder_crash``), one past its deadline is killed and raises
+  :class:`DecoderTimeoutError` (``decoder_timeout``); the next video gets a fresh child.
+- The child's address space is limited (:data:`MEMORY_GIB`), so a huge declared frame size fails
+  an allocation there instead of taking the machine's memory.
+- Replies are a JSON header plus raw uint8 frame bytes whose shape is checked against the header
+  and the request: nothing from the child is unpickled.
+- Bytes (shard members) are spooled to a file in a private temporary folder and opened by path:
+  decord crashes on truncated AVIs read from a file object, not from a path.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Optional
+
+import numpy as np
+
+from longvideo.data.video_base import (CorruptVideoError, EmptyVideoError, VideoError, VideoInfo, VideoSource,
+                                      check_frame_size)
+
+OPEN_TIMEOUT_S = 120.0
+"""Seconds the child may take to open a video (the whole file is indexed then)."""
+READ_TIMEOUT_S = 60.0
+"""Seconds the child may take for one read request, plus PER_FRAME_TIMEOUT_S per requested frame."""
+PER_FRAME_TIMEOUT_S = 2.0
+"""Extra seconds per requested frame."""
+MEMORY_GIB = float(os.environ.get("LONGVIDEO_DECODER_MEMORY_GIB", 16))
+"""Address-space limit of a decoder child (GiB; 0 = none); env LONGVIDEO_DECODER_MEMORY_GIB."""
+IDLE_WORKERS = 2
+"""Idle decoder children kept for reuse per process."""
+_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_decord_child.py")
+
+
+class DecoderCrashError(CorruptVideoError):
+    """The decoder's child process died (a signal such as SIGSEGV, or an exit) on this video."""
+
+    reason = "decoder_crash"
+
+
+class DecoderTimeoutError(DecoderCrashError):
+    """The decoder's child process did not answer in time and was killed."""
+
+    reason = "decoder_timeout"
+
+
+class _Worker:
+    """One decoder child and its pipes."""
+
+    def __init__(self):
+        self.owner = os.getpid()
+        self.spool = tempfile.mkdtemp(prefix="longvideo-decoder-")
+        self.log = tempfile.TemporaryFile()
+        env = dict(os.environ, TMPDIR=self.spool, MALLOC_ARENA_MAX="2")
+        self.proc = subprocess.Popen([sys.executable, "-P", "-u", _CHILD, str(MEMORY_GIB)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, env=env, close_fds=True)
+        self._buf = bytearray()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _death(self, label: str, timed_out: bool = False) -> VideoError:
+        if timed_out:
+            self.kill()
+            return DecoderTimeoutError("decord did not answer in time; its process was killed", label)
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            code = self.proc.returncode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}"
+        tail = self.stderr_tail()
+        self.kill()
+        return DecoderCrashError(f"decord's process died ({how})" + (f": {tail}" if tail else ""), label)
+
+    def reset_log(self) -> None:
+        """Empty the child's stderr file (the child shares its offset), so it does not grow with reuse."""
+        try:
+            self.log.seek(0)
+            self.log.truncate()
+        except (OSError, ValueError):
+            pass
+
+    def stderr_tail(self, limit: int = 300) -> str:
+        try:
+            self.log.seek(0, os.SEEK_END)
+            size = self.log.tell()
+            self.log.seek(max(0, size - limit))
+            lines = [ln for ln in self.log.read().decode(errors="replace").splitlines() if ln.strip()]
+            return lines[-1][:200] if lines else ""
+        except (OSError, ValueError):
+            return ""
+
+    def _recv(self, n: int, deadline: float, label: str) -> bytearray:
+        fd = self.proc.stdout.fileno()
+        while len(self._buf) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._death(label, timed_out=True)
+            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            chunk = os.read(fd, max(1 << 16, min(n - len(self._buf), 1 << 24)))
+            if not chunk:
+                raise self._death(label)
+            self._buf += chunk
+        out = self._buf[:n]  # a bytearray: frames made from it are writable
+        del self._buf[:n]
+        return out
+
+    def call(self, header: dict, payload: Optional[bytes], timeout: float, label: str) -> tuple[dict, bytearray]:
+        """Send one request and wait for its reply (header, raw bytes)."""
+        if payload is not None:
+            header = dict(header, nbytes=len(payload))
+        h = json.dumps(header).encode()
+        try:
+            self.proc.stdin.write(struct.pack(">I", len(h)) + h)
+            if payload:
+                self.proc.stdin.write(payload)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise self._death(label) from None
+        deadline = time.monotonic() + timeout
+        (size,) = struct.unpack(">I", self._recv(4, deadline, label))
+        if size > 1 << 26:
+            self.kill()
+            raise DecoderCrashError(f"decord's process sent a malformed reply ({size}-byte header)", label)
+        try:
+            reply = json.loads(self._recv(size, deadline, label))
+            nbytes = int(reply.get("nbytes", 0)) if reply.get("ok") else 0
+        except (ValueError, TypeError, AttributeError):
+            self.kill()
+            raise DecoderCrashError("decord's process sent a malformed reply", label) from None
+        data = self._recv(nbytes, deadline, label) if nbytes else b""
+        return reply, data
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        self.log.close()
+        shutil.rmtree(self.spool, ignore_errors=True)
+
+
+_idle: list[_Worker] = []
+_lock = threading.Lock()
+
+
+def _acquire() -> _Worker:
+    with _lock:
+        while _idle:
+            w = _idle.pop()
+            if w.owner == os.getpid() and w.alive:
+                return w
+            if w.owner == os.getpid():
+                w.kill()
+    return _Worker()
+
+
+def _release(w: _Worker) -> None:
+    with _lock:
+        if w.alive and w.owner == os.getpid() and len(_idle) < IDLE_WORKERS:
+            _idle.append(w)
+            return
+    if w.owner == os.getpid():
+        w.kill()
+
+
+@atexit.register
+def shutdown() -> None:
+    """Stop the idle decoder children of this process."""
+    with _lock:
+        workers = [w for w in _idle if w.owner == os.getpid()]
+        _idle.clear()
+    for w in workers:
+        w.kill()
+
+
+class IsolatedDecordBackend:
+    """The reader interface of longvideo.data.video (``info``, ``read``, ``close``) over a decord child."""
+
+    name = "decord"
+
+    def __init__(self, src: VideoSource, label: str, max_resolution: int):
+        self.label = label
+        self.max_resolution = max_resolution
+        self._w: Optional[_Worker] = _acquire()
+        self._w.reset_log()
+        if isinstance(src, (bytes, bytearray, memoryview)):
+            req, payload = {"op": "open"}, bytes(src)
+        else:
+            req, payload = {"op": "open", "path": os.path.abspath(os.fspath(src))}, None
+        reply = self._call(req, payload, OPEN_TIMEOUT_S)
+        try:
+            n, fps = int(reply["num_frames"]), float(reply["fps"])
+            w, h = int(reply["width"]), int(reply["height"])
+        except (KeyError, TypeError, ValueError):
+            self._fail()
+            raise DecoderCrashError("decord's process sent a malformed reply", label) from None
+        if n <= 0:
+            self.close()
+            raise EmptyVideoError("decord finds no frames", label)
+        if not np.isfinite(fps) or fps <= 0:
+            self.close()
+            raise CorruptVideoError(f"bad frame rate {fps}", label)
+        try:
+            check_frame_size(w, h, max_resolution, label)
+        except VideoError:
+            self.close()
+            raise
+        self.info = VideoInfo(num_frames=n, fps=fps, width=w, height=h, duration=n / fps)
+
+    def _fail(self) -> None:
+        if self._w is not None:
+            self._w.kill()
+            self._w = None
+
+    def _call(self, req: dict, payload: Optional[bytes], timeout: float) -> dict:
+        if self._w is None:
+            raise CorruptVideoError("the decoder was closed", self.label)
+        try:
+            reply, self._data = self._w.call(req, payload, timeout, self.label)
+        except VideoError:
+            self._w = None  # the worker killed itself
+            raise
+        if not reply.get("ok"):
+            err = str(reply.get("error", "unknown error"))[:300]
+            if req["op"] == "open":
+                self.close()
+                raise CorruptVideoError(f"decord cannot open it: {err}", self.label)
+            raise CorruptVideoError(f"decord decode failed: {err}", self.label)
+        return reply
+
+    def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """uint8 (t, H, W, 3) frames and float64 (t,) start times of ``indices``."""
+        indices = np.asarray(indices, np.int64)
+        reply = self._call({"op": "read", "indices": indices.tolist()}, None,
+                           READ_TIMEOUT_S + PER_FRAME_TIMEOUT_S * len(indices))
+        data, self._data = self._data, b""
+        try:
+            shape = tuple(int(x) for x in reply["shape"])
+            times = np.asarray(reply["times"], np.float64)
+        except (KeyError, TypeError, ValueError):
+            self._fail()
+            raise DecoderCrashError("decord's process sent a malformed reply", self.label) from None
+        want = (len(indices), self.info.height, self.info.width, 3)
+        if shape != want or len(data) != int(np.prod(shape)) or times.shape != (len(indices),):
+            raise CorruptVideoError(f"decord returned frames {shape} for a request of {want}", self.label)
+        return np.frombuffer(data, np.uint8).reshape(shape), times
+
+    def close(self) -> None:
+        w, self._w = self._w, None
+        if w is None:
+            return
+        try:
+            w.call({"op": "close"}, None, OPEN_TIMEOUT_S, self.label)
+        except VideoError:
+            return  # the worker is gone already
+        _release(w)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,310 @@
+"""Shard sources: local paths, brace patterns and the URLs webdataset understands, read as streams.
+
+    expand_sources("https://host/data/shard-{000000..000099}.tar")   # 100 URLs
+    expand_sources("data/raw")                                       # the *.tar files of a folder
+    for key, parts in iter_tar(url, stats, ("mp4", "json")): ...      # parts: {ext: bytes or ShardError}
+
+A source is a local path (or a directory, glob or ``{000..099}`` pattern of them), or a URL:
+``http://`` / ``https://`` (read with the standard library, streamed, with a socket timeout),
+``pipe:COMMAND`` (the command's stdout, e.g. ``pipe:aws s3 cp s3://bucket/shard.tar -``), ``file:``
+and the other schemes of ``webdataset.gopen`` (opened through it). URL patterns are expanded by
+webdataset (``{000..099}`` and ``{a,b}`` braces, ``::`` lists). Nothing is copied to disk: a shard is
+read once, front to back, and only the members asked for are kept in memory.
+
+The tar stream is untrusted input, read with the rules defined here (shared with the random-access
+reader of local token shards in :mod:`longvideo.data.shards`):
+member names are only split into key and extension, only regular files with safe names are
+considered (links, devices, absolute or ``..`` names are counted as ``unsafe_member``), members over
+their size bound are not read (``too_large``), nothing is unpickled, and a damaged header is skipped
+block by block. Failures go to a webdataset-style handler (``handler(exn) -> True`` to go on); the
+default counts them in a :class:`SkipStats` by reason: ``shard_io_error`` when the source fails
+(refused, dropped mid-shard, a pipe command that exits non-zero), ``corrupt_tar`` / ``truncated_tar``
+when the bytes are not a valid tar. After a failure the shard ends there and the caller goes on
+with the next one.
+"""
+
+from __future__ import annotations
+
+import glob
+import http.client
+import logging
+import os
+import re
+import tarfile
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional, Union
+
+log = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------------------- the rules every tar read follows
+
+MAX_JSON_BYTES = 16 << 20
+"""Largest json member accepted."""
+MAX_VIDEO_BYTES = 8 << 30
+"""Largest video member accepted."""
+MAX_NPY_BYTES = 1 << 30
+"""Largest array member accepted."""
+
+
+class ShardError(ValueError):
+    """A shard or one of its samples is unusable; ``reason`` is the counter it is filed under."""
+
+    def __init__(self, reason: str, message: str):
+        self.reason = reason
+        super().__init__(message)
+
+
+class SkipStats(Counter):
+    """Counts of skipped samples by reason (plus ``ok``); logs each skip once at WARNING."""
+
+    def skip(self, reason: str, where: str, detail: str = "") -> None:
+        self[reason] += 1
+        log.warning("skipped %s (%s)%s", where, reason, f": {detail}" if detail else "")
+
+    @property
+    def skipped(self) -> int:
+        return sum(v for k, v in self.items() if k != "ok")
+
+
+# ----------------------------------------------------------------------------- shard lists
+
+def expand_shards(spec: str | os.PathLike | Iterable[str]) -> list[str]:
+    """Sorted shard paths from a directory, a glob, a brace pattern ``a-{000..009}.tar`` or a list."""
+    if not isinstance(spec, (str, os.PathLike)):
+        out = []
+        for s in spec:
+            out += expand_shards(s)
+        return sorted(set(out))
+    spec = str(spec)
+    if os.path.isdir(spec):
+        return sorted(str(p) for p in Path(spec).glob("*.tar"))
+    m = re.search(r"\{(\d+)\.\.(\d+)\}", spec)
+    if m:
+        lo, hi, width = int(m.group(1)), int(m.group(2)), len(m.group(1))
+        return sorted(set(p for i in range(lo, hi + 1)
+                          for p in expand_shards(spec[:m.start()] + f"{i:0{width}d}" + spec[m.end():])))
+    if any(c in spec for c in "*?["):
+        return sorted(glob.glob(spec))
+    return [spec] if os.path.isfile(spec) else []
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """'dir/abc.codes.npy' -> ('dir/abc', 'codes.npy'): the key ends at the basename's first dot."""
+    head, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    return (f"{head}/{stem}" if head else stem), (ext.lower() if dot else "")
+
+
+def safe_member_name(name: str) -> bool:
+    """A relative name without '..' or NUL: usable as a key, never followed as a path."""
+    parts = name.replace("\\", "/").split("/")
+    return bool(name) and not name.startswith("/") and ".." not in parts and "\x00" not in name
+
+
+# ----------------------------------------------------------------------------- sources
+
+HTTP_TIMEOUT_S = 60.0
+"""Socket timeout of http(s) reads: a stalled connection fails (``shard_io_error``) after this long."""
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):")
+
+Part = Union[bytes, ShardError]
+Handler = Callable[[Exception], bool]
+
+
+class SourceIOError(OSError):
+    """Reading a shard's source failed (connection refused or dropped, a pipe command failed)."""
+
+    reason = "shard_io_error"
+
+
+def _schemes() -> set[str]:
+    try:
+        from webdataset.gopen import gopen_schemes
+
+        known = {k for k in gopen_schemes if not k.startswith("_")}
+    except ImportError:  # pragma: no cover
+        known = set()
+    return known | {"http", "https", "pipe", "file"}
+
+
+def is_url(src) -> bool:
+    """Whether ``src`` names a URL (``scheme:...`` with a scheme webdataset opens), not a local path."""
+    if not isinstance(src, str):
+        return False
+    m = _SCHEME.match(src)
+    return bool(m) and m.group(1).lower() in _schemes()
+
+
+def expand_sources(spec) -> list[str]:
+    """Shard sources from a spec: a local directory, glob or brace pattern (sorted paths, see
+    :func:`expand_shards`), a URL or URL brace pattern (in pattern order),
+    or a list of any of these (concatenated; duplicates dropped, first kept)."""
+    if isinstance(spec, (list, tuple)) and not any(is_url(str(s)) for s in spec):
+        return expand_shards([os.fspath(s) for s in spec])  # local only: sorted, as before
+    if isinstance(spec, (list, tuple)):
+        out: list[str] = []
+        for s in spec:
+            out += expand_sources(s)
+        return list(dict.fromkeys(out))
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    if is_url(spec):
+        from webdataset.shardlists import expand_urls
+
+        return list(dict.fromkeys(expand_urls(spec)))
+    return expand_shards(spec)
+
+
+def shard_name(src: str) -> str:
+    """The file name a source stands for: a path's or URL's last component, or for ``pipe:`` the
+    last word of the command that looks like a file name (the output of ``tokenize`` is named after it)."""
+    if is_url(src) and src.lower().startswith("pipe:"):
+        words = [w for w in src[5:].split() if re.search(r"\.tar(\.\w+)?$", w)]
+        name = words[-1].rsplit("/", 1)[-1] if words else ""
+    elif is_url(src):
+        name = urllib.parse.unquote(urllib.parse.urlparse(src).path.rsplit("/", 1)[-1])
+    else:
+        name = Path(src).name
+    if not name or name in (".", "..") or "/" in name or "\x00" in name:
+        raise ValueError(f"cannot name an output after {src!r}: give each shard a distinct file name ending in .tar")
+    return name
+
+
+# ----------------------------------------------------------------------------- opening
+
+class _Guarded:
+    """A binary reader whose failures surface as :class:`SourceIOError` (tar errors stay tar errors)."""
+
+    def __init__(self, f, where: str, length: Optional[int] = None):
+        self.f, self.where, self.length, self.done = f, where, length, 0
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            data = self.f.read(n)
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            raise SourceIOError(f"{self.where}: read failed: {type(e).__name__}: {e}") from e
+        self.done += len(data)
+        if not data and n != 0 and self.length is not None and self.done < self.length:
+            # http.client ends a read early without an error when the connection drops
+            raise SourceIOError(f"{self.where}: the connection closed after {self.done} of {self.length} bytes")
+        return data
+
+    def close(self) -> None:
+        try:
+            self.f.close()
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            raise SourceIOError(f"{self.where}: {type(e).__name__}: {e}") from e
+
+
+def open_source(src: str, timeout: float = HTTP_TIMEOUT_S):
+    """A binary stream of the source's bytes (read front to back; close it when done)."""
+    try:
+        if not is_url(src):
+            return _Guarded(open(src, "rb"), src)
+        scheme = _SCHEME.match(src).group(1).lower()
+        if scheme in ("http", "https"):
+            req = urllib.request.Request(src, headers={"User-Agent": "longvideo", "Accept-Encoding": "identity"})
+            resp = urllib.request.urlopen(req, timeout=timeout)
+            length = resp.headers.get("Content-Length")
+            return _Guarded(resp, src, int(length) if length and length.isdigit() else None)
+        from webdataset.gopen import gopen
+
+        return _Guarded(gopen(src, "rb"), src)
+    except SourceIOError:
+        raise
+    except (OSError, http.client.HTTPException, ValueError, urllib.error.URLError) as e:
+        raise SourceIOError(f"{src}: cannot open: {type(e).__name__}: {e}") from e
+
+
+# ----------------------------------------------------------------------------- reading
+
+def counting_handler(stats: SkipStats, where: str) -> Handler:
+    """A webdataset-style handler: counts the failure in ``stats`` under its reason and goes on."""
+
+    def handler(exn: Exception) -> bool:
+        reason = getattr(exn, "reason", None) or "shard_io_error"
+        stats.skip(reason, where, str(exn))
+        return True
+
+    return handler
+
+
+def default_limits(exts: Iterable[str]) -> dict[str, int]:
+    """Size bound of each extension: json 16 MiB, arrays 1 GiB, anything else (video) 8 GiB."""
+    return {e: MAX_JSON_BYTES if e == "json" else MAX_NPY_BYTES if e.endswith("npy") else MAX_VIDEO_BYTES
+            for e in exts}
+
+
+def iter_tar(src: str, stats: SkipStats, exts: Iterable[str], limits: Optional[dict[str, int]] = None, *,
+             handler: Optional[Handler] = None, timeout: float = HTTP_TIMEOUT_S,
+             ) -> Iterator[tuple[str, dict[str, Part]]]:
+    """The samples of one tar shard as ``(key, {ext: bytes})``, streamed front to back.
+
+    Consecutive members with the same key and different extensions form a sample (as
+    :func:`longvideo.data.shards.group_samples` does); members of other extensions are passed over
+    unread. A member over its bound (``limits``, default :func:`default_limits`) is given as a
+    :class:`ShardError` (``too_large``) instead of bytes, for the caller to count with its sample.
+    A failure (source, tar format) goes to ``handler`` (default: count in ``stats``); the shard ends
+    there, after yielding the sample read so far when the failure is in the tar format.
+    """
+    wanted = tuple(exts)
+    limits = dict(default_limits(wanted), **(limits or {}))
+    handler = handler or counting_handler(stats, src)
+    key, parts = None, {}
+    try:
+        f = open_source(src, timeout)
+    except SourceIOError as e:
+        handler(e)
+        return
+    failed = None
+    try:
+        tf = tarfile.open(fileobj=f, mode="r|", ignore_zeros=True)
+        while True:
+            info = tf.next()
+            if info is None:
+                break
+            tf.members = []  # a stream keeps no index
+            if not info.isreg() or not safe_member_name(info.name):
+                # links, devices, absolute or escaping names: never followed, never used
+                if not info.isdir():
+                    stats.skip("unsafe_member", f"{src}:{info.name!r}")
+                continue
+            k, ext = split_name(info.name)
+            if ext not in wanted:
+                continue
+            if key is not None and (k != key or ext in parts):
+                yield key, parts
+                key, parts = None, {}
+            if info.size > limits[ext]:
+                data: Part = ShardError("too_large", f"member {k}.{ext} has {info.size} bytes (limit {limits[ext]})")
+            else:
+                data = tf.extractfile(info).read()
+                if len(data) != info.size:
+                    raise ShardError("truncated_tar", f"member {k}.{ext} is cut short")
+            key = k
+            parts[ext] = data
+    except SourceIOError as e:
+        failed, key = e, None  # the sample being read is lost with the rest of the shard
+    except ShardError as e:
+        failed = e
+    except tarfile.ReadError as e:
+        msg = str(e)
+        failed = ShardError("truncated_tar" if "unexpected end" in msg else "corrupt_tar", f"{src}: {msg}")
+    except (EOFError, tarfile.TarError) as e:
+        failed = ShardError("corrupt_tar", f"{src}: {type(e).__name__}: {e}")
+    finally:
+        try:
+            f.close()
+        except SourceIOError as e:  # a pipe command that exited non-zero: the cause of any tar error
+            failed, key = e, None
+    if isinstance(failed, ShardError) and failed.reason == "truncated_tar" and key is not None:
+        # the member being read was cut short: its sample is incomplete, counted with the failure
+        key = None
+    if key is not None:
+        yield key, parts
+    if failed is not None:
+        handler(failed)
