@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo demo-hour test bench install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,9 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m longvideo.demo
+
+demo-hour: $(STAMP)
+	$(BIN)/python -m longvideo.demo --hour
 
 bench: $(STAMP)
 	$(BIN)/python scripts/run_benchmarks.py

@@ -38,46 +38,112 @@ from longvideo.train.checkpoint import STATE_FILE
 
 
 @dataclass(frozen=True)
+class VideoSet:
+    """One set of synthetic videos written by `make-data synthetic` (durations in whole seconds)."""
+
+    name: str
+    """Directory under data/ and tokens/."""
+    n: int
+    """Videos."""
+    seed: int
+    """Dataset seed (held-out sets use other seeds: never seen in training)."""
+    min_seconds: int
+    max_seconds: int
+    long_fraction: float = 0.0
+    """Fraction of the videos that last long_seconds instead."""
+    long_seconds: int = 60
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One rung of the context ladder: every stage starts from the previous one's weights."""
+
+    seq_len: int
+    """Tokens per training row."""
+    steps: int
+    """Optimizer steps."""
+    rope_theta: float
+    """RoPE base of this stage (raised with the context)."""
+    sets: tuple[str, ...]
+    """VideoSet names whose token shards the stage reads."""
+    sp: int = 2
+    """Ring size: the row is sharded over sp processes (the rest of the processes is dp)."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+
+
+@dataclass(frozen=True)
 class DemoPlan:
     """Sizes of one demo run."""
 
-    train_videos: int = 600
-    """Synthetic training videos."""
-    test_videos: int = 64
-    """Held-out videos (a different seed: never seen in training)."""
-    max_seconds: int = 12
-    """Longest ordinary video (seconds; sampled at 1 fps)."""
-    long_seconds: int = 40
-    """Duration of the long videos."""
+    sets: tuple[VideoSet, ...]
+    """Training and held-out video sets."""
+    held_out: str
+    """The VideoSet scored by the QA evaluation (never trained on)."""
+    stages: tuple[Stage, ...]
+    """The context ladder."""
+    source_fps: int = 8
+    """Frame rate of the written videos (all are read at 1 fps)."""
     needle_fraction: float = 1.0
     """Fraction of videos with a flash frame and its question. Every video carries one: a tiny model
     learns to find the needle from a few hundred examples, not from half as many (measured: held-out
     needle answers 59 % right after 800 steps at 0.5, 100 % at 1.0)."""
     tokenizer_vocab: int = 384
     """Text ids of the BPE tokenizer."""
+    lm_config: str = "tiny"
+    """The root config of the language model (its `vq:` section has the shape of vq_config)."""
+    vq_config: str = "vq/tiny.yaml"
+    """The video tokenizer's config."""
+    vq_set: str = "train"
+    """The VideoSet the VQ trains on."""
     vq_seconds: float = 200.0
     """Training time of the VQ tokenizer."""
     vq_steps: int = 1500
     """Most VQ steps (whichever comes first)."""
-    stages: tuple[tuple[int, int, float], ...] = ((1024, 1000, 1e4), (2048, 150, 1e5), (4096, 60, 1e6))
-    """The context ladder: (sequence length, optimizer steps, RoPE theta) per stage."""
-    lr: float = 1e-3
-    """Peak learning rate of the first stage (later stages use a third of it). At 3e-3 the tiny model
-    stalls at the answer prior: it stops reading the question."""
     eval_samples: int = 64
     """Held-out QA samples scored."""
     needle_lengths: tuple[int, ...] = (8, 16, 40)
     """Video lengths (frames at 1 fps) of the video needle grid."""
     needle_depths: tuple[float, ...] = (0.0, 0.5, 1.0)
     """Needle depths of the video needle grid."""
+    needle_trials: tuple[int, ...] = ()
+    """Trials per length of the needle grid (empty: one per needle colour)."""
+    eval_sp: int = 1
+    """Processes of the needle evaluation (> 1: prefill by ring attention over them)."""
+    chat_seconds: int = 12
+    """Length of the held-out video `longvideo chat` answers about."""
     nproc: int = 2
-    """Processes of the language-model training (all in one ring: sp = nproc)."""
+    """Processes of the language-model training."""
+    training: tuple[str, ...] = ("data.template_mode=first", "data.qa_vision_loss=false")
+    """Overrides of every LM stage. By default a tiny budget goes to what the demo asks: answers.
+    QA documents only, and their video is prompt (no vision loss), so every loss token is an
+    answer token."""
+
+    def video_set(self, name: str) -> VideoSet:
+        return next(v for v in self.sets if v.name == name)
 
 
-FULL = DemoPlan()
-QUICK = DemoPlan(train_videos=96, test_videos=12, max_seconds=8, long_seconds=16, tokenizer_vocab=320,
-                 vq_seconds=40.0, vq_steps=150, stages=((512, 400, 1e4), (1024, 20, 1e5)), eval_samples=12,
-                 needle_lengths=(8, 16), needle_depths=(0.0, 1.0))
+def _classic(train: int, test: int, max_seconds: int, long_seconds: int, stages, **kw) -> DemoPlan:
+    sets = (VideoSet("train", train, 0, 4, max_seconds, 0.1, long_seconds),
+            VideoSet("test", test, 1, 4, max_seconds, 0.1, long_seconds))
+    return DemoPlan(sets=sets, held_out="test", stages=stages, chat_seconds=max_seconds, **kw)
+
+
+FULL = _classic(600, 64, 12, 40, (Stage(1024, 1000, 1e4, ("train",)), Stage(2048, 150, 1e5, ("train",), lr=1e-3 / 3),
+                                  Stage(4096, 60, 1e6, ("train",), lr=1e-3 / 3)))
+HOUR = DemoPlan(
+    sets=(VideoSet("short", 320, 10, 60, 240), VideoSet("mid", 48, 11, 300, 900), VideoSet("long", 16, 12, 1800, 3600),
+          VideoSet("test", 32, 13, 60, 240)),
+    held_out="test", source_fps=1, lm_config="hour", vq_config="vq/causal3d-hour.yaml", vq_set="short",
+    vq_seconds=480.0, vq_steps=3000, tokenizer_vocab=384,
+    stages=(Stage(2048, 800, 1e4, ("short",), sp=1), Stage(4096, 150, 1e5, ("short", "mid"), lr=1e-3 / 3),
+            Stage(16384, 40, 1e6, ("mid", "long"), lr=1e-3 / 3)),
+    eval_samples=32, needle_lengths=(60, 300, 900, 1800, 3600), needle_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
+    needle_trials=(20, 20, 20, 8, 8), eval_sp=2, chat_seconds=3600)
+"""`make demo-hour`: hour-long videos in one context (about 15.6K tokens per hour)."""
+QUICK = _classic(96, 12, 8, 16, (Stage(512, 400, 1e4, ("train",)), Stage(1024, 20, 1e5, ("train",), lr=1e-3 / 3)),
+                 tokenizer_vocab=320, vq_seconds=40.0, vq_steps=150, eval_samples=12, needle_lengths=(8, 16),
+                 needle_depths=(0.0, 1.0))
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -128,32 +194,38 @@ class Demo:
         print(f"--- {name}: {self.timings[name]:.0f} s", flush=True)
 
     # ---- stages ---------------------------------------------------------------------------------
+    def spec(self, v: VideoSet, **kw) -> SyntheticSpec:
+        return SyntheticSpec(fps=self.plan.source_fps, min_seconds=v.min_seconds, max_seconds=v.max_seconds,
+                             long_fraction=v.long_fraction, long_seconds=v.long_seconds,
+                             needle_fraction=self.plan.needle_fraction, **kw)
+
     def make_data(self) -> None:
-        p = self.plan
-        common = ["--max-seconds", p.max_seconds, "--long-seconds", p.long_seconds, "--samples-per-shard", 64,
-                  "--needle-fraction", p.needle_fraction,
-                  "--workers", 2] + (["--quiet"] if self.quiet else [])
-        self.lv("make-data", "synthetic", "--out", self.out / "data/train", "--n", p.train_videos, "--seed", 0, *common)
-        self.lv("make-data", "synthetic", "--out", self.out / "data/test", "--n", p.test_videos, "--seed", 1, *common)
+        for v in self.plan.sets:
+            self.lv("make-data", "synthetic", "--out", self.out / "data" / v.name, "--n", v.n, "--seed", v.seed,
+                    "--fps", self.plan.source_fps, "--min-seconds", v.min_seconds, "--max-seconds", v.max_seconds,
+                    "--long-fraction", v.long_fraction, "--long-seconds", v.long_seconds,
+                    "--needle-fraction", self.plan.needle_fraction, "--samples-per-shard", 64, "--workers", 2,
+                    *(["--quiet"] if self.quiet else []))
         (self.out / "data/.done").touch()
 
     def tokenizer(self) -> None:
-        spec = SyntheticSpec(max_seconds=self.plan.max_seconds, long_seconds=self.plan.long_seconds,
-                             needle_fraction=self.plan.needle_fraction)
+        texts = []
+        for v in self.plan.sets:
+            texts += text_corpus(n=400 // len(self.plan.sets) + 1, seed=v.seed, spec=self.spec(v))
         corpus = self.out / "tokenizer_corpus.txt"
-        corpus.write_text("\n".join(text_corpus(n=400, seed=0, spec=spec)) + "\n")
+        corpus.write_text("\n".join(texts) + "\n")
         self.lv("train-tokenizer", "--texts", corpus, "--vocab-size", self.plan.tokenizer_vocab,
                 "--out", self.out / "tokenizer")
 
     def train_vq(self) -> None:
-        self.lv("train-vq", "--config", "vq/tiny.yaml", "--data", self.out / "data/train", "--out", self.out / "vq",
-                "--steps", self.plan.vq_steps, "--time-budget", self.plan.vq_seconds, "--no-tensorboard",
-                *(["--quiet"] if self.quiet else []))
+        self.lv("train-vq", "--config", self.plan.vq_config, "--data", self.out / "data" / self.plan.vq_set,
+                "--out", self.out / "vq", "--steps", self.plan.vq_steps, "--time-budget", self.plan.vq_seconds,
+                "--no-tensorboard", *(["--quiet"] if self.quiet else []))
 
     def tokenize(self) -> None:
-        for split in ("train", "test"):
-            self.lv("tokenize", "--vq", self.out / "vq", "--in", self.out / f"data/{split}",
-                    "--out", self.out / f"tokens/{split}", "--config", "tiny", "--workers", 2,
+        for v in self.plan.sets:
+            self.lv("tokenize", "--vq", self.out / "vq", "--in", self.out / "data" / v.name,
+                    "--out", self.out / "tokens" / v.name, "--config", self.plan.lm_config, "--workers", 2,
                     *(["--quiet"] if self.quiet else []))
         (self.out / "tokens/.done").touch()
 
@@ -163,34 +235,34 @@ class Demo:
     def train_lm(self) -> None:
         p = self.plan
         prev = None
-        for i, (seq, steps, theta) in enumerate(p.stages):
-            run_dir = self.out / f"lm/stage{i}-{seq}"
+        for i, st in enumerate(p.stages):
+            run_dir = self.out / f"lm/stage{i}-{st.seq_len}"
             reached = finished_step(run_dir)
-            if reached >= steps:
-                print(f"stage {seq}: done already (step {reached})", flush=True)
+            if reached >= st.steps:
+                print(f"stage {st.seq_len}: done already (step {reached})", flush=True)
                 prev = run_dir
                 continue
+            names = st.sets[0] if len(st.sets) == 1 else "{" + ",".join(st.sets) + "}"
+            shards = self.out / "tokens" / names
             overrides = [
-                f"model.text_vocab_size={self.text_size()}", f"model.max_seq_len={seq}",
-                f"model.rope_theta={theta}", f"data.seq_len={seq}",
-                f"data.train_shards={self.out / 'tokens/train'}", f"parallel.sp={p.nproc}",
-                f"train.steps={steps}", f"train.warmup_steps={max(1, steps // 10)}",
-                f"train.lr={p.lr if prev is None else p.lr / 3}", f"train.checkpoint_every={steps}",
+                f"model.text_vocab_size={self.text_size()}", f"model.max_seq_len={st.seq_len}",
+                f"model.rope_theta={st.rope_theta}", f"data.seq_len={st.seq_len}",
+                f"data.train_shards={shards}", f"parallel.sp={st.sp}",
+                f"train.steps={st.steps}", f"train.warmup_steps={max(1, st.steps // 10)}",
+                f"train.lr={st.lr}", f"train.checkpoint_every={st.steps}",
                 f"train.tokenizer_dir={self.out / 'tokenizer'}", f"train.vq_dir={self.out / 'vq'}",
-                "train.zero_stage=3", f"train.out_dir={run_dir}", "train.micro_batch_size=1",
-                # a tiny budget goes to what the demo asks: answers. QA documents only, and their
-                # video is prompt (no vision loss), so every loss token is an answer token.
-                "data.template_mode=first", "data.qa_vision_loss=false",
+                "train.zero_stage=3", f"train.out_dir={run_dir}", "train.micro_batch_size=1", *p.training,
             ]
             if self.quiet:
                 overrides.append("train.progress=false")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p.nproc}",
-                   "-m", "longvideo", "train", "--config", "tiny", *overrides]
+                   "-m", "longvideo", "train", "--config", p.lm_config, *overrides]
             if reached > 0:  # stopped part-way (SIGTERM, a crash): continue from its last checkpoint
                 cmd.append("--resume")
             elif prev is not None:
                 cmd += ["--init-from", prev]
-            print(f"--- stage {i + 1}/{len(p.stages)}: context {seq}, RoPE theta {theta:g}, {steps} steps", flush=True)
+            print(f"--- stage {i + 1}/{len(p.stages)}: context {st.seq_len}, sp {st.sp}, RoPE theta "
+                  f"{st.rope_theta:g}, {st.steps} steps", flush=True)
             self.run(cmd, threads=1)
             prev = run_dir
         (self.out / "lm/final").write_text(str(prev))
@@ -204,16 +276,23 @@ class Demo:
     def evaluate(self) -> None:
         p = self.plan
         quiet = ["--quiet"] if self.quiet else []
-        self.lv("eval", "qa", "--model", self.out / "hf", "--shards", self.out / "tokens/test",
+        self.lv("eval", "qa", "--model", self.out / "hf", "--shards", self.out / "tokens" / p.held_out,
                 "--max-samples", p.eval_samples, "--out", self.out / "eval/qa", *quiet)
-        self.lv("eval", "video-niah", "--model", self.out / "hf", "--out", self.out / "eval/video_niah",
-                "--lengths", ",".join(map(str, p.needle_lengths)), "--depths", ",".join(map(str, p.needle_depths)),
-                *quiet)
+        needle = ["eval", "video-niah", "--model", self.out / "hf", "--out", self.out / "eval/video_niah",
+                  "--lengths", ",".join(map(str, p.needle_lengths)), "--depths", ",".join(map(str, p.needle_depths)),
+                  "--source-fps", p.source_fps, *quiet]
+        if p.needle_trials:
+            needle += ["--trials", ",".join(map(str, p.needle_trials))]
+        if p.eval_sp > 1:  # every prompt's video prefilled by ring attention over eval_sp processes
+            self.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p.eval_sp}",
+                      "-m", "longvideo", *needle], threads=1)
+        else:
+            self.lv(*needle)
 
     def held_out_video(self) -> tuple[Path, dict]:
         """One held-out needle video, written as a plain mp4 file (what a user would bring)."""
-        spec = SyntheticSpec(max_seconds=self.plan.max_seconds, long_seconds=self.plan.long_seconds,
-                             needle_fraction=1.0, long_fraction=0.0)
+        spec = SyntheticSpec(fps=self.plan.source_fps, min_seconds=self.plan.chat_seconds,
+                             max_seconds=self.plan.chat_seconds, needle_fraction=1.0, long_fraction=0.0)
         sample = make_sample(seed=7, index=0, spec=spec)
         path = self.out / "held_out.mp4"
         path.write_bytes(sample.mp4())
@@ -222,7 +301,7 @@ class Demo:
     def chat(self) -> None:
         video, meta = self.held_out_video()
         question = meta["qa"][0]["question"]
-        self.lv("chat", "--model", self.out / "hf", "--video", video, "--question", question,
+        self.lv("chat", "--model", self.out / "hf", "--video", video, "--fps", 1, "--question", question,
                 "--max-new-tokens", 8, *(["--quiet"] if self.quiet else []))
         print(f"(the true answer: {meta['qa'][0]['answer']})", flush=True)
         self.transformers_answer(video, question, meta["qa"][0]["answer"])
@@ -250,7 +329,8 @@ class Demo:
         self.stage("2/8 text tokenizer", self.out / "tokenizer/tokenizer.json", self.tokenizer)
         self.stage("3/8 train-vq", self.out / "vq/model.safetensors", self.train_vq)
         self.stage("4/8 tokenize", self.out / "tokens/.done", self.tokenize)
-        self.stage("5/8 train the LM (ring attention, sp=2, ZeRO-3)", self.out / "lm/final", self.train_lm)
+        self.stage(f"5/8 train the LM (ring attention over up to {max(st.sp for st in self.plan.stages)} processes, "
+                   "ZeRO-3)", self.out / "lm/final", self.train_lm)
         self.stage("6/8 export a Hugging Face directory", self.out / "hf/config.json", self.export)
         self.stage("7/8 evaluate on held-out videos", self.out / "eval/video_niah", self.evaluate)
         self.stage("8/8 chat", self.out / "chat.json", self.chat)
@@ -287,16 +367,17 @@ class Demo:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m longvideo.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="runs/demo", help="where everything goes")
+    ap.add_argument("--out", default=None, help="where everything goes (default runs/demo, runs/demo-hour)")
     ap.add_argument("--quick", action="store_true", help="the CI-sized version")
+    ap.add_argument("--hour", action="store_true", help="the hour demo: hour-long videos in one context (make demo-hour)")
     ap.add_argument("--fresh", action="store_true", help="delete --out first")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     a = ap.parse_args(argv)
-    out = Path(a.out).resolve()
+    out = Path(a.out or ("runs/demo-hour" if a.hour else "runs/demo")).resolve()
     if a.fresh and out.exists():
         shutil.rmtree(out)
     try:
-        Demo(out, QUICK if a.quick else FULL, quiet=a.quiet).main()
+        Demo(out, HOUR if a.hour else QUICK if a.quick else FULL, quiet=a.quiet).main()
     except DemoError as e:
         print(f"demo failed: {e}", file=sys.stderr)
         return 1

@@ -73,7 +73,8 @@ class SkipStats(Counter):
 # ----------------------------------------------------------------------------- shard lists
 
 def expand_shards(spec: str | os.PathLike | Iterable[str]) -> list[str]:
-    """Sorted shard paths from a directory, a glob, a brace pattern ``a-{000..009}.tar`` or a list."""
+    """Sorted shard paths from a directory, a glob, a brace pattern (``a-{000..009}.tar``, or
+    alternatives ``tokens/{short,long}``) or a list of those."""
     if not isinstance(spec, (str, os.PathLike)):
         out = []
         for s in spec:
@@ -82,6 +83,9 @@ def expand_shards(spec: str | os.PathLike | Iterable[str]) -> list[str]:
     spec = str(spec)
     if os.path.isdir(spec):
         return sorted(str(p) for p in Path(spec).glob("*.tar"))
+    alt = re.search(r"\{([^{}]*,[^{}]*)\}", spec)
+    if alt:
+        return expand_shards([spec[:alt.start()] + a + spec[alt.end():] for a in alt.group(1).split(",")])
     m = re.search(r"\{(\d+)\.\.(\d+)\}", spec)
     if m:
         lo, hi, width = int(m.group(1)), int(m.group(2)), len(m.group(1))
