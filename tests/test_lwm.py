@@ -237,6 +237,26 @@ def test_lwm_tokenizer_keeps_sentencepiece_word_boundaries():
     assert tok.text_size == 6 and tok.encode(" A") == [3, 5] and tok.encode("A A") == [5, 5]
 
 
+def test_lwm_tokenizer_model_encodes_as_sentencepiece(tmp_path):
+    """A directory holding only a LLaMA-style tokenizer.model (as LWM's releases ship it) loads, and
+    the lwm layout encodes every prompt piece exactly as SentencePiece (LWM's tokenizer) does."""
+    spm = pytest.importorskip("sentencepiece")
+    model = io.BytesIO()
+    texts = ["You are a helpful assistant. USER: What colour was the flash frame?",
+             "<vision> </vision> ASSISTANT: red green blue", "What shape came first? square circle"] * 20
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_writer=model, vocab_size=360, model_type="bpe", byte_fallback=True,
+        add_dummy_prefix=True, remove_extra_whitespaces=False, normalization_rule_name="identity", unk_id=0,
+        bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    tok = TextTokenizer.from_dir(tmp_path, layout="lwm")
+    assert (tok.text_size, tok.bos_id, tok.eos_id) == (360, 1, 2)
+    for text in (f"You are a helpful assistant. USER: {QUESTION}\n", "<vision>", "</vision>", " ASSISTANT:",
+                 "  two  spaces", "\u00fcn\u00ef"):
+        assert tok.encode(text) == sp.encode(text), text
+
+
 def test_vocab_layouts():
     v = Vocab(text_size=100, codebook_size=16, layout="lwm", vision_size=24)
     assert (v.size, v.vq_offset, v.eof, v.eov, v.vision_start, v.vision_end, v.answer_limit) == (
