@@ -79,7 +79,7 @@ def ckpt(files, tmp_path_factory):
 
 # ----------------------------------------------------------------------------- weights
 
-def expected_tensors(lm: dict[str, np.ndarray], v_text: int) -> dict[str, np.ndarray]:
+def expected_tensors(lm: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The project's tensors from LWM's arrays, spelt out: stacked tables, transposed kernels, and the
     q/k rows of each head reordered from interleaved pairs (0, 1), (2, 3), ... to halves."""
     D = DIM // HEADS
@@ -119,7 +119,7 @@ def test_scan_bf16_release_arrives_exactly(files, ckpt):
 def _check_tensors(files, out: Path, dtype: str):
     got = load_file(str(out / "model.safetensors"))
     lm = round_bf16(files["lm"]) if dtype == "bfloat16" else files["lm"]
-    want = expected_tensors(lm, files["v_text"])
+    want = expected_tensors(lm)
     assert set(got) == set(want)
     for name, w in want.items():
         t = got[name]

@@ -193,7 +193,7 @@ def state_dict_from_flax(params: dict, cfg: VQConfig) -> dict[str, torch.Tensor]
     """LWM's flax VQGAN parameters -> the state dict of `LWMVQGAN(cfg)` (names under `net.`).
 
     Every array of `params` must be used exactly once; LWMVQGANError names what is missing or left."""
-    flat = {k: v for k, v in flatten(params).items()}
+    flat = flatten(params)
     n = len(cfg.channel_mult)
     parts: dict[str, dict[str, torch.Tensor]] = {}
 
