@@ -116,7 +116,8 @@ class StreamingWeights:
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
         self.offsets: dict[str, int] = {}
         pos = 0
-        for name, (dtype, shape) in self.specs.items():
+        # wider dtypes first, as safetensors lays files out: every tensor starts aligned to its item size
+        for name, (dtype, shape) in sorted(self.specs.items(), key=lambda kv: -_itemsize(kv[1][0])):
             if dtype not in SAFETENSORS_DTYPES:
                 raise CheckpointError(f"tensor '{name}': dtype {dtype} cannot be stored in safetensors")
             nbytes = _numel(shape) * _itemsize(dtype)

@@ -409,3 +409,24 @@ def test_streaming_import_needs_far_less_memory_than_the_file(tmp_path):
     assert growth < size / 2, f"peak RSS grew by {growth / 1e6:.0f} MB for a {size / 1e6:.0f} MB file"
     got = load_file(str(tmp_path / "out.safetensors"))
     assert got["tok_embeddings.weight"].shape == (32000 + 8448, 768) and len(got) == 3 + 2 * 9
+
+
+def test_streaming_weights_writes_pieces_in_any_order_and_checks_them(tmp_path):
+    from longvideo.checkpoint import CheckpointError, streaming_weights
+
+    a, b, c = torch.arange(3, dtype=torch.bfloat16), torch.randn(2, 3), torch.tensor(True)
+    specs = {"a": (a.dtype, (3,)), "b": (b.dtype, (2, 3)), "c": (c.dtype, ())}
+    with streaming_weights(tmp_path / "w.safetensors", specs, metadata={"format": "pt"}) as w:
+        w.write("b", b[1], at=3)
+        w.write("a", a)
+        w.write("b", b[0])
+        w.write("c", c)
+    got = load_file(str(tmp_path / "w.safetensors"))
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b) and bool(got["c"])
+    for pieces, words in (([("a", a[:2], 0)], "only 2 of 3"), ([("a", a, 0), ("a", a[:1], 0)], "overlap"),
+                          ([("a", a.float(), 0)], "bfloat16"), ([("a", a, 1)], "outside")):
+        with pytest.raises(CheckpointError, match=words):
+            with streaming_weights(tmp_path / "x.safetensors", {"a": specs["a"]}) as w:
+                for name, t, at in pieces:
+                    w.write(name, t, at=at)
+        assert not (tmp_path / "x.safetensors").exists()
