@@ -186,13 +186,14 @@ def test_pickles_that_run_code_are_refused(tmp_path, files, capsys):
             return eval, (f"open({str(marker)!r}, 'w').close()",)
 
     arrays = {"encoder": {"Conv_0": {"kernel": np.zeros((3, 3, 3, 32), np.float32)}}}
+    write_params(tmp_path / "params", files["lm"], scan=False)
     for payload in (RunsCommand(), {"ok": arrays, "quantize": {"embeddings": Evaluates()}},
                     [np.zeros(2), subprocess.Popen]):
         data = pickle.dumps(payload)
         with pytest.raises(UnsafePickleError, match="refusing"):
             loads_array_pickle(data)
         (tmp_path / "vqgan").write_bytes(data)
-        rc = cli.main(["import-lwm", "--params", str(tmp_path / "vqgan"), "--vqgan", str(tmp_path / "vqgan"),
+        rc = cli.main(["import-lwm", "--params", str(tmp_path / "params"), "--vqgan", str(tmp_path / "vqgan"),
                        "--tokenizer", str(files["dir"] / "tokenizer"), "--out", str(tmp_path / "o"), "--quiet"])
         assert rc == 1 and "refusing" in capsys.readouterr().err
         assert not marker.exists()

@@ -273,13 +273,13 @@ def import_lwm(params: str | Path, vqgan: str | Path, tokenizer: str | Path, out
     for p in (params, vqgan):
         if not Path(p).is_file():
             raise FileNotFoundError(f"not found: {p}")
-    vq = vqgan_from_flax(load_array_pickle(vqgan), base=root.vq)
+    tok = TextTokenizer.from_dir(tokenizer, layout="lwm")  # the cheap checks first
     tree = read_tree(params)
+    vq = vqgan_from_flax(load_array_pickle(vqgan), base=root.vq)
     n_heads = root.model.n_heads if _explicit_heads(overrides) else None
     mcfg = model_config_from_tree(tree, root.model, vq.cfg.codebook_size, n_heads)
     cfg: Config = dataclasses.replace(root, model=mcfg, vq=vq.cfg,
                                       data=dataclasses.replace(root.data, prompt_template="lwm"))
-    tok = TextTokenizer.from_dir(tokenizer, layout="lwm")
     if tok.text_size != mcfg.text_vocab_size:
         raise LWMImportError(f"the tokenizer in {tokenizer} has {tok.text_size} ids, LWM's text embedding "
                              f"{mcfg.text_vocab_size} rows")
