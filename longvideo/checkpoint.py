@@ -18,20 +18,24 @@ custom code: a plain LlamaForCausalLM (config.json, model.safetensors under tran
 the tokenizer files), plus `longvideo.yaml` (the root Config), `vq/` and a processor config.
 
 `load_pretrained` reads all three kinds. Writes are atomic (longvideo.atomic): an interrupted save
-leaves the previous files intact. Weights are read with safetensors only.
+leaves the previous files intact. Weights are read with safetensors only. `StreamingWeights` writes a
+safetensors file tensor by tensor (in pieces, in any order) for weights too large to hold twice in
+memory (LWM import, export).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import IO, Iterator, Optional
 
 import torch
 from safetensors.torch import load_file, save
 
-from longvideo.atomic import write_bytes_atomic
+from longvideo.atomic import atomic_open, write_bytes_atomic
 from longvideo.config import Config, load_config, save_config
 from longvideo.model import ModelConfig, Transformer
 from longvideo.tokenizer import TextTokenizer
@@ -93,6 +97,91 @@ def write_weights(path: str | Path, sd: dict[str, torch.Tensor], metadata: Optio
     """A safetensors file, atomically (contiguous CPU copies; no shared storage)."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in sd.items()}
     write_bytes_atomic(path, save(tensors, metadata=metadata))
+
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+class StreamingWeights:
+    """A safetensors file written tensor by tensor: the header (every name, dtype and shape) first,
+    then each tensor's bytes, whole or in pieces (`at` = flat element offset), in any order. Only
+    the piece being written is in memory. `close` checks that every byte of every tensor was
+    written exactly once."""
+
+    def __init__(self, f: IO[bytes], specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                 metadata: Optional[dict[str, str]] = None):
+        self.f, self.specs = f, dict(specs)
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+        self.offsets: dict[str, int] = {}
+        pos = 0
+        # wider dtypes first, as safetensors lays files out: every tensor starts aligned to its item size
+        for name, (dtype, shape) in sorted(self.specs.items(), key=lambda kv: -_itemsize(kv[1][0])):
+            if dtype not in SAFETENSORS_DTYPES:
+                raise CheckpointError(f"tensor '{name}': dtype {dtype} cannot be stored in safetensors")
+            nbytes = _numel(shape) * _itemsize(dtype)
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [pos, pos + nbytes]}
+            self.offsets[name] = pos
+            pos += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        self.base = 8 + len(raw)
+        self.total = pos
+        self.pieces: dict[str, list[tuple[int, int]]] = {name: [] for name in self.specs}
+
+    def write(self, name: str, tensor: torch.Tensor, at: int = 0) -> None:
+        """Write `tensor` (same dtype) as elements [at, at + numel) of tensor `name`, C order."""
+        if name not in self.specs:
+            raise CheckpointError(f"tensor '{name}' is not in the file's header")
+        dtype, shape = self.specs[name]
+        if tensor.dtype != dtype:
+            raise CheckpointError(f"tensor '{name}' is {dtype} in the header, got {tensor.dtype}")
+        n, size = tensor.numel(), _numel(shape)
+        if at < 0 or at + n > size:
+            raise CheckpointError(f"tensor '{name}': elements [{at}, {at + n}) outside its {size}")
+        item = _itemsize(dtype)
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self.f.seek(self.base + self.offsets[name] + at * item)
+        self.f.write(data)
+        self.pieces[name].append((at, at + n))
+
+    def close(self) -> None:
+        for name, pieces in self.pieces.items():
+            end = 0
+            for a, b in sorted(pieces):
+                if a != end:
+                    what = "overlap" if a < end else "a gap"
+                    raise CheckpointError(f"tensor '{name}': its pieces leave {what} at element {min(a, end)}")
+                end = b
+            if end != _numel(self.specs[name][1]):
+                raise CheckpointError(f"tensor '{name}': only {end} of {_numel(self.specs[name][1])} elements written")
+        self.f.seek(self.base + self.total)
+        self.f.truncate()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@contextlib.contextmanager
+def streaming_weights(path: str | Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                      metadata: Optional[dict[str, str]] = None) -> Iterator[StreamingWeights]:
+    """Write a safetensors file atomically, tensor by tensor (see StreamingWeights)."""
+    with atomic_open(path, "w+b") as f:
+        w = StreamingWeights(f, specs, metadata)
+        yield w
+        w.close()
 
 
 # ----------------------------------------------------------------------------- project checkpoints
@@ -268,6 +357,6 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu") -> Pre
     model = Transformer(cfg.model)
     model.load_state_dict(sd)
     model.to(device).eval()
-    tokenizer = TextTokenizer.from_dir(tok_dir) if _has_tokenizer(tok_dir) else None
+    tokenizer = TextTokenizer.from_dir(tok_dir, cfg.model.vocab_layout) if _has_tokenizer(tok_dir) else None
     vq = load_vq(path / VQ_DIR) if (path / VQ_DIR).is_dir() else None
     return Pretrained(model=model, config=cfg, tokenizer=tokenizer, vq=vq, path=path)

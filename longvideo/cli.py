@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("longvideo.infer.cli:chat_main", "answer questions about a video"),
     "eval": ("longvideo.infer.cli:eval_main", "QA accuracy and needle-in-a-haystack evaluations"),
     "import-hf": ("longvideo.export.cli:import_main", "read a Hugging Face Llama checkpoint"),
+    "import-lwm": ("longvideo.export.cli:import_lwm_main", "convert LWM's released JAX chat checkpoints"),
     "export": ("longvideo.export.cli:export_main", "write a Hugging Face checkpoint"),
     "train-tokenizer": ("longvideo.tokenizer:cli_main", "train a small BPE text tokenizer"),
 }

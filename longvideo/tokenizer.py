@@ -7,6 +7,17 @@
 so each is one id and `tok.vocab(codebook_size)` gives the unified layout of `longvideo.vocab`.
 `encode` never adds BOS by itself: the sequence builder adds it once per sequence (LWM's code
 adds a stray `<s>` before `<vision>`; that cannot happen here).
+
+A tokenizer of an imported LWM model (`layout="lwm"`) is LWM's LLaMA tokenizer as it is: nothing
+is added, `<vision>` is text, and the prompt builder places LWM's BOS tokens itself
+(longvideo.data.layout). LWM tokenized with SentencePiece semantics (transformers 4.29): every
+encoded string gets a word-boundary marker in front, even one that starts with a space
+(" ASSISTANT:" is "▁▁ASSISTANT:"). transformers 5 reads a LLaMA tokenizer.model with a Metaspace
+pre-tokenizer that skips the marker before a leading space; so for SentencePiece-style tokenizers
+the lwm layout encodes "▁" + text (spaces as "▁") with the tokenizer's model directly, which is
+what LWM's tokenizer did.
+
+    tok = TextTokenizer.from_dir("ckpt/tokenizer", layout="lwm")
 """
 
 from __future__ import annotations
@@ -15,18 +26,39 @@ import argparse
 from pathlib import Path
 from typing import Iterable, Optional
 
-from longvideo.vocab import SPECIAL_TOKENS, Vocab
+from longvideo.vocab import LAYOUTS, SPECIAL_TOKENS, Vocab
 
 
 class TokenizerError(ValueError):
     pass
 
 
+SP_SPACE = "\u2581"
+"""SentencePiece's word-boundary marker, which stands for a space."""
+
+
+def _sentencepiece_model(hf):
+    """The model of a SentencePiece-style (LLaMA) tokenizer backend, else None: one that marks word
+    boundaries with "▁" (a Metaspace pre-tokenizer, or a normalizer that prepends "▁")."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    if "Metaspace(" in repr(backend.pre_tokenizer) or f'Prepend(prepend="{SP_SPACE}")' in repr(backend.normalizer):
+        return backend.model
+    return None
+
+
 class TextTokenizer:
-    def __init__(self, hf_tokenizer):
+    def __init__(self, hf_tokenizer, layout: str = "longvideo"):
         from tokenizers import AddedToken
 
         self.hf = hf_tokenizer
+        if layout not in LAYOUTS:
+            raise TokenizerError(f"unknown vocabulary layout {layout!r}; expected one of {LAYOUTS}")
+        self.layout = layout
+        if layout == "lwm":
+            self._init_lwm()
+            return
         missing = [t for t in SPECIAL_TOKENS if t not in self.hf.get_vocab()]
         if missing and len(missing) != len(SPECIAL_TOKENS):
             raise TokenizerError(f"tokenizer has only some of the vision tokens; missing {missing}")
@@ -45,10 +77,22 @@ class TextTokenizer:
             if enc != [self.hf.convert_tokens_to_ids(t)]:
                 raise TokenizerError(f"{t} encodes to {enc}, expected one id")
 
+    def _init_lwm(self) -> None:
+        """LWM's text tokenizer: its own ids only; the vision vocabulary follows them in the model."""
+        present = [t for t in SPECIAL_TOKENS if t in self.hf.get_vocab()]
+        if present:
+            raise TokenizerError(f"an lwm-layout tokenizer has no vision tokens of its own (they are text or "
+                                 f"vision ids), but this one has {present}")
+        self.text_size = len(self.hf)
+        self._sp_model = _sentencepiece_model(self.hf)
+
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def from_dir(cls, path: str | Path) -> "TextTokenizer":
-        """Load a local tokenizer directory (tokenizer.json, or a SentencePiece tokenizer.model)."""
+    def from_dir(cls, path: str | Path, layout: str = "longvideo") -> "TextTokenizer":
+        """Load a local tokenizer directory (tokenizer.json, or a SentencePiece tokenizer.model).
+
+        A directory with only a LLaMA `tokenizer.model` (as LWM's releases ship it) is read as a
+        LLaMA tokenizer; converting it needs the `sentencepiece` package."""
         from transformers import AutoTokenizer
 
         path = Path(path)
@@ -56,8 +100,17 @@ class TextTokenizer:
             raise FileNotFoundError(f"tokenizer directory not found: {path}")
         if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
             raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {path}")
+        if not any((path / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json", "config.json")):
+            from transformers import LlamaTokenizer
+
+            try:
+                hf = LlamaTokenizer.from_pretrained(str(path), local_files_only=True)
+            except ImportError as e:
+                raise TokenizerError(f"{path} holds only a SentencePiece tokenizer.model; reading it needs the "
+                                     f"sentencepiece package (pip install sentencepiece): {e}") from None
+            return cls(hf, layout)
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
-        return cls(hf)
+        return cls(hf, layout)
 
     def save(self, path: str | Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -77,11 +130,17 @@ class TextTokenizer:
         pid = self.hf.pad_token_id
         return pid if pid is not None else (self.eos_id or 0)
 
-    def vocab(self, codebook_size: int) -> Vocab:
-        return Vocab(text_size=self.text_size, codebook_size=codebook_size)
+    def vocab(self, codebook_size: int, vision_size: Optional[int] = None) -> Vocab:
+        """The unified vocabulary of this tokenizer's layout (vision_size: lwm layout only)."""
+        return Vocab(text_size=self.text_size, codebook_size=codebook_size, layout=self.layout,
+                     vision_size=vision_size)
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        ids = self.hf.encode(text, add_special_tokens=False)
+        sp = getattr(self, "_sp_model", None)
+        if sp is not None:  # lwm layout: SentencePiece's encoding, a word-boundary marker in front
+            ids = [t.id for t in sp.tokenize(SP_SPACE + text.replace(" ", SP_SPACE))] if text else []
+        else:
+            ids = self.hf.encode(text, add_special_tokens=False)
         if bos:
             if self.bos_id is None:
                 raise TokenizerError("this tokenizer has no BOS token")
@@ -93,7 +152,8 @@ class TextTokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        ids = [int(i) for i in ids if int(i) < self.text_size + len(SPECIAL_TOKENS)]  # drop VQ codes
+        known = self.text_size + (0 if self.layout == "lwm" else len(SPECIAL_TOKENS))
+        ids = [int(i) for i in ids if int(i) < known]  # drop VQ codes (and LWM's vision ids)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def __len__(self) -> int:

@@ -6,7 +6,7 @@
     2  longvideo.data, longvideo.parallel
     1  longvideo.model, longvideo.vq, longvideo.tokenizer
     0  longvideo.kernels, configs (every `config` module and the root config), vocab, configtools,
-       atomic, _lazy, package __init__ files (lazy surfaces)
+       atomic, safepickle, _lazy, package __init__ files (lazy surfaces)
 
 A module may import its own layer or lower ones; no cycle may exist between modules or between
 packages; project modules are imported at the top of a file (never inside a function); the model
@@ -44,6 +44,7 @@ LAYER_OF_MODULE = {
     "longvideo.configtools": 0,
     "longvideo.config": 0,
     "longvideo.vocab": 0,
+    "longvideo.safepickle": 0,
     "longvideo.tokenizer": 1,
     "longvideo.checkpoint": 3,
     "longvideo.hf": 4,

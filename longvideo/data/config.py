@@ -42,6 +42,8 @@ class DataConfig:
     """Caption: after the video (captioning), before it (text to video), or either at random."""
     qa_order: Literal["shuffle", "given"] = "shuffle"
     """QA pairs of a sample in a new random order per epoch, or in the order the json gives them."""
+    prompt_template: Literal["qa", "lwm"] = "qa"
+    """Inference prompt: the QA template above, or LWM's vision-chat prompt (imported LWM models)."""
     loss_norm: Literal["token", "sample"] = "token"
     """token: every weighted token counts alike; sample: each document's weights sum to 1."""
     shuffle_buffer: int = 256

@@ -21,7 +21,15 @@ timestamp text inside a video counts as text. In QA samples the video is context
 vision loss only when ``qa_vision_loss`` is set.
 
 :func:`build_prompt_ids` is the inference prompt: exactly the QA training layout of one question,
-ending where the answer starts.
+ending where the answer starts; or, for LWM's released chat models (``PromptOptions(template="lwm")``),
+exactly the prompt of LWM's vision chat (lwm/vision_chat.py of the LWM repository)::
+
+    <s> <s> You are a helpful assistant. USER: {question}\n <s> <vision> codes <eof> ... codes <eov> <s> </vision> <s>  ASSISTANT:
+
+LWM encodes its four text pieces separately with a tokenizer that adds BOS to each (and reads the
+literal ``<s>`` of the first one as BOS too): hence the five BOS tokens, and each piece begins a
+SentencePiece encoding of its own (a leading word-boundary marker, ``▁▁ASSISTANT`` for " ASSISTANT:").
+``<vision>`` and ``</vision>`` are text there (the lwm vocabulary layout, longvideo/vocab.py).
 """
 
 from __future__ import annotations
@@ -40,6 +48,10 @@ ANSWER_TEXT = " {answer}"
 SEGMENT_TEXT = "{text}\n"
 TIMESTAMP_TEXT = "[{t:.1f}s]"
 TEMPLATES: tuple[str, ...] = ("qa", "segments", "caption")
+PROMPT_TEMPLATES: tuple[str, ...] = ("qa", "lwm")
+LWM_USER_TEXT = "You are a helpful assistant. USER: {question}\n"
+LWM_VISION_START, LWM_VISION_END = "<vision>", "</vision>"
+LWM_ASSISTANT_TEXT = " ASSISTANT:"
 
 
 # ----------------------------------------------------------------------------- parts
@@ -85,6 +97,14 @@ def qa_parts(pairs: Sequence[tuple[str, Optional[str]]], groups: Sequence[int], 
             return parts
         parts += [Text(ANSWER_TEXT.format(answer=answer.strip()), True), Eos(True)]
     return parts
+
+
+def lwm_parts(question: str, groups: Sequence[int]) -> list:
+    """LWM's vision-chat prompt (see the module docstring): every text piece starts with BOS, the
+    first one twice; the question is taken as given (LWM does not strip it)."""
+    return [Bos(), Bos(), Text(LWM_USER_TEXT.format(question=question), False),
+            Bos(), Text(LWM_VISION_START, False), Video(tuple(groups), False),
+            Bos(), Text(LWM_VISION_END, False), Bos(), Text(LWM_ASSISTANT_TEXT, False)]
 
 
 def caption_parts(caption: str, groups: Sequence[int], *, caption_first: bool) -> list:
@@ -153,14 +173,16 @@ class _Renderer:
         vw = self.vision_w if p.loss else 0.0
         tw = self.text_w if p.loss else 0.0
         v = self.vocab
-        self._add([v.vision_start], vw)
+        if v.vision_start is not None:  # text around the video in the lwm layout
+            self._add([v.vision_start], vw)
         flat = self.codes.reshape(self.codes.shape[0], -1)  # (G, h*w)
         for i, g in enumerate(p.groups):
             if self.every and i % self.every == 0:
                 self._add(self.tok.encode(TIMESTAMP_TEXT.format(t=float(self.timestamps[g]))), tw)
             self._add((flat[g] + v.vq_offset).tolist(), vw)
             self._add([v.eov if i == len(p.groups) - 1 else v.eof], vw)
-        self._add([v.vision_end], vw)
+        if v.vision_end is not None:
+            self._add([v.vision_end], vw)
 
 
 # ----------------------------------------------------------------------------- documents
@@ -308,12 +330,19 @@ class PromptOptions:
     """Timestamp text before every k-th code group (0: none), as in training."""
     question_first: bool = False
     """The question before the video instead of after it."""
+    template: str = "qa"
+    """qa: the QA training template; lwm: LWM's vision-chat prompt (the other options do not apply)."""
+
+    def __post_init__(self):
+        if self.template not in PROMPT_TEMPLATES:
+            raise ValueError(f"prompt template must be one of {PROMPT_TEMPLATES}, got {self.template!r}")
 
     @classmethod
     def from_config(cls, data: DataConfig) -> "PromptOptions":
         """The options a model trained with `data` expects (a 'random' question position trained
         both orders; the prompt then asks after the video)."""
-        return cls(timestamp_every=data.timestamp_every, question_first=data.question_position == "before")
+        return cls(timestamp_every=data.timestamp_every, question_first=data.question_position == "before",
+                   template=data.prompt_template)
 
 
 def build_prompt_ids(tokenizer, vocab, codes, timestamps, question: str,
@@ -321,14 +350,19 @@ def build_prompt_ids(tokenizer, vocab, codes, timestamps, question: str,
     """Ids of a QA prompt for one question, ending exactly where the answer starts.
 
     codes: integer (G, h, w) (numpy or torch); timestamps: (G,) seconds. Uses the QA training
-    template (:func:`qa_parts`), so a model trained on QA samples sees the same layout.
+    template (:func:`qa_parts`), so a model trained on QA samples sees the same layout; or LWM's
+    vision-chat prompt (:func:`lwm_parts`) with ``options.template == "lwm"``.
     """
     question_first, timestamp_every = options.question_first, options.timestamp_every
     codes = np.asarray(codes.cpu() if hasattr(codes, "cpu") else codes).astype(np.int64)
     timestamps = np.asarray(timestamps.cpu() if hasattr(timestamps, "cpu") else timestamps, np.float64)
     if codes.ndim != 3 or timestamps.shape != codes.shape[:1]:
         raise ValueError(f"codes must be (G, h, w) and timestamps (G,), got {codes.shape}, {timestamps.shape}")
-    parts = qa_parts([(question, None)], range(codes.shape[0]), question_first=question_first, vision_loss=False)
+    if options.template == "lwm":
+        parts = lwm_parts(question, range(codes.shape[0]))
+    else:
+        parts = qa_parts([(question, None)], range(codes.shape[0]), question_first=question_first,
+                         vision_loss=False)
     ids, _ = _Renderer(tokenizer, vocab, codes, timestamps, 0.0, 0.0, timestamp_every).render(parts)
     return ids.tolist()
 

@@ -1,4 +1,4 @@
-"""`longvideo import-hf` and `longvideo export`."""
+"""`longvideo import-hf`, `longvideo import-lwm` and `longvideo export`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,11 @@ import sys
 
 from longvideo.checkpoint import CheckpointError
 from longvideo.export.hf import export_hf, import_hf
+from longvideo.export.lwm import import_lwm
+from longvideo.export.tux import TuxFormatError
+from longvideo.safepickle import UnsafePickleError
+from longvideo.tokenizer import TokenizerError
+from longvideo.vq.lwm import LWMVQGANError
 
 
 def import_main(argv: list[str]) -> int:
@@ -22,6 +27,36 @@ def import_main(argv: list[str]) -> int:
         out = import_hf(a.hf, a.out, base_config=a.config, codebook_size=a.codebook_size)
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"longvideo import-hf: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote project checkpoint {out}")
+    return 0
+
+
+def import_lwm_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="longvideo import-lwm",
+        description="Convert LWM's released JAX checkpoints (LWM-Chat-32K/128K/1M: params, vqgan, tokenizer) "
+                    "into a project checkpoint for `longvideo chat` and `longvideo export`. See docs/lwm.md.")
+    p.add_argument("--params", required=True, help="LWM's params file (tux streaming checkpoint)")
+    p.add_argument("--vqgan", required=True, help="LWM's vqgan file (pickled flax parameters; read without "
+                                                  "running anything it names)")
+    p.add_argument("--tokenizer", required=True, help="directory with LWM's tokenizer.model (LLaMA), or a "
+                                                      "Hugging Face tokenizer directory")
+    p.add_argument("--config", default="lwm-chat-1m",
+                   help="what the files do not hold (RoPE theta, context): lwm-chat-32k, lwm-chat-128k, "
+                        "lwm-chat-1m (default) or a YAML path")
+    p.add_argument("--out", required=True, help="project checkpoint directory to write")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. "
+                                                                      "model.max_seq_len=65536")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    a = p.parse_intermixed_args(argv)
+    say = None if a.quiet else (lambda msg: print(f"import-lwm: {msg}", file=sys.stderr, flush=True))
+    try:
+        out = import_lwm(a.params, a.vqgan, a.tokenizer, a.out, config=a.config, overrides=a.overrides,
+                         progress=say)
+    except (CheckpointError, FileNotFoundError, ValueError, TuxFormatError, UnsafePickleError,
+            TokenizerError, LWMVQGANError) as e:
+        print(f"longvideo import-lwm: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote project checkpoint {out}")
     return 0

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from longvideo.checkpoint import (EXPORT_CONFIG, TOKENIZER_DIR, VQ_DIR, WEIGHTS_FILE, CheckpointError,
                                   check_shapes, from_hf_names, load_project_state, read_safetensors_dir,
-                                  save_project_checkpoint, tie, to_hf_names, write_weights)
+                                  save_project_checkpoint, streaming_weights, tie, to_hf_names)
 from longvideo.config import Config, load_config, save_config
 from longvideo.export.processor import LongVideoProcessor
 from longvideo.model import ModelConfig
@@ -92,6 +92,17 @@ def hf_config_dict(cfg: ModelConfig, tokenizer=None) -> dict:
     return d
 
 
+def generation_config(cfg: ModelConfig, tokenizer) -> dict:
+    """generation_config.json: greedy decoding, the tokenizer's special ids and, where the vocabulary
+    says answers are text only (LWM's layout), every other id suppressed, as `longvideo chat` does."""
+    gen = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
+           "pad_token_id": tokenizer.pad_id, "do_sample": False, "max_length": cfg.max_seq_len}
+    limit = cfg.vocab.answer_limit
+    if limit is not None:
+        gen["suppress_tokens"] = list(range(limit, cfg.vocab_size))
+    return gen
+
+
 # ---- import / export ----------------------------------------------------------------------------
 
 def _vq_in(path: Path):
@@ -115,7 +126,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, base_config: Optional[str
     if (hf_dir / EXPORT_CONFIG).is_file():  # one of ours: the vocabulary is already unified
         root = load_config(hf_dir / EXPORT_CONFIG)
         return save_project_checkpoint(out_dir, from_hf_names(read_safetensors_dir(hf_dir), root.model), root,
-                                       tokenizer=TextTokenizer.from_dir(hf_dir), vq=_vq_in(hf_dir))
+                                       tokenizer=TextTokenizer.from_dir(hf_dir, root.model.vocab_layout),
+                                       vq=_vq_in(hf_dir))
     K = codebook_size or root.vq.codebook_size
     sd_hf = read_safetensors_dir(hf_dir)
     emb_key = "model.embed_tokens.weight"
@@ -159,18 +171,20 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: Optional[str
     tok_src = Path(tokenizer_dir) if tokenizer_dir else ckpt / TOKENIZER_DIR
     if not tok_src.is_dir():
         raise FileNotFoundError(f"{ckpt} has no {TOKENIZER_DIR}/ directory; pass --tokenizer DIR")
-    tokenizer = TextTokenizer.from_dir(tok_src)
+    tokenizer = TextTokenizer.from_dir(tok_src, cfg.model.vocab_layout)
     if tokenizer.text_size != cfg.model.text_vocab_size:
         raise CheckpointError(f"tokenizer {tok_src} has {tokenizer.text_size} text ids, the model "
                               f"{cfg.model.text_vocab_size}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hf_sd = {k: v.float() for k, v in to_hf_names(sd, cfg.model).items()}
-    write_weights(out / WEIGHTS_FILE, hf_sd, metadata={"format": "pt"})
+    hf_sd = to_hf_names(sd, cfg.model)
+    # fp32, one tensor converted at a time: a bf16 7B checkpoint never exists twice in fp32
+    specs = {k: (torch.float32, tuple(v.shape)) for k, v in hf_sd.items()}
+    with streaming_weights(out / WEIGHTS_FILE, specs, metadata={"format": "pt"}) as w:
+        for k, v in hf_sd.items():
+            w.write(k, v.float())
     (out / "config.json").write_text(json.dumps(hf_config_dict(cfg.model, tokenizer), indent=2))
-    gen = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
-           "pad_token_id": tokenizer.pad_id, "do_sample": False, "max_length": cfg.model.max_seq_len}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(generation_config(cfg.model, tokenizer), indent=2))
     tokenizer.save(out)
     save_config(cfg, out / EXPORT_CONFIG)
     vq_src = Path(vq_dir) if vq_dir else ckpt / VQ_DIR

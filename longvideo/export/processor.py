@@ -10,7 +10,9 @@
     print(proc.decode(out[0], prompt_length=inputs["input_ids"].shape[1]))
 
 The prompt is built by the same template the model was trained with (longvideo.data.layout), so
-the exported model needs no custom code: positions are 0..L-1 and there is one segment.
+the exported model needs no custom code: positions are 0..L-1 and there is one segment. For an
+imported LWM model it is LWM's vision-chat prompt, and the exported generation_config.json
+suppresses the vision ids, so `generate` answers with text as LWM does.
 """
 
 from __future__ import annotations
@@ -45,19 +47,27 @@ class ProcessorSettings:
     """Question before the video instead of after it."""
     batch_frames: int = 16
     """Frames VQ-encoded at once (bounds memory on long videos)."""
+    prompt_template: str = "qa"
+    """qa: the QA training template; lwm: LWM's vision-chat prompt."""
+    vocab_layout: str = "longvideo"
+    """The model's token space (longvideo.vocab): longvideo, or lwm for imported LWM models."""
+    vision_vocab_size: Optional[int] = None
+    """lwm layout only: ids of LWM's vision vocabulary."""
 
     @classmethod
     def from_config(cls, cfg: Config) -> "ProcessorSettings":
-        """What a model trained with `cfg` expects (its data section)."""
+        """What a model trained with `cfg` expects (its data section, its vocabulary)."""
         d = cfg.data
         prompt = PromptOptions.from_config(d)
         return cls(fps=d.fps, max_frames=d.max_frames, max_resolution=d.max_resolution,
                    timestamp_every=prompt.timestamp_every, question_first=prompt.question_first,
-                   batch_frames=cfg.infer.encode_batch_frames)
+                   batch_frames=cfg.infer.encode_batch_frames, prompt_template=prompt.template,
+                   vocab_layout=cfg.model.vocab_layout, vision_vocab_size=cfg.model.vision_vocab_size)
 
     @property
     def prompt(self) -> PromptOptions:
-        return PromptOptions(timestamp_every=self.timestamp_every, question_first=self.question_first)
+        return PromptOptions(timestamp_every=self.timestamp_every, question_first=self.question_first,
+                             template=self.prompt_template)
 
 
 class LongVideoProcessor:
@@ -65,7 +75,10 @@ class LongVideoProcessor:
         self.tokenizer = tokenizer
         self.vq = vq
         self.settings = settings
-        self.vocab = tokenizer.vocab(vq.cfg.codebook_size)
+        if tokenizer.layout != settings.vocab_layout:
+            raise ValueError(f"the tokenizer is of the {tokenizer.layout} layout, the settings say "
+                             f"{settings.vocab_layout}")
+        self.vocab = tokenizer.vocab(vq.cfg.codebook_size, settings.vision_vocab_size)
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: TextTokenizer, vq: VQModel) -> "LongVideoProcessor":
@@ -84,7 +97,7 @@ class LongVideoProcessor:
         if unknown:
             raise ValueError(f"{cfg_file}: unknown keys {unknown}; allowed: {sorted(known)}")
         settings = ProcessorSettings(**{k: v for k, v in raw.items() if k in known})
-        return cls(TextTokenizer.from_dir(path), load_vq(path / "vq"), settings)
+        return cls(TextTokenizer.from_dir(path, settings.vocab_layout), load_vq(path / "vq"), settings)
 
     def save_pretrained(self, path: str | Path) -> None:
         path = Path(path)
@@ -116,11 +129,13 @@ class LongVideoProcessor:
         return {"input_ids": t, "attention_mask": torch.ones_like(t)}
 
     def decode(self, ids, prompt_length: int = 0) -> str:
-        """The answer text of generated ids (after the prompt, up to EOS)."""
+        """The answer text of generated ids (after the prompt, up to EOS): for the QA template its
+        first line (parse_answer); for LWM's prompt all of it, as `longvideo chat` prints it."""
         ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)][prompt_length:]
         if self.tokenizer.eos_id in ids:
             ids = ids[: ids.index(self.tokenizer.eos_id)]
-        return parse_answer(self.tokenizer.decode(ids))
+        text = self.tokenizer.decode(ids)
+        return text.strip() if self.settings.prompt_template == "lwm" else parse_answer(text)
 
     def batch_decode(self, batch, prompt_length: int = 0) -> list[str]:
         return [self.decode(row, prompt_length) for row in batch]

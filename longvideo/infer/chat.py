@@ -169,10 +169,10 @@ def encode_video_file(pretrained, video, *, fps: float = 1.0, max_frames: Option
 
 # ----------------------------------------------------------------------------- answering
 
-def split_prompt(ids: list[int], vision_end: int) -> tuple[list[int], list[int]]:
-    """(prefix, rest): the prefix ends with the last `</vision>` (the part worth caching), the
-    rest holds at least one token."""
-    cut = max((i + 1 for i, t in enumerate(ids) if t == vision_end), default=0)
+def split_prompt(ids: list[int], video_end: int) -> tuple[list[int], list[int]]:
+    """(prefix, rest): the prefix ends with the last `video_end` id (`</vision>`, or `<eov>` in
+    LWM's layout: the part worth caching), the rest holds at least one token."""
+    cut = max((i + 1 for i, t in enumerate(ids) if t == video_end), default=0)
     cut = min(cut, len(ids) - 1)
     return ids[:cut], ids[cut:]
 
@@ -210,7 +210,8 @@ class ChatSession:
         return prompt_ids(self.pretrained, self.video.codes, self.video.timestamps, question)
 
     def ask(self, question: str) -> str:
-        """The model's answer to `question` about the video (text up to the end-of-sequence token)."""
+        """The model's answer to `question` about the video (text up to the end-of-sequence token;
+        sampled from the text ids alone where the vocabulary says so, as LWM does)."""
         if not question.strip():
             raise ValueError("the question is empty")
         ids = self.prompt(question)
@@ -218,15 +219,18 @@ class ChatSession:
         if len(ids) + self.infer.max_new_tokens > limit:
             warnings.warn(f"prompt of {len(ids)} tokens plus {self.infer.max_new_tokens} answer tokens exceeds "
                           f"the model's context of {limit}", ContextWarning, stacklevel=2)
-        prefix, rest = split_prompt(ids, self.pretrained.model.cfg.vocab.vision_end)
+        vocab = self.pretrained.model.cfg.vocab
+        prefix, rest = split_prompt(ids, vocab.video_end)
         device = next(self.pretrained.model.parameters()).device
         if prefix != self._prefix:  # first question, or a template that puts the question first
             self.engine.set_prefix(torch.tensor([prefix], dtype=torch.long, device=device))
             self._prefix = prefix
         stop = [self.tokenizer.eos_id] if self.tokenizer.eos_id is not None else []
+        # only LWM's layout restricts the answer's ids; engines need not know the option otherwise
+        limit = {} if vocab.answer_limit is None else {"vocab_limit": vocab.answer_limit}
         gen = self.engine.generate(torch.tensor([rest], dtype=torch.long, device=device),
                                    max_new_tokens=self.infer.max_new_tokens, temperature=self.infer.temperature,
-                                   top_p=self.infer.top_p, stop_ids=stop, generator=self.generator)
+                                   top_p=self.infer.top_p, stop_ids=stop, generator=self.generator, **limit)
         self.last = gen
         return self.tokenizer.decode(trim_at_stop(gen.tokens[0].tolist(), stop)).strip()
 

@@ -295,8 +295,9 @@ def evaluate_text_needle(model, *, lengths: Sequence[int] = (256, 512, 1024),
                 engine = engine_factory(pretrained) if engine_factory else LocalEngine(
                     pretrained.model, prefill_chunk=infer.prefill_chunk)
                 engine.set_prefix(torch.tensor([ids[:-1]], device=device))
+                limit = pretrained.model.cfg.vocab.answer_limit  # LWM's layout: text answers only
                 gen = engine.generate(torch.tensor([ids[-1:]], device=device), max_new_tokens=infer.max_new_tokens,
-                                      stop_ids=stop)
+                                      stop_ids=stop, **({} if limit is None else {"vocab_limit": limit}))
                 pred = tok.decode(trim_at_stop(gen.tokens[0].tolist(), stop)).strip()
                 ok = str(number) in pred
                 hits.append(ok)

@@ -145,7 +145,13 @@ class Engine(Protocol):
     def set_prefix(self, ids: Tensor) -> None: ...
 
     def generate(self, ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None) -> Generation: ...
+                 stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None,
+                 vocab_limit: Optional[int] = None) -> Generation: ...
+
+
+def limit_vocab(logits: Tensor, vocab_limit: Optional[int]) -> Tensor:
+    """The logits of ids below `vocab_limit` only (all when None): sampling then picks among them."""
+    return logits if vocab_limit is None else logits[..., :vocab_limit]
 
 
 def copy_cache(src: KVCache, dst: KVCache) -> KVCache:
@@ -187,8 +193,10 @@ class LocalEngine:
 
     @torch.no_grad()
     def generate(self, ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None) -> Generation:
-        """Prefill ids (B, Q >= 1) after the prefix and decode; the cache returns to the prefix after."""
+                 stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None,
+                 vocab_limit: Optional[int] = None) -> Generation:
+        """Prefill ids (B, Q >= 1) after the prefix and decode; the cache returns to the prefix after.
+        vocab_limit: sample only ids below it (LWM's text-only answers)."""
         if self.cache is None:
             raise RuntimeError("set_prefix must be called before generate")
         self.cache.crop(self.prefix_len)  # forget the previous question and answer
@@ -204,7 +212,7 @@ class LocalEngine:
             return logits_of(model, model(tok[:, None], cache=cache))
 
         def pick(logits: Tensor) -> Tensor:
-            return sample_token(logits, temperature, top_p, generator)
+            return sample_token(limit_vocab(logits, vocab_limit), temperature, top_p, generator)
 
         tokens = decode_loop(step, first, max_new_tokens=max_new_tokens, pick=pick, stop_ids=stop_ids)
         return Generation(tokens=tokens, prompt_len=self.prefix_len + ids.shape[1], ttft_s=ttft,
@@ -214,14 +222,15 @@ class LocalEngine:
 @torch.no_grad()
 def generate(model: Transformer, ids: Tensor, *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_p: float = 1.0, stop_ids: Sequence[int] = (), prefill_chunk: int = 4096,
-             generator: Optional[torch.Generator] = None, cache: Optional[KVCache] = None) -> Generation:
+             generator: Optional[torch.Generator] = None, cache: Optional[KVCache] = None,
+             vocab_limit: Optional[int] = None) -> Generation:
     """Prefill ids (B, S) in chunks into a KV cache, then decode with the cache.
 
     `cache`: continue an existing cache (its tokens precede ids); by default a fresh one sized
-    S + max_new_tokens.
+    S + max_new_tokens. `vocab_limit`: sample only ids below it.
     """
     B, S = ids.shape
     engine = LocalEngine(model, prefill_chunk=prefill_chunk, spare=0,
                          cache=cache if cache is not None else new_cache(model, B, S + max_new_tokens))
     return engine.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                           stop_ids=stop_ids, generator=generator)
+                           stop_ids=stop_ids, generator=generator, vocab_limit=vocab_limit)

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longvideo.infer.generation import Generation, copy_cache, decode_loop, logits_of, sample_token
+from longvideo.infer.generation import (Generation, copy_cache, decode_loop, limit_vocab, logits_of,
+                                        sample_token)
 from longvideo.kernels import get_backend, merge_partials
 from longvideo.model import KVCache, Transformer
 from longvideo.parallel import RingAttentionSeam, shard_sequence
@@ -119,8 +120,10 @@ class SequenceParallelEngine:
 
     @torch.no_grad()
     def generate(self, ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None) -> Generation:
-        """Prefill the replicated ids (B, Q >= 1) after the prefix, then decode; collective."""
+                 stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None,
+                 vocab_limit: Optional[int] = None) -> Generation:
+        """Prefill the replicated ids (B, Q >= 1) after the prefix, then decode; collective.
+        vocab_limit: sample only ids below it."""
         if self.cache is None:
             raise RuntimeError("set_prefix must be called before generate")
         B, Q = ids.shape
@@ -143,7 +146,8 @@ class SequenceParallelEngine:
             return self._replicated(tok[:, None], p)
 
         def pick(logits: Tensor) -> Tensor:
-            return self._broadcast(sample_token(logits, temperature, top_p, generator).contiguous())
+            return self._broadcast(sample_token(limit_vocab(logits, vocab_limit), temperature, top_p,
+                                                generator).contiguous())
 
         tokens = decode_loop(step, first, max_new_tokens=max_new_tokens, pick=pick, stop_ids=stop_ids)
         return Generation(tokens=tokens, prompt_len=self.prefix_len + Q, ttft_s=ttft,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from longvideo.configtools import check
-from longvideo.vocab import Vocab
+from longvideo.vocab import LAYOUTS, Vocab
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -15,6 +15,10 @@ class ModelConfig:
     """Ids used by the text tokenizer before the four special tokens are added."""
     codebook_size: int = 8192
     """VQ codebook size; codes follow the special tokens in the unified vocabulary."""
+    vocab_layout: Literal["longvideo", "lwm"] = "longvideo"
+    """Token space (longvideo/vocab.py): the project's, or LWM's (text ids, then its vision vocabulary)."""
+    vision_vocab_size: Optional[int] = None
+    """lwm layout only: ids of LWM's vision vocabulary (codes, <eof>, <eov>, unused); null = codebook_size + 256."""
     dim: int = 4096
     """Hidden size."""
     n_layers: int = 32
@@ -62,6 +66,12 @@ class ModelConfig:
         check(self.head_dim % 2 == 0, "n_heads", f"head_dim dim/n_heads={self.head_dim} must be even for RoPE")
         check(self.text_vocab_size > 0, "text_vocab_size", "must be positive")
         check(self.codebook_size > 0, "codebook_size", "must be positive")
+        check(self.vocab_layout in LAYOUTS, "vocab_layout", f"must be one of {LAYOUTS}")
+        check(self.vision_vocab_size is None or self.vocab_layout == "lwm", "vision_vocab_size",
+              "is set only in the lwm vocabulary layout")
+        check(self.vision_vocab_size is None or self.vision_vocab_size >= self.codebook_size + 2,
+              "vision_vocab_size", f"must hold the codes, <eof> and <eov>: >= codebook_size + 2 = "
+              f"{self.codebook_size + 2}, got {self.vision_vocab_size}")
         check(self.multiple_of > 0, "multiple_of", "must be positive")
         if self.ffn_dim is None:
             hidden = int(2 * (4 * self.dim) / 3)
@@ -76,7 +86,8 @@ class ModelConfig:
 
     @property
     def vocab(self) -> Vocab:
-        return Vocab(text_size=self.text_vocab_size, codebook_size=self.codebook_size)
+        return Vocab(text_size=self.text_vocab_size, codebook_size=self.codebook_size, layout=self.vocab_layout,
+                     vision_size=self.vision_vocab_size)
 
     @property
     def vocab_size(self) -> int:

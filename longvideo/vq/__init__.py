@@ -4,6 +4,7 @@
 
 2d mode codes each frame alone (LWM's layout); causal3d mode codes frame 0 alone and then groups
 of t frames with causal temporal convolutions. Its trainer is `longvideo.train.vq`. See docs/vq.md.
+`LWMVQGAN` runs LWM's released VQGAN (diffusers' VQModel) behind the same interface (docs/lwm.md).
 """
 
 from longvideo._lazy import lazy_exports
@@ -13,6 +14,8 @@ _EXPORTS = {
     "load_vq_config": "config",
     "VQModel": "model",
     "load_vq": "model",
+    "build_vq": "model",
+    "LWMVQGAN": "lwm",
     "encode_video": "codec",
     "decode_codes": "codec",
     "iter_decode": "codec",

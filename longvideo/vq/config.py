@@ -44,6 +44,8 @@ def fsq_levels_for(codebook_size: int) -> tuple[int, ...] | None:
 @dataclass(frozen=True, kw_only=True)
 class VQConfig:
     # --- shape ---
+    arch: Literal["longvideo", "lwm-vqgan"] = "longvideo"
+    """Implementation: the project's tokenizer, or LWM's VQGAN (diffusers' VQModel; inference only, see docs/lwm.md)."""
     mode: Literal["2d", "causal3d"] = "2d"
     """2d: each frame coded alone (LWM layout); causal3d: frames grouped in time, causally."""
     resolution: int = 256
@@ -124,6 +126,13 @@ class VQConfig:
     """Most training frames kept in memory (videos are read once, then sampled from RAM)."""
 
     def __post_init__(self):
+        check(self.arch in ("longvideo", "lwm-vqgan"), "arch", "must be longvideo or lwm-vqgan")
+        if self.arch == "lwm-vqgan":  # a taming-style VQGAN: frames alone, a codebook, no patching
+            check(self.mode == "2d", "mode", "must be 2d for arch lwm-vqgan")
+            check(self.quantizer == "vq", "quantizer", "must be vq for arch lwm-vqgan (codebook_dim = its embedding width)")
+            check(self.patch_size == 1, "patch_size", "must be 1 for arch lwm-vqgan")
+            check(self.channels % 32 == 0 and all((self.channels * m) % 32 == 0 for m in self.channel_mult),
+                  "channels", "arch lwm-vqgan normalises in 32 groups: every level's width must be a multiple of 32")
         check(self.resolution > 0, "resolution", "must be positive")
         check(_is_pow2(self.downsample) and self.downsample >= 2, "downsample",
               f"must be a power of 2 >= 2, got {self.downsample}")

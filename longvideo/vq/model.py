@@ -8,7 +8,6 @@ Pixels enter and leave as floats in [-1, 1] laid out (B, 3, T, H, W).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -16,13 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longvideo.configtools import ConfigError, from_dict, to_dict
+from longvideo.configtools import ConfigError
 from longvideo.vq.config import VQConfig
+from longvideo.vq.files import CONFIG_FILE, WEIGHTS_FILE, load_weights_into, read_vq_config, save_vq
 from longvideo.vq.layers import Conv, Downsample, ResBlock, Upsample, norm
+from longvideo.vq.lwm import LWMVQGAN
 from longvideo.vq.quantizer import build_quantizer
 
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
+__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "VQModel", "build_vq", "load_vq"]
 
 
 class Head(nn.Module):
@@ -123,6 +123,8 @@ class VQModel(nn.Module):
 
     def __init__(self, cfg: VQConfig):
         super().__init__()
+        if cfg.arch != "longvideo":
+            raise ConfigError("arch", f"VQModel implements arch longvideo, got {cfg.arch!r} (build_vq builds either)")
         self.cfg = cfg
         self.encoder = Encoder(cfg)
         self.quantizer = build_quantizer(cfg)
@@ -165,42 +167,18 @@ class VQModel(nn.Module):
     # --- files ---
     def save(self, out_dir: str | Path) -> None:
         """Write `model.safetensors` and `config.json` into out_dir."""
-        from safetensors.torch import save_file
-
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-        (out / CONFIG_FILE).write_text(json.dumps(to_dict(self.cfg), indent=2) + "\n")
+        save_vq(self, self.cfg, out_dir)
 
 
-def load_vq(path: str | Path, device: str | torch.device = "cpu") -> VQModel:
-    """Load a VQModel saved by `VQModel.save` (eval mode)."""
-    from safetensors.torch import load_file
+def build_vq(cfg: VQConfig) -> nn.Module:
+    """A randomly initialised tokenizer of the implementation `cfg.arch` names."""
+    return LWMVQGAN(cfg) if cfg.arch == "lwm-vqgan" else VQModel(cfg)
 
+
+def load_vq(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """Load a tokenizer saved by `.save` (eval mode): a VQModel, or the LWM VQGAN adapter."""
     path = Path(path)
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"VQ checkpoint {path}: missing {name}")
-    try:
-        data = json.loads((path / CONFIG_FILE).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"VQ checkpoint {path}: {CONFIG_FILE} is not valid JSON ({e})") from None
-    try:
-        cfg = from_dict(VQConfig, data)
-    except ConfigError as e:
-        raise ConfigError(e.key, f"in {path / CONFIG_FILE}: {str(e).split(': ', 1)[1]}") from None
-    model = VQModel(cfg)
-    state = load_file(str(path / WEIGHTS_FILE))
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise KeyError(f"VQ checkpoint {path / WEIGHTS_FILE} does not match its config: "
-                       f"missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
-    for k, v in state.items():
-        if v.shape != expected[k].shape:
-            raise ValueError(f"VQ checkpoint {path / WEIGHTS_FILE}: key '{k}' has shape "
-                             f"{tuple(v.shape)}, the config implies {tuple(expected[k].shape)}")
-    model.load_state_dict(state)
+    cfg = read_vq_config(path)
+    model = build_vq(cfg)
+    load_weights_into(model, path)
     return model.to(device).eval()
