@@ -24,3 +24,32 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def one_thread():
+    """Run a test on one torch thread (several spawned ranks share the 2-core machine)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def vq_dir(tmp_path_factory):
+    """A saved, untrained tiny 2d VQ (16 x 16 frames -> 4 x 4 codes of 16): shapes, not quality."""
+    import torch
+
+    from longvideo.vq import VQConfig, VQModel
+
+    torch.manual_seed(0)
+    cfg = VQConfig(mode="2d", resolution=16, downsample=4, channels=8, channel_mult=(1, 1, 1), num_res_blocks=0,
+                   codebook_size=16)
+    d = tmp_path_factory.mktemp("vq")
+    VQModel(cfg).save(d)
+    return str(d)

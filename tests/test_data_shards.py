@@ -21,14 +21,6 @@ from longvideo.vq import VQConfig, VQModel, encode_video, load_vq
 SPEC = SyntheticSpec(size=32, fps=4, min_seconds=2, max_seconds=4, long_fraction=0.0)
 
 
-@pytest.fixture(scope="module")
-def vq_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = VQConfig(mode="2d", resolution=16, downsample=4, channels=8, channel_mult=(1, 1, 1), num_res_blocks=0,
-                   codebook_size=16)
-    d = tmp_path_factory.mktemp("vq")
-    VQModel(cfg).save(d)
-    return str(d)
 
 
 def _add(tf, name, data, **kw):

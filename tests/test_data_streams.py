@@ -20,7 +20,7 @@ from longvideo.data.streams import expand_sources, is_url, iter_tar, shard_name
 from longvideo.data.synthetic import SyntheticSpec, make_sample, text_corpus
 from longvideo.data.tokenize import TokenizeOptions, tokenize_shards
 from longvideo.tokenizer import train_text_tokenizer
-from longvideo.vq import VQConfig, VQModel
+from longvideo.vq import VQConfig
 from test_data_shards import _add, _raw_shard
 
 K = 16
@@ -59,14 +59,6 @@ def server(tmp_path_factory):
     thread.join(10)
 
 
-@pytest.fixture(scope="module")
-def vq_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = VQConfig(mode="2d", resolution=16, downsample=4, channels=8, channel_mult=(1, 1, 1), num_res_blocks=0,
-                   codebook_size=16)
-    d = tmp_path_factory.mktemp("vq")
-    VQModel(cfg).save(d)
-    return str(d)
 
 
 def test_sources_and_names(server):

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from longvideo.config import Config
 from longvideo.checkpoint import CheckpointError, load_pretrained, save_project_checkpoint

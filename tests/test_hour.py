@@ -88,33 +88,21 @@ def test_tokenizing_memory_stays_flat_in_the_video_length(hour_run, tmp_path):
         _lv("make-data", "synthetic", "--out", tmp_path / name, "--n", 1, "--seed", 6, "--fps", 1, "--size", 256,
             "--min-seconds", seconds, "--max-seconds", seconds, "--quiet")
     script = textwrap.dedent(f"""
-        import threading, time, psutil, torch
+        import sys, torch
         torch.set_num_threads(1)
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from memwatch import growth
         from longvideo.data.tokenize import TokenizeOptions, tokenize_shard
         from longvideo.vq import load_vq
         vq = load_vq({str(out / 'vq')!r})
-        proc = psutil.Process()
-
-        def growth(fn):
-            base, peak, done = proc.memory_info().rss, [0], threading.Event()
-            def watch():
-                while not done.is_set():
-                    peak[0] = max(peak[0], proc.memory_info().rss)
-                    time.sleep(0.002)
-            t = threading.Thread(target=watch)
-            t.start()
-            fn()
-            done.set()
-            t.join()
-            return (max(peak[0], proc.memory_info().rss) - base) / 2**20
 
         opts = TokenizeOptions(fps=1.0, max_frames=None)
         tmp = {str(tmp_path)!r}
         short_src = {str(next((tmp_path / 'short').glob('*.tar')))!r}
         long_src = {str(next((tmp_path / 'long').glob('*.tar')))!r}
         tokenize_shard(vq, short_src, f"{{tmp}}/warm.tar", opts)  # allocator and kernels warmed up
-        short = growth(lambda: tokenize_shard(vq, short_src, f"{{tmp}}/s.tar", opts))
-        long = growth(lambda: tokenize_shard(vq, long_src, f"{{tmp}}/l.tar", opts))
+        short, _ = growth(lambda: tokenize_shard(vq, short_src, f"{{tmp}}/s.tar", opts))
+        long, _ = growth(lambda: tokenize_shard(vq, long_src, f"{{tmp}}/l.tar", opts))
         print(short, long)
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900, cwd=REPO,

@@ -24,11 +24,8 @@ TEXTS = ["What colour was the flash frame? red green blue yellow",
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Each test here runs on one torch thread (conftest.one_thread)."""
 
 
 def tiny_pretrained(max_seq_len: int = 1024, mode: str = "2d", seed: int = 0) -> Pretrained:

@@ -9,12 +9,8 @@ from longvideo.model import ModelConfig, Transformer
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny shapes: one thread avoids oversubscribing a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Each test here runs on one torch thread (conftest.one_thread)."""
 
 
 def tiny_model(dtype=torch.float64, seed=0, **kw):

@@ -11,11 +11,8 @@ from longvideo.kernels import merge_partials
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Each test here runs on one torch thread (conftest.one_thread)."""
 
 
 @pytest.mark.parametrize("sq", [1, 5])

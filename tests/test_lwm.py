@@ -40,11 +40,8 @@ QUESTION = "What colour was the flash frame?"
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Each test here runs on one torch thread (conftest.one_thread)."""
 
 
 @pytest.fixture(scope="module")
@@ -404,7 +401,8 @@ def test_streaming_import_needs_far_less_memory_than_the_file(tmp_path):
     size = write_params_streaming(tmp_path / "params", shapes, chunk_bytes=1 << 25)
     assert size > 250e6
     res = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path / "params"), str(tmp_path / "out.safetensors")],
-                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"},
+                         timeout=300)
     assert res.returncode == 0, res.stderr
     growth = int(res.stdout.split()[-1])
     assert growth < size / 2, f"peak RSS grew by {growth / 1e6:.0f} MB for a {size / 1e6:.0f} MB file"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from longvideo.tokenizer import TextTokenizer, TokenizerError, train_text_tokenizer
+from longvideo.tokenizer import TextTokenizer, train_text_tokenizer
 from longvideo.vocab import SPECIAL_TOKENS
 
 TEXTS = ["a red circle moves to the left", "What colour was the flash frame? blue",

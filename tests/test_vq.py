@@ -265,29 +265,17 @@ def test_streaming_encode_memory_does_not_grow_with_length(tmp_path):
     vq = small_model("causal3d", seed=3)
     vq.save(tmp_path / "vq")
     script = textwrap.dedent(f"""
-        import threading, time, psutil, torch
+        import sys, torch
         torch.set_num_threads(1)
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from memwatch import growth
         from longvideo.vq import load_vq, encode_video
         vq = load_vq({str(tmp_path / 'vq')!r})
-        proc = psutil.Process()
 
         def chunks(n):
             g = torch.Generator().manual_seed(n)
             for i in range(0, n, 16):
                 yield torch.randint(0, 256, (min(16, n - i), 32, 32, 3), generator=g, dtype=torch.uint8)
-
-        def growth(fn):  # peak RSS during fn minus RSS before it, in MiB
-            base, peak, done = proc.memory_info().rss, [0], threading.Event()
-            def watch():
-                while not done.is_set():
-                    peak[0] = max(peak[0], proc.memory_info().rss)
-                    time.sleep(0.002)
-            t = threading.Thread(target=watch)
-            t.start()
-            out = fn()
-            done.set()
-            t.join()
-            return (max(peak[0], proc.memory_info().rss) - base) / 2**20, out
 
         encode_video(vq, chunks(64), batch_frames=16)  # warm up allocator and kernels
         short, _ = growth(lambda: encode_video(vq, chunks(64), batch_frames=16))
