@@ -329,6 +329,12 @@ def test_model_seam_builds_one_plan_per_step():
     assert len(model.attention_fn.plans._entries) == 2
 
 
+def test_launch_table_round_trips_through_json(tmp_path):
+    """The table `gpu_check.py --tune` writes is what LONGVIDEO_FLASH_TABLE loads."""
+    assert tk.table_from_json(tk.table_to_json(tk.DEFAULT_TABLE)) == tk.DEFAULT_TABLE
+    assert all(c.variant in tk.VARIANTS for c in tk.DEFAULT_TABLE.values())
+
+
 def test_no_host_sync_on_the_triton_path():
     """Nothing on the kernel path, nor a ring step with this backend, reads a tensor on the host
     (what would wait for the GPU): every conversion to a Python value raises inside no_host_sync.
