@@ -503,30 +503,26 @@ def part_speed(budget, entry, args):
         entry["status"] = "fail"
 
 
-def _step_stats(make, S: int, budget, steps: int = 2) -> dict:
-    """Peak memory and time of `steps` training steps (the first one warms up) of make(S)'s step."""
+def _step_stats(step, S: int, budget, steps: int = 2) -> dict:
+    """Time and peak memory of `steps` training steps at length S (the first one warms up and is
+    timed apart); peak memory includes the model and its optimizer state."""
     _free()
-    step, cleanup = make(S)
-    try:
-        t_first = time.perf_counter()
+    t_first = time.perf_counter()
+    step()
+    _sync()
+    t_first = time.perf_counter() - t_first
+    times = []
+    for _ in range(steps - 1):
+        if not budget.ok(3 * t_first + 5):
+            break
+        t0 = time.perf_counter()
         step()
         _sync()
-        t_first = time.perf_counter() - t_first
-        times = []
-        for _ in range(steps - 1):
-            if not budget.ok(3 * t_first + 5):
-                break
-            t0 = time.perf_counter()
-            step()
-            _sync()
-            times.append(time.perf_counter() - t0)
-        sec = min(times) if times else t_first
-        peak = None if DRY else torch.cuda.max_memory_allocated() / 2**30
-        return dict(seqlen=S, step_s=sec, first_step_s=t_first, tokens_per_s=S / sec, peak_gib=peak,
-                    timed_steps=len(times))
-    finally:
-        cleanup()
-        _free()
+        times.append(time.perf_counter() - t0)
+    sec = min(times) if times else t_first
+    peak = None if DRY else torch.cuda.max_memory_allocated() / 2**30
+    return dict(seqlen=S, step_s=sec, first_step_s=t_first, tokens_per_s=S / sec, peak_gib=peak,
+                timed_steps=len(times))
 
 
 def part_train(budget, entry, args):
@@ -548,64 +544,82 @@ def part_train(budget, entry, args):
     entry["model"] = dict(config="configs/smol-135m.yaml" + (" (shrunk for the dry run)" if DRY else ""),
                           dim=mcfg.dim, layers=mcfg.n_layers, heads=mcfg.n_heads, kv_heads=mcfg.n_kv_heads,
                           head_dim=mcfg.head_dim, vocab=mcfg.vocab_size, params=mcfg.num_params(),
-                          activation_checkpointing=mcfg.activation_checkpointing, dtype="bfloat16")
+                          activation_checkpointing=mcfg.activation_checkpointing, dtype="bfloat16",
+                          optimizer="AdamW")
 
-    def ours(S):
-        model = Transformer(mcfg).to(DEV, dt).train()
+    def ours():
+        with torch.device(DEV):  # initialised on the device: no CPU init of 139M parameters
+            model = Transformer(mcfg).to(dt).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=not DRY)
-        ids = torch.randint(0, mcfg.vocab_size, (1, S), device=DEV)
-        pos = torch.arange(S, device=DEV)[None]
-        seg = torch.zeros(1, S, dtype=torch.long, device=DEV)
 
-        def step():
-            loss, w = model(ids, pos, seg, targets=ids)
-            (loss / w).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        def make(S):
+            ids = torch.randint(0, mcfg.vocab_size, (1, S), device=DEV)
+            pos = torch.arange(S, device=DEV)[None]
+            seg = torch.zeros(1, S, dtype=torch.long, device=DEV)
 
-        return step, lambda: None
+            def step():
+                loss, w = model(ids, pos, seg, targets=ids)
+                (loss / w).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            return step
+        return make, (model, opt)
 
     def hf(checkpointing):
-        def make(S):
+        def build():
             from transformers import LlamaConfig, LlamaForCausalLM
 
             hcfg = LlamaConfig(vocab_size=mcfg.vocab_size, hidden_size=mcfg.dim, intermediate_size=mcfg.ffn_dim,
                                num_hidden_layers=mcfg.n_layers, num_attention_heads=mcfg.n_heads,
-                               num_key_value_heads=mcfg.n_kv_heads, max_position_embeddings=S,
+                               num_key_value_heads=mcfg.n_kv_heads, max_position_embeddings=max(seqlens),
                                rms_norm_eps=mcfg.norm_eps, rope_theta=mcfg.rope_theta,
                                tie_word_embeddings=mcfg.tie_embeddings, use_cache=False)
-            model = LlamaForCausalLM._from_config(hcfg, attn_implementation="sdpa", dtype=dt).to(DEV).train()
+            with torch.device(DEV):
+                model = LlamaForCausalLM._from_config(hcfg, attn_implementation="sdpa", dtype=dt).train()
             if checkpointing:
                 model.gradient_checkpointing_enable()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=not DRY)
-            ids = torch.randint(0, mcfg.vocab_size, (1, S), device=DEV)
 
-            def step():
-                model(input_ids=ids, labels=ids).loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            def make(S):
+                ids = torch.randint(0, mcfg.vocab_size, (1, S), device=DEV)
 
-            return step, lambda: None
-        return make
+                def step():
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                return step
+            return make, (model, opt)
+        return build
 
     systems = entry.setdefault("systems", {})
-    for name, make in (("ours (triton, checkpointing)", ours), ("transformers sdpa", hf(False)),
-                       ("transformers sdpa + gradient checkpointing", hf(True))):
+    for name, build in (("ours (triton, checkpointing)", ours), ("transformers sdpa", hf(False)),
+                        ("transformers sdpa + gradient checkpointing", hf(True))):
         rows = systems.setdefault(name, [])
+        if not budget.ok(15):
+            rows.append(dict(status="skipped: out of time"))
+            continue
+        try:
+            make, held = build()
+        except Exception as e:  # noqa: BLE001
+            rows.append(dict(error=f"building the model: {e!r}"[:300]))
+            continue
         for S in seqlens:
             if not budget.ok(10):
                 rows.append(dict(seqlen=S, status="skipped: out of time"))
                 continue
             try:
-                r = _step_stats(make, S, budget, steps=1 if DRY else 2)
+                r = _step_stats(make(S), S, budget, steps=1 if DRY else 2)
                 r["mfu"] = mcfg.flops_per_token(S) * r["tokens_per_s"] / (peak * 1e12) if peak else None
             except Exception as e:  # noqa: BLE001 - OOM is a result here
                 r = dict(seqlen=S, error=repr(e)[:300], oom="out of memory" in repr(e).lower())
-                _free()
+            _free()
             rows.append(r)
-            print(f"  train {name} S={S}: {r}", flush=True)
+            print(f"  train {name} S={S}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                        for k, v in r.items()), flush=True)
             if r.get("oom"):
                 break  # longer ones will not fit either
+        del make, held
+        _free()
     # the longest context: peak memory is a + b S for all three (flash attention, chunked loss in ours)
     if not DRY:
         budget_gib = torch.cuda.get_device_properties(DEV).total_memory / 2**30 * 0.95
@@ -781,6 +795,9 @@ def markdown(report: dict) -> str:
                   "| system | S | tokens/s | MFU | peak GiB |", "|---|---|---|---|---|"]
         for name, rs in tr.items():
             for r in rs:
+                if "seqlen" not in r:
+                    lines.append(f"| {name} | - | {r.get('status') or r.get('error', '')[:80]} | | |")
+                    continue
                 lines.append(f"| {name} | {r['seqlen']:,} | {_f(r.get('tokens_per_s'), ',.0f')} | "
                              f"{_f(r.get('mfu') and 100 * r['mfu'], '.0f')} % | {_f(r.get('peak_gib'))} |"
                              if "error" not in r and "status" not in r else
