@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-hour test bench install clean
+.PHONY: demo demo-hour test bench gpu-check install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,12 @@ demo-hour: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python scripts/run_benchmarks.py
+
+# One run of at most 8 minutes on one GPU (a dry run on tiny shapes without CUDA): kernel vs
+# float64, host syncs, determinism, TFLOP/s vs SDPA, a 135M-shape training step. Writes
+# docs/bench/gpu_check.json and the GPU-check section of docs/benchmarks.md.
+gpu-check: $(STAMP)
+	$(BIN)/python scripts/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs outputs

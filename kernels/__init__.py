@@ -5,12 +5,15 @@ pure-PyTorch reference. Installed as `longvideo.kernels`; imports nothing else o
 """
 
 from .attention_math import (FULL, PARTIAL, SKIP, TileStats, accum_dtype, block_class, classify_tiles,
-                             default_meta, fill_meta, lse_merge_, merge_partials, tile_stats, visibility)
+                             default_meta, fill_meta, lse_merge_, merge_partials, merge_stacked, tile_stats,
+                             transposed, visibility, visit_ranges)
 from .backends import BlockBackend, available_backends, get_backend, register_backend, resolve_backend_name
 from .interface import block_attention
+from .plans import AttentionPlan, PlanCache, RingPlans
 from .reference import flash_attn_ref
 
 __all__ = [
+    "AttentionPlan",
     "BlockBackend",
     "FULL",
     "PARTIAL",
@@ -27,8 +30,13 @@ __all__ = [
     "get_backend",
     "lse_merge_",
     "merge_partials",
+    "merge_stacked",
+    "PlanCache",
     "register_backend",
     "resolve_backend_name",
+    "RingPlans",
     "tile_stats",
+    "transposed",
     "visibility",
+    "visit_ranges",
 ]

@@ -1,35 +1,54 @@
-"""Raw Triton kernels of masked flash attention and their launchers.
+"""Raw Triton kernels of masked flash attention, their tile plans, launch shapes and launchers.
 
 Layouts: q, out, dout (B, Sq, Hq, D); k, v (B, Sk, Hkv, D), any strides with a unit last stride;
-positions and segment ids int32 (B, S); lse (B, Hq, Sq) float32.
+positions and segment ids int32 (B, S); lse (B, Hq, Sq) float32. Any head dim 1..256: tiles are
+HEAD_DIM_PAD = max(16, next power of two) wide, loads are masked and read zeros past D (which add
+nothing to any dot), stores are masked.
 
-Masks are never materialised. A *tile plan* (built here in PyTorch, O(B * tiles^2) integers)
-classifies every (query tile, key tile) pair from per-tile min/max of positions and segment ids
-(attention_math.classify_tiles, the same bounds every backend and the ring use):
+Masks are never materialised. A *tile plan* (attention_math.visit_ranges; built in PyTorch, no
+host sync, O(tiles log tiles), kept by the caller in an AttentionPlan) gives per row tile:
 
-    skip     no pair in the tile can be visible (disjoint segment ranges, all keys in the future,
-             only padding)                                    -> never visited
-    full     every pair is visible and every row/column is in range -> no mask arithmetic at all
-    partial  anything else                                    -> mask from the position/segment vectors
+    [full_lo, full_hi)          key tiles where every pair is visible -> no mask arithmetic at all
+    [pure_lo, pure_hi),
+    [mixed_lo, mixed_hi)        candidates for the partial tiles -> a scalar skip test on the
+                                tile's bounds, then the mask from the position/segment vectors
 
-and lists, per query tile (and per key tile for the dK/dV kernel), the tiles to visit, full ones
-first. The kernels loop over those lists, so the inner loops hold no data-dependent branch and the
-compiler can software-pipeline the loads; the loop bounds come from memory, so no host sync.
+as indices into a sorted list of (tile, seg_min, seg_max, pos_min) entries. Tiles that can hold no
+visible pair are never listed (or fail the skip test), so packed documents, padding and ring
+blocks cost only their visible tiles, and a block with nothing visible costs one launch that
+writes out = 0, lse = -inf. The loop bounds come from memory: no host sync anywhere.
+
+A plan is one int32 tensor (B, n_rows * 9 + 2 * n_cols * 4): the row ranges, then the entries.
+
+Kernels:
+* `_fwd_kernel`: one program per (query tile, batch, query head); online softmax in base 2.
+* `_decode_kernel`: few queries (Sq <= DECODE_MAX_Q): no plan; the key range is split across
+  programs (split-K), the rows of one program are the queries of several heads of one GQA group,
+  and the partial results are merged with attention_math.merge_stacked.
+* `_bwd_preprocess`: delta = rowsum(dO * O), lse in base 2 (-inf -> +inf, so P = 0 on empty rows).
+* `_bwd_kernel`: one program per key tile and (batch, query head) or (batch, kv head): dK and dV
+  from the transposed plan; with FUSED_DQ also dQ, added to an fp32 buffer with atomics
+  (FlashAttention-2: five matmuls per tile pair). Per query head programs add dK/dV of a GQA
+  group with atomics; per kv head programs loop over the group and store.
+* `_bwd_dq_kernel`: dQ in a second pass (the "split" variant: seven matmuls per tile pair, but no
+  atomics, so the result is deterministic).
 
 Softmax runs in base 2: s2 = (q . k) * scale * log2(e), lse2 = lse * log2(e).
 """
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from .attention_math import classify_tiles, tile_stats
+from .attention_math import merge_stacked, tile_stats, transposed, visit_ranges
 
 # Triton's interpreter computes tl.dot on bf16 operands wrongly; under it every dot upcasts its
 # operands to fp32 (values already rounded to the input dtype, so the result matches a GPU dot
@@ -37,7 +56,16 @@ from .attention_math import classify_tiles, tile_stats
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (16, 32, 64, 128)  # tl.arange needs a power of two; tl.dot needs >= 16
+MAX_HEAD_DIM = 256
+DECODE_MAX_Q = 16  # forward calls with at most this many queries take the decode kernel (no plan)
+DECODE_MAX_ROWS = 64  # rows (queries x heads of a group) of one decode program
+ROW = 9  # int32 fields per row tile in a plan (attention_math.ROW_FIELDS)
+COL = 4  # int32 fields per entry (attention_math.COL_FIELDS)
+VARIANTS = ("fused", "split")
+
+
+def head_dim_pad(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -45,27 +73,29 @@ HEAD_DIMS = (16, 32, 64, 128)  # tl.arange needs a power of two; tl.dot needs >=
 # (the casts are no-ops); under the interpreter it is fp32 (see INTERPRET). PREC is "tf32x3" for
 # fp32 inputs on a GPU (three TF32 products: fp32-level error on tensor cores, where exact "ieee"
 # dots spill heavily), "ieee" under the interpreter, and "tf32" otherwise (unused by 16-bit dots).
-# Helpers are inlined by hand in the loops: the interpreter re-patches the language on every call
-# of a jit function, which would dominate its run time.
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, PLAN_row, t_start, t_end,
-               Sk, stride_ks, stride_vs, qk_scale, offs_n0, offs_d,
-               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT: tl.constexpr,
-               PREC: tl.constexpr):
-    """Online softmax over the key tiles PLAN_row[t_start:t_end] (all full, or all partial)."""
+def _fwd_tiles(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS, t_start, t_end,
+               Sk, stride_ks, stride_vs, qk_scale, offs_n0, offs_d, d_ok,
+               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+               DOT: tl.constexpr, PREC: tl.constexpr):
+    """Online softmax over the plan entries [t_start, t_end): all full, or all candidates."""
     for t in range(t_start, t_end):
-        nb = tl.load(PLAN_row + t)
+        nb = tl.load(COLS + t * 4)
         offs_n = nb * BLOCK_N + offs_n0
         kt_ptrs = K_base + nb.to(tl.int64) * BLOCK_N * stride_ks + offs_n0[None, :] * stride_ks + offs_d[:, None]
         v_ptrs = V_base + nb.to(tl.int64) * BLOCK_N * stride_vs + offs_n0[:, None] * stride_vs + offs_d[None, :]
         if MASKED:  # the last tile may run past Sk: read zeros there, never garbage that could be nan
-            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < Sk, other=0.0)  # (D, BLOCK_N)
-            v = tl.load(v_ptrs, mask=offs_n[:, None] < Sk, other=0.0)  # (BLOCK_N, D)
-        else:
+            n_ok = offs_n < Sk
+            kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # (D, BLOCK_N)
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, D)
+        elif EVEN_D:
             kt = tl.load(kt_ptrs)
             v = tl.load(v_ptrs)
+        else:
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
         s = tl.dot(q, kt.to(DOT), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MASKED:
             k_seg = tl.load(KSEG_b + offs_n, mask=offs_n < Sk, other=-1)
@@ -86,12 +116,13 @@ def _fwd_inner(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, P
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, QPOS, KPOS, QSEG, KSEG, PLAN, NFULL, NPART,
+def _fwd_kernel(Q, K, V, O, LSE, QPOS, KPOS, QSEG, KSEG, PLAN, stride_plan, cols_off,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                 stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-                Hq, GROUP, Sq, Sk, N_M_TILES, N_N_TILES, qk_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                Hq, GROUP, Sq, Sk, N_M_TILES, qk_scale,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
+                PREC: tl.constexpr):
     """One query tile of one (batch, query head): out and lse."""
     pid_m = N_M_TILES - 1 - tl.program_id(0)  # under a causal mask late tiles have most work: start them first
     pid_bh = tl.program_id(1)
@@ -104,31 +135,36 @@ def _fwd_kernel(Q, K, V, O, LSE, QPOS, KPOS, QSEG, KSEG, PLAN, NFULL, NPART,
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_m = pid_m * BLOCK_M + offs_m0
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
     row_ok = offs_m < Sq
 
     Q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + start_m * stride_qs
-    q = tl.load(Q_base + offs_m0[:, None] * stride_qs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(Q_base + offs_m0[:, None] * stride_qs + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0)
     q = q.to(DOT)  # (BLOCK_M, D)
     q_pos = tl.load(QPOS + b64 * Sq + offs_m, mask=row_ok, other=0)
     q_seg = tl.load(QSEG + b64 * Sq + offs_m, mask=row_ok, other=-1)
 
-    tile = b * N_M_TILES + pid_m
-    n_full = tl.load(NFULL + tile)
-    n_part = tl.load(NPART + tile)
-    PLAN_row = PLAN + tile.to(tl.int64) * N_N_TILES
+    ROWP = PLAN + b64 * stride_plan + pid_m * 9
+    COLS = PLAN + b64 * stride_plan + cols_off
     K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    KPOS_b = KPOS + b64 * Sk
+    KSEG_b = KSEG + b64 * Sk
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS + b64 * Sk, KSEG + b64 * Sk,
-                               PLAN_row, 0, n_full, Sk, stride_ks, stride_vs, qk_scale, offs_n0, offs_d,
-                               BLOCK_N, CAUSAL, False, DOT, PREC)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS + b64 * Sk, KSEG + b64 * Sk,
-                               PLAN_row, n_full, n_full + n_part, Sk, stride_ks, stride_vs, qk_scale, offs_n0,
-                               offs_d, BLOCK_N, CAUSAL, True, DOT, PREC)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS,
+                               tl.load(ROWP), tl.load(ROWP + 1), Sk, stride_ks, stride_vs,
+                               qk_scale, offs_n0, offs_d, d_ok, BLOCK_N, CAUSAL, False, EVEN_D, DOT, PREC)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS,
+                               tl.load(ROWP + 2), tl.load(ROWP + 3), Sk, stride_ks,
+                               stride_vs, qk_scale, offs_n0, offs_d, d_ok, BLOCK_N, CAUSAL, True, EVEN_D, DOT, PREC)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS,
+                               tl.load(ROWP + 4), tl.load(ROWP + 5), Sk, stride_ks,
+                               stride_vs, qk_scale, offs_n0, offs_d, d_ok, BLOCK_N, CAUSAL, True, EVEN_D, DOT, PREC)
 
     has = l_i > 0.0  # rows with no visible key: out = 0, lse = -inf
     l_safe = tl.where(has, l_i, 1.0)
@@ -137,26 +173,95 @@ def _fwd_kernel(Q, K, V, O, LSE, QPOS, KPOS, QSEG, KSEG, PLAN, NFULL, NPART,
 
     O_base = O + b64 * stride_ob + h.to(tl.int64) * stride_oh + start_m * stride_os
     tl.store(O_base + offs_m0[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=row_ok[:, None])
+             mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_kernel(Q, K, V, OP, LP, QPOS, KPOS, QSEG, KSEG,
+                   stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                   stride_vb, stride_vs, stride_vh,
+                   B, Hq, Hkv, GROUP, HEADS_PER_PROG, N_CHUNKS, Sq, Sk, TILES_PER_SPLIT, N_N_TILES, qk_scale,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """Few queries: one key range (split) of one (batch, kv head, chunk of its query heads).
+    Rows are (head, query) pairs; writes fp32 partial out and lse of the split."""
+    split = tl.program_id(0)
+    pid = tl.program_id(1)
+    c = pid % N_CHUNKS
+    hk = (pid // N_CHUNKS) % Hkv
+    b = pid // (N_CHUNKS * Hkv)
+    b64 = b.to(tl.int64)
+
+    offs_r = tl.arange(0, BLOCK_M)
+    g = c * HEADS_PER_PROG + offs_r // Sq
+    i = offs_r % Sq
+    row_ok = (offs_r < HEADS_PER_PROG * Sq) & (g < GROUP)
+    h = (hk * GROUP + g).to(tl.int64)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+
+    q = tl.load(Q + b64 * stride_qb + h[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_qs + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
+    q_pos = tl.load(QPOS + b64 * Sq + i, mask=row_ok, other=0)
+    q_seg = tl.load(QSEG + b64 * Sq + i, mask=row_ok, other=-1)
+    K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+    V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    t_start = split * TILES_PER_SPLIT
+    t_end = tl.minimum(t_start + TILES_PER_SPLIT, N_N_TILES)
+    for nb in range(t_start, t_end):
+        offs_n = nb * BLOCK_N + offs_n0
+        n_ok = offs_n < Sk
+        kt = tl.load(K_base + offs_n[None, :].to(tl.int64) * stride_ks + offs_d[:, None],
+                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(V_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, kt.to(DOT), input_precision=PREC) * qk_scale
+        k_seg = tl.load(KSEG + b64 * Sk + offs_n, mask=n_ok, other=-1)
+        vis = (q_seg[:, None] == k_seg[None, :]) & (k_seg[None, :] >= 0)
+        if CAUSAL:
+            k_pos = tl.load(KPOS + b64 * Sk + offs_n, mask=n_ok, other=0)
+            vis = vis & (k_pos[None, :] <= q_pos[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT), v.to(DOT), input_precision=PREC)
+        m_i = m_new
+
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    row = ((split.to(tl.int64) * B + b64) * Hq + h) * Sq + i  # partials (n_split, B, Hq, Sq, [D])
+    tl.store(OP + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LP + row, lse, mask=row_ok)
 
 
 @triton.jit
 def _bwd_preprocess(O, DO, LSE, DELTA, LSE2,
                     stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
-                    Hq, Sq, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+                    Hq, Sq, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta = rowsum(dO * O) in fp32, and lse in log2 units with -inf -> +inf (P = 0 on empty rows)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
     h = (pid_bh % Hq).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
     row_ok = offs_m < Sq
+    ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0).to(tl.float32)
+                mask=ok, other=0.0).to(tl.float32)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None].to(tl.int64) * stride_dos
-                 + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+                 + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
     row = pid_bh.to(tl.int64) * Sq + offs_m
     tl.store(DELTA + row, tl.sum(o * do, 1), mask=row_ok)
     lse = tl.load(LSE + row, mask=row_ok, other=0.0)
@@ -164,26 +269,34 @@ def _bwd_preprocess(O, DO, LSE, DELTA, LSE2,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, LSE2_row, DELTA_row, QPOS_b, QSEG_b, PLAN_row,
-                t_start, t_end, Sq, stride_qs, stride_dos, qk_scale, offs_m0, offs_d,
-                BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT: tl.constexpr,
-                PREC: tl.constexpr):
-    """dK, dV of one key tile from the query tiles PLAN_row[t_start:t_end] of one query head.
-    Scores are kept transposed, (BLOCK_N, BLOCK_M), so the key tile is the row operand throughout."""
+def _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2_row, DELTA_row, QPOS_b, QSEG_b, COLS,
+               t_start, t_end, Sq, stride_qs, stride_dos, stride_dqs, qk_scale, sm_scale,
+               offs_m0, offs_d, d_ok,
+               BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+               FUSED_DQ: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """dK, dV of one key tile (and with FUSED_DQ the dQ share of each query tile) from the plan
+    entries [t_start, t_end) of the transposed plan. Scores are kept transposed, (BLOCK_N, BLOCK_M),
+    so the key tile is the row operand throughout."""
     for t in range(t_start, t_end):
-        mb = tl.load(PLAN_row + t)
+        mb = tl.load(COLS + t * 4)
         offs_m = mb * BLOCK_M + offs_m0
-        q_ptrs = Q_base + mb.to(tl.int64) * BLOCK_M * stride_qs + offs_m0[:, None] * stride_qs + offs_d[None, :]
-        do_ptrs = DO_base + mb.to(tl.int64) * BLOCK_M * stride_dos + offs_m0[:, None] * stride_dos + offs_d[None, :]
+        start = mb.to(tl.int64) * BLOCK_M
+        q_ptrs = Q_base + start * stride_qs + offs_m0[:, None] * stride_qs + offs_d[None, :]
+        do_ptrs = DO_base + start * stride_dos + offs_m0[:, None] * stride_dos + offs_d[None, :]
+        row_ok = offs_m < Sq
         if MASKED:
-            row_ok = offs_m < Sq
-            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D)
-            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+            ok = row_ok[:, None] & d_ok[None, :]
+            q = tl.load(q_ptrs, mask=ok, other=0.0)  # (BLOCK_M, D)
+            do = tl.load(do_ptrs, mask=ok, other=0.0)
             lse2 = tl.load(LSE2_row + offs_m, mask=row_ok, other=float("inf"))
             delta = tl.load(DELTA_row + offs_m, mask=row_ok, other=0.0)
         else:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
+            if EVEN_D:
+                q = tl.load(q_ptrs)
+                do = tl.load(do_ptrs)
+            else:
+                q = tl.load(q_ptrs, mask=d_ok[None, :], other=0.0)
+                do = tl.load(do_ptrs, mask=d_ok[None, :], other=0.0)
             lse2 = tl.load(LSE2_row + offs_m)
             delta = tl.load(DELTA_row + offs_m)
         st = tl.dot(k, tl.trans(q.to(DOT)), input_precision=PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
@@ -197,83 +310,123 @@ def _dkdv_inner(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, LSE2_row, DELTA_row
             pt = tl.where(vis, pt, 0.0)
         dv += tl.dot(pt.to(do.dtype).to(DOT), do.to(DOT), input_precision=PREC)
         dpt = tl.dot(v, tl.trans(do.to(DOT)), input_precision=PREC)  # (BLOCK_N, BLOCK_M)
-        dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst.to(q.dtype).to(DOT), q.to(DOT), input_precision=PREC)
+        dst = (pt * (dpt - delta[None, :])).to(q.dtype).to(DOT)
+        dk += tl.dot(dst, q.to(DOT), input_precision=PREC)
+        if FUSED_DQ:
+            dq = tl.dot(tl.trans(dst), k, input_precision=PREC) * sm_scale  # (BLOCK_M, D)
+            dq_ptrs = DQ_base + start * stride_dqs + offs_m0[:, None] * stride_dqs + offs_d[None, :]
+            if MASKED:
+                tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+            elif EVEN_D:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, mask=d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, QPOS, KPOS, QSEG, KSEG, PLAN, NFULL, NPART,
-                     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-                     stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-                     stride_dkb, stride_dks, stride_dkh,
-                     Hq, Hkv, GROUP, Sq, Sk, N_M_TILES, N_N_TILES, qk_scale, sm_scale,
-                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    """One key tile of one (batch, kv head). It loops over every query head of its GQA group, so
-    dK/dV accumulate in registers and are written once: no atomics, no K/V copies."""
-    pid_n = tl.program_id(0)
+def _bwd_kernel(Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, QPOS, KPOS, QSEG, KSEG, PLAN, stride_plan, cols_off,
+                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+                stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,
+                Hq, Hkv, GROUP, Sq, Sk, qk_scale, sm_scale,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_HEAD: tl.constexpr, ATOMIC_KV: tl.constexpr,
+                FUSED_DQ: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """One key tile of one (batch, query head) [PER_HEAD] or (batch, kv head) [the group in a loop]."""
+    pid_n = tl.program_id(0)  # under a causal mask early key tiles have most work: they start first
     pid_bh = tl.program_id(1)
-    b = pid_bh // Hkv
-    hk = pid_bh % Hkv
+    if PER_HEAD:
+        b = pid_bh // Hq
+        h0 = pid_bh % Hq
+        hk = h0 // GROUP
+        n_heads = 1
+    else:
+        b = pid_bh // Hkv
+        hk = pid_bh % Hkv
+        h0 = hk * GROUP
+        n_heads = GROUP
     b64 = b.to(tl.int64)
     start_n = pid_n.to(tl.int64) * BLOCK_N
 
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_n = pid_n * BLOCK_N + offs_n0
     offs_m0 = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
     col_ok = offs_n < Sk
+    kv_ok = col_ok[:, None] & d_ok[None, :]
 
     k = tl.load(K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + start_n * stride_ks
-                + offs_n0[:, None] * stride_ks + offs_d[None, :], mask=col_ok[:, None], other=0.0).to(DOT)
+                + offs_n0[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0).to(DOT)
     v = tl.load(V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + start_n * stride_vs
-                + offs_n0[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0).to(DOT)
+                + offs_n0[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0).to(DOT)
     k_pos = tl.load(KPOS + b64 * Sk + offs_n, mask=col_ok, other=0)
     k_seg = tl.load(KSEG + b64 * Sk + offs_n, mask=col_ok, other=-1)
 
-    tile = b * N_N_TILES + pid_n
-    n_full = tl.load(NFULL + tile)
-    n_part = tl.load(NPART + tile)
-    PLAN_row = PLAN + tile.to(tl.int64) * N_M_TILES
+    ROWP = PLAN + b64 * stride_plan + pid_n * 9
+    COLS = PLAN + b64 * stride_plan + cols_off
+    f_lo = tl.load(ROWP)
+    f_hi = tl.load(ROWP + 1)
+    p_lo = tl.load(ROWP + 2)
+    p_hi = tl.load(ROWP + 3)
+    x_lo = tl.load(ROWP + 4)
+    x_hi = tl.load(ROWP + 5)
+    QPOS_b = QPOS + b64 * Sq
+    QSEG_b = QSEG + b64 * Sq
 
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    for g in range(0, GROUP):
-        h = (hk * GROUP + g).to(tl.int64)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], tl.float32)
+    for g in range(0, n_heads):
+        h = (h0 + g).to(tl.int64)
         Q_base = Q + b64 * stride_qb + h * stride_qh
         DO_base = DO + b64 * stride_dob + h * stride_doh
+        DQ_base = DQ + b64 * stride_dqb + h * stride_dqh
         row = (b64 * Hq + h) * Sq
-        dk, dv = _dkdv_inner(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, LSE2 + row, DELTA + row,
-                             QPOS + b64 * Sq, QSEG + b64 * Sq, PLAN_row, 0, n_full, Sq, stride_qs, stride_dos,
-                             qk_scale, offs_m0, offs_d, BLOCK_M, CAUSAL, False, DOT, PREC)
-        dk, dv = _dkdv_inner(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, LSE2 + row, DELTA + row,
-                             QPOS + b64 * Sq, QSEG + b64 * Sq, PLAN_row, n_full, n_full + n_part, Sq, stride_qs,
-                             stride_dos, qk_scale, offs_m0, offs_d, BLOCK_M, CAUSAL, True, DOT, PREC)
+        dk, dv = _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2 + row, DELTA + row, QPOS_b,
+                            QSEG_b, COLS, f_lo, f_hi, Sq, stride_qs, stride_dos, stride_dqs,
+                            qk_scale, sm_scale, offs_m0, offs_d, d_ok, BLOCK_M, CAUSAL, False, EVEN_D, FUSED_DQ,
+                            DOT, PREC)
+        dk, dv = _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2 + row, DELTA + row, QPOS_b,
+                            QSEG_b, COLS, p_lo, p_hi, Sq, stride_qs, stride_dos, stride_dqs,
+                            qk_scale, sm_scale, offs_m0, offs_d, d_ok, BLOCK_M, CAUSAL, True, EVEN_D, FUSED_DQ,
+                            DOT, PREC)
+        dk, dv = _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2 + row, DELTA + row, QPOS_b,
+                            QSEG_b, COLS, x_lo, x_hi, Sq, stride_qs, stride_dos, stride_dqs,
+                            qk_scale, sm_scale, offs_m0, offs_d, d_ok, BLOCK_M, CAUSAL, True, EVEN_D, FUSED_DQ,
+                            DOT, PREC)
 
     ptrs = b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + start_n * stride_dks \
         + offs_n0[:, None] * stride_dks + offs_d[None, :]
-    tl.store(DK + ptrs, dk * sm_scale, mask=col_ok[:, None])
-    tl.store(DV + ptrs, dv, mask=col_ok[:, None])
+    if ATOMIC_KV:  # several programs (the query heads of one GQA group) add into one dK/dV tile
+        tl.atomic_add(DK + ptrs, dk * sm_scale, mask=kv_ok, sem="relaxed")
+        tl.atomic_add(DV + ptrs, dv, mask=kv_ok, sem="relaxed")
+    else:
+        tl.store(DK + ptrs, dk * sm_scale, mask=kv_ok)
+        tl.store(DV + ptrs, dv, mask=kv_ok)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, PLAN_row, t_start, t_end,
-              Sk, stride_ks, stride_vs, qk_scale, offs_n0, offs_d,
-              BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT: tl.constexpr,
-              PREC: tl.constexpr):
-    """dQ of one query tile from the key tiles PLAN_row[t_start:t_end]."""
+def _dq_tiles(dq, q, do, lse2, delta, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS, t_start, t_end,
+              Sk, stride_ks, stride_vs, qk_scale, offs_n0, offs_d, d_ok,
+              BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+              DOT: tl.constexpr, PREC: tl.constexpr):
+    """dQ of one query tile from the plan entries [t_start, t_end)."""
     for t in range(t_start, t_end):
-        nb = tl.load(PLAN_row + t)
+        nb = tl.load(COLS + t * 4)
         offs_n = nb * BLOCK_N + offs_n0
         k_ptrs = K_base + nb.to(tl.int64) * BLOCK_N * stride_ks + offs_n0[:, None] * stride_ks + offs_d[None, :]
         v_ptrs = V_base + nb.to(tl.int64) * BLOCK_N * stride_vs + offs_n0[:, None] * stride_vs + offs_d[None, :]
         if MASKED:
-            k = tl.load(k_ptrs, mask=offs_n[:, None] < Sk, other=0.0)  # (BLOCK_N, D)
-            v = tl.load(v_ptrs, mask=offs_n[:, None] < Sk, other=0.0)
-        else:
+            ok = (offs_n < Sk)[:, None] & d_ok[None, :]
+            k = tl.load(k_ptrs, mask=ok, other=0.0)  # (BLOCK_N, D)
+            v = tl.load(v_ptrs, mask=ok, other=0.0)
+        elif EVEN_D:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
@@ -290,14 +443,15 @@ def _dq_inner(dq, q, do, lse2, delta, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, QPOS, KPOS, QSEG, KSEG, PLAN, NFULL, NPART,
+def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, QPOS, KPOS, QSEG, KSEG, PLAN, stride_plan, cols_off,
                    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                    stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                    stride_dqb, stride_dqs, stride_dqh,
-                   Hq, GROUP, Sq, Sk, N_M_TILES, N_N_TILES, qk_scale, sm_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    """One query tile of one (batch, query head): dQ."""
+                   Hq, GROUP, Sq, Sk, N_M_TILES, qk_scale, sm_scale,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
+                   PREC: tl.constexpr):
+    """One query tile of one (batch, query head): dQ (the split variant's second pass)."""
     pid_m = N_M_TILES - 1 - tl.program_id(0)  # late tiles first, as in the forward
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
@@ -309,67 +463,69 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, QPOS, KPOS, QSEG, KSEG, PLAN, N
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_m = pid_m * BLOCK_M + offs_m0
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
     row_ok = offs_m < Sq
+    ok = row_ok[:, None] & d_ok[None, :]
 
     q = tl.load(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + start_m * stride_qs
-                + offs_m0[:, None] * stride_qs + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(DOT)
+                + offs_m0[:, None] * stride_qs + offs_d[None, :], mask=ok, other=0.0).to(DOT)
     do = tl.load(DO + b64 * stride_dob + h.to(tl.int64) * stride_doh + start_m * stride_dos
-                 + offs_m0[:, None] * stride_dos + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(DOT)
+                 + offs_m0[:, None] * stride_dos + offs_d[None, :], mask=ok, other=0.0).to(DOT)
     row = pid_bh.to(tl.int64) * Sq + offs_m
     lse2 = tl.load(LSE2 + row, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
     q_pos = tl.load(QPOS + b64 * Sq + offs_m, mask=row_ok, other=0)
     q_seg = tl.load(QSEG + b64 * Sq + offs_m, mask=row_ok, other=-1)
 
-    tile = b * N_M_TILES + pid_m
-    n_full = tl.load(NFULL + tile)
-    n_part = tl.load(NPART + tile)
-    PLAN_row = PLAN + tile.to(tl.int64) * N_N_TILES
+    ROWP = PLAN + b64 * stride_plan + pid_m * 9
+    COLS = PLAN + b64 * stride_plan + cols_off
     K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     V_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    KPOS_b = KPOS + b64 * Sk
+    KSEG_b = KSEG + b64 * Sk
 
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    dq = _dq_inner(dq, q, do, lse2, delta, q_pos, q_seg, K_base, V_base, KPOS + b64 * Sk, KSEG + b64 * Sk,
-                   PLAN_row, 0, n_full, Sk, stride_ks, stride_vs, qk_scale, offs_n0, offs_d,
-                   BLOCK_N, CAUSAL, False, DOT, PREC)
-    dq = _dq_inner(dq, q, do, lse2, delta, q_pos, q_seg, K_base, V_base, KPOS + b64 * Sk, KSEG + b64 * Sk,
-                   PLAN_row, n_full, n_full + n_part, Sk, stride_ks, stride_vs, qk_scale, offs_n0, offs_d,
-                   BLOCK_N, CAUSAL, True, DOT, PREC)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    dq = _dq_tiles(dq, q, do, lse2, delta, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS,
+                   tl.load(ROWP), tl.load(ROWP + 1), Sk, stride_ks, stride_vs, qk_scale,
+                   offs_n0, offs_d, d_ok, BLOCK_N, CAUSAL, False, EVEN_D, DOT, PREC)
+    dq = _dq_tiles(dq, q, do, lse2, delta, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS,
+                   tl.load(ROWP + 2), tl.load(ROWP + 3), Sk, stride_ks, stride_vs, qk_scale,
+                   offs_n0, offs_d, d_ok, BLOCK_N, CAUSAL, True, EVEN_D, DOT, PREC)
+    dq = _dq_tiles(dq, q, do, lse2, delta, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS,
+                   tl.load(ROWP + 4), tl.load(ROWP + 5), Sk, stride_ks, stride_vs, qk_scale,
+                   offs_n0, offs_d, d_ok, BLOCK_N, CAUSAL, True, EVEN_D, DOT, PREC)
     tl.store(DQ + b64 * stride_dqb + h.to(tl.int64) * stride_dqh + start_m * stride_dqs
-             + offs_m0[:, None] * stride_dqs + offs_d[None, :], dq * sm_scale, mask=row_ok[:, None])
+             + offs_m0[:, None] * stride_dqs + offs_d[None, :], dq * sm_scale, mask=ok)
 
 
-# ----------------------------------------------------------------------------- tile plan (torch)
+# ----------------------------------------------------------------------------- tile plans (torch)
 
 
-@dataclass(frozen=True)
-class TilePlan:
-    """Per row tile: the column tiles to visit (full ones first) and how many of each kind.
-
-    order (B, n_rows, n_cols) int32; n_full, n_part (B, n_rows) int32.
-    """
-
-    order: Tensor
-    n_full: Tensor
-    n_part: Tensor
-
-
-def tile_classes(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causal: bool,
-                 block_m: int, block_n: int) -> Tensor:
-    """(B, n_m, n_n) int8: SKIP 0, PARTIAL 1 (needs the mask), FULL 2 (every pair visible)."""
-    return classify_tiles(tile_stats(q_pos, q_seg, block_m), tile_stats(k_pos, k_seg, block_n), causal)
+def build_plan(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causal: bool, block_m: int,
+               block_n: int, transpose: bool = False) -> Tensor:
+    """The plan of a (query tiles of block_m) x (key tiles of block_n) grid as one int32 tensor
+    (B, n_rows * 9 + 2 * n_cols * 4): per query tile the key tiles to visit, or with `transpose`
+    per key tile the query tiles. No host sync; O((n_q + n_k) log) time and O(n_q + n_k) memory."""
+    qs, ks = tile_stats(q_pos, q_seg, block_m), tile_stats(k_pos, k_seg, block_n)
+    if transpose:
+        ranges, order = visit_ranges(transposed(ks), transposed(qs), causal)
+    else:
+        ranges, order = visit_ranges(qs, ks, causal)
+    B = ranges.shape[0]
+    return torch.cat([ranges.reshape(B, -1), order.reshape(B, -1)], 1).to(torch.int32).contiguous()
 
 
-def plan_from_classes(cls: Tensor) -> TilePlan:
-    """Visit lists along the last dim of a (B, rows, cols) class tensor."""
-    order = torch.argsort(cls, dim=-1, descending=True, stable=True).to(torch.int32)
-    n_full = (cls == 2).sum(-1, dtype=torch.int32)
-    n_part = (cls == 1).sum(-1, dtype=torch.int32)
-    return TilePlan(order.contiguous(), n_full.contiguous(), n_part.contiguous())
+def _plan_geometry(plan: Tensor, B: int, n_rows: int, n_cols: int, what: str) -> int:
+    """Checks a plan's shape (host metadata only) and returns the offset of its entries."""
+    want = (B, n_rows * ROW + 2 * n_cols * COL)
+    if tuple(plan.shape) != want or plan.dtype != torch.int32 or plan.stride(-1) != 1:
+        raise ValueError(f"{what} plan must be an int32 tensor of shape {want} (built for these tile shapes), "
+                         f"got {plan.dtype} {tuple(plan.shape)}")
+    return n_rows * ROW
 
 
-# ----------------------------------------------------------------------------- launch configs
+# ----------------------------------------------------------------------------- launch shapes
 
 
 @dataclass(frozen=True)
@@ -380,23 +536,99 @@ class LaunchConfig:
     num_stages: int
 
 
-def _configs(head_dim: int, dtype: torch.dtype) -> tuple[LaunchConfig, LaunchConfig, LaunchConfig]:
-    """(forward, dK/dV, dQ) tile shapes.
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shapes of every kernel for one (padded head dim, dtype kind).
 
-    GPU shapes were chosen for Hopper from ptxas reports (no register spills with 16-byte aligned
-    strides, which Triton specialises on): see docs/kernels.md. fp32 (three TF32 dots each) gets
-    smaller tiles. Under the interpreter the cost is per tile op, and 16-wide tiles let tiny test
-    shapes span several tiles.
+    bwd: block_m = query tile, block_n = key tile of `_bwd_kernel`; dq: the split variant's dQ
+    kernel; decode: block_n = key tile of `_decode_kernel`. variant: "fused" (dQ by atomics in the
+    dK/dV kernel) or "split" (a dQ pass, deterministic). per_head: GQA programs per query head
+    (dK/dV by atomics) instead of one per kv head looping over its group.
     """
-    if INTERPRET:
-        c = LaunchConfig(16, 16, 4, 1)
-        return c, c, c
-    if dtype == torch.float32:  # a correctness path: three dots each, small tiles to fit shared memory
-        c = LaunchConfig(32, 32, 4, 2)
-        return c, c, c
-    if head_dim <= 64:
-        return LaunchConfig(128, 64, 4, 3), LaunchConfig(64, 128, 8, 3), LaunchConfig(128, 64, 8, 3)
-    return LaunchConfig(128, 64, 8, 3), LaunchConfig(32, 128, 8, 3), LaunchConfig(128, 64, 8, 3)
+
+    fwd: LaunchConfig
+    bwd: LaunchConfig
+    dq: LaunchConfig
+    decode: LaunchConfig
+    variant: str = "fused"
+    per_head: bool = True
+
+
+def _lc(bm, bn, w, s):
+    return LaunchConfig(bm, bn, w, s)
+
+
+# Hopper shapes. For 16-bit inputs every build fits shared memory and spills no registers in sm_90a
+# ptxas reports (scripts/ptxas_report.py; tests/test_flash_attn_triton.py checks it); fp32 is a
+# correctness path (three TF32 dots each) whose backward spills at any shape tried. Not yet timed:
+# `scripts/gpu_check.py --tune` times candidates on a GPU and writes a table in this form.
+DEFAULT_TABLE: dict[tuple[int, str], TileConfig] = {
+    (16, "16bit"): TileConfig(_lc(128, 64, 8, 3), _lc(64, 128, 8, 2), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3)),
+    (32, "16bit"): TileConfig(_lc(128, 64, 8, 3), _lc(64, 128, 8, 2), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3)),
+    (64, "16bit"): TileConfig(_lc(128, 64, 8, 3), _lc(64, 128, 8, 2), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3)),
+    (128, "16bit"): TileConfig(_lc(128, 64, 8, 3), _lc(32, 128, 8, 3), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3)),
+    (256, "16bit"): TileConfig(_lc(64, 64, 8, 2), _lc(32, 32, 8, 2), _lc(32, 64, 8, 2), _lc(16, 32, 4, 2)),
+    (16, "fp32"): TileConfig(_lc(32, 32, 8, 2), _lc(16, 16, 4, 2), _lc(32, 32, 8, 2), _lc(16, 32, 4, 2)),
+    (32, "fp32"): TileConfig(_lc(32, 32, 8, 2), _lc(16, 16, 4, 2), _lc(32, 32, 8, 2), _lc(16, 32, 4, 2)),
+    (64, "fp32"): TileConfig(_lc(32, 32, 8, 2), _lc(16, 16, 4, 2), _lc(32, 32, 8, 2), _lc(16, 32, 4, 2)),
+    (128, "fp32"): TileConfig(_lc(32, 32, 8, 2), _lc(16, 16, 4, 2), _lc(32, 32, 8, 2), _lc(16, 32, 4, 2)),
+    (256, "fp32"): TileConfig(_lc(16, 32, 4, 1), _lc(16, 16, 4, 1), _lc(16, 32, 4, 1), _lc(16, 32, 4, 1)),
+}
+_INTERPRET_CONFIG = TileConfig(_lc(16, 16, 4, 1), _lc(16, 16, 4, 1), _lc(16, 16, 4, 1), _lc(16, 16, 4, 1))
+_table: dict[tuple[int, str], TileConfig] = dict(DEFAULT_TABLE)
+_override: dict = {}
+
+
+def _kind(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "16bit"
+
+
+def table_to_json(table: dict[tuple[int, str], TileConfig]) -> list[dict]:
+    return [dict(head_dim_pad=d, kind=k, **asdict(c)) for (d, k), c in sorted(table.items())]
+
+
+def table_from_json(rows: list[dict]) -> dict[tuple[int, str], TileConfig]:
+    out = {}
+    for r in rows:
+        cfg = {k: LaunchConfig(**r[k]) for k in ("fwd", "bwd", "dq", "decode")}
+        out[(int(r["head_dim_pad"]), r["kind"])] = TileConfig(**cfg, variant=r.get("variant", "fused"),
+                                                                per_head=bool(r.get("per_head", True)))
+    return out
+
+
+def set_tile_table(table: Optional[dict[tuple[int, str], TileConfig]] = None) -> None:
+    """Replace the launch-shape table entries given (None: back to DEFAULT_TABLE)."""
+    _table.clear()
+    _table.update(DEFAULT_TABLE)
+    if table:
+        _table.update(table)
+
+
+def set_backward(variant: Optional[str] = None, per_head: Optional[bool] = None) -> None:
+    """Force a backward variant ("fused" / "split") and GQA program layout for every shape
+    (None: each table entry's own). `LONGVIDEO_FLASH_BWD=split` at import does the same: it makes
+    every gradient deterministic."""
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"backward variant must be one of {VARIANTS}, got {variant!r}")
+    _override.clear()
+    if variant is not None:
+        _override["variant"] = variant
+    if per_head is not None:
+        _override["per_head"] = per_head
+
+
+if os.environ.get("LONGVIDEO_FLASH_TABLE"):  # a table written by `scripts/gpu_check.py --tune`
+    with open(os.environ["LONGVIDEO_FLASH_TABLE"]) as _f:
+        set_tile_table(table_from_json(json.load(_f)["table"]))
+if os.environ.get("LONGVIDEO_FLASH_BWD"):
+    set_backward(os.environ["LONGVIDEO_FLASH_BWD"], False if os.environ["LONGVIDEO_FLASH_BWD"] == "split" else None)
+
+
+def tile_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
+    """The launch shapes for this head dim and dtype (16-wide tiles under the interpreter, so tiny
+    test shapes span several tiles)."""
+    cfg = _INTERPRET_CONFIG if INTERPRET else _table[(head_dim_pad(head_dim), _kind(dtype))]
+    return replace(cfg, **_override) if _override else cfg
 
 
 def _meta(x: Tensor) -> Tensor:
@@ -417,16 +649,46 @@ def _flags(dtype: torch.dtype) -> dict:
     return dict(DOT=_TL_DTYPES[dtype], PREC="tf32x3" if dtype == torch.float32 else "tf32")
 
 
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def uses_decode(Sq: int) -> bool:
+    """Whether a forward of Sq queries takes the decode kernel (and needs no plan)."""
+    return 0 < Sq <= DECODE_MAX_Q
+
+
+# plan keys inside an AttentionPlan: (what, block_m, block_n, causal)
+def forward_plan_key(head_dim: int, dtype: torch.dtype, causal: bool) -> tuple:
+    c = tile_config(head_dim, dtype).fwd
+    return ("triton-fwd", c.block_m, c.block_n, causal)
+
+
+def backward_plan_keys(head_dim: int, dtype: torch.dtype, causal: bool) -> tuple[tuple, Optional[tuple]]:
+    cfg = tile_config(head_dim, dtype)
+    kv = ("triton-bwd", cfg.bwd.block_m, cfg.bwd.block_n, causal)
+    dq = ("triton-fwd", cfg.dq.block_m, cfg.dq.block_n, causal) if cfg.variant == "split" else None
+    return kv, dq
+
+
+def plan_for_key(key: tuple, q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor) -> Tensor:
+    what, bm, bn, causal = key
+    return build_plan(q_pos, k_pos, q_seg, k_seg, causal, bm, bn, transpose=what == "triton-bwd")
+
+
 # ----------------------------------------------------------------------------- launchers
 
 
 def flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_seg: Tensor,
-                       k_seg: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    """out (B, Sq, Hq, D) in q.dtype, lse (B, Hq, Sq) float32."""
+                       k_seg: Tensor, scale: float, causal: bool,
+                       plan: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """out (B, Sq, Hq, D) in q.dtype, lse (B, Hq, Sq) float32. `plan`: from `build_plan` with this
+    shape's forward tiles (built here when None); unused by the decode path."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
-    q_pos, k_pos, q_seg, k_seg = _meta(q_pos), _meta(k_pos), _meta(q_seg), _meta(k_seg)
     out = torch.empty(B, Sq, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
     if Sk == 0:  # nothing to attend to: every row is empty
@@ -434,23 +696,64 @@ def flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Te
         lse.fill_(float("-inf"))
     if Sq == 0 or Sk == 0 or B * Hq == 0:
         return out, lse
-    cfg, _, _ = _configs(D, q.dtype)
-    n_m, n_n = triton.cdiv(Sq, cfg.block_m), triton.cdiv(Sk, cfg.block_n)
-    plan = plan_from_classes(tile_classes(q_pos, k_pos, q_seg, k_seg, causal, cfg.block_m, cfg.block_n))
+    q_pos, k_pos, q_seg, k_seg = _meta(q_pos), _meta(k_pos), _meta(q_seg), _meta(k_seg)
+    cfg = tile_config(D, q.dtype)
+    flags = _flags(q.dtype)
+    pad = head_dim_pad(D)
+    if uses_decode(Sq):
+        return _decode(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, cfg.decode, flags)
+    c = cfg.fwd
+    n_m, n_n = triton.cdiv(Sq, c.block_m), triton.cdiv(Sk, c.block_n)
+    if plan is None:
+        plan = build_plan(q_pos, k_pos, q_seg, k_seg, causal, c.block_m, c.block_n)
+    cols_off = _plan_geometry(plan, B, n_m, n_n, "forward")
     _fwd_kernel[(n_m, B * Hq)](
-        q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, plan.order, plan.n_full, plan.n_part,
+        q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, plan, plan.stride(0), cols_off,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        Hq, Hq // Hkv, Sq, Sk, n_m, n_n, scale * LOG2E,
-        HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_flags(q.dtype))
+        Hq, Hq // Hkv, Sq, Sk, n_m, scale * LOG2E,
+        HEAD_DIM=D, HEAD_DIM_PAD=pad, EVEN_D=D == pad, BLOCK_M=c.block_m, BLOCK_N=c.block_n, CAUSAL=causal,
+        num_warps=c.num_warps, num_stages=c.num_stages, **flags)
     return out, lse
+
+
+def _decode(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, c: LaunchConfig, flags,
+            splits: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    heads = max(1, min(G, DECODE_MAX_ROWS // Sq))  # query heads of a group per program
+    chunks = triton.cdiv(G, heads)
+    block_m = max(16, triton.next_power_of_2(heads * Sq))
+    n_n = triton.cdiv(Sk, c.block_n)
+    if splits is None:  # enough programs to fill the device, each with a run of key tiles
+        splits = max(1, triton.cdiv(2 * _num_sms(q.device), B * Hkv * chunks)) if not INTERPRET else 2
+    per = triton.cdiv(n_n, min(splits, n_n))
+    splits = triton.cdiv(n_n, per)
+    part_o = torch.empty(splits, B, Hq, Sq, D, dtype=torch.float32, device=q.device)
+    part_l = torch.empty(splits, B, Hq, Sq, dtype=torch.float32, device=q.device)
+    _decode_kernel[(splits, B * Hkv * chunks)](
+        q, k, v, part_o, part_l, q_pos, k_pos, q_seg, k_seg,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        B, Hq, Hkv, G, heads, chunks, Sq, Sk, per, n_n, scale * LOG2E,
+        HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad(D), BLOCK_M=block_m, BLOCK_N=c.block_n, CAUSAL=causal,
+        num_warps=c.num_warps, num_stages=c.num_stages, **flags)
+    if splits == 1:
+        out, lse = part_o[0], part_l[0]
+    else:
+        out, lse = merge_stacked(part_o, part_l)  # (B, Hq, Sq, D), (B, Hq, Sq)
+    return out.transpose(1, 2).to(q.dtype).contiguous(), lse.contiguous()
 
 
 def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                         q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, scale: float,
-                        causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D), all float32. `out`/`lse` may be global ones."""
+                        causal: bool, kv_plan: Optional[Tensor] = None, q_plan: Optional[Tensor] = None,
+                        variant: str = "") -> tuple[Tensor, Tensor, Tensor]:
+    """dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D), all float32. `out`/`lse` may be global ones.
+
+    kv_plan: the transposed plan of the bwd tiles; q_plan: the forward plan of the dq tiles (split
+    variant only); built here when None. variant: "fused" / "split" / "" (the table's)."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     # delta = rowsum(dO * O) reads dout/out as given (a ring passes fp32 ones); the dots read dout
     # in the input dtype, like every other operand
@@ -458,46 +761,58 @@ def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
+    cfg = tile_config(D, q.dtype)
+    variant = variant or cfg.variant
+    if variant not in VARIANTS:
+        raise ValueError(f"backward variant must be one of {VARIANTS}, got {variant!r}")
+    per_head = cfg.per_head and G > 1
+    atomic_kv = per_head
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dq = torch.zeros(B, Sq, Hq, D, **f32) if variant == "fused" else torch.empty(B, Sq, Hq, D, **f32)
+    dk = torch.zeros(B, Sk, Hkv, D, **f32) if atomic_kv else torch.empty(B, Sk, Hkv, D, **f32)
+    dv = torch.zeros(B, Sk, Hkv, D, **f32) if atomic_kv else torch.empty(B, Sk, Hkv, D, **f32)
+    if Sq == 0 or Sk == 0 or B * Hq == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
     q_pos, k_pos, q_seg, k_seg = _meta(q_pos), _meta(k_pos), _meta(q_seg), _meta(k_seg)
     lse = lse.to(torch.float32).contiguous()
-    dq = torch.zeros(B, Sq, Hq, D, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(B, Sk, Hkv, D, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(B, Sk, Hkv, D, dtype=torch.float32, device=q.device)
-    if Sq == 0 or Sk == 0 or B * Hq == 0:
-        return dq, dk, dv
-    _, ckv, cq = _configs(D, q.dtype)
     flags = _flags(q.dtype)
+    pad = head_dim_pad(D)
+    shape = dict(HEAD_DIM=D, HEAD_DIM_PAD=pad, EVEN_D=D == pad)
 
-    delta = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
+    delta = torch.empty(B, Hq, Sq, **f32)
     lse2 = torch.empty_like(delta)
     pre_m = 64 if not INTERPRET else 16
     _bwd_preprocess[(triton.cdiv(Sq, pre_m), B * Hq)](
         out, dout, lse, delta, lse2, out.stride(0), out.stride(1), out.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2), Hq, Sq, HEAD_DIM=D, BLOCK_M=pre_m)
+        dout.stride(0), dout.stride(1), dout.stride(2), Hq, Sq, HEAD_DIM=D, HEAD_DIM_PAD=pad, BLOCK_M=pre_m)
 
     dout = dout.to(q.dtype)
-    n_m, n_n = triton.cdiv(Sq, ckv.block_m), triton.cdiv(Sk, ckv.block_n)
-    cls = tile_classes(q_pos, k_pos, q_seg, k_seg, causal, ckv.block_m, ckv.block_n)
-    plan_t = plan_from_classes(cls.transpose(1, 2))
-    _bwd_dkdv_kernel[(n_n, B * Hkv)](
-        q, k, v, dout, lse2, delta, dk, dv, q_pos, k_pos, q_seg, k_seg, plan_t.order, plan_t.n_full, plan_t.n_part,
+    c = cfg.bwd
+    n_m, n_n = triton.cdiv(Sq, c.block_m), triton.cdiv(Sk, c.block_n)
+    if kv_plan is None:
+        kv_plan = build_plan(q_pos, k_pos, q_seg, k_seg, causal, c.block_m, c.block_n, transpose=True)
+    cols_off = _plan_geometry(kv_plan, B, n_n, n_m, "backward (dK/dV)")
+    _bwd_kernel[(n_n, B * (Hq if per_head else Hkv))](
+        q, k, v, dout, lse2, delta, dq, dk, dv, q_pos, k_pos, q_seg, k_seg, kv_plan, kv_plan.stride(0), cols_off,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        Hq, Hkv, G, Sq, Sk, n_m, n_n, scale * LOG2E, scale,
-        HEAD_DIM=D, BLOCK_M=ckv.block_m, BLOCK_N=ckv.block_n, CAUSAL=causal,
-        num_warps=ckv.num_warps, num_stages=ckv.num_stages, **flags)
+        dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+        Hq, Hkv, G, Sq, Sk, scale * LOG2E, scale, **shape,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, PER_HEAD=per_head, ATOMIC_KV=atomic_kv,
+        FUSED_DQ=variant == "fused", CAUSAL=causal, num_warps=c.num_warps, num_stages=c.num_stages, **flags)
 
-    if (cq.block_m, cq.block_n) != (ckv.block_m, ckv.block_n):
-        cls = tile_classes(q_pos, k_pos, q_seg, k_seg, causal, cq.block_m, cq.block_n)
-    plan = plan_from_classes(cls)
-    n_m, n_n = triton.cdiv(Sq, cq.block_m), triton.cdiv(Sk, cq.block_n)
-    _bwd_dq_kernel[(n_m, B * Hq)](
-        q, k, v, dout, lse2, delta, dq, q_pos, k_pos, q_seg, k_seg, plan.order, plan.n_full, plan.n_part,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        Hq, G, Sq, Sk, n_m, n_n, scale * LOG2E, scale,
-        HEAD_DIM=D, BLOCK_M=cq.block_m, BLOCK_N=cq.block_n, CAUSAL=causal,
-        num_warps=cq.num_warps, num_stages=cq.num_stages, **flags)
+    if variant == "split":
+        c = cfg.dq
+        n_m, n_n = triton.cdiv(Sq, c.block_m), triton.cdiv(Sk, c.block_n)
+        if q_plan is None:
+            q_plan = build_plan(q_pos, k_pos, q_seg, k_seg, causal, c.block_m, c.block_n)
+        cols_off = _plan_geometry(q_plan, B, n_m, n_n, "backward (dQ)")
+        _bwd_dq_kernel[(n_m, B * Hq)](
+            q, k, v, dout, lse2, delta, dq, q_pos, k_pos, q_seg, k_seg, q_plan, q_plan.stride(0), cols_off,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            Hq, G, Sq, Sk, n_m, scale * LOG2E, scale, **shape,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, CAUSAL=causal,
+            num_warps=c.num_warps, num_stages=c.num_stages, **flags)
     return dq, dk, dv

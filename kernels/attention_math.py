@@ -15,6 +15,10 @@ and sequence-parallel inference cannot disagree:
   segment ids over real tokens, a (query tile, key tile) pair is SKIP (provably nothing visible),
   FULL (provably everything visible and every slot real) or PARTIAL (needs the mask). The
   backends skip and fast-path tiles with it, the ring skips whole blocks with it;
+* `visit_ranges`: the same classes without the (query tiles x key tiles) table: key tiles sorted
+  by their bounds, and per query tile a few index ranges into that order found by binary search
+  (the FULL tiles exactly, and candidates for the PARTIAL ones). Cost O((n_q + n_k) log n_k);
+  the Triton kernels walk these ranges;
 * `lse_merge_` / `merge_partials`: combining attention over disjoint key sets exactly from their
   (out, lse) pairs (online softmax across blocks, ring steps or ranks);
 * `accum_dtype`: merges, partial sums and gradients accumulate in fp32 (fp64 for fp64 inputs);
@@ -169,6 +173,121 @@ def block_class(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, caus
     return classify_tiles(q, k, causal)[:, 0, 0]
 
 
+# ----------------------------------------------------------------------------- visit ranges
+
+_SHIFT = 2 ** 32  # composite keys seg * 2**32 + (pos + 2**31): ordered by segment, then position
+_OFF = 2 ** 31
+_TOP = 2 ** 32 - 1  # the offset of the largest position: (seg, TOP) is above every (seg, pos)
+_I64_MAX = torch.iinfo(torch.int64).max
+
+ROW_FIELDS = ("full_lo", "full_hi", "pure_lo", "pure_hi", "mixed_lo", "mixed_hi", "seg_lo", "seg_hi", "pos_hi")
+COL_FIELDS = ("tile", "seg_min", "seg_max", "pos_min")
+
+
+def _key(seg: Tensor, pos: Tensor) -> Tensor:
+    return seg * _SHIFT + (pos + _OFF)
+
+
+def transposed(stats: TileStats) -> TileStats:
+    """The stats with positions negated (min and max swapped). The rule 'k_pos <= q_pos' read from the
+    key side is '-q_pos <= -k_pos': `visit_ranges(transposed(k), transposed(q), causal)` lists, per
+    key tile, the query tiles to visit, with the same code as the forward direction."""
+    return TileStats(-stats.pos_max, -stats.pos_min, stats.seg_min, stats.seg_max, stats.complete)
+
+
+def visit_ranges(rows: TileStats, cols: TileStats, causal: bool) -> tuple[Tensor, Tensor]:
+    """Per row tile, the column tiles to visit, as index ranges into one sorted column order.
+
+    Equivalent to `classify_tiles(rows, cols, causal)` without building it: no (rows x cols)
+    tensor, no host sync, cost O((n_rows + n_cols) log n_cols) per batch row. Positions and segment
+    ids must fit in int32 with |pos| < 2**31 - 1 (the kernels read them as int32).
+
+    Column tiles are split into *pure* ones (complete, one segment), sorted by (segment, pos_max),
+    and *mixed* ones (several segments, padding, or running past the end; empty tiles are
+    dropped), sorted by (seg_min, pos_min). `order` (B, 2 * n_cols, 4) lists the pure tiles, then
+    from index n_cols the mixed ones, each as (tile, seg_min, seg_max, pos_min); entries past the
+    last tile of each part are never in a range. `ranges` (B, n_rows, 9) holds per row tile:
+
+    * [full_lo, full_hi): exactly the FULL columns of the row (a pure row: the pure columns of its
+      segment with pos_max <= the row's pos_min, all of them when not causal);
+    * [pure_lo, pure_hi) and [mixed_lo, mixed_hi): candidates holding every PARTIAL column (and
+      no FULL one): pure columns of the row's segment range up to the causal frontier (found on
+      the suffix minimum of the sorted keys), mixed columns whose segment range can overlap
+      (the prefix maximum of seg_max) up to the frontier. A candidate is visited iff
+      seg_min <= seg_hi and seg_max >= seg_lo and (causal) pos_min <= pos_hi: the SKIP test of
+      `classify_tiles`, done per candidate by whoever walks the ranges;
+    * seg_lo, seg_hi, pos_hi: the row's bounds for that test.
+
+    For packed documents with nondecreasing segment ids (any positions: restarting, global, ring
+    chunks) the candidates are the PARTIAL tiles plus O(1) per row, so the walk is linear in the
+    number of tiles that hold visible pairs. All values are int64.
+    """
+    B, n_c = cols.pos_min.shape
+    c_real = cols.seg_min <= cols.seg_max  # empty tiles have min = +BIG > max = -BIG
+    c_pure = cols.complete & (cols.seg_min == cols.seg_max)
+    c_mixed = c_real & ~c_pure
+    cs_min, cs_max = cols.seg_min.where(c_real, 0), cols.seg_max.where(c_real, 0)
+    cp_min, cp_max = cols.pos_min.where(c_real, 0), cols.pos_max.where(c_real, 0)
+
+    key_p = _key(cs_min, cp_max).masked_fill(~c_pure, _I64_MAX)
+    sorted_p, order_p = torch.sort(key_p, dim=-1, stable=True)
+    n_pure = c_pure.sum(-1, keepdim=True)
+    suf_min = _key(cs_min, cp_min).masked_fill(~c_pure, _I64_MAX).gather(-1, order_p)
+    suf_min = suf_min.flip(-1).cummin(-1).values.flip(-1).contiguous()
+
+    key_m = _key(cs_min, cp_min).masked_fill(~c_mixed, _I64_MAX)
+    sorted_m, order_m = torch.sort(key_m, dim=-1, stable=True)
+    n_mixed = c_mixed.sum(-1, keepdim=True)
+    pre_max = cs_max.gather(-1, order_m).cummax(-1).values.contiguous()
+
+    r_real = rows.seg_min <= rows.seg_max
+    r_pure = rows.complete & (rows.seg_min == rows.seg_max)
+    a, b = rows.seg_min.where(r_real, 0), rows.seg_max.where(r_real, 0)
+    p_min, p_max = rows.pos_min.where(r_real, 0), rows.pos_max.where(r_real, 0)
+
+    def find(seq: Tensor, values: Tensor, right: bool) -> Tensor:
+        return torch.searchsorted(seq, values.contiguous(), right=right)
+
+    start = find(sorted_p, a * _SHIFT, False)
+    if causal:
+        full_hi = find(sorted_p, _key(a, p_min), True)
+        pure_end = find(suf_min, _key(b, p_max), True)
+        mixed_end = find(sorted_m, _key(b, p_max), True)
+    else:
+        full_hi = find(sorted_p, a * _SHIFT + _TOP, True)
+        pure_end = find(sorted_p, b * _SHIFT + _TOP, True)
+        mixed_end = find(sorted_m, b * _SHIFT + _TOP, True)
+    full_lo = torch.minimum(start, n_pure)
+    full_hi = torch.minimum(full_hi, n_pure).where(r_pure, full_lo)
+    pure_lo = full_hi.where(r_pure, full_lo)
+    pure_hi = torch.maximum(torch.minimum(pure_end, n_pure), pure_lo)
+    mixed_lo = torch.minimum(find(pre_max, a, False), n_mixed)
+    mixed_hi = torch.maximum(torch.minimum(mixed_end, n_mixed), mixed_lo)
+    ranges = torch.stack([full_lo, full_hi, pure_lo, pure_hi, mixed_lo + n_c, mixed_hi + n_c, a, b, p_max], -1)
+    ranges = ranges.masked_fill(~r_real[..., None], 0)  # an empty row visits nothing
+
+    order = torch.cat([order_p, order_m], -1)  # (B, 2 n_c)
+    bounds = [x.gather(-1, order) for x in (cs_min, cs_max, cp_min)]
+    return ranges, torch.stack([order, *bounds], -1)
+
+
+def ranges_visit(ranges: Tensor, order: Tensor, causal: bool) -> list[list[list[tuple[int, bool]]]]:
+    """The (column tile, full?) pairs the ranges of `visit_ranges` make a walker visit, per batch row
+    and row tile, in visiting order (host lists: for tests and tools, never on a hot path)."""
+    out = []
+    for rb, ob in zip(ranges.tolist(), order.tolist()):
+        rows = []
+        for f_lo, f_hi, p_lo, p_hi, m_lo, m_hi, a, b, p_max in rb:
+            seen = [(ob[t][0], True) for t in range(f_lo, f_hi)]
+            for t in list(range(p_lo, p_hi)) + list(range(m_lo, m_hi)):
+                tile, s_min, s_max, q_min = ob[t]
+                if s_min <= b and s_max >= a and (not causal or q_min <= p_max):
+                    seen.append((tile, False))
+            rows.append(seen)
+        out.append(rows)
+    return out
+
+
 # ----------------------------------------------------------------------------- merging partial results
 
 
@@ -202,4 +321,19 @@ def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tens
     lse = lses[0].to(acc).clone()
     for o, l in zip(outs[1:], lses[1:]):
         lse_merge_(out, lse, o, l)
+    return out, lse
+
+
+def merge_stacked(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+    """`merge_partials` of partials stacked along dim 0, in one pass: outs (N, ..., S, D) with lses
+    (N, ..., S) (any layout where lse indexes out without its last dim). Empty rows stay 0 / -inf."""
+    acc = accum_dtype(lses.dtype)
+    lses = lses.to(acc)
+    top = lses.amax(0)
+    empty = torch.isneginf(top)
+    top = top.masked_fill(empty, 0.0)
+    w = torch.exp(lses - top)  # (N, ...): 0 where a partial is empty
+    total = w.sum(0)
+    out = (w.unsqueeze(-1) * outs.to(acc)).sum(0) / total.masked_fill(empty, 1.0).unsqueeze(-1)
+    lse = (top + torch.log(total.masked_fill(empty, 1.0))).masked_fill(empty, float("-inf"))
     return out, lse

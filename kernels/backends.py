@@ -2,15 +2,20 @@
 
 A backend computes masked attention of a query block against a key/value block:
 
-    forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal) -> (out, lse)
+    forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None) -> (out, lse)
         q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); q_pos, q_seg (B, Sq); k_pos, k_seg (B, Sk)
         out (B, Sq, Hq, D) in q.dtype; lse (B, Hq, Sq) float32, -inf on rows with no visible key.
 
-    backward(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal) -> (dq, dk, dv)
+    backward(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None) -> (dq, dk, dv)
         dq, dk, dv in float32. `out` and `lse` may be the *global* output and log-sum-exp of a
         larger attention this block is part of (ring attention): the result is then this block's
         exact contribution to the global gradients, since P = exp(S - lse) and
         D = rowsum(dout * out) only need the global values.
+
+    plan: an optional AttentionPlan (plans.py) shared by calls with the same positions and segment
+    ids; backends keep whatever they derive from the metadata in it (or ignore it).
+    sync_free: True when no call reads a device value on the host (the Triton backend). Callers
+    then must not either: the ring, for one, launches blocks it could have skipped on the host.
 
 Backends are chosen by name: "torch" (exact reference, chunked so memory is O(block^2)),
 "cpu" (fast CPU path), "triton" (fused kernel; CUDA, or CPU under TRITON_INTERPRET=1);
@@ -28,13 +33,14 @@ from torch import Tensor
 
 class BlockBackend(Protocol):
     name: str
+    sync_free: bool
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_seg: Tensor,
-                k_seg: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]: ...
+                k_seg: Tensor, scale: float, causal: bool, plan=None) -> tuple[Tensor, Tensor]: ...
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, scale: float,
-                 causal: bool) -> tuple[Tensor, Tensor, Tensor]: ...
+                 causal: bool, plan=None) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
 _REGISTRY: dict[str, str] = {  # module names relative to this package, or absolute ones

@@ -120,26 +120,29 @@ def plan(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causal: boo
 
 class CpuBackend:
     name = "cpu"
+    sync_free = False  # plans on the host (tile lists), which is what a CPU backend can do
 
     def __init__(self, tile: int = 1024, min_tile: int = 128):
         self.tile = tile
         self.min_tile = min_tile
 
-    def _plan(self, q_pos, k_pos, q_seg, k_seg, causal):
-        return plan(q_pos, k_pos, q_seg, k_seg, causal, self.tile, self.min_tile)
+    def _plan(self, q_pos, k_pos, q_seg, k_seg, causal, cache=None):
+        """The tile plan, kept in `cache` (an AttentionPlan shared by calls with this metadata)."""
+        build = lambda: plan(q_pos, k_pos, q_seg, k_seg, causal, self.tile, self.min_tile)  # noqa: E731
+        return build() if cache is None else cache.get(("cpu", self.tile, self.min_tile, causal), build)
 
     @staticmethod
     def _mask(vis: Tensor, dtype: torch.dtype) -> Tensor:
         """(B, tq, tk) bool -> additive (B, 1, tq, tk) mask in the op dtype."""
         return torch.zeros(vis.shape, dtype=dtype).masked_fill_(~vis, float("-inf")).unsqueeze(1)
 
-    def forward(self, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal):
+    def forward(self, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
         B, Sq, Hq, D = q.shape
         cdt = accum_dtype(q.dtype)
         qc, kc, vc = (x.to(cdt).transpose(1, 2) for x in (q, k, v))  # (B, H, S, D) views
         out = torch.zeros(B, Sq, Hq, D, dtype=cdt)
         lse = torch.full((B, Hq, Sq), float("-inf"), dtype=cdt)
-        for qt, pairs in self._plan(q_pos, k_pos, q_seg, k_seg, causal):
+        for qt, pairs in self._plan(q_pos, k_pos, q_seg, k_seg, causal, plan):
             qs = slice(qt.start, qt.stop)
             for n, (kt, kind, vis) in enumerate(pairs):
                 ks = slice(kt.start, kt.stop)
@@ -159,7 +162,7 @@ class CpuBackend:
         lse = lse if cdt == torch.float64 else lse.float()
         return out.to(q.dtype), lse
 
-    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal):
+    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
         B, Sq, Hq, D = q.shape
         cdt = accum_dtype(q.dtype)
         qc, kc, vc, doc, oc = (x.to(cdt).transpose(1, 2) for x in (q, k, v, dout, out))
@@ -168,7 +171,7 @@ class CpuBackend:
         dq = torch.zeros(B, Sq, Hq, D, dtype=cdt)
         dk = torch.zeros(k.shape, dtype=cdt)
         dv = torch.zeros(v.shape, dtype=cdt)
-        for qt, pairs in self._plan(q_pos, k_pos, q_seg, k_seg, causal):
+        for qt, pairs in self._plan(q_pos, k_pos, q_seg, k_seg, causal, plan):
             qs = slice(qt.start, qt.stop)
             for kt, kind, vis in pairs:
                 ks = slice(kt.start, kt.stop)

@@ -4,6 +4,10 @@
 
 q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); positions and segment ids (B, S) (defaults: 0..S-1 and
 one segment). Returns out (B, Sq, Hq, D) in q.dtype. Gradients flow to q, k and v.
+
+plan: an optional AttentionPlan (kernels/plans.py) the caller keeps for every call with the same
+positions and segment ids (e.g. the layers of one model step); the backend keeps its tile plans in
+it. Without one, each call makes its own, shared by its forward and backward.
 """
 
 from __future__ import annotations
@@ -16,15 +20,17 @@ from torch import Tensor
 
 from .attention_math import fill_meta
 from .backends import get_backend
+from .plans import AttentionPlan
 
 
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, backend):
+    def forward(ctx, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, backend, plan):
         be = get_backend(backend, q.device)
-        out, lse = be.forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal)
+        plan = plan if plan is not None else AttentionPlan()
+        out, lse = be.forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=plan)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg)
-        ctx.scale, ctx.causal, ctx.backend = scale, causal, backend
+        ctx.scale, ctx.causal, ctx.backend, ctx.plan = scale, causal, backend, plan
         return out
 
     @staticmethod
@@ -32,8 +38,8 @@ class _BlockAttention(torch.autograd.Function):
         q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg = ctx.saved_tensors
         be = get_backend(ctx.backend, q.device)
         dq, dk, dv = be.backward(dout.contiguous(), q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg,
-                                 ctx.scale, ctx.causal)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+                                 ctx.scale, ctx.causal, plan=ctx.plan)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 
 
 def block_attention(
@@ -48,10 +54,11 @@ def block_attention(
     causal: bool = True,
     softmax_scale: Optional[float] = None,
     backend: str = "auto",
+    plan: Optional[AttentionPlan] = None,
 ) -> Tensor:
     """Masked attention (the mask rule of kernels/attention_math.py); differentiable in q, k, v."""
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"query heads {q.shape[2]} must be a multiple of key/value heads {k.shape[2]}")
     q_pos, k_pos, q_seg, k_seg = fill_meta(q, k, q_pos, k_pos, q_seg, k_seg)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _BlockAttention.apply(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, backend)
+    return _BlockAttention.apply(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, backend, plan)

@@ -25,11 +25,12 @@ def _heads_first(q: Tensor, k: Tensor, v: Tensor, cdt: torch.dtype):
 
 class TorchBackend:
     name = "torch"
+    sync_free = False  # skips empty tiles with a host test
 
     def __init__(self, tile: int = 512):
         self.tile = tile
 
-    def forward(self, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal):
+    def forward(self, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
         B, Sq, Hq, D = q.shape
         Sk, Hkv = k.shape[1], k.shape[2]
         G = Hq // Hkv
@@ -64,7 +65,7 @@ class TorchBackend:
         lse = lse.reshape(B, Hq, Sq)
         return out, (lse if cdt == torch.float64 else lse.float())
 
-    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal):
+    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
         B, Sq, Hq, D = q.shape
         Sk, Hkv = k.shape[1], k.shape[2]
         G = Hq // Hkv

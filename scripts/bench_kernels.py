@@ -8,8 +8,14 @@ reaches >= 90 % of SDPA-flash forward+backward throughput), and each as a fracti
 dense bf16 peak. FLOPs count only the visible half of a causal score matrix (4*B*H*S^2*D / 2 for the
 forward, 2.5x that for the backward), for both implementations. With --docs N the sequence is N
 packed documents (segment ids); SDPA then runs the same attention with an explicit boolean mask
-through its default backend (flash cannot take a mask), and the FLOP count stays that of causal
-attention over the whole sequence, so the ratio shows what segment-aware tile skipping buys.
+through its memory-efficient backend (flash cannot take a mask), and the FLOP count stays that of
+causal attention over the whole sequence, so the ratio shows what segment-aware tile skipping buys.
+
+GQA (--kv-heads): SDPA gets enable_gqa where its backend takes it, else K and V repeated to the
+query heads inside the timed call (what a model using that backend has to do); the JSON records
+which (`sdpa_gqa`). Each length also compares outputs and the three gradients with SDPA's on the
+same inputs. Every case runs in its own try: an error of any type is recorded in the JSON (and the
+JSON is rewritten after every case), and the run goes on.
 
 Needs a CUDA device; without one it prints why and writes a JSON that says skipped.
 Writes docs/bench/kernels.json and, when something was measured, docs/bench/kernels.png.
@@ -110,7 +116,14 @@ def attention_flops(B: int, H: int, S: int, D: int, causal: bool) -> float:
 
 
 def time_cuda(fn, warmup: int, reps: int) -> float:
-    """Median seconds per call, timed with CUDA events."""
+    """Median seconds per call, timed with CUDA events (wall clock on a CPU: dry runs only)."""
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(max(1, reps)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -135,47 +148,74 @@ def packed_meta(B: int, S: int, docs: int, device) -> tuple[torch.Tensor, torch.
     return pos.expand(B, S).contiguous(), seg.expand(B, S).contiguous()
 
 
-def bench_one(S: int, args, device) -> dict:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def _sdpa_call(backend, mask, gqa: str, group: int):
+    """SDPA with the chosen backend; GQA natively ("native") or by repeating K/V ("expanded")."""
+    from torch.nn.attention import sdpa_kernel
     import torch.nn.functional as F
 
+    def call(qq, kk, vv):
+        if gqa == "expanded" and group > 1:
+            kk, vv = kk.repeat_interleave(group, dim=1), vv.repeat_interleave(group, dim=1)
+        extra = dict(enable_gqa=True) if gqa == "native" and group > 1 else {}
+        with sdpa_kernel(backend):
+            if mask is None:
+                return F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, **extra)
+            return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, **extra)
+
+    return call
+
+
+def bench_one(S: int, args, device, row: dict) -> dict:
+    """Fills `row` as it goes (so a failure part-way keeps what was measured)."""
+    from torch.nn.attention import SDPBackend
+
+    from longvideo.kernels import AttentionPlan
+    from longvideo.kernels import _flash_attn_triton as tk
     from longvideo.kernels.flash_attn import flash_attn
 
     dtype = getattr(torch, args.dtype)
     B = max(1, args.tokens // S)
     H, Hkv, D = args.heads, args.kv_heads or args.heads, args.head_dim
     fwd_flops = attention_flops(B, H, S, D, True)
-    row = {"seqlen": S, "batch": B, "heads": H, "kv_heads": Hkv, "head_dim": D, "docs": args.docs,
-           "fwd_tflop": fwd_flops / 1e12}
+    row.update({"seqlen": S, "batch": B, "heads": H, "kv_heads": Hkv, "head_dim": D, "docs": args.docs,
+                "fwd_tflop": fwd_flops / 1e12, "bwd_variant": args.bwd_variant or tk.tile_config(D, dtype).variant})
+    if args.bwd_variant:
+        tk.set_backward(args.bwd_variant)
     torch.manual_seed(0)
     q = torch.randn(B, S, H, D, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(B, S, Hkv, D, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn(B, S, Hkv, D, device=device, dtype=dtype, requires_grad=True)
     dout = torch.randn(B, S, H, D, device=device, dtype=dtype)
     pos, seg = packed_meta(B, S, args.docs, device)
+    plan = AttentionPlan()  # kept across calls, as a model step keeps it across layers
 
     def ours_fwd():
         with torch.no_grad():
-            flash_attn(q, k, v, pos, pos, seg, seg, causal=True)
+            flash_attn(q, k, v, pos, pos, seg, seg, causal=True, plan=plan)
 
     def ours_fwdbwd():
         q.grad = k.grad = v.grad = None
-        flash_attn(q, k, v, pos, pos, seg, seg, causal=True).backward(dout)
+        flash_attn(q, k, v, pos, pos, seg, seg, causal=True, plan=plan).backward(dout)
 
-    # SDPA takes (B, H, S, D): the transposed views a model would pass; GQA by enable_gqa
+    # SDPA takes (B, H, S, D): the transposed views a model would pass
     qt, kt, vt, dt = (x.transpose(1, 2) for x in (q, k, v, dout))
     mask = None
     if args.docs > 1:
         same = seg[0][:, None] == seg[0][None, :]
         mask = same & torch.ones(S, S, dtype=torch.bool, device=device).tril()
     backend = SDPBackend.FLASH_ATTENTION if mask is None else SDPBackend.EFFICIENT_ATTENTION
-    gqa = Hkv != H
-
-    def sdpa(qq, kk, vv):
-        with sdpa_kernel(backend):
-            if mask is None:
-                return F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=gqa)
-            return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=gqa)
+    group = H // Hkv
+    gqa = "none" if group == 1 else "native"
+    sdpa = _sdpa_call(backend, mask, gqa, group)
+    if group > 1:
+        try:  # does this backend take enable_gqa?
+            with torch.no_grad():
+                sdpa(qt[:, :, :128], kt[:, :, :128], vt[:, :, :128])
+        except Exception:  # noqa: BLE001 - any refusal: repeat K/V instead
+            gqa = "expanded"
+            sdpa = _sdpa_call(backend, mask, gqa, group)
+    row["sdpa_backend"] = backend.name
+    row["sdpa_gqa"] = gqa
 
     def sdpa_fwd():
         with torch.no_grad():
@@ -185,26 +225,41 @@ def bench_one(S: int, args, device) -> dict:
         q.grad = k.grad = v.grad = None
         sdpa(qt, kt, vt).backward(dt)
 
-    # agreement on this input (a sanity check of the GPU build, not a benchmark)
-    with torch.no_grad():
-        try:
-            row["max_abs_diff_vs_sdpa"] = (flash_attn(q, k, v, pos, pos, seg, seg).float()
-                                           - sdpa(qt, kt, vt).transpose(1, 2).float()).abs().max().item()
-        except Exception as e:  # noqa: BLE001 - recorded, the timings still run
-            row["max_abs_diff_vs_sdpa"] = f"error: {e!r}"
+    # agreement on this input, outputs and gradients (a sanity check of the GPU build, not a benchmark)
+    try:
+        q.grad = k.grad = v.grad = None
+        ours = flash_attn(q, k, v, pos, pos, seg, seg, plan=plan)
+        ours.backward(dout)
+        g_ours = [x.grad.float() for x in (q, k, v)]
+        q.grad = k.grad = v.grad = None
+        theirs = sdpa(qt, kt, vt).transpose(1, 2)
+        theirs.backward(dout)
+        g_sdpa = [x.grad.float() for x in (q, k, v)]
+        row["max_abs_diff_vs_sdpa"] = (ours.float() - theirs.float()).abs().max().item()
+        row["grad_max_abs_diff_vs_sdpa"] = {n: (a - b).abs().max().item() for n, a, b in
+                                            zip(("dq", "dk", "dv"), g_ours, g_sdpa)}
+        row["grad_max_abs_vs"] = {n: b.abs().max().item() for n, b in zip(("dq", "dk", "dv"), g_sdpa)}
+        del ours, theirs, g_ours, g_sdpa
+    except Exception as e:  # noqa: BLE001 - recorded, the timings still run
+        row["max_abs_diff_vs_sdpa"] = f"error: {e!r}"[:300]
+    q.grad = k.grad = v.grad = None
 
+    cuda = device.type == "cuda"
     for name, fn, flops in (("ours_fwd", ours_fwd, fwd_flops), ("ours_fwdbwd", ours_fwdbwd, 3.5 * fwd_flops),
                             ("sdpa_fwd", sdpa_fwd, fwd_flops), ("sdpa_fwdbwd", sdpa_fwdbwd, 3.5 * fwd_flops)):
-        torch.cuda.reset_peak_memory_stats()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         try:
             sec = time_cuda(fn, args.warmup, args.reps)
-        except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - OOM, compile errors, unsupported backends: record, go on
             row[name + "_error"] = repr(e)[:300]
-            torch.cuda.empty_cache()
+            if cuda:
+                torch.cuda.empty_cache()
             continue
         row[name + "_ms"] = sec * 1e3
         row[name + "_tflops"] = flops / sec / 1e12
-        row[name + "_peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if cuda:
+            row[name + "_peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     for part in ("fwd", "fwdbwd"):
         a, b = row.get(f"ours_{part}_tflops"), row.get(f"sdpa_{part}_tflops")
         if a and b:
@@ -214,7 +269,10 @@ def bench_one(S: int, args, device) -> dict:
                 if row.get(f"{who}_{part}_tflops"):
                     row[f"{who}_{part}_frac_peak"] = row[f"{who}_{part}_tflops"] / args.peak
     del q, k, v, dout, qt, kt, vt, dt
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
+    if args.bwd_variant:
+        tk.set_backward(None)
     return row
 
 
@@ -257,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=None, help="override the device's dense peak")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "kernels.json")
     p.add_argument("--target", type=float, default=0.9, help="required fwd+bwd ratio to SDPA flash")
+    p.add_argument("--bwd-variant", default=None, choices=["fused", "split"],
+                   help="the kernel's backward variant (default: its launch table's)")
     args = p.parse_args(argv)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -285,23 +345,38 @@ def main(argv: list[str] | None = None) -> int:
                              triton=triton.__version__, peak_bf16_tflops=args.peak)
     results = []
     t0 = time.time()
+
+    def write(final: bool) -> None:
+        ratios = [r["ratio_fwdbwd"] for r in results if "ratio_fwdbwd" in r]
+        report.update(skipped=False, results=results, wall_s=time.time() - t0, complete=final,
+                      min_ratio_fwdbwd=min(ratios) if ratios else None,
+                      meets_target=bool(ratios) and min(ratios) >= args.target)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
     for S in args.seqlens:
-        row = bench_one(S, args, device)
+        row: dict = {"seqlen": S}
         results.append(row)
-        print(f"S={S:>6} B={row['batch']:>3}  fwd: ours {row.get('ours_fwd_tflops', float('nan')):6.1f} "
+        try:
+            bench_one(S, args, device, row)
+        except Exception as e:  # noqa: BLE001 - a failed case is recorded; the others still run
+            row["case_error"] = repr(e)[:500]
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        print(f"S={S:>6} B={row.get('batch', '?'):>3}  fwd: ours {row.get('ours_fwd_tflops', float('nan')):6.1f} "
               f"sdpa {row.get('sdpa_fwd_tflops', float('nan')):6.1f} TFLOP/s | fwd+bwd: ours "
               f"{row.get('ours_fwdbwd_tflops', float('nan')):6.1f} sdpa {row.get('sdpa_fwdbwd_tflops', float('nan')):6.1f}"
-              f" | ratio fwd+bwd {row.get('ratio_fwdbwd', float('nan')):.2f}", flush=True)
-    ratios = [r["ratio_fwdbwd"] for r in results if "ratio_fwdbwd" in r]
-    report.update(skipped=False, results=results, wall_s=time.time() - t0,
-                  min_ratio_fwdbwd=min(ratios) if ratios else None,
-                  meets_target=bool(ratios) and min(ratios) >= args.target)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+              f" | ratio fwd+bwd {row.get('ratio_fwdbwd', float('nan')):.2f}"
+              + (f" | error {row['case_error']}" if "case_error" in row else ""), flush=True)
+        write(False)
+    write(True)
     print(f"wrote {args.out}")
     if any(r.get("ours_fwd_tflops") for r in results):
-        png = args.out.with_suffix(".png")
-        plot(results, png, f"{name}: causal {args.dtype}, D={args.head_dim}, H={args.heads}, docs={args.docs}")
-        print(f"wrote {png}")
+        try:
+            png = args.out.with_suffix(".png")
+            plot(results, png, f"{name}: causal {args.dtype}, D={args.head_dim}, H={args.heads}, docs={args.docs}")
+            print(f"wrote {png}")
+        except Exception as e:  # noqa: BLE001 - the JSON is what matters
+            print(f"plot failed: {e!r}")
     return 0
 
 

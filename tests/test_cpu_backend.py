@@ -162,3 +162,20 @@ def test_lse_merge_matches_joint_softmax():
     o3 = o.clone()
     lse_merge_(o3, big.clone(), o, big)
     torch.testing.assert_close(o3, o, rtol=0, atol=1e-10)
+
+
+def test_plan_kept_in_an_attention_plan(small_tiles):
+    """With an AttentionPlan the host tile plan is built once for every call with the same metadata
+    (forward and backward, several layers), and the results are the same bits as without."""
+    from longvideo.kernels import AttentionPlan
+
+    q, k, v, dout, g = _inputs(1, 40, 40, 4, 2, 8, torch.float32, seed=13)
+    pos, seg = packed_meta(1, 40, g, min_len=3, max_len=20, restart=True, pad=2)
+    plan = AttentionPlan()
+    for _ in range(2):
+        out, lse = small_tiles.forward(q, k, v, pos, pos, seg, seg, 0.3, True, plan=plan)
+        grads = small_tiles.backward(dout, q, k, v, out, lse, pos, pos, seg, seg, 0.3, True, plan=plan)
+    assert plan.builds == 1
+    out0, lse0 = small_tiles.forward(q, k, v, pos, pos, seg, seg, 0.3, True)
+    grads0 = small_tiles.backward(dout, q, k, v, out0, lse0, pos, pos, seg, seg, 0.3, True)
+    assert torch.equal(out, out0) and all(torch.equal(a, b) for a, b in zip(grads, grads0))

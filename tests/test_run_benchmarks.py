@@ -375,3 +375,22 @@ def test_broken_and_bare_scripts_and_order(rb, tmp_path):
     assert "| 1,024 |" in _section(text, "infer")  # the others are built as usual
     s = _summary(text)
     assert s["broken"][2] == "not measured yet" and s["hf"][2] == "n/a"
+
+
+def test_gpu_check_section_survives_a_rebuild(rb, tmp_path):
+    """scripts/gpu_check.py writes its own section of the page and JSON that is not a bench_*.py
+    result: a rebuild keeps the section and makes no benchmark section of that JSON."""
+    bench = tmp_path / "bench"
+    _write(bench, "gpu_check", {"mode": "gpu", "parts": {}})
+    _write(bench, "plan", {"results": [{"kind": "new", "seqlen": 1024, "cpu_s": 0.01, "plan_mib": 0.1,
+                                        "peak_added_mib": 1.0},
+                                       {"kind": "old", "seqlen": 1024, "cpu_s": 0.5, "plan_mib": 100.0,
+                                        "peak_added_mib": 20.0}]})
+    out = tmp_path / "benchmarks.md"
+    out.write_text("stale page\n<!-- gpu-check:begin (written by scripts/gpu_check.py) -->\n## GPU check\n"
+                   "H200 figures\n<!-- gpu-check:end -->\n")
+    text = rb.build_markdown(bench, out, tmp_path)
+    assert "stale page" not in text and text.count("## GPU check\nH200 figures\n<!-- gpu-check:end -->") == 1
+    assert '<a id="gpu_check">' not in text and "bench_gpu_check" not in text
+    assert _summary(text)["plan: tile plan build at 1M tokens (CPU)"][-1] == "yes"
+    assert rb.build_markdown(bench, out, tmp_path).count("## GPU check") == 1  # kept once on every rebuild

@@ -4,6 +4,7 @@ from longvideo._lazy import lazy_exports
 
 _EXPORTS = {
     "AttentionFn": "attention",
+    "LocalAttention": "attention",
     "local_attention": "attention",
     "KVCache": "cache",
     "ModelConfig": "config",

@@ -6,8 +6,9 @@ The seam is one function (docs/architecture.md, decision 2):
         q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); positions / segment ids (B, S) -> out (B, Sq, Hq, D)
 
 A key is visible to a query iff (k_pos <= q_pos) and (k_seg == q_seg) and k_seg >= 0; no S x S
-mask is ever built. `local_attention` is the single-device implementation; sequence-parallel ring
-attention is another one, swapped in by `longvideo.parallel.apply`.
+mask is ever built. `local_attention` is the single-device implementation (`LocalAttention` is the
+same with its tile plans kept across the layers of a step); sequence-parallel ring attention is
+another one, swapped in by `longvideo.parallel.apply`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Callable
 
 from torch import Tensor, nn
 
-from longvideo.kernels import block_attention
+from longvideo.kernels import AttentionPlan, PlanCache, block_attention
 from longvideo.model.config import ModelConfig
 from longvideo.model.layers import apply_rope
 
@@ -25,10 +26,31 @@ AttentionFn = Callable[..., Tensor]
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_positions: Tensor,
                     q_segment_ids: Tensor, k_segment_ids: Tensor, causal: bool = True,
-                    backend: str = "auto") -> Tensor:
+                    backend: str = "auto", plan: Optional[AttentionPlan] = None) -> Tensor:
     """Single-device masked attention over the block-attention backends (kernels/)."""
     return block_attention(q, k, v, q_positions, k_positions, q_segment_ids, k_segment_ids,
-                           causal=causal, backend=backend)
+                           causal=causal, backend=backend, plan=plan)
+
+
+class LocalAttention:
+    """`local_attention` as a seam object that keeps tile plans across calls.
+
+    Every layer of a model step gets the same positions and segment-id tensors, so the plan built
+    by the first layer (and the backward's, built by the first backward) serves all of them. Plans
+    are found by the identity and version of those tensors (kernels.PlanCache), never by comparing
+    their contents, which would wait for the device.
+    """
+
+    def __init__(self, backend: str = "auto"):
+        self.backend = backend
+        self.plans = PlanCache(size=2)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_positions: Tensor,
+                 q_segment_ids: Tensor, k_segment_ids: Tensor, causal: bool = True) -> Tensor:
+        plan = self.plans.lookup(q_positions, k_positions, q_segment_ids, k_segment_ids)
+        return local_attention(q, k, v, q_positions=q_positions, k_positions=k_positions,
+                               q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids, causal=causal,
+                               backend=self.backend, plan=plan)
 
 
 class Attention(nn.Module):

@@ -6,7 +6,6 @@ outside (`longvideo.parallel.apply`) through `set_attention`.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -14,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from longvideo.model.attention import Attention, AttentionFn, local_attention
+from longvideo.model.attention import Attention, AttentionFn, LocalAttention
 from longvideo.model.cache import KVCache
 from longvideo.model.config import ModelConfig
 from longvideo.model.head import LMHead
@@ -45,7 +44,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.tok_embeddings.weight
         self.activation_checkpointing = cfg.activation_checkpointing
-        self.attention_fn: AttentionFn = functools.partial(local_attention, backend=cfg.attn_backend)
+        self.attention_fn: AttentionFn = LocalAttention(cfg.attn_backend)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

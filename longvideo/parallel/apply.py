@@ -15,6 +15,7 @@ from typing import Optional
 
 from torch import Tensor
 
+from longvideo.kernels import PlanCache, RingPlans
 from longvideo.parallel.mesh import Mesh
 from longvideo.parallel.ring import ring_attention
 
@@ -24,10 +25,15 @@ class RingAttentionSeam:
 
     Called as fn(q, k, v, *, q_positions, k_positions, q_segment_ids, k_segment_ids, causal) with
     q (B, S, Hq, D) and k, v (B, S, Hkv, D) of the same local shard (training: no KV cache).
+
+    The tile plans of every ring step are kept per (positions, segment ids) tensors, by identity
+    (kernels.PlanCache): the layers of one model step, which all get the same tensors, and their
+    backward share one set of plans.
     """
 
     def __init__(self, group, backend: str = "auto"):
         self.group, self.backend = group, backend
+        self.plans = PlanCache(size=2, factory=RingPlans)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_positions: Tensor,
                  q_segment_ids: Tensor, k_segment_ids: Tensor, causal: bool = True) -> Tensor:
@@ -36,7 +42,8 @@ class RingAttentionSeam:
                                f"queries, {k.shape[1]} keys); decoding with a KV cache is served by "
                                "longvideo.infer.sp")
         return ring_attention(q, k, v, group=self.group, causal=causal, positions=q_positions,
-                              segment_ids=q_segment_ids, backend=self.backend)
+                              segment_ids=q_segment_ids, backend=self.backend,
+                              plans=self.plans.lookup(q_positions, q_segment_ids))
 
 
 def parallelize(model, mesh: Mesh, *, backend: Optional[str] = None,

@@ -10,7 +10,18 @@ Forward, on each of the W ranks: keep the local queries; for W steps, post the s
 key/value block (with its positions and segment ids) to the next rank and the receive of the next
 block from the previous rank, compute the local queries against the current block with a block
 backend (-> out, lse), merge into the running result in fp32 with the log-sum-exp rule, then wait
-for the transfer. A block whose mask is provably all false is not computed (it still travels).
+for the transfer.
+
+Empty blocks and host syncs: with a host-planning backend (cpu, torch) a block whose mask is
+provably all false is not computed (it still travels); that test reads a device value. With a
+sync-free backend (triton, `backend.sync_free`) every block is launched: its tile plan then lists
+no tile, the kernel writes lse = -inf, and the merge adds exactly nothing. Nothing in a ring step
+then waits for the device, so steps queue up on the GPU behind the transfers.
+
+Tile plans: one `AttentionPlan` per step (per visiting key block, `RingPlans`), built by the first
+call that needs it and reused by the backward (which sees the same blocks in the same order) and,
+when the caller passes the same `plans` object, by every layer of a model step
+(`longvideo.parallel.apply.RingAttentionSeam` keeps one per positions / segment ids).
 
 Backward (a custom autograd.Function): the key/value blocks travel the ring again; each step adds
 this rank's share of dK/dV for the visiting block to a partial sum that travels with it, in fp32,
@@ -29,7 +40,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from longvideo.kernels import SKIP, accum_dtype, block_class, get_backend, lse_merge_
+from longvideo.kernels import SKIP, RingPlans, accum_dtype, block_class, get_backend, lse_merge_
 from longvideo.parallel.comm import CommStats, DoubleBuffer, RingComm
 from longvideo.parallel.layout import layout_positions
 
@@ -41,6 +52,11 @@ def block_is_empty(q_pos: Tensor, q_seg: Tensor, k_pos: Tensor, k_seg: Tensor, c
     return bool((block_class(q_pos, k_pos, q_seg, k_seg, causal) == SKIP).all())
 
 
+def skips_on_host(backend) -> bool:
+    """Whether the ring tests blocks for emptiness on the host (not for sync-free backends)."""
+    return not getattr(backend, "sync_free", False)
+
+
 def _timed(stats: Optional[CommStats], fn, *args):
     t0 = time.perf_counter()
     result = fn(*args)
@@ -50,12 +66,43 @@ def _timed(stats: Optional[CommStats], fn, *args):
     return result
 
 
-def ring_forward(q, k, v, pos, seg, group, causal, scale, backend, stats: Optional[CommStats] = None):
-    """(out in q.dtype, lse (B, Hq, S) in fp32/fp64) of attention over the whole ring."""
+def forward_step(be, q, kk, vv, pos, kp, seg, ks, causal, scale, plan, out, lse, stats: Optional[CommStats] = None):
+    """One ring step of the forward: attention of the local queries to one key block, merged into
+    (out, lse) in place. A host-planning backend skips a provably empty block; a sync-free one
+    always launches (no host sync: an empty block's lse is -inf and the merge is exact)."""
+    if skips_on_host(be) and block_is_empty(pos, seg, kp, ks, causal):
+        if stats is not None:
+            stats.skipped += 1
+        return
+    o, l = be.forward(q, kk, vv, pos, kp, seg, ks, scale, causal, plan=plan)  # (B, S, Hq, D), (B, Hq, S)
+    lse_merge_(out, lse, o, l)
+    if stats is not None:
+        stats.blocks += 1
+
+
+def backward_step(be, dout, q, kk, vv, out, lse, pos, kp, seg, ks, causal, scale, plan,
+                  stats: Optional[CommStats] = None):
+    """One ring step of the backward: (dq, dk, dv) shares of one key block, or None when a
+    host-planning backend skipped it as empty."""
+    if skips_on_host(be) and block_is_empty(pos, seg, kp, ks, causal):
+        if stats is not None:
+            stats.skipped += 1
+        return None
+    grads = be.backward(dout, q, kk, vv, out, lse, pos, kp, seg, ks, scale, causal, plan=plan)
+    if stats is not None:
+        stats.blocks += 1
+    return grads
+
+
+def ring_forward(q, k, v, pos, seg, group, causal, scale, backend, stats: Optional[CommStats] = None,
+                 plans: Optional[RingPlans] = None):
+    """(out in q.dtype, lse (B, Hq, S) in fp32/fp64) of attention over the whole ring.
+    plans: tile plans per step (RingPlans), filled on first use; None makes a new one."""
     be = get_backend(backend, q.device)
+    plans = plans if plans is not None else RingPlans()
     ring = RingComm(group)
     if ring.size == 1:  # plain attention: no buffers, no merge
-        return _timed(stats, be.forward, q, k, v, pos, pos, seg, seg, scale, causal)
+        return _timed(stats, be.forward, q, k, v, pos, pos, seg, seg, scale, causal, plans.step(0))
     B, S, Hq, D = q.shape
     acc = accum_dtype(q.dtype)
     out = torch.zeros(B, S, Hq, D, dtype=acc, device=q.device)
@@ -66,14 +113,7 @@ def ring_forward(q, k, v, pos, seg, group, causal, scale, backend, stats: Option
         pending = ring.exchange(kv.current, kv.incoming, stats) if step < ring.size - 1 else None
         (kk, vv), (kp, ks) = kv.current
         t0 = time.perf_counter()
-        if block_is_empty(pos, seg, kp, ks, causal):
-            if stats is not None:
-                stats.skipped += 1
-        else:
-            o, l = be.forward(q, kk, vv, pos, kp, seg, ks, scale, causal)  # (B, S, Hq, D), (B, Hq, S)
-            lse_merge_(out, lse, o, l)
-            if stats is not None:
-                stats.blocks += 1
+        forward_step(be, q, kk, vv, pos, kp, seg, ks, causal, scale, plans.step(step), out, lse, stats)
         if stats is not None:
             stats.compute_s += time.perf_counter() - t0
         if pending is not None:
@@ -83,12 +123,14 @@ def ring_forward(q, k, v, pos, seg, group, causal, scale, backend, stats: Option
 
 
 def ring_backward(dout, q, k, v, out, lse, pos, seg, group, causal, scale, backend,
-                  stats: Optional[CommStats] = None):
-    """(dq, dk, dv) in the accumulation dtype (fp32, or fp64 for fp64 inputs) for this rank's shard."""
+                  stats: Optional[CommStats] = None, plans: Optional[RingPlans] = None):
+    """(dq, dk, dv) in the accumulation dtype (fp32, or fp64 for fp64 inputs) for this rank's shard.
+    plans: the forward's RingPlans (step i sees the same key block in both directions)."""
     be = get_backend(backend, q.device)
+    plans = plans if plans is not None else RingPlans()
     ring = RingComm(group)
     if ring.size == 1:
-        return _timed(stats, be.backward, dout, q, k, v, out, lse, pos, pos, seg, seg, scale, causal)
+        return _timed(stats, be.backward, dout, q, k, v, out, lse, pos, pos, seg, seg, scale, causal, plans.step(0))
     acc = accum_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = DoubleBuffer([torch.stack([k, v]), torch.stack([pos, seg]).long()])
@@ -99,15 +141,9 @@ def ring_backward(dout, q, k, v, out, lse, pos, seg, group, causal, scale, backe
         kv_pending = ring.exchange(kv.current, kv.incoming, stats) if step < ring.size - 1 else None
         (kk, vv), (kp, ks) = kv.current
         t0 = time.perf_counter()
-        grads = None
-        if block_is_empty(pos, seg, kp, ks, causal):
-            if stats is not None:
-                stats.skipped += 1
-        else:
-            grads = be.backward(dout, q, kk, vv, out, lse, pos, kp, seg, ks, scale, causal)
+        grads = backward_step(be, dout, q, kk, vv, out, lse, pos, kp, seg, ks, causal, scale, plans.step(step), stats)
+        if grads is not None:
             dq += grads[0]
-            if stats is not None:
-                stats.blocks += 1
         if stats is not None:
             stats.compute_s += time.perf_counter() - t0
         if dkv_pending is not None:  # the partial sum for the block we now hold has arrived
@@ -130,18 +166,20 @@ def ring_backward(dout, q, k, v, out, lse, pos, seg, group, causal, scale, backe
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, pos, seg, group, causal, scale, backend, stats):
-        out, lse = ring_forward(q, k, v, pos, seg, group, causal, scale, backend, stats)
+    def forward(ctx, q, k, v, pos, seg, group, causal, scale, backend, stats, plans):
+        plans = plans if plans is not None else RingPlans()  # this call's, kept for its backward
+        out, lse = ring_forward(q, k, v, pos, seg, group, causal, scale, backend, stats, plans)
         ctx.save_for_backward(q, k, v, out, lse, pos, seg)
         ctx.group, ctx.causal, ctx.scale, ctx.backend, ctx.stats = group, causal, scale, backend, stats
+        ctx.plans = plans
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, pos, seg = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, pos, seg, ctx.group, ctx.causal,
-                                   ctx.scale, ctx.backend, ctx.stats)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+                                   ctx.scale, ctx.backend, ctx.stats, ctx.plans)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -156,6 +194,7 @@ def ring_attention(
     softmax_scale: Optional[float] = None,
     backend: str = "auto",
     comm_stats: Optional[CommStats] = None,
+    plans: Optional[RingPlans] = None,
 ) -> Tensor:
     """Exact masked attention of a sequence sharded over `group` (collective: every rank calls it).
 
@@ -164,6 +203,8 @@ def ring_attention(
     single segment. Segment id -1 marks padding (sees nothing, is seen by nothing).
     backend: "auto" | "torch" | "cpu" | "triton" (longvideo.kernels.get_backend).
     comm_stats: optional CommStats that accumulates exposed communication and compute time.
+    plans: optional RingPlans to keep the tile plans in across calls with the same positions and
+    segment ids (every layer of a model step); without it each call (and its backward) has its own.
     Returns out (B, S, Hq, D) in q.dtype; differentiable in q, k, v.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -183,4 +224,4 @@ def ring_attention(
             raise ValueError(f"{name} must be (B, S) = ({B}, {S}); got {tuple(t.shape)}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     return _RingAttention.apply(q, k, v, positions.long(), segment_ids.long(), group, causal, scale, backend,
-                                comm_stats)
+                                comm_stats, plans)

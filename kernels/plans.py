@@ -1,0 +1,109 @@
+"""Tile plans built once and reused: the objects callers own and pass to the block backends.
+
+A backend derives its tile plan (which key tiles each query tile visits, kernels/attention_math.py
+`visit_ranges`) from the positions and segment ids of a call. Every layer of a model step, every
+ring step visiting the same key block, and the backward of each, use the same metadata, so the
+plan is the same too. The caller that knows this owns the cache:
+
+    plan = AttentionPlan()                      # one per (query metadata, key metadata) pair
+    out, lse = backend.forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=plan)
+    ...                                         # later layers / the backward: same metadata, same plan
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, ..., plan=plan)
+
+`AttentionPlan` is a dict of built plans keyed by what they were built for (backend, tile shape,
+direction, causal); it builds on first use from the metadata of that call, so a caller must never
+pass one object with different metadata. `PlanCache` maps metadata tensors, by identity and
+version, to such objects: a model-level attention seam keeps one, so the layers of one step share
+a plan without anyone comparing tensor contents (which would need a host sync). Nothing here is a
+module global; a plan lives as long as its owner keeps it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Hashable, Optional, TypeVar
+
+from torch import Tensor
+
+T = TypeVar("T")
+
+
+class AttentionPlan:
+    """The plans of one (query metadata, key metadata) pair, built on first use and kept."""
+
+    __slots__ = ("_plans", "builds")
+
+    def __init__(self):
+        self._plans: dict = {}
+        self.builds = 0
+        """How many plans were built (not found): for tests and benchmarks."""
+
+    def get(self, key: Hashable, build: Callable[[], T]) -> T:
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = build()
+            self.builds += 1
+        return plan
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+class RingPlans:
+    """One AttentionPlan per ring step (per visiting key block), for one ring call and its backward,
+    or for every layer of a model step when a seam keeps it."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self):
+        self.steps: dict[int, AttentionPlan] = {}
+
+    def step(self, i: int) -> AttentionPlan:
+        plan = self.steps.get(i)
+        if plan is None:
+            plan = self.steps[i] = AttentionPlan()
+        return plan
+
+    @property
+    def builds(self) -> int:
+        return sum(p.builds for p in self.steps.values())
+
+
+def _version(t: Tensor) -> Optional[int]:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return None
+
+
+class PlanCache:
+    """Plan objects keyed by the identity and version of metadata tensors; the `size` most recent.
+
+    `lookup(q_pos, k_pos, q_seg, k_seg)` returns the same object while it is called with the same
+    tensor objects, unmodified (a model passes one positions tensor to every layer). The entries
+    hold references to their tensors, so no other tensor can take their id while cached. Tensors
+    without a version counter (created under inference mode) are never matched: each lookup then
+    gets a fresh object, which is still correct.
+    """
+
+    def __init__(self, size: int = 2, factory: Callable[[], object] = AttentionPlan):
+        self.size, self.factory = size, factory
+        self._entries: OrderedDict = OrderedDict()
+
+    def lookup(self, *tensors: Tensor):
+        versions = [_version(t) for t in tensors]
+        if any(v is None for v in versions):
+            return self.factory()
+        key = tuple((id(t), v) for t, v in zip(tensors, versions))
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+            return hit[1]
+        plan = self.factory()
+        self._entries[key] = (tensors, plan)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return plan
+
+    def clear(self) -> None:
+        self._entries.clear()
