@@ -13,7 +13,7 @@ another one, swapped in by `longvideo.parallel.apply`.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from torch import Tensor, nn
 
