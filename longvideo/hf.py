@@ -160,11 +160,13 @@ def _check_call(module, query, key, value, attention_mask, seg, group, dropout, 
             raise _refuse(f"a sliding window of {sliding_window} tokens, which would mask keys of a "
                           f"{S * W}-token sequence (ring attention is exact with a window only while the "
                           "whole sequence fits in it)")
+    padding = attention_mask
     if isinstance(attention_mask, DeferredMask):
         if attention_mask.has_overlay:
             raise _refuse("the model adds its own mask functions (e.g. bidirectional image tokens)")
-    elif attention_mask is not None and not (attention_mask.dim() == 2 and tuple(attention_mask.shape) == (B, S)):
-        raise _refuse(f"a custom attention mask of shape {tuple(attention_mask.shape)} (only a 2D padding mask "
+        padding = attention_mask.padding
+    if padding is not None and not (padding.dim() == 2 and tuple(padding.shape) == (B, S)):
+        raise _refuse(f"a custom attention mask of shape {tuple(padding.shape)} (only a 2D padding mask "
                       "of the shard is supported)")
 
 
@@ -330,16 +332,22 @@ def shard_batch(batch: Mapping[str, Any], group, *, count: bool = True, grad_gro
     return out
 
 
-def num_items_in_batch(shift_labels: Iterable[Tensor], *, grad_group=None, grad_reduction: str = "mean") -> Tensor:
+def num_items_in_batch(shift_labels: Iterable[Tensor], *, grad_group=None, grad_reduction: str = "mean",
+                       accumulation_steps: int = 1) -> Tensor:
     """The divisor that makes transformers' loss this rank's share of the global token mean.
 
     shift_labels: this rank's sharded label tensors of every micro-batch of one optimizer step.
     The label tokens (!= -100) are summed over them and over `grad_group` (collective; None: every
-    process); for grad_reduction="mean" the total is divided by the group's size. A float64 scalar
-    (the loss it divides comes out in float64); never below 1 / size, so a step without label
-    tokens gives a zero loss, not NaN."""
+    process); for grad_reduction="mean" the total is divided by the group's size.
+    accumulation_steps: what the engine divides each micro-batch's loss by (accelerate's and
+    DeepSpeed's backward divide by the gradient accumulation steps); the divisor is divided by it
+    too, so that the two cancel. Pass the same value to every micro-batch of the step.
+    A float64 scalar (the loss it divides comes out in float64); never below 1 / size, so a step
+    without label tokens gives a zero loss, not NaN."""
     if grad_reduction not in ("mean", "sum"):
         raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
+    if accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
     labels = list(shift_labels)
     if not labels:
         raise ValueError("num_items_in_batch needs at least one label tensor")
@@ -352,7 +360,8 @@ def num_items_in_batch(shift_labels: Iterable[Tensor], *, grad_group=None, grad_
             dist.all_reduce(total, group=grad_group)
     total = total.clamp_min(1.0)
     # float64: total / size is not exact in float32 (a uniform ~1e-7 scale on the loss)
-    return (total / size if grad_reduction == "mean" else total).to(labels[0].device)
+    total = total / size if grad_reduction == "mean" else total
+    return (total / accumulation_steps).to(labels[0].device)
 
 
 def ring_loss(logits_or_outputs, shift_labels: Tensor, *, num_items: Optional[Tensor] = None, grad_group=None,

@@ -349,6 +349,7 @@ def test_loss_helpers_on_one_rank():
     want = F.cross_entropy(logits[0], shifted[0], ignore_index=-100)
     assert torch.allclose(ring_loss(logits, shifted), want)
     assert float(num_items_in_batch([torch.full((1, 3), -100)])) == 1.0  # no tokens: loss 0, not NaN
+    assert float(num_items_in_batch([shifted, shifted], accumulation_steps=2)) == 4.0
     assert global_loss(want) == float(want)
 
 
@@ -418,3 +419,20 @@ def test_refusals_name_the_reason():
     assert isinstance(llama, LlamaForCausalLM)
     check_model(llama)
     check_model(_model("qwen2", "ring", torch.float32))
+
+
+def test_from_pretrained_directory_with_attn_implementation_ring(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    enable_ring_attention(None)
+    _model("qwen2", "sdpa", torch.float32).save_pretrained(tmp_path)
+    ring = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="ring")
+    sdpa = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
+    assert ring.config._attn_implementation == "ring"
+    check_model(ring, seq_len=S)
+    batch = _packed_batch()
+    got = ring(**shard_batch(batch, None), use_cache=False).logits[:, :S]
+    # transformers' own packed-sequence path: no attention_mask, positions restarting, no cache
+    want = sdpa(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    real = _real(batch)
+    assert _max_err(got[real], want[real]) <= 1e-5 * want.abs().max().item()
