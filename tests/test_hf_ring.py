@@ -15,6 +15,8 @@ causal, key not padding). Checked:
   run, plus 1e-6 relative to each tensor's largest value;
 * a DeepSpeed ZeRO-3 step (W = 3, fp32, gradient clipping active) equals one single-process AdamW
   step with the same clipping;
+* the HF Trainer recipe of docs/hf.md (W = 2, DDP, gradient accumulation) updates by exactly the
+  whole batch's gradient;
 * single-process pieces: shard_batch, the deferred mask, generate's fallback to sdpa, and the
   named refusals.
 """
@@ -107,15 +109,16 @@ def _use_model_dtype_loss(model):
 
 
 def _packed_batch(seed: int = 0):
-    """B = 2 rows of S tokens: documents of random lengths (one longer than a third of the row),
-    positions restarting at 0; row 1 ends with PAD_TAIL padding tokens (attention_mask 0, label -100)."""
+    """B = 2 rows of S tokens: packed documents, positions restarting at 0 (the 24-token one is longer
+    than a shard at W = 2 and 3, the 16-token one at W = 3; 1, 2 and 4 tokens are shorter than a
+    zigzag chunk); row 1 ends with PAD_TAIL padding tokens (attention_mask 0, label -100)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB, (2, S), generator=g)
     labels = ids.clone()
     labels[torch.rand(2, S, generator=g) < 0.2] = -100
     pos = torch.zeros(2, S, dtype=torch.long)
     mask = torch.ones(2, S, dtype=torch.long)
-    for b, lengths in enumerate(([16, 2, 1, 5, 13], [3, 1, 20, 4, 6])):  # row 1: 34 tokens + padding
+    for b, lengths in enumerate(([16, 2, 1, 5, 13], [3, 1, 24, 4, 2])):  # row 1: 34 tokens + padding
         pos[b, :sum(lengths)] = torch.cat([torch.arange(n) for n in lengths])
     mask[1, S - PAD_TAIL:] = 0
     labels[1, S - PAD_TAIL:] = -100
@@ -294,6 +297,55 @@ def _body(rank, world):
 @pytest.mark.distributed
 def test_hf_models_on_rings_of_1_2_3_match_one_process():
     run_ranks(_body, world=3, timeout=400)
+
+
+def _trainer_body(rank, world):
+    """The HF Trainer recipe of docs/hf.md on a ring of 2 (the whole world): a collator that shards
+    with count=False, a dataloader that gives both ranks the same rows, DDP (the Trainer's wrapper),
+    gradient accumulation over 2 micro-batches of different token counts. SGD with lr 1 and no
+    clipping makes the update the gradient itself: it must be the float64 gradient of the whole
+    batch's token mean."""
+    # what a launcher would set; the process group exists already (the port is never used)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="1")
+    import tempfile
+
+    from torch.utils.data import DataLoader
+    from transformers import Trainer, TrainingArguments
+
+    group = dist.group.WORLD
+    enable_ring_attention(group)
+    batch = _packed_batch()
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(2)]
+
+    def collate(rs):
+        return shard_batch({k: torch.stack([r[k] for r in rs]) for k in rs[0]}, group, count=False)
+
+    class RingTrainer(Trainer):
+        def get_train_dataloader(self):  # every rank of the ring reads the same rows
+            return DataLoader(rows, batch_size=1, shuffle=False, collate_fn=collate)
+
+    model = _use_model_dtype_loss(_model("llama", "ring", torch.float64))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with tempfile.TemporaryDirectory() as d:
+        args = TrainingArguments(output_dir=d, per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                                 max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
+                                 weight_decay=0.0, max_grad_norm=0.0, report_to=[], use_cpu=True,
+                                 save_strategy="no", disable_tqdm=True)
+        trainer = RingTrainer(model=model, args=args, train_dataset=rows)
+        trainer.train()
+        assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+    ref = _reference("llama", torch.float64, batch)
+    for n, p in model.named_parameters():
+        g, want = before[n] - p.detach(), ref[2][n]
+        err, scale = _max_err(g, want), want.abs().max().item()
+        assert err <= 1e-9 * scale, f"Trainer: update of {n} differs from the gradient by {err:.3g} (x {scale:.3g})"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_hf_trainer_recipe_on_a_ring_of_2_gives_the_whole_batch_gradient():
+    run_ranks(_trainer_body, world=2, timeout=300)
 
 
 # ---- single-process pieces ------------------------------------------------------------------
