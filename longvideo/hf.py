@@ -392,13 +392,13 @@ def global_loss(loss: Tensor, *, grad_group=None, grad_reduction: str = "mean") 
 
 
 __all__ = [
-    "DeferredMask",
     "IGNORE_INDEX",
     "PAD_VALUES",
     "RING",
-    "RingAttentionUnsupported",
     "SEGMENT_KEY",
     "TESTED_MODEL_TYPES",
+    "DeferredMask",
+    "RingAttentionUnsupported",
     "check_model",
     "document_ids",
     "enable_ring_attention",

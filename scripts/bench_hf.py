@@ -250,14 +250,15 @@ def report(result: dict) -> str:
     systems = result["systems"]
     base = next((s for s in systems if s["system"] == "sdpa"), None)
     steps = len(systems[0]["throughput"]["steps_s"]) if systems else 0
-    lines = [f"{result['model']}; budget {result['budget_gb']:g} GiB per rank; tokens/s at S = {result['seq']:,}, "
-             f"fastest of {steps} step(s) ({result['machine']['cores']} cores shared by all ranks, load average "
-             f"{', '.join(f'{x:.1f}' for x in result['machine']['loadavg_before'])} before the run).", "",
-             "| system | ranks | peak per rank at the measured S (MiB) | KiB per token per rank | longest S in budget "
-             "| vs sdpa | tokens/s (wall) | tokens per CPU s | vs sdpa (CPU) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    load = ", ".join(f"{x:.1f}" for x in result["machine"]["loadavg_before"])
+    head = (f"{result['model']}; budget {result['budget_gb']:g} GiB per rank; tokens/s at S = {result['seq']:,}, "
+            f"fastest of {steps} step(s) ({result['machine']['cores']} cores shared by all ranks, load average "
+            f"{load} before the run).")
+    columns = ("| system | ranks | peak per rank at the measured S (MiB) | KiB per token per rank | longest S in budget "
+               "| vs sdpa | tokens/s (wall) | tokens per CPU s | vs sdpa (CPU) |")
+    lines = [head, "", columns, "|---|---|---|---|---|---|---|---|---|"]
     for s in systems:
-        peaks = ", ".join(f"{S:,}: {m:,.0f}" for S, m in zip(s["seqs"], s["peak_mib_per_rank"]))
+        peaks = "; ".join(f"{S:,}: {m:,.0f}" for S, m in zip(s["seqs"], s["peak_mib_per_rank"]))
         ctx, tps, tpc = s["context_at_budget"], s["throughput"]["tokens_per_s"], s["throughput"]["tokens_per_cpu_s"]
         rc = f"{ctx / base['context_at_budget']:.2f}x" if base else "-"
         rt = f"{tpc / base['throughput']['tokens_per_cpu_s']:.2f}x" if base else "-"

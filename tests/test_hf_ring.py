@@ -31,8 +31,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from distributed import run_ranks
+
 from longvideo.hf import (
     DeferredMask,
     RingAttentionUnsupported,
