@@ -388,8 +388,8 @@ def test_shard_batch_shifts_before_sharding_pads_and_marks_documents():
     assert "num_items_in_batch" not in shard_batch({"input_ids": ids, "labels": labels}, None, count=False)
     assert document_ids(torch.tensor([[0, 1, 5, 6, 0, 0]])).tolist() == [[0, 0, 1, 1, 2, 3]]
     # already shifted labels and explicit documents (e.g. from a packing loader) pass through as given
-    given = shard_batch({"input_ids": ids, "shift_labels": labels, "segment_ids": torch.tensor([[0, 0, 1, 1, 1, -1, 2]])},
-                        None, count=False)
+    docs = torch.tensor([[0, 0, 1, 1, 1, -1, 2]])
+    given = shard_batch({"input_ids": ids, "shift_labels": labels, "segment_ids": docs}, None, count=False)
     assert given["shift_labels"].tolist() == [[10, 11, 12, 13, -100, -100, 16, -100]]
     assert given["ring_segment_ids"].tolist() == [[0, 0, 1, 1, 1, -1, 2, -1]]
     with pytest.raises(ValueError, match="no pad value for batch key 'extra'"):
