@@ -40,8 +40,9 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
+from longvideo.model.head import LMHead
 from longvideo.parallel import ring_attention, shard_sequence
 
 RING = "ring"
@@ -391,6 +392,66 @@ def global_loss(loss: Tensor, *, grad_group=None, grad_reduction: str = "mean") 
     return float(value / size) if grad_reduction == "mean" else float(value)
 
 
+# ---- the project trainer's view of a transformers model -------------------------------------------
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM behind the project model's training contract, so that `longvideo
+    train` trains it (`model.hf_path=DIR`) with the same data, loss normalisation, ZeRO and
+    checkpoints as its own decoder:
+
+        loss_sum, weight = lm(input_ids, positions, segment_ids, targets=t, loss_weights=w)
+
+    The inputs are this rank's zigzag shard (longvideo.parallel.shard_batch). The decoder's attention
+    is ring attention over the sp group (`enable_ring_attention`; segment ids travel as
+    `ring_segment_ids`); the loss is the project's chunked weighted cross-entropy on the decoder's
+    hidden states and the model's own output projection, so loss weights of any value work and no
+    (tokens x vocab) logits are ever built.
+    """
+
+    def __init__(self, model: nn.Module, *, loss_chunk: int = 4096):
+        super().__init__()
+        self.model = model
+        out = model.get_output_embeddings()
+        # a module of its own around the same Parameter (as a tied head): ZeRO-3 gathers a module's
+        # parameters when the module is called, and the chunked loss needs the whole weight
+        self.loss_head = LMHead(out.weight.shape[1], out.weight.shape[0], loss_chunk)
+        self.loss_head.weight = out.weight
+
+    @classmethod
+    def from_pretrained(cls, path: str, group, *, backend: str = "auto", seq_len: Optional[int] = None,
+                        activation_checkpointing: bool = False, loss_chunk: int = 4096,
+                        dtype: torch.dtype = torch.float32) -> "HFCausalLM":
+        """Load a local transformers decoder with ring attention over `group` (registered here);
+        RingAttentionUnsupported when the ring could not compute it exactly."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        check_model(AutoConfig.from_pretrained(path, local_files_only=True), seq_len=seq_len)
+        name = enable_ring_attention(group, backend=backend)
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name, dtype=dtype,
+                                                     local_files_only=True)
+        model.config.use_cache = False  # training: no per-layer copy of the keys and values
+        if activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return cls(model, loss_chunk=loss_chunk)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.loss_head.weight.shape[0])
+
+    def forward(self, input_ids: Tensor, positions: Tensor, segment_ids: Tensor, targets: Tensor,
+                loss_weights: Optional[Tensor] = None):
+        decoder = self.model.get_decoder()
+        out = decoder(input_ids=input_ids, position_ids=positions, use_cache=False, **{SEGMENT_KEY: segment_ids})
+        return self.loss_head(out.last_hidden_state, targets, loss_weights)
+
+    def save_hf(self, out_dir, state: dict[str, Tensor]) -> None:
+        """Write a transformers directory from full weights under this module's names (the model's
+        own names behind "model."; the loss head is the output projection, stored once)."""
+        prefix = "model."
+        own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        self.model.save_pretrained(str(out_dir), state_dict=own, safe_serialization=True)
+
+
 __all__ = [
     "IGNORE_INDEX",
     "PAD_VALUES",
@@ -398,6 +459,7 @@ __all__ = [
     "SEGMENT_KEY",
     "TESTED_MODEL_TYPES",
     "DeferredMask",
+    "HFCausalLM",
     "RingAttentionUnsupported",
     "check_model",
     "document_ids",

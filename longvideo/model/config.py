@@ -49,6 +49,9 @@ class ModelConfig:
     """Block-attention backend: auto = triton on CUDA, cpu otherwise."""
     init_std: float = 0.02
     """Standard deviation of the weight initialisation."""
+    hf_path: str = ""
+    """A local transformers decoder directory (Llama, Mistral, Qwen2 families) that `longvideo train`
+    trains with ring attention instead of the project's decoder; its own config then sets the shape."""
     head_dim: int = field(init=False)
     """Derived: dim // n_heads."""
 

@@ -5,6 +5,7 @@ Layout of a run directory:
     OUT/checkpoints/step_000123/      one checkpoint (complete, or absent)
         config.yaml                   the root Config               } a project checkpoint:
         model.safetensors             full fp32 weights, own names  } what export / chat read
+        hf/                           instead, with model.hf_path: a transformers directory
         trainer_state.json            step, schedule, counters, world shape
         loader/rank_00000.json        data position of each rank
         rng/rank_00000.{json,safetensors}   Python / NumPy / torch RNG states of each rank
@@ -40,6 +41,8 @@ from longvideo.checkpoint import (CHECKPOINTS, CONFIG_FILE, LATEST, latest_check
 from longvideo.config import save_config
 
 STATE_FILE = "trainer_state.json"
+HF_DIR = "hf"
+"""With model.hf_path, the weights of a checkpoint are this transformers directory inside it."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -164,7 +167,10 @@ def save_training_checkpoint(*, engine, cfg, run_dir: Path, step: int, rank: int
     write_json(tmp / "rng" / f"rank_{rank:05d}.json", meta)
     save_file(tensors, str(tmp / "rng" / f"rank_{rank:05d}.safetensors"))
     if rank == 0:
-        if weights is not None:
+        if weights is not None and cfg.model.hf_path:  # a transformers model: a transformers directory
+            engine.module.save_hf(tmp / HF_DIR, weights)
+            save_config(cfg, tmp / CONFIG_FILE)
+        elif weights is not None:
             save_project_checkpoint(tmp, weights, cfg)
         else:
             save_config(cfg, tmp / CONFIG_FILE)

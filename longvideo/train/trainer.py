@@ -43,6 +43,7 @@ import torch.distributed as dist
 from longvideo.config import Config, save_config
 from longvideo.configtools import ConfigError, to_dict
 from longvideo.data.loader import make_loader
+from longvideo.hf import HFCausalLM, RingAttentionUnsupported
 from longvideo.model import Transformer
 from longvideo.parallel import Mesh, parallelize, shard_batch
 from longvideo.parallel.loss import loss_scale
@@ -174,14 +175,17 @@ class Trainer:
         import deepspeed  # heavy: imported once the config and data have been checked
 
         torch.manual_seed(tc.seed)  # identical initial weights on every rank
-        # built on the rank's own device: a 7B model never sits in host memory once per rank
-        build_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        with build_device or contextlib.nullcontext():
-            model = Transformer(cfg.model)
         init_from = init_from if init_from is not None else (tc.init_from or None)
-        if init_from and self.resume_from is None:
-            self._load_init_weights(model, init_from)
-        parallelize(model, self.mesh)
+        if cfg.model.hf_path:  # a transformers decoder: ring attention comes in through its attention interface
+            model = self._load_hf(init_from)
+        else:
+            # built on the rank's own device: a 7B model never sits in host memory once per rank
+            build_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+            with build_device or contextlib.nullcontext():
+                model = Transformer(cfg.model)
+            if init_from and self.resume_from is None:
+                self._load_init_weights(model, init_from)
+            parallelize(model, self.mesh)
         self.optimizer = SkippableAdamW(self._param_groups(model), lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2),
                                         eps=tc.adam_eps, weight_decay=tc.weight_decay)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=ds_config,
@@ -230,6 +234,29 @@ class Trainer:
         if self.rank == 0:
             print(f"initialised from {path} (its rope_theta {old.model.rope_theta:g}, now "
                   f"{self.cfg.model.rope_theta:g})", flush=True)
+
+    def _load_hf(self, init_from: Optional[str]) -> HFCausalLM:
+        """The transformers decoder of model.hf_path with ring attention over the sp group."""
+        cfg, tc = self.cfg, self.cfg.train
+        path = cfg.model.hf_path
+        if not Path(path).is_dir():
+            raise ConfigError("model.hf_path", f"not a directory: {path}")
+        if init_from:
+            raise ConfigError("train.init_from", "with model.hf_path the run starts from that model's weights")
+        try:
+            model = HFCausalLM.from_pretrained(path, self.mesh.sp_group, backend=cfg.parallel.backend,
+                                               seq_len=cfg.data.seq_len,
+                                               activation_checkpointing=cfg.model.activation_checkpointing,
+                                               loss_chunk=cfg.model.loss_chunk)
+        except RingAttentionUnsupported as e:
+            raise ConfigError("model.hf_path", str(e)) from None
+        shards = tc.data_source == "shards" or (tc.data_source == "auto" and cfg.data.train_shards)
+        need = cfg.model.vocab_size if shards else (tc.synthetic_vocab or cfg.model.text_vocab_size)
+        if model.vocab_size < need:
+            raise ConfigError("model.hf_path", f"{path} predicts {model.vocab_size} ids, but the data uses {need} "
+                                               "(text, the vision tokens and the VQ codes): extend its vocabulary "
+                                               "with `longvideo import-hf` and train the project checkpoint instead")
+        return model
 
     @staticmethod
     def _param_groups(model) -> list[dict]:
