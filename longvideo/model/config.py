@@ -50,8 +50,7 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the weight initialisation."""
     hf_path: str = ""
-    """A local transformers decoder directory (Llama, Mistral, Qwen2 families) that `longvideo train`
-    trains with ring attention instead of the project's decoder; its own config then sets the shape."""
+    """A transformers decoder directory (Llama, Mistral, Qwen2) that `longvideo train` trains instead (docs/hf.md)."""
     head_dim: int = field(init=False)
     """Derived: dim // n_heads."""
 
