@@ -55,6 +55,55 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+# ------------------------------------------------------------------------------------------- report
+# Read by run_benchmarks.py to build docs/benchmarks.md: the title, what is measured, the detail docs
+# under docs/ (the first that exists is linked), the targets (the summary rows while nothing is
+# measured) and report(), which turns this script's JSON into a table, the targets met or not, and
+# notes.
+
+from benchreport import Section, Target, yes_no  # noqa: E402
+
+TITLE = "Ring attention inside transformers models"
+MEASURES = ("Longest trainable context of a SmolLM-135M-shape transformers Llama (fewer layers on CPU) under a "
+            "per-rank memory budget, with attn_implementation='ring' at W = 1, 2, 4 against 'sdpa', and tokens/s, "
+            "in one run.")
+DOCS = ["hf.md"]
+TARGETS = [Target("hf: context of ring W = 4 vs sdpa, same per-rank budget", ">= 3.6x (W x 0.9)")]
+
+
+def report(result: dict) -> Section:
+    """The table of one result JSON, and the context target: ring W = 4 against sdpa under one budget."""
+    systems = result["systems"]
+    base = next((s for s in systems if s["system"] == "sdpa"), None)
+    steps = len(systems[0]["throughput"]["steps_s"]) if systems else 0
+    load = ", ".join(f"{x:.1f}" for x in result["machine"]["loadavg_before"])
+    head = (f"{result['model']}; budget {result['budget_gb']:g} GiB per rank; tokens/s at S = {result['seq']:,}, "
+            f"fastest of {steps} step(s) ({result['machine']['cores']} cores shared by all ranks, load average "
+            f"{load} before the run).")
+    columns = ("| system | ranks | peak per rank at the measured S (MiB) | KiB per token per rank | longest S in budget "
+               "| vs sdpa | tokens/s (wall) | tokens per CPU s | vs sdpa (CPU) |")
+    lines = [head, "", columns, "|---|---|---|---|---|---|---|---|---|"]
+    for s in systems:
+        peaks = "; ".join(f"{S:,}: {m:,.0f}" for S, m in zip(s["seqs"], s["peak_mib_per_rank"]))
+        ctx, tps, tpc = s["context_at_budget"], s["throughput"]["tokens_per_s"], s["throughput"]["tokens_per_cpu_s"]
+        rc = f"{ctx / base['context_at_budget']:.2f}x" if base else "-"
+        rt = f"{tpc / base['throughput']['tokens_per_cpu_s']:.2f}x" if base else "-"
+        lines.append(f"| {s['system']} | {s['ranks']} | {peaks} | {s['fit']['kib_per_token']:,.0f} | {ctx:,.0f} | {rc} "
+                     f"| {tps:,.1f} | {tpc:,.1f} | {rt} |")
+    table = "\n".join(lines[2:])
+    t = Target(TARGETS[0].what, TARGETS[0].goal)
+    w4 = next((x for x in systems if x["system"] == "ring W=4"), None)
+    if base and w4:
+        r = w4["context_at_budget"] / base["context_at_budget"]
+        t.figure = f"{r:.2f}x ({w4['context_at_budget']:,.0f} vs {base['context_at_budget']:,.0f} tokens)"
+        t.met = yes_no(r >= 3.6)
+    else:
+        t.figure, t.met = "no ring W=4 and sdpa run in the JSON", "unknown"
+    return Section(table, [t], [lines[0]])
+
+
+
+
 SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
             rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=1 << 22)
 
@@ -245,28 +294,6 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def report(result: dict) -> str:
-    """A markdown table of one result JSON."""
-    systems = result["systems"]
-    base = next((s for s in systems if s["system"] == "sdpa"), None)
-    steps = len(systems[0]["throughput"]["steps_s"]) if systems else 0
-    load = ", ".join(f"{x:.1f}" for x in result["machine"]["loadavg_before"])
-    head = (f"{result['model']}; budget {result['budget_gb']:g} GiB per rank; tokens/s at S = {result['seq']:,}, "
-            f"fastest of {steps} step(s) ({result['machine']['cores']} cores shared by all ranks, load average "
-            f"{load} before the run).")
-    columns = ("| system | ranks | peak per rank at the measured S (MiB) | KiB per token per rank | longest S in budget "
-               "| vs sdpa | tokens/s (wall) | tokens per CPU s | vs sdpa (CPU) |")
-    lines = [head, "", columns, "|---|---|---|---|---|---|---|---|---|"]
-    for s in systems:
-        peaks = "; ".join(f"{S:,}: {m:,.0f}" for S, m in zip(s["seqs"], s["peak_mib_per_rank"]))
-        ctx, tps, tpc = s["context_at_budget"], s["throughput"]["tokens_per_s"], s["throughput"]["tokens_per_cpu_s"]
-        rc = f"{ctx / base['context_at_budget']:.2f}x" if base else "-"
-        rt = f"{tpc / base['throughput']['tokens_per_cpu_s']:.2f}x" if base else "-"
-        lines.append(f"| {s['system']} | {s['ranks']} | {peaks} | {s['fit']['kib_per_token']:,.0f} | {ctx:,.0f} | {rc} "
-                     f"| {tps:,.1f} | {tpc:,.1f} | {rt} |")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=2, help="decoder layers (SmolLM-135M has 30)")
@@ -323,7 +350,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out.with_suffix(".png"))
-    print(report(result))
+    print(report(result).table)
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
