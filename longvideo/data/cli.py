@@ -62,7 +62,8 @@ def tokenize_main(argv: list[str]) -> int:
     p.add_argument("--fps", type=float, default=None, help=f"frames per second to sample (default {d.fps})")
     p.add_argument("--max-frames", type=int, default=None, help=f"frame cap per video (default {d.max_frames})")
     p.add_argument("--max-resolution", type=int, default=None, help=f"longest frame side accepted (default {d.max_resolution})")
-    p.add_argument("--batch-frames", type=int, default=d.batch_frames, help="frames per VQ forward")
+    p.add_argument("--batch-frames", type=int, default=None,
+                   help=f"frames per VQ forward (default: the config's infer.encode_batch_frames, else {d.batch_frames})")
     p.add_argument("--backend", choices=["auto", "decord", "pyav"], default=None,
                    help=f"video decoder (default {d.backend} = pyav; decord runs in a child process)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
@@ -70,13 +71,14 @@ def tokenize_main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.ERROR if a.quiet else logging.WARNING, format="%(levelname)s %(message)s")
     base = d
     if a.config:
-        dc = load_config(a.config).data
+        root = load_config(a.config)
+        dc = root.data
         base = TokenizeOptions(fps=dc.fps, max_frames=dc.max_frames, max_resolution=dc.max_resolution,
-                               batch_frames=d.batch_frames, backend=dc.video_backend)
+                               batch_frames=root.infer.encode_batch_frames, backend=dc.video_backend)
     opts = TokenizeOptions(fps=a.fps if a.fps is not None else base.fps,
                            max_frames=a.max_frames if a.max_frames is not None else base.max_frames,
                            max_resolution=a.max_resolution if a.max_resolution is not None else base.max_resolution,
-                           batch_frames=a.batch_frames,
+                           batch_frames=a.batch_frames if a.batch_frames is not None else base.batch_frames,
                            backend=a.backend if a.backend is not None else base.backend)
     if opts.fps <= 0 or (opts.max_frames is not None and opts.max_frames <= 0) or opts.batch_frames <= 0:
         p.error("--fps, --max-frames and --batch-frames must be positive")

@@ -32,6 +32,7 @@ import signal
 import socket
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -173,6 +174,10 @@ class Trainer:
         self.loader = batches if batches is not None else self._make_loader()
 
         import deepspeed  # heavy: imported once the config and data have been checked
+
+        # DeepSpeed 0.19 calls collectives torch 2.14 renamed: one warning per call, every step
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)")
 
         torch.manual_seed(tc.seed)  # identical initial weights on every rank
         init_from = init_from if init_from is not None else (tc.init_from or None)
