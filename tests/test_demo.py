@@ -71,3 +71,25 @@ def test_finished_step_reads_the_latest_complete_checkpoint(tmp_path):
     assert finished_step(run) == 40
     (ckpts / "latest").write_text("step_000080\n")
     assert finished_step(run) == 80
+
+
+def test_hour_plan_fits_an_hour_in_its_last_stage():
+    """The hour demo's plan: its longest videos fit the last rung of its ladder, which runs on the
+    ring (sp = 2) with a raised RoPE theta; its configs exist and agree on the tokenizer's shape."""
+    from longvideo.config import load_config
+    from longvideo.demo import HOUR
+    from longvideo.vq import load_vq_config
+
+    vq, root = load_vq_config(HOUR.vq_config), load_config(HOUR.lm_config)
+    assert (vq.mode, vq.latent_size, vq.temporal_downsample, vq.codebook_size) == \
+        (root.vq.mode, root.vq.latent_size, root.vq.temporal_downsample, root.vq.codebook_size)
+    longest = max(v.max_seconds for v in HOUR.sets)
+    groups = vq.num_groups(longest)  # 1 fps
+    stamps = -(-groups // root.data.timestamp_every) * 8  # "[3599.0s]" and its neighbours: at most 8 ids each
+    tokens = groups * (vq.codes_per_frame + 1) + 2 + stamps + 32  # + <vision> </vision> + the QA text
+    last = HOUR.stages[-1]
+    assert longest == 3600 and tokens <= last.seq_len <= 20_000 and last.sp == 2, (tokens, last)
+    assert [s.rope_theta for s in HOUR.stages] == sorted(s.rope_theta for s in HOUR.stages)
+    assert max(HOUR.needle_lengths) == 3600 and HOUR.eval_sp == 2
+    assert all(n >= 20 for T, n in zip(HOUR.needle_lengths, HOUR.needle_trials) if T <= 900)
+    assert all(n >= 8 for n in HOUR.needle_trials)
