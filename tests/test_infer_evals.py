@@ -12,8 +12,8 @@ from longvideo.data.shards import ShardWriter, token_sample_members
 from longvideo.data.synthetic import SyntheticSpec, make_sample
 from longvideo.checkpoint import save_project_checkpoint
 from longvideo.infer import cli
-from longvideo.infer.evals import (evaluate_qa, evaluate_text_needle, evaluate_video_needle, exact_match,
-                                   haystack_frames, needle_index, substring_match, text_needle_prompt)
+from longvideo.infer.evals import (evaluate_qa, evaluate_text_needle, evaluate_video_needle, evaluate_vq_needle,
+                                   exact_match, haystack_frames, needle_index, substring_match, text_needle_prompt)
 from longvideo.infer.generation import Generation
 from longvideo.vq import encode_video
 
@@ -175,3 +175,21 @@ def test_video_needle_trials_per_length_and_exact_splices(pre):
     vocab = causal.model.cfg.vocab
     got = [t - vocab.vq_offset for t in ids if vocab.vq_offset <= t < vocab.size]
     assert got == codes.reshape(-1).tolist()
+
+
+def test_vq_needle_scores_what_the_decoder_returns(pre, tmp_path, monkeypatch):
+    """The flash is scored on the decoded frame at its own index, per offset in its group: a codec
+    that returns the video unchanged scores 100 %, one that drops the flash 0 %."""
+    from longvideo.infer import evals
+
+    assert evals.nearest_colour(np.full((4, 4, 3), (230, 40, 40), np.uint8), ["red", "blue"]) == "red"
+    causal = tiny_pretrained(max_seq_len=512, mode="causal3d")
+    res = evaluate_vq_needle(causal.vq, num_frames=13, trials=6, progress=False, out_dir=tmp_path)
+    t = causal.vq.cfg.frames_per_group
+    assert set(res["rate_by_offset"]) <= {str(o) for o in range(t)} and 0.0 <= res["rate"] <= 1.0
+    assert (tmp_path / "vq_needle.png").is_file() and (tmp_path / "vq_needle.json").is_file()
+    monkeypatch.setattr(evals, "encode_video", lambda vq, frames, batch_frames: frames.clone())
+    monkeypatch.setattr(evals, "decode_codes", lambda vq, codes: codes)
+    assert evaluate_vq_needle(causal.vq, num_frames=13, trials=6, progress=False)["rate"] == 1.0
+    monkeypatch.setattr(evals, "decode_codes", lambda vq, codes: torch.zeros_like(codes))  # black: no flash
+    assert evaluate_vq_needle(causal.vq, num_frames=13, trials=6, progress=False, colours=("red", "blue"))["rate"] == 0.0

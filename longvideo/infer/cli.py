@@ -20,6 +20,7 @@ import os
 import sys
 import warnings
 from datetime import timedelta
+from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
@@ -30,6 +31,7 @@ from longvideo.data.video import VIDEO_EXTS, VideoError
 from longvideo.infer import evals
 from longvideo.infer.chat import ChatSession, EncodedVideo, encode_video_file, infer_config, load_model
 from longvideo.infer.sp import SequenceParallelEngine, broadcast_array, broadcast_text, comm_device
+from longvideo.vq import load_vq
 
 EXIT_ERROR = 2
 
@@ -222,6 +224,14 @@ def eval_parser() -> argparse.ArgumentParser:
     vn.add_argument("--trials", type=_ints, default=None,
                     help="trials per cell: one number, or one per length (default: one per colour)")
     vn.add_argument("--seed", type=int, default=0)
+    vq = sub.add_parser("vq-needle", help="does a one-frame flash survive the video tokenizer (per offset in a group)")
+    vq.add_argument("--model", required=True, help="a model directory with vq/, or a VQ directory")
+    vq.add_argument("--out", required=True, help="output directory for the JSON and the PNG")
+    vq.add_argument("--frames", type=int, default=120, help="video length in frames (1 fps)")
+    vq.add_argument("--trials", type=int, default=64)
+    vq.add_argument("--seed", type=int, default=0)
+    vq.add_argument("--source-fps", type=int, default=8)
+    vq.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
@@ -235,6 +245,19 @@ def _eval(args) -> int:
     """One process, or every rank of a torchrun world: then each rank runs the same evaluation with
     the prompts' video prefilled by ring attention over all ranks (sp = world size) and decoding
     over the sharded KV cache; rank 0 writes the results."""
+    if args.task == "vq-needle":
+        try:
+            vq = load_vq(args.model) if (Path(args.model) / "config.json").is_file() and \
+                (Path(args.model) / "model.safetensors").is_file() and not (Path(args.model) / "vq").is_dir() \
+                else args.model
+            res = evals.evaluate_vq_needle(vq, num_frames=args.frames, trials=args.trials, seed=args.seed,
+                                           source_fps=args.source_fps, out_dir=args.out, progress=not args.quiet)
+        except _known_errors() as e:
+            return _error("longvideo eval", e)
+        print(f"flash colour after the tokenizer: {res['rate']:.1%} of {res['trials']} "
+              f"(by position in the group: {res['rate_by_offset']})")
+        print(f"wrote {res['json']} and {res['png']}")
+        return 0
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed and not dist.is_initialized():
         device = _device(args.device, int(os.environ.get("LOCAL_RANK", "0")))

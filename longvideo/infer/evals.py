@@ -43,7 +43,7 @@ from longvideo.data.synthetic import COLOURS, NEEDLE_CHOICES, NEEDLE_QUESTION, S
 from longvideo.data.video import VideoError
 from longvideo.infer.chat import ChatSession, EncodedVideo, fit_codes, infer_config, load_model
 from longvideo.infer.generation import Engine, LocalEngine, trim_at_stop
-from longvideo.vq.codec import SplicingEncoder
+from longvideo.vq.codec import SplicingEncoder, decode_codes, encode_video
 
 EngineFactory = Callable[[object], Engine]
 """Builds the engine for a loaded model (default: a LocalEngine with the config's prefill chunk)."""
@@ -405,3 +405,50 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
         grid, list(lengths), [f"{d:.2f}" for d in depths], p,
         title=f"Video needle retrieval (chance {result['chance']:.2f})", xlabel="video length (frames at 1 fps)",
         ylabel="needle depth"))
+
+
+# ----------------------------------------------------------------------------- the needle through the tokenizer
+
+def nearest_colour(frame: np.ndarray, colours: Sequence[str]) -> str:
+    """The needle colour closest (RGB distance) to a frame's mean colour."""
+    mean = frame.reshape(-1, 3).astype(np.float64).mean(0)
+    return min(colours, key=lambda c: float(((mean - np.asarray(COLOURS[c], np.float64)) ** 2).sum()))
+
+
+def evaluate_vq_needle(vq, *, num_frames: int = 120, trials: int = 32, seed: int = 0, source_fps: int = 8,
+                       colours: Optional[Sequence[str]] = None, batch_frames: int = 64,
+                       out_dir: Optional[str | Path] = None, progress: bool = True) -> dict:
+    """Does a one-frame flash survive the video tokenizer? For each trial, a background (like the
+    needle evaluation's) gets a full-frame flash at a random frame; the video is encoded, decoded,
+    and the decoded frame at the flash's index is given the nearest needle colour. Rates are per
+    position of the flash inside its code group (causal3d: frame 0 is alone, then groups of t;
+    2d: every frame is its own group), so a tokenizer that loses flashes at some offsets shows it.
+
+    vq: a VQModel, or a model directory whose vq/ is used. Returns rate, per-offset rates, cells.
+    """
+    if isinstance(vq, (str, Path)):
+        vq = load_model(vq).vq
+    colours = list(colours or NEEDLE_CHOICES)
+    size, rng = vq.cfg.resolution, np.random.default_rng(seed)
+    groups = vq.group_frame_index(num_frames)
+    offset_of = {k: g.index(k) for g in groups for k in g}
+    cells = []
+    for trial in tqdm(range(trials), desc="needle through the VQ", disable=not progress):
+        frames = haystack_frames(num_frames, size, seed + 7919 * (trial + 1), source_fps)
+        k = int(rng.integers(1, num_frames))  # frame 0 of causal3d is a group of its own: counted apart
+        c = colours[trial % len(colours)]
+        frames[k] = np.asarray(COLOURS[c], np.uint8)
+        codes = encode_video(vq, torch.from_numpy(frames), batch_frames=batch_frames)
+        decoded = decode_codes(vq, codes)[:num_frames].numpy()
+        got = nearest_colour(decoded[k], colours)
+        cells.append({"trial": trial, "frame": k, "offset_in_group": offset_of[k], "colour": c, "decoded": got,
+                      "correct": got == c})
+    offsets = sorted({x["offset_in_group"] for x in cells})
+    per = {o: float(np.mean([x["correct"] for x in cells if x["offset_in_group"] == o])) for o in offsets}
+    result = {"task": "vq_needle", "frames": num_frames, "trials": trials, "vq_mode": vq.cfg.mode,
+              "frames_per_group": vq.cfg.frames_per_group, "rate": float(np.mean([x["correct"] for x in cells])),
+              "rate_by_offset": {str(o): r for o, r in per.items()}, "cells": cells}
+    return _write(result, out_dir, "vq_needle", lambda p: save_heatmap(
+        np.asarray([[per[o] for o in offsets]]), [str(o) for o in offsets], ["decoded"], p,
+        title=f"Flash colour after the tokenizer ({result['rate']:.1%} of {trials})",
+        xlabel="flash frame's position in its code group", ylabel=""))
