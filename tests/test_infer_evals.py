@@ -179,7 +179,7 @@ def test_video_needle_trials_per_length_and_exact_splices(pre):
 
 def test_vq_needle_scores_what_the_decoder_returns(pre, tmp_path, monkeypatch):
     """The flash is scored on the decoded frame at its own index, per offset in its group: a codec
-    that returns the video unchanged scores 100 %, one that drops the flash 0 %."""
+    that returns the video unchanged scores 100 %, one that swaps red and blue 0 %."""
     from longvideo.infer import evals
 
     assert evals.nearest_colour(np.full((4, 4, 3), (230, 40, 40), np.uint8), ["red", "blue"]) == "red"
@@ -191,5 +191,5 @@ def test_vq_needle_scores_what_the_decoder_returns(pre, tmp_path, monkeypatch):
     monkeypatch.setattr(evals, "encode_video", lambda vq, frames, batch_frames: frames.clone())
     monkeypatch.setattr(evals, "decode_codes", lambda vq, codes: codes)
     assert evaluate_vq_needle(causal.vq, num_frames=13, trials=6, progress=False)["rate"] == 1.0
-    monkeypatch.setattr(evals, "decode_codes", lambda vq, codes: torch.zeros_like(codes))  # black: no flash
+    monkeypatch.setattr(evals, "decode_codes", lambda vq, codes: codes.flip(-1))  # RGB -> BGR: red and blue swap
     assert evaluate_vq_needle(causal.vq, num_frames=13, trials=6, progress=False, colours=("red", "blue"))["rate"] == 0.0
