@@ -137,8 +137,33 @@ def _check_resume(cfg: VQConfig, out: Path) -> None:
                          + "; pass resume=False (--no-resume) or another output directory")
 
 
+def random_crops(x: torch.Tensor, size: int, gen: torch.Generator) -> torch.Tensor:
+    """A random square crop of each frame (B, S, S, 3) or clip (B, L, S, S, 3), resized to size x size.
+
+    The side is uniform in [size, S] (the whole frame included), the position uniform; all frames of
+    a clip share one crop, as one camera would. Shrinking is antialiased (bilinear).
+    """
+    s = x.shape[-2]
+    if s == size:
+        return x
+    out = []
+    for item in x:
+        c = int(torch.randint(min(size, s), s + 1, (1,), generator=gen))
+        y0, x0 = (int(v) for v in torch.randint(s - c + 1, (2,), generator=gen))
+        crop = item[..., y0: y0 + c, x0: x0 + c, :]
+        if c != size:
+            f = crop.reshape(-1, c, c, 3).permute(0, 3, 1, 2).float()
+            f = torch.nn.functional.interpolate(f, size=(size, size), mode="bilinear", antialias=True,
+                                                align_corners=False)
+            crop = f.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).reshape(
+                *item.shape[:-3], size, size, 3)
+        out.append(crop)
+    return torch.stack(out)
+
+
 class _Batches:
-    """Random training batches: uint8 frames (B, H, W, 3) or clips (B, L, H, W, 3), flipped at random."""
+    """Random training batches: uint8 frames (B, H, W, 3) or clips (B, L, H, W, 3), cropped
+    (when the frames are kept larger than the resolution: crop_scale) and flipped at random."""
 
     def __init__(self, src: FrameSource, cfg: VQConfig, gen: torch.Generator):
         self.src, self.cfg, self.gen = src, cfg, gen
@@ -150,6 +175,7 @@ class _Batches:
             x = self.src.sample_frames(cfg.batch_size, self.gen)
         else:
             x = self.src.sample_clips(cfg.batch_size, self.clip_len, self.gen)
+        x = random_crops(x, cfg.resolution, self.gen)
         flip = torch.rand(x.shape[0], generator=self.gen) < 0.5
         x[flip] = x[flip].flip(-2)  # horizontal flip (W is the second-last dim)
         return x
