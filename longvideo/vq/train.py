@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,10 @@ from longvideo.vq.config import VQConfig
 from longvideo.vq.discriminator import PatchDiscriminator, adaptive_weight, hinge_d_loss
 from longvideo.vq.frames import FrameSource, Source, build_frame_source
 from longvideo.vq.model import CONFIG_FILE, VQModel
+from longvideo.vq.monitor import health_warnings, labelled_grid, short_warning
 from longvideo.vq.quantizer import codebook_usage
+
+log = logging.getLogger(__name__)
 
 STATE_FILE = "train_state.pt"
 METRICS_FILE = "metrics.jsonl"
@@ -241,9 +245,15 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
         metrics, recon = evaluate(vq, eval_set)
         metrics = {"step": step, "seconds": round(elapsed, 2), **metrics}
         history.append(metrics)
+        # guard rails: compare with the untrained model (history[0]) and say what to try
+        metrics["warnings"] = health_warnings(history, train_videos=len(src.train), lr=cfg.lr)
+        for w in metrics["warnings"]:
+            log.warning("train-vq: %s (%s)", w, out / "samples" / f"step_{step:07d}.png")
         with open(out / METRICS_FILE, "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        grid = sample_grid(eval_set, recon)
+        grid = labelled_grid(eval_set, recon, step=step, psnr=metrics["psnr"], usage=metrics["usage"],
+                             psnr_untrained=history[0]["psnr"] if step > history[0]["step"] else None,
+                             warnings=metrics["warnings"])
         save_png(grid, out / "samples" / f"step_{step:07d}.png")
         if writer is not None:
             for k in ("psnr", "usage", "perplexity"):
@@ -270,6 +280,18 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
 
     desc = "train-vq" + (f" (stops after {time_budget_s:g} s)" if time_budget_s else "")
     bar = tqdm(total=cfg.steps, initial=step, unit="step", desc=desc, disable=not progress)
+    post: dict[str, str] = {}
+
+    def show(**kw) -> None:
+        # held-out PSNR of the last evaluation (from step 0 on) and any warning stay in the postfix
+        last = history[-1]
+        post.update(kw, heldout=f"{last['psnr']:.1f}dB")
+        post.pop("warn", None)
+        if last.get("warnings"):
+            post["warn"] = short_warning(last["warnings"])
+        bar.set_postfix(post, refresh=True)
+
+    show()
     hist = torch.zeros(cfg.codebook_size, dtype=torch.long)
     vq.train()
     last_eval_step = step if history and history[-1]["step"] == step else -1
@@ -316,7 +338,7 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
             with torch.no_grad():
                 batch_psnr = 10 * math.log10(4.0 / max(err.pow(2).mean().item(), 1e-10))
             used = (hist > 0).float().mean().item()
-            bar.set_postfix(loss=f"{loss.item():.4f}", psnr=f"{batch_psnr:.1f}", usage=f"{used:.2f}")
+            show(loss=f"{loss.item():.4f}", batch_psnr=f"{batch_psnr:.1f}", usage=f"{used:.2f}")
             if writer is not None:
                 writer.add_scalar("train/loss", loss.item(), step)
                 writer.add_scalar("train/rec_loss", rec_loss.item(), step)
@@ -330,6 +352,7 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
         if step % cfg.eval_every == 0:
             run_eval()
             last_eval_step = step
+            show()
         if step % cfg.save_every == 0:
             save()
     bar.close()
