@@ -590,11 +590,26 @@ def fmt_vq(d: dict) -> Section:
     if rows2:
         table += "\n\n" + md_table(["config", "training s", "steps", "held-out PSNR dB (untrained -> trained)",
                                       "codebook used", "codebook perplexity", "codes used"], rows2)
+    real = d.get("training_real") or []
+    if not isinstance(real, list):
+        raise LayoutError("training_real is not a list")
+    rows3 = [[f"`{_req(r, 'name')}`", _num(_req(r, "train_seconds"), ",.0f"), f"{_req(r, 'steps'):,}",
+              f"{_num(r.get('psnr_untrained'), '.1f')} -> {_num(_req(r, 'psnr'), '.1f')}",
+              " / ".join(_num((r.get("thumbnail_psnr") or {}).get(k), ".1f") for k in ("8x8", "16x16")),
+              _num(100 * _req(r, "usage"), ".1f", " %"), _num(r.get("codes_used"), ",.0f")] for r in real]
+    if rows3:
+        table += "\n\n" + md_table(["config (real footage)", "training s", "steps",
+                                      "held-out PSNR dB (untrained -> trained)",
+                                      "8 x 8 / 16 x 16 thumbnail PSNR dB", "codebook used", "codes used"], rows3)
     t = Target(VQ_TARGETS[0].what, VQ_TARGETS[0].goal, met="n/a")
     by = {r["name"]: r for r in thr}
     figs = []
-    for r in trained:
+    for r in trained + real:
         enc = by.get(r["name"], {}).get("encode_fps")
+        if r.get("data") == "real":
+            figs.append(f"`{r['name']}` on real footage: PSNR {r['psnr']:.1f} dB, {100 * r['usage']:.0f} % of "
+                        f"the codebook after {r['train_seconds']:,.0f} s")
+            continue
         figs.append(f"`{r['name']}`: " + (f"{enc:,.0f} frames/s encode, " if enc else "")
                     + f"PSNR {r['psnr']:.1f} dB, {100 * r['usage']:.0f} % of the codebook after "
                     f"{r['train_seconds']:,.0f} s")
@@ -605,11 +620,14 @@ def fmt_vq(d: dict) -> Section:
              "timings. Quality: each trained config starts from scratch on generated moving-shapes videos "
              "and stops at its training-time budget; PSNR and codebook usage are measured on held-out frames. "
              "The baselines are the untrained tokenizer (PSNR) and, for token cost, the 2D per-frame configs "
-             "beside the causal 3D ones."]
+             "beside the causal 3D ones. Real footage: videos over photographs, held out by photograph; "
+             "thumbnails upsampled bicubically are the simple-codec baseline."]
     if not trained:
         notes.append("No training run in this JSON (run without `--skip-train` for the quality columns).")
     images = [(f"held-out frames and reconstructions, {r['name']}", f"vq_{r['name']}_samples.png")
               for r in trained]
+    images += [(f"held-out real frames and reconstructions, {r['name']}", f"vq_{r['name']}_real_samples.png")
+               for r in real]
     return Section(table, [t], notes, images)
 
 
