@@ -87,6 +87,10 @@ def test_health_warnings_thresholds():
     assert "now 0.001" in low[0]
     collapsed = health_warnings([h0, {"step": 50, "psnr": 12.0, "usage": USAGE_FLOOR / 2, "codes_used": 25}])
     assert len(collapsed) == 1 and "codebook collapse" in collapsed[0] and "25 codes" in collapsed[0]
+    # a held-out set of 2,048 codes can use at most a quarter of 8192 codes: 4 % is no collapse
+    h1 = {"step": 9, "psnr": 11.5, "usage": 0.044, "codes_used": 360}
+    assert health_warnings([h0, h1], max_usage=2048 / 8192) == []
+    assert health_warnings([h0, {**h1, "usage": 0.01}], max_usage=2048 / 8192)
 
 
 def test_labelled_grid_shows_psnr_and_warnings():

@@ -26,13 +26,14 @@ def frame_psnrs(orig: torch.Tensor, recon: torch.Tensor) -> torch.Tensor:
     return torch.where(mse > 0, 10 * torch.log10(255.0**2 / mse.clamp_min(1e-12)), torch.full_like(mse, 100.0))
 
 
-def health_warnings(history: list[dict], *, train_videos: int | None = None,
-                    lr: float | None = None) -> list[str]:
+def health_warnings(history: list[dict], *, train_videos: int | None = None, lr: float | None = None,
+                    max_usage: float = 1.0) -> list[str]:
     """Warnings about the last evaluation in `history` (history[0] is the untrained model's).
 
     * held-out PSNR below the untrained model's: the decoder fits its training frames instead of
       learning to code frames (few or near-still training videos, too high a learning rate);
-    * held-out codebook usage below USAGE_FLOOR: the codes carry little information.
+    * held-out codebook usage below USAGE_FLOOR x max_usage: the codes carry little information.
+      max_usage is the most the held-out set can use: min(1, codes it holds / codebook size).
     """
     if len(history) < 2 or history[-1]["step"] <= history[0]["step"]:
         return []
@@ -46,13 +47,14 @@ def health_warnings(history: list[dict], *, train_videos: int | None = None,
                    f"memorising a few training scenes, or diverging). Try more and more varied training videos{few}, random crops "
                    f"(crop_scale=2), a lower lr" + (f" (now {lr:g})" if lr else "")
                    + " or a longer warmup_steps, and look at the sample grid")
-    if last["usage"] < USAGE_FLOOR:
+    floor = USAGE_FLOOR * min(1.0, max_usage)
+    if last["usage"] < floor:
         used = last.get("codes_used")
         out.append(f"codebook collapse: {used if used is not None else '?'} codes "
                    f"({100 * last['usage']:.1f} % of the codebook) used on held-out frames at step "
-                   f"{last['step']}, under {100 * USAGE_FLOOR:.0f} %. Try a lower lr" + (f" (now {lr:g})" if lr else "")
-                   + ", a longer warmup_steps and more varied training videos; with quantizer: vq, "
-                   "quantizer: fsq (it cannot lose codes)")
+                   f"{last['step']}, under {100 * floor:.2g} %. Try a lower lr" + (f" (now {lr:g})" if lr else "")
+                   + ", a longer warmup_steps and more varied training videos (with quantizer: vq, "
+                   "try quantizer: fsq, whose codes cannot die)")
     return out
 
 

@@ -234,6 +234,9 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
     src = build_frame_source(source, cfg, progress=progress)
     batches = _Batches(src, cfg, gen)
     eval_set = batches.eval_set()
+    # codes the held-out set holds: 8 frames of 256 codes can use at most a quarter of 8192 codes
+    groups = eval_set.shape[0] * (cfg.num_groups(eval_set.shape[1]) if cfg.mode == "causal3d" else 1)
+    held_codes = groups * cfg.codes_per_frame
 
     writer = None
     if tensorboard:
@@ -246,7 +249,8 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
         metrics = {"step": step, "seconds": round(elapsed, 2), **metrics}
         history.append(metrics)
         # guard rails: compare with the untrained model (history[0]) and say what to try
-        metrics["warnings"] = health_warnings(history, train_videos=len(src.train), lr=cfg.lr)
+        metrics["warnings"] = health_warnings(history, train_videos=len(src.train), lr=cfg.lr,
+                                              max_usage=held_codes / cfg.codebook_size)
         for w in metrics["warnings"]:
             log.warning("train-vq: %s (%s)", w, out / "samples" / f"step_{step:07d}.png")
         with open(out / METRICS_FILE, "a") as f:
