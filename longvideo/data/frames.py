@@ -4,9 +4,9 @@ sampled as frames or clips.
 Sources: a folder of video files, raw webdataset shards (a directory of .tar, a glob, a brace
 pattern, one .tar, or URLs such as http(s):// and pipe:, streamed), one video file, or in-memory
 videos (a uint8 tensor/array (T, H, W, 3) or a list of them). Videos are sampled at `cfg.fps` with
-`cfg.video_backend` and resized/centre-cropped to the tokenizer's resolution. Unreadable videos
-are skipped and counted. The last video(s) are held out for evaluation (a single video gives its
-last fifth).
+`cfg.video_backend` and resized/centre-cropped to the tokenizer's resolution (crop_scale x
+resolution for training frames, which are then cropped at random). Unreadable videos are skipped
+and counted. The last video(s) are held out for evaluation (a single video gives its last fifth).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _iter_files(source: str, cfg: VQConfig, skipped: dict) -> Iterator[torch.Ten
     """Decoded videos from a path: a video file, a folder of videos, or raw shards."""
     def read(src, where):
         try:
-            clip = read_video(src, fps=cfg.fps, max_frames=cfg.max_frames_per_video, size=cfg.resolution,
+            clip = read_video(src, fps=cfg.fps, max_frames=cfg.max_frames_per_video, size=cfg.train_size,
                               backend=cfg.video_backend)
         except VideoError as e:
             reason = type(e).__name__
@@ -167,7 +167,7 @@ def build_frame_source(source: Source | FrameSource, cfg: VQConfig, *, progress:
     budget = cfg.pool_frames + max(cfg.eval_frames, 1 + cfg.frames_per_group * cfg.clip_groups)
     with tqdm(total=budget, unit="frame", desc="reading videos", disable=not progress) as bar:
         for v in videos_iter:
-            v = _as_video(v, cfg.resolution)
+            v = _as_video(v, cfg.train_size)
             if v.shape[0] == 0:
                 skipped["empty"] = skipped.get("empty", 0) + 1
                 continue
@@ -193,12 +193,17 @@ def split_heldout(videos: list[torch.Tensor], cfg: VQConfig, skipped: dict | Non
         if v.shape[0] < 2:
             raise ValueError("a single one-frame video cannot be split into training and held-out frames")
         cut = max(1, min(v.shape[0] - 1, round(v.shape[0] * 0.8)))
-        return FrameSource([v[:cut]], [v[cut:]], skipped)
+        return FrameSource([v[:cut]], [_eval_size(v[cut:], cfg)], skipped)
     want_videos = min(8, max(1, len(videos) // 10))
     held: list[torch.Tensor] = []
     while len(videos) > 1 and (sum(v.shape[0] for v in held) < cfg.eval_frames or len(held) < want_videos):
         held.insert(0, videos.pop())
-    return FrameSource(videos, held, skipped)
+    return FrameSource(videos, [_eval_size(v, cfg) for v in held], skipped)
+
+
+def _eval_size(v: torch.Tensor, cfg: VQConfig) -> torch.Tensor:
+    """Held-out frames at the tokenizer's resolution (training frames may be larger: crop_scale)."""
+    return v if v.shape[1] == cfg.resolution else resize_crop(v, cfg.resolution)
 
 
 def synthetic_videos(n: int, cfg: VQConfig, *, fps: float = 4.0, seed: int = 0) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,10 @@ from longvideo.vq.codec import frames_to_input, output_to_frames
 from longvideo.vq.config import VQConfig
 from longvideo.vq.discriminator import PatchDiscriminator, adaptive_weight, hinge_d_loss
 from longvideo.vq.model import CONFIG_FILE, VQModel
+from longvideo.vq.monitor import health_warnings, labelled_grid, short_warning
 from longvideo.vq.quantizer import codebook_usage
+
+log = logging.getLogger(__name__)
 
 STATE_FILE = "train_state.pt"
 METRICS_FILE = "metrics.jsonl"
@@ -137,8 +141,33 @@ def _check_resume(cfg: VQConfig, out: Path) -> None:
                          + "; pass resume=False (--no-resume) or another output directory")
 
 
+def random_crops(x: torch.Tensor, size: int, gen: torch.Generator) -> torch.Tensor:
+    """A random square crop of each frame (B, S, S, 3) or clip (B, L, S, S, 3), resized to size x size.
+
+    The side is uniform in [size, S] (the whole frame included), the position uniform; all frames of
+    a clip share one crop, as one camera would. Shrinking is antialiased (bilinear).
+    """
+    s = x.shape[-2]
+    if s == size:
+        return x
+    out = []
+    for item in x:
+        c = int(torch.randint(min(size, s), s + 1, (1,), generator=gen))
+        y0, x0 = (int(v) for v in torch.randint(s - c + 1, (2,), generator=gen))
+        crop = item[..., y0: y0 + c, x0: x0 + c, :]
+        if c != size:
+            f = crop.reshape(-1, c, c, 3).permute(0, 3, 1, 2).float()
+            f = torch.nn.functional.interpolate(f, size=(size, size), mode="bilinear", antialias=True,
+                                                align_corners=False)
+            crop = f.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).reshape(
+                *item.shape[:-3], size, size, 3)
+        out.append(crop)
+    return torch.stack(out)
+
+
 class _Batches:
-    """Random training batches: uint8 frames (B, H, W, 3) or clips (B, L, H, W, 3), flipped at random."""
+    """Random training batches: uint8 frames (B, H, W, 3) or clips (B, L, H, W, 3), cropped
+    (when the frames are kept larger than the resolution: crop_scale) and flipped at random."""
 
     def __init__(self, src: FrameSource, cfg: VQConfig, gen: torch.Generator):
         self.src, self.cfg, self.gen = src, cfg, gen
@@ -150,6 +179,7 @@ class _Batches:
             x = self.src.sample_frames(cfg.batch_size, self.gen)
         else:
             x = self.src.sample_clips(cfg.batch_size, self.clip_len, self.gen)
+        x = random_crops(x, cfg.resolution, self.gen)
         flip = torch.rand(x.shape[0], generator=self.gen) < 0.5
         x[flip] = x[flip].flip(-2)  # horizontal flip (W is the second-last dim)
         return x
@@ -204,6 +234,9 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
     src = build_frame_source(source, cfg, progress=progress)
     batches = _Batches(src, cfg, gen)
     eval_set = batches.eval_set()
+    # codes the held-out set holds: 8 frames of 256 codes can use at most a quarter of 8192 codes
+    groups = eval_set.shape[0] * (cfg.num_groups(eval_set.shape[1]) if cfg.mode == "causal3d" else 1)
+    held_codes = groups * cfg.codes_per_frame
 
     writer = None
     if tensorboard:
@@ -215,9 +248,16 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
         metrics, recon = evaluate(vq, eval_set)
         metrics = {"step": step, "seconds": round(elapsed, 2), **metrics}
         history.append(metrics)
+        # guard rails: compare with the untrained model (history[0]) and say what to try
+        metrics["warnings"] = health_warnings(history, train_videos=len(src.train), lr=cfg.lr,
+                                              max_usage=held_codes / cfg.codebook_size)
+        for w in metrics["warnings"]:
+            log.warning("train-vq: %s (%s)", w, out / "samples" / f"step_{step:07d}.png")
         with open(out / METRICS_FILE, "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        grid = sample_grid(eval_set, recon)
+        grid = labelled_grid(eval_set, recon, step=step, psnr=metrics["psnr"], usage=metrics["usage"],
+                             psnr_untrained=history[0]["psnr"] if step > history[0]["step"] else None,
+                             warnings=metrics["warnings"])
         save_png(grid, out / "samples" / f"step_{step:07d}.png")
         if writer is not None:
             for k in ("psnr", "usage", "perplexity"):
@@ -244,6 +284,18 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
 
     desc = "train-vq" + (f" (stops after {time_budget_s:g} s)" if time_budget_s else "")
     bar = tqdm(total=cfg.steps, initial=step, unit="step", desc=desc, disable=not progress)
+    post: dict[str, str] = {}
+
+    def show(**kw) -> None:
+        # held-out PSNR of the last evaluation (from step 0 on) and any warning stay in the postfix
+        last = history[-1]
+        post.update(kw, heldout=f"{last['psnr']:.1f}dB")
+        post.pop("warn", None)
+        if last.get("warnings"):
+            post["warn"] = short_warning(last["warnings"])
+        bar.set_postfix(post, refresh=True)
+
+    show()
     hist = torch.zeros(cfg.codebook_size, dtype=torch.long)
     vq.train()
     last_eval_step = step if history and history[-1]["step"] == step else -1
@@ -290,7 +342,7 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
             with torch.no_grad():
                 batch_psnr = 10 * math.log10(4.0 / max(err.pow(2).mean().item(), 1e-10))
             used = (hist > 0).float().mean().item()
-            bar.set_postfix(loss=f"{loss.item():.4f}", psnr=f"{batch_psnr:.1f}", usage=f"{used:.2f}")
+            show(loss=f"{loss.item():.4f}", batch_psnr=f"{batch_psnr:.1f}", usage=f"{used:.2f}")
             if writer is not None:
                 writer.add_scalar("train/loss", loss.item(), step)
                 writer.add_scalar("train/rec_loss", rec_loss.item(), step)
@@ -304,6 +356,7 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
         if step % cfg.eval_every == 0:
             run_eval()
             last_eval_step = step
+            show()
         if step % cfg.save_every == 0:
             save()
     bar.close()

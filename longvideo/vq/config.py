@@ -124,6 +124,8 @@ class VQConfig:
     """Video decoder: auto = pyav (in this process); decord runs in a child process (a crash skips the video)."""
     pool_frames: int = 4096
     """Most training frames kept in memory (videos are read once, then sampled from RAM)."""
+    crop_scale: float = 1.0
+    """Training frames are kept at crop_scale x resolution; each sample is a random square crop of side resolution to crop_scale x resolution, resized to resolution (1 = whole frames)."""
 
     def __post_init__(self):
         check(self.arch in ("longvideo", "lwm-vqgan"), "arch", "must be longvideo or lwm-vqgan")
@@ -183,6 +185,12 @@ class VQConfig:
                     "pool_frames"):
             check(getattr(self, key) >= 1, key, "must be >= 1")
         check(self.fps > 0, "fps", "must be positive")
+        check(1.0 <= self.crop_scale <= 4.0, "crop_scale", f"must be in [1, 4], got {self.crop_scale}")
+
+    @property
+    def train_size(self) -> int:
+        """Side of the training frames kept in memory: round(crop_scale x resolution)."""
+        return max(self.resolution, round(self.crop_scale * self.resolution))
 
     @property
     def latent_size(self) -> int:
