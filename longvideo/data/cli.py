@@ -29,6 +29,8 @@ def make_data_main(argv: list[str]) -> int:
     s.add_argument("--long-seconds", type=int, default=d.long_seconds, help="duration of a long video")
     s.add_argument("--needle-fraction", type=float, default=d.needle_fraction,
                    help="fraction of videos with a flash frame and its question")
+    s.add_argument("--flashes-per-minute", type=float, default=0.0,
+                   help="extra one-second flashes with no question (tokenizer training data)")
     s.add_argument("--needle-at", type=float, default=None,
                    help="needle depth in [0, 1] (0 = first second, 1 = last; default: random)")
     s.add_argument("--samples-per-shard", type=int, default=64)
@@ -38,7 +40,8 @@ def make_data_main(argv: list[str]) -> int:
     try:
         spec = SyntheticSpec(size=a.size, fps=a.fps, min_seconds=a.min_seconds, max_seconds=a.max_seconds,
                              long_fraction=a.long_fraction, long_seconds=a.long_seconds,
-                             needle_fraction=a.needle_fraction, needle_at=a.needle_at)
+                             needle_fraction=a.needle_fraction, needle_at=a.needle_at,
+                             flashes_per_minute=a.flashes_per_minute)
     except ValueError as e:
         p.error(str(e))
     paths = write_synthetic_shards(a.out, a.n, seed=a.seed, spec=spec, samples_per_shard=a.samples_per_shard,

@@ -234,6 +234,9 @@ class SyntheticSpec:
     """Keyframe interval of the written mp4."""
     needle_at: Optional[float] = None
     """Depth of the needle in [0, 1] (0 = first second, 1 = last); None draws it at random."""
+    flashes_per_minute: float = 0.0
+    """Extra one-second flashes of random colours, with no question about them (tokenizer training
+    data: a tokenizer that rarely sees a flash learns to drop it)."""
 
     def __post_init__(self):
         if self.size <= 0 or self.size % 2:
@@ -249,6 +252,8 @@ class SyntheticSpec:
             raise ValueError(f"scene_seconds must satisfy 1 <= lo <= hi, got {self.scene_seconds}")
         if self.needle_at is not None and not 0.0 <= self.needle_at <= 1.0:
             raise ValueError(f"needle_at must be in [0, 1], got {self.needle_at}")
+        if self.flashes_per_minute < 0:
+            raise ValueError(f"flashes_per_minute must be >= 0, got {self.flashes_per_minute}")
         for name in ("long_fraction", "needle_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
@@ -264,6 +269,11 @@ class SyntheticSample:
     scenes: list[tuple[int, int, Shape]]  # (start second, end second, shape)
     needle: Optional[tuple[int, str]]  # (second, colour)
     meta: dict = field(default_factory=dict)
+    flashes: list[tuple[int, str]] = field(default_factory=list)  # extra (second, colour), no question
+
+    def _painted(self) -> list[tuple[int, str]]:
+        """Every full-frame flash, the needle last (it wins where they meet)."""
+        return self.flashes + ([self.needle] if self.needle is not None else [])
 
     @property
     def num_frames(self) -> int:
@@ -278,8 +288,7 @@ class SyntheticSample:
             a, b = max(start, s0 * fps), min(stop, s1 * fps)
             if a < b:  # each scene's shape starts moving at the scene's first frame
                 out[a - start: b - start] = render_shapes([shape], a - s0 * fps, b - s0 * fps, size)
-        if self.needle is not None:
-            sec, colour = self.needle
+        for sec, colour in self._painted():
             a, b = max(start, sec * fps), min(stop, (sec + 1) * fps)
             if a < b:
                 out[a - start: b - start] = np.asarray(COLOURS[colour], np.uint8)
@@ -299,8 +308,7 @@ class SyntheticSample:
                 part = out[sel]
                 part[mask] = np.asarray(COLOURS[shape.colour], np.uint8)
                 out[sel] = part
-        if self.needle is not None:
-            sec, colour = self.needle
+        for sec, colour in self._painted():
             out[(idx >= sec * fps) & (idx < (sec + 1) * fps)] = np.asarray(COLOURS[colour], np.uint8)
         return out
 
@@ -358,7 +366,15 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
     if needle is not None:
         meta["needle"] = {"start": float(needle[0]), "end": float(needle[0] + 1), "colour": needle[1],
                           "depth": needle[0] / duration}
-    return SyntheticSample(key=key, spec=spec, duration=duration, scenes=scenes, needle=needle, meta=meta)
+    flashes = []
+    if spec.flashes_per_minute > 0:  # a stream of its own: the rest of the sample is as without flashes
+        frng = np.random.default_rng([seed, index, 1])
+        n = int(frng.poisson(spec.flashes_per_minute * duration / 60))
+        seconds = sorted(set(int(x) for x in frng.integers(0, duration, n)) - ({needle[0]} if needle else set()))
+        flashes = [(t, NEEDLE_CHOICES[int(frng.integers(len(NEEDLE_CHOICES)))]) for t in seconds]
+        meta["flashes"] = [{"start": float(t), "end": float(t + 1), "colour": c} for t, c in flashes]
+    return SyntheticSample(key=key, spec=spec, duration=duration, scenes=scenes, needle=needle, meta=meta,
+                           flashes=flashes)
 
 
 # ----------------------------------------------------------------------------- shards
