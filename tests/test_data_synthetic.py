@@ -72,3 +72,20 @@ def test_long_videos_and_raw_reading(tmp_path):
     (sample,) = list(iter_raw_samples(path, stats))
     assert stats.skipped == 0 and sample.meta["duration"] == 30.0
     assert len(read_video(sample.video, fps=1.0)) == 30
+
+
+def test_extra_flashes_leave_the_rest_of_the_sample_unchanged():
+    """flashes_per_minute paints one-second full-frame flashes (tokenizer training data) from a random
+    stream of its own: the scenes, the needle, the QA and every other frame are those without them."""
+    import dataclasses
+
+    plain = SyntheticSpec(fps=2, min_seconds=90, max_seconds=90, long_fraction=0.0, needle_fraction=1.0)
+    a = make_sample(4, 2, plain)
+    b = make_sample(4, 2, dataclasses.replace(plain, flashes_per_minute=12))
+    assert {k: v for k, v in b.meta.items() if k != "flashes"} == a.meta and len(b.flashes) > 5
+    fa, fb = a.frames(), b.frames()
+    changed = sorted({int(i) // 2 for i in np.nonzero((fa != fb).reshape(len(fa), -1).any(1))[0]})
+    assert changed == sorted(t for t, _ in b.flashes)  # every flash second, nothing else
+    for t, c in b.flashes:
+        assert (fb[2 * t] == np.asarray(COLOURS[c], np.uint8)).all()
+    assert (b.frames_at(np.arange(len(fb))) == fb).all()
