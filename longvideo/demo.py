@@ -52,6 +52,8 @@ class VideoSet:
     long_fraction: float = 0.0
     """Fraction of the videos that last long_seconds instead."""
     long_seconds: int = 60
+    flashes_per_minute: float = 0.0
+    """Extra flashes with no question (a set the video tokenizer trains on)."""
 
 
 @dataclass(frozen=True)
@@ -207,7 +209,8 @@ class Demo:
             self.lv("make-data", "synthetic", "--out", self.out / "data" / v.name, "--n", v.n, "--seed", v.seed,
                     "--fps", self.plan.source_fps, "--min-seconds", v.min_seconds, "--max-seconds", v.max_seconds,
                     "--long-fraction", v.long_fraction, "--long-seconds", v.long_seconds,
-                    "--needle-fraction", self.plan.needle_fraction, "--samples-per-shard", 64, "--workers", 2,
+                    "--needle-fraction", self.plan.needle_fraction, "--flashes-per-minute", v.flashes_per_minute,
+                    "--samples-per-shard", 64, "--workers", 2,
                     *(["--quiet"] if self.quiet else []))
         (self.out / "data/.done").touch()
 
@@ -226,7 +229,8 @@ class Demo:
                 "--no-tensorboard", *(["--quiet"] if self.quiet else []))
 
     def tokenize(self) -> None:
-        for v in self.plan.sets:
+        used = {name for st in self.plan.stages for name in st.sets} | {self.plan.held_out}
+        for v in (v for v in self.plan.sets if v.name in used):  # a set only the VQ trains on is not tokenized
             self.lv("tokenize", "--vq", self.out / "vq", "--in", self.out / "data" / v.name,
                     "--out", self.out / "tokens" / v.name, "--config", self.plan.lm_config, "--workers", 2,
                     *(["--quiet"] if self.quiet else []))
