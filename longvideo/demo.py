@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from longvideo.checkpoint import latest_checkpoint
+from longvideo.config import load_config
 from longvideo.data.synthetic import SyntheticSpec, make_sample, text_corpus
 from longvideo.export import LongVideoProcessor
 from longvideo.tokenizer import TextTokenizer
@@ -72,6 +73,14 @@ class Stage:
     """Ring size: the row is sharded over sp processes (the rest of the processes is dp)."""
     lr: float = 1e-3
     """Peak learning rate."""
+    config: str = ""
+    """A stage config (configs/stages/*.yaml) the run starts from; the fields above then come from it."""
+
+    @classmethod
+    def from_config(cls, config: str, sets: tuple[str, ...]) -> "Stage":
+        """A rung as a shipped stage config describes it (the config stays the one source)."""
+        c = load_config(config)
+        return cls(c.data.seq_len, c.train.steps, c.model.rope_theta, sets, c.parallel.sp, c.train.lr, config)
 
 
 @dataclass(frozen=True)
@@ -138,11 +147,11 @@ times the rows the needle does (measured in one process on this data: 1,000 rows
 100 % but the last shape's colour 28 %; 3,000 rows give 98 % and 88 %)."""
 HOUR = DemoPlan(
     sets=(VideoSet("short", 320, 10, 60, 240), VideoSet("mid", 48, 11, 300, 900), VideoSet("long", 16, 12, 1800, 3600),
-          VideoSet("test", 32, 13, 60, 240)),
-    held_out="test", source_fps=1, lm_config="hour", vq_config="vq/causal3d-hour.yaml", vq_set="short",
+          VideoSet("test", 32, 13, 60, 240), VideoSet("vq", 240, 14, 60, 240, flashes_per_minute=10.0)),
+    held_out="test", source_fps=1, lm_config="hour", vq_config="vq/causal3d-hour.yaml", vq_set="vq",
     vq_seconds=480.0, vq_steps=3000, tokenizer_vocab=384,
-    stages=(Stage(2048, 800, 1e4, ("short",), sp=1), Stage(4096, 150, 1e5, ("short", "mid"), lr=1e-3 / 3),
-            Stage(16384, 40, 1e6, ("mid", "long"), lr=1e-3 / 3)),
+    stages=(Stage.from_config("stages/hour-2k", ("short",)), Stage.from_config("stages/hour-4k", ("short", "mid")),
+            Stage.from_config("stages/hour-20k", ("mid", "long"))),
     eval_samples=32, needle_lengths=(60, 300, 900, 1800, 3600), needle_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
     needle_trials=(20, 20, 20, 8, 8), eval_sp=2, chat_seconds=3600)
 """`make demo-hour`: hour-long videos in one context (about 15.6K tokens per hour)."""
@@ -251,19 +260,20 @@ class Demo:
                 continue
             names = st.sets[0] if len(st.sets) == 1 else "{" + ",".join(st.sets) + "}"
             shards = self.out / "tokens" / names
+            ladder = [] if st.config else [  # a stage config holds these itself
+                f"model.max_seq_len={st.seq_len}", f"model.rope_theta={st.rope_theta}", f"data.seq_len={st.seq_len}",
+                f"parallel.sp={st.sp}", f"train.steps={st.steps}", f"train.warmup_steps={max(1, st.steps // 10)}",
+                f"train.lr={st.lr}", f"train.checkpoint_every={st.steps}", "train.zero_stage=3",
+                "train.micro_batch_size=1", *p.training]
             overrides = [
-                f"model.text_vocab_size={self.text_size()}", f"model.max_seq_len={st.seq_len}",
-                f"model.rope_theta={st.rope_theta}", f"data.seq_len={st.seq_len}",
-                f"data.train_shards={shards}", f"parallel.sp={st.sp}",
-                f"train.steps={st.steps}", f"train.warmup_steps={max(1, st.steps // 10)}",
-                f"train.lr={st.lr}", f"train.checkpoint_every={st.steps}",
+                f"model.text_vocab_size={self.text_size()}", f"data.train_shards={shards}", *ladder,
                 f"train.tokenizer_dir={self.out / 'tokenizer'}", f"train.vq_dir={self.out / 'vq'}",
-                "train.zero_stage=3", f"train.out_dir={run_dir}", "train.micro_batch_size=1", *p.training,
+                f"train.out_dir={run_dir}",
             ]
             if self.quiet:
                 overrides.append("train.progress=false")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p.nproc}",
-                   "-m", "longvideo", "train", "--config", p.lm_config, *overrides]
+                   "-m", "longvideo", "train", "--config", st.config or p.lm_config, *overrides]
             if reached > 0:  # stopped part-way (SIGTERM, a crash): continue from its last checkpoint
                 cmd.append("--resume")
             elif prev is not None:

@@ -1,6 +1,6 @@
 """The hour path at CI size: a 10-minute synthetic video goes through make-data -> tokenize -> sp = 2
 ring training steps at its full length -> sp = 2 prefill and an answer, with the hour tokenizer's
-shape (configs/vq/causal3d-hour.yaml: 16 codes per 4 frames)."""
+shape (configs/vq/causal3d-hour.yaml: 4 codes per frame, causal in time)."""
 
 from __future__ import annotations
 
@@ -59,9 +59,10 @@ def test_tokens_per_minute_follow_the_configuration(hour_run):
     out, cfg = hour_run
     (sample,) = list(iter_token_samples(str(next((out / "tokens").glob("*.tar"))), SkipStats()))
     groups = 1 + math.ceil((MINUTES * 60 - 1) / cfg.temporal_downsample)
-    assert sample.codes.shape == (groups, 4, 4) == (cfg.num_groups(MINUTES * 60), cfg.latent_size, cfg.latent_size)
-    assert sample.timestamps[1] - sample.timestamps[0] == 1.0 and sample.timestamps[2] - sample.timestamps[1] == 4.0
-    # the prompt: <vision> + per group 16 codes and <eof> (<eov> last) + a timestamp every 15 groups + </vision>
+    assert groups == MINUTES * 60  # one group per frame at 1 fps
+    assert sample.codes.shape == (groups, 2, 2) == (cfg.num_groups(MINUTES * 60), cfg.latent_size, cfg.latent_size)
+    assert (sample.timestamps == range(groups)).all()
+    # the prompt: <vision> + per group 4 codes and <eof> (<eov> last) + a timestamp every 60 groups + </vision>
     root = load_config("hour")
     tok = TextTokenizer.from_dir(out / "tokenizer")
     every = root.data.timestamp_every
@@ -69,12 +70,12 @@ def test_tokens_per_minute_follow_the_configuration(hour_run):
                            PromptOptions(timestamp_every=every))
     stamps = sum(len(tok.encode(f"[{sample.timestamps[g]:.1f}s]")) for g in range(0, groups, every))
     vocab = tok.vocab(cfg.codebook_size)
-    assert sum(1 for t in ids if vocab.vq_offset <= t < vocab.size) == groups * 16
-    assert ids.count(vocab.eof) + ids.count(vocab.eov) == groups
-    per_minute = groups * 17 / MINUTES
-    assert 245 <= per_minute <= 260  # 16 codes + one delimiter per 4 s: 255 tokens a minute
-    assert cfg.tokens_per_hour() == 901 * 16 and 901 * 17 + 60 * 6 < 20_000  # an hour stays under 20K tokens
     plain = build_prompt_ids(tok, vocab, sample.codes, sample.timestamps, "Q?", PromptOptions())
+    assert sum(1 for t in ids if vocab.vq_offset <= t < vocab.size) == groups * 4
+    assert ids.count(vocab.eof) + ids.count(vocab.eov) == groups
+    per_minute = (groups * (cfg.codes_per_frame + 1) + stamps) / MINUTES  # codes, delimiters, timestamps
+    assert 300 <= per_minute <= 310  # 4 codes + one delimiter per second, a timestamp a minute
+    assert cfg.tokens_per_hour() == 3600 * 4 and 3600 * 5 + 60 * 8 < 20_000  # an hour stays under 20K tokens
     assert len(ids) == len(plain) + stamps and stamps > 0  # a timestamp every `every` groups, nothing else
 
 
@@ -117,7 +118,7 @@ def test_tokenizing_memory_stays_flat_in_the_video_length(hour_run, tmp_path):
 def test_ring_training_at_full_length_then_ring_prefill_answers(hour_run, tmp_path):
     out, cfg = hour_run
     tok = TextTokenizer.from_dir(out / "tokenizer")
-    seq = 2688  # the 10-minute video's ~2.6K tokens and its QA text in one row
+    seq = 3200  # the 10-minute video's ~3.1K tokens and its QA text in one row
     run = tmp_path / "lm"
     log = _lv("train", "--config", "hour", f"model.text_vocab_size={tok.text_size}", f"model.max_seq_len={seq}",
               f"data.seq_len={seq}", f"data.train_shards={out / 'tokens'}", "parallel.sp=2", "train.steps=2",

@@ -215,13 +215,15 @@ def _copy_rows(f, w, rec: ArrayRecord, name: str, row0: int, dtype: torch.dtype)
 
 
 def _copy_transposed(f, w, rec: ArrayRecord, name: str, row0: int, dtype: torch.dtype) -> None:
-    """A head kernel (dim, vocab) into rows row0.. of `name` (vocab, dim), transposed in blocks."""
+    """A head kernel (dim, vocab) into rows row0.. of `name` (vocab, dim), transposed a block of
+    kernel columns at a time: each block is `dim` short reads, so the peak stays one block, never
+    the whole kernel."""
     dim, vocab = rec.shape
-    kernel = read_elements(f, rec).view(dim, vocab)
     step = max(1, BLOCK_BYTES // max(1, dim * rec.itemsize))
-    for r in range(0, vocab, step):
-        n = min(step, vocab - r)
-        w.write(name, kernel[:, r: r + n].t().contiguous().to(dtype), at=(row0 + r) * dim)
+    for c in range(0, vocab, step):
+        n = min(step, vocab - c)
+        block = torch.stack([read_elements(f, rec, d * vocab + c, n) for d in range(dim)])  # (dim, n)
+        w.write(name, block.t().contiguous().to(dtype), at=(row0 + c) * dim)
 
 
 def _convert(kind: str, t: torch.Tensor, shape: tuple[int, ...], cfg: ModelConfig, param: str) -> torch.Tensor:
