@@ -121,6 +121,8 @@ class DemoPlan:
     """Trials per length of the needle grid (empty: one per needle colour)."""
     eval_sp: int = 1
     """Processes of the needle evaluation (> 1: prefill by ring attention over them)."""
+    vq_needle_trials: int = 0
+    """Trials of `eval vq-needle` (does a flash survive the tokenizer?); 0: not run."""
     chat_seconds: int = 12
     """Length of the held-out video `longvideo chat` answers about."""
     nproc: int = 2
@@ -146,15 +148,15 @@ FULL = _classic(600, 64, 12, 40, (Stage(1024, 1500, 1e4, ("train",), sp=1), Stag
 times the rows the needle does (measured in one process on this data: 1,000 rows give the needle
 100 % but the last shape's colour 28 %; 3,000 rows give 98 % and 88 %)."""
 HOUR = DemoPlan(
-    sets=(VideoSet("short", 320, 10, 60, 240), VideoSet("mid", 48, 11, 300, 900), VideoSet("long", 16, 12, 1800, 3600),
+    sets=(VideoSet("brief", 800, 15, 10, 40), VideoSet("short", 320, 10, 60, 240), VideoSet("mid", 48, 11, 300, 900), VideoSet("long", 16, 12, 1800, 3600),
           VideoSet("test", 32, 13, 60, 240), VideoSet("vq", 240, 14, 60, 240, flashes_per_minute=10.0)),
     held_out="test", source_fps=1, lm_config="hour", vq_config="vq/causal3d-hour.yaml", vq_set="vq",
     vq_seconds=480.0, vq_steps=3000, tokenizer_vocab=384,
-    stages=(Stage.from_config("stages/hour-2k", ("short",)), Stage.from_config("stages/hour-4k", ("short", "mid")),
+    stages=(Stage.from_config("stages/hour-brief", ("brief",)), Stage.from_config("stages/hour-2k", ("short",)), Stage.from_config("stages/hour-4k", ("short", "mid")),
             Stage.from_config("stages/hour-20k", ("mid", "long"))),
     eval_samples=32, needle_lengths=(60, 300, 900, 1800, 3600), needle_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
-    needle_trials=(20, 20, 20, 8, 8), eval_sp=2, chat_seconds=3600)
-"""`make demo-hour`: hour-long videos in one context (about 15.6K tokens per hour)."""
+    needle_trials=(20, 20, 20, 8, 8), eval_sp=2, chat_seconds=3600, vq_needle_trials=64)
+"""`make demo-hour`: hour-long videos in one context (about 18.4K tokens per hour)."""
 QUICK = _classic(96, 12, 8, 16, (Stage(512, 400, 1e4, ("train",)), Stage(1024, 20, 1e5, ("train",), lr=1e-3 / 3)),
                  tokenizer_vocab=320, vq_seconds=40.0, vq_steps=150, eval_samples=12, needle_lengths=(8, 16),
                  needle_depths=(0.0, 1.0))
@@ -298,6 +300,9 @@ class Demo:
         needle = ["eval", "video-niah", "--model", self.out / "hf", "--out", self.out / "eval/video_niah",
                   "--lengths", ",".join(map(str, p.needle_lengths)), "--depths", ",".join(map(str, p.needle_depths)),
                   "--source-fps", p.source_fps, *quiet]
+        if p.vq_needle_trials:
+            self.lv("eval", "vq-needle", "--model", self.out / "vq", "--out", self.out / "eval/vq_needle",
+                    "--frames", 120, "--trials", p.vq_needle_trials, *quiet)
         if p.needle_trials:
             needle += ["--trials", ",".join(map(str, p.needle_trials))]
         if p.eval_sp > 1:  # every prompt's video prefilled by ring attention over eval_sp processes
@@ -361,22 +366,28 @@ class Demo:
             files = sorted((self.out / "eval" / name).glob("*.json"))
             return json.loads(files[0].read_text()) if files else {}
 
-        qa, niah = load("qa"), load("video_niah")
+        qa, niah, vq_needle = load("qa"), load("video_niah"), load("vq_needle")
         chat = json.loads((self.out / "chat.json").read_text()) if (self.out / "chat.json").exists() else {}
         return {"plan": asdict(self.plan), "seconds": round(seconds, 1), "stage_seconds": self.timings,
                 "qa": {k: qa.get(k) for k in ("accuracy", "chance", "n", "per_question") if k in qa},
-                "video_niah": {k: niah.get(k) for k in ("accuracy", "chance", "n") if k in niah},
+                "video_niah": {k: niah.get(k) for k in ("accuracy", "chance", "n", "lengths", "grid") if k in niah},
+                "vq_needle": {k: vq_needle.get(k) for k in ("rate", "rate_by_offset") if k in vq_needle},
                 "chat": chat}
 
     def report(self, s: dict) -> None:
         self.say("results")
-        qa, niah = s["qa"], s["video_niah"]
+        qa, niah, vq_needle = s["qa"], s["video_niah"], s.get("vq_needle")
+        if vq_needle:
+            print(f"flash colour after the tokenizer: {vq_needle['rate']:.1%}")
         if qa:
             print(f"held-out QA accuracy:          {qa.get('accuracy', float('nan')):.1%}   (chance {qa.get('chance', float('nan')):.1%})")
             for q, r in (qa.get("per_question") or {}).items():
                 print(f"    {q:<40} {r.get('accuracy', float('nan')):.1%}   (chance {r.get('chance', float('nan')):.1%})")
         if niah:
             print(f"video needle retrieval:        {niah.get('accuracy', float('nan')):.1%}   (chance {niah.get('chance', float('nan')):.1%})")
+            if niah.get("grid") and niah.get("lengths"):  # grid[depth][length]: one column per length
+                cols = zip(niah["lengths"], zip(*niah["grid"]))
+                print("    by length: " + ", ".join(f"{n} frames {sum(c) / len(c):.0%}" for n, c in cols))
         print(f"artefacts under {self.out}: eval/*/ (JSON + PNG), hf/ (Hugging Face export), lm/ (checkpoints, loss curves)")
         print(f"demo time: {s['seconds'] / 60:.1f} min")
 
