@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 # measured) and report(), which turns this script's JSON into a table, the targets met or not, and
 # notes.
 
-from benchreport import Section, Target, yes_no  # noqa: E402
+from benchreport import Section, Target, reset_peak, status_mib, yes_no  # noqa: E402
 
 TITLE = "Ring attention inside transformers models"
 MEASURES = ("Longest trainable context of a SmolLM-135M-shape transformers Llama (fewer layers on CPU) under a "
@@ -102,24 +102,8 @@ def report(result: dict) -> Section:
     return Section(table, [t], [lines[0]])
 
 
-
-
 SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
             rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=1 << 22)
-
-
-def _status_mib(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(key)
-
-
-def _reset_peak() -> None:
-    """Reset VmHWM to the current RSS (Linux >= 4.0)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _model(layers: int, attn: str):
@@ -172,16 +156,16 @@ def _worker(rank, world, init_file, system, args, queue):
                 dist.barrier()
 
         step(128 * world, 0)  # warm-up: optimizer state, allocator
-        res = {"rank": rank, "baseline_mib": _status_mib("VmRSS"), "mem": {}, "step_s": {}, "timed_s": [],
+        res = {"rank": rank, "baseline_mib": status_mib("VmRSS"), "mem": {}, "step_s": {}, "timed_s": [],
                "timed_cpu_s": []}
         for i, n in enumerate(sorted(args.lengths)):
             S = n * world
             barrier()
-            _reset_peak()
+            reset_peak()
             t0 = time.perf_counter()
             step(S, 1 + i)
             res["step_s"][S] = time.perf_counter() - t0
-            res["mem"][S] = _status_mib("VmHWM")
+            res["mem"][S] = status_mib("VmHWM")
         for i in range(args.steps):
             barrier()
             t0, c0 = time.perf_counter(), time.process_time()

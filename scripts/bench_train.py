@@ -45,7 +45,8 @@ import torch.multiprocessing as mp
 # notes.
 
 import re
-from benchreport import Section, Target, fmt_num, fmt_tokens, md_table, ratio, req, req_list, yes_no
+from benchreport import (Section, Target, fmt_num, fmt_tokens, md_table, ratio, req, req_list, reset_peak,
+                         status_mib, yes_no)
 
 TITLE = "Training: longest context per memory budget"
 MEASURES = ("Per-rank peak memory and throughput of a full training step (forward, backward, AdamW) of our "
@@ -139,20 +140,6 @@ def report(result: dict) -> Section:
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _status_mib(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(key)
-
-
-def _reset_peak() -> None:
-    """Reset VmHWM to the current RSS (Linux >= 4.0)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def _overrides(args, sp: int, out_dir: str) -> list[str]:
     return [f"model.n_layers={args.layers}", f"parallel.sp={sp}", "train.zero_stage=3", "train.micro_batch_size=1",
             "train.grad_accum=1", "train.steps=1000", "train.warmup_steps=1", "train.progress=false",
@@ -190,12 +177,12 @@ def _ours_rank(rank, world, init_file, args, queue):
                 t.optimizer_step(t.forward_backward([mb]))
 
             step(min(args.mem_seqs), 0)  # warm-up: optimizer state, allocator, kernels
-            res = {"rank": rank, "baseline_mib": _status_mib("VmRSS"), "mem": {}, "step_s": []}
+            res = {"rank": rank, "baseline_mib": status_mib("VmRSS"), "mem": {}, "step_s": []}
             for S in sorted(args.mem_seqs):
                 dist.barrier()
-                _reset_peak()
+                reset_peak()
                 step(S, 1)
-                res["mem"][S] = _status_mib("VmHWM")
+                res["mem"][S] = status_mib("VmHWM")
             for i in range(args.steps + 1):
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -263,11 +250,11 @@ def _hf_proc(args, attn: str, queue):
 
         seqs = _seqs(args, attn)
         step(min(seqs), 0)
-        res = {"rank": 0, "baseline_mib": _status_mib("VmRSS"), "mem": {}, "step_s": []}
+        res = {"rank": 0, "baseline_mib": status_mib("VmRSS"), "mem": {}, "step_s": []}
         for S in seqs:
-            _reset_peak()
+            reset_peak()
             step(S, 1)
-            res["mem"][S] = _status_mib("VmHWM")
+            res["mem"][S] = status_mib("VmHWM")
         for i in range(args.steps + 1):
             t0 = time.perf_counter()
             step(args.seq, 2 + i)

@@ -1,5 +1,6 @@
 """What the benchmark scripts' report functions share: the target rows, the section they return, and
-small helpers for reading a JSON result and writing figures.
+small helpers for reading a JSON result and writing figures, and the process-memory readings
+several scripts take.
 
 Each `scripts/bench_<name>.py` defines, next to the code that measures, TITLE, MEASURES, DOCS,
 TARGETS and `report(result) -> Section`; `scripts/run_benchmarks.py` runs the scripts and assembles
@@ -95,3 +96,18 @@ def fmt_tokens(n) -> str:
     if n >= 2**20:
         return f"{n / 2**20:,.2f}M"
     return f"{n / 1024:,.1f}K" if n >= 1024 else f"{n:,.0f}"
+
+
+def status_mib(key: str) -> float:
+    """A field of /proc/self/status (VmRSS, VmHWM, ...) in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(key)
+
+
+def reset_peak() -> None:
+    """Reset VmHWM to the current RSS (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
