@@ -76,6 +76,19 @@ def head_dim_pad(d: int) -> int:
 
 
 @triton.jit
+def _online_softmax_step(s, v, acc, l_i, m_i, DOT: tl.constexpr, PREC: tl.constexpr):
+    """Fold one key tile into the running (acc, l, m): scores s in log2 units, -inf where hidden."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row with nothing visible yet keeps m = -inf: shift by 0 there so exp2 never sees inf - inf
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT), v.to(DOT), input_precision=PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS, t_start, t_end,
                Sk, stride_ks, stride_vs, qk_scale, offs_n0, offs_d, d_ok,
                BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
@@ -104,14 +117,7 @@ def _fwd_tiles(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, C
                 k_pos = tl.load(KPOS_b + offs_n, mask=offs_n < Sk, other=0)
                 vis = vis & (k_pos[None, :] <= q_pos[:, None])
             s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # a row with nothing visible yet keeps m = -inf: shift by 0 there so exp2 never sees inf - inf
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT), v.to(DOT), input_precision=PREC)
-        m_i = m_new
+        acc, l_i, m_i = _online_softmax_step(s, v, acc, l_i, m_i, DOT, PREC)
     return acc, l_i, m_i
 
 
@@ -228,13 +234,7 @@ def _decode_kernel(Q, K, V, OP, LP, QPOS, KPOS, QSEG, KSEG,
             k_pos = tl.load(KPOS + b64 * Sk + offs_n, mask=n_ok, other=0)
             vis = vis & (k_pos[None, :] <= q_pos[:, None])
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT), v.to(DOT), input_precision=PREC)
-        m_i = m_new
+        acc, l_i, m_i = _online_softmax_step(s, v, acc, l_i, m_i, DOT, PREC)
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
