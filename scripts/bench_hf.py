@@ -44,13 +44,11 @@ import math
 import os
 import platform
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -61,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 # measured) and report(), which turns this script's JSON into a table, the targets met or not, and
 # notes.
 
-from benchreport import Section, Target, reset_peak, status_mib, yes_no  # noqa: E402
+from benchreport import Section, Target, reset_peak, spawn_ranks, status_mib, yes_no  # noqa: E402
 
 TITLE = "Ring attention inside transformers models"
 MEASURES = ("Longest trainable context of a SmolLM-135M-shape transformers Llama (fewer layers on CPU) under a "
@@ -183,20 +181,8 @@ def _worker(rank, world, init_file, system, args, queue):
 
 
 def run_system(system: str, world: int, args) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as d:
-        init = os.path.join(d, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, world, init, system, args, queue)) for r in range(world)]
-        for p in procs:
-            p.start()
-        ranks = [queue.get() for _ in procs]
-        for p in procs:
-            p.join()
-    for r in ranks:
-        if "error" in r:
-            raise RuntimeError(f"{system} rank {r['rank']} failed:\n{r['error']}")
+    ranks = spawn_ranks(_worker, world, system, args, label=system)
     seqs = sorted(n * world for n in args.lengths)
     peak = [max(r["mem"][S] for r in ranks) for S in seqs]  # the rank that needs most
     coef = fit(seqs, peak)

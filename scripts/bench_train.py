@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 
 import re
 from benchreport import (Section, Target, fmt_num, fmt_tokens, md_table, ratio, req, req_list, reset_peak,
-                         status_mib, yes_no)
+                         spawn_ranks, status_mib, yes_no)
 
 TITLE = "Training: longest context per memory budget"
 MEASURES = ("Per-rank peak memory and throughput of a full training step (forward, backward, AdamW) of our "
@@ -199,19 +199,7 @@ def _ours_rank(rank, world, init_file, args, queue):
 
 
 def run_ours(args, sp: int) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as d:
-        init = os.path.join(d, "rendezvous")
-        procs = [ctx.Process(target=_ours_rank, args=(r, sp, init, args, queue)) for r in range(sp)]
-        for p in procs:
-            p.start()
-        ranks = [queue.get() for _ in procs]
-        for p in procs:
-            p.join()
-    for r in ranks:
-        if "error" in r:
-            raise RuntimeError(f"sp={sp} rank {r['rank']} failed:\n{r['error']}")
+    ranks = spawn_ranks(_ours_rank, sp, args, label=f"sp={sp}")
     return _summarise(f"ours sp={sp}", sp, args, ranks, _seqs(args))
 
 

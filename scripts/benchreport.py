@@ -1,6 +1,6 @@
 """What the benchmark scripts' report functions share: the target rows, the section they return, and
-small helpers for reading a JSON result and writing figures, and the process-memory readings
-several scripts take.
+small helpers for reading a JSON result and writing figures, the process-memory readings several
+scripts take and the launcher of their multi-process measurements.
 
 Each `scripts/bench_<name>.py` defines, next to the code that measures, TITLE, MEASURES, DOCS,
 TARGETS and `report(result) -> Section`; `scripts/run_benchmarks.py` runs the scripts and assembles
@@ -12,6 +12,9 @@ it loads fast wherever the scripts are imported. A script that runs finds it nex
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
+import tempfile
 from dataclasses import dataclass, field
 
 
@@ -111,3 +114,22 @@ def reset_peak() -> None:
     """Reset VmHWM to the current RSS (Linux >= 4.0)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def spawn_ranks(target, world: int, *args, label: str) -> list[dict]:
+    """Run target(rank, world, init_file, *args, queue) in `world` spawned processes; each puts one
+    dict on the queue ({"rank", "error"} on failure). Returns the dicts; raises on any error."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as d:
+        init = os.path.join(d, "rendezvous")
+        procs = [ctx.Process(target=target, args=(r, world, init, *args, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        ranks = [queue.get() for _ in procs]
+        for p in procs:
+            p.join()
+    for r in ranks:
+        if "error" in r:
+            raise RuntimeError(f"{label} rank {r['rank']} failed:\n{r['error']}")
+    return ranks
