@@ -70,8 +70,9 @@ MD_BEGIN = "<!-- gpu-check:begin (written by scripts/gpu_check.py) -->"
 MD_END = "<!-- gpu-check:end -->"
 DEV = torch.device("cpu" if DRY else "cuda")
 EPS = {torch.float32: 2e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
-PARTS = ("env", "correctness", "syncs", "determinism", "speed", "train")
-BUDGETS = {"correctness": 100, "syncs": 40, "determinism": 30, "speed": 110, "train": 170, "tune": 300}
+PARTS = ("env", "correctness", "syncs", "determinism", "speed", "train", "profile")
+BUDGETS = {"correctness": 100, "syncs": 40, "determinism": 30, "speed": 110, "train": 170, "profile": 60,
+           "tune": 300}
 TARGETS = {
     "fwd+bwd vs SDPA-flash (S >= 4K, bf16, D = 128)": ">= 0.9x",
     "host syncs per attention call": "0",
@@ -300,7 +301,9 @@ def count_syncs(fn) -> dict:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    # the notice that sync debug mode is a prototype is a warning too; it is not a sync
+    syncs = [str(w.message) for w in caught
+             if "synchroniz" in str(w.message).lower() and "prototype feature" not in str(w.message)]
     res = dict(syncs=len(syncs), first=[m[:200] for m in syncs[:2]])
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -638,6 +641,100 @@ def part_train(budget, entry, args):
         entry["context_ratio_vs_transformers_sdpa"] = ours_fit / hf_fit if ours_fit and hf_fit else None
 
 
+def _profile_step(step, rows: int = 20) -> dict:
+    """One profiled call of step() (after a warm-up call): wall time, the summed time of the device
+    kernels (wall minus that is time the GPU waited for the host), the ops with the most device
+    time and the ops with the most host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    _sync()
+    acts = [ProfilerActivity.CPU] + ([] if DRY else [ProfilerActivity.CUDA])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        step()
+        _sync()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    dev = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+
+    def top(key, n):
+        ranked = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:n]
+        return [dict(op=e.key[:120], calls=e.count, device_ms=getattr(e, dev, 0) / 1e3,
+                     host_self_ms=e.self_cpu_time_total / 1e3) for e in ranked]
+    kernels_ms = sum(getattr(e, dev, 0) for e in events) / 1e3
+    return dict(wall_ms=wall * 1e3, device_kernels_ms=kernels_ms, launches=sum(e.count for e in events
+                                                                                if getattr(e, dev, 0) > 0),
+                top_device=top(dev, rows), top_host=top("self_cpu_time_total", rows // 2))
+
+
+def part_profile(budget, entry, args):
+    """Where one training step of the 135M shape spends its time, ours beside transformers + SDPA
+    with gradient checkpointing (the nearest like-for-like system), at 16K tokens."""
+    from dataclasses import replace
+
+    from longvideo.config import load_config
+    from longvideo.model import Transformer
+
+    mcfg = load_config(ROOT / "configs" / "smol-135m.yaml").model
+    S = 16384
+    if DRY:
+        mcfg = replace(mcfg, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, text_vocab_size=500,
+                       codebook_size=64)
+        S = 64
+    dt = torch.bfloat16
+    variants = {"ours (triton, checkpointing)": dict(attn_backend="triton"),
+                "ours, feed-forward in 4096-token chunks": dict(attn_backend="triton", ffn_chunk=4096)}
+    for name, over in variants.items():
+        if not budget.ok(15):
+            entry[name] = dict(status="skipped: out of time")
+            continue
+        try:
+            with torch.device(DEV):
+                model = Transformer(replace(mcfg, max_seq_len=S, **over)).to(dt).train()
+            ids = torch.randint(0, mcfg.vocab_size, (1, S), device=DEV)
+            pos = torch.arange(S, device=DEV)[None]
+            seg = torch.zeros(1, S, dtype=torch.long, device=DEV)
+
+            def step():
+                loss, w = model(ids, pos, seg, targets=ids)
+                (loss / w).backward()
+                model.zero_grad(set_to_none=True)
+            entry[name] = _profile_step(step)
+        except Exception as e:  # noqa: BLE001
+            entry[name] = dict(error=repr(e)[:300])
+        model = None
+        _free()
+        r = entry[name]
+        print(f"  profile {name}: wall {r.get('wall_ms', 0):.0f} ms, kernels {r.get('device_kernels_ms', 0):.0f} ms"
+              + "".join(f"\n      {t['device_ms']:8.1f} ms {t['calls']:5d}x {t['op'][:90]}" for t in r.get("top_device", [])[:12]),
+              flush=True)
+    if budget.ok(15):
+        try:
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            hcfg = LlamaConfig(vocab_size=mcfg.vocab_size, hidden_size=mcfg.dim, intermediate_size=mcfg.ffn_dim,
+                               num_hidden_layers=mcfg.n_layers, num_attention_heads=mcfg.n_heads,
+                               num_key_value_heads=mcfg.n_kv_heads, max_position_embeddings=S,
+                               rms_norm_eps=mcfg.norm_eps, rope_theta=mcfg.rope_theta,
+                               tie_word_embeddings=mcfg.tie_embeddings, use_cache=False)
+            with torch.device(DEV):
+                hf = LlamaForCausalLM._from_config(hcfg, attn_implementation="sdpa", dtype=dt).train()
+            hf.gradient_checkpointing_enable()
+            ids = torch.randint(0, mcfg.vocab_size, (1, S), device=DEV)
+
+            def hf_step():
+                hf(input_ids=ids, labels=ids).loss.backward()
+                hf.zero_grad(set_to_none=True)
+            entry["transformers sdpa + gradient checkpointing"] = _profile_step(hf_step)
+        except Exception as e:  # noqa: BLE001
+            entry["transformers sdpa + gradient checkpointing"] = dict(error=repr(e)[:300])
+        r = entry["transformers sdpa + gradient checkpointing"]
+        print(f"  profile transformers: wall {r.get('wall_ms', 0):.0f} ms, kernels {r.get('device_kernels_ms', 0):.0f} ms"
+              + "".join(f"\n      {t['device_ms']:8.1f} ms {t['calls']:5d}x {t['op'][:90]}" for t in r.get("top_device", [])[:12]),
+              flush=True)
+
+
 def part_tune(budget, entry, args):
     """Time candidate launch shapes for the head dims the model and the speed target use."""
     import dataclasses
@@ -704,7 +801,7 @@ def part_tune(budget, entry, args):
 
 
 FUNCS = {"env": part_env, "correctness": part_correctness, "syncs": part_syncs, "determinism": part_determinism,
-         "speed": part_speed, "train": part_train, "tune": part_tune}
+         "speed": part_speed, "train": part_train, "profile": part_profile, "tune": part_tune}
 
 
 # ----------------------------------------------------------------------------- report
@@ -807,6 +904,25 @@ def markdown(report: dict) -> str:
                          f"({fit['gib_per_1k_tokens']:.3f} GiB per 1K tokens over {fit['fixed_gib']:.1f} GiB, "
                          f"fit to {len(fit['from_points'])} points, budget {fit['budget_gib']:.0f} GiB)."
                          if fit.get("longest_context") else f"\nLongest context, {name}: no fit.")
+    prof = {n: r for n, r in p.get("profile", {}).items() if isinstance(r, dict) and "wall_ms" in r}
+    if prof:
+        lines += ["", "One profiled training step (forward + backward, no optimizer), smol-135m shape, 16K tokens "
+                  "(the profiler slows host-bound code: compare rows with each other, not with the table above):", "",
+                  "| system | wall ms | launches | top device ops (ms) |", "|---|---|---|---|"]
+        for name, r in prof.items():
+            ops = "; ".join(f"{t['op'][:40]} {t['device_ms']:.0f}" for t in r["top_device"][:4])
+            lines.append(f"| {name} | {r['wall_ms']:.0f} | {r['launches']:,} | {ops} |")
+    tune = p.get("tune", {}).get("table")
+    if tune:
+        lines += ["", "Tuned launch shapes (`--tune`, fastest of the candidates; the kernels use them by default):", "",
+                  "| head dim | fwd | bwd | variant |", "|---|---|---|---|"]
+        for r in tune:
+            lines.append(f"| {r['head_dim_pad']} | {r['fwd']['block_m']}x{r['fwd']['block_n']} w{r['fwd']['num_warps']} "
+                         f"s{r['fwd']['num_stages']} | {r['bwd']['block_m']}x{r['bwd']['block_n']} "
+                         f"w{r['bwd']['num_warps']} s{r['bwd']['num_stages']} | {r['variant']}"
+                         f"{' (per query head)' if r['per_head'] else ''} |")
+    if report.get("note"):
+        lines += ["", report["note"]]
     lines += ["", "Data: [bench/gpu_check.json](bench/gpu_check.json).", MD_END]
     return "\n".join(lines) + "\n"
 

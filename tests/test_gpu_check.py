@@ -26,10 +26,13 @@ def test_dry_run_writes_its_report(tmp_path):
     rep = json.loads(out.read_text())
     assert rep["mode"] == "dry-run" and "no CUDA device" in rep["skipped"]
     parts = rep["parts"]
-    assert set(parts) == {"env", "correctness", "syncs", "determinism", "speed", "train"}
+    assert set(parts) == {"env", "correctness", "syncs", "determinism", "speed", "train", "profile"}
     assert parts["syncs"]["status"] == "skipped" and "needs CUDA" in parts["syncs"]["reason"]
-    for name in ("env", "correctness", "determinism", "speed", "train"):
+    for name in ("env", "correctness", "determinism", "speed", "train", "profile"):
         assert parts[name]["status"] == "ok", (name, parts[name])
+    profiled = {n: r for n, r in parts["profile"].items() if isinstance(r, dict) and "wall_ms" in r}
+    assert "ours (triton, checkpointing)" in profiled and "transformers sdpa + gradient checkpointing" in profiled
+    assert all(r["wall_ms"] > 0 and r["top_host"] for r in profiled.values())
     cases = parts["correctness"]["cases"]
     assert any("ring split-key backward" in c for c in cases.values()) and all(c["ok"] for c in cases.values())
     assert parts["determinism"]["forward_bitwise_equal"]
