@@ -528,6 +528,22 @@ def _step_stats(step, S: int, budget, steps: int = 2) -> dict:
                 timed_steps=len(times))
 
 
+def hf_llama(mcfg, max_len: int, checkpointing: bool):
+    """transformers' Llama of the same shape as our model config, bf16, SDPA attention, on the device."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hcfg = LlamaConfig(vocab_size=mcfg.vocab_size, hidden_size=mcfg.dim, intermediate_size=mcfg.ffn_dim,
+                       num_hidden_layers=mcfg.n_layers, num_attention_heads=mcfg.n_heads,
+                       num_key_value_heads=mcfg.n_kv_heads, max_position_embeddings=max_len,
+                       rms_norm_eps=mcfg.norm_eps, rope_theta=mcfg.rope_theta,
+                       tie_word_embeddings=mcfg.tie_embeddings, use_cache=False)
+    with torch.device(DEV):
+        model = LlamaForCausalLM._from_config(hcfg, attn_implementation="sdpa", dtype=torch.bfloat16).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
 def part_train(budget, entry, args):
     from dataclasses import replace
 
@@ -570,17 +586,7 @@ def part_train(budget, entry, args):
 
     def hf(checkpointing):
         def build():
-            from transformers import LlamaConfig, LlamaForCausalLM
-
-            hcfg = LlamaConfig(vocab_size=mcfg.vocab_size, hidden_size=mcfg.dim, intermediate_size=mcfg.ffn_dim,
-                               num_hidden_layers=mcfg.n_layers, num_attention_heads=mcfg.n_heads,
-                               num_key_value_heads=mcfg.n_kv_heads, max_position_embeddings=max(seqlens),
-                               rms_norm_eps=mcfg.norm_eps, rope_theta=mcfg.rope_theta,
-                               tie_word_embeddings=mcfg.tie_embeddings, use_cache=False)
-            with torch.device(DEV):
-                model = LlamaForCausalLM._from_config(hcfg, attn_implementation="sdpa", dtype=dt).train()
-            if checkpointing:
-                model.gradient_checkpointing_enable()
+            model = hf_llama(mcfg, max(seqlens), checkpointing)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=not DRY)
 
             def make(S):
@@ -711,16 +717,7 @@ def part_profile(budget, entry, args):
               flush=True)
     if budget.ok(15):
         try:
-            from transformers import LlamaConfig, LlamaForCausalLM
-
-            hcfg = LlamaConfig(vocab_size=mcfg.vocab_size, hidden_size=mcfg.dim, intermediate_size=mcfg.ffn_dim,
-                               num_hidden_layers=mcfg.n_layers, num_attention_heads=mcfg.n_heads,
-                               num_key_value_heads=mcfg.n_kv_heads, max_position_embeddings=S,
-                               rms_norm_eps=mcfg.norm_eps, rope_theta=mcfg.rope_theta,
-                               tie_word_embeddings=mcfg.tie_embeddings, use_cache=False)
-            with torch.device(DEV):
-                hf = LlamaForCausalLM._from_config(hcfg, attn_implementation="sdpa", dtype=dt).train()
-            hf.gradient_checkpointing_enable()
+            hf = hf_llama(mcfg, S, checkpointing=True)
             ids = torch.randint(0, mcfg.vocab_size, (1, S), device=DEV)
 
             def hf_step():
