@@ -528,6 +528,22 @@ def _step_stats(step, S: int, budget, steps: int = 2) -> dict:
                 timed_steps=len(times))
 
 
+def our_step(model, S: int, opt=None):
+    """One training step of our model on S random tokens (one document): forward, backward, and
+    the optimizer's step when one is given (else the gradients are dropped)."""
+    ids = torch.randint(0, model.cfg.vocab_size, (1, S), device=DEV)
+    pos = torch.arange(S, device=DEV)[None]
+    seg = torch.zeros(1, S, dtype=torch.long, device=DEV)
+
+    def step():
+        loss, w = model(ids, pos, seg, targets=ids)
+        (loss / w).backward()
+        if opt is not None:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+    return step
+
+
 def hf_llama(mcfg, max_len: int, checkpointing: bool):
     """transformers' Llama of the same shape as our model config, bf16, SDPA attention, on the device."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -571,18 +587,7 @@ def part_train(budget, entry, args):
             model = Transformer(mcfg).to(dt).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=not DRY)
 
-        def make(S):
-            ids = torch.randint(0, mcfg.vocab_size, (1, S), device=DEV)
-            pos = torch.arange(S, device=DEV)[None]
-            seg = torch.zeros(1, S, dtype=torch.long, device=DEV)
-
-            def step():
-                loss, w = model(ids, pos, seg, targets=ids)
-                (loss / w).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            return step
-        return make, (model, opt)
+        return (lambda S: our_step(model, S, opt)), (model, opt)
 
     def hf(checkpointing):
         def build():
@@ -674,6 +679,12 @@ def _profile_step(step, rows: int = 20) -> dict:
                 top_device=top(dev, rows), top_host=top("self_cpu_time_total", rows // 2))
 
 
+def _print_profile(name: str, r: dict) -> None:
+    print(f"  profile {name}: wall {r.get('wall_ms', 0):.0f} ms, kernels {r.get('device_kernels_ms', 0):.0f} ms"
+          + "".join(f"\n      {t['device_ms']:8.1f} ms {t['calls']:5d}x {t['op'][:90]}" for t in r.get("top_device", [])[:12]),
+          flush=True)
+
+
 def part_profile(budget, entry, args):
     """Where one training step of the 135M shape spends its time, ours beside transformers + SDPA
     with gradient checkpointing (the nearest like-for-like system), at 16K tokens."""
@@ -698,23 +709,12 @@ def part_profile(budget, entry, args):
         try:
             with torch.device(DEV):
                 model = Transformer(replace(mcfg, max_seq_len=S, **over)).to(dt).train()
-            ids = torch.randint(0, mcfg.vocab_size, (1, S), device=DEV)
-            pos = torch.arange(S, device=DEV)[None]
-            seg = torch.zeros(1, S, dtype=torch.long, device=DEV)
-
-            def step():
-                loss, w = model(ids, pos, seg, targets=ids)
-                (loss / w).backward()
-                model.zero_grad(set_to_none=True)
-            entry[name] = _profile_step(step)
+            entry[name] = _profile_step(our_step(model, S))
         except Exception as e:  # noqa: BLE001
             entry[name] = dict(error=repr(e)[:300])
         model = None
         _free()
-        r = entry[name]
-        print(f"  profile {name}: wall {r.get('wall_ms', 0):.0f} ms, kernels {r.get('device_kernels_ms', 0):.0f} ms"
-              + "".join(f"\n      {t['device_ms']:8.1f} ms {t['calls']:5d}x {t['op'][:90]}" for t in r.get("top_device", [])[:12]),
-              flush=True)
+        _print_profile(name, entry[name])
     if budget.ok(15):
         try:
             hf = hf_llama(mcfg, S, checkpointing=True)
@@ -726,10 +726,7 @@ def part_profile(budget, entry, args):
             entry["transformers sdpa + gradient checkpointing"] = _profile_step(hf_step)
         except Exception as e:  # noqa: BLE001
             entry["transformers sdpa + gradient checkpointing"] = dict(error=repr(e)[:300])
-        r = entry["transformers sdpa + gradient checkpointing"]
-        print(f"  profile transformers: wall {r.get('wall_ms', 0):.0f} ms, kernels {r.get('device_kernels_ms', 0):.0f} ms"
-              + "".join(f"\n      {t['device_ms']:8.1f} ms {t['calls']:5d}x {t['op'][:90]}" for t in r.get("top_device", [])[:12]),
-              flush=True)
+        _print_profile("transformers sdpa + gradient checkpointing", entry["transformers sdpa + gradient checkpointing"])
 
 
 def part_tune(budget, entry, args):
