@@ -375,7 +375,8 @@ class Demo:
         chat = json.loads((self.out / "chat.json").read_text()) if (self.out / "chat.json").exists() else {}
         return {"plan": asdict(self.plan), "seconds": round(seconds, 1), "stage_seconds": self.timings,
                 "qa": {k: qa.get(k) for k in ("accuracy", "chance", "n", "per_question") if k in qa},
-                "video_niah": {k: niah.get(k) for k in ("accuracy", "chance", "n", "lengths", "grid") if k in niah},
+                "video_niah": {k: niah.get(k) for k in ("accuracy", "chance", "n", "lengths", "grid", "needles_dropped")
+                               if k in niah},
                 "vq_needle": {k: vq_needle.get(k) for k in ("rate", "rate_by_offset") if k in vq_needle},
                 "chat": chat}
 
@@ -393,6 +394,8 @@ class Demo:
             if niah.get("grid") and niah.get("lengths"):  # grid[depth][length]: one column per length
                 cols = zip(niah["lengths"], zip(*niah["grid"]))
                 print("    by length: " + ", ".join(f"{n} frames {sum(c) / len(c):.0%}" for n, c in cols))
+            if niah.get("needles_dropped"):
+                print(f"    warning: {niah['needles_dropped']} needles did not fit the model's context (guesses)")
         print(f"artefacts under {self.out}: eval/*/ (JSON + PNG), hf/ (Hugging Face export), lm/ (checkpoints, loss curves)")
         print(f"demo time: {s['seconds'] / 60:.1f} min")
 

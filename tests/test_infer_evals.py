@@ -177,6 +177,30 @@ def test_video_needle_trials_per_length_and_exact_splices(pre):
     assert got == codes.reshape(-1).tolist()
 
 
+def test_video_needle_counts_needles_the_context_dropped(pre, tmp_path, capsys):
+    """A video longer than the model's context loses whole groups; a trial whose flash went with
+    them is counted, and the CLI warns, so a heatmap of guesses is not read as a result."""
+    factory = lambda p: ConstantEngine(p.tokenizer, " red")  # noqa: E731
+    fits = evaluate_video_needle(pre, lengths=(6,), depths=(0.0, 0.5, 1.0), colours=("red",), trials=1,
+                                 engine_factory=factory, progress=False)
+    assert fits["needles_dropped"] == 0 and all(c["needle_kept"] for c in fits["cells"])
+    short = tiny_pretrained(max_seq_len=96)
+    depths = tuple(np.linspace(0.0, 1.0, 9))
+    res = evaluate_video_needle(short, lengths=(40,), depths=depths, colours=("red",), trials=1,
+                                engine_factory=factory, progress=False)
+    kept = [c for c in res["cells"] if c["needle_kept"]]
+    assert all(c["tokens"] <= 96 for c in res["cells"]) and all(c["groups"] < 40 for c in res["cells"])
+    assert 0 < res["needles_dropped"] == len(res["cells"]) - len(kept) < len(depths)
+    assert res["context"] == 96
+    ckpt = save_project_checkpoint(tmp_path / "ckpt", short.model.state_dict(), short.config,
+                                   tokenizer=short.tokenizer, vq=short.vq)
+    rc = cli.eval_main(["video-niah", "--model", str(ckpt), "--out", str(tmp_path / "cli"), "--lengths", "40",
+                        "--depths", ",".join(f"{d:g}" for d in depths), "--colours", "red", "--trials", "1",
+                        "--max-new-tokens", "8", "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"warning: {res['needles_dropped']} of 9 needles were dropped" in out
+
+
 def test_vq_needle_scores_what_the_decoder_returns(pre, tmp_path, monkeypatch):
     """The flash is scored on the decoded frame at its own index, per offset in its group: a codec
     that returns the video unchanged scores 100 %, one that swaps red and blue 0 %."""

@@ -291,6 +291,9 @@ def _eval(args) -> int:
                                               out_dir=out, engine_factory=factory, progress=progress)
             line = (f"video needle accuracy {res['accuracy']:.3f} (chance {res['chance']:.3f}) "
                     f"over {len(res['cells'])} needles")
+            if res["needles_dropped"]:
+                line += (f"\nwarning: {res['needles_dropped']} of {len(res['cells'])} needles were dropped to fit the "
+                         f"model's context of {res['context']} tokens; those trials are guesses (cells: needle_kept)")
         if rank == 0:
             print(line + (f" (sequence-parallel over {dist.get_world_size()} ranks)" if distributed else ""))
             print(f"wrote {res['json']} and {res['png']}")

@@ -398,9 +398,12 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                 bar.update(1)
     bar.close()
     grid = hits / np.asarray(per_length)[None, :]
+    # a needle whose group did not fit the model's context was never shown: that trial is a guess
+    dropped = sum(not c["needle_kept"] for c in cells)
     result = {"task": "video_needle", "lengths": list(lengths), "depths": [float(d) for d in depths],
               "colours": colours, "trials": per_length, "accuracy": float(hits.sum() / (len(depths) * sum(per_length))),
-              "chance": 1.0 / len(colours), "grid": grid.tolist(), "cells": cells, "vq_mode": vq.cfg.mode}
+              "chance": 1.0 / len(colours), "grid": grid.tolist(), "needles_dropped": dropped,
+              "context": pretrained.model.cfg.max_seq_len, "cells": cells, "vq_mode": vq.cfg.mode}
     return _write(result, out_dir, "video_needle", lambda p: save_heatmap(
         grid, list(lengths), [f"{d:.2f}" for d in depths], p,
         title=f"Video needle retrieval (chance {result['chance']:.2f})", xlabel="video length (frames at 1 fps)",
