@@ -186,11 +186,22 @@ def test_video_needle_counts_needles_the_context_dropped(pre, tmp_path, capsys):
     assert fits["needles_dropped"] == 0 and all(c["needle_kept"] for c in fits["cells"])
     short = tiny_pretrained(max_seq_len=96)
     depths = tuple(np.linspace(0.0, 1.0, 9))
+    prompts = []
+
+    class Recording(ConstantEngine):
+        def set_prefix(self, ids):
+            prompts.append(ids[0].tolist())
+            super().set_prefix(ids)
+
     res = evaluate_video_needle(short, lengths=(40,), depths=depths, colours=("red",), trials=1,
-                                engine_factory=factory, progress=False)
-    kept = [c for c in res["cells"] if c["needle_kept"]]
+                                engine_factory=lambda p: Recording(p.tokenizer, " red"), progress=False)
+    # independent of the bookkeeping: one background, so every prompt without its flash is the same
+    # prompt, and a prompt that shows its flash differs from it
+    shown = [i for i, c in enumerate(res["cells"]) if c["needle_kept"]]
+    blind = [prompts[i] for i, c in enumerate(res["cells"]) if not c["needle_kept"]]
+    assert all(b == blind[0] for b in blind) and all(prompts[i] != blind[0] for i in shown)
     assert all(c["tokens"] <= 96 for c in res["cells"]) and all(c["groups"] < 40 for c in res["cells"])
-    assert 0 < res["needles_dropped"] == len(res["cells"]) - len(kept) < len(depths)
+    assert 0 < res["needles_dropped"] == len(res["cells"]) - len(shown) < len(depths)
     assert res["context"] == 96
     ckpt = save_project_checkpoint(tmp_path / "ckpt", short.model.state_dict(), short.config,
                                    tokenizer=short.tokenizer, vq=short.vq)
