@@ -155,7 +155,7 @@ def test_long_sample_drops_whole_frames_uniformly(tok, vocab):
         body = ids[ids.index(vocab.vision_start) + 1: ids.index(vocab.vision_end)]
         frames = np.array(body).reshape(kept, per_frame)[:, :-1] - vocab.vq_offset
         np.testing.assert_array_equal(frames, codes.reshape(g, -1)[uniform_keep(g, kept)])
-    assert uniform_keep(10, 5) == [1, 3, 5, 7, 9]
+    assert uniform_keep(10, 5) == [0, 2, 5, 7, 9]
     # text alone longer than the limit: no document
     assert layout_doc(tok, vocab, codes, ts, {"caption": "word " * 200}, "caption", False, opts, 50) is None
 
@@ -194,3 +194,15 @@ def test_qa_pairs_shuffled_per_epoch_unless_given_order(tok, vocab):
     assert len(shuffled) >= 3 and all(sorted(o) == ["blue", "circle", "red"] for o in shuffled)
     assert order(LayoutOptions(), 5) == order(LayoutOptions(), 5)  # deterministic per (seed, epoch, key)
     assert {order(LayoutOptions(qa_order="given"), e) for e in range(6)} == {("red", "circle", "blue")}
+
+
+def test_uniform_keep_spreads_evenly_and_keeps_both_ends():
+    for n in range(1, 70):
+        assert uniform_keep(n, n) == list(range(n)) == uniform_keep(n, n + 3)
+        assert uniform_keep(n, 0) == []
+        assert uniform_keep(n, 1) == [n // 2]
+        for keep in range(2, n):
+            idx = uniform_keep(n, keep)
+            assert len(idx) == keep and idx[0] == 0 and idx[-1] == n - 1, (n, keep, idx)
+            gaps = np.diff(idx)
+            assert gaps.min() >= 1 and gaps.max() - gaps.min() <= 1, (n, keep, idx)  # strictly increasing, even

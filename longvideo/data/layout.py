@@ -203,10 +203,20 @@ class Doc:
 
 
 def uniform_keep(num_groups: int, keep: int) -> list[int]:
-    """``keep`` group indices spread uniformly over ``num_groups`` (bin centres), increasing."""
+    """``keep`` group indices spread evenly over ``num_groups``, increasing.
+
+    With two or more kept, the first and the last group are always among them: questions about how
+    a video starts or ends ("What shape came first?") keep their evidence when the middle is thinned.
+    One kept group is the middle one.
+    """
     if keep >= num_groups:
         return list(range(num_groups))
-    return [int((i + 0.5) * num_groups / keep) for i in range(keep)]
+    if keep <= 0:
+        return []
+    if keep == 1:
+        return [num_groups // 2]
+    step = (num_groups - 1) / (keep - 1)  # > 1, so rounding keeps the indices distinct
+    return [int(i * step + 0.5) for i in range(keep)]
 
 
 def available_templates(meta: dict) -> list[str]:
