@@ -43,6 +43,8 @@ class Config:
     def __post_init__(self):
         check(self.model.codebook_size == self.vq.codebook_size, "model.codebook_size",
               f"must equal vq.codebook_size={self.vq.codebook_size}, got {self.model.codebook_size}")
+        check(self.model.code_init != "fsq" or self.vq.quantizer == "fsq", "model.code_init",
+              f"fsq needs an FSQ tokenizer (vq.quantizer: fsq), got vq.quantizer={self.vq.quantizer}")
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:

@@ -14,6 +14,21 @@ from longvideo.configtools import _type_name, field_docs
 OUT = Path(__file__).resolve().parent.parent / "docs" / "configs.md"
 
 
+def _summary(text: str) -> str:
+    """The first sentence of a config's leading comment block (which may wrap over lines)."""
+    head = []
+    for ln in text.splitlines():
+        ln = ln.strip("# ").strip() if ln.startswith("#") else ""
+        if not ln or ln.endswith("\\") or (head and " --" in ln):
+            break  # the block ends, or a command line starts
+        head.append(ln.rstrip(":"))
+        if ln.endswith(":") or " --" in ln:  # a lead-in to an example, or a command on its own
+            break
+    para = " ".join(head)
+    cut = para.find(". ")
+    return para if cut < 0 else para[:cut + 1]
+
+
 def section(name: str, cls) -> list[str]:
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
@@ -28,7 +43,7 @@ def section(name: str, cls) -> list[str]:
         else:
             default = "derived" if not f.init else "required"
         key = f"{name}.{f.name}" if name != "(root)" else f.name
-        lines.append(f"| `{key}` | {_type_name(hints[f.name])} | `{default}` | {docs.get(f.name, '')} |")
+        lines.append(f"| `{key}` | {_type_name(hints[f.name])} | `{default}` | {' '.join(docs.get(f.name, '').split())} |")
     return lines + [""]
 
 
@@ -47,7 +62,7 @@ def main() -> int:
     lines += ["## Shipped configs", ""]
     for p in sorted(CONFIG_DIR.rglob("*")):
         if p.suffix in (".yaml", ".json"):
-            first = next((ln.strip("# ").strip() for ln in p.read_text().splitlines() if ln.startswith("#")), "")
+            first = _summary(p.read_text())
             lines.append(f"- `configs/{p.relative_to(CONFIG_DIR)}`" + (f": {first}" if first else ""))
     OUT.write_text("\n".join(lines) + "\n")
     print(f"wrote {OUT}")

@@ -33,6 +33,8 @@ def test_defaults_and_overrides(tmp_path):
     (["model.attn_backend=cuda"], "model.attn_backend", "allowed"),
     (["train.lr=-1"], "train.lr", "positive"),
     (["model.codebook_size=100"], "model.codebook_size", "vq.codebook_size"),
+    (["model.code_init=fsq", "vq.quantizer=vq"], "model.code_init", "vq.quantizer"),
+    (["model.code_init=gaussian"], "model.code_init", "fsq"),
     (["model.dim"], "model.dim", "section.key=value"),
 ])
 def test_bad_values_name_the_key(tmp_path, override, key, words):

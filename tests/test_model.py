@@ -126,3 +126,33 @@ def test_kv_cache_matches_full_forward():
         steps.append(model.logits(model(ids[:, t:t + 1], cache=cache)))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-10, rtol=0)
     assert cache.length == 17
+
+
+def test_fsq_code_init_gives_code_rows_the_tokenizers_geometry():
+    from longvideo.vq.quantizer import fsq_codebook
+    levels = (4, 3, 3)  # 36 codes in a 3-d latent
+    cfg = tiny_cfg(codebook_size=36, code_init="fsq")
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    before = model.tok_embeddings.weight.detach().clone()
+    latents = fsq_codebook(levels)
+    model.init_code_embeddings(latents, noise=0.0)
+    w = model.tok_embeddings.weight.detach()
+    off = cfg.vocab.vq_offset
+    codes = w[off: off + 36]
+    other = torch.cat([w[:off], w[off + 36:]])
+    assert torch.equal(other, torch.cat([before[:off], before[off + 36:]]))  # text and specials untouched
+    assert abs(codes.std().item() - cfg.init_std) < 0.3 * cfg.init_std
+    # without noise the rows are a linear image of the latents: rank 3, and their pairwise distances
+    # order like the latents' (a projection to 48 dimensions nearly keeps distances)
+    assert torch.linalg.matrix_rank(codes.double(), rtol=1e-6) == 3
+    dz = torch.cdist(latents.double(), latents.double()).flatten()
+    de = torch.cdist(codes.double(), codes.double()).flatten()
+    assert torch.corrcoef(torch.stack([dz, de]))[0, 1] > 0.9
+    # with the default noise the geometry still dominates, and the rows are no longer degenerate
+    model.init_code_embeddings(latents)
+    noisy = model.tok_embeddings.weight.detach()[off: off + 36].double()
+    assert torch.linalg.matrix_rank(noisy) == 36
+    assert torch.corrcoef(torch.stack([dz, torch.cdist(noisy, noisy).flatten()]))[0, 1] > 0.8
+    with pytest.raises(ValueError, match="latents"):
+        model.init_code_embeddings(latents[:10])

@@ -21,7 +21,7 @@ from longvideo.data.synthetic import moving_shapes_video
 from longvideo.train.vq import train_vq
 from longvideo.vq import VQConfig, VQModel, decode_codes, encode_video, load_vq
 from longvideo.vq.config import fsq_levels_for
-from longvideo.vq.quantizer import FSQ, EMAVectorQuantizer, codebook_usage
+from longvideo.vq.quantizer import FSQ, EMAVectorQuantizer, codebook_usage, fsq_codebook
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -101,6 +101,12 @@ def test_fsq_codes_and_lookup_are_inverse():
     assert torch.equal(back, codes)
     torch.testing.assert_close(zq, z)
     assert len(set(map(tuple, z.tolist()))) == 160  # distinct codes have distinct vectors
+
+
+def test_fsq_codebook_is_the_quantizers_lookup():
+    for levels in ((8, 5, 4), (8, 8, 4, 4), (2, 3)):
+        torch.testing.assert_close(fsq_codebook(levels), FSQ(levels).lookup(torch.arange(math.prod(levels))),
+                                   rtol=0, atol=0)
 
 
 def test_vq_quantizer_restarts_dead_codes():

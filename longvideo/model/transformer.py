@@ -58,6 +58,22 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, std=std)
 
+    @torch.no_grad()
+    def init_code_embeddings(self, latents: Tensor, noise: float = 0.1) -> None:
+        """Start the VQ codes' embedding rows from the tokenizer's geometry: code c gets
+        ``latents[c] @ R`` (R a random Gaussian projection drawn here, from the global RNG) scaled to
+        ``init_std``, plus ``noise`` times as much independent Gaussian noise. latents: (codebook_size, D),
+        e.g. `longvideo.vq.quantizer.fsq_codebook(levels)`. Codes whose latents are close start close,
+        so what the model learns about one code carries over to its neighbours from the first step."""
+        vocab = self.cfg.vocab
+        if latents.ndim != 2 or latents.shape[0] != vocab.codebook_size:
+            raise ValueError(f"latents must be ({vocab.codebook_size}, D), got {tuple(latents.shape)}")
+        w = self.tok_embeddings.weight
+        proj = latents.to(w.device, torch.float32) @ torch.randn(latents.shape[1], self.cfg.dim).to(w.device)
+        proj = proj / proj.pow(2).mean().sqrt()  # unit variance per coordinate
+        rows = proj + noise * torch.randn(proj.shape).to(w.device)
+        w[vocab.vq_offset: vocab.vq_offset + vocab.codebook_size] = (self.cfg.init_std * rows).to(w.dtype)
+
     def set_attention(self, fn: AttentionFn) -> None:
         """Swap the attention implementation (the seam); see longvideo.model.attention."""
         self.attention_fn = fn

@@ -190,6 +190,9 @@ class Trainer:
                 model = Transformer(cfg.model)
             if init_from and self.resume_from is None:
                 self._load_init_weights(model, init_from)
+            elif cfg.model.code_init == "fsq":
+                from longvideo.vq.quantizer import fsq_codebook
+                model.init_code_embeddings(fsq_codebook(cfg.vq.levels))
             parallelize(model, self.mesh)
         self.optimizer = SkippableAdamW(self._param_groups(model), lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2),
                                         eps=tc.adam_eps, weight_decay=tc.weight_decay)

@@ -21,6 +21,17 @@ from torch import nn
 from longvideo.vq.config import VQConfig
 
 
+def fsq_codebook(levels: tuple[int, ...]) -> torch.Tensor:
+    """Every FSQ code's latent, float32 (prod(levels), len(levels)) in [-1, 1]: what `FSQ(levels).lookup`
+    returns for codes 0, 1, ... (code = mixed-radix number of the levels, the first level fastest),
+    without building the quantizer (the language model's code embeddings start from it)."""
+    lv = torch.tensor(levels, dtype=torch.long)
+    basis = torch.cumprod(torch.cat([torch.ones(1, dtype=torch.long), lv[:-1]]), 0)
+    digits = (torch.arange(math.prod(levels)).unsqueeze(-1) // basis) % lv
+    radius = (lv // 2).float()
+    return (digits.float() - radius) / radius
+
+
 class FSQ(nn.Module):
     """Finite scalar quantisation with `levels` (L_1, ..., L_D); codes in [0, prod L_i)."""
 
