@@ -136,9 +136,11 @@ class DemoPlan:
         return next(v for v in self.sets if v.name == name)
 
 
-def _classic(train: int, test: int, max_seconds: int, long_seconds: int, stages, **kw) -> DemoPlan:
+def _classic(train: int, test: int, max_seconds: int, long_seconds: int, stages, *, clips: int = 0, **kw) -> DemoPlan:
     sets = (VideoSet("train", train, 0, 4, max_seconds, 0.1, long_seconds),
             VideoSet("test", test, 1, 4, max_seconds, 0.1, long_seconds))
+    if clips:  # 2-4 second clips, one or two scenes: a shape label every ~200 tokens
+        sets = (VideoSet("clips", clips, 2, 2, 4),) + sets
     return DemoPlan(sets=sets, held_out="test", stages=stages, chat_seconds=max_seconds, **kw)
 
 
@@ -349,9 +351,22 @@ class Demo:
         (self.out / "chat.json").write_text(json.dumps({"question": question, "answer": answer, "truth": truth}))
 
     # ---- driver -------------------------------------------------------------------------------
+    def check_plan(self) -> None:
+        """A run directory belongs to one plan: resuming it under another (a newer ladder, other
+        video sets) would mix the two silently, so that stops here, before anything runs."""
+        plan = json.loads(json.dumps(asdict(self.plan)))
+        marker, summary = self.out / "plan.json", self.out / "summary.json"
+        before = json.loads(marker.read_text()) if marker.exists() else \
+            json.loads(summary.read_text()).get("plan") if summary.exists() else None
+        if before is not None and before != plan:
+            raise DemoError(f"{self.out} holds a run of another plan (its videos, ladder or sizes differ); "
+                            "pass --fresh to start it again, or --out for a new directory")
+        self.out.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps(plan, indent=2))
+
     def main(self) -> dict:
         t0 = time.time()
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.check_plan()
         self.stage("1/8 make-data: synthetic shards", self.out / "data/.done", self.make_data)
         self.stage("2/8 text tokenizer", self.out / "tokenizer/tokenizer.json", self.tokenizer)
         self.stage("3/8 train-vq", self.out / "vq/model.safetensors", self.train_vq)

@@ -94,3 +94,27 @@ def test_hour_plan_fits_an_hour_in_its_last_stage():
     assert max(HOUR.needle_lengths) == 3600 and HOUR.eval_sp == 2
     assert all(n >= 20 for T, n in zip(HOUR.needle_lengths, HOUR.needle_trials) if T <= 900)
     assert all(n >= 8 for n in HOUR.needle_trials)
+
+
+def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_path):
+    """Resuming a run directory under a changed plan (a newer ladder, other video sets) would mix
+    the two runs silently: the demo stops with a clear error and leaves the directory as it was."""
+    from dataclasses import replace
+
+    from longvideo.demo import QUICK, Demo, DemoError
+
+    out = tmp_path / "demo"
+    Demo(out, QUICK).check_plan()  # a new directory takes the plan
+    recorded = (out / "plan.json").read_text()
+    Demo(out, QUICK).check_plan()  # the same plan resumes
+    other = replace(QUICK, stages=QUICK.stages[:1])
+    with pytest.raises(DemoError, match="another plan"):
+        Demo(out, other).check_plan()
+    assert (out / "plan.json").read_text() == recorded and sorted(p.name for p in out.iterdir()) == ["plan.json"]
+    # a run finished before plan.json existed is recognised by its summary
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "summary.json").write_text(json.dumps({"plan": json.loads(recorded)}))
+    Demo(old, QUICK).check_plan()
+    with pytest.raises(DemoError, match="--fresh"):
+        Demo(old, other).check_plan()
