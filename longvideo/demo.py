@@ -14,7 +14,7 @@ Every stage runs the same command a user would type, so the demo is also a tour 
 
 Stages whose outputs exist are skipped, so an interrupted demo continues where it stopped.
 
-    python -m longvideo.demo                 # the full demo (about 20 minutes on an idle 2-core CPU)
+    python -m longvideo.demo                 # the full demo (about 21 minutes on an idle 2-core CPU)
     python -m longvideo.demo --quick         # the CI-sized version (about 6.5 minutes)
 """
 
@@ -144,16 +144,23 @@ def _classic(train: int, test: int, max_seconds: int, long_seconds: int, stages,
     return DemoPlan(sets=sets, held_out="test", stages=stages, chat_seconds=max_seconds, **kw)
 
 
-FULL = _classic(600, 64, 12, 40, (Stage(1024, 1500, 1e4, ("train",), sp=1), Stage(2048, 150, 1e5, ("train",), lr=1e-3 / 3),
-                                  Stage(4096, 60, 1e6, ("train",), lr=1e-3 / 3)), needle_trials=(20, 20, 20))
-"""`make demo`. The first rung runs dp = 2 (two rows a step): the scene questions need about three
-times the rows the needle does (measured in one process on this data: 1,000 rows give the needle
-100 % but the last shape's colour 28 %; 3,000 rows give 98 % and 88 %). Whole runs of this plan
-(2 cores, 64 held-out videos): needle 99.4 %, last colour 60.9 %, first shape 35.9 % in 15.8
-minutes; with 2,500 first-rung steps 92.8 / 40.6 / 51.6 % in 19.5 minutes, so 1,500 it stays. RoPE
-theta rises with the rungs because the needle in the longest videos needs it: the same plan at
-theta 1e4 on every rung gave the last colour 75.0 % but the needle 91.7 % (40 frames: 75-95 %).
-A wider model (dim 192, 6 heads) gave 93.9 / 59.4 / 40.6 % (its LM ladder: 14.7 minutes)."""
+FULL = _classic(600, 64, 12, 40, (Stage(1024, 1000, 1e4, ("clips",), sp=1), Stage(1024, 1500, 1e4, ("train",), sp=1),
+                                  Stage(2048, 150, 1e5, ("train",), lr=1e-3 / 3), Stage(4096, 60, 1e5, ("train",), lr=1e-3 / 3)),
+                clips=6000, needle_trials=(20, 20, 20))
+"""`make demo`. Its first rung reads 6,000 clips of 2-4 seconds (one or two scenes, about five to a
+1,024-token row): "What shape came first?" needs thousands of examples of shapes (measured: a
+classifier over one frame's 64 codes reads the shape 68 % right from 600 frames, 82 % from 2,000,
+91 % from 8,000) and the 600 training videos give 600, each among 4-12 seconds of other scenes.
+The rung on those videos then runs dp = 2 (two rows a step): the scene questions need about three
+times the rows the needle does (1,000 rows give the needle 100 % but the last shape's colour 28 %;
+3,000 rows give 98 % and 88 %). RoPE theta rises once, at 2K, and stays at 1e5 for 4K: each switch
+costs the scene questions (last colour 90.6 % after the 1K rungs, 84.4 % after 2K, 75.0 % after a
+4K rung at 1e6), and 1e4 throughout kept the last colour (90.6 %) but not the first shape (56.2 %).
+Whole runs on 2 cores, 64 held-out videos (needle / last colour / first shape): this plan
+97.8 / 92.2 / 65.6 % in 20.8 minutes; with theta 1e6 at 4K 97.8 / 75.0 / 60.9 % in 20.3; the plan
+before the clips 99.4 / 60.9 / 35.9 % in 15.8. Before the clips, more first-rung steps (2,500), theta 1e4 on every
+rung, a wider model (dim 192), timestamps, lr 2e-3 or captions beside the questions left the first
+shape at 31-52 %."""
 HOUR = DemoPlan(
     sets=(VideoSet("brief", 800, 15, 10, 40), VideoSet("short", 320, 10, 60, 240), VideoSet("mid", 48, 11, 300, 900), VideoSet("long", 16, 12, 1800, 3600),
           VideoSet("test", 32, 13, 60, 240), VideoSet("vq", 240, 14, 60, 240, flashes_per_minute=10.0)),
