@@ -55,6 +55,7 @@ from longvideo.train.deepspeed_config import build_deepspeed_config
 from longvideo.train.logging import RunLogger, mfu, peak_flops_per_device
 from longvideo.train.schedule import WarmupCosine
 from longvideo.train.synthetic import SyntheticTokens
+from longvideo.vq.quantizer import fsq_codebook
 
 BATCH_KEYS = ("input_ids", "targets", "loss_weights", "positions", "segment_ids")
 
@@ -191,7 +192,6 @@ class Trainer:
             if init_from and self.resume_from is None:
                 self._load_init_weights(model, init_from)
             elif cfg.model.code_init == "fsq":
-                from longvideo.vq.quantizer import fsq_codebook
                 model.init_code_embeddings(fsq_codebook(cfg.vq.levels))
             parallelize(model, self.mesh)
         self.optimizer = SkippableAdamW(self._param_groups(model), lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2),
