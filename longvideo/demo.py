@@ -158,9 +158,9 @@ costs the scene questions (last colour 90.6 % after the 1K rungs, 84.4 % after 2
 4K rung at 1e6), and 1e4 throughout kept the last colour (90.6 %) but not the first shape (56.2 %).
 Whole runs on 2 cores, 64 held-out videos (needle / last colour / first shape): this plan
 97.8 / 92.2 / 65.6 % in 20.8 minutes; with theta 1e6 at 4K 97.8 / 75.0 / 60.9 % in 20.3; the plan
-before the clips 99.4 / 60.9 / 35.9 % in 15.8. Before the clips, more first-rung steps (2,500), theta 1e4 on every
-rung, a wider model (dim 192), timestamps, lr 2e-3 or captions beside the questions left the first
-shape at 31-52 %."""
+before the clips 99.4 / 60.9 / 35.9 % in 15.8. Before the clips, more first-rung steps (2,500),
+theta 1e4 on every rung, a wider model (dim 192), timestamps, lr 2e-3 or captions beside the
+questions left the first shape at 31-52 %."""
 HOUR = DemoPlan(
     sets=(VideoSet("brief", 800, 15, 10, 40), VideoSet("short", 320, 10, 60, 240), VideoSet("mid", 48, 11, 300, 900), VideoSet("long", 16, 12, 1800, 3600),
           VideoSet("test", 32, 13, 60, 240), VideoSet("vq", 240, 14, 60, 240, flashes_per_minute=10.0)),

@@ -191,7 +191,7 @@ class Trainer:
                 model = Transformer(cfg.model)
             if init_from and self.resume_from is None:
                 self._load_init_weights(model, init_from)
-            elif cfg.model.code_init == "fsq":
+            elif cfg.model.code_init == "fsq" and self.resume_from is None:  # a resumed run loads its weights
                 model.init_code_embeddings(fsq_codebook(cfg.vq.levels))
             parallelize(model, self.mesh)
         self.optimizer = SkippableAdamW(self._param_groups(model), lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2),

@@ -24,12 +24,8 @@ from longvideo.vq.config import VQConfig
 def fsq_codebook(levels: tuple[int, ...]) -> torch.Tensor:
     """Every FSQ code's latent, float32 (prod(levels), len(levels)) in [-1, 1]: what `FSQ(levels).lookup`
     returns for codes 0, 1, ... (code = mixed-radix number of the levels, the first level fastest),
-    without building the quantizer (the language model's code embeddings start from it)."""
-    lv = torch.tensor(levels, dtype=torch.long)
-    basis = torch.cumprod(torch.cat([torch.ones(1, dtype=torch.long), lv[:-1]]), 0)
-    digits = (torch.arange(math.prod(levels)).unsqueeze(-1) // basis) % lv
-    radius = (lv // 2).float()
-    return (digits.float() - radius) / radius
+    the table the language model's code embeddings start from."""
+    return FSQ(levels).lookup(torch.arange(math.prod(levels)))
 
 
 class FSQ(nn.Module):
