@@ -102,11 +102,11 @@ def test_tokenizing_memory_stays_flat_in_the_video_length(hour_run, tmp_path):
         short_src = {str(next((tmp_path / 'short').glob('*.tar')))!r}
         long_src = {str(next((tmp_path / 'long').glob('*.tar')))!r}
         tokenize_shard(vq, short_src, f"{{tmp}}/warm.tar", opts)  # allocator and kernels warmed up
-        # the smaller of two runs each: decoder threads buffer more or fewer frames with the load
+        # the smallest of three runs each: decoder threads buffer more or fewer frames with the load
         # of the moment (one run beside other jobs measured +96 MiB from 10 to 40 minutes); a video
         # kept in memory would show in both runs
-        short = min(growth(lambda: tokenize_shard(vq, short_src, f"{{tmp}}/s.tar", opts))[0] for _ in range(2))
-        long = min(growth(lambda: tokenize_shard(vq, long_src, f"{{tmp}}/l.tar", opts))[0] for _ in range(2))
+        short = min(growth(lambda: tokenize_shard(vq, short_src, f"{{tmp}}/s.tar", opts))[0] for _ in range(3))
+        long = min(growth(lambda: tokenize_shard(vq, long_src, f"{{tmp}}/l.tar", opts))[0] for _ in range(3))
         print(short, long)
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900, cwd=REPO,

@@ -267,7 +267,7 @@ def test_streaming_encode_holds_a_bounded_number_of_frames(mode):
 
 @pytest.mark.slow
 def test_streaming_encode_memory_does_not_grow_with_length(tmp_path):
-    """RSS growth in a child process: streaming 64 frames vs 2400 frames vs holding a video."""
+    """RSS growth in a child process: streaming 64 frames vs 9600 frames vs holding a video."""
     vq = small_model("causal3d", seed=3)
     vq.save(tmp_path / "vq")
     script = textwrap.dedent(f"""
@@ -287,10 +287,10 @@ def test_streaming_encode_memory_does_not_grow_with_length(tmp_path):
         short, _ = growth(lambda: encode_video(vq, chunks(64), batch_frames=16))
         # the smaller of two runs: growth that comes with the length shows in both, while a
         # one-off allocator spike (a few MiB seen now and then) does not
-        (long, codes), (long2, _) = [growth(lambda: encode_video(vq, chunks(2400), batch_frames=16))
+        (long, codes), (long2, _) = [growth(lambda: encode_video(vq, chunks(9600), batch_frames=16))
                                      for _ in range(2)]
         long = min(long, long2)
-        assert codes.shape[0] == 1 + 2399 // 4 + 1
+        assert codes.shape[0] == 1 + 9599 // 4 + 1
         # control: 113 MiB of float64 frames, above malloc's mmap threshold so that memory freed
         # by the encodes above cannot hide it
         held, _ = growth(lambda: torch.cat(list(chunks(4800))).double())
@@ -300,8 +300,10 @@ def test_streaming_encode_memory_does_not_grow_with_length(tmp_path):
                          cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     short, long, held = map(float, out.stdout.split()[-3:])
-    # streaming: flat in the video's length (2400 frames are 7 MiB as uint8, 28 MiB as float32)
-    assert long - short < 5.0, (short, long, held)
+    # streaming: flat in the video's length. 9600 frames are 28 MiB as uint8 and 113 MiB as float32;
+    # a list of per-piece code tensors fragmented the heap by ~2.7 KB a frame (+26 MiB here), while a
+    # run's allocator noise alone is up to ~8 MiB
+    assert long - short < 14.0, (short, long, held)
     assert held > 10.0, (short, long, held)  # the measurement does see a video held in memory
 
 

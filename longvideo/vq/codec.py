@@ -142,11 +142,18 @@ def encode_video(vq: VQModel, frames: Frames, *, batch_frames: int = 16) -> torc
     """
     _check_batch(vq, batch_frames)
     state: dict = {}
-    out: list[torch.Tensor] = []
+    # one buffer that doubles when full instead of a list of small per-piece tensors: thousands of
+    # small blocks kept alive between the pieces' large temporaries fragment the heap, and the
+    # process grows with the video's length though the codes themselves are a few KB a second
+    codes, n = _empty_codes(vq), 0
     with _EvalMode(vq):
         for i, piece in enumerate(_pieces(_chunks(frames, vq.cfg.resolution), _piece_sizes(vq.cfg, batch_frames))):
-            out.append(_encode_piece(vq, piece, state, i == 0))
-    return torch.cat(out) if out else _empty_codes(vq)
+            c = _encode_piece(vq, piece, state, i == 0)
+            if n + c.shape[0] > codes.shape[0]:
+                codes = torch.cat([codes[:n], codes.new_empty((max(n, 64, c.shape[0]),) + codes.shape[1:])])
+            codes[n: n + c.shape[0]] = c
+            n += c.shape[0]
+    return codes[:n].clone()
 
 
 class SplicingEncoder:
