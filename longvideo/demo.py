@@ -356,7 +356,9 @@ class Demo:
         import torch
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.out / "hf")
+        # an export with its own transformers code (attn_logn_base) names it in config.json's auto_map
+        remote = "auto_map" in json.loads((self.out / "hf/config.json").read_text())
+        model = AutoModelForCausalLM.from_pretrained(self.out / "hf", trust_remote_code=remote)
         proc = LongVideoProcessor.from_pretrained(self.out / "hf")
         inputs = proc(video=video, question=question)
         with torch.no_grad():

@@ -2,6 +2,7 @@
 import -> export keeps every weight bit for bit; bad inputs name the file or tensor."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -87,6 +88,37 @@ def test_transformers_loads_export_with_same_logits(tmp_path, tok, tie, kv):
     assert conf["max_position_embeddings"] == 128 and conf["rope_theta"] == 3e4
     t = TextTokenizer.from_dir(tmp_path / "hf")
     assert t.encode("<vision>") == [tok.text_size]
+
+
+def test_export_of_a_logn_model_loads_only_as_itself_with_same_logits(tmp_path, tok):
+    """attn_logn_base > 0: the export carries its transformers code (modeling_longvideo.py); with
+    trust_remote_code it gives the project's logits past the base, also when decoding from a cache;
+    without it transformers refuses the directory instead of loading a plain Llama."""
+    mc = ModelConfig(text_vocab_size=tok.text_size, codebook_size=16, dim=32, n_layers=2, n_heads=4,
+                     n_kv_heads=2, ffn_dim=64, rope_theta=3e4, max_seq_len=128, attn_logn_base=4,
+                     init_std=0.3)  # attention logits large enough for their scale to show
+    torch.manual_seed(2)
+    model = Transformer(mc)
+    save_project_checkpoint(tmp_path / "ckpt", model.state_dict(), Config(model=mc, vq=VQConfig(codebook_size=16)),
+                            tokenizer=tok)
+    export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True)
+    assert type(hf).__name__ == "LongVideoLlamaForCausalLM"
+    ids = torch.randint(0, mc.vocab_size, (2, 19))
+    ours = model.logits(model(ids))
+    torch.testing.assert_close(hf(ids).logits, ours, atol=1e-4, rtol=0)
+    plain = Transformer(replace(mc, attn_logn_base=0))
+    plain.load_state_dict(model.state_dict())
+    assert (plain.logits(plain(ids)) - ours).abs().max() > 1e-2  # the scale matters at these positions
+    with torch.no_grad():
+        first = hf(ids[:, :12], use_cache=True)
+        step = hf(ids[:, 12:13], past_key_values=first.past_key_values, use_cache=True)
+    torch.testing.assert_close(step.logits[:, 0], ours[:, 12], atol=1e-4, rtol=0)
+    # and importing it back keeps the scale
+    import_hf(tmp_path / "hf", tmp_path / "ckpt2")
+    assert load_pretrained(tmp_path / "ckpt2").config.model.attn_logn_base == 4
 
 
 def test_rope_theta_both_spellings():

@@ -1,5 +1,7 @@
 """The decoder against transformers' Llama, and its memory-saving parts against plain computations."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -51,9 +53,10 @@ def test_logits_and_grads_match_transformers(n_kv_heads, tie):
         torch.testing.assert_close(g, hf_params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_packed_documents_equal_separate_runs():
+@pytest.mark.parametrize("logn_base", [0, 4])
+def test_packed_documents_equal_separate_runs(logn_base):
     torch.manual_seed(1)
-    model = Transformer(tiny_cfg()).double()
+    model = Transformer(tiny_cfg(attn_logn_base=logn_base)).double()
     a = torch.randint(0, 100, (1, 9))
     b = torch.randint(0, 100, (1, 14))
     packed = torch.cat([a, b], dim=1)
@@ -115,9 +118,10 @@ def test_negative_targets_carry_no_loss():
     assert w1.item() == w2.item() == 6
 
 
-def test_kv_cache_matches_full_forward():
+@pytest.mark.parametrize("logn_base", [0, 4])
+def test_kv_cache_matches_full_forward(logn_base):
     torch.manual_seed(5)
-    model = Transformer(tiny_cfg()).double().eval()
+    model = Transformer(tiny_cfg(attn_logn_base=logn_base)).double().eval()
     ids = torch.randint(0, 100, (2, 17))
     full = model.logits(model(ids))
     cache = KVCache(model.cfg, batch=2, max_len=32, dtype=torch.float64)
@@ -126,6 +130,49 @@ def test_kv_cache_matches_full_forward():
         steps.append(model.logits(model(ids[:, t:t + 1], cache=cache)))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-10, rtol=0)
     assert cache.length == 17
+
+
+def test_logn_scales_each_querys_logits_by_the_log_of_its_position():
+    """attn_logn_base: the attention layer against a float64 softmax written out here, RoPE as a
+    complex rotation, every query's logits multiplied by max(1, ln(p + 1) / ln(base))."""
+    from longvideo.model.attention import Attention, local_attention
+    from longvideo.model.layers import rope_cos_sin
+
+    torch.manual_seed(6)
+    base, S = 4, 13
+    cfg = tiny_cfg(attn_logn_base=base)
+    attn = Attention(cfg).double()
+    x = torch.randn(1, S, cfg.dim, dtype=torch.float64)
+    pos, seg = torch.arange(S)[None], torch.zeros(1, S, dtype=torch.long)
+    cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, torch.float64)
+    ours = attn(x, cos, sin, pos, seg, local_attention)
+
+    D, H, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    angle = torch.arange(S, dtype=torch.float64)[:, None] / cfg.rope_theta ** (torch.arange(0, D, 2) / D)
+
+    def rotate(t):  # (S, heads, D), half-split pairs (t[i], t[i + D/2]) as complex numbers
+        z = torch.complex(t[..., :D // 2], t[..., D // 2:]) * torch.polar(torch.ones_like(angle), angle)[:, None]
+        return torch.cat([z.real, z.imag], dim=-1)
+
+    q = rotate((x[0] @ attn.wq.weight.T).view(S, H, D))
+    k = rotate((x[0] @ attn.wk.weight.T).view(S, Hkv, D)).repeat_interleave(H // Hkv, dim=1)
+    v = (x[0] @ attn.wv.weight.T).view(S, Hkv, D).repeat_interleave(H // Hkv, dim=1)
+    scale = torch.tensor([max(1.0, math.log(p + 1) / math.log(base)) for p in range(S)], dtype=torch.float64)
+    logits = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(D) * scale[None, :, None]
+    logits = logits.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.einsum("hqk,khd->qhd", logits.softmax(-1), v).reshape(S, H * D) @ attn.wo.weight.T
+    torch.testing.assert_close(ours[0], ref, atol=1e-7, rtol=0)  # the model computes RoPE angles in fp32
+    assert scale[-1] > 1.8  # the last queries are scaled, so ignoring the scale would fail above
+
+
+def test_logn_scale_is_exactly_one_below_its_base():
+    """The hour ladder's short rungs (attn_logn_base 4096, contexts <= 4096) compute what a model
+    without the scale computes, bit for bit."""
+    from longvideo.model.layers import logn_scale
+
+    s = logn_scale(torch.arange(8192)[None], 4096, torch.float32).flatten()
+    assert torch.equal(s[:4096], torch.ones(4096))
+    assert (s[4096:] > 1).all() and abs(float(s[-1]) - math.log(8192) / math.log(4096)) < 1e-6
 
 
 def test_fsq_code_init_gives_code_rows_the_tokenizers_geometry():

@@ -11,7 +11,8 @@ from longvideo.model import ModelConfig, Transformer
 from longvideo.parallel import Mesh, RingAttentionSeam, normalized_loss, parallelize, shard_batch
 
 CFG = dict(text_vocab_size=60, codebook_size=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-           multiple_of=16, ffn_chunk=8, loss_chunk=16, max_seq_len=64)
+           multiple_of=16, ffn_chunk=8, loss_chunk=16, max_seq_len=64,
+           attn_logn_base=8)  # queries past position 7 scaled: the ring gets each shard's global positions
 
 
 def _batch(B, S, group):

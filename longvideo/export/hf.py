@@ -10,6 +10,7 @@ custom code, with the processor that turns a video and a question into its input
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -44,9 +45,15 @@ def rope_theta_of(hf_cfg: dict) -> float:
     return 10000.0
 
 
+# the transformers code of an export whose queries scale with the context (ModelConfig.attn_logn_base)
+LOGN_MODULE = "modeling_longvideo"
+LOGN_MODEL_TYPE, LOGN_ARCH = "longvideo_llama", "LongVideoLlamaForCausalLM"
+
+
 def model_config_from_hf(hf_cfg: dict, text_vocab_size: int, codebook_size: int) -> ModelConfig:
     archs = hf_cfg.get("architectures") or []
-    if hf_cfg.get("model_type") != "llama" or (archs and "LlamaForCausalLM" not in archs):
+    ours = hf_cfg.get("model_type") == LOGN_MODEL_TYPE and archs == [LOGN_ARCH]
+    if not ours and (hf_cfg.get("model_type") != "llama" or (archs and "LlamaForCausalLM" not in archs)):
         raise CheckpointError(f"config.json: expected a LlamaForCausalLM (model_type llama), got "
                               f"model_type={hf_cfg.get('model_type')!r} architectures={archs}")
     dim, heads = hf_cfg["hidden_size"], hf_cfg["num_attention_heads"]
@@ -61,11 +68,15 @@ def model_config_from_hf(hf_cfg: dict, text_vocab_size: int, codebook_size: int)
         norm_eps=float(hf_cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta_of(hf_cfg),
         max_seq_len=int(hf_cfg.get("max_position_embeddings", 4096)),
         tie_embeddings=bool(hf_cfg.get("tie_word_embeddings", False)),
+        attn_logn_base=int(hf_cfg.get("attn_logn_base", 0)) if ours else 0,
     )
 
 
 def hf_config_dict(cfg: ModelConfig, tokenizer=None) -> dict:
-    """config.json for LlamaForCausalLM; RoPE written in both spellings transformers reads."""
+    """config.json for LlamaForCausalLM; RoPE written in both spellings transformers reads. A model
+    whose queries scale with the context is a LongVideoLlamaForCausalLM (modeling_longvideo.py,
+    which the export copies beside it): Llama's weights, its own model_type, so that transformers
+    loads it only with trust_remote_code and never as a plain Llama that answers differently."""
     d = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -87,6 +98,10 @@ def hf_config_dict(cfg: ModelConfig, tokenizer=None) -> dict:
         "torch_dtype": "float32",
         "dtype": "float32",
     }
+    if cfg.attn_logn_base:
+        d.update(architectures=[LOGN_ARCH], model_type=LOGN_MODEL_TYPE, attn_logn_base=cfg.attn_logn_base,
+                 auto_map={"AutoConfig": f"{LOGN_MODULE}.LongVideoLlamaConfig",
+                           "AutoModelForCausalLM": f"{LOGN_MODULE}.{LOGN_ARCH}"})
     if tokenizer is not None:
         d.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
     return d
@@ -148,7 +163,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, base_config: Optional[str
     mcfg = model_config_from_hf(hf_cfg, text_vocab_size=v0, codebook_size=K)
     mcfg = replace(root.model, **{f: getattr(mcfg, f) for f in (
         "text_vocab_size", "codebook_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-        "norm_eps", "rope_theta", "max_seq_len", "tie_embeddings")})
+        "norm_eps", "rope_theta", "max_seq_len", "tie_embeddings", "attn_logn_base")})
     root = replace(root, model=mcfg, vq=replace(root.vq, codebook_size=K))
     sd = from_hf_names({k: v for k, v in sd_hf.items() if not (mcfg.tie_embeddings and k == "lm_head.weight")},
                        mcfg)
@@ -184,6 +199,8 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: Optional[str
         for k, v in hf_sd.items():
             w.write(k, v.float())
     (out / "config.json").write_text(json.dumps(hf_config_dict(cfg.model, tokenizer), indent=2))
+    if cfg.model.attn_logn_base:
+        shutil.copyfile(Path(__file__).with_name(f"{LOGN_MODULE}.py"), out / f"{LOGN_MODULE}.py")
     (out / "generation_config.json").write_text(json.dumps(generation_config(cfg.model, tokenizer), indent=2))
     tokenizer.save(out)
     save_config(cfg, out / EXPORT_CONFIG)

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from longvideo.kernels import AttentionPlan, PlanCache, block_attention
 from longvideo.model.config import ModelConfig
-from longvideo.model.layers import apply_rope
+from longvideo.model.layers import apply_rope, logn_scale
 
 AttentionFn = Callable[..., Tensor]
 
@@ -57,6 +57,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
+        self.logn_base = cfg.attn_logn_base
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -70,6 +71,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, S, -1, self.head_dim)  # (B, S, Hkv, D)
         v = self.wv(x).view(B, S, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.logn_base:  # sharper attention past logn_base keys (ModelConfig.attn_logn_base)
+            q = q * logn_scale(positions, self.logn_base, q.dtype)
         k_pos, k_seg = positions, segment_ids
         if cache is not None:  # append this step's keys and attend over everything cached
             k, v, k_pos, k_seg = cache.update(k, v)

@@ -35,6 +35,11 @@ class ModelConfig:
     """RMSNorm epsilon."""
     rope_theta: float = 10000.0
     """RoPE base; LWM raises it with the context stage (1e6 at 32K ... 5e7 at 1M)."""
+    attn_logn_base: int = 0
+    """Queries scaled with the context: > 0 multiplies the query at position p (within its document)
+    by max(1, ln(p + 1) / ln(attn_logn_base)), so attention over more than attn_logn_base keys keeps
+    the sharpness it has over attn_logn_base keys (docs/hour.md). 0 = off, the plain LLaMA attention
+    that transformers' Llama reproduces."""
     max_seq_len: int = 4096
     """Longest sequence the model is meant for (exported as max_position_embeddings)."""
     tie_embeddings: bool = False
@@ -87,6 +92,8 @@ class ModelConfig:
         check(self.norm_eps > 0, "norm_eps", "must be positive")
         check(self.rope_theta > 0, "rope_theta", "must be positive")
         check(self.max_seq_len > 0, "max_seq_len", "must be positive")
+        check(self.attn_logn_base == 0 or self.attn_logn_base >= 2, "attn_logn_base",
+              f"must be 0 (off) or a context length >= 2, got {self.attn_logn_base}")
         check(self.ffn_chunk >= 0, "ffn_chunk", "must be >= 0 (0 = no chunking)")
         check(self.loss_chunk >= 0, "loss_chunk", "must be >= 0 (0 = no chunking)")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -37,6 +39,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x (B, S, H, D) by the half-split convention (first half paired with second half)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def logn_scale(positions: Tensor, base: int, dtype: torch.dtype) -> Tensor:
+    """max(1, ln(p + 1) / ln(base)) for positions p (B, S), shaped (B, S, 1, 1) to scale queries;
+    computed in float64, so every position below the base gets exactly 1."""
+    return (torch.log1p(positions.double()) / math.log(base)).clamp(min=1.0).to(dtype)[:, :, None, None]
 
 
 class FeedForward(nn.Module):
