@@ -109,7 +109,9 @@ class TextTokenizer:
                 raise TokenizerError(f"{path} holds only a SentencePiece tokenizer.model; reading it needs the "
                                      f"sentencepiece package (pip install sentencepiece): {e}") from None
             return cls(hf, layout)
-        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
+        # the tokenizer never needs a directory's model code (an export with attn_logn_base has some):
+        # without this transformers would stop and ask whether to run it
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True, trust_remote_code=False)
         return cls(hf, layout)
 
     def save(self, path: str | Path) -> None:

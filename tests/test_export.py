@@ -116,6 +116,15 @@ def test_export_of_a_logn_model_loads_only_as_itself_with_same_logits(tmp_path, 
         first = hf(ids[:, :12], use_cache=True)
         step = hf(ids[:, 12:13], past_key_values=first.past_key_values, use_cache=True)
     torch.testing.assert_close(step.logits[:, 0], ours[:, 12], atol=1e-4, rtol=0)
+    # reading its tokenizer (as LongVideoProcessor does) never asks whether to run the model code
+    import builtins
+    asked = []
+    real_input, builtins.input = builtins.input, lambda *a: asked.append(a) or "n"
+    try:
+        assert TextTokenizer.from_dir(tmp_path / "hf").text_size == tok.text_size
+    finally:
+        builtins.input = real_input
+    assert not asked
     # and importing it back keeps the scale
     import_hf(tmp_path / "hf", tmp_path / "ckpt2")
     assert load_pretrained(tmp_path / "ckpt2").config.model.attn_logn_base == 4
