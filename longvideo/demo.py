@@ -34,6 +34,7 @@ from longvideo.checkpoint import latest_checkpoint
 from longvideo.config import load_config
 from longvideo.data.synthetic import SyntheticSpec, make_sample, text_corpus
 from longvideo.export import LongVideoProcessor
+from longvideo.machine import describe, machine_info
 from longvideo.tokenizer import TextTokenizer
 from longvideo.train.checkpoint import STATE_FILE
 
@@ -201,6 +202,7 @@ class Demo:
     def __init__(self, out: Path, plan: DemoPlan, quiet: bool = False):
         self.out, self.plan, self.quiet = out, plan, quiet
         self.timings: dict[str, float] = {}
+        self.machine: dict | None = None
         self.env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
                         TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                         PYTHONUNBUFFERED="1")
@@ -385,6 +387,8 @@ class Demo:
     def main(self) -> dict:
         t0 = time.time()
         self.check_plan()
+        self.machine = machine_info()  # measured idle, before the run: what its times are relative to
+        print(f"machine: {describe(self.machine)}", flush=True)
         self.stage("1/8 make-data: synthetic shards", self.out / "data/.done", self.make_data)
         self.stage("2/8 text tokenizer", self.out / "tokenizer/tokenizer.json", self.tokenizer)
         self.stage("3/8 train-vq", self.out / "vq/model.safetensors", self.train_vq)
@@ -406,7 +410,8 @@ class Demo:
 
         qa, niah, vq_needle = load("qa"), load("video_niah"), load("vq_needle")
         chat = json.loads((self.out / "chat.json").read_text()) if (self.out / "chat.json").exists() else {}
-        return {"plan": asdict(self.plan), "seconds": round(seconds, 1), "stage_seconds": self.timings,
+        return {"plan": asdict(self.plan), "machine": self.machine, "seconds": round(seconds, 1),
+                "stage_seconds": self.timings,
                 "qa": {k: qa.get(k) for k in ("accuracy", "chance", "n", "per_question") if k in qa},
                 "video_niah": {k: niah.get(k) for k in ("accuracy", "chance", "n", "lengths", "grid", "needles_dropped")
                                if k in niah},
@@ -430,7 +435,7 @@ class Demo:
             if niah.get("needles_dropped"):
                 print(f"    warning: {niah['needles_dropped']} needles did not fit the model's context (guesses)")
         print(f"artefacts under {self.out}: eval/*/ (JSON + PNG), hf/ (Hugging Face export), lm/ (checkpoints, loss curves)")
-        print(f"demo time: {s['seconds'] / 60:.1f} min")
+        print(f"demo time: {s['seconds'] / 60:.1f} min" + (f" on {describe(s['machine'])}" if s.get("machine") else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
