@@ -45,6 +45,7 @@ LAYER_OF_MODULE = {
     "longvideo.config": 0,
     "longvideo.vocab": 0,
     "longvideo.safepickle": 0,
+    "longvideo.machine": 0,
     "longvideo.tokenizer": 1,
     "longvideo.checkpoint": 3,
     "longvideo.hf": 4,
