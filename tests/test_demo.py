@@ -132,3 +132,8 @@ def test_a_run_records_the_machine_it_ran_on():
     # the probe counts the work it did: a 4x larger side is 64x the flops, not 64x the rate
     small, large = matmul_gflops(0.05, n=32), matmul_gflops(0.05, n=128)
     assert 0 < small < 20 * large
+    from longvideo.demo import QUICK, Demo
+
+    demo = Demo(Path("/nonexistent-demo-dir"), QUICK)
+    demo.machine = m
+    assert demo.summary(1.0)["machine"] == m
