@@ -6,8 +6,9 @@ Every stage runs the same command a user would type, so the demo is also a tour 
   2. tokenizer      a small byte-level BPE trained on the dataset's own text
   3. train-vq       the tiny VQ video tokenizer
   4. tokenize       raw shards -> token shards (training never decodes video)
-  5. train          the tiny LM with ring attention over 2 processes (sp = 2, ZeRO-3), through the
-                    tiny context ladder (each stage starts from the previous one's weights)
+  5. train          the tiny LM through a context ladder (each stage starts from the previous one's
+                    weights): short rungs two rows a step (dp = 2, ZeRO-2), long rungs with ring
+                    attention over 2 processes (sp = 2, ZeRO-3)
   6. eval           QA accuracy and video needle retrieval on held-out videos (JSON + PNG, chance)
   7. export         a Hugging Face directory, reloaded with transformers
   8. chat           one question about a held-out video, through `longvideo chat`
@@ -74,6 +75,11 @@ class Stage:
     """Ring size: the row is sharded over sp processes (the rest of the processes is dp)."""
     lr: float = 1e-3
     """Peak learning rate."""
+    zero_stage: int = 3
+    """DeepSpeed ZeRO stage. The ring rungs shard parameters too (ZeRO-3); a rung with no ring
+    (sp = 1, dp = 2) shards gradients and optimizer state (ZeRO-2): at the demos' sizes gathering
+    the parameters costs a quarter of a step (scripts/bench_zero.py) and saves no memory that
+    matters."""
     config: str = ""
     """A stage config (configs/stages/*.yaml) the run starts from; the fields above then come from it."""
 
@@ -81,7 +87,8 @@ class Stage:
     def from_config(cls, config: str, sets: tuple[str, ...]) -> "Stage":
         """A rung as a shipped stage config describes it (the config stays the one source)."""
         c = load_config(config)
-        return cls(c.data.seq_len, c.train.steps, c.model.rope_theta, sets, c.parallel.sp, c.train.lr, config)
+        return cls(c.data.seq_len, c.train.steps, c.model.rope_theta, sets, c.parallel.sp, c.train.lr,
+                   c.train.zero_stage if c.train.zero_stage is not None else 3, config)
 
 
 @dataclass(frozen=True)
@@ -149,7 +156,8 @@ def _classic(train: int, test: int, max_seconds: int, long_seconds: int, stages,
     return DemoPlan(sets=sets, held_out="test", stages=stages, chat_seconds=max_seconds, **kw)
 
 
-FULL = _classic(600, 256, 12, 40, (Stage(1024, 2000, 1e4, ("clips",), sp=1), Stage(1024, 1500, 1e4, ("train",), sp=1),
+FULL = _classic(600, 256, 12, 40, (Stage(1024, 2000, 1e4, ("clips",), sp=1, zero_stage=2),
+                                  Stage(1024, 1500, 1e4, ("train",), sp=1, zero_stage=2),
                                   Stage(2048, 150, 1e5, ("train",), lr=1e-3 / 3), Stage(4096, 60, 1e5, ("train",), lr=1e-3 / 3)),
                 clips=12000, needle_trials=(20, 20, 20), eval_samples=256)
 """`make demo`. Its first rung reads 12,000 clips of 2-4 seconds (one or two scenes, about five to a
@@ -294,7 +302,7 @@ class Demo:
             ladder = [] if st.config else [  # a stage config holds these itself
                 f"model.max_seq_len={st.seq_len}", f"model.rope_theta={st.rope_theta}", f"data.seq_len={st.seq_len}",
                 f"parallel.sp={st.sp}", f"train.steps={st.steps}", f"train.warmup_steps={max(1, st.steps // 10)}",
-                f"train.lr={st.lr}", f"train.checkpoint_every={st.steps}", "train.zero_stage=3",
+                f"train.lr={st.lr}", f"train.checkpoint_every={st.steps}", f"train.zero_stage={st.zero_stage}",
                 "train.micro_batch_size=1", *p.training]
             overrides = [
                 f"model.text_vocab_size={self.text_size()}", f"data.train_shards={shards}", *ladder,
@@ -309,8 +317,8 @@ class Demo:
                 cmd.append("--resume")
             elif prev is not None:
                 cmd += ["--init-from", prev]
-            print(f"--- stage {i + 1}/{len(p.stages)}: context {st.seq_len}, sp {st.sp}, RoPE theta "
-                  f"{st.rope_theta:g}, {st.steps} steps", flush=True)
+            print(f"--- stage {i + 1}/{len(p.stages)}: context {st.seq_len}, sp {st.sp}, ZeRO-{st.zero_stage}, "
+                  f"RoPE theta {st.rope_theta:g}, {st.steps} steps", flush=True)
             self.run(cmd, threads=1)
             prev = run_dir
         (self.out / "lm/final").write_text(str(prev))
@@ -397,8 +405,9 @@ class Demo:
         self.stage("2/8 text tokenizer", self.out / "tokenizer/tokenizer.json", self.tokenizer)
         self.stage("3/8 train-vq", self.out / "vq/model.safetensors", self.train_vq)
         self.stage("4/8 tokenize", self.out / "tokens/.done", self.tokenize)
+        zero = " and ".join(f"ZeRO-{z}" for z in sorted({st.zero_stage for st in self.plan.stages}))
         self.stage(f"5/8 train the LM (ring attention over up to {max(st.sp for st in self.plan.stages)} processes, "
-                   "ZeRO-3)", self.out / "lm/final", self.train_lm)
+                   f"{zero})", self.out / "lm/final", self.train_lm)
         self.stage("6/8 export a Hugging Face directory", self.out / "hf/config.json", self.export)
         self.stage("7/8 evaluate on held-out videos", self.out / "eval/video_niah", self.evaluate)
         self.stage("8/8 chat", self.out / "chat.json", self.chat)

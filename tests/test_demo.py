@@ -94,6 +94,10 @@ def test_hour_plan_fits_an_hour_in_its_last_stage():
     assert max(HOUR.needle_lengths) == 3600 and HOUR.eval_sp == 2
     assert all(n >= 20 for T, n in zip(HOUR.needle_lengths, HOUR.needle_trials) if T <= 900)
     assert all(n >= 8 for n in HOUR.needle_trials)
+    # the ring rungs shard the parameters too; the rungs without a ring shard gradients and optimizer
+    # state only (what the stage configs say reaches the plan)
+    assert [s.zero_stage for s in HOUR.stages] == [3 if s.sp > 1 else 2 for s in HOUR.stages]
+    assert [load_config(s.config).train.zero_stage for s in HOUR.stages] == [s.zero_stage for s in HOUR.stages]
 
 
 def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_path):
