@@ -38,6 +38,7 @@ from longvideo.export import LongVideoProcessor
 from longvideo.machine import describe, machine_info
 from longvideo.tokenizer import TextTokenizer
 from longvideo.train.checkpoint import STATE_FILE
+from longvideo.train.deepspeed_config import load_base, resolve_zero_stage
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,8 @@ class Stage:
     def from_config(cls, config: str, sets: tuple[str, ...]) -> "Stage":
         """A rung as a shipped stage config describes it (the config stays the one source)."""
         c = load_config(config)
-        return cls(c.data.seq_len, c.train.steps, c.model.rope_theta, sets, c.parallel.sp, c.train.lr,
-                   c.train.zero_stage if c.train.zero_stage is not None else 3, config)
+        zero = resolve_zero_stage(c.train, load_base(c.train.deepspeed_config))
+        return cls(c.data.seq_len, c.train.steps, c.model.rope_theta, sets, c.parallel.sp, c.train.lr, zero, config)
 
 
 @dataclass(frozen=True)

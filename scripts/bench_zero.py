@@ -70,6 +70,8 @@ def report(result: dict) -> Section:
 
 def run_case(config: str, seq: int, stage: int, steps: int, warmup: int, out_dir: Path) -> dict:
     """One `longvideo train` run; its median step time and last loss from metrics.jsonl."""
+    from longvideo.train.logging import read_metrics
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "longvideo", "train", "--config", config, f"data.seq_len={seq}", f"model.max_seq_len={seq}",
            "parallel.sp=1", f"train.zero_stage={stage}", f"train.steps={steps}", "train.warmup_steps=5",
@@ -80,7 +82,7 @@ def run_case(config: str, seq: int, stage: int, steps: int, warmup: int, out_dir
     row = dict(case=f"{config}:{seq}", zero_stage=stage)
     if r.returncode:
         return dict(row, error=(r.stderr or r.stdout)[-300:])
-    m = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if '"step_time"' in line]
+    m = [r for r in read_metrics(out_dir) if "step_time" in r]
     times = [x["step_time"] for x in m[warmup:]]
     return dict(row, median_s=statistics.median(times), mean_s=statistics.fmean(times), steps=len(times),
                 loss=m[-1]["loss"])

@@ -301,8 +301,7 @@ def test_streaming_encode_memory_does_not_grow_with_length(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
-    mid, long = [float(v) for v in out.stdout.split()[-3:-1]]
-    held = float(out.stdout.split()[-1])
+    mid, long, held = map(float, out.stdout.split()[-3:])
     # streaming: flat in the video's length, so the second 9600 frames add nothing. Holding them would
     # add 28 MiB as uint8 (113 MiB as float32); a list of per-piece code tensors fragmented the heap by
     # ~2.7 KB a frame (+26 MiB). What the allocator adds regardless of length cancels in the
