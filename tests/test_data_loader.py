@@ -127,6 +127,26 @@ def test_long_samples_cut_and_counted(shards, tok):
     assert loader.stats["docs_cut"] > 0 and loader.stats["groups_dropped"] > 0
 
 
+def test_each_shard_index_read_once_per_epoch(tmp_path, tok, monkeypatch):
+    """A shuffle buffer that spans more shards than a handful does not make the loader re-read tar
+    headers: over one epoch of 30 small shards each shard's index is read once."""
+    import longvideo.data.loader as loader_mod
+
+    for s in range(30):
+        with ShardWriter(tmp_path / f"part-{s:03d}.tar") as w:
+            for i in range(s * 3, s * 3 + 3):
+                sample = make_sample(5, i, SPEC)
+                w.write(sample.key, token_sample_members(sample.key, np.zeros((sample.duration, 2, 2), np.int64),
+                                                         np.arange(float(sample.duration)), sample.meta))
+    reads = []
+    real = loader_mod.TokenShard
+    monkeypatch.setattr(loader_mod, "TokenShard", lambda path, stats=None: reads.append(path) or real(path, stats))
+    loader = TokenLoader(str(tmp_path), tok, tok.vocab(K), DataConfig(seq_len=96, shuffle_buffer=40), batch_size=1)
+    while loader.epoch == 0:
+        next(loader)
+    assert len(reads) == len(set(reads)) == 30
+
+
 def test_corrupt_token_samples_skipped_and_counted(tmp_path, tok):
     good = 0
     with ShardWriter(tmp_path / "bad.tar") as w:

@@ -118,6 +118,162 @@ def test_negative_targets_carry_no_loss():
     assert w1.item() == w2.item() == 6
 
 
+@pytest.mark.parametrize("kept", [0, 3, 24])
+def test_head_on_weighted_tokens_only_equals_every_token(kept):
+    """Only tokens with a loss reach the head; loss and gradients equal a float64 model that projects
+    every token through a plain cross-entropy (none, some, all tokens weighted; chunk smaller than N)."""
+    torch.manual_seed(6)
+    model = Transformer(tiny_cfg(loss_chunk=5)).double()
+    ids, t = torch.randint(0, 100, (2, 12)), torch.randint(0, 100, (2, 12))
+    w = torch.zeros(2, 12, dtype=torch.float64)
+    # weights exact in float32 (the head reads them as float32)
+    w.view(-1)[torch.randperm(24)[:kept]] = torch.randint(1, 5, (kept,), dtype=torch.float64) / 4
+    loss, total = model(ids, targets=t, loss_weights=w)
+    loss.backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model.logits(model(ids))
+    ref = (F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1), reduction="none") * w.reshape(-1)).sum()
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-12, rtol=0)
+    assert total.item() == pytest.approx(w.sum().item())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ours[n], p.grad, atol=1e-12, rtol=0, msg=n)
+    if kept == 0:
+        assert loss.item() == 0 and all(g.abs().max() == 0 for g in ours.values())
+
+
+def test_head_skips_unweighted_tokens(monkeypatch):
+    """The head projects as many tokens as carry a loss (the point of skipping: answer-only rows)."""
+    import longvideo.model.head as head_mod
+
+    torch.manual_seed(7)
+    model = Transformer(tiny_cfg())
+    rows, real = [], head_mod.chunked_cross_entropy
+    monkeypatch.setattr(head_mod, "chunked_cross_entropy", lambda h, *a: rows.append(h.shape[0]) or real(h, *a))
+    w = torch.zeros(1, 10)
+    w[0, [2, 7]] = 1
+    ids, t = torch.randint(0, 100, (1, 10)), torch.randint(0, 100, (1, 10))
+    skipped, _ = model(ids, targets=t, loss_weights=w)
+    model.head.skip_unweighted = False
+    every, _ = model(ids, targets=t, loss_weights=w)
+    assert rows == [2, 10]
+    torch.testing.assert_close(skipped, every)
+
+
+@pytest.mark.parametrize("logn_base", [0, 4])
+def test_packed_documents_equal_separate_runs(logn_base):
+    torch.manual_seed(1)
+    model = Transformer(tiny_cfg(attn_logn_base=logn_base)).double()
+    a = torch.randint(0, 100, (1, 9))
+    b = torch.randint(0, 100, (1, 14))
+    packed = torch.cat([a, b], dim=1)
+    positions = torch.cat([torch.arange(9), torch.arange(14)])[None]
+    segments = torch.cat([torch.zeros(9), torch.ones(14)]).long()[None]
+    out = model.logits(model(packed, positions, segments))
+    torch.testing.assert_close(out[:, :9], model.logits(model(a)), atol=1e-10, rtol=0)
+    torch.testing.assert_close(out[:, 9:], model.logits(model(b)), atol=1e-10, rtol=0)
+
+
+def test_blockwise_ffn_and_checkpointing_equal_plain():
+    torch.manual_seed(2)
+    plain = Transformer(tiny_cfg()).double()
+    chunked = Transformer(tiny_cfg(ffn_chunk=5, loss_chunk=7, activation_checkpointing=True)).double()
+    chunked.load_state_dict(plain.state_dict())
+    chunked.train()
+    ids = torch.randint(0, 100, (2, 31))
+    targets = torch.randint(0, 100, (2, 31))
+    weights = torch.rand(2, 31, dtype=torch.float64)
+    losses = []
+    for m in (plain, chunked):
+        s, w = m(ids, targets=targets, loss_weights=weights)
+        s.backward()
+        losses.append((s.detach(), w))
+    torch.testing.assert_close(losses[0][0], losses[1][0], atol=1e-10, rtol=0)
+    for (n, p), q in zip(plain.named_parameters(), chunked.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-10, rtol=0, msg=n)
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 6, 64])
+def test_chunked_cross_entropy_equals_plain(chunk):
+    torch.manual_seed(3)
+    h = torch.randn(29, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 50, (29,))
+    lw = torch.rand(29, dtype=torch.float64)
+    ours = chunked_cross_entropy(h, w, t, lw, chunk)
+    ref = (F.cross_entropy(h @ w.t(), t, reduction="none") * lw).sum()
+    torch.testing.assert_close(ours, ref, atol=1e-10, rtol=0)
+    g = torch.tensor(0.7, dtype=torch.float64)
+    gh, gw = torch.autograd.grad(ours, (h, w), g)
+    rh, rw = torch.autograd.grad(ref, (h, w), g)
+    torch.testing.assert_close(gh, rh, atol=1e-10, rtol=0)
+    torch.testing.assert_close(gw, rw, atol=1e-10, rtol=0)
+
+
+def test_negative_targets_carry_no_loss():
+    torch.manual_seed(4)
+    model = Transformer(tiny_cfg())
+    ids = torch.randint(0, 100, (1, 10))
+    t = torch.randint(0, 100, (1, 10))
+    t_masked = t.clone()
+    t_masked[0, :4] = -100
+    w = torch.ones(1, 10)
+    w[0, :4] = 0
+    s1, w1 = model(ids, targets=t_masked)
+    s2, w2 = model(ids, targets=t, loss_weights=w)
+    torch.testing.assert_close(s1, s2)
+    assert w1.item() == w2.item() == 6
+
+
+@pytest.mark.parametrize("kept", [0, 3, 24])
+def test_head_on_weighted_tokens_only_equals_every_token(kept):
+    """Only tokens with a loss reach the head; loss and gradients equal a float64 model that projects
+    every token through a plain cross-entropy (none, some, all tokens weighted; chunk smaller than N)."""
+    torch.manual_seed(6)
+    model = Transformer(tiny_cfg(loss_chunk=5)).double()
+    ids, t = torch.randint(0, 100, (2, 12)), torch.randint(0, 100, (2, 12))
+    w = torch.zeros(2, 12, dtype=torch.float64)
+    # weights exact in float32 (the head reads them as float32)
+    w.view(-1)[torch.randperm(24)[:kept]] = torch.randint(1, 5, (kept,), dtype=torch.float64) / 4
+    loss, total = model(ids, targets=t, loss_weights=w)
+    loss.backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model.logits(model(ids))
+    ref = (F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1), reduction="none") * w.reshape(-1)).sum()
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-12, rtol=0)
+    assert total.item() == pytest.approx(w.sum().item())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ours[n], p.grad, atol=1e-12, rtol=0, msg=n)
+    if kept == 0:
+        assert loss.item() == 0 and all(g.abs().max() == 0 for g in ours.values())
+
+
+def test_head_skips_unweighted_tokens():
+    """The head projects as many tokens as carry a loss (the point of skipping: answer-only rows)."""
+    torch.manual_seed(7)
+    model = Transformer(tiny_cfg())
+    seen = []
+    model.head.weight.register_hook(lambda g: seen.append(g))
+    rows = []
+    orig = F.linear
+
+    import longvideo.model.head as head_mod
+    real = head_mod.chunked_cross_entropy
+    head_mod.chunked_cross_entropy = lambda h, *a: rows.append(h.shape[0]) or real(h, *a)
+    try:
+        w = torch.zeros(1, 10)
+        w[0, [2, 7]] = 1
+        model(torch.randint(0, 100, (1, 10)), targets=torch.randint(0, 100, (1, 10)), loss_weights=w)
+        model.head.skip_unweighted = False
+        model(torch.randint(0, 100, (1, 10)), targets=torch.randint(0, 100, (1, 10)), loss_weights=w)
+    finally:
+        head_mod.chunked_cross_entropy = real
+    assert rows == [2, 10] and orig is F.linear
+
+
 @pytest.mark.parametrize("logn_base", [0, 4])
 def test_kv_cache_matches_full_forward(logn_base):
     torch.manual_seed(5)

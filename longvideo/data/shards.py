@@ -37,7 +37,9 @@ from longvideo.data.video_base import VIDEO_EXTS  # the one list of accepted vid
 log = logging.getLogger(__name__)
 
 TOKEN_EXTS: tuple[str, ...] = ("codes.npy", "timestamps.npy", "json")
-@dataclass(frozen=True)
+
+
+@dataclass(frozen=True, slots=True)
 class Member:
     key: str
     ext: str
