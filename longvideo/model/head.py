@@ -13,8 +13,9 @@ Only the tokens whose loss weight is not zero reach the projection: a row traine
 alone (the demos' QA rows, where the video is prompt) projects a few dozen of its 1,024 hidden
 states instead of all of them. The result is the same sum (the skipped terms are zero) and the
 skipped hidden states get a zero gradient, as before. On the demo's 1K rows (about 2 % of the
-tokens weighted) forward + backward take 0.76x the time on a 2-core CPU (scripts/bench_step.py). Finding the kept tokens reads their count on the
-host, one small synchronisation per forward on a GPU.
+tokens weighted) forward + backward take 0.76x the time on a 2-core CPU (scripts/bench_step.py).
+Finding the kept tokens reads their count on the host: one small synchronisation per forward on
+a GPU.
 """
 
 from __future__ import annotations
