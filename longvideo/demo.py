@@ -117,9 +117,11 @@ class DemoPlan:
     vq_set: str = "train"
     """The VideoSet the VQ trains on."""
     vq_seconds: float = 200.0
-    """Training time of the VQ tokenizer."""
+    """Most training time of the VQ tokenizer."""
     vq_steps: int = 1500
-    """Most VQ steps (whichever comes first)."""
+    """Most VQ steps (whichever comes first). A run stopped by its step count is reproducible (the
+    same weights, bit for bit, on one machine); one stopped by the clock is not: its learning rate
+    follows the elapsed time, so each run's codes differ, and the language model's answers with them."""
     eval_samples: int = 64
     """Held-out QA samples scored."""
     needle_lengths: tuple[int, ...] = (8, 16, 40)
@@ -160,7 +162,7 @@ def _classic(train: int, test: int, max_seconds: int, long_seconds: int, stages,
 FULL = _classic(600, 256, 12, 40, (Stage(1024, 2000, 1e4, ("clips",), sp=1, zero_stage=2),
                                   Stage(1024, 1500, 1e4, ("train",), sp=1, zero_stage=2),
                                   Stage(2048, 150, 1e5, ("train",), lr=1e-3 / 3), Stage(4096, 60, 1e5, ("train",), lr=1e-3 / 3)),
-                clips=12000, needle_trials=(20, 20, 20), eval_samples=256)
+                clips=12000, needle_trials=(20, 20, 20), eval_samples=256, vq_seconds=480.0)
 """`make demo`. Its first rung reads 12,000 clips of 2-4 seconds (one or two scenes, about five to a
 1,024-token row) for 2,000 steps: "What shape came first?" needs thousands of examples of shapes
 (measured: a classifier over one frame's 64 codes reads the shape 68 % right from 600 frames, 82 %
