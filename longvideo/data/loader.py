@@ -81,8 +81,8 @@ class TokenLoader:
         self.seed = cfg.seed if seed is None else seed
         self.seq_len = cfg.seq_len if seq_len is None else seq_len
         self.pad_id = tokenizer.pad_id if hasattr(tokenizer, "pad_id") else 0
-        self._open: OrderedDict[int, TokenShard] = OrderedDict()
-        self._max_open = max_indexed_shards  # see _shard
+        self._indexed: OrderedDict[int, TokenShard] = OrderedDict()
+        self._max_indexed = max_indexed_shards  # see _shard
         self._lengths: dict[int, int] = {}
         self._remote = [is_url(p) for p in self.paths]
         self._data: dict[tuple[int, int], tuple[str, dict]] = {}  # streamed samples not yet laid out
@@ -211,18 +211,18 @@ class TokenLoader:
         """
         if self._remote[s]:
             raise ValueError(f"{self.paths[s]} is streamed, it has no random access")
-        if s in self._open:
-            self._open.move_to_end(s)
-            return self._open[s]
+        if s in self._indexed:
+            self._indexed.move_to_end(s)
+            return self._indexed[s]
         try:
             shard = TokenShard(self.paths[s], self.stats)
         except ShardError as e:
             self.stats.skip(e.reason, self.paths[s], str(e))
             shard = None
-        self._open[s] = shard
+        self._indexed[s] = shard
         self._lengths[s] = len(shard) if shard is not None else 0
-        while len(self._open) > self._max_open:
-            self._open.popitem(last=False)
+        while len(self._indexed) > self._max_indexed:
+            self._indexed.popitem(last=False)
         return shard
 
     def _len(self, s: int) -> int:

@@ -95,8 +95,9 @@ class LMHead(nn.Module):
         targets = targets.clamp_min(0)
         dim = hidden.shape[-1]
         hidden, targets, flat_weights = hidden.reshape(-1, dim), targets.reshape(-1), loss_weights.reshape(-1)
-        kept = flat_weights.nonzero().squeeze(1) if self.skip_unweighted else None  # the others add exactly 0
-        if kept is not None and kept.numel() < flat_weights.numel():
-            hidden, targets, flat_weights = hidden.index_select(0, kept), targets[kept], flat_weights[kept]
+        if self.skip_unweighted:
+            kept = flat_weights.nonzero().squeeze(1)  # the others add exactly 0
+            if kept.numel() < flat_weights.numel():
+                hidden, targets, flat_weights = hidden.index_select(0, kept), targets[kept], flat_weights[kept]
         loss_sum = chunked_cross_entropy(hidden, self.weight, targets, flat_weights, self.loss_chunk)
         return loss_sum, loss_weights.sum()
