@@ -102,7 +102,7 @@ def make_loader(shards: Path, tok, answer_only: bool, **kw):
 
 
 def loader_ms(shards: Path, tok, kept: int, rows: int) -> float:
-    loader = make_loader(shards, tok, True, dp_rank=0, dp_size=2, max_indexed_shards=kept)
+    loader = make_loader(shards, tok, answer_only=True, dp_rank=0, dp_size=2, max_indexed_shards=kept)
     for _ in range(20):  # fill the shuffle buffer
         next(loader)
     t0 = time.perf_counter()
