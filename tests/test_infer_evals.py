@@ -177,6 +177,43 @@ def test_video_needle_trials_per_length_and_exact_splices(pre):
     assert got == codes.reshape(-1).tolist()
 
 
+
+def _shared_encoding_body(rank, world):
+    import torch.distributed as dist
+
+    from longvideo.data.synthetic import COLOURS
+
+    causal = tiny_pretrained(max_seq_len=512, mode="causal3d")
+    prompts = []
+
+    class Recording(ConstantEngine):
+        def set_prefix(self, ids):
+            prompts.append(ids[0].tolist())
+            super().set_prefix(ids)
+
+    res = evaluate_video_needle(causal, lengths=(6, 9), depths=(0.0, 0.5, 1.0), colours=("green", "red"),
+                                trials=(3, 2), engine_factory=lambda p: Recording(p.tokenizer, " red"),
+                                progress=False, encode_group=dist.group.WORLD)
+    assert len(prompts) == len(res["cells"]) == 3 * 5
+    vocab = causal.model.cfg.vocab
+    for ids, cell in zip(prompts, res["cells"]):
+        # the reference: this rank encodes the edited haystack whole, whichever rank encoded the trial
+        j = (6, 9).index(cell["frames"])
+        frames = haystack_frames(cell["frames"], causal.vq.cfg.resolution, seed=1000 * j + cell["trial"])
+        frames[cell["needle_frame"]] = np.asarray(COLOURS[cell["colour"]], np.uint8)
+        codes = encode_video(causal.vq, torch.from_numpy(frames)).numpy()
+        assert [t - vocab.vq_offset for t in ids if vocab.vq_offset <= t < vocab.size] == codes.reshape(-1).tolist()
+    assert [c["colour"] for c in res["cells"]][::3] == ["green", "red", "green", "green", "red"]
+
+
+@pytest.mark.distributed
+def test_video_needle_ranks_share_the_encoding_and_see_the_same_prompts():
+    """Under sequence-parallel prefill each rank encodes every second background and broadcasts it:
+    on both ranks every cell's prompt holds the codes a whole encode of its edited haystack gives."""
+    from distributed import run_ranks
+
+    run_ranks(_shared_encoding_body, world=2, timeout=240)
+
 def test_video_needle_counts_needles_the_context_dropped(pre, tmp_path, capsys):
     """A video longer than the model's context loses whole groups; a trial whose flash went with
     them is counted, and the CLI warns, so a heatmap of guesses is not read as a result."""

@@ -288,7 +288,8 @@ def _eval(args) -> int:
             res = evals.evaluate_video_needle(pretrained, lengths=args.lengths, depths=args.depths, colours=colours,
                                               trials=trials, seed=args.seed, source_fps=args.source_fps,
                                               max_new_tokens=args.max_new_tokens,
-                                              out_dir=out, engine_factory=factory, progress=progress)
+                                              out_dir=out, engine_factory=factory, progress=progress,
+                                              encode_group=dist.group.WORLD if distributed else None)
             line = (f"video needle accuracy {res['accuracy']:.3f} (chance {res['chance']:.3f}) "
                     f"over {len(res['cells'])} needles")
             if res["needles_dropped"]:

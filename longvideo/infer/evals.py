@@ -18,9 +18,10 @@ final period, case-insensitive) and, reported beside it, by substring match.
   generated filler (no essays are downloaded), deterministic in the seed.
 * Video needle (V-NIAH style): a long generated video (moving shapes) with one frame replaced by
   a full-frame solid colour at a given depth, asked "What colour was the flash frame?"; chance is
-  1 / number of colours. Grid: video length in frames x depth, one cell per needle colour. In 2d
-  VQ mode frames are coded independently, so the haystack is encoded once per length and the
-  needle's codes are spliced in; causal-3D videos are re-encoded per cell.
+  1 / number of colours. Grid: video length in frames x depth, `trials` backgrounds per length.
+  Each background is encoded once and the flash spliced in at every depth (exactly: causal-3D
+  codes after the flash are re-encoded as far as its temporal context reaches); under
+  sequence-parallel prefill the ranks share the encoding.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from longvideo.data.codes import video_to_codes
@@ -43,6 +45,7 @@ from longvideo.data.synthetic import COLOURS, NEEDLE_CHOICES, NEEDLE_QUESTION, S
 from longvideo.data.video import VideoError
 from longvideo.infer.chat import ChatSession, EncodedVideo, fit_codes, infer_config, load_model
 from longvideo.infer.generation import Engine, LocalEngine, trim_at_stop
+from longvideo.infer.sp import broadcast_array
 from longvideo.vq.codec import SplicingEncoder, decode_codes, encode_video
 
 EngineFactory = Callable[[object], Engine]
@@ -344,7 +347,8 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                           depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
                           colours: Optional[Sequence[str]] = None, trials=None, seed: int = 0,
                           source_fps: int = 8, max_new_tokens: int = 8, out_dir: Optional[str | Path] = None,
-                          engine_factory: Optional[EngineFactory] = None, progress: bool = True) -> dict:
+                          engine_factory: Optional[EngineFactory] = None, progress: bool = True,
+                          encode_group=None) -> dict:
     """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid.
 
     A trial is one background video (its own seed) with a needle colour (colours taken in turn);
@@ -354,6 +358,10 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
     1 / len(colours). trials: per length (an int, or one per length; default len(colours)).
     source_fps: the frame rate the backgrounds are rendered at before 1 fps sampling (match the
     training videos': shapes move source_fps frames' worth between samples).
+    encode_group: a process group whose ranks all run this evaluation (sequence-parallel prefill):
+    they share the encoding instead of each doing all of it. Trial t's background is rendered and
+    encoded, and its flash spliced in at every depth, on rank t mod world, for a length's trials at
+    once; the codes then reach the other ranks by broadcast (integers: the prompts are identical).
     """
     pretrained = load_model(model)
     if pretrained.vq is None or pretrained.tokenizer is None:
@@ -370,18 +378,35 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
              for c in colours}
     hits = np.zeros((len(depths), len(lengths)))
     cells = []
+    world, rank = 1, 0
+    if encode_group is not None:
+        world, rank = dist.get_world_size(encode_group), dist.get_rank(encode_group)
     bar = tqdm(total=len(depths) * sum(per_length), desc="video needle", disable=not progress)
     for j, (T, n_trials) in enumerate(zip(lengths, per_length)):
         times = np.arange(T, dtype=np.float64)
         groups = vq.group_frame_index(T)
         stamps_all = np.asarray([times[g[0]] for g in groups])
-        for trial in range(n_trials):
-            c = colours[trial % len(colours)]
+
+        def depth_codes(trial: int) -> np.ndarray:
+            """(depths, G, h, w) codes of the trial's background with its flash at each depth."""
             background = SplicingEncoder(vq, haystack_frames(T, size, seed + 1000 * j + trial, source_fps),
                                          batch_frames=infer.encode_batch_frames)
+            c = colours[trial % len(colours)]
+            return np.stack([background.codes_with({needle_index(T, d): flash[c]}).numpy().astype(np.int64)
+                             for d in depths])
+
+        # shared: every rank encodes its trials of this length first, in parallel with the others
+        mine = {t: depth_codes(t) for t in range(n_trials) if t % world == rank} if world > 1 else {}
+        for trial in range(n_trials):
+            c = colours[trial % len(colours)]
+            if world > 1:
+                src = dist.get_global_rank(encode_group, trial % world)
+                trial_codes = broadcast_array(mine.pop(trial, None), src=src, group=encode_group)
+            else:
+                trial_codes = depth_codes(trial)
             for i, d in enumerate(depths):
                 k = needle_index(T, d)
-                codes = background.codes_with({k: flash[c]}).numpy().astype(np.int64)
+                codes = trial_codes[i]
                 kept_codes, stamps, keep = fit_codes(pretrained, codes, stamps_all, NEEDLE_QUESTION,
                                                      infer.max_new_tokens)
                 video = EncodedVideo(codes=kept_codes, timestamps=stamps, num_frames=T, duration=float(T), fps=1.0)
