@@ -17,6 +17,9 @@ Stages whose outputs exist are skipped, so an interrupted demo continues where i
 
     python -m longvideo.demo                 # the full demo (about 26 minutes on an idle 2-core CPU)
     python -m longvideo.demo --quick         # the CI-sized version (about 6.5 minutes)
+    python -m longvideo.demo --seed 1 --inputs-from runs/demo --out runs/demo-seed1
+                                             # the language model again with another seed, on the
+                                             # first run's videos, tokenizers and token shards
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Optional
 
 from longvideo.checkpoint import latest_checkpoint
 from longvideo.config import load_config
@@ -145,6 +149,10 @@ class DemoPlan:
     answer token. Nothing is recomputed in the backward: the tiny model's activations at 1-4K tokens
     are a few tens of MB (peak 1.18 GB a process at 4K without checkpointing, 1.13 GB with it at 1K),
     and 1K-token steps take 0.26 s instead of 0.37 s."""
+    lm_seed: Optional[int] = None
+    """`train.seed` of every LM stage (initial weights and data order); None keeps the configs' (0).
+    The videos and the VQ do not depend on it, so runs of several seeds (`--seed`, `--inputs-from`)
+    compare the language model alone."""
 
     def video_set(self, name: str) -> VideoSet:
         return next(v for v in self.sets if v.name == name)
@@ -312,8 +320,9 @@ class Demo:
                 f"parallel.sp={st.sp}", f"train.steps={st.steps}", f"train.warmup_steps={max(1, st.steps // 10)}",
                 f"train.lr={st.lr}", f"train.checkpoint_every={st.steps}", f"train.zero_stage={st.zero_stage}",
                 "train.micro_batch_size=1", *p.training]
+            seed = [] if p.lm_seed is None else [f"train.seed={p.lm_seed}"]
             overrides = [
-                f"model.text_vocab_size={self.text_size()}", f"data.train_shards={shards}", *ladder,
+                f"model.text_vocab_size={self.text_size()}", f"data.train_shards={shards}", *ladder, *seed,
                 f"train.tokenizer_dir={self.out / 'tokenizer'}", f"train.vq_dir={self.out / 'vq'}",
                 f"train.out_dir={run_dir}",
             ]
@@ -398,15 +407,43 @@ class Demo:
         marker, summary = self.out / "plan.json", self.out / "summary.json"
         before = json.loads(marker.read_text()) if marker.exists() else \
             json.loads(summary.read_text()).get("plan") if summary.exists() else None
+        if before is not None:
+            before.setdefault("lm_seed", None)  # recorded before plans had a seed: the configs' seed
         if before is not None and before != plan:
             raise DemoError(f"{self.out} holds a run of another plan (its videos, ladder or sizes differ); "
                             "pass --fresh to start it again, or --out for a new directory")
         self.out.mkdir(parents=True, exist_ok=True)
         marker.write_text(json.dumps(plan, indent=2))
 
-    def main(self) -> dict:
+    INPUTS = ("data", "tokenizer", "vq", "tokens")
+    """What a run shares with a run of another LM seed: the videos, both tokenizers, the token shards."""
+
+    def link_inputs(self, run: Path) -> None:
+        """Link a finished run's inputs (INPUTS) into this one, whose LM stages then start at once.
+        The run must be of this plan up to the LM seed, and have tokenized everything."""
+        run = run.resolve()
+        marker = run / "plan.json"
+        if not (run / "tokens/.done").exists() or not marker.exists():
+            raise DemoError(f"{run} has no finished tokens (tokens/.done) and plan.json to take inputs from")
+        mine, theirs = json.loads(json.dumps(asdict(self.plan))), json.loads(marker.read_text())
+        mine.pop("lm_seed", None), theirs.pop("lm_seed", None)
+        if mine != theirs:
+            raise DemoError(f"{run} is a run of another plan (its videos, tokenizers or sizes differ): "
+                            "its inputs are not this plan's")
+        for name in self.INPUTS:
+            dst = self.out / name
+            if dst.is_symlink() and dst.resolve() == (run / name).resolve():
+                continue
+            if dst.exists() or dst.is_symlink():
+                raise DemoError(f"{dst} exists already: --inputs-from takes a new --out")
+            dst.symlink_to(run / name, target_is_directory=True)
+        print(f"inputs (data, tokenizers, token shards) linked from {run}", flush=True)
+
+    def main(self, inputs_from: Optional[Path] = None) -> dict:
         t0 = time.time()
         self.check_plan()
+        if inputs_from is not None:
+            self.link_inputs(inputs_from)
         self.machine = machine_info()  # measured idle, before the run: what its times are relative to
         print(f"machine: {describe(self.machine)}", flush=True)
         self.stage("1/8 make-data: synthetic shards", self.out / "data/.done", self.make_data)
@@ -467,12 +504,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hour", action="store_true", help="the hour demo: hour-long videos in one context (make demo-hour)")
     ap.add_argument("--fresh", action="store_true", help="delete --out first")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="the language model's seed (train.seed of every stage; the videos and VQ keep theirs)")
+    ap.add_argument("--inputs-from", type=Path, default=None, metavar="RUN",
+                    help="link a finished run's videos, tokenizers and token shards instead of making them "
+                         "(a run of the same plan, e.g. another --seed); --out must be new")
     a = ap.parse_args(argv)
     out = Path(a.out or ("runs/demo-hour" if a.hour else "runs/demo")).resolve()
     if a.fresh and out.exists():
         shutil.rmtree(out)
+    plan = HOUR if a.hour else QUICK if a.quick else FULL
+    if a.seed is not None:
+        plan = replace(plan, lm_seed=a.seed)
     try:
-        Demo(out, HOUR if a.hour else QUICK if a.quick else FULL, quiet=a.quiet).main()
+        Demo(out, plan, quiet=a.quiet).main(inputs_from=a.inputs_from)
     except DemoError as e:
         print(f"demo failed: {e}", file=sys.stderr)
         return 1

@@ -141,3 +141,56 @@ def test_a_run_records_the_machine_it_ran_on():
     demo = Demo(Path("/nonexistent-demo-dir"), QUICK)
     demo.machine = m
     assert demo.summary(1.0)["machine"] == m
+
+
+def test_a_seed_reaches_every_lm_stage_and_another_seed_reuses_the_inputs(tmp_path, monkeypatch):
+    """`--seed` sets train.seed on every rung (shipped stage configs too); `--inputs-from` links a
+    finished run's videos, tokenizers and token shards into a new run of the same plan up to the
+    seed, and refuses a run of another plan or one that has not tokenized yet."""
+    from dataclasses import replace
+
+    from longvideo.demo import HOUR, QUICK, Demo, DemoError
+
+    for plan, seed in ((QUICK, 3), (HOUR, 5)):
+        demo = Demo(tmp_path / f"seed{seed}", replace(plan, lm_seed=seed))
+        (demo.out / "lm").mkdir(parents=True)
+        cmds = []
+        monkeypatch.setattr(demo, "run", lambda cmd, threads=None: cmds.append(cmd))
+        monkeypatch.setattr(demo, "text_size", lambda: 300)
+        demo.train_lm()
+        assert len(cmds) == len(plan.stages) and all(f"train.seed={seed}" in c for c in cmds)
+        assert all(c.count("train.seed=" + str(seed)) == 1 for c in cmds)
+    plain = Demo(tmp_path / "plain", QUICK)
+    (plain.out / "lm").mkdir(parents=True)
+    cmds = []
+    monkeypatch.setattr(plain, "run", lambda cmd, threads=None: cmds.append(cmd))
+    monkeypatch.setattr(plain, "text_size", lambda: 300)
+    plain.train_lm()
+    assert not any(str(a).startswith("train.seed=") for c in cmds for a in c)
+
+    first = tmp_path / "first"
+    Demo(first, QUICK).check_plan()
+    for name in Demo.INPUTS:
+        (first / name).mkdir()
+    second = Demo(tmp_path / "second", replace(QUICK, lm_seed=1))
+    second.check_plan()
+    with pytest.raises(DemoError, match="no finished tokens"):
+        second.link_inputs(first)
+    (first / "tokens/.done").touch()
+    (first / "vq/model.safetensors").write_bytes(b"weights")
+    second.link_inputs(first)
+    second.link_inputs(first)  # linked already: nothing to do
+    assert all((second.out / n).is_symlink() for n in Demo.INPUTS)
+    assert (second.out / "vq/model.safetensors").read_bytes() == b"weights"  # the VQ stage is done there
+    other = Demo(tmp_path / "other", replace(QUICK, eval_samples=QUICK.eval_samples + 1))
+    other.check_plan()
+    with pytest.raises(DemoError, match="another plan"):
+        other.link_inputs(first)
+    assert not any(p.is_symlink() for p in other.out.iterdir())
+    # a plan recorded before plans had a seed still resumes under the same plan
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    recorded = json.loads((first / "plan.json").read_text())
+    recorded.pop("lm_seed")
+    (legacy / "plan.json").write_text(json.dumps(recorded))
+    Demo(legacy, QUICK).check_plan()
