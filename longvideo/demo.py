@@ -400,10 +400,14 @@ class Demo:
         (self.out / "chat.json").write_text(json.dumps({"question": question, "answer": answer, "truth": truth}))
 
     # ---- driver -------------------------------------------------------------------------------
+    def plan_record(self) -> dict:
+        """The plan as plan.json records it (tuples as lists)."""
+        return json.loads(json.dumps(asdict(self.plan)))
+
     def check_plan(self) -> None:
         """A run directory belongs to one plan: resuming it under another (a newer ladder, other
         video sets) would mix the two silently, so that stops here, before anything runs."""
-        plan = json.loads(json.dumps(asdict(self.plan)))
+        plan = self.plan_record()
         marker, summary = self.out / "plan.json", self.out / "summary.json"
         before = json.loads(marker.read_text()) if marker.exists() else \
             json.loads(summary.read_text()).get("plan") if summary.exists() else None
@@ -425,8 +429,9 @@ class Demo:
         marker = run / "plan.json"
         if not (run / "tokens/.done").exists() or not marker.exists():
             raise DemoError(f"{run} has no finished tokens (tokens/.done) and plan.json to take inputs from")
-        mine, theirs = json.loads(json.dumps(asdict(self.plan))), json.loads(marker.read_text())
-        mine.pop("lm_seed", None), theirs.pop("lm_seed", None)
+        mine, theirs = self.plan_record(), json.loads(marker.read_text())
+        for record in (mine, theirs):
+            record.pop("lm_seed", None)
         if mine != theirs:
             raise DemoError(f"{run} is a run of another plan (its videos, tokenizers or sizes differ): "
                             "its inputs are not this plan's")

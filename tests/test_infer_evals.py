@@ -177,7 +177,6 @@ def test_video_needle_trials_per_length_and_exact_splices(pre):
     assert got == codes.reshape(-1).tolist()
 
 
-
 def _shared_encoding_body(rank, world):
     import torch.distributed as dist
 
@@ -213,6 +212,7 @@ def test_video_needle_ranks_share_the_encoding_and_see_the_same_prompts():
     from distributed import run_ranks
 
     run_ranks(_shared_encoding_body, world=2, timeout=240)
+
 
 def test_video_needle_counts_needles_the_context_dropped(pre, tmp_path, capsys):
     """A video longer than the model's context loses whole groups; a trial whose flash went with
