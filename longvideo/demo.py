@@ -41,7 +41,7 @@ from longvideo.data.synthetic import SyntheticSpec, make_sample, text_corpus
 from longvideo.export import LongVideoProcessor
 from longvideo.machine import describe, machine_info
 from longvideo.tokenizer import TextTokenizer
-from longvideo.train.checkpoint import STATE_FILE
+from longvideo.train.run_state import STATE_FILE
 from longvideo.train.deepspeed_config import load_base, resolve_zero_stage
 
 

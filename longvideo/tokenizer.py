@@ -10,7 +10,7 @@ adds a stray `<s>` before `<vision>`; that cannot happen here).
 
 A tokenizer of an imported LWM model (`layout="lwm"`) is LWM's LLaMA tokenizer as it is: nothing
 is added, `<vision>` is text, and the prompt builder places LWM's BOS tokens itself
-(longvideo.data.layout). LWM tokenized with SentencePiece semantics (transformers 4.29): every
+(longvideo.data.templates). LWM tokenized with SentencePiece semantics (transformers 4.29): every
 encoded string gets a word-boundary marker in front, even one that starts with a space
 (" ASSISTANT:" is "▁▁ASSISTANT:"). transformers 5 reads a LLaMA tokenizer.model with a Metaspace
 pre-tokenizer that skips the marker before a leading space; so for SentencePiece-style tokenizers

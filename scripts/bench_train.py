@@ -148,7 +148,7 @@ def _overrides(args, sp: int, out_dir: str) -> list[str]:
 
 
 def _batch(cfg, S: int, seed: int):
-    from longvideo.train.synthetic import SyntheticTokens
+    from longvideo.train.synthetic_tokens import SyntheticTokens
 
     data = SyntheticTokens(seq_len=S, batch_size=1, vocab=cfg.train.synthetic_vocab or cfg.model.text_vocab_size,
                            seed=seed)

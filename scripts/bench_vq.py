@@ -14,7 +14,7 @@
    the fraction of the codebook used and its perplexity along the way. `tiny:180` is the demo's
    budget: three minutes.
 3. Quality on real footage: each `name:seconds` of --real trains that config from scratch on
-   videos over real photographs (longvideo.data.realvideo: a camera panning, zooming and rolling
+   videos over real photographs (material.photo_videos: a camera panning, zooming and rolling
    over scikit-image's sample photographs) and evaluates on videos over *other* photographs,
    never trained on. Baselines on the same held-out frames: the untrained tokenizer, and 8 x 8
    and 16 x 16 thumbnails upsampled bicubically (what 192 and 768 bytes per frame give).
@@ -41,6 +41,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # test material: videos over photographs
 
 from longvideo.vq import VQModel, decode_codes, encode_video  # noqa: E402
 from longvideo.data.frames import FrameSource, build_frame_source, synthetic_videos  # noqa: E402
@@ -168,7 +169,7 @@ def thumbnail_psnr(frames: torch.Tensor, side: int) -> float:
 
 def real_source(cfg) -> FrameSource:
     """Videos over the training photographs (at cfg.train_size: crop_scale) and over the held-out ones."""
-    from longvideo.data.realvideo import real_videos
+    from material.photo_videos import real_videos
 
     # fewer, shorter videos at 256 x 256 keep the pool in RAM small (a CPU makes few steps there anyway)
     per, frames = (4, 48) if cfg.resolution <= 128 else (2, 24)

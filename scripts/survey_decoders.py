@@ -2,7 +2,7 @@
 
     python scripts/survey_decoders.py                 # writes docs/data/decoder_survey.json, prints a table
 
-The corpus (``longvideo.data.corpus``): one small real encode per accepted container and codec,
+The corpus (``material.corpus``): one small real encode per accepted container and codec,
 damaged copies of each (truncated at several points, bytes flipped in the header, the middle and
 the tail, zeroed or swapped halves, a huge declared frame size) and a few files that are no video.
 
@@ -35,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # test material: the corpus of real encodes
 
 DECORD_CHILD = r"""
 import io, sys
@@ -128,7 +129,7 @@ def run_child(args: list[str], timeout: float, memory_gib: float) -> tuple[str, 
 
 
 def build_corpus(folder: Path) -> list[dict]:
-    from longvideo.data.corpus import CONTAINERS, damaged, encode, not_videos
+    from material.corpus import CONTAINERS, damaged, encode, not_videos
 
     files = []
     for enc in CONTAINERS:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from longvideo.data.layout import (LayoutOptions, PromptOptions, build_docs, build_prompt_ids, layout_doc, parse_answer,
+from longvideo.data.templates import (LayoutOptions, PromptOptions, build_docs, build_prompt_ids, layout_doc, parse_answer,
                                    sample_rng, uniform_keep)
 from longvideo.data.synthetic import make_sample, text_corpus
 from longvideo.tokenizer import train_text_tokenizer

@@ -1,6 +1,6 @@
 """No decoder can take the process down; every accepted container is read.
 
-The corpus (longvideo.data.corpus) holds one real encode per accepted container and codec, damaged
+The corpus (material.corpus) holds one real encode per accepted container and codec, damaged
 copies of each (truncated at several points, flipped header/middle/tail bytes, zeroed or swapped
 halves, a huge declared frame size) and files that are no video. Every one goes through every
 entry point (probe, read, iter, tokenize of a shard, train-vq frame reading) with both backends:
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from longvideo.data import isolate
-from longvideo.data.corpus import CONTAINERS, damaged, encode, not_videos
+from material.corpus import CONTAINERS, damaged, encode, not_videos
 from longvideo.data.shards import SkipStats, iter_token_samples
 from longvideo.data.synthetic import decode_frame_index
 from longvideo.data.tokenize import TokenizeOptions, tokenize_shard

@@ -59,7 +59,7 @@ def test_finished_step_reads_the_latest_complete_checkpoint(tmp_path):
     """A ladder stage counts as done only when its latest checkpoint reached the stage's last step;
     one stopped part-way (SIGTERM) is resumed, not skipped."""
     from longvideo.demo import finished_step
-    from longvideo.train.checkpoint import STATE_FILE
+    from longvideo.train.run_state import STATE_FILE
 
     run = tmp_path / "stage0"
     assert finished_step(run) == 0

@@ -495,7 +495,7 @@ def test_kernels_compile_for_hopper(tmp_path):
 def _ring_case(group, seed, S, causal, dtype, heads, D):
     """Full-sequence inputs made on rank 0 and broadcast; the float64 reference on the whole
     sequence, sliced with the production layout (shard_sequence), against ring_attention."""
-    from longvideo.parallel.layout import shard_sequence, unshard_sequence
+    from longvideo.parallel.zigzag import shard_sequence, unshard_sequence
     from longvideo.parallel.ring import ring_attention
 
     g = torch.Generator().manual_seed(seed)

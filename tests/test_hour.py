@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from longvideo.config import load_config
-from longvideo.data.layout import PromptOptions, build_prompt_ids
+from longvideo.data.templates import PromptOptions, build_prompt_ids
 from longvideo.data.shards import iter_token_samples
 from longvideo.data.streams import SkipStats
 from longvideo.tokenizer import TextTokenizer

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from longvideo.config import Config
-from longvideo.data.layout import build_prompt_ids
+from longvideo.data.templates import build_prompt_ids
 from longvideo.data.synthetic import NEEDLE_QUESTION, SyntheticSpec, make_sample
 from longvideo.data.video import read_video
 from longvideo.checkpoint import Pretrained, save_project_checkpoint

@@ -26,7 +26,7 @@ from lwm_files import (lm_shapes, lwm_logits, lwm_prompt, lwm_tokenizer, random_
                        vqgan_decode, vqgan_encode, write_params, write_params_streaming, write_vqgan)
 from longvideo import cli
 from longvideo.checkpoint import load_pretrained
-from longvideo.data.layout import PromptOptions, build_prompt_ids
+from longvideo.data.templates import PromptOptions, build_prompt_ids
 from longvideo.export.lwm import LWMImportError, import_lwm
 from longvideo.safepickle import UnsafePickleError, load_array_pickle, loads_array_pickle
 from longvideo.tokenizer import TextTokenizer

@@ -47,7 +47,7 @@ DP2 = TINY + ["parallel.sp=1", "train.grad_accum=2"]
 def reference_grads(overrides: list[str], dp: int) -> tuple[float, dict[str, torch.Tensor]]:
     """One process, float64, the whole first global batch: (loss, gradients of the weighted mean)."""
     from longvideo.model import Transformer
-    from longvideo.train.synthetic import SyntheticTokens
+    from longvideo.train.synthetic_tokens import SyntheticTokens
 
     cfg = load_config(None, overrides)
     tc = cfg.train
@@ -181,8 +181,8 @@ class NaNAt:
 def _many_trainers(rank, world, out):
     from longvideo.configtools import ConfigError
     from longvideo.checkpoint import load_project_state as load_model_state
-    from longvideo.train.checkpoint import gather_fp32_state
-    from longvideo.train.synthetic import SyntheticTokens
+    from longvideo.train.run_state import gather_fp32_state
+    from longvideo.train.synthetic_tokens import SyntheticTokens
     from longvideo.train.trainer import LossDiverged, Trainer
 
     report = {}

@@ -56,7 +56,7 @@ def _reference(path: Path, cfg) -> tuple[float, dict[str, torch.Tensor]]:
     """float64, one process, transformers' own forward on each packed document alone."""
     from transformers import AutoModelForCausalLM
 
-    from longvideo.train.synthetic import SyntheticTokens
+    from longvideo.train.synthetic_tokens import SyntheticTokens
 
     model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").double()
     data = SyntheticTokens(seq_len=cfg.data.seq_len, batch_size=1, vocab=cfg.train.synthetic_vocab, seed=cfg.train.seed)

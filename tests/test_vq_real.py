@@ -34,7 +34,7 @@ _CACHE: dict = {}
 
 def real_source(size: int = 32, train_size: int | None = None) -> FrameSource:
     """Training videos over the training photographs, held-out videos over the others."""
-    from longvideo.data.realvideo import real_videos
+    from material.photo_videos import real_videos
 
     key = (size, train_size)
     if key not in _CACHE:

@@ -13,7 +13,7 @@ Pipeline, all deterministic in ``seed``:
    disjoint samples and together all of them.
 2. A shuffle buffer of ``shuffle_buffer`` sample references (drained at the end of an epoch).
 3. Each sample is read from its shard (random access), laid out by the templates
-   (:mod:`longvideo.data.layout`), cut to ``seq_len`` by dropping whole frame groups uniformly.
+   (:mod:`longvideo.data.templates`), cut to ``seq_len`` by dropping whole frame groups uniformly.
 4. First-fit packing into ``pack_bins`` open rows (:mod:`longvideo.data.packing`).
 
 The state holds only references (shard, sample, epoch, document), the stream cursor (position in
@@ -39,7 +39,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from longvideo.data.layout import Doc, LayoutOptions, build_docs, sample_rng
+from longvideo.data.templates import Doc, LayoutOptions, build_docs, sample_rng
 from longvideo.data.packing import Packer, pack_row
 from longvideo.data.shards import TOKEN_EXTS, ShardError, SkipStats, TokenShard, decode_token_blobs
 from longvideo.data.streams import expand_sources, is_url, iter_tar

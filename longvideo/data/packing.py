@@ -16,7 +16,7 @@ the same documents unpacked (one per row). ``loss_norm="sample"`` scales each do
 sum to 1, which makes every document count alike (the mean of per-document means).
 
 Documents longer than ``seq_len`` never reach the packer: the layout drops whole frame groups
-uniformly until they fit (see :func:`longvideo.data.layout.layout_doc`).
+uniformly until they fit (see :func:`longvideo.data.templates.layout_doc`).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import av
 import numpy as np
 from tqdm import tqdm
 
-from longvideo.data.layout import ANSWER_PROMPT, ANSWER_TEXT, QUESTION_TEXT, SEGMENT_TEXT, TIMESTAMP_TEXT
+from longvideo.data.templates import ANSWER_PROMPT, ANSWER_TEXT, QUESTION_TEXT, SEGMENT_TEXT, TIMESTAMP_TEXT
 from longvideo.data.shards import ShardWriter
 
 COLOURS: dict[str, tuple[int, int, int]] = {

@@ -11,7 +11,7 @@ from longvideo.export.lwm import import_lwm
 from longvideo.export.tux import TuxFormatError
 from longvideo.safepickle import UnsafePickleError
 from longvideo.tokenizer import TokenizerError
-from longvideo.vq.lwm import LWMVQGANError
+from longvideo.vq.vqgan import LWMVQGANError
 
 
 def import_main(argv: list[str]) -> int:

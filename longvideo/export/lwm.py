@@ -11,7 +11,7 @@ Inputs, as LWM publishes them:
   `transformer/h/<i>/` or stacked along a leading layer axis under `transformer/h/scan_decoder/`
   (scan_layers), `transformer/ln_f/kernel`, `lm_head/kernel` and `vision_head/kernel`.
 * `vqgan`: LWM's VQGAN, a pickle of flax parameters (numpy arrays), read by the restricted
-  unpickler of longvideo.safepickle and mapped onto diffusers' VQModel (longvideo.vq.lwm).
+  unpickler of longvideo.safepickle and mapped onto diffusers' VQModel (longvideo.vq.vqgan).
 * the LLaMA tokenizer (a `tokenizer.model`, or any local Hugging Face tokenizer directory).
 
 The result uses the `lwm` vocabulary layout (longvideo/vocab.py): the embedding is LWM's text table
@@ -51,7 +51,7 @@ from longvideo.export.tux import ArrayRecord, read_elements, scan_params
 from longvideo.model import ModelConfig
 from longvideo.safepickle import load_array_pickle
 from longvideo.tokenizer import TextTokenizer
-from longvideo.vq.lwm import vqgan_from_flax
+from longvideo.vq.vqgan import vqgan_from_flax
 
 LAYER_PARAMS: dict[str, tuple[str, str]] = {  # LWM block parameter -> (ours, conversion)
     "attention/wq/kernel": ("attn.wq.weight", "rope"),

@@ -9,7 +9,7 @@
     out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     print(proc.decode(out[0], prompt_length=inputs["input_ids"].shape[1]))
 
-The prompt is built by the same template the model was trained with (longvideo.data.layout), so
+The prompt is built by the same template the model was trained with (longvideo.data.templates), so
 the exported model needs no custom code: positions are 0..L-1 and there is one segment. For an
 imported LWM model it is LWM's vision-chat prompt, and the exported generation_config.json
 suppresses the vision ids, so `generate` answers with text as LWM does.
@@ -26,7 +26,7 @@ import torch
 
 from longvideo.config import Config
 from longvideo.data.codes import video_to_codes
-from longvideo.data.layout import PromptOptions, build_prompt_ids, parse_answer
+from longvideo.data.templates import PromptOptions, build_prompt_ids, parse_answer
 from longvideo.tokenizer import TextTokenizer
 from longvideo.vq import VQModel, load_vq
 

@@ -9,7 +9,7 @@
 
 The video is decoded at the requested fps and VQ-encoded in batches of `encode_batch_frames`
 frames as it streams in (longvideo.data.codes; a progress bar counts frames), laid out with the QA
-training template (`longvideo.data.layout.build_prompt_ids`), and the video part of the prompt is
+training template (`longvideo.data.templates.build_prompt_ids`), and the video part of the prompt is
 prefilled once into a KV cache; each question is prefilled after it and answered.
 
 A video whose tokens would not fit the model's context (`model.max_seq_len`, less room for the
@@ -29,7 +29,7 @@ import torch
 
 from longvideo.checkpoint import Pretrained, load_pretrained
 from longvideo.data.codes import video_to_codes
-from longvideo.data.layout import PromptOptions, build_prompt_ids, uniform_keep
+from longvideo.data.templates import PromptOptions, build_prompt_ids, uniform_keep
 from longvideo.data.video import EmptyVideoError, probe_video, sample_indices
 from longvideo.infer.config import InferConfig
 from longvideo.infer.generation import Engine, LocalEngine, trim_at_stop

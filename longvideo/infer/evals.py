@@ -38,7 +38,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from longvideo.data.codes import video_to_codes
-from longvideo.data.layout import build_prompt_ids, parse_answer
+from longvideo.data.templates import build_prompt_ids, parse_answer
 from longvideo.data.shards import index_tar, iter_raw_samples, iter_token_samples
 from longvideo.data.streams import ShardError, SkipStats, expand_shards
 from longvideo.data.synthetic import COLOURS, NEEDLE_CHOICES, NEEDLE_QUESTION, SyntheticSpec, make_sample

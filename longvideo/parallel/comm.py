@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longvideo.parallel.layout import group_size_rank
+from longvideo.parallel.zigzag import group_size_rank
 
 
 @dataclass

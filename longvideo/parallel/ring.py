@@ -42,7 +42,7 @@ from torch import Tensor
 
 from longvideo.kernels import SKIP, RingPlans, accum_dtype, block_class, get_backend, lse_merge_
 from longvideo.parallel.comm import CommStats, DoubleBuffer, RingComm
-from longvideo.parallel.layout import layout_positions
+from longvideo.parallel.zigzag import layout_positions
 
 
 def block_is_empty(q_pos: Tensor, q_seg: Tensor, k_pos: Tensor, k_seg: Tensor, causal: bool) -> bool:

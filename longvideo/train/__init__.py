@@ -19,7 +19,7 @@ _EXPORTS = {
     "LossDiverged": "trainer",
     "lr_at": "schedule",
     "build_deepspeed_config": "deepspeed_config",
-    "SyntheticTokens": "synthetic",
+    "SyntheticTokens": "synthetic_tokens",
     "train_vq": "vq",
     "VQTrainResult": "vq:TrainResult",
 }

@@ -50,11 +50,11 @@ from longvideo.parallel import Mesh, parallelize, shard_batch
 from longvideo.parallel.loss import loss_scale
 from longvideo.tokenizer import TextTokenizer
 from longvideo.checkpoint import latest_checkpoint, load_project_state
-from longvideo.train import checkpoint as ckpt_io
+from longvideo.train import run_state as ckpt_io
 from longvideo.train.deepspeed_config import build_deepspeed_config
 from longvideo.train.logging import RunLogger, mfu, peak_flops_per_device
 from longvideo.train.schedule import WarmupCosine
-from longvideo.train.synthetic import SyntheticTokens
+from longvideo.train.synthetic_tokens import SyntheticTokens
 from longvideo.vq.quantizer import fsq_codebook
 
 BATCH_KEYS = ("input_ids", "targets", "loss_weights", "positions", "segment_ids")

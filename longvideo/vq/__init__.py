@@ -15,7 +15,7 @@ _EXPORTS = {
     "VQModel": "model",
     "load_vq": "model",
     "build_vq": "model",
-    "LWMVQGAN": "lwm",
+    "LWMVQGAN": "vqgan",
     "encode_video": "codec",
     "decode_codes": "codec",
     "iter_decode": "codec",

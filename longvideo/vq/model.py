@@ -19,7 +19,7 @@ from longvideo.configtools import ConfigError
 from longvideo.vq.config import VQConfig
 from longvideo.vq.files import CONFIG_FILE, WEIGHTS_FILE, load_weights_into, read_vq_config, save_vq
 from longvideo.vq.layers import Conv, Downsample, ResBlock, Upsample, norm
-from longvideo.vq.lwm import LWMVQGAN
+from longvideo.vq.vqgan import LWMVQGAN
 from longvideo.vq.quantizer import build_quantizer
 
 __all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "VQModel", "build_vq", "load_vq"]

@@ -1,4 +1,4 @@
-"""Real-photograph test videos (longvideo.data.realvideo): determinism, shapes, split, files, errors."""
+"""Real-photograph test videos (material.photo_videos): determinism, shapes, split, files, errors."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import importlib.util
 import numpy as np
 import pytest
 
-from longvideo.data import realvideo as rv
-from longvideo.data.realvideo import (HELDOUT_SCENES, Camera, PhotosNotFoundError, find_photos, load_photo,
+from material import photo_videos as rv
+from material.photo_videos import (HELDOUT_SCENES, Camera, PhotosNotFoundError, find_photos, load_photo,
                                       pan_zoom_video, real_videos, split_scenes, write_real_videos)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("skimage") is None,

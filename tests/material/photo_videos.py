@@ -1,6 +1,6 @@
 """Real test footage without downloads: camera moves over photographs shipped in Python packages.
 
-    from longvideo.data.realvideo import real_videos, write_real_videos
+    from material.photo_videos import real_videos, write_real_videos
     train = real_videos("train", size=64, num_frames=48)      # list of uint8 (48, 64, 64, 3)
     held = real_videos("heldout", size=64, num_frames=48)      # other photographs, never in "train"
     write_real_videos("data/real", "train", fmt="mp4")        # h264 files for `longvideo train-vq`
