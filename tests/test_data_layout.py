@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from longvideo.data.templates import (LayoutOptions, PromptOptions, build_docs, build_prompt_ids, layout_doc, parse_answer,
+from longvideo.data.templates import (LayoutOptions, PromptOptions, build_docs, build_prompt, layout_doc, parse_answer,
                                    sample_rng, uniform_keep)
 from longvideo.data.synthetic import make_sample, text_corpus
 from longvideo.tokenizer import train_text_tokenizer
@@ -99,12 +99,14 @@ def test_prompt_is_the_training_prefix(tok, vocab):
         for every in (0, 2):
             opts = LayoutOptions(timestamp_every=every)
             doc = layout_doc(tok, vocab, codes, ts, meta, "qa", question_first, opts, 10_000)
-            prompt = build_prompt_ids(tok, vocab, codes, ts, "What colour was the flash frame?",
-                                      PromptOptions(question_first=question_first, timestamp_every=every))
+            built = build_prompt(tok, vocab, codes, ts, "What colour was the flash frame?",
+                                 PromptOptions(question_first=question_first, timestamp_every=every))
+            prompt = built.ids
             assert doc.ids.tolist()[: len(prompt)] == prompt
             answer = doc.ids.tolist()[len(prompt):]
             assert tok.decode(answer) == " blue" and doc.weights[len(prompt)] > 0
             lo, hi = prompt.index(vocab.vision_start), prompt.index(vocab.vision_end)
+            assert built.video_end == hi + 1  # the cached prefix ends with </vision>
             outside = np.r_[0:lo, hi + 1:len(prompt)]  # the question and "Answer:" (timestamps are video)
             assert doc.weights[outside].sum() == 0
     assert parse_answer(" blue.\nQuestion: x") == "blue"

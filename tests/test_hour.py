@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from longvideo.config import load_config
-from longvideo.data.templates import PromptOptions, build_prompt_ids
+from longvideo.data.templates import PromptOptions, build_prompt
 from longvideo.data.shards import iter_token_samples
 from longvideo.data.streams import SkipStats
 from longvideo.tokenizer import TextTokenizer
@@ -66,11 +66,11 @@ def test_tokens_per_minute_follow_the_configuration(hour_run):
     root = load_config("hour")
     tok = TextTokenizer.from_dir(out / "tokenizer")
     every = root.data.timestamp_every
-    ids = build_prompt_ids(tok, tok.vocab(cfg.codebook_size), sample.codes, sample.timestamps, "Q?",
-                           PromptOptions(timestamp_every=every))
+    ids = build_prompt(tok, tok.vocab(cfg.codebook_size), sample.codes, sample.timestamps, "Q?",
+                       PromptOptions(timestamp_every=every)).ids
     stamps = sum(len(tok.encode(f"[{sample.timestamps[g]:.1f}s]")) for g in range(0, groups, every))
     vocab = tok.vocab(cfg.codebook_size)
-    plain = build_prompt_ids(tok, vocab, sample.codes, sample.timestamps, "Q?", PromptOptions())
+    plain = build_prompt(tok, vocab, sample.codes, sample.timestamps, "Q?", PromptOptions()).ids
     assert sum(1 for t in ids if vocab.vq_offset <= t < vocab.size) == groups * 4
     assert ids.count(vocab.eof) + ids.count(vocab.eov) == groups
     per_minute = (groups * (cfg.codes_per_frame + 1) + stamps) / MINUTES  # codes, delimiters, timestamps

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from longvideo.config import Config
-from longvideo.data.templates import build_prompt_ids
+from longvideo.data.templates import build_prompt
 from longvideo.data.synthetic import NEEDLE_QUESTION, SyntheticSpec, make_sample
 from longvideo.data.video import read_video
 from longvideo.checkpoint import Pretrained, save_project_checkpoint
@@ -53,7 +53,7 @@ def reference_answer_ids(pre: Pretrained, video_path, question: str, n_new: int,
     """Independent pipeline: read everything, encode at once, greedy decoding by full recomputation."""
     clip = read_video(str(video_path), fps=fps, size=pre.vq.cfg.resolution)
     codes = encode_video(pre.vq, clip.frames)
-    ids = torch.tensor([build_prompt_ids(pre.tokenizer, pre.model.cfg.vocab, codes, clip.timestamps, question)])
+    ids = torch.tensor([build_prompt(pre.tokenizer, pre.model.cfg.vocab, codes, clip.timestamps, question).ids])
     out = []
     with torch.no_grad():
         for _ in range(n_new):

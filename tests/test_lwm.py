@@ -26,7 +26,7 @@ from lwm_files import (lm_shapes, lwm_logits, lwm_prompt, lwm_tokenizer, random_
                        vqgan_decode, vqgan_encode, write_params, write_params_streaming, write_vqgan)
 from longvideo import cli
 from longvideo.checkpoint import load_pretrained
-from longvideo.data.templates import PromptOptions, build_prompt_ids
+from longvideo.data.templates import PromptOptions, build_prompt
 from longvideo.export.lwm import LWMImportError, import_lwm
 from longvideo.safepickle import UnsafePickleError, load_array_pickle, loads_array_pickle
 from longvideo.tokenizer import TextTokenizer
@@ -206,13 +206,13 @@ def test_pickles_that_run_code_are_refused(tmp_path, files, capsys):
 # ----------------------------------------------------------------------------- prompt
 
 def test_prompt_is_lwm_vision_chat_prompt(files):
-    """build_prompt_ids(template lwm) == LWM's construct_input (tokenizer.encode of its four pieces,
+    """build_prompt(template lwm) == LWM's construct_input (tokenizer.encode of its four pieces,
     each with BOS, the first reading a literal <s>), vision ids moved after the text ids."""
     tok = TextTokenizer(files["hf"], layout="lwm")
     V = files["v_text"]
     vocab = tok.vocab(CODEBOOK, V_VISION)
     codes = np.random.default_rng(2).integers(0, CODEBOOK, (3, 4, 4))
-    ours = build_prompt_ids(tok, vocab, codes, np.arange(3.0), QUESTION, PromptOptions(template="lwm"))
+    ours = build_prompt(tok, vocab, codes, np.arange(3.0), QUESTION, PromptOptions(template="lwm")).ids
     lwm_ids, vision = lwm_prompt(files["hf"], codes, QUESTION, eof=CODEBOOK, eov=CODEBOOK + 1)
     assert ours == np.where(vision, V + lwm_ids, lwm_ids).tolist()
     bos = files["hf"].bos_token_id
@@ -300,7 +300,7 @@ def test_import_chat_export_generate_end_to_end(files, ckpt, chat_case, tmp_path
     assert max(generated) < V  # text ids only, as LWM's text head samples
     # the prompt is LWM's: its ids, from the codes chat encoded
     lwm_ids, vision = lwm_prompt(files["hf"], session.video.codes, QUESTION, eof=CODEBOOK, eov=CODEBOOK + 1)
-    prompt = session.prompt(QUESTION)
+    prompt = session.prompt(QUESTION).ids
     assert prompt == np.where(vision, V + lwm_ids, lwm_ids).tolist()
     with torch.no_grad():
         free = pre.model.logits(pre.model(torch.tensor([prompt])))[0, -1]

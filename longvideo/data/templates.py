@@ -20,8 +20,9 @@ parts (questions, ``<bos>``) get 0, text that is learnt gets ``text_loss_weight`
 timestamp text inside a video counts as text. In QA samples the video is context, and carries
 vision loss only when ``qa_vision_loss`` is set.
 
-:func:`build_prompt_ids` is the inference prompt: exactly the QA training layout of one question,
-ending where the answer starts; or, for LWM's released chat models (``PromptOptions(template="lwm")``),
+:func:`build_prompt` is the inference prompt: exactly the QA training layout of one question,
+ending where the answer starts, with the length of its part up to the end of the video (what a KV
+cache keeps across questions about one video); or, for LWM's released chat models (``PromptOptions(template="lwm")``),
 exactly the prompt of LWM's vision chat (lwm/vision_chat.py of the LWM repository)::
 
     <s> <s> You are a helpful assistant. USER: {question}\n <s> <vision> codes <eof> ... codes <eov> <s> </vision> <s>  ASSISTANT:
@@ -143,6 +144,8 @@ class _Renderer:
         self.text_w, self.vision_w, self.every = text_w, vision_w, timestamp_every
         self.ids: list[int] = []
         self.weights: list[float] = []
+        self.video_end = 0
+        """Tokens up to the end of the last video part rendered (0: no video yet)."""
 
     def _add(self, ids: Sequence[int], w: float) -> None:
         self.ids.extend(int(i) for i in ids)
@@ -183,6 +186,7 @@ class _Renderer:
             self._add([v.eov if i == len(p.groups) - 1 else v.eof], vw)
         if v.vision_end is not None:
             self._add([v.vision_end], vw)
+        self.video_end = len(self.ids)
 
 
 # ----------------------------------------------------------------------------- documents
@@ -355,9 +359,19 @@ class PromptOptions:
                    template=data.prompt_template)
 
 
-def build_prompt_ids(tokenizer, vocab, codes, timestamps, question: str,
-                     options: PromptOptions = PromptOptions()) -> list[int]:
-    """Ids of a QA prompt for one question, ending exactly where the answer starts.
+@dataclass(frozen=True)
+class Prompt:
+    """A question's prompt: its ids, ending where the answer starts, and where its video ends."""
+
+    ids: list[int]
+    video_end: int
+    """Length of the prefix that ends with the video (``</vision>``, or ``<eov>`` in LWM's layout):
+    the same for every question asked after the same video, so a KV cache of it is kept."""
+
+
+def build_prompt(tokenizer, vocab, codes, timestamps, question: str,
+                 options: PromptOptions = PromptOptions()) -> Prompt:
+    """The QA prompt for one question, ending exactly where the answer starts.
 
     codes: integer (G, h, w) (numpy or torch); timestamps: (G,) seconds. Uses the QA training
     template (:func:`qa_parts`), so a model trained on QA samples sees the same layout; or LWM's
@@ -373,8 +387,9 @@ def build_prompt_ids(tokenizer, vocab, codes, timestamps, question: str,
     else:
         parts = qa_parts([(question, None)], range(codes.shape[0]), question_first=question_first,
                          vision_loss=False)
-    ids, _ = _Renderer(tokenizer, vocab, codes, timestamps, 0.0, 0.0, timestamp_every).render(parts)
-    return ids.tolist()
+    r = _Renderer(tokenizer, vocab, codes, timestamps, 0.0, 0.0, timestamp_every)
+    ids, _ = r.render(parts)
+    return Prompt(ids=ids.tolist(), video_end=r.video_end)
 
 
 def parse_answer(text: str) -> str:

@@ -26,7 +26,7 @@ import torch
 
 from longvideo.config import Config
 from longvideo.data.codes import video_to_codes
-from longvideo.data.templates import PromptOptions, build_prompt_ids, parse_answer
+from longvideo.data.templates import PromptOptions, build_prompt, parse_answer
 from longvideo.tokenizer import TextTokenizer
 from longvideo.vq import VQModel, load_vq
 
@@ -115,7 +115,7 @@ class LongVideoProcessor:
         return vc.codes, vc.timestamps
 
     def prompt_ids(self, codes, timestamps, question: str) -> list[int]:
-        return build_prompt_ids(self.tokenizer, self.vocab, codes, timestamps, question, self.settings.prompt)
+        return build_prompt(self.tokenizer, self.vocab, codes, timestamps, question, self.settings.prompt).ids
 
     def __call__(self, video, question: str, fps: Optional[float] = None, max_frames: Optional[int] = None,
                  return_tensors: str = "pt") -> dict:

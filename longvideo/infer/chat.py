@@ -9,7 +9,7 @@
 
 The video is decoded at the requested fps and VQ-encoded in batches of `encode_batch_frames`
 frames as it streams in (longvideo.data.codes; a progress bar counts frames), laid out with the QA
-training template (`longvideo.data.templates.build_prompt_ids`), and the video part of the prompt is
+training template (`longvideo.data.templates.build_prompt`), and the video part of the prompt is
 prefilled once into a KV cache; each question is prefilled after it and answered.
 
 A video whose tokens would not fit the model's context (`model.max_seq_len`, less room for the
@@ -29,7 +29,7 @@ import torch
 
 from longvideo.checkpoint import Pretrained, load_pretrained
 from longvideo.data.codes import video_to_codes
-from longvideo.data.templates import PromptOptions, build_prompt_ids, uniform_keep
+from longvideo.data.templates import Prompt, PromptOptions, build_prompt, uniform_keep
 from longvideo.data.video import EmptyVideoError, probe_video, sample_indices
 from longvideo.infer.config import InferConfig
 from longvideo.infer.generation import Engine, LocalEngine, trim_at_stop
@@ -76,11 +76,11 @@ def _require(pretrained, what: str):
 
 # ----------------------------------------------------------------------------- prompt and context
 
-def prompt_ids(pretrained, codes: np.ndarray, timestamps: np.ndarray, question: str) -> list[int]:
+def prompt_of(pretrained, codes: np.ndarray, timestamps: np.ndarray, question: str) -> Prompt:
     """The QA prompt (training template) for one question, ending where the answer starts."""
     tok = _require(pretrained, "tokenizer")
-    return build_prompt_ids(tok, pretrained.model.cfg.vocab, codes, timestamps, question,
-                            PromptOptions.from_config(pretrained.config.data))
+    return build_prompt(tok, pretrained.model.cfg.vocab, codes, timestamps, question,
+                        PromptOptions.from_config(pretrained.config.data))
 
 
 def groups_that_fit(length_of: Callable[[int], int], num_groups: int, budget: int) -> int:
@@ -113,7 +113,7 @@ def fit_frames(pretrained, num_frames: int, question: Optional[str], max_new_tok
         g = len(vq.group_frame_index(n))
         dummy = np.zeros((g, side, side), np.int64)
         times = np.linspace(0.0, max(duration, float(g)), g, endpoint=False)  # timestamp text grows with t
-        return len(prompt_ids(pretrained, dummy, times, question or "")) + reserve
+        return len(prompt_of(pretrained, dummy, times, question or "").ids) + reserve
 
     return groups_that_fit(length, num_frames, context_budget(pretrained, max_new_tokens))
 
@@ -126,7 +126,7 @@ def fit_codes(pretrained, codes: np.ndarray, timestamps: np.ndarray, question: s
 
     def length(g: int) -> int:
         keep = uniform_keep(G, g)
-        return len(prompt_ids(pretrained, codes[keep], timestamps[keep], question))
+        return len(prompt_of(pretrained, codes[keep], timestamps[keep], question).ids)
 
     g = groups_that_fit(length, G, context_budget(pretrained, max_new_tokens))
     if g == 0:
@@ -169,14 +169,6 @@ def encode_video_file(pretrained, video, *, fps: float = 1.0, max_frames: Option
 
 # ----------------------------------------------------------------------------- answering
 
-def split_prompt(ids: list[int], video_end: int) -> tuple[list[int], list[int]]:
-    """(prefix, rest): the prefix ends with the last `video_end` id (`</vision>`, or `<eov>` in
-    LWM's layout: the part worth caching), the rest holds at least one token."""
-    cut = max((i + 1 for i, t in enumerate(ids) if t == video_end), default=0)
-    cut = min(cut, len(ids) - 1)
-    return ids[:cut], ids[cut:]
-
-
 class ChatSession:
     """Questions about one encoded video; the video's KV cache is kept between questions.
 
@@ -206,21 +198,24 @@ class ChatSession:
                                 progress=progress)
         return cls(pretrained, enc, infer=infer, engine=engine)
 
-    def prompt(self, question: str) -> list[int]:
-        return prompt_ids(self.pretrained, self.video.codes, self.video.timestamps, question)
+    def prompt(self, question: str) -> Prompt:
+        return prompt_of(self.pretrained, self.video.codes, self.video.timestamps, question)
 
     def ask(self, question: str) -> str:
         """The model's answer to `question` about the video (text up to the end-of-sequence token;
         sampled from the text ids alone where the vocabulary says so, as LWM does)."""
         if not question.strip():
             raise ValueError("the question is empty")
-        ids = self.prompt(question)
+        prompt = self.prompt(question)
+        ids = prompt.ids
         limit = self.pretrained.model.cfg.max_seq_len
         if len(ids) + self.infer.max_new_tokens > limit:
             warnings.warn(f"prompt of {len(ids)} tokens plus {self.infer.max_new_tokens} answer tokens exceeds "
                           f"the model's context of {limit}", ContextWarning, stacklevel=2)
         vocab = self.pretrained.model.cfg.vocab
-        prefix, rest = split_prompt(ids, vocab.video_end)
+        # the part up to the video's end is the same for every question: prefilled once, cached
+        cut = min(prompt.video_end, len(ids) - 1)
+        prefix, rest = ids[:cut], ids[cut:]
         device = next(self.pretrained.model.parameters()).device
         if prefix != self._prefix:  # first question, or a template that puts the question first
             self.engine.set_prefix(torch.tensor([prefix], dtype=torch.long, device=device))

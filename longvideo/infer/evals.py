@@ -38,7 +38,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from longvideo.data.codes import video_to_codes
-from longvideo.data.templates import build_prompt_ids, parse_answer
+from longvideo.data.templates import build_prompt, parse_answer
 from longvideo.data.shards import index_tar, iter_raw_samples, iter_token_samples
 from longvideo.data.streams import ShardError, SkipStats, expand_shards
 from longvideo.data.synthetic import COLOURS, NEEDLE_CHOICES, NEEDLE_QUESTION, SyntheticSpec, make_sample
@@ -251,7 +251,7 @@ def text_needle_prompt(pretrained, context_len: int, depth: float, city: str, nu
     empty_codes, empty_ts = np.zeros((0, 1, 1), np.int64), np.zeros(0)
 
     def render(sentences: list[str]) -> list[int]:
-        return build_prompt_ids(tok, vocab, empty_codes, empty_ts, " ".join(sentences) + "\n" + question)
+        return build_prompt(tok, vocab, empty_codes, empty_ts, " ".join(sentences) + "\n" + question).ids
 
     overhead = len(render([needle]))
     rng = np.random.default_rng(seed)
