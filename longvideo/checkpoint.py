@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save
 from longvideo.atomic import atomic_open, write_bytes_atomic
 from longvideo.config import Config, load_config, save_config
 from longvideo.model import ModelConfig, Transformer
+from longvideo.parallel.engine import consolidate_zero_checkpoint
 from longvideo.tokenizer import TextTokenizer
 from longvideo.vq import VQModel, load_vq
 
@@ -70,6 +71,13 @@ def tie(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor
         sd = dict(sd)
         sd[TIED_HEAD] = sd[TIED_TO]
     return sd
+
+
+def build_model(cfg: Config) -> Transformer:
+    """The project decoder of `cfg` as a run uses it: its architecture (cfg.model), its runtime chunk
+    sizes (cfg.runtime) and the block-attention backend (cfg.parallel.backend)."""
+    return Transformer(cfg.model, ffn_chunk=cfg.runtime.ffn_chunk, loss_chunk=cfg.runtime.loss_chunk,
+                       backend=cfg.parallel.backend)
 
 
 def meta_model(cfg: ModelConfig) -> Transformer:
@@ -240,11 +248,8 @@ def load_project_state(path: str | Path) -> tuple[dict[str, torch.Tensor], Confi
     cfg = load_config(ckpt / CONFIG_FILE)
     if (ckpt / WEIGHTS_FILE).is_file():
         sd = load_file(str(ckpt / WEIGHTS_FILE))
-    else:  # ZeRO shards only; DeepSpeed is a heavy import, needed on this path alone
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
-        sd = {k: v.float() for k, v in sd.items()}
+    else:  # ZeRO shards only
+        sd = consolidate_zero_checkpoint(ckpt.parent, ckpt.name)
     return tie(sd, cfg.model), cfg
 
 
@@ -354,7 +359,7 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu") -> Pre
         sd, cfg = load_project_state(path)
         tok_dir = path / TOKENIZER_DIR
     check_shapes(sd, cfg.model, str(path))
-    model = Transformer(cfg.model)
+    model = build_model(cfg)
     model.load_state_dict(sd)
     model.to(device).eval()
     tokenizer = TextTokenizer.from_dir(tok_dir, cfg.model.vocab_layout) if _has_tokenizer(tok_dir) else None

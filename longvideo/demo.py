@@ -42,7 +42,7 @@ from longvideo.export import LongVideoProcessor
 from longvideo.machine import describe, machine_info
 from longvideo.tokenizer import TextTokenizer
 from longvideo.train.run_state import STATE_FILE
-from longvideo.train.deepspeed_config import load_base, resolve_zero_stage
+from longvideo.parallel.deepspeed_config import load_base, resolve_zero_stage
 
 
 @dataclass(frozen=True)

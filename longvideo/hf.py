@@ -35,6 +35,8 @@ How the pieces meet inside transformers' forward:
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
@@ -43,10 +45,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from longvideo.model.head import LMHead
-from longvideo.parallel import ring_attention, shard_sequence
+from longvideo.parallel import RingAttentionSeam, layout_positions, shard_sequence
 
 RING = "ring"
 SEGMENT_KEY = "ring_segment_ids"
+POSITIONS_KEY = "ring_positions"
 IGNORE_INDEX = -100
 
 # model types whose every cross-token interaction is attention with RoPE from position_ids, and
@@ -129,7 +132,7 @@ def _plain_attention(module, query, key, value, attention_mask, **kwargs):
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 
-def _check_call(module, query, key, value, attention_mask, seg, group, dropout, sliding_window, kwargs) -> None:
+def _check_call(module, query, key, value, attention_mask, seg, world, dropout, sliding_window, kwargs) -> None:
     """Raise RingAttentionUnsupported for anything the ring would not compute exactly. Every check
     uses only values that are the same on every rank of the ring, so all ranks raise together."""
     B, Hq, S, D = query.shape
@@ -156,10 +159,9 @@ def _check_call(module, query, key, value, attention_mask, seg, group, dropout, 
         raise ValueError(f"{SEGMENT_KEY} has shape {tuple(seg.shape)}; this rank's shard is (B, S) = ({B}, {S}). "
                          "Make batches with longvideo.hf.shard_batch")
     if sliding_window is not None:
-        W, _ = _size_rank(group)
-        if S * W > sliding_window:
+        if S * world > sliding_window:
             raise _refuse(f"a sliding window of {sliding_window} tokens, which would mask keys of a "
-                          f"{S * W}-token sequence (ring attention is exact with a window only while the "
+                          f"{S * world}-token sequence (ring attention is exact with a window only while the "
                           "whole sequence fits in it)")
     padding = attention_mask
     if isinstance(attention_mask, DeferredMask):
@@ -171,32 +173,46 @@ def _check_call(module, query, key, value, attention_mask, seg, group, dropout, 
                       "of the shard is supported)")
 
 
-def make_ring_attention(group, backend: str = "auto"):
-    """The attention function registered as "ring", bound to `group` and a block backend.
+def seam_attention(seam, group=None):
+    """A transformers attention function (signature below) that computes attention through one of
+    the project's seams (longvideo.parallel.RingAttentionSeam over `group`, or the single-device
+    LocalAttention), for calls that carry `ring_segment_ids` (a shard from `shard_batch`, or
+    HFCausalLM's forward); other calls run transformers' sdpa attention.
 
-    Signature as transformers calls it: fn(module, query, key, value, attention_mask, *, dropout,
-    scaling, sliding_window=None, softcap=None, **kwargs) with query (B, Hq, S, D) and key, value
-    (B, Hkv, S, D); returns (out (B, S, Hq, D), None)."""
+    fn(module, query, key, value, attention_mask, *, dropout, scaling, sliding_window=None,
+    softcap=None, **kwargs) with query (B, Hq, S, D) and key, value (B, Hkv, S, D); returns
+    (out (B, S, Hq, D), None). Positions: `ring_positions` when given, else the zigzag layout's."""
 
-    def ring_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
-                               dropout: float = 0.0, scaling: Optional[float] = None,
-                               sliding_window: Optional[int] = None, **kwargs):
+    world = _size_rank(group)[0] if hasattr(seam, "group") else 1  # a seam without a group is one rank
+
+    def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
+                  scaling: Optional[float] = None, sliding_window: Optional[int] = None, **kwargs):
         seg = kwargs.pop(SEGMENT_KEY, None)
+        pos = kwargs.pop(POSITIONS_KEY, None)
         if seg is None:  # not a ring shard: generate, or a forward on whole sequences
             return _plain_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                     sliding_window=sliding_window, **kwargs)
-        _check_call(module, query, key, value, attention_mask, seg, group, dropout, sliding_window, kwargs)
+        _check_call(module, query, key, value, attention_mask, seg, world, dropout, sliding_window, kwargs)
         padding = attention_mask.padding if isinstance(attention_mask, DeferredMask) else attention_mask
+        B, _, S, D = query.shape
         seg = seg.to(query.device, torch.long)
         if padding is not None:
             seg = torch.where(padding.to(query.device).bool(), seg, -1)
-        out = ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), group=group,
-                             causal=True, segment_ids=seg, softmax_scale=scaling, backend=backend)
+        pos = layout_positions(S, group, device=query.device).expand(B, S) if pos is None else pos.to(query.device)
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if scaling is not None and abs(scaling * math.sqrt(D) - 1.0) > 1e-12:
+            q = q * (scaling * math.sqrt(D))  # the seams scale by 1/sqrt(D)
+        out = seam(q, k, v, q_positions=pos, k_positions=pos, q_segment_ids=seg, k_segment_ids=seg, causal=True)
         return out, None
 
-    ring_attention_forward.group = group
-    ring_attention_forward.backend = backend
-    return ring_attention_forward
+    attention.seam, attention.group = seam, group
+    return attention
+
+
+def make_ring_attention(group, backend: str = "auto"):
+    """The attention function registered as "ring": ring attention over `group` with `backend`'s
+    block kernels (see seam_attention)."""
+    return seam_attention(RingAttentionSeam(group, backend), group)
 
 
 def enable_ring_attention(group, *, backend: str = "auto", name: str = RING) -> str:
@@ -396,17 +412,20 @@ def global_loss(loss: Tensor, *, grad_group=None, grad_reduction: str = "mean") 
 
 class HFCausalLM(nn.Module):
     """A transformers causal LM behind the project model's training contract, so that `longvideo
-    train` trains it (`model.hf_path=DIR`) with the same data, loss normalisation, ZeRO and
+    train` trains it (`train.hf_model=DIR`) with the same data, loss normalisation, ZeRO and
     checkpoints as its own decoder:
 
-        loss_sum, weight = lm(input_ids, positions, segment_ids, targets=t, loss_weights=w)
+        loss_sum = lm(input_ids, positions, segment_ids, targets=t, loss_weights=w)
 
-    The inputs are this rank's zigzag shard (longvideo.parallel.shard_batch). The decoder's attention
-    is ring attention over the sp group (`enable_ring_attention`; segment ids travel as
-    `ring_segment_ids`); the loss is the project's chunked weighted cross-entropy on the decoder's
-    hidden states and the model's own output projection, so loss weights of any value work and no
-    (tokens x vocab) logits are ever built.
+    The inputs are this rank's zigzag shard (longvideo.parallel.shard_batch). `parallelize` gives it
+    its attention seam (`set_attention`: ring attention over the sp group, registered with
+    transformers' AttentionInterface; positions and segment ids travel as `ring_positions` and
+    `ring_segment_ids`) and activation checkpointing (transformers' own switch). The loss is the
+    project's chunked weighted cross-entropy on the decoder's hidden states and the model's own
+    output projection, so loss weights of any value work and no (tokens x vocab) logits are built.
     """
+
+    _names = itertools.count()
 
     def __init__(self, model: nn.Module, *, loss_chunk: int = 4096):
         super().__init__()
@@ -418,21 +437,29 @@ class HFCausalLM(nn.Module):
         self.loss_head.weight = out.weight
 
     @classmethod
-    def from_pretrained(cls, path: str, group, *, backend: str = "auto", seq_len: Optional[int] = None,
-                        activation_checkpointing: bool = False, loss_chunk: int = 4096,
+    def from_pretrained(cls, path: str, *, seq_len: Optional[int] = None, loss_chunk: int = 4096,
                         dtype: torch.dtype = torch.float32) -> "HFCausalLM":
-        """Load a local transformers decoder with ring attention over `group` (registered here);
-        RingAttentionUnsupported when the ring could not compute it exactly."""
+        """Load a local transformers decoder for training; RingAttentionUnsupported when the ring could
+        not compute it exactly. Its attention is sdpa until `set_attention`."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         check_model(AutoConfig.from_pretrained(path, local_files_only=True), seq_len=seq_len)
-        name = enable_ring_attention(group, backend=backend)
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name, dtype=dtype,
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dtype,
                                                      local_files_only=True)
         model.config.use_cache = False  # training: no per-layer copy of the keys and values
-        if activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return cls(model, loss_chunk=loss_chunk)
+
+    def set_attention(self, seam) -> None:
+        """Compute the decoder's attention with `seam` (a project seam: ring or single-device)."""
+        from transformers import AttentionInterface, AttentionMaskInterface
+
+        name = f"{RING}_seam_{next(self._names)}"
+        AttentionInterface.register(name, seam_attention(seam, getattr(seam, "group", None)))
+        AttentionMaskInterface.register(name, ring_mask)
+        self.model.set_attn_implementation(name)
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.model.gradient_checkpointing_enable(**kwargs)
 
     @property
     def vocab_size(self) -> int:
@@ -441,7 +468,8 @@ class HFCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, segment_ids: Tensor, targets: Tensor,
                 loss_weights: Optional[Tensor] = None):
         decoder = self.model.get_decoder()
-        out = decoder(input_ids=input_ids, position_ids=positions, use_cache=False, **{SEGMENT_KEY: segment_ids})
+        out = decoder(input_ids=input_ids, position_ids=positions, use_cache=False,
+                      **{SEGMENT_KEY: segment_ids, POSITIONS_KEY: positions})
         return self.loss_head(out.last_hidden_state, targets, loss_weights)
 
     def save_hf(self, out_dir, state: dict[str, Tensor]) -> None:
@@ -466,6 +494,7 @@ __all__ = [
     "enable_ring_attention",
     "global_loss",
     "make_ring_attention",
+    "seam_attention",
     "num_items_in_batch",
     "ring_loss",
     "ring_mask",

@@ -322,7 +322,8 @@ def part_syncs(budget, entry, args):
         entry.update(status="skipped", reason="needs CUDA (torch.cuda.set_sync_debug_mode); on CPU the test suite "
                      "runs the same calls under tests/sync_guard.py, which fails on any tensor-to-Python conversion")
         return
-    from longvideo.model import ModelConfig, Transformer
+    from longvideo.model import ModelConfig, Transformer, token_weights
+    from longvideo.parallel import apply_activation_checkpointing
     from longvideo.parallel.ring import backward_step, forward_step
 
     dt = torch.bfloat16
@@ -355,13 +356,14 @@ def part_syncs(budget, entry, args):
             backward_step(be, dout, q, k, v, out, lse, qp, kpos, qs, ks, True, scale, plans.step(i))
 
     cfg = ModelConfig(text_vocab_size=1000, codebook_size=64, dim=256, n_layers=2, n_heads=4, n_kv_heads=2,
-                      ffn_dim=512, attn_backend="triton", activation_checkpointing=True)
-    model = Transformer(cfg).to(DEV, dt).train()
+                      ffn_dim=512)
+    model = Transformer(cfg, ffn_chunk=4096, backend="triton").to(DEV, dt).train()
+    apply_activation_checkpointing(model)
     ids = torch.randint(0, 1000, (1, 4096), device=DEV)
 
     def model_step():
-        loss, w = model(ids, qp, qs, targets=ids)
-        (loss / w).backward()
+        loss = model(ids, qp, qs, targets=ids)
+        (loss / token_weights(ids).sum()).backward()
 
     calls = {"flash_attn fwd+bwd, plan kept": with_plan, "flash_attn fwd+bwd, plans built in the call": without_plan,
              "decode forward (Sq = 4)": decode, "ring steps, triton (a visible and an empty block)": ring_steps,
@@ -536,8 +538,8 @@ def our_step(model, S: int, opt=None):
     seg = torch.zeros(1, S, dtype=torch.long, device=DEV)
 
     def step():
-        loss, w = model(ids, pos, seg, targets=ids)
-        (loss / w).backward()
+        loss = model(ids, pos, seg, targets=ids)
+        (loss / ids.numel()).backward()
         if opt is not None:
             opt.step()
         model.zero_grad(set_to_none=True)
@@ -565,26 +567,30 @@ def part_train(budget, entry, args):
 
     from longvideo.config import load_config
     from longvideo.model import Transformer
+    from longvideo.parallel import apply_activation_checkpointing
 
-    mcfg = load_config(ROOT / "configs" / "smol-135m.yaml").model
+    root = load_config(ROOT / "configs" / "smol-135m.yaml")
+    mcfg, rt = root.model, root.runtime
     if DRY:
         mcfg = replace(mcfg, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, text_vocab_size=500,
                        codebook_size=64)
         seqlens = (32, 64)
     else:
         seqlens = (16384, 32768, 65536)
-    mcfg = replace(mcfg, attn_backend="triton", max_seq_len=max(seqlens))
+    mcfg = replace(mcfg, max_seq_len=max(seqlens))
     dt = torch.bfloat16
     peak = None if DRY else device_peak(torch.cuda.get_device_name(DEV))
     entry["model"] = dict(config="configs/smol-135m.yaml" + (" (shrunk for the dry run)" if DRY else ""),
                           dim=mcfg.dim, layers=mcfg.n_layers, heads=mcfg.n_heads, kv_heads=mcfg.n_kv_heads,
                           head_dim=mcfg.head_dim, vocab=mcfg.vocab_size, params=mcfg.num_params(),
-                          activation_checkpointing=mcfg.activation_checkpointing, dtype="bfloat16",
+                          activation_checkpointing=rt.activation_checkpointing, dtype="bfloat16",
                           optimizer="AdamW")
 
     def ours():
         with torch.device(DEV):  # initialised on the device: no CPU init of 139M parameters
-            model = Transformer(mcfg).to(dt).train()
+            model = Transformer(mcfg, ffn_chunk=rt.ffn_chunk, loss_chunk=rt.loss_chunk, backend="triton").to(dt).train()
+        if rt.activation_checkpointing:
+            apply_activation_checkpointing(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=not DRY)
 
         return (lambda S: our_step(model, S, opt)), (model, opt)
@@ -692,23 +698,27 @@ def part_profile(budget, entry, args):
 
     from longvideo.config import load_config
     from longvideo.model import Transformer
+    from longvideo.parallel import apply_activation_checkpointing
 
-    mcfg = load_config(ROOT / "configs" / "smol-135m.yaml").model
+    root = load_config(ROOT / "configs" / "smol-135m.yaml")
+    mcfg, rt = root.model, root.runtime
     S = 16384
     if DRY:
         mcfg = replace(mcfg, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, text_vocab_size=500,
                        codebook_size=64)
         S = 64
     dt = torch.bfloat16
-    variants = {"ours (triton, checkpointing)": dict(attn_backend="triton"),
-                "ours, feed-forward in 4096-token chunks": dict(attn_backend="triton", ffn_chunk=4096)}
+    variants = {"ours (triton, checkpointing)": dict(ffn_chunk=rt.ffn_chunk),
+                "ours, feed-forward in 4096-token chunks": dict(ffn_chunk=4096)}
     for name, over in variants.items():
         if not budget.ok(15):
             entry[name] = dict(status="skipped: out of time")
             continue
         try:
             with torch.device(DEV):
-                model = Transformer(replace(mcfg, max_seq_len=S, **over)).to(dt).train()
+                model = Transformer(replace(mcfg, max_seq_len=S), loss_chunk=rt.loss_chunk, backend="triton",
+                                    **over).to(dt).train()
+                apply_activation_checkpointing(model)
             entry[name] = _profile_step(our_step(model, S))
         except Exception as e:  # noqa: BLE001
             entry[name] = dict(error=repr(e)[:300])

@@ -10,7 +10,9 @@
 
 A module may import its own layer or lower ones; no cycle may exist between modules or between
 packages; project modules are imported at the top of a file (never inside a function); the model
-never imports torch.distributed or deepspeed; the kernels import nothing of the project but
+never imports torch.distributed or deepspeed, nor the runtime config (how it runs is applied from
+outside); only `parallelize` (longvideo.parallel.apply) and the engine wrapper
+(longvideo.parallel.engine) import deepspeed; the kernels import nothing of the project but
 themselves; the ring reaches the kernels only through their public package surface.
 """
 
@@ -223,6 +225,19 @@ def test_model_never_imports_distributed_code():
     bad = [f"{m}: {name}" for m, found in IMPORTS.items() if package_of(m) == "longvideo.model"
            for name, _, _ in found if name.startswith(("torch.distributed", "deepspeed"))]
     assert not bad, bad
+
+
+def test_model_reads_no_runtime_config():
+    bad = [f"{m}: {t}" for m, found in IMPORTS.items() if package_of(m) == "longvideo.model"
+           for _, t, _ in found if t in ("longvideo.parallel.config", "longvideo.config")]
+    assert not bad, bad
+
+
+def test_only_parallelize_and_the_engine_import_deepspeed():
+    allowed = {"longvideo.parallel.apply", "longvideo.parallel.engine"}
+    bad = sorted({m for m, found in IMPORTS.items() for name, _, _ in found
+                  if name.split(".")[0] == "deepspeed" and m not in allowed})
+    assert not bad, f"{bad} import deepspeed; go through longvideo.parallel (parallelize, Engine)"
 
 
 def test_kernels_import_nothing_else_of_the_project():

@@ -30,7 +30,8 @@ def test_defaults_and_overrides(tmp_path):
     (["model.n_heads=5"], "model.n_heads", "must divide dim"),
     (["model.n_kv_heads=3"], "model.n_kv_heads", "must divide n_heads"),
     (["model.tie_embeddings=maybe"], "model.tie_embeddings", "true or false"),
-    (["model.attn_backend=cuda"], "model.attn_backend", "allowed"),
+    (["parallel.backend=cuda"], "parallel.backend", "allowed"),
+    (["runtime.ffn_chunk=-1"], "runtime.ffn_chunk", ">= 0"),
     (["train.lr=-1"], "train.lr", "positive"),
     (["model.codebook_size=100"], "model.codebook_size", "vq.codebook_size"),
     (["model.code_init=fsq", "vq.quantizer=vq"], "model.code_init", "vq.quantizer"),
@@ -43,6 +44,17 @@ def test_bad_values_name_the_key(tmp_path, override, key, words):
         load_config(p, override)
     assert e.value.key == key, str(e.value)
     assert key in str(e.value) and words in str(e.value)
+
+
+def test_keys_that_left_the_model_section_still_load(tmp_path):
+    """A config (or a saved run's config.yaml) written with the runtime keys under model: loads, read
+    under their new sections with a warning; an override under the old name wins over the file."""
+    p = write(tmp_path, "model:\n  dim: 64\n  n_heads: 4\n  ffn_chunk: 7\n  activation_checkpointing: true\n"
+                        "  attn_backend: torch\n  hf_path: /x\n")
+    with pytest.warns(FutureWarning, match="model.ffn_chunk is now runtime.ffn_chunk"):
+        cfg = load_config(p, ["model.loss_chunk=9", "model.ffn_chunk=11"])
+    assert (cfg.runtime.ffn_chunk, cfg.runtime.loss_chunk, cfg.runtime.activation_checkpointing) == (11, 9, True)
+    assert (cfg.parallel.backend, cfg.train.hf_model, cfg.model.dim) == ("torch", "/x", 64)
 
 
 def test_every_shipped_config_loads():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from longvideo.data.packing import Packer, pack_row
-from longvideo.model import ModelConfig, Transformer
+from longvideo.model import ModelConfig, Transformer, token_weights
 
 
 def _doc(ids, weights):
@@ -66,8 +66,8 @@ def test_packer_first_fit_and_state():
 def _tiny_model():
     torch.manual_seed(0)
     cfg = ModelConfig(text_vocab_size=40, codebook_size=6, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                      multiple_of=16, attn_backend="torch", ffn_chunk=0, loss_chunk=0)
-    return Transformer(cfg).double().eval()
+                      multiple_of=16)
+    return Transformer(cfg, loss_chunk=0, backend="torch").double().eval()
 
 
 def test_packed_equals_unpacked_through_the_model():
@@ -79,7 +79,8 @@ def test_packed_equals_unpacked_through_the_model():
     batch = {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
     with torch.no_grad():
         hidden = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"])
-        loss_sum, weight_sum = model.loss(hidden, batch["targets"], batch["loss_weights"].double())
+        loss_sum = model.loss(hidden, batch["targets"], batch["loss_weights"].double())
+        weight_sum = token_weights(batch["targets"], batch["loss_weights"]).sum()
         ref_sum, ref_weight = 0.0, 0.0
         for b, pair in enumerate([docs[:2], docs[2:]]):
             at = 0
@@ -89,8 +90,8 @@ def test_packed_equals_unpacked_through_the_model():
                 ids = torch.from_numpy(alone["input_ids"])[None]
                 h = model(ids)  # default positions 0..n-1, one segment
                 torch.testing.assert_close(hidden[b, at: at + n], h[0], rtol=1e-10, atol=1e-10)
-                s, w = model.loss(h, torch.from_numpy(alone["targets"])[None],
-                                  torch.from_numpy(alone["loss_weights"]).double()[None])
+                t, lw = torch.from_numpy(alone["targets"])[None], torch.from_numpy(alone["loss_weights"])[None]
+                s, w = model.loss(h, t, lw.double()), token_weights(t, lw).sum()
                 ref_sum, ref_weight = ref_sum + s, ref_weight + w
                 at += n
     torch.testing.assert_close(loss_sum, ref_sum, rtol=1e-10, atol=1e-10)
@@ -106,9 +107,9 @@ def test_gradients_of_packed_batch_equal_unpacked():
         total_s, total_w = 0.0, 0.0
         for r in rows:
             b = {k: torch.from_numpy(v)[None] for k, v in r.items()}
-            s, w = model(b["input_ids"], positions=b["positions"], segment_ids=b["segment_ids"],
-                         targets=b["targets"], loss_weights=b["loss_weights"].double())
-            total_s, total_w = total_s + s, total_w + w
+            s = model(b["input_ids"], positions=b["positions"], segment_ids=b["segment_ids"],
+                      targets=b["targets"], loss_weights=b["loss_weights"].double())
+            total_s, total_w = total_s + s, total_w + token_weights(b["targets"], b["loss_weights"]).sum()
         (total_s / total_w).backward()  # global normalisation by the batch's weight total
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 

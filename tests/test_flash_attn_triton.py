@@ -327,12 +327,12 @@ def test_model_seam_builds_one_plan_per_step():
     from longvideo.model import ModelConfig, Transformer
 
     cfg = ModelConfig(text_vocab_size=50, codebook_size=14, dim=64, n_layers=3, n_heads=4, n_kv_heads=2,
-                      ffn_dim=64, attn_backend="triton")
-    model = Transformer(cfg)
+                      ffn_dim=64)
+    model = Transformer(cfg, backend="triton")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 60, (1, 40), generator=g)
     pos, seg = packed_meta(1, 40, g, min_len=5, max_len=20)
-    loss, _ = model(ids, pos, seg, targets=ids)
+    loss = model(ids, pos, seg, targets=ids)
     loss.backward()
     plans = list(model.attention_fn.plans._entries.values())
     assert len(plans) == 1

@@ -36,9 +36,9 @@ def tiny_pretrained(max_seq_len: int = 1024, mode: str = "2d", seed: int = 0) ->
                       channels=8, channel_mult=(1, 1, 1), num_res_blocks=1)
     vq = VQModel(vq_cfg).eval()
     mcfg = ModelConfig(text_vocab_size=tok.text_size, codebook_size=16, dim=32, n_layers=2, n_heads=4,
-                       n_kv_heads=2, max_seq_len=max_seq_len, ffn_chunk=64, init_std=0.2)
+                       n_kv_heads=2, max_seq_len=max_seq_len, init_std=0.2)
     cfg = Config(model=mcfg, vq=vq_cfg, infer=InferConfig(max_new_tokens=6, prefill_chunk=48))
-    return Pretrained(model=Transformer(mcfg).eval(), config=cfg, tokenizer=tok, vq=vq)
+    return Pretrained(model=Transformer(mcfg, ffn_chunk=64).eval(), config=cfg, tokenizer=tok, vq=vq)
 
 
 def write_video(path, seconds=6, seed=3):

@@ -13,12 +13,12 @@ def _one_thread(one_thread):
     """Each test here runs on one torch thread (conftest.one_thread)."""
 
 
-def tiny_model(dtype=torch.float64, seed=0, **kw):
+def tiny_model(dtype=torch.float64, seed=0, backend="torch", **kw):
     cfg = dict(text_vocab_size=40, codebook_size=20, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-               max_seq_len=256, ffn_chunk=8, attn_backend="torch", init_std=0.1)
+               max_seq_len=256, init_std=0.1)
     cfg.update(kw)
     torch.manual_seed(seed)
-    return Transformer(ModelConfig(**cfg)).to(dtype).eval()
+    return Transformer(ModelConfig(**cfg), ffn_chunk=8, backend=backend).to(dtype).eval()
 
 
 def recompute_greedy(model, ids, n):
@@ -74,7 +74,7 @@ def test_chunked_prefill_equals_one_shot(chunk):
 
 
 def test_chunked_prefill_float32_greedy_tokens():
-    model = tiny_model(dtype=torch.float32, attn_backend="auto")
+    model = tiny_model(dtype=torch.float32, backend="auto")
     torch.manual_seed(3)
     ids = torch.randint(0, model.cfg.vocab_size, (1, 50))
     a = generate(model, ids, max_new_tokens=8, prefill_chunk=50)

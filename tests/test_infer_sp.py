@@ -45,14 +45,14 @@ def test_merge_partials_equals_attention_over_all_keys(sq):
     assert torch.equal(empty, torch.zeros_like(empty)) and bool(torch.isneginf(empty_lse).all())
 
 
-def tiny_model(dtype, seed=0, **kw):
+def tiny_model(dtype, seed=0, backend="auto", **kw):
     from longvideo.model import ModelConfig, Transformer
 
     cfg = dict(text_vocab_size=40, codebook_size=20, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-               max_seq_len=256, ffn_chunk=16, init_std=0.1)
+               max_seq_len=256, init_std=0.1)
     cfg.update(kw)
     torch.manual_seed(seed)
-    return Transformer(ModelConfig(**cfg)).to(dtype).eval()
+    return Transformer(ModelConfig(**cfg), ffn_chunk=16, backend=backend).to(dtype).eval()
 
 
 def single_process_reference():
@@ -61,7 +61,7 @@ def single_process_reference():
 
     out = {}
     for name, dtype, backend in (("f64", torch.float64, "torch"), ("f32", torch.float32, "auto")):
-        model = tiny_model(dtype, attn_backend=backend)
+        model = tiny_model(dtype, backend=backend)
         torch.manual_seed(1)
         prefix = torch.randint(0, model.cfg.vocab_size, (2, 45))  # not a multiple of 2W: padded shards
         questions = [torch.randint(0, model.cfg.vocab_size, (2, n)) for n in (4, 1)]
@@ -84,7 +84,7 @@ def _sp_body(rank, world, ref, chat_case):
 
     for name, dtype, backend in (("f64", torch.float64, "torch"), ("f32", torch.float32, "auto")):
         prefix, questions, runs = ref[name]
-        model = tiny_model(dtype, attn_backend=backend)
+        model = tiny_model(dtype, backend=backend)
         own = model.attention_fn
         engine = SequenceParallelEngine(model, backend=backend)
         engine.set_prefix(prefix)

@@ -7,11 +7,13 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from longvideo.model import ModelConfig, Transformer
-from longvideo.parallel import Mesh, RingAttentionSeam, normalized_loss, parallelize, shard_batch
+from longvideo.parallel.engine import own_name
+from longvideo.model import LocalAttention, ModelConfig, Transformer, token_weights
+from longvideo.parallel import (Mesh, RingAttentionSeam, apply_activation_checkpointing, apply_attention,
+                                normalized_loss, shard_batch)
 
 CFG = dict(text_vocab_size=60, codebook_size=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-           multiple_of=16, ffn_chunk=8, loss_chunk=16, max_seq_len=64,
+           multiple_of=16, max_seq_len=64,
            attn_logn_base=8)  # queries past position 7 scaled: the ring gets each shard's global positions
 
 
@@ -37,9 +39,9 @@ def _batch(B, S, group):
     return batch
 
 
-def _model(dtype, checkpointing=False):
+def _model(dtype):
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(**CFG, activation_checkpointing=checkpointing)).to(dtype)
+    model = Transformer(ModelConfig(**CFG), ffn_chunk=8, loss_chunk=16).to(dtype)
     model.train()
     return model
 
@@ -51,25 +53,29 @@ def _grads(model):
 def _reference(batch, dtype):
     """One process, the whole (B, S) batch, loss normalised by its weight total."""
     model = _model(dtype)
-    loss_sum, weight = model(batch["input_ids"], batch["positions"], batch["segment_ids"],
-                             targets=batch["targets"], loss_weights=batch["loss_weights"])
-    loss = loss_sum / weight
+    loss_sum = model(batch["input_ids"], batch["positions"], batch["segment_ids"],
+                     targets=batch["targets"], loss_weights=batch["loss_weights"])
+    loss = loss_sum / token_weights(batch["targets"], batch["loss_weights"]).sum()
     loss.backward()
     return loss.detach().double(), _grads(model)
 
 
 def _sharded(mesh, batch, dtype, checkpointing):
     """dp rank d takes row d, shards it over its sp ring; gradients summed over all ranks."""
-    model = parallelize(_model(dtype), mesh, backend="cpu", activation_checkpointing=checkpointing)
-    assert isinstance(model.attention_fn, RingAttentionSeam) and model.activation_checkpointing == checkpointing
+    model = _model(dtype)
+    apply_attention(model, mesh, "cpu")
+    if checkpointing:
+        apply_activation_checkpointing(model)
+    assert isinstance(model.attention_fn, RingAttentionSeam)
     row = {k: v[mesh.dp_rank:mesh.dp_rank + 1] for k, v in batch.items()}
     local = shard_batch(row, mesh.sp_group)
     assert local["input_ids"].shape[1] == -(-batch["input_ids"].shape[1] // 4) * 4 // 2
-    loss_sum, weight = model(local["input_ids"], local["positions"], local["segment_ids"],
-                             targets=local["targets"], loss_weights=local["loss_weights"])
+    loss_sum = model(local["input_ids"], local["positions"], local["segment_ids"],
+                     targets=local["targets"], loss_weights=local["loss_weights"])
+    weight = token_weights(local["targets"], local["loss_weights"]).sum()
     loss, total = normalized_loss(loss_sum, weight, mesh, grad_reduction="sum")
     loss.backward()
-    grads = _grads(model)
+    grads = {own_name(n): g for n, g in _grads(model).items()}
     for g in grads.values():
         dist.all_reduce(g, group=mesh.world_group)
     value = loss.detach().double().clone()
@@ -97,11 +103,17 @@ def _body(rank, world):
         assert err <= 2 * base + 1e-6, f"{n}: fp32 error {err:.3g} > 2 x {base:.3g} + 1e-6"
 
 
-def test_parallelize_with_one_rank_keeps_the_models_attention():
+def test_one_rank_gets_the_local_seam_and_wrapped_blocks():
     model = _model(torch.float32)
-    before = model.attention_fn
-    parallelize(model, Mesh.build(), activation_checkpointing=True)
-    assert model.attention_fn is before and model.activation_checkpointing
+    apply_attention(model, Mesh.build(), "torch")
+    assert isinstance(model.attention_fn, LocalAttention) and model.attention_fn.backend == "torch"
+    names = model.state_dict().keys()
+    apply_activation_checkpointing(model)
+    apply_activation_checkpointing(model)  # once is enough: blocks are not wrapped twice
+    assert all(type(b).__name__ == "CheckpointWrapper" and not hasattr(b._checkpoint_wrapped_module,
+                                                                        "_checkpoint_wrapped_module")
+               for b in model.layers)
+    assert model.state_dict().keys() == names
 
 
 @pytest.mark.slow

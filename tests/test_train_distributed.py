@@ -33,7 +33,7 @@ GOLDEN = Path(__file__).parent / "golden" / "train_tiny_sp2_zero3.json"
 TINY = [
     "model.text_vocab_size=256", "model.codebook_size=64", "vq.codebook_size=64", "model.dim=64",
     "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.multiple_of=32",
-    "model.ffn_chunk=64", "model.loss_chunk=64", "model.activation_checkpointing=true",
+    "runtime.ffn_chunk=64", "runtime.loss_chunk=64", "runtime.activation_checkpointing=true",
     "data.seq_len=126",  # not a multiple of 2 * sp: the zigzag layout pads
     "train.synthetic_vocab=32", "train.lr=3e-3", "train.warmup_steps=2", "train.weight_decay=0.01",
     "train.micro_batch_size=1", "train.progress=false", "train.tensorboard=false", "train.plot=false",
@@ -46,22 +46,23 @@ DP2 = TINY + ["parallel.sp=1", "train.grad_accum=2"]
 
 def reference_grads(overrides: list[str], dp: int) -> tuple[float, dict[str, torch.Tensor]]:
     """One process, float64, the whole first global batch: (loss, gradients of the weighted mean)."""
-    from longvideo.model import Transformer
+    from longvideo.checkpoint import build_model
+    from longvideo.model import token_weights
     from longvideo.train.synthetic_tokens import SyntheticTokens
 
     cfg = load_config(None, overrides)
     tc = cfg.train
     torch.manual_seed(tc.seed)
-    model = Transformer(dataclasses.replace(cfg.model, attn_backend="torch")).double()
+    model = build_model(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, backend="torch"))).double()
     loss_sum, weight = 0.0, 0.0
     for r in range(dp):
         data = SyntheticTokens(seq_len=cfg.data.seq_len, batch_size=tc.micro_batch_size, vocab=tc.synthetic_vocab,
                                seed=tc.seed, dp_rank=r, dp_size=dp)
         for i in range(tc.grad_accum):
             b = data.batch(i)
-            part, w = model(b["input_ids"], b["positions"], b["segment_ids"], targets=b["targets"],
-                            loss_weights=b["loss_weights"])
-            loss_sum, weight = loss_sum + part, weight + float(w)
+            part = model(b["input_ids"], b["positions"], b["segment_ids"], targets=b["targets"],
+                         loss_weights=b["loss_weights"])
+            loss_sum, weight = loss_sum + part, weight + float(token_weights(b["targets"], b["loss_weights"]).sum())
     loss = loss_sum / weight
     loss.backward()
     return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
@@ -78,7 +79,9 @@ def full_grads(trainer) -> dict[str, torch.Tensor]:
     """Reduced full gradients of every parameter (a collective under ZeRO)."""
     from deepspeed.utils import safe_get_full_grad
 
-    return {n: safe_get_full_grad(p).detach().cpu().clone() for n, p in trainer.model.named_parameters()}
+    from longvideo.parallel.engine import own_name
+
+    return {own_name(n): safe_get_full_grad(p).detach().cpu().clone() for n, p in trainer.model.named_parameters()}
 
 
 # ---- the uninterrupted sp = 2, ZeRO-3 run ---------------------------------------------------------
@@ -181,7 +184,6 @@ class NaNAt:
 def _many_trainers(rank, world, out):
     from longvideo.configtools import ConfigError
     from longvideo.checkpoint import load_project_state as load_model_state
-    from longvideo.train.run_state import gather_fp32_state
     from longvideo.train.synthetic_tokens import SyntheticTokens
     from longvideo.train.trainer import LossDiverged, Trainer
 
@@ -215,11 +217,11 @@ def _many_trainers(rank, world, out):
                                    f"train.out_dir={out}/nan1"])
     t = Trainer(cfg, batches=nan_data(cfg, 1, 2))  # step 2
     m1 = t.train_step()
-    w1 = gather_fp32_state(t.model, keep=True)
+    w1 = t.engine.full_state(keep=True)
     m2 = t.train_step()
-    w2 = gather_fp32_state(t.model, keep=True)
+    w2 = t.engine.full_state(keep=True)
     m3 = t.train_step()
-    w3 = gather_fp32_state(t.model, keep=True)
+    w3 = t.engine.full_state(keep=True)
     assert not m1["skipped"] and m2["skipped"] and not m3["skipped"], (m1, m2, m3)
     assert m2["loss"] != m2["loss"] and m3["loss"] == m3["loss"]
     assert all(torch.equal(w1[k], w2[k]) for k in w1), "a skipped step changed the weights"
@@ -241,7 +243,7 @@ def _many_trainers(rank, world, out):
                                    f"train.out_dir={out}/stage2"])
     t = Trainer(cfg, init_from=f"{out}/nan3")
     sd, _ = load_model_state(f"{out}/nan3")
-    w = gather_fp32_state(t.model, keep=True)
+    w = t.engine.full_state(keep=True)
     assert t.step == 0 and all(torch.equal(w[k], sd[k]) for k in w)
     report["stage2_loss"] = t.train_step()["loss"]
     if rank == 0:

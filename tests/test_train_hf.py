@@ -1,4 +1,4 @@
-"""`longvideo train` on a transformers model directory (model.hf_path): ring attention over sp = 2 with
+"""`longvideo train` on a transformers model directory (train.hf_model): ring attention over sp = 2 with
 ZeRO-3, packed documents; the first step's loss and every gradient equal transformers' own forward
 run document by document in float64; checkpoints hold a transformers directory."""
 
@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _overrides(path: Path, out: Path) -> list[str]:
-    return [f"model.hf_path={path}", "model.text_vocab_size=48", "model.codebook_size=16", "vq.codebook_size=16",
-            "model.activation_checkpointing=true", "model.loss_chunk=40", "data.seq_len=94", "train.synthetic_vocab=48",
+    return [f"train.hf_model={path}", "model.text_vocab_size=48", "model.codebook_size=16", "vq.codebook_size=16",
+            "runtime.activation_checkpointing=true", "runtime.loss_chunk=40", "data.seq_len=94", "train.synthetic_vocab=48",
             "train.lr=1e-3", "train.warmup_steps=1", "train.steps=2", "train.micro_batch_size=1", "train.grad_accum=2",
             "train.zero_stage=3", "train.checkpoint_every=2", "parallel.sp=2", "parallel.timeout_s=60",
             "parallel.backend=torch", "train.progress=false", "train.tensorboard=false", "train.plot=false",
@@ -108,10 +108,10 @@ def _refuse(rank, world, path, out, key):
 def test_models_the_ring_cannot_run_exactly_are_named_errors(tmp_path):
     small = tmp_path / "small"
     _tiny_llama(small, attention_dropout=0.1)  # dropout in training is not exact on a ring
-    run_ranks(_refuse, world=1, args=(str(small), str(tmp_path / "a"), "model.hf_path"), timeout=300)
+    run_ranks(_refuse, world=1, args=(str(small), str(tmp_path / "a"), "train.hf_model"), timeout=300)
     too_few = tmp_path / "vocab"
     from transformers import LlamaConfig, LlamaForCausalLM
 
     LlamaForCausalLM(LlamaConfig(vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(str(too_few))
-    run_ranks(_refuse, world=1, args=(str(too_few), str(tmp_path / "b"), "model.hf_path"), timeout=300)
+    run_ranks(_refuse, world=1, args=(str(too_few), str(tmp_path / "b"), "train.hf_model"), timeout=300)

@@ -15,7 +15,7 @@ from longvideo import checkpoint as fmt
 from longvideo.atomic import write_text_atomic
 from longvideo.train import run_state as ck
 from longvideo.train.config import TrainConfig
-from longvideo.train.deepspeed_config import build_deepspeed_config
+from longvideo.parallel.deepspeed_config import build_deepspeed_config
 from longvideo.train.logging import RunLogger, plot_losses, read_metrics
 from longvideo.train.schedule import WarmupCosine, lr_at
 from longvideo.train.synthetic_tokens import SyntheticTokens

@@ -202,12 +202,12 @@ class TokenLoader:
         return item
 
     def _shard(self, s: int) -> TokenShard:
-        """The index of local shard ``s`` (its tar headers; reading them costs ~20 ms for 64 samples).
+        """The index of local shard ``s`` (its tar headers: tens of ms to read).
 
         Kept for the last ``max_indexed_shards`` shards used (~60 KB each, no open file): the
         shuffle buffer draws from about ``shuffle_buffer * dp_size / samples_per_shard`` shards at
         once and a few stragglers from earlier ones, and an index evicted too soon is read again
-        and again (with 8 kept, the demo's 1K rows read 2.3 shard indexes a row: 40 of its 52 ms).
+        and again (docs/experiments.md, "Loader: shard indexes kept").
         """
         if self._remote[s]:
             raise ValueError(f"{self.paths[s]} is streamed, it has no random access")

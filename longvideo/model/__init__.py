@@ -9,6 +9,7 @@ _EXPORTS = {
     "KVCache": "cache",
     "ModelConfig": "config",
     "chunked_cross_entropy": "head",
+    "token_weights": "head",
     "Transformer": "transformer",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,4 +1,8 @@
-"""ModelConfig: the LLaMA decoder's shape."""
+"""ModelConfig: the LLaMA decoder's architecture (shape, vocabulary, RoPE, initialisation).
+
+How a model runs (attention backend, activation checkpointing, chunk sizes) is not here: see
+longvideo.parallel.config.RuntimeConfig, applied from outside the model.
+"""
 
 from __future__ import annotations
 
@@ -44,22 +48,10 @@ class ModelConfig:
     """Longest sequence the model is meant for (exported as max_position_embeddings)."""
     tie_embeddings: bool = False
     """Share the input embedding and the output projection."""
-    ffn_chunk: int = 4096
-    """Blockwise feed-forward: tokens per chunk (0 = whole sequence at once). Each chunk is its own
-    checkpoint, which costs host time on a GPU (H200, 135M shape, 16K tokens: 518 ms a step with
-    4096-token chunks, 353 without, under the profiler), so `smol-135m` uses 16384."""
-    loss_chunk: int = 4096
-    """Chunked cross-entropy: tokens per chunk; full (tokens x vocab) logits never exist."""
-    activation_checkpointing: bool = False
-    """Recompute each layer in the backward pass instead of storing its activations."""
-    attn_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
-    """Block-attention backend: auto = triton on CUDA, cpu otherwise."""
     init_std: float = 0.02
     """Standard deviation of the weight initialisation."""
     code_init: Literal["normal", "fsq"] = "normal"
     """Initial VQ code embeddings: normal (random) or fsq (a random projection of each code's FSQ latent; docs/training.md)."""
-    hf_path: str = ""
-    """A transformers decoder directory (Llama, Mistral, Qwen2) that `longvideo train` trains instead (docs/hf.md)."""
     head_dim: int = field(init=False)
     """Derived: dim // n_heads."""
 
@@ -94,8 +86,6 @@ class ModelConfig:
         check(self.max_seq_len > 0, "max_seq_len", "must be positive")
         check(self.attn_logn_base == 0 or self.attn_logn_base >= 2, "attn_logn_base",
               f"must be 0 (off) or a context length >= 2, got {self.attn_logn_base}")
-        check(self.ffn_chunk >= 0, "ffn_chunk", "must be >= 0 (0 = no chunking)")
-        check(self.loss_chunk >= 0, "loss_chunk", "must be >= 0 (0 = no chunking)")
 
     @property
     def vocab(self) -> Vocab:

@@ -5,15 +5,14 @@ gradient with respect to the hidden states and the projection weight is computed
 the forward pass (the logits of one chunk are the only vocab-sized tensor alive). The backward
 pass only scales the stored gradients by the incoming gradient.
 
-The loss is returned as a weighted *sum* together with the weight total, so the caller divides by
-the weight total of the whole global batch (docs/architecture.md, decision 6): packed, sharded and
-gradient-accumulated batches then all give the gradients of one big unsharded batch.
+The loss is returned as a weighted *sum*; the caller divides by the weight total of the whole
+global batch (docs/architecture.md, decision 6), which `token_weights` computes by the same rule,
+so packed, sharded and gradient-accumulated batches all give the gradients of one unsharded batch.
 
 Only the tokens whose loss weight is not zero reach the projection: a row trained on its answers
 alone (the demos' QA rows, where the video is prompt) projects a few dozen of its 1,024 hidden
-states instead of all of them. The result is the same sum (the skipped terms are zero) and the
-skipped hidden states get a zero gradient, as before. On the demo's 1K rows (about 2 % of the
-tokens weighted) forward + backward take 0.76x the time on a 2-core CPU (scripts/bench_step.py).
+states instead of all of them: the same sum (the skipped terms are zero), a zero gradient for the
+skipped hidden states, less time (docs/experiments.md, "Output head on weighted tokens only").
 Finding the kept tokens reads their count on the host: one small synchronisation per forward on
 a GPU.
 """
@@ -72,6 +71,14 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, loss_
     return _ChunkedWeightedCE.apply(hidden, weight, targets, loss_weights, chunk)
 
 
+def token_weights(targets: Tensor, loss_weights: Tensor | None = None) -> Tensor:
+    """The float32 weight of each token's loss: `loss_weights` (default 1), and 0 where the target
+    is negative (the -100 convention: no loss). The one rule the loss and its normaliser share."""
+    if loss_weights is None:
+        return (targets >= 0).float()
+    return loss_weights.float() * (targets >= 0)
+
+
 class LMHead(nn.Module):
     """Projection to the vocabulary. Called as a module so that parameter-sharding hooks fire."""
 
@@ -83,21 +90,15 @@ class LMHead(nn.Module):
         """Project only the tokens with a loss (False: all of them; the benchmark's baseline)."""
 
     def forward(self, hidden: Tensor, targets: Tensor | None = None, loss_weights: Tensor | None = None):
-        """Without targets: logits (B, S, V). With targets (B, S) and loss_weights (B, S):
-        (weighted loss sum, weight total), both scalars; only the first carries gradients.
-        A negative target means no loss for that token."""
+        """Without targets: logits (B, S, V). With targets (B, S) and loss_weights (B, S): the
+        weighted loss sum, a scalar (weights by `token_weights`: a negative target has no loss)."""
         if targets is None:
             return F.linear(hidden, self.weight)
-        if loss_weights is None:
-            loss_weights = torch.ones(targets.shape, dtype=torch.float32, device=targets.device)
-        # negative targets (the -100 convention) carry no loss
-        loss_weights = loss_weights.float() * (targets >= 0)
-        targets = targets.clamp_min(0)
+        flat_weights = token_weights(targets, loss_weights).reshape(-1)
         dim = hidden.shape[-1]
-        hidden, targets, flat_weights = hidden.reshape(-1, dim), targets.reshape(-1), loss_weights.reshape(-1)
+        hidden, targets = hidden.reshape(-1, dim), targets.clamp_min(0).reshape(-1)
         if self.skip_unweighted:
             kept = flat_weights.nonzero().squeeze(1)  # the others add exactly 0
             if kept.numel() < flat_weights.numel():
                 hidden, targets, flat_weights = hidden.index_select(0, kept), targets[kept], flat_weights[kept]
-        loss_sum = chunked_cross_entropy(hidden, self.weight, targets, flat_weights, self.loss_chunk)
-        return loss_sum, loss_weights.sum()
+        return chunked_cross_entropy(hidden, self.weight, targets, flat_weights, self.loss_chunk)

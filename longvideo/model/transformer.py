@@ -1,7 +1,8 @@
 """The LLaMA-style decoder: embeddings -> n x (RMSNorm, attention, RMSNorm, SwiGLU) -> RMSNorm -> head.
 
-Reads top to bottom; no distributed code lives here. Parallelism is applied to a built model from
-outside (`longvideo.parallel.apply`) through `set_attention`.
+Reads top to bottom; no distributed code lives here. How a built model runs is applied from outside
+(`longvideo.parallel.apply`): its attention seam (`set_attention`), activation checkpointing
+(each block wrapped), and the engine around it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from longvideo.model.attention import Attention, AttentionFn, LocalAttention
 from longvideo.model.cache import KVCache
@@ -21,12 +21,12 @@ from longvideo.model.layers import FeedForward, RMSNorm, rope_cos_sin
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ffn_chunk: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn = FeedForward(cfg.dim, cfg.ffn_dim, cfg.ffn_chunk)
+        self.ffn = FeedForward(cfg.dim, cfg.ffn_dim, ffn_chunk)
 
     def forward(self, x, cos, sin, positions, segment_ids, attention_fn, cache=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, positions, segment_ids, attention_fn, cache)
@@ -34,17 +34,21 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The decoder of `cfg`. ffn_chunk: tokens per feed-forward block (0: the whole sequence at
+    once); loss_chunk: tokens per cross-entropy chunk (longvideo.model.head); backend: the block
+    attention backend of the default single-device seam. A run sets all three from its
+    RuntimeConfig / ParallelConfig (longvideo.checkpoint.build_model)."""
+
+    def __init__(self, cfg: ModelConfig, *, ffn_chunk: int = 0, loss_chunk: int = 4096, backend: str = "auto"):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, ffn_chunk) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.head = LMHead(cfg.dim, cfg.vocab_size, cfg.loss_chunk)
+        self.head = LMHead(cfg.dim, cfg.vocab_size, loss_chunk)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_embeddings.weight
-        self.activation_checkpointing = cfg.activation_checkpointing
-        self.attention_fn: AttentionFn = LocalAttention(cfg.attn_backend)
+        self.attention_fn: AttentionFn = LocalAttention(backend)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -90,7 +94,7 @@ class Transformer(nn.Module):
     ):
         """input_ids (B, S). positions / segment_ids (B, S) default to 0..S-1 (after the cache) and
         one segment. Without targets: hidden states (B, S, dim) after the final norm. With targets
-        (B, S): (weighted loss sum, weight total), see longvideo.model.head. attention_fn: the seam
+        (B, S): the weighted loss sum (longvideo.model.head; its normaliser is `token_weights`). attention_fn: the seam
         for this call only (default: the model's own, see set_attention)."""
         B, S = input_ids.shape
         if positions is None:
@@ -104,11 +108,7 @@ class Transformer(nn.Module):
             cache.begin(positions, segment_ids)
         attn = attention_fn or self.attention_fn
         for i, layer in enumerate(self.layers):
-            layer_cache = cache.layer(i) if cache is not None else None
-            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, positions, segment_ids, attn, layer_cache, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, positions, segment_ids, attn, layer_cache)
+            x = layer(x, cos, sin, positions, segment_ids, attn, cache.layer(i) if cache is not None else None)
         if cache is not None:
             cache.commit(S)
         hidden = self.norm(x)
@@ -121,5 +121,5 @@ class Transformer(nn.Module):
         return self.head(hidden)
 
     def loss(self, hidden: Tensor, targets: Tensor, loss_weights: Optional[Tensor] = None):
-        """(weighted CE sum, weight total) without materialising all logits."""
+        """The weighted CE sum without materialising all logits."""
         return self.head(hidden, targets, loss_weights)

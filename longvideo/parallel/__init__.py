@@ -1,9 +1,10 @@
 """Sequence parallelism: the dp x sp mesh, the zigzag layout, ring attention, and `parallelize`.
 
-    mesh = Mesh.from_config(cfg.parallel)                  # dp x sp process groups
-    parallelize(model, mesh)                               # ring attention over mesh.sp_group
-    local = shard_batch(batch, mesh.sp_group)              # this rank's zigzag shard of a batch
-    loss, total = normalized_loss(*model(**local), mesh)   # loss over the whole global batch
+    mesh = Mesh.from_config(cfg.parallel)                   # dp x sp process groups
+    engine = parallelize(model, mesh, cfg, optimizer=opt)   # ring seam, checkpointing, ZeRO
+    local = shard_batch(batch, mesh.sp_group)               # this rank's zigzag shard of a batch
+    scale, total = loss_scale(token_weights(...).sum(), mesh)   # the global batch's weight total
+    engine.backward(engine(**local) * scale)
 
 See docs/ring_attention.md. Names load lazily (longvideo._lazy).
 """
@@ -14,6 +15,9 @@ _EXPORTS = {
     "CommStats": "comm",
     "DoubleBuffer": "comm",
     "RingComm": "comm",
+    "Engine": "engine",
+    "consolidate_zero_checkpoint": "engine",
+    "build_deepspeed_config": "deepspeed_config",
     "BATCH_PAD_VALUES": "zigzag",
     "layout_positions": "zigzag",
     "padded_length": "zigzag",
@@ -26,7 +30,10 @@ _EXPORTS = {
     "normalized_loss": "loss",
     "Mesh": "mesh",
     "ParallelConfig": "config",
+    "RuntimeConfig": "config",
     "RingAttentionSeam": "apply",
+    "apply_activation_checkpointing": "apply",
+    "apply_attention": "apply",
     "parallelize": "apply",
     "block_is_empty": "ring",
     "ring_attention": "ring",

@@ -1,21 +1,32 @@
-"""Apply sequence parallelism to a built model, in one place (docs/architecture.md, decision 5).
+"""Everything distributed is applied to a built model here, in one place and a fixed order
+(docs/architecture.md, decision 5):
 
     mesh = Mesh.from_config(cfg.parallel)
-    parallelize(model, mesh)              # ring attention over mesh.sp_group (+ checkpointing flag)
-    engine = deepspeed.initialize(...)    # the trainer's job, not this function's
+    engine = parallelize(model, mesh, cfg, optimizer=opt)
+        1. the attention seam: ring attention over mesh.sp_group when sp > 1, else the
+           single-device one, both with cfg.parallel.backend
+        2. activation checkpointing (cfg.runtime.activation_checkpointing): every decoder block
+           wrapped from outside, so the model's code holds none
+        3. DeepSpeed ZeRO over all dp x sp ranks: the returned Engine (longvideo.parallel.engine)
 
-The model keeps its code; only its attention seam is swapped (`model.set_attention`). Inputs must
-then be this rank's zigzag shard with explicit positions and segment ids (`shard_batch`), since a
-shard's tokens are not at positions 0..S/W-1.
+The model keeps its code and its parameter names. Inputs must then be this rank's zigzag shard with
+explicit positions and segment ids (`shard_batch`), since a shard's tokens are not at positions
+0..S/W-1. A model is parallelizable when it offers `set_attention(seam)` and either `layers` (a
+ModuleList of blocks: the project's decoder) or `gradient_checkpointing_enable` (a transformers
+decoder behind longvideo.hf.HFCausalLM, which checkpoints its own layers).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 from longvideo.kernels import PlanCache, RingPlans
+from longvideo.model import LocalAttention
+from longvideo.parallel.deepspeed_config import build_deepspeed_config
+from longvideo.parallel.engine import Engine
 from longvideo.parallel.mesh import Mesh
 from longvideo.parallel.ring import ring_attention
 
@@ -46,23 +57,40 @@ class RingAttentionSeam:
                               plans=self.plans.lookup(q_positions, q_segment_ids))
 
 
-def parallelize(model, mesh: Mesh, *, backend: Optional[str] = None,
-                activation_checkpointing: Optional[bool] = None):
-    """Swap `model`'s attention for ring attention over `mesh.sp_group` (when sp > 1) and set its
-    activation-checkpointing flag. Returns the same model.
+def apply_attention(model: nn.Module, mesh: Mesh, backend: str = "auto") -> None:
+    """The sequence-parallel seam: ring attention over mesh.sp_group when sp > 1, else the
+    single-device seam, both over `backend`'s block kernels."""
+    if not hasattr(model, "set_attention"):
+        raise TypeError(f"{type(model).__name__} has no attention seam (set_attention)")
+    model.set_attention(RingAttentionSeam(mesh.sp_group, backend) if mesh.sp > 1 else LocalAttention(backend))
 
-    backend: block backend inside the ring; None takes the mesh's ParallelConfig.backend ("auto"
-    when the mesh was built without a config). activation_checkpointing: None keeps the model's
-    own setting. Does not wrap the model in an engine (the trainer calls deepspeed.initialize).
-    """
-    if activation_checkpointing is not None:
-        if not hasattr(model, "activation_checkpointing"):
-            raise TypeError(f"{type(model).__name__} has no activation_checkpointing switch")
-        model.activation_checkpointing = bool(activation_checkpointing)
-    if mesh.sp > 1:
-        if not hasattr(model, "set_attention"):
-            raise TypeError(f"{type(model).__name__} has no attention seam (set_attention)")
-        if backend is None:
-            backend = mesh.config.backend if mesh.config is not None else "auto"
-        model.set_attention(RingAttentionSeam(mesh.sp_group, backend))
-    return model
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute every decoder block in the backward pass. The project's blocks are wrapped with
+    torch's non-reentrant checkpoint_wrapper (state dicts keep the blocks' own names; the engine
+    strips the wrapper from parameter names); a transformers decoder uses its own switch."""
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has neither decoder `layers` nor gradient_checkpointing_enable")
+    for i, block in enumerate(layers):
+        if not hasattr(block, "_checkpoint_wrapped_module"):
+            layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
+def parallelize(model: nn.Module, mesh: Mesh, cfg, *, optimizer, ds_config: Optional[dict] = None,
+                bf16: bool = False) -> Engine:
+    """Apply the seam, activation checkpointing and ZeRO to `model` (in that order) and return the
+    engine that trains it (collective: every rank of the world calls it with the same config).
+
+    cfg: the root Config (its parallel, runtime and train sections are read). optimizer: built over
+    the model's parameters. ds_config: the DeepSpeed config when the caller built (and so checked)
+    it already, else built here from cfg.train for the mesh's world at `bf16`."""
+    apply_attention(model, mesh, cfg.parallel.backend)
+    if cfg.runtime.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if ds_config is None:
+        ds_config = build_deepspeed_config(cfg.train, world_size=mesh.world_size, bf16=bf16)
+    return Engine(model, optimizer, ds_config)

@@ -1,4 +1,5 @@
-"""ParallelConfig: how the world is split into data-parallel x sequence-parallel ranks."""
+"""ParallelConfig: how the world is split into data-parallel x sequence-parallel ranks, and
+RuntimeConfig: how the model runs on them (activation checkpointing, chunk sizes)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ class ParallelConfig:
     sp: int = 1
     """Sequence-parallel (ring) size; neighbouring ranks form one ring."""
     backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
-    """Block-attention backend used inside the ring."""
+    """Block-attention backend, inside the ring and on a single device: auto = triton on CUDA, cpu otherwise."""
     timeout_s: float = 600.0
     """Collective timeout: a dead rank makes the others fail after this many seconds."""
 
@@ -23,3 +24,22 @@ class ParallelConfig:
         check(self.sp >= 1, "sp", f"must be >= 1, got {self.sp}")
         check(self.dp == -1 or self.dp >= 1, "dp", f"must be >= 1 or -1 (derive), got {self.dp}")
         check(self.timeout_s > 0, "timeout_s", "must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    """How a built model runs: choices that change memory and speed, never the architecture.
+    `longvideo.checkpoint.build_model` and `longvideo.parallel.apply` apply them."""
+
+    activation_checkpointing: bool = False
+    """Recompute each decoder block in the backward pass instead of storing its activations."""
+    ffn_chunk: int = 4096
+    """Blockwise feed-forward: tokens per chunk (0 = whole sequence at once); each chunk is
+    recomputed in the backward pass. Larger chunks cost fewer launches on a GPU (smol-135m uses
+    16384; docs/experiments.md, "Feed-forward chunks on the GPU")."""
+    loss_chunk: int = 4096
+    """Chunked cross-entropy: tokens per chunk; full (tokens x vocab) logits never exist."""
+
+    def __post_init__(self):
+        check(self.ffn_chunk >= 0, "ffn_chunk", "must be >= 0 (0 = no chunking)")
+        check(self.loss_chunk >= 0, "loss_chunk", "must be >= 0 (0 = no chunking)")

@@ -18,7 +18,6 @@ _EXPORTS = {
     "TrainingError": "trainer",
     "LossDiverged": "trainer",
     "lr_at": "schedule",
-    "build_deepspeed_config": "deepspeed_config",
     "SyntheticTokens": "synthetic_tokens",
     "train_vq": "vq",
     "VQTrainResult": "vq:TrainResult",

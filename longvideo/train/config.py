@@ -48,6 +48,9 @@ class TrainConfig:
     """Text tokenizer directory (needed with data.train_shards); copied into the run and its checkpoints."""
     vq_dir: str = ""
     """VQ tokenizer checkpoint directory; copied into the run and its checkpoints so chat finds it."""
+    hf_model: str = ""
+    """A transformers decoder directory (Llama, Mistral, Qwen2) trained instead of the project's own
+    decoder (docs/hf.md); `model:` then only sets the vocabulary the data uses."""
     init_from: str = ""
     """Start from these model weights (a checkpoint dir or run dir); optimizer and step start fresh."""
     checkpoint_every: int = 500

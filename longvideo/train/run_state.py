@@ -5,7 +5,7 @@ Layout of a run directory:
     OUT/checkpoints/step_000123/      one checkpoint (complete, or absent)
         config.yaml                   the root Config               } a project checkpoint:
         model.safetensors             full fp32 weights, own names  } what export / chat read
-        hf/                           instead, with model.hf_path: a transformers directory
+        hf/                           instead, with train.hf_model: a transformers directory
         trainer_state.json            step, schedule, counters, world shape
         loader/rank_00000.json        data position of each rank
         rng/rank_00000.{json,safetensors}   Python / NumPy / torch RNG states of each rank
@@ -37,12 +37,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from longvideo.atomic import TMP_PREFIX, fsync_dir, fsync_tree, write_text_atomic
-from longvideo.checkpoint import (CHECKPOINTS, CONFIG_FILE, LATEST, latest_checkpoint, save_project_checkpoint)
+from longvideo.checkpoint import CHECKPOINTS, CONFIG_FILE, LATEST, latest_checkpoint
 from longvideo.config import save_config
 
 STATE_FILE = "trainer_state.json"
-HF_DIR = "hf"
-"""With model.hf_path, the weights of a checkpoint are this transformers directory inside it."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -90,32 +88,6 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-# ---- weights ------------------------------------------------------------------------------------
-
-def gather_fp32_state(module: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:
-    """Full fp32 weights under the module's own names, from the fp32 master copy when ZeRO holds one.
-
-    A collective under ZeRO: every rank calls it, parameter by parameter (so at most one full
-    parameter is gathered at a time); only ranks with `keep` collect the tensors on the CPU.
-    Tied parameters appear once, under their first name (as in `named_parameters`).
-    """
-    from deepspeed.utils import safe_get_full_fp32_param  # heavy; the trainer has imported it already
-
-    out: dict[str, torch.Tensor] = {}
-    for name, p in module.named_parameters():
-        full = safe_get_full_fp32_param(p)
-        if full is None:  # not managed by a ZeRO optimizer: the parameter is already whole
-            full = p.detach()
-        if keep:
-            out[name] = full.detach().to("cpu", torch.float32).clone()
-    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    if keep:
-        for name, t in module.state_dict().items():
-            if name not in params and torch.is_tensor(t):  # persistent buffers
-                out[name] = t.detach().cpu().clone()
-    return out
-
-
 # ---- RNG states (no pickles: json + safetensors) -----------------------------------------------
 
 def rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
@@ -146,10 +118,13 @@ def set_rng_state(meta: dict, tensors: dict[str, torch.Tensor]) -> None:
 
 def save_training_checkpoint(*, engine, cfg, run_dir: Path, step: int, rank: int, trainer_state: dict,
                              loader_state: dict, barrier: Callable[[], None],
+                             save_weights: Callable[[Path, dict, object, object], None],
                              assets: Optional[dict[str, Path]] = None,
                              on_staged: Optional[Callable[[Path], None]] = None) -> Path:
-    """Write OUT/checkpoints/step_N atomically (a collective: every rank calls it).
-    `assets` (name -> directory) are copied in, e.g. the tokenizer and VQ that chat needs."""
+    """Write OUT/checkpoints/step_N atomically (a collective: every rank calls it). `engine`: a
+    longvideo.parallel.Engine; `save_weights(dir, full_state, cfg, module)` writes the weights as
+    the model's kind keeps them (longvideo.train.models). `assets` (name -> directory) are copied
+    in, e.g. the tokenizer and VQ that chat needs."""
     ckpts = Path(run_dir) / CHECKPOINTS
     name = checkpoint_name(step)
     tmp_name = TMP_PREFIX + name
@@ -160,18 +135,15 @@ def save_training_checkpoint(*, engine, cfg, run_dir: Path, step: int, rank: int
             shutil.rmtree(tmp)
     barrier()
     # engine state: module, ZeRO-partitioned optimizer (each rank writes its own partition)
-    engine.save_checkpoint(str(ckpts), tag=tmp_name, client_state={}, save_latest=False)
-    weights = gather_fp32_state(engine.module, keep=rank == 0) if cfg.train.save_weights else None
+    engine.save(ckpts, tmp_name)
+    weights = engine.full_state(keep=rank == 0) if cfg.train.save_weights else None
     write_json(tmp / "loader" / f"rank_{rank:05d}.json", loader_state)
     meta, tensors = rng_state()
     write_json(tmp / "rng" / f"rank_{rank:05d}.json", meta)
     save_file(tensors, str(tmp / "rng" / f"rank_{rank:05d}.safetensors"))
     if rank == 0:
-        if weights is not None and cfg.model.hf_path:  # a transformers model: a transformers directory
-            engine.module.save_hf(tmp / HF_DIR, weights)
-            save_config(cfg, tmp / CONFIG_FILE)
-        elif weights is not None:
-            save_project_checkpoint(tmp, weights, cfg)
+        if weights is not None:
+            save_weights(tmp, weights, cfg, engine.module)
         else:
             save_config(cfg, tmp / CONFIG_FILE)
         write_json(tmp / STATE_FILE, trainer_state)
@@ -203,10 +175,7 @@ def load_training_checkpoint(*, engine, ckpt: Path, rank: int) -> dict:
     if not loader_file.is_file():
         raise FileNotFoundError(f"{ckpt} holds no data state for rank {rank}: it was written by a run with "
                                 f"world size {state.get('world_size')}; resume with the same world size")
-    path, _ = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True,
-                                     load_lr_scheduler_states=False)
-    if path is None:
-        raise RuntimeError(f"DeepSpeed could not load the engine state from {ckpt}")
+    engine.load(ckpt.parent, ckpt.name)
     set_rng_state(json.loads((ckpt / "rng" / f"rank_{rank:05d}.json").read_text()),
                   load_file(str(ckpt / "rng" / f"rank_{rank:05d}.safetensors")))
     state["loader"] = json.loads(loader_file.read_text())

@@ -3,8 +3,8 @@
 Order of construction (parallelism is applied to a built model, in one place):
 
     process group -> mesh (dp x sp; a world it does not match is an error here, before any work)
-    -> DeepSpeed config (config errors here) -> model (seeded) -> --init-from weights
-    -> parallelize (ring attention over the sp group) -> deepspeed.initialize (ZeRO over all ranks)
+    -> DeepSpeed config (config errors here) -> data -> model of its kind (seeded; --init-from
+    weights; longvideo.train.models) -> parallelize (seam, checkpointing, ZeRO) -> the engine
 
 Loss normalisation (docs/architecture.md, decision 6; `longvideo.parallel.loss`). All dp x sp ranks are DeepSpeed's data-parallel world
 (their parameters are identical), so DeepSpeed averages the gradients of W = dp * sp ranks. Each
@@ -32,7 +32,6 @@ import signal
 import socket
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -43,19 +42,17 @@ import torch.distributed as dist
 
 from longvideo.config import Config, save_config
 from longvideo.configtools import ConfigError, to_dict
+from longvideo.checkpoint import latest_checkpoint
 from longvideo.data.loader import make_loader
-from longvideo.hf import HFCausalLM, RingAttentionUnsupported
-from longvideo.model import Transformer
-from longvideo.parallel import Mesh, parallelize, shard_batch
+from longvideo.model import token_weights
+from longvideo.parallel import Mesh, build_deepspeed_config, parallelize, shard_batch
 from longvideo.parallel.loss import loss_scale
 from longvideo.tokenizer import TextTokenizer
-from longvideo.checkpoint import latest_checkpoint, load_project_state
 from longvideo.train import run_state as ckpt_io
-from longvideo.train.deepspeed_config import build_deepspeed_config
 from longvideo.train.logging import RunLogger, mfu, peak_flops_per_device
+from longvideo.train.models import model_kind
 from longvideo.train.schedule import WarmupCosine
 from longvideo.train.synthetic_tokens import SyntheticTokens
-from longvideo.vq.quantizer import fsq_codebook
 
 BATCH_KEYS = ("input_ids", "targets", "loss_weights", "positions", "segment_ids")
 
@@ -150,14 +147,13 @@ class Trainer:
         tc = cfg.train
         self.callbacks = list(callbacks)
         self.run_dir = Path(tc.out_dir)
-        if not torch.cuda.is_available():
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
         init_distributed(cfg.parallel.timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.mesh = build_mesh(cfg.parallel)  # dp * sp != world raises here, before any work
         self.bf16 = tc.precision == "bf16" or (tc.precision == "auto" and torch.cuda.is_available())
         ds_config = build_deepspeed_config(tc, world_size=self.world, bf16=self.bf16)
         self.zero_stage = ds_config["zero_optimization"]["stage"]
+        self.kind = model_kind(cfg)
         self._check_run_dir(resume)
         self.resume_from = latest_checkpoint(self.run_dir) if resume else None
         if tc.wandb != "disabled":
@@ -174,30 +170,12 @@ class Trainer:
         # the data source is checked (shards found, tokenizer readable) before the model is built
         self.loader = batches if batches is not None else self._make_loader()
 
-        import deepspeed  # heavy: imported once the config and data have been checked
-
-        # DeepSpeed 0.19 calls collectives torch 2.14 renamed: one warning per call, every step
-        warnings.filterwarnings("ignore", category=FutureWarning,
-                                message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)")
-
         torch.manual_seed(tc.seed)  # identical initial weights on every rank
         init_from = init_from if init_from is not None else (tc.init_from or None)
-        if cfg.model.hf_path:  # a transformers decoder: ring attention comes in through its attention interface
-            model = self._load_hf(init_from)
-        else:
-            # built on the rank's own device: a 7B model never sits in host memory once per rank
-            build_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-            with build_device or contextlib.nullcontext():
-                model = Transformer(cfg.model)
-            if init_from and self.resume_from is None:
-                self._load_init_weights(model, init_from)
-            elif cfg.model.code_init == "fsq" and self.resume_from is None:  # a resumed run loads its weights
-                model.init_code_embeddings(fsq_codebook(cfg.vq.levels))
-            parallelize(model, self.mesh)
+        model = self.kind.build(cfg, init_from=init_from, fresh=self.resume_from is None, log=self._say)
         self.optimizer = SkippableAdamW(self._param_groups(model), lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2),
                                         eps=tc.adam_eps, weight_decay=tc.weight_decay)
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=ds_config,
-                                                    dist_init_required=False)
+        self.engine = parallelize(model, self.mesh, cfg, optimizer=self.optimizer, ds_config=ds_config)
         self.model = self.engine.module
         self.device = self.engine.device
         self.schedule = WarmupCosine(self.optimizer, lr=tc.lr, warmup_steps=tc.warmup_steps, total_steps=tc.steps,
@@ -227,44 +205,9 @@ class Trainer:
             raise ConfigError("train.out_dir", f"{self.run_dir} already holds checkpoints; pass --resume "
                                                f"to continue that run, or choose another out_dir")
 
-    def _load_init_weights(self, model, path: str) -> None:
-        """Only the weights of a previous stage; optimizer, schedule and data start fresh."""
-        sd, old = load_project_state(path)
-        own = model.state_dict()
-        missing = sorted(set(own) - set(sd))
-        unexpected = sorted(set(sd) - set(own))
-        shapes = [f"{k}: {tuple(sd[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
-                  if k in sd and tuple(sd[k].shape) != tuple(v.shape)]
-        if missing or unexpected or shapes:
-            raise ConfigError("train.init_from", f"{path} does not fit this model: missing {missing[:5]}, "
-                                                 f"unexpected {unexpected[:5]}, shapes {shapes[:5]}")
-        model.load_state_dict(sd, strict=True)
+    def _say(self, msg: str) -> None:
         if self.rank == 0:
-            print(f"initialised from {path} (its rope_theta {old.model.rope_theta:g}, now "
-                  f"{self.cfg.model.rope_theta:g})", flush=True)
-
-    def _load_hf(self, init_from: Optional[str]) -> HFCausalLM:
-        """The transformers decoder of model.hf_path with ring attention over the sp group."""
-        cfg, tc = self.cfg, self.cfg.train
-        path = cfg.model.hf_path
-        if not Path(path).is_dir():
-            raise ConfigError("model.hf_path", f"not a directory: {path}")
-        if init_from:
-            raise ConfigError("train.init_from", "with model.hf_path the run starts from that model's weights")
-        try:
-            model = HFCausalLM.from_pretrained(path, self.mesh.sp_group, backend=cfg.parallel.backend,
-                                               seq_len=cfg.data.seq_len,
-                                               activation_checkpointing=cfg.model.activation_checkpointing,
-                                               loss_chunk=cfg.model.loss_chunk)
-        except RingAttentionUnsupported as e:
-            raise ConfigError("model.hf_path", str(e)) from None
-        shards = tc.data_source == "shards" or (tc.data_source == "auto" and cfg.data.train_shards)
-        need = cfg.model.vocab_size if shards else (tc.synthetic_vocab or cfg.model.text_vocab_size)
-        if model.vocab_size < need:
-            raise ConfigError("model.hf_path", f"{path} predicts {model.vocab_size} ids, but the data uses {need} "
-                                               "(text, the vision tokens and the VQ codes): extend its vocabulary "
-                                               "with `longvideo import-hf` and train the project checkpoint instead")
-        return model
+            print(msg, flush=True)
 
     @staticmethod
     def _param_groups(model) -> list[dict]:
@@ -310,15 +253,15 @@ class Trainer:
         `optimizer_step` applies them."""
         if len(micro_batches) != self.cfg.train.grad_accum:
             raise ValueError(f"expected {self.cfg.train.grad_accum} micro-batches, got {len(micro_batches)}")
-        local_weight = sum((mb["loss_weights"].float() * (mb["targets"] >= 0)).sum() for mb in micro_batches)
+        local_weight = sum(token_weights(mb["targets"], mb["loss_weights"]).sum() for mb in micro_batches)
         # the whole step's weight total, known before the first backward (all micro-batches count);
         # DeepSpeed averages gradients over all dp x sp ranks ("mean")
         scale, total_weight = loss_scale(local_weight, self.mesh, grad_reduction="mean")
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro_batches):
-            part, _ = self.engine(mb["input_ids"], mb["positions"], mb["segment_ids"],
-                                  targets=mb["targets"], loss_weights=mb["loss_weights"])
-            self.engine.backward(part * scale, scale_wrt_gas=False)
+            part = self.engine(mb["input_ids"], mb["positions"], mb["segment_ids"],
+                               targets=mb["targets"], loss_weights=mb["loss_weights"])
+            self.engine.backward(part * scale)
             loss_sum += part.detach().double()
             if i < len(micro_batches) - 1:
                 self.engine.step()  # not a boundary: DeepSpeed only accumulates
@@ -342,13 +285,13 @@ class Trainer:
             self.optimizer.skip = False
         applied = ok and self.engine.was_step_applied()
         lr = self.schedule.current()
-        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = self.engine.grad_norm()
         self.schedule.step()
         self.step += 1
         self.bad_in_a_row = 0 if applied else self.bad_in_a_row + 1
         tokens = self.cfg.train.micro_batch_size * self.cfg.train.grad_accum * self.mesh.dp * self.seq_len
         self.tokens_seen += tokens
-        return {"loss": loss, "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "skipped": not applied, "tokens": tokens, "stop": stop}
 
     def train_step(self) -> dict:
@@ -376,7 +319,7 @@ class Trainer:
         path = ckpt_io.save_training_checkpoint(
             engine=self.engine, cfg=self.cfg, run_dir=self.run_dir, step=self.step, rank=self.rank,
             trainer_state=self.trainer_state(), loader_state=loader_state, barrier=dist.barrier, assets=assets,
-            on_staged=lambda p: self._emit("checkpoint_staged", path=p))
+            save_weights=self.kind.save, on_staged=lambda p: self._emit("checkpoint_staged", path=p))
         if self.rank == 0:
             ckpt_io.prune_checkpoints(self.run_dir, tc.keep_checkpoints)
         self.last_saved, self.last_checkpoint = self.step, path

@@ -1,0 +1,119 @@
+"""The engine a parallelized model trains in: DeepSpeed ZeRO over all dp x sp ranks, behind a
+small interface (the one place besides `parallelize` that imports DeepSpeed).
+
+    engine = parallelize(model, mesh, cfg, optimizer=opt)    # an Engine
+    loss = engine(**batch)                                   # forward (ZeRO-3 gathers as it goes)
+    engine.backward(loss * scale)                            # gradients reduced over the world
+    engine.step()                                            # optimizer step at the step boundary
+    state = engine.full_state(keep=rank == 0)                # full fp32 weights (collective)
+
+DeepSpeed's data-parallel world is every dp x sp rank (no `mpu`): their parameters are identical,
+so ZeRO partitions over all of them (docs/architecture.md, decision 6). A model whose blocks are
+wrapped for activation checkpointing keeps its own parameter names in every state this engine
+returns or writes.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+"""What torch's checkpoint_wrapper inserts into parameter names (longvideo.parallel.apply)."""
+
+
+def own_name(name: str) -> str:
+    """A parameter name as the unwrapped model spells it."""
+    return name.replace(CHECKPOINT_WRAPPER_PREFIX, "")
+
+
+def _deepspeed():
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+    import deepspeed  # heavy: imported once a run has been checked
+
+    # DeepSpeed 0.19 calls collectives torch 2.14 renamed: one warning per call, every step
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)")
+    return deepspeed
+
+
+class Engine:
+    """A DeepSpeed engine around `model` and `optimizer`, configured by `ds_config`."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict):
+        ds = _deepspeed()
+        self.ds, _, _, _ = ds.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                         dist_init_required=False)
+        self.zero_stage = int(ds_config["zero_optimization"]["stage"])
+
+    @property
+    def module(self) -> nn.Module:
+        return self.ds.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.ds.device
+
+    def __call__(self, *args, **kwargs):
+        return self.ds(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate `loss` as given (the caller has scaled it; no division by accumulation)."""
+        self.ds.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> None:
+        """An engine step: accumulates inside a gradient-accumulation window, updates at its end."""
+        self.ds.step()
+
+    def was_step_applied(self) -> bool:
+        return bool(self.ds.was_step_applied())
+
+    def grad_norm(self) -> float:
+        norm = self.ds.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def full_state(self, keep: bool) -> dict[str, torch.Tensor]:
+        """Full fp32 weights under the model's own names, from the fp32 master copy when ZeRO holds
+        one. A collective under ZeRO: every rank calls it, parameter by parameter (at most one full
+        parameter gathered at a time); only ranks with `keep` collect tensors on the CPU. Tied
+        parameters appear once, under their first name (as in `named_parameters`)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        module, out = self.module, {}
+        for name, p in module.named_parameters():
+            full = safe_get_full_fp32_param(p)
+            if full is None:  # not managed by a ZeRO optimizer: the parameter is already whole
+                full = p.detach()
+            if keep:
+                out[own_name(name)] = full.detach().to("cpu", torch.float32).clone()
+        if keep:
+            params = {own_name(n) for n, _ in module.named_parameters(remove_duplicate=False)}
+            for name, t in module.state_dict().items():
+                if own_name(name) not in params and torch.is_tensor(t):  # persistent buffers
+                    out[own_name(name)] = t.detach().cpu().clone()
+        return out
+
+    def save(self, directory: Path, tag: str) -> None:
+        """The engine's own files (module, ZeRO-partitioned optimizer; each rank its partition)."""
+        self.ds.save_checkpoint(str(directory), tag=tag, client_state={}, save_latest=False)
+
+    def load(self, directory: Path, tag: str) -> None:
+        path, _ = self.ds.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
+                                          load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the engine state from {Path(directory) / tag}")
+
+
+def consolidate_zero_checkpoint(checkpoints: Path, tag: str) -> dict[str, torch.Tensor]:
+    """Full fp32 weights of a checkpoint written without model.safetensors, from its ZeRO shards
+    (DeepSpeed's utility; it reads torch pickles: only load runs you wrote)."""
+    _deepspeed()
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    sd = get_fp32_state_dict_from_zero_checkpoint(str(checkpoints), tag=tag)
+    return {own_name(k): v.float() for k, v in sd.items()}
