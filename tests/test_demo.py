@@ -191,3 +191,51 @@ def test_a_seed_reaches_every_lm_stage_and_another_seed_reuses_the_inputs(tmp_pa
     recorded.pop("lm_seed")
     (legacy / "plan.json").write_text(json.dumps(recorded))
     Demo(legacy, QUICK).check_plan()
+
+
+def plan_commands(demo) -> list[list[str]]:
+    """Every command a demo would run, in order, with nothing run: each stage's method is called
+    with `run` recording instead (paths under the run directory written as OUT)."""
+    cmds = []
+    demo.run = lambda cmd, threads=None: cmds.append([str(a).replace(str(demo.out), "OUT") for a in cmd])
+    demo.text_size = lambda: 300
+    demo.transformers_answer = lambda *a: None
+    for d in ("data", "tokens", "lm"):
+        (demo.out / d).mkdir(parents=True, exist_ok=True)
+    for stage in (demo.make_data, demo.tokenizer, demo.train_vq, demo.tokenize, demo.train_lm, demo.export,
+                  demo.evaluate, demo.chat):
+        stage()
+    return [["python" if a == sys.executable else a for a in c] for c in cmds]
+
+
+def _resolved(cmd: list[str]) -> tuple[list[str], dict]:
+    """A training command as the run it makes: its other arguments, and the config its --config and
+    overrides resolve to (its name aside: a label of the run's logs only)."""
+    from longvideo.config import load_config, to_dict
+
+    i = cmd.index("--config")
+    j = next((k for k in range(i + 2, len(cmd)) if cmd[k].startswith("--")), len(cmd))
+    cfg = to_dict(load_config(cmd[i + 1], cmd[i + 2:j]))
+    cfg.pop("name")
+    return cmd[:i] + cmd[j:], cfg
+
+
+def assert_same_runs(expected: list[list[str]], actual: list[list[str]]) -> None:
+    """The same commands, a training command's --config and overrides compared as the config they
+    resolve to (a stage config may hold what an override said)."""
+    assert len(actual) == len(expected), [c[3:5] for c in actual]
+    for want, got in zip(expected, actual):
+        if want[:3] == got[:3] and "train" in want and "--config" in want and "train-vq" not in want:
+            assert _resolved(got) == _resolved(want), (want, got)
+        else:
+            assert got == want
+
+
+def test_the_demo_plans_run_the_recorded_commands(tmp_path):
+    """Every command of each shipped plan, and its arguments, as recorded in
+    tests/material/demo_commands.json."""
+    from longvideo.demo import FULL, HOUR, QUICK, Demo
+
+    recorded = json.loads((ROOT / "tests/material/demo_commands.json").read_text())
+    for name, plan in (("demo", FULL), ("demo-hour", HOUR), ("demo-quick", QUICK)):
+        assert_same_runs(recorded[name], plan_commands(Demo(tmp_path / name, plan)))
