@@ -6,17 +6,21 @@ Every stage runs the same command a user would type, so the demo is also a tour 
   2. tokenizer      a small byte-level BPE trained on the dataset's own text
   3. train-vq       the tiny VQ video tokenizer
   4. tokenize       raw shards -> token shards (training never decodes video)
-  5. train          the tiny LM through a context ladder (each stage starts from the previous one's
-                    weights): short rungs two rows a step (dp = 2, ZeRO-2), long rungs with ring
-                    attention over 2 processes (sp = 2, ZeRO-3)
+  5. train          the tiny LM through a context ladder (each rung a stage config, starting from the
+                    previous one's weights): short rungs two rows a step (dp = 2, ZeRO-2), long rungs
+                    with ring attention over 2 processes (sp = 2, ZeRO-3)
   6. eval           QA accuracy and video needle retrieval on held-out videos (JSON + PNG, chance)
   7. export         a Hugging Face directory, reloaded with transformers
   8. chat           one question about a held-out video, through `longvideo chat`
 
-Stages whose outputs exist are skipped, so an interrupted demo continues where it stopped.
+What runs is a plan file (configs/demos/*.yaml, or your own with --plan): its video sets, tokenizer
+and VQ settings, the ladder's stage configs, the evaluation grid and the chat step. Stages whose
+outputs exist are skipped, so an interrupted demo continues where it stopped.
 
-    python -m longvideo.demo                 # the full demo (about 26 minutes on an idle 2-core CPU)
-    python -m longvideo.demo --quick         # the CI-sized version (about 6.5 minutes)
+    python -m longvideo.demo                 # configs/demos/demo.yaml (about half an hour on 2 cores)
+    python -m longvideo.demo --quick         # configs/demos/demo-quick.yaml, the CI-sized version
+    python -m longvideo.demo --hour          # configs/demos/demo-hour.yaml (make demo-hour)
+    python -m longvideo.demo --plan my-plan.yaml
     python -m longvideo.demo --seed 1 --inputs-from runs/demo --out runs/demo-seed1
                                              # the language model again with another seed, on the
                                              # first run's videos, tokenizers and token shards
@@ -31,12 +35,13 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
 from longvideo.checkpoint import latest_checkpoint
 from longvideo.config import load_config
+from longvideo.configtools import ConfigError, check, from_dict, load_yaml, resolve_config_path, to_dict
 from longvideo.data.synthetic import SyntheticSpec, make_sample, text_corpus
 from longvideo.export import LongVideoProcessor
 from longvideo.machine import describe, machine_info
@@ -45,7 +50,7 @@ from longvideo.train.run_state import STATE_FILE
 from longvideo.train.deepspeed_config import load_base, resolve_zero_stage
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class VideoSet:
     """One set of synthetic videos written by `make-data synthetic` (durations in whole seconds)."""
 
@@ -63,42 +68,28 @@ class VideoSet:
     flashes_per_minute: float = 0.0
     """Extra flashes with no question (a set the video tokenizer trains on)."""
 
+    def __post_init__(self):
+        check(self.n >= 1, "n", f"a set needs videos, got {self.n}")
+        check(1 <= self.min_seconds <= self.max_seconds, "max_seconds",
+              f"need 1 <= min_seconds <= max_seconds, got {self.min_seconds} and {self.max_seconds}")
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class Stage:
-    """One rung of the context ladder: every stage starts from the previous one's weights."""
+    """One rung of the context ladder: a stage config (configs/stages/*.yaml), which holds the rung's
+    context, RoPE theta, ring size, steps, learning rate and ZeRO stage, and the sets it reads."""
 
-    seq_len: int
-    """Tokens per training row."""
-    steps: int
-    """Optimizer steps."""
-    rope_theta: float
-    """RoPE base of this stage (raised with the context)."""
+    config: str
+    """The stage config the rung trains with (it also runs by hand: `longvideo train --config ...`)."""
     sets: tuple[str, ...]
-    """VideoSet names whose token shards the stage reads."""
-    sp: int = 2
-    """Ring size: the row is sharded over sp processes (the rest of the processes is dp)."""
-    lr: float = 1e-3
-    """Peak learning rate."""
-    zero_stage: int = 3
-    """DeepSpeed ZeRO stage. The ring rungs shard parameters too (ZeRO-3); a rung with no ring
-    (sp = 1, dp = 2) shards gradients and optimizer state (ZeRO-2): at the demos' sizes gathering
-    the parameters costs a quarter of a step (scripts/bench_zero.py) and saves no memory that
-    matters."""
-    config: str = ""
-    """A stage config (configs/stages/*.yaml) the run starts from; the fields above then come from it."""
-
-    @classmethod
-    def from_config(cls, config: str, sets: tuple[str, ...]) -> "Stage":
-        """A rung as a shipped stage config describes it (the config stays the one source)."""
-        c = load_config(config)
-        zero = resolve_zero_stage(c.train, load_base(c.train.deepspeed_config))
-        return cls(c.data.seq_len, c.train.steps, c.model.rope_theta, sets, c.parallel.sp, c.train.lr, zero, config)
+    """VideoSet names whose token shards the rung reads."""
+    overrides: tuple[str, ...] = ()
+    """Dotted overrides of this rung's config."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DemoPlan:
-    """Sizes of one demo run."""
+    """One demo run, as a plan file (configs/demos/*.yaml) lists it."""
 
     sets: tuple[VideoSet, ...]
     """Training and held-out video sets."""
@@ -109,9 +100,7 @@ class DemoPlan:
     source_fps: int = 8
     """Frame rate of the written videos (all are read at 1 fps)."""
     needle_fraction: float = 1.0
-    """Fraction of videos with a flash frame and its question. Every video carries one: a tiny model
-    learns to find the needle from a few hundred examples, not from half as many (measured: held-out
-    needle answers 59 % right after 800 steps at 0.5, 100 % at 1.0)."""
+    """Fraction of videos with a flash frame and its question."""
     tokenizer_vocab: int = 384
     """Text ids of the BPE tokenizer."""
     lm_config: str = "tiny"
@@ -123,9 +112,7 @@ class DemoPlan:
     vq_seconds: float = 200.0
     """Most training time of the VQ tokenizer."""
     vq_steps: int = 1500
-    """Most VQ steps (whichever comes first). A run stopped by its step count is reproducible (the
-    same weights, bit for bit, on one machine); one stopped by the clock is not: its learning rate
-    follows the elapsed time, so each run's codes differ, and the language model's answers with them."""
+    """Most VQ steps (whichever comes first)."""
     eval_samples: int = 64
     """Held-out QA samples scored."""
     needle_lengths: tuple[int, ...] = (8, 16, 40)
@@ -142,76 +129,53 @@ class DemoPlan:
     """Length of the held-out video `longvideo chat` answers about."""
     nproc: int = 2
     """Processes of the language-model training."""
-    training: tuple[str, ...] = ("data.template_mode=first", "data.qa_vision_loss=false",
-                                 "model.activation_checkpointing=false")
-    """Overrides of every LM stage. By default a tiny budget goes to what the demo asks: answers.
-    QA documents only, and their video is prompt (no vision loss), so every loss token is an
-    answer token. Nothing is recomputed in the backward: the tiny model's activations at 1-4K tokens
-    are a few tens of MB (peak 1.18 GB a process at 4K without checkpointing, 1.13 GB with it at 1K),
-    and 1K-token steps take 0.26 s instead of 0.37 s."""
+    lm_overrides: tuple[str, ...] = ()
+    """Dotted overrides of every rung's config (the plan's runtime choices, e.g. no activation
+    checkpointing at the demo's sizes)."""
     lm_seed: Optional[int] = None
-    """`train.seed` of every LM stage (initial weights and data order); None keeps the configs' (0).
+    """`train.seed` of every rung (initial weights and data order); None keeps the configs' (0).
     The videos and the VQ do not depend on it, so runs of several seeds (`--seed`, `--inputs-from`)
     compare the language model alone."""
+    ladder: tuple[dict, ...] = field(init=False, repr=False, compare=False)
+    """Per rung, what its config resolves to: seq_len, steps, rope_theta, sp, lr, zero_stage."""
+
+    def __post_init__(self):
+        names = [v.name for v in self.sets]
+        check(len(set(names)) == len(names), "sets", f"set names repeat: {names}")
+        for key in ("held_out", "vq_set"):
+            check(getattr(self, key) in names, key, f"no set named {getattr(self, key)!r}; sets: {names}")
+        check(len(self.stages) > 0, "stages", "the ladder needs a rung")
+        check(not self.needle_trials or len(self.needle_trials) == len(self.needle_lengths), "needle_trials",
+              f"one count per needle length ({len(self.needle_lengths)}), got {list(self.needle_trials)}")
+        ladder = []
+        for i, st in enumerate(self.stages):
+            unknown = [s for s in st.sets if s not in names]
+            check(bool(st.sets) and not unknown, f"stages[{i}].sets", f"no set named {unknown}; sets: {names}")
+            try:
+                c = load_config(st.config, [*self.lm_overrides, *st.overrides])
+            except (ConfigError, FileNotFoundError) as e:
+                raise ConfigError(f"stages[{i}].config", str(e)) from None
+            zero = resolve_zero_stage(c.train, load_base(c.train.deepspeed_config))
+            ladder.append(dict(seq_len=c.data.seq_len, steps=c.train.steps, rope_theta=c.model.rope_theta,
+                               sp=c.parallel.sp, lr=c.train.lr, zero_stage=zero))
+        object.__setattr__(self, "ladder", tuple(ladder))
 
     def video_set(self, name: str) -> VideoSet:
         return next(v for v in self.sets if v.name == name)
 
+    def record(self) -> dict:
+        """The plan as plan.json and summary.json record it: the plan file's keys, each rung with
+        what its config resolves to (a changed stage config is another plan)."""
+        rec = to_dict(self)
+        for st, rung in zip(rec["stages"], self.ladder):
+            st.update(rung)
+        return rec
 
-def _classic(train: int, test: int, max_seconds: int, long_seconds: int, stages, *, clips: int = 0,
-             **kw) -> DemoPlan:
-    sets = (VideoSet("train", train, 0, 4, max_seconds, 0.1, long_seconds),
-            VideoSet("test", test, 1, 4, max_seconds, 0.1, long_seconds))
-    if clips:  # 2-4 second clips, one or two scenes: a shape label every ~200 tokens
-        sets = (VideoSet("clips", clips, 2, 2, 4),) + sets
-    return DemoPlan(sets=sets, held_out="test", stages=stages, chat_seconds=max_seconds, **kw)
 
+def load_plan(path: str | Path) -> DemoPlan:
+    """A plan file: a path, or one under configs/ (`demos/demo`). Errors name the key."""
+    return from_dict(DemoPlan, load_yaml(resolve_config_path(path)))
 
-FULL = _classic(600, 256, 12, 40, (Stage(1024, 2000, 1e4, ("clips",), sp=1, zero_stage=2),
-                                  Stage(1024, 1500, 1e4, ("train",), sp=1, zero_stage=2),
-                                  Stage(2048, 150, 1e5, ("train",), lr=1e-3 / 3), Stage(4096, 60, 1e5, ("train",), lr=1e-3 / 3)),
-                clips=12000, needle_trials=(20, 20, 20), eval_samples=256, vq_seconds=480.0)
-"""`make demo`. Its first rung reads 12,000 clips of 2-4 seconds (one or two scenes, about five to a
-1,024-token row) for 2,000 steps: "What shape came first?" needs thousands of examples of shapes
-(measured: a classifier over one frame's 64 codes reads the shape 68 % right from 600 frames, 82 %
-from 2,000, 91 % from 8,000) and the 600 training videos give 600, each among 4-12 seconds of other
-scenes. The clips' rung is where the first shape is learnt, and it was short of steps, not of a
-better signal (first shape on 128 held-out clips after the clips' rung alone: 1,000 steps 64.8 %,
-training clips 74.2 %; 2,000 steps 74.2 %, training clips 82.0 %; lr 2e-3 instead of 1e-3 56.2 %;
-the timed-segment captions beside the questions 68.8 %; one-scene clips of 1-2 seconds 37.5 %).
-The rung on the 600 videos then runs dp = 2 (two rows a step): the scene questions need about
-three times the rows the needle does (1,000 rows give the needle 100 % but the last shape's colour
-28 %; 3,000 rows give 98 % and 88 %). RoPE theta rises once, at 2K, and stays at 1e5 for 4K: each
-switch costs the scene questions (last colour 90.6 % after the 1K rungs, 84.4 % after 2K, 75.0 %
-after a 4K rung at 1e6), and 1e4 throughout kept the last colour (90.6 %) but not the first shape
-(56.2 %). Whole runs on 2 cores (needle / last colour / first shape): this plan, 256 held-out
-videos, 100 / 94.1 / 81.2 % in 25.6 minutes (a second run 97.2 / 93.4 / 78.1 %); the same plan with
-no flash frame in the clips (a flash hides one of a clip's 2-4 shape frames, and first-shape errors
-are circle-square confusions, more of them when fewer first-scene frames are visible), on a slower
-AVX2-only machine, 98.9 / 78.5 / 80.1 % in 38.1 minutes: the first shape did not move and the last
-colour fell, so the clips keep their flashes; this plan with its 1K rungs under ZeRO-2, on that
-AVX2-only machine, 97.2 / 90.6 / 69.9 % in 32.6 minutes and 98.9 / 88.7 / 73.4 % in 33.6; there, with the output
-head on weighted tokens only and the loader's shard indexes kept (a 1K step 0.24 s instead of 0.31 s), a VQ
-stopped by the clock at 1,427 steps gave 98.9 / 84.4 / 39.5 % in 30.4 minutes, and the VQ stopped by its
-1,500 steps (the same weights, bit for bit, as the 73.4 % run's) 98.9 / 89.8 / 82.8 % in 29.4: the VQ moves
-the first shape most, the language model's run-to-run spread (summation order) still about ten points; 1,000 clip steps on 6,000 clips with activation
-checkpointing, 64 videos, 97.8 / 92.2 / 65.6 % in 20.8; the plan before the clips 99.4 / 60.9 /
-35.9 % in 15.8. Before the clips, more first-rung steps (2,500), theta 1e4 on every rung, a wider
-model (dim 192), timestamps, lr 2e-3 or captions beside the questions left the first shape at
-31-52 %."""
-HOUR = DemoPlan(
-    sets=(VideoSet("brief", 800, 15, 10, 40), VideoSet("short", 320, 10, 60, 240), VideoSet("mid", 48, 11, 300, 900), VideoSet("long", 16, 12, 1800, 3600),
-          VideoSet("test", 32, 13, 60, 240), VideoSet("vq", 240, 14, 60, 240, flashes_per_minute=10.0)),
-    held_out="test", source_fps=1, lm_config="hour", vq_config="vq/causal3d-hour.yaml", vq_set="vq",
-    vq_seconds=480.0, vq_steps=3000, tokenizer_vocab=384,
-    stages=(Stage.from_config("stages/hour-brief", ("brief",)), Stage.from_config("stages/hour-2k", ("short",)), Stage.from_config("stages/hour-4k", ("short", "mid")),
-            Stage.from_config("stages/hour-20k", ("mid", "long"))),
-    eval_samples=32, needle_lengths=(60, 300, 900, 1800, 3600), needle_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
-    needle_trials=(20, 20, 20, 8, 8), eval_sp=2, chat_seconds=3600, vq_needle_trials=64)
-"""`make demo-hour`: hour-long videos in one context (about 18.4K tokens per hour)."""
-QUICK = _classic(96, 12, 8, 16, (Stage(512, 400, 1e4, ("train",)), Stage(1024, 20, 1e5, ("train",), lr=1e-3 / 3)),
-                 tokenizer_vocab=320, vq_seconds=40.0, vq_steps=150, eval_samples=12, needle_lengths=(8, 16),
-                 needle_depths=(0.0, 1.0))
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -304,38 +268,29 @@ class Demo:
         return TextTokenizer.from_dir(self.out / "tokenizer").text_size
 
     def train_lm(self) -> None:
-        p = self.plan
-        prev = None
-        for i, st in enumerate(p.stages):
-            run_dir = self.out / f"lm/stage{i}-{st.seq_len}"
+        p, prev = self.plan, None
+        for i, (st, rung) in enumerate(zip(p.stages, p.ladder)):
+            run_dir = self.out / f"lm/stage{i}-{rung['seq_len']}"
             reached = finished_step(run_dir)
-            if reached >= st.steps:
-                print(f"stage {st.seq_len}: done already (step {reached})", flush=True)
+            if reached >= rung["steps"]:
+                print(f"stage {rung['seq_len']}: done already (step {reached})", flush=True)
                 prev = run_dir
                 continue
             names = st.sets[0] if len(st.sets) == 1 else "{" + ",".join(st.sets) + "}"
-            shards = self.out / "tokens" / names
-            ladder = [] if st.config else [  # a stage config holds these itself
-                f"model.max_seq_len={st.seq_len}", f"model.rope_theta={st.rope_theta}", f"data.seq_len={st.seq_len}",
-                f"parallel.sp={st.sp}", f"train.steps={st.steps}", f"train.warmup_steps={max(1, st.steps // 10)}",
-                f"train.lr={st.lr}", f"train.checkpoint_every={st.steps}", f"train.zero_stage={st.zero_stage}",
-                "train.micro_batch_size=1", *p.training]
-            seed = [] if p.lm_seed is None else [f"train.seed={p.lm_seed}"]
             overrides = [
-                f"model.text_vocab_size={self.text_size()}", f"data.train_shards={shards}", *ladder, *seed,
+                f"model.text_vocab_size={self.text_size()}", f"data.train_shards={self.out / 'tokens' / names}",
+                *p.lm_overrides, *st.overrides, *([] if p.lm_seed is None else [f"train.seed={p.lm_seed}"]),
                 f"train.tokenizer_dir={self.out / 'tokenizer'}", f"train.vq_dir={self.out / 'vq'}",
-                f"train.out_dir={run_dir}",
+                f"train.out_dir={run_dir}", *(["train.progress=false"] if self.quiet else []),
             ]
-            if self.quiet:
-                overrides.append("train.progress=false")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p.nproc}",
-                   "-m", "longvideo", "train", "--config", st.config or p.lm_config, *overrides]
+                   "-m", "longvideo", "train", "--config", st.config, *overrides]
             if reached > 0:  # stopped part-way (SIGTERM, a crash): continue from its last checkpoint
                 cmd.append("--resume")
             elif prev is not None:
                 cmd += ["--init-from", prev]
-            print(f"--- stage {i + 1}/{len(p.stages)}: context {st.seq_len}, sp {st.sp}, ZeRO-{st.zero_stage}, "
-                  f"RoPE theta {st.rope_theta:g}, {st.steps} steps", flush=True)
+            print(f"--- stage {i + 1}/{len(p.stages)}: context {rung['seq_len']}, sp {rung['sp']}, "
+                  f"ZeRO-{rung['zero_stage']}, RoPE theta {rung['rope_theta']:g}, {rung['steps']} steps", flush=True)
             self.run(cmd, threads=1)
             prev = run_dir
         (self.out / "lm/final").write_text(str(prev))
@@ -400,19 +355,13 @@ class Demo:
         (self.out / "chat.json").write_text(json.dumps({"question": question, "answer": answer, "truth": truth}))
 
     # ---- driver -------------------------------------------------------------------------------
-    def plan_record(self) -> dict:
-        """The plan as plan.json records it (tuples as lists)."""
-        return json.loads(json.dumps(asdict(self.plan)))
-
     def check_plan(self) -> None:
         """A run directory belongs to one plan: resuming it under another (a newer ladder, other
         video sets) would mix the two silently, so that stops here, before anything runs."""
-        plan = self.plan_record()
+        plan = self.plan.record()
         marker, summary = self.out / "plan.json", self.out / "summary.json"
         before = json.loads(marker.read_text()) if marker.exists() else \
             json.loads(summary.read_text()).get("plan") if summary.exists() else None
-        if before is not None:
-            before.setdefault("lm_seed", None)  # recorded before plans had a seed: the configs' seed
         if before is not None and before != plan:
             raise DemoError(f"{self.out} holds a run of another plan (its videos, ladder or sizes differ); "
                             "pass --fresh to start it again, or --out for a new directory")
@@ -429,7 +378,7 @@ class Demo:
         marker = run / "plan.json"
         if not (run / "tokens/.done").exists() or not marker.exists():
             raise DemoError(f"{run} has no finished tokens (tokens/.done) and plan.json to take inputs from")
-        mine, theirs = self.plan_record(), json.loads(marker.read_text())
+        mine, theirs = self.plan.record(), json.loads(marker.read_text())
         for record in (mine, theirs):
             record.pop("lm_seed", None)
         if mine != theirs:
@@ -455,8 +404,8 @@ class Demo:
         self.stage("2/8 text tokenizer", self.out / "tokenizer/tokenizer.json", self.tokenizer)
         self.stage("3/8 train-vq", self.out / "vq/model.safetensors", self.train_vq)
         self.stage("4/8 tokenize", self.out / "tokens/.done", self.tokenize)
-        zero = " and ".join(f"ZeRO-{z}" for z in sorted({st.zero_stage for st in self.plan.stages}))
-        self.stage(f"5/8 train the LM (ring attention over up to {max(st.sp for st in self.plan.stages)} processes, "
+        zero = " and ".join(f"ZeRO-{z}" for z in sorted({r["zero_stage"] for r in self.plan.ladder}))
+        self.stage(f"5/8 train the LM (ring attention over up to {max(r['sp'] for r in self.plan.ladder)} processes, "
                    f"{zero})", self.out / "lm/final", self.train_lm)
         self.stage("6/8 export a Hugging Face directory", self.out / "hf/config.json", self.export)
         self.stage("7/8 evaluate on held-out videos", self.out / "eval/video_niah", self.evaluate)
@@ -473,7 +422,7 @@ class Demo:
 
         qa, niah, vq_needle = load("qa"), load("video_niah"), load("vq_needle")
         chat = json.loads((self.out / "chat.json").read_text()) if (self.out / "chat.json").exists() else {}
-        return {"plan": asdict(self.plan), "machine": self.machine, "seconds": round(seconds, 1),
+        return {"plan": self.plan.record(), "machine": self.machine, "seconds": round(seconds, 1),
                 "stage_seconds": self.timings,
                 "qa": {k: qa.get(k) for k in ("accuracy", "chance", "n", "per_question") if k in qa},
                 "video_niah": {k: niah.get(k) for k in ("accuracy", "chance", "n", "lengths", "grid", "needles_dropped")
@@ -504,9 +453,13 @@ class Demo:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m longvideo.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="where everything goes (default runs/demo, runs/demo-hour)")
-    ap.add_argument("--quick", action="store_true", help="the CI-sized version")
-    ap.add_argument("--hour", action="store_true", help="the hour demo: hour-long videos in one context (make demo-hour)")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--quick", action="store_true", help="the CI-sized version (configs/demos/demo-quick.yaml)")
+    which.add_argument("--hour", action="store_true",
+                       help="the hour demo: hour-long videos in one context (make demo-hour, configs/demos/demo-hour.yaml)")
+    which.add_argument("--plan", metavar="FILE", help="a plan file of your own (see configs/demos/demo.yaml)")
+    ap.add_argument("--out", default=None, help="where everything goes (default runs/<plan name>: runs/demo, "
+                                                "runs/demo-hour, runs/demo-quick)")
     ap.add_argument("--fresh", action="store_true", help="delete --out first")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     ap.add_argument("--seed", type=int, default=None,
@@ -515,12 +468,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="link a finished run's videos, tokenizers and token shards instead of making them "
                          "(a run of the same plan, e.g. another --seed); --out must be new")
     a = ap.parse_args(argv)
-    out = Path(a.out or ("runs/demo-hour" if a.hour else "runs/demo")).resolve()
+    path = a.plan or f"demos/demo{'-hour' if a.hour else '-quick' if a.quick else ''}"
+    try:
+        plan = load_plan(path)
+        if a.seed is not None:
+            plan = replace(plan, lm_seed=a.seed)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"demo: plan {path}: {e}", file=sys.stderr)
+        return 2
+    out = Path(a.out or f"runs/{Path(path).stem}").resolve()
     if a.fresh and out.exists():
         shutil.rmtree(out)
-    plan = HOUR if a.hour else QUICK if a.quick else FULL
-    if a.seed is not None:
-        plan = replace(plan, lm_seed=a.seed)
     try:
         Demo(out, plan, quiet=a.quiet).main(inputs_from=a.inputs_from)
     except DemoError as e:

@@ -77,8 +77,10 @@ def test_hour_plan_fits_an_hour_in_its_last_stage():
     """The hour demo's plan: its longest videos fit the last rung of its ladder, which runs on the
     ring (sp = 2) with a raised RoPE theta; its configs exist and agree on the tokenizer's shape."""
     from longvideo.config import load_config
-    from longvideo.demo import HOUR
+    from longvideo.demo import load_plan
     from longvideo.vq import load_vq_config
+
+    HOUR = load_plan("demos/demo-hour")
 
     vq, root = load_vq_config(HOUR.vq_config), load_config(HOUR.lm_config)
     assert (vq.mode, vq.latent_size, vq.temporal_downsample, vq.codebook_size) == \
@@ -87,17 +89,17 @@ def test_hour_plan_fits_an_hour_in_its_last_stage():
     groups = vq.num_groups(longest)  # 1 fps
     stamps = -(-groups // root.data.timestamp_every) * 8  # "[3599.0s]" and its neighbours: at most 8 ids each
     tokens = groups * (vq.codes_per_frame + 1) + 2 + stamps + 32  # + <vision> </vision> + the QA text
-    last = HOUR.stages[-1]
-    assert longest == 3600 and tokens <= 20_000 and tokens <= last.seq_len and last.sp == 2, (tokens, last)
-    assert last.config and load_config(last.config).data.seq_len == last.seq_len  # the stage config is the source
-    assert [s.rope_theta for s in HOUR.stages] == sorted(s.rope_theta for s in HOUR.stages)
+    last = HOUR.ladder[-1]
+    assert longest == 3600 and tokens <= 20_000 and tokens <= last["seq_len"] and last["sp"] == 2, (tokens, last)
+    assert load_config(HOUR.stages[-1].config).data.seq_len == last["seq_len"]  # the stage config is the source
+    assert [r["rope_theta"] for r in HOUR.ladder] == sorted(r["rope_theta"] for r in HOUR.ladder)
     assert max(HOUR.needle_lengths) == 3600 and HOUR.eval_sp == 2
     assert all(n >= 20 for T, n in zip(HOUR.needle_lengths, HOUR.needle_trials) if T <= 900)
     assert all(n >= 8 for n in HOUR.needle_trials)
     # the ring rungs shard the parameters too; the rungs without a ring shard gradients and optimizer
     # state only (what the stage configs say reaches the plan)
-    assert [s.zero_stage for s in HOUR.stages] == [3 if s.sp > 1 else 2 for s in HOUR.stages]
-    assert [load_config(s.config).train.zero_stage for s in HOUR.stages] == [s.zero_stage for s in HOUR.stages]
+    assert [r["zero_stage"] for r in HOUR.ladder] == [3 if r["sp"] > 1 else 2 for r in HOUR.ladder]
+    assert [load_config(s.config).train.zero_stage for s in HOUR.stages] == [r["zero_stage"] for r in HOUR.ladder]
 
 
 def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_path):
@@ -105,8 +107,9 @@ def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_pat
     the two runs silently: the demo stops with a clear error and leaves the directory as it was."""
     from dataclasses import replace
 
-    from longvideo.demo import QUICK, Demo, DemoError
+    from longvideo.demo import Demo, DemoError, load_plan
 
+    QUICK = load_plan("demos/demo-quick")
     out = tmp_path / "demo"
     Demo(out, QUICK).check_plan()  # a new directory takes the plan
     recorded = (out / "plan.json").read_text()
@@ -136,9 +139,9 @@ def test_a_run_records_the_machine_it_ran_on():
     # the probe counts the work it did: a 4x larger side is 64x the flops, not 64x the rate
     small, large = matmul_gflops(0.05, n=32), matmul_gflops(0.05, n=128)
     assert 0 < small < 20 * large
-    from longvideo.demo import QUICK, Demo
+    from longvideo.demo import Demo, load_plan
 
-    demo = Demo(Path("/nonexistent-demo-dir"), QUICK)
+    demo = Demo(Path("/nonexistent-demo-dir"), load_plan("demos/demo-quick"))
     demo.machine = m
     assert demo.summary(1.0)["machine"] == m
 
@@ -149,8 +152,9 @@ def test_a_seed_reaches_every_lm_stage_and_another_seed_reuses_the_inputs(tmp_pa
     seed, and refuses a run of another plan or one that has not tokenized yet."""
     from dataclasses import replace
 
-    from longvideo.demo import HOUR, QUICK, Demo, DemoError
+    from longvideo.demo import Demo, DemoError, load_plan
 
+    QUICK, HOUR = load_plan("demos/demo-quick"), load_plan("demos/demo-hour")
     for plan, seed in ((QUICK, 3), (HOUR, 5), (QUICK, None)):
         demo = Demo(tmp_path / f"seed{seed}", replace(plan, lm_seed=seed))
         (demo.out / "lm").mkdir(parents=True)
@@ -184,14 +188,6 @@ def test_a_seed_reaches_every_lm_stage_and_another_seed_reuses_the_inputs(tmp_pa
     with pytest.raises(DemoError, match="another plan"):
         other.link_inputs(first)
     assert not any(p.is_symlink() for p in other.out.iterdir())
-    # a plan recorded before plans had a seed still resumes under the same plan
-    legacy = tmp_path / "legacy"
-    legacy.mkdir()
-    recorded = json.loads((first / "plan.json").read_text())
-    recorded.pop("lm_seed")
-    (legacy / "plan.json").write_text(json.dumps(recorded))
-    Demo(legacy, QUICK).check_plan()
-
 
 def plan_commands(demo) -> list[list[str]]:
     """Every command a demo would run, in order, with nothing run: each stage's method is called
@@ -232,10 +228,10 @@ def assert_same_runs(expected: list[list[str]], actual: list[list[str]]) -> None
 
 
 def test_the_demo_plans_run_the_recorded_commands(tmp_path):
-    """Every command of each shipped plan, and its arguments, as recorded in
-    tests/material/demo_commands.json."""
-    from longvideo.demo import FULL, HOUR, QUICK, Demo
+    """Every command of each plan file, and its arguments, as recorded in
+    tests/material/demo_commands.json from the plans as they were written in Python."""
+    from longvideo.demo import Demo, load_plan
 
     recorded = json.loads((ROOT / "tests/material/demo_commands.json").read_text())
-    for name, plan in (("demo", FULL), ("demo-hour", HOUR), ("demo-quick", QUICK)):
-        assert_same_runs(recorded[name], plan_commands(Demo(tmp_path / name, plan)))
+    for name in ("demo", "demo-hour", "demo-quick"):
+        assert_same_runs(recorded[name], plan_commands(Demo(tmp_path / name, load_plan(f"demos/{name}"))))
