@@ -127,18 +127,24 @@ def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_pat
         Demo(old, other).check_plan()
 
 
-def test_a_run_records_the_machine_it_ran_on():
+def test_a_run_records_the_machine_it_ran_on(monkeypatch):
     """summary.json carries the CPU, its vector units and a matmul rate: demo times from two machines
     are only comparable through them."""
+    import types
+
+    from longvideo import machine
     from longvideo.machine import describe, machine_info, matmul_gflops
 
     m = machine_info(probe_seconds=0.05)
     assert m["cores"] == os.cpu_count() and m["matmul_gflops"] > 0 and isinstance(m["vector"], list)
     text = describe(m)
     assert m["cpu"] in text and f"{m['cores']} cores" in text and "GFLOP/s" in text
-    # the probe counts the work it did: a 4x larger side is 64x the flops, not 64x the rate
-    small, large = matmul_gflops(0.05, n=32), matmul_gflops(0.05, n=128)
-    assert 0 < small < 20 * large
+    # the probe counts the work it did: on a clock that ticks 10 ms a read, 0.05 s hold 4 matmuls,
+    # 2 n^3 flops each, whatever the machine's load
+    for n in (32, 128):
+        ticks = iter(range(100))
+        monkeypatch.setattr(machine, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 0.01))
+        assert matmul_gflops(0.05, n=n) == pytest.approx(2 * n ** 3 * 4 / 0.05 / 1e9)
     from longvideo.demo import Demo, load_plan
 
     demo = Demo(Path("/nonexistent-demo-dir"), load_plan("demos/demo-quick"))
