@@ -109,10 +109,15 @@ class DemoPlan:
     """The video tokenizer's config."""
     vq_set: str = "train"
     """The VideoSet the VQ trains on."""
-    vq_seconds: float = 200.0
-    """Most training time of the VQ tokenizer."""
     vq_steps: int = 1500
-    """Most VQ steps (whichever comes first)."""
+    """VQ steps: the VQ stops there and nowhere else. Its learning rate then follows the steps, so
+    one machine gives the same weights bit for bit whatever its load (a VQ stopped by a clock follows
+    a time-driven learning rate and gives each run other codes: docs/experiments.md, "Demos")."""
+    vq_seed: Optional[int] = None
+    """The VQ's seed (initial weights and frame sampling); None keeps the VQ config's (0)."""
+    vq_warn_seconds: float = 0.0
+    """Wall time the VQ stage is expected to stay within on a 2-core CPU; a longer one only warns
+    (this machine is slower or busier than the plan assumes). 0: no warning."""
     eval_samples: int = 64
     """Held-out QA samples scored."""
     needle_lengths: tuple[int, ...] = (8, 16, 40)
@@ -252,9 +257,14 @@ class Demo:
                 "--out", self.out / "tokenizer")
 
     def train_vq(self) -> None:
-        self.lv("train-vq", "--config", self.plan.vq_config, "--data", self.out / "data" / self.plan.vq_set,
-                "--out", self.out / "vq", "--steps", self.plan.vq_steps, "--time-budget", self.plan.vq_seconds,
-                "--no-tensorboard", *(["--quiet"] if self.quiet else []))
+        p, t0 = self.plan, time.time()
+        self.lv("train-vq", "--config", p.vq_config, "--data", self.out / "data" / p.vq_set, "--out", self.out / "vq",
+                "--steps", p.vq_steps, "--no-tensorboard", *(["--quiet"] if self.quiet else []),
+                *([] if p.vq_seed is None else [f"seed={p.vq_seed}"]))
+        if p.vq_warn_seconds and time.time() - t0 > p.vq_warn_seconds:
+            print(f"warning: the VQ's {p.vq_steps} steps took {time.time() - t0:.0f} s, more than the plan's "
+                  f"{p.vq_warn_seconds:g} s: this machine is slower or busier than the plan assumes (the VQ is "
+                  "the same, the demo takes longer)", flush=True)
 
     def tokenize(self) -> None:
         used = {name for st in self.plan.stages for name in st.sets} | {self.plan.held_out}
@@ -464,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     ap.add_argument("--seed", type=int, default=None,
                     help="the language model's seed (train.seed of every stage; the videos and VQ keep theirs)")
+    ap.add_argument("--vq-seed", type=int, default=None,
+                    help="the VQ's seed (its initial weights and frame sampling; recorded in the plan)")
     ap.add_argument("--inputs-from", type=Path, default=None, metavar="RUN",
                     help="link a finished run's videos, tokenizers and token shards instead of making them "
                          "(a run of the same plan, e.g. another --seed); --out must be new")
@@ -471,8 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     path = a.plan or f"demos/demo{'-hour' if a.hour else '-quick' if a.quick else ''}"
     try:
         plan = load_plan(path)
-        if a.seed is not None:
-            plan = replace(plan, lm_seed=a.seed)
+        plan = replace(plan, **{k: v for k, v in (("lm_seed", a.seed), ("vq_seed", a.vq_seed)) if v is not None})
     except (ConfigError, FileNotFoundError) as e:
         print(f"demo: plan {path}: {e}", file=sys.stderr)
         return 2

@@ -235,9 +235,37 @@ def assert_same_runs(expected: list[list[str]], actual: list[list[str]]) -> None
 
 def test_the_demo_plans_run_the_recorded_commands(tmp_path):
     """Every command of each plan file, and its arguments, as recorded in
-    tests/material/demo_commands.json from the plans as they were written in Python."""
+    tests/material/demo_commands.json from the plans as they were written in Python, but for one
+    change: the VQ stops at its steps only (no --time-budget), the hour demo's at 2,400."""
     from longvideo.demo import Demo, load_plan
 
     recorded = json.loads((ROOT / "tests/material/demo_commands.json").read_text())
     for name in ("demo", "demo-hour", "demo-quick"):
-        assert_same_runs(recorded[name], plan_commands(Demo(tmp_path / name, load_plan(f"demos/{name}"))))
+        want = recorded[name]
+        (vq,) = [c for c in want if "train-vq" in c]
+        i = vq.index("--time-budget")
+        del vq[i:i + 2]
+        if name == "demo-hour":
+            vq[vq.index("--steps") + 1] = "2400"
+        assert_same_runs(want, plan_commands(Demo(tmp_path / name, load_plan(f"demos/{name}"))))
+
+
+def test_a_vq_seed_reaches_the_vq_and_the_plan(tmp_path):
+    """`--vq-seed` sets the VQ's seed (a train-vq override) and is recorded, so a run of another VQ
+    seed is another plan and shares no inputs; without it the command has no seed."""
+    from dataclasses import replace
+
+    from longvideo.demo import Demo, load_plan
+    from longvideo.vq import load_vq_config
+
+    plan = load_plan("demos/demo-hour")
+    for seed in (None, 4):
+        demo = Demo(tmp_path / f"vq{seed}", replace(plan, vq_seed=seed))
+        cmds = []
+        demo.run = lambda cmd, threads=None: cmds.append([str(a) for a in cmd])
+        demo.train_vq()
+        (cmd,) = cmds
+        overrides = [a for a in cmd if "=" in a]
+        assert overrides == ([] if seed is None else [f"seed={seed}"])
+        assert load_vq_config(cmd[cmd.index("--config") + 1], overrides).seed == (0 if seed is None else seed)
+        assert demo.plan.record()["vq_seed"] == seed and "--time-budget" not in cmd
