@@ -48,6 +48,7 @@ from longvideo.machine import describe, machine_info
 from longvideo.tokenizer import TextTokenizer
 from longvideo.train.run_state import STATE_FILE
 from longvideo.train.deepspeed_config import load_base, resolve_zero_stage
+from longvideo.vq import load_vq_config
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,6 +153,11 @@ class DemoPlan:
         check(len(self.stages) > 0, "stages", "the ladder needs a rung")
         check(not self.needle_trials or len(self.needle_trials) == len(self.needle_lengths), "needle_trials",
               f"one count per needle length ({len(self.needle_lengths)}), got {list(self.needle_trials)}")
+        for key, load in (("lm_config", load_config), ("vq_config", load_vq_config)):
+            try:
+                load(getattr(self, key))
+            except (ConfigError, FileNotFoundError) as e:
+                raise ConfigError(key, str(e)) from None
         ladder = []
         for i, st in enumerate(self.stages):
             unknown = [s for s in st.sets if s not in names]
@@ -180,6 +186,12 @@ class DemoPlan:
 def load_plan(path: str | Path) -> DemoPlan:
     """A plan file: a path, or one under configs/ (`demos/demo`). Errors name the key."""
     return from_dict(DemoPlan, load_yaml(resolve_config_path(path)))
+
+
+def config_arg(name: str) -> str:
+    """A config as the commands, run from the checkout, find it: a user's file by its absolute path,
+    a shipped one by its name."""
+    return str(Path(name).resolve()) if Path(name).is_file() else name
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -258,9 +270,9 @@ class Demo:
 
     def train_vq(self) -> None:
         p, t0 = self.plan, time.time()
-        self.lv("train-vq", "--config", p.vq_config, "--data", self.out / "data" / p.vq_set, "--out", self.out / "vq",
-                "--steps", p.vq_steps, "--no-tensorboard", *(["--quiet"] if self.quiet else []),
-                *([] if p.vq_seed is None else [f"seed={p.vq_seed}"]))
+        self.lv("train-vq", "--config", config_arg(p.vq_config), "--data", self.out / "data" / p.vq_set,
+                "--out", self.out / "vq", "--steps", p.vq_steps, "--no-tensorboard",
+                *(["--quiet"] if self.quiet else []), *([] if p.vq_seed is None else [f"seed={p.vq_seed}"]))
         if p.vq_warn_seconds and time.time() - t0 > p.vq_warn_seconds:
             print(f"warning: the VQ's {p.vq_steps} steps took {time.time() - t0:.0f} s, more than the plan's "
                   f"{p.vq_warn_seconds:g} s: this machine is slower or busier than the plan assumes (the VQ is "
@@ -270,7 +282,7 @@ class Demo:
         used = {name for st in self.plan.stages for name in st.sets} | {self.plan.held_out}
         for v in (v for v in self.plan.sets if v.name in used):  # a set only the VQ trains on is not tokenized
             self.lv("tokenize", "--vq", self.out / "vq", "--in", self.out / "data" / v.name,
-                    "--out", self.out / "tokens" / v.name, "--config", self.plan.lm_config, "--workers", 2,
+                    "--out", self.out / "tokens" / v.name, "--config", config_arg(self.plan.lm_config), "--workers", 2,
                     *(["--quiet"] if self.quiet else []))
         (self.out / "tokens/.done").touch()
 
@@ -294,7 +306,7 @@ class Demo:
                 f"train.out_dir={run_dir}", *(["train.progress=false"] if self.quiet else []),
             ]
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p.nproc}",
-                   "-m", "longvideo", "train", "--config", st.config, *overrides]
+                   "-m", "longvideo", "train", "--config", config_arg(st.config), *overrides]
             if reached > 0:  # stopped part-way (SIGTERM, a crash): continue from its last checkpoint
                 cmd.append("--resume")
             elif prev is not None:

@@ -210,44 +210,69 @@ def plan_commands(demo) -> list[list[str]]:
     return [["python" if a == sys.executable else a for a in c] for c in cmds]
 
 
-def _resolved(cmd: list[str]) -> tuple[list[str], dict]:
-    """A training command as the run it makes: its other arguments, and the config its --config and
-    overrides resolve to (its name aside: a label of the run's logs only)."""
-    from longvideo.config import load_config, to_dict
-
-    i = cmd.index("--config")
-    j = next((k for k in range(i + 2, len(cmd)) if cmd[k].startswith("--")), len(cmd))
-    cfg = to_dict(load_config(cmd[i + 1], cmd[i + 2:j]))
-    cfg.pop("name")
-    return cmd[:i] + cmd[j:], cfg
-
-
-def assert_same_runs(expected: list[list[str]], actual: list[list[str]]) -> None:
-    """The same commands, a training command's --config and overrides compared as the config they
-    resolve to (a stage config may hold what an override said)."""
-    assert len(actual) == len(expected), [c[3:5] for c in actual]
-    for want, got in zip(expected, actual):
-        if want[:3] == got[:3] and "train" in want and "--config" in want and "train-vq" not in want:
-            assert _resolved(got) == _resolved(want), (want, got)
-        else:
-            assert got == want
-
-
-def test_the_demo_plans_run_the_recorded_commands(tmp_path):
-    """Every command of each plan file, and its arguments, as recorded in
-    tests/material/demo_commands.json from the plans as they were written in Python, but for one
-    change: the VQ stops at its steps only (no --time-budget), the hour demo's at 2,400."""
+def test_every_plan_file_runs_commands_bounded_by_steps(tmp_path):
+    """Each shipped plan, dry: its stage configs resolve to the rungs it records, every rung reads
+    sets that are tokenized, and no stage stops on a clock (the VQ stops at its steps)."""
+    from longvideo.config import load_config
     from longvideo.demo import Demo, load_plan
 
-    recorded = json.loads((ROOT / "tests/material/demo_commands.json").read_text())
-    for name in ("demo", "demo-hour", "demo-quick"):
-        want = recorded[name]
-        (vq,) = [c for c in want if "train-vq" in c]
-        i = vq.index("--time-budget")
-        del vq[i:i + 2]
-        if name == "demo-hour":
-            vq[vq.index("--steps") + 1] = "2400"
-        assert_same_runs(want, plan_commands(Demo(tmp_path / name, load_plan(f"demos/{name}"))))
+    names = sorted(f.stem for f in (ROOT / "configs/demos").glob("*.yaml"))
+    assert names == ["demo", "demo-hour", "demo-quick"]
+    for name in names:
+        plan = load_plan(f"demos/{name}")
+        cmds = plan_commands(Demo(tmp_path / name, plan))
+        assert not any("--time-budget" in c for c in cmds)
+        (vq,) = [c for c in cmds if "train-vq" in c]
+        assert vq[vq.index("--steps") + 1] == str(plan.vq_steps)
+        tokenized = {Path(c[c.index("--out") + 1]).name for c in cmds if "tokenize" in c}
+        train = [c for c in cmds if "train" in c and "torch.distributed.run" in c]
+        assert len(train) == len(plan.stages) and tokenized >= {s for st in plan.stages for s in st.sets}
+        for cmd, rung in zip(train, plan.ladder):
+            i = cmd.index("--config")
+            j = next((k for k in range(i + 2, len(cmd)) if cmd[k].startswith("--")), len(cmd))
+            cfg = load_config(cmd[i + 1], cmd[i + 2:j])
+            assert (cfg.data.seq_len, cfg.train.steps, cfg.parallel.sp, cfg.train.lr) == \
+                (rung["seq_len"], rung["steps"], rung["sp"], rung["lr"]), (name, cmd[i + 1])
+
+
+@pytest.mark.parametrize("text, key", [
+    ("sets: []\nheld_out: test\nstages: []\n", "held_out"),
+    ("{base}sets:\n - {{name: test, n: 1, min_seconds: 4, max_seconds: 8}}\n", "sets[0].seed"),
+    ("{base}sets:\n - {{name: test, n: 1, seed: 0, min_seconds: 9, max_seconds: 8}}\n", "sets[0].max_seconds"),
+    ("{base}vq_sett: train\n", "vq_sett"),
+    ("{base}stages:\n - {{config: stages/demo-quick-512, sets: [clips]}}\n", "stages[0].sets"),
+    ("{base}stages:\n - {{config: stages/no-such-rung, sets: [train]}}\n", "stages[0].config"),
+    ("{base}stages:\n - {{config: stages/demo-quick-512, sets: [train], overrides: [train.stepz=3]}}\n",
+     "stages[0].config"),
+    ("{base}vq_config: vq/no-such-vq\n", "vq_config"),
+    ("{base}needle_trials: [1, 2, 3]\n", "needle_trials"),
+])
+def test_a_bad_plan_file_names_its_key_before_anything_runs(tmp_path, capsys, text, key):
+    from longvideo.configtools import ConfigError
+    from longvideo.demo import load_plan, main
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(text.format(base=f"base: {ROOT / 'configs/demos/demo-quick.yaml'}\n"))
+    with pytest.raises(ConfigError) as e:
+        load_plan(plan)
+    assert e.value.key == key, str(e.value)
+    assert main(["--plan", str(plan), "--out", str(tmp_path / "run")]) == 2
+    assert f"'{key}'" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_a_users_plan_and_stage_config_are_found_from_its_directory(tmp_path, monkeypatch):
+    """A plan of one's own names its stage configs as paths; the commands, run from the checkout,
+    get them by their absolute paths, and the rung's own overrides reach its command."""
+    from longvideo.demo import Demo, load_plan
+
+    monkeypatch.chdir(tmp_path)
+    Path("rung.yaml").write_text(f"base: {ROOT / 'configs/stages/demo-quick-512.yaml'}\ntrain:\n  steps: 7\n")
+    Path("plan.yaml").write_text(f"base: {ROOT / 'configs/demos/demo-quick.yaml'}\n"
+                                 "stages:\n - {config: rung.yaml, sets: [train], overrides: [train.lr=0.002]}\n")
+    plan = load_plan("plan.yaml")
+    assert (plan.ladder[0]["steps"], plan.ladder[0]["lr"]) == (7, 0.002)
+    (cmd,) = [c for c in plan_commands(Demo(tmp_path / "out", plan)) if "torch.distributed.run" in c]
+    assert cmd[cmd.index("--config") + 1] == str(tmp_path / "rung.yaml") and "train.lr=0.002" in cmd
 
 
 def test_a_vq_seed_reaches_the_vq_and_the_plan(tmp_path):
