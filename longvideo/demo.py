@@ -6,16 +6,14 @@ Every stage runs the same command a user would type, so the demo is also a tour 
   2. tokenizer      a small byte-level BPE trained on the dataset's own text
   3. train-vq       the tiny VQ video tokenizer
   4. tokenize       raw shards -> token shards (training never decodes video)
-  5. train          the tiny LM through a context ladder (each rung a stage config, starting from the
-                    previous one's weights): short rungs two rows a step (dp = 2, ZeRO-2), long rungs
-                    with ring attention over 2 processes (sp = 2, ZeRO-3)
+  5. train          the tiny LM through a context ladder of stage configs, each rung starting from
+                    the previous one's weights; the long rungs with ring attention over 2 processes
   6. eval           QA accuracy and video needle retrieval on held-out videos (JSON + PNG, chance)
   7. export         a Hugging Face directory, reloaded with transformers
   8. chat           one question about a held-out video, through `longvideo chat`
 
-What runs is a plan file (configs/demos/*.yaml, or your own with --plan): its video sets, tokenizer
-and VQ settings, the ladder's stage configs, the evaluation grid and the chat step. Stages whose
-outputs exist are skipped, so an interrupted demo continues where it stopped.
+What runs is a plan file (configs/demos/*.yaml, or your own: --plan). Stages whose outputs exist
+are skipped, so an interrupted demo continues where it stopped.
 
     python -m longvideo.demo                 # configs/demos/demo.yaml (about half an hour on 2 cores)
     python -m longvideo.demo --quick         # configs/demos/demo-quick.yaml, the CI-sized version
@@ -49,6 +47,14 @@ from longvideo.tokenizer import TextTokenizer
 from longvideo.train.run_state import STATE_FILE
 from longvideo.train.deepspeed_config import load_base, resolve_zero_stage
 from longvideo.vq import load_vq_config
+
+
+def _named(key: str, load, *args):
+    """load(*args), with its errors (a missing file too) under the plan's key."""
+    try:
+        return load(*args)
+    except (ConfigError, FileNotFoundError) as e:
+        raise ConfigError(key, str(e)) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,14 +117,13 @@ class DemoPlan:
     vq_set: str = "train"
     """The VideoSet the VQ trains on."""
     vq_steps: int = 1500
-    """VQ steps: the VQ stops there and nowhere else. Its learning rate then follows the steps, so
-    one machine gives the same weights bit for bit whatever its load (a VQ stopped by a clock follows
-    a time-driven learning rate and gives each run other codes: docs/experiments.md, "Demos")."""
+    """VQ steps, where it stops: never on a clock, whose learning rate would follow the machine's load
+    (docs/experiments.md, "make demo: the VQ stops at its steps, not on the clock")."""
     vq_seed: Optional[int] = None
     """The VQ's seed (initial weights and frame sampling); None keeps the VQ config's (0)."""
     vq_warn_seconds: float = 0.0
-    """Wall time the VQ stage is expected to stay within on a 2-core CPU; a longer one only warns
-    (this machine is slower or busier than the plan assumes). 0: no warning."""
+    """A VQ stage longer than this (wall time) warns: the machine is slower or busier than the plan
+    assumes. It never stops the VQ. 0: no warning."""
     eval_samples: int = 64
     """Held-out QA samples scored."""
     needle_lengths: tuple[int, ...] = (8, 16, 40)
@@ -136,12 +141,10 @@ class DemoPlan:
     nproc: int = 2
     """Processes of the language-model training."""
     lm_overrides: tuple[str, ...] = ()
-    """Dotted overrides of every rung's config (the plan's runtime choices, e.g. no activation
-    checkpointing at the demo's sizes)."""
+    """Dotted overrides of every rung's config (the plan's runtime choices)."""
     lm_seed: Optional[int] = None
-    """`train.seed` of every rung (initial weights and data order); None keeps the configs' (0).
-    The videos and the VQ do not depend on it, so runs of several seeds (`--seed`, `--inputs-from`)
-    compare the language model alone."""
+    """`train.seed` of every rung; None keeps the configs' (0). The videos and the VQ do not depend
+    on it, so runs of several seeds (`--seed`, `--inputs-from`) compare the language model alone."""
     ladder: tuple[dict, ...] = field(init=False, repr=False, compare=False)
     """Per rung, what its config resolves to: seq_len, steps, rope_theta, sp, lr, zero_stage."""
 
@@ -153,26 +156,17 @@ class DemoPlan:
         check(len(self.stages) > 0, "stages", "the ladder needs a rung")
         check(not self.needle_trials or len(self.needle_trials) == len(self.needle_lengths), "needle_trials",
               f"one count per needle length ({len(self.needle_lengths)}), got {list(self.needle_trials)}")
-        for key, load in (("lm_config", load_config), ("vq_config", load_vq_config)):
-            try:
-                load(getattr(self, key))
-            except (ConfigError, FileNotFoundError) as e:
-                raise ConfigError(key, str(e)) from None
+        _named("lm_config", load_config, self.lm_config)
+        _named("vq_config", load_vq_config, self.vq_config)
         ladder = []
         for i, st in enumerate(self.stages):
             unknown = [s for s in st.sets if s not in names]
             check(bool(st.sets) and not unknown, f"stages[{i}].sets", f"no set named {unknown}; sets: {names}")
-            try:
-                c = load_config(st.config, [*self.lm_overrides, *st.overrides])
-            except (ConfigError, FileNotFoundError) as e:
-                raise ConfigError(f"stages[{i}].config", str(e)) from None
+            c = _named(f"stages[{i}].config", load_config, st.config, [*self.lm_overrides, *st.overrides])
             zero = resolve_zero_stage(c.train, load_base(c.train.deepspeed_config))
             ladder.append(dict(seq_len=c.data.seq_len, steps=c.train.steps, rope_theta=c.model.rope_theta,
                                sp=c.parallel.sp, lr=c.train.lr, zero_stage=zero))
         object.__setattr__(self, "ladder", tuple(ladder))
-
-    def video_set(self, name: str) -> VideoSet:
-        return next(v for v in self.sets if v.name == name)
 
     def record(self) -> dict:
         """The plan as plan.json and summary.json record it: the plan file's keys, each rung with
@@ -198,7 +192,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class DemoError(RuntimeError):
-    pass
+    """A demo that cannot go on (a command failed, a run directory of another plan)."""
 
 
 def finished_step(run_dir: Path) -> int:
@@ -210,6 +204,7 @@ def finished_step(run_dir: Path) -> int:
 class Demo:
     def __init__(self, out: Path, plan: DemoPlan, quiet: bool = False):
         self.out, self.plan, self.quiet = out, plan, quiet
+        self.q = ["--quiet"] if quiet else []  # every command's progress bars off
         self.timings: dict[str, float] = {}
         self.machine: dict | None = None
         self.env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
@@ -217,9 +212,6 @@ class Demo:
                         PYTHONUNBUFFERED="1")
 
     # ---- helpers ----------------------------------------------------------------------------
-    def say(self, msg: str) -> None:
-        print(f"\n=== {msg}", flush=True)
-
     def run(self, args: list[str], *, threads: int | None = None) -> None:
         env = dict(self.env)
         if threads is not None:
@@ -237,32 +229,29 @@ class Demo:
         if done.exists():
             print(f"=== {name}: done already ({done.relative_to(self.out)}), skipped", flush=True)
             return
-        self.say(name)
+        print(f"\n=== {name}", flush=True)
         t0 = time.time()
         fn()
         self.timings[name] = round(time.time() - t0, 1)
         print(f"--- {name}: {self.timings[name]:.0f} s", flush=True)
 
     # ---- stages ---------------------------------------------------------------------------------
-    def spec(self, v: VideoSet, **kw) -> SyntheticSpec:
-        return SyntheticSpec(fps=self.plan.source_fps, min_seconds=v.min_seconds, max_seconds=v.max_seconds,
-                             long_fraction=v.long_fraction, long_seconds=v.long_seconds,
-                             needle_fraction=self.plan.needle_fraction, **kw)
-
     def make_data(self) -> None:
         for v in self.plan.sets:
             self.lv("make-data", "synthetic", "--out", self.out / "data" / v.name, "--n", v.n, "--seed", v.seed,
                     "--fps", self.plan.source_fps, "--min-seconds", v.min_seconds, "--max-seconds", v.max_seconds,
                     "--long-fraction", v.long_fraction, "--long-seconds", v.long_seconds,
                     "--needle-fraction", self.plan.needle_fraction, "--flashes-per-minute", v.flashes_per_minute,
-                    "--samples-per-shard", 64, "--workers", 2,
-                    *(["--quiet"] if self.quiet else []))
+                    "--samples-per-shard", 64, "--workers", 2, *self.q)
         (self.out / "data/.done").touch()
 
     def tokenizer(self) -> None:
-        texts = []
-        for v in self.plan.sets:
-            texts += text_corpus(n=400 // len(self.plan.sets) + 1, seed=v.seed, spec=self.spec(v))
+        p, texts = self.plan, []
+        for v in p.sets:
+            spec = SyntheticSpec(fps=p.source_fps, min_seconds=v.min_seconds, max_seconds=v.max_seconds,
+                                 long_fraction=v.long_fraction, long_seconds=v.long_seconds,
+                                 needle_fraction=p.needle_fraction)
+            texts += text_corpus(n=400 // len(p.sets) + 1, seed=v.seed, spec=spec)
         corpus = self.out / "tokenizer_corpus.txt"
         corpus.write_text("\n".join(texts) + "\n")
         self.lv("train-tokenizer", "--texts", corpus, "--vocab-size", self.plan.tokenizer_vocab,
@@ -271,8 +260,8 @@ class Demo:
     def train_vq(self) -> None:
         p, t0 = self.plan, time.time()
         self.lv("train-vq", "--config", config_arg(p.vq_config), "--data", self.out / "data" / p.vq_set,
-                "--out", self.out / "vq", "--steps", p.vq_steps, "--no-tensorboard",
-                *(["--quiet"] if self.quiet else []), *([] if p.vq_seed is None else [f"seed={p.vq_seed}"]))
+                "--out", self.out / "vq", "--steps", p.vq_steps, "--no-tensorboard", *self.q,
+                *([] if p.vq_seed is None else [f"seed={p.vq_seed}"]))
         if p.vq_warn_seconds and time.time() - t0 > p.vq_warn_seconds:
             print(f"warning: the VQ's {p.vq_steps} steps took {time.time() - t0:.0f} s, more than the plan's "
                   f"{p.vq_warn_seconds:g} s: this machine is slower or busier than the plan assumes (the VQ is "
@@ -281,9 +270,8 @@ class Demo:
     def tokenize(self) -> None:
         used = {name for st in self.plan.stages for name in st.sets} | {self.plan.held_out}
         for v in (v for v in self.plan.sets if v.name in used):  # a set only the VQ trains on is not tokenized
-            self.lv("tokenize", "--vq", self.out / "vq", "--in", self.out / "data" / v.name,
-                    "--out", self.out / "tokens" / v.name, "--config", config_arg(self.plan.lm_config), "--workers", 2,
-                    *(["--quiet"] if self.quiet else []))
+            self.lv("tokenize", "--vq", self.out / "vq", "--in", self.out / "data" / v.name, "--out",
+                    self.out / "tokens" / v.name, "--config", config_arg(self.plan.lm_config), "--workers", 2, *self.q)
         (self.out / "tokens/.done").touch()
 
     def text_size(self) -> int:
@@ -317,15 +305,11 @@ class Demo:
             prev = run_dir
         (self.out / "lm/final").write_text(str(prev))
 
-    def final_lm(self) -> Path:
-        return Path((self.out / "lm/final").read_text().strip())
-
     def export(self) -> None:
-        self.lv("export", "--ckpt", self.final_lm(), "--out", self.out / "hf")
+        self.lv("export", "--ckpt", (self.out / "lm/final").read_text().strip(), "--out", self.out / "hf")
 
     def evaluate(self) -> None:
-        p = self.plan
-        quiet = ["--quiet"] if self.quiet else []
+        p, quiet = self.plan, self.q
         self.lv("eval", "qa", "--model", self.out / "hf", "--shards", self.out / "tokens" / p.held_out,
                 "--max-samples", p.eval_samples, "--out", self.out / "eval/qa", *quiet)
         needle = ["eval", "video-niah", "--model", self.out / "hf", "--out", self.out / "eval/video_niah",
@@ -355,7 +339,7 @@ class Demo:
         video, meta = self.held_out_video()
         question = meta["qa"][0]["question"]
         self.lv("chat", "--model", self.out / "hf", "--video", video, "--fps", 1, "--question", question,
-                "--max-new-tokens", 8, *(["--quiet"] if self.quiet else []))
+                "--max-new-tokens", 8, *self.q)
         print(f"(the true answer: {meta['qa'][0]['answer']})", flush=True)
         self.transformers_answer(video, question, meta["qa"][0]["answer"])
 
@@ -453,23 +437,28 @@ class Demo:
                 "chat": chat}
 
     def report(self, s: dict) -> None:
-        self.say("results")
+        def score(r: dict) -> str:
+            return f"{r.get('accuracy', float('nan')):.1%}   (chance {r.get('chance', float('nan')):.1%})"
+
+        print("\n=== results", flush=True)
         qa, niah, vq_needle = s["qa"], s["video_niah"], s.get("vq_needle")
         if vq_needle:
             print(f"flash colour after the tokenizer: {vq_needle['rate']:.1%}")
         if qa:
-            print(f"held-out QA accuracy:          {qa.get('accuracy', float('nan')):.1%}   (chance {qa.get('chance', float('nan')):.1%})")
+            print(f"held-out QA accuracy:          {score(qa)}")
             for q, r in (qa.get("per_question") or {}).items():
-                print(f"    {q:<40} {r.get('accuracy', float('nan')):.1%}   (chance {r.get('chance', float('nan')):.1%})")
+                print(f"    {q:<40} {score(r)}")
         if niah:
-            print(f"video needle retrieval:        {niah.get('accuracy', float('nan')):.1%}   (chance {niah.get('chance', float('nan')):.1%})")
+            print(f"video needle retrieval:        {score(niah)}")
             if niah.get("grid") and niah.get("lengths"):  # grid[depth][length]: one column per length
                 cols = zip(niah["lengths"], zip(*niah["grid"]))
                 print("    by length: " + ", ".join(f"{n} frames {sum(c) / len(c):.0%}" for n, c in cols))
             if niah.get("needles_dropped"):
                 print(f"    warning: {niah['needles_dropped']} needles did not fit the model's context (guesses)")
-        print(f"artefacts under {self.out}: eval/*/ (JSON + PNG), hf/ (Hugging Face export), lm/ (checkpoints, loss curves)")
-        print(f"demo time: {s['seconds'] / 60:.1f} min" + (f" on {describe(s['machine'])}" if s.get("machine") else ""))
+        print(f"artefacts under {self.out}: eval/*/ (JSON + PNG), hf/ (Hugging Face export), "
+              "lm/ (checkpoints, loss curves)")
+        on = f" on {describe(s['machine'])}" if s.get("machine") else ""
+        print(f"demo time: {s['seconds'] / 60:.1f} min{on}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -477,8 +466,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--quick", action="store_true", help="the CI-sized version (configs/demos/demo-quick.yaml)")
-    which.add_argument("--hour", action="store_true",
-                       help="the hour demo: hour-long videos in one context (make demo-hour, configs/demos/demo-hour.yaml)")
+    which.add_argument("--hour", action="store_true", help="the hour demo: hour-long videos in one context "
+                                                           "(make demo-hour, configs/demos/demo-hour.yaml)")
     which.add_argument("--plan", metavar="FILE", help="a plan file of your own (see configs/demos/demo.yaml)")
     ap.add_argument("--out", default=None, help="where everything goes (default runs/<plan name>: runs/demo, "
                                                 "runs/demo-hour, runs/demo-quick)")
