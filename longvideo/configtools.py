@@ -142,6 +142,9 @@ def from_dict(cls, data: dict, prefix: str = ""):
         if key not in fields:
             raise ConfigError(dotted, f"unknown key; allowed keys: {', '.join(sorted(fields))}")
         kwargs[key] = _coerce(value, hints[key], dotted)
+    for name, f in fields.items():
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{prefix}.{name}" if prefix else name, "missing (the key has no default)")
     try:
         return cls(**kwargs)
     except ConfigError as e:

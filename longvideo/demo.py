@@ -6,17 +6,19 @@ Every stage runs the same command a user would type, so the demo is also a tour 
   2. tokenizer      a small byte-level BPE trained on the dataset's own text
   3. train-vq       the tiny VQ video tokenizer
   4. tokenize       raw shards -> token shards (training never decodes video)
-  5. train          the tiny LM through a context ladder (each stage starts from the previous one's
-                    weights): short rungs two rows a step (dp = 2, ZeRO-2), long rungs with ring
-                    attention over 2 processes (sp = 2, ZeRO-3)
+  5. train          the tiny LM through a context ladder of stage configs, each rung starting from
+                    the previous one's weights; the long rungs with ring attention over 2 processes
   6. eval           QA accuracy and video needle retrieval on held-out videos (JSON + PNG, chance)
   7. export         a Hugging Face directory, reloaded with transformers
   8. chat           one question about a held-out video, through `longvideo chat`
 
-Stages whose outputs exist are skipped, so an interrupted demo continues where it stopped.
+What runs is a plan file (configs/demos/*.yaml, or your own: --plan). Stages whose outputs exist
+are skipped, so an interrupted demo continues where it stopped.
 
-    python -m longvideo.demo                 # the full demo (about 26 minutes on an idle 2-core CPU)
-    python -m longvideo.demo --quick         # the CI-sized version (about 6.5 minutes)
+    python -m longvideo.demo                 # configs/demos/demo.yaml (about half an hour on 2 cores)
+    python -m longvideo.demo --quick         # configs/demos/demo-quick.yaml, the CI-sized version
+    python -m longvideo.demo --hour          # configs/demos/demo-hour.yaml (make demo-hour)
+    python -m longvideo.demo --plan my-plan.yaml
     python -m longvideo.demo --seed 1 --inputs-from runs/demo --out runs/demo-seed1
                                              # the language model again with another seed, on the
                                              # first run's videos, tokenizers and token shards
@@ -31,21 +33,31 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
 from longvideo.checkpoint import latest_checkpoint
 from longvideo.config import load_config
+from longvideo.configtools import ConfigError, check, from_dict, load_yaml, resolve_config_path, to_dict
 from longvideo.data.synthetic import SyntheticSpec, make_sample, text_corpus
 from longvideo.export import LongVideoProcessor
 from longvideo.machine import describe, machine_info
 from longvideo.tokenizer import TextTokenizer
 from longvideo.train.run_state import STATE_FILE
 from longvideo.parallel.deepspeed_config import load_base, resolve_zero_stage
+from longvideo.vq import load_vq_config
 
 
-@dataclass(frozen=True)
+def _named(key: str, load, *args):
+    """load(*args), with its errors (a missing file too) under the plan's key."""
+    try:
+        return load(*args)
+    except (ConfigError, FileNotFoundError) as e:
+        raise ConfigError(key, str(e)) from None
+
+
+@dataclass(frozen=True, kw_only=True)
 class VideoSet:
     """One set of synthetic videos written by `make-data synthetic` (durations in whole seconds)."""
 
@@ -63,42 +75,28 @@ class VideoSet:
     flashes_per_minute: float = 0.0
     """Extra flashes with no question (a set the video tokenizer trains on)."""
 
+    def __post_init__(self):
+        check(self.n >= 1, "n", f"a set needs videos, got {self.n}")
+        check(1 <= self.min_seconds <= self.max_seconds, "max_seconds",
+              f"need 1 <= min_seconds <= max_seconds, got {self.min_seconds} and {self.max_seconds}")
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class Stage:
-    """One rung of the context ladder: every stage starts from the previous one's weights."""
+    """One rung of the context ladder: a stage config (configs/stages/*.yaml), which holds the rung's
+    context, RoPE theta, ring size, steps, learning rate and ZeRO stage, and the sets it reads."""
 
-    seq_len: int
-    """Tokens per training row."""
-    steps: int
-    """Optimizer steps."""
-    rope_theta: float
-    """RoPE base of this stage (raised with the context)."""
+    config: str
+    """The stage config the rung trains with (it also runs by hand: `longvideo train --config ...`)."""
     sets: tuple[str, ...]
-    """VideoSet names whose token shards the stage reads."""
-    sp: int = 2
-    """Ring size: the row is sharded over sp processes (the rest of the processes is dp)."""
-    lr: float = 1e-3
-    """Peak learning rate."""
-    zero_stage: int = 3
-    """DeepSpeed ZeRO stage. The ring rungs shard parameters too (ZeRO-3); a rung with no ring
-    (sp = 1, dp = 2) shards gradients and optimizer state (ZeRO-2): at the demos' sizes gathering
-    the parameters costs a quarter of a step (scripts/bench_zero.py) and saves no memory that
-    matters."""
-    config: str = ""
-    """A stage config (configs/stages/*.yaml) the run starts from; the fields above then come from it."""
-
-    @classmethod
-    def from_config(cls, config: str, sets: tuple[str, ...]) -> "Stage":
-        """A rung as a shipped stage config describes it (the config stays the one source)."""
-        c = load_config(config)
-        zero = resolve_zero_stage(c.train, load_base(c.train.deepspeed_config))
-        return cls(c.data.seq_len, c.train.steps, c.model.rope_theta, sets, c.parallel.sp, c.train.lr, zero, config)
+    """VideoSet names whose token shards the rung reads."""
+    overrides: tuple[str, ...] = ()
+    """Dotted overrides of this rung's config."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DemoPlan:
-    """Sizes of one demo run."""
+    """One demo run, as a plan file (configs/demos/*.yaml) lists it."""
 
     sets: tuple[VideoSet, ...]
     """Training and held-out video sets."""
@@ -109,9 +107,7 @@ class DemoPlan:
     source_fps: int = 8
     """Frame rate of the written videos (all are read at 1 fps)."""
     needle_fraction: float = 1.0
-    """Fraction of videos with a flash frame and its question. Every video carries one: a tiny model
-    learns to find the needle from a few hundred examples, not from half as many (measured: held-out
-    needle answers 59 % right after 800 steps at 0.5, 100 % at 1.0)."""
+    """Fraction of videos with a flash frame and its question."""
     tokenizer_vocab: int = 384
     """Text ids of the BPE tokenizer."""
     lm_config: str = "tiny"
@@ -120,12 +116,14 @@ class DemoPlan:
     """The video tokenizer's config."""
     vq_set: str = "train"
     """The VideoSet the VQ trains on."""
-    vq_seconds: float = 200.0
-    """Most training time of the VQ tokenizer."""
     vq_steps: int = 1500
-    """Most VQ steps (whichever comes first). A run stopped by its step count is reproducible (the
-    same weights, bit for bit, on one machine); one stopped by the clock is not: its learning rate
-    follows the elapsed time, so each run's codes differ, and the language model's answers with them."""
+    """VQ steps, where it stops: never on a clock, whose learning rate would follow the machine's load
+    (docs/experiments.md, "make demo: the VQ stops at its steps, not on the clock")."""
+    vq_seed: Optional[int] = None
+    """The VQ's seed (initial weights and frame sampling); None keeps the VQ config's (0)."""
+    vq_warn_seconds: float = 0.0
+    """A VQ stage longer than this (wall time) warns: the machine is slower or busier than the plan
+    assumes. It never stops the VQ. 0: no warning."""
     eval_samples: int = 64
     """Held-out QA samples scored."""
     needle_lengths: tuple[int, ...] = (8, 16, 40)
@@ -142,82 +140,59 @@ class DemoPlan:
     """Length of the held-out video `longvideo chat` answers about."""
     nproc: int = 2
     """Processes of the language-model training."""
-    training: tuple[str, ...] = ("data.template_mode=first", "data.qa_vision_loss=false",
-                                 "model.activation_checkpointing=false")
-    """Overrides of every LM stage. By default a tiny budget goes to what the demo asks: answers.
-    QA documents only, and their video is prompt (no vision loss), so every loss token is an
-    answer token. Nothing is recomputed in the backward: the tiny model's activations at 1-4K tokens
-    are a few tens of MB (peak 1.18 GB a process at 4K without checkpointing, 1.13 GB with it at 1K),
-    and 1K-token steps take 0.26 s instead of 0.37 s."""
+    lm_overrides: tuple[str, ...] = ()
+    """Dotted overrides of every rung's config (the plan's runtime choices)."""
     lm_seed: Optional[int] = None
-    """`train.seed` of every LM stage (initial weights and data order); None keeps the configs' (0).
-    The videos and the VQ do not depend on it, so runs of several seeds (`--seed`, `--inputs-from`)
-    compare the language model alone."""
+    """`train.seed` of every rung; None keeps the configs' (0). The videos and the VQ do not depend
+    on it, so runs of several seeds (`--seed`, `--inputs-from`) compare the language model alone."""
+    ladder: tuple[dict, ...] = field(init=False, repr=False, compare=False)
+    """Per rung, what its config resolves to: seq_len, steps, rope_theta, sp, lr, zero_stage."""
 
-    def video_set(self, name: str) -> VideoSet:
-        return next(v for v in self.sets if v.name == name)
+    def __post_init__(self):
+        names = [v.name for v in self.sets]
+        check(len(set(names)) == len(names), "sets", f"set names repeat: {names}")
+        for key in ("held_out", "vq_set"):
+            check(getattr(self, key) in names, key, f"no set named {getattr(self, key)!r}; sets: {names}")
+        check(len(self.stages) > 0, "stages", "the ladder needs a rung")
+        check(not self.needle_trials or len(self.needle_trials) == len(self.needle_lengths), "needle_trials",
+              f"one count per needle length ({len(self.needle_lengths)}), got {list(self.needle_trials)}")
+        _named("lm_config", load_config, self.lm_config)
+        _named("vq_config", load_vq_config, self.vq_config)
+        ladder = []
+        for i, st in enumerate(self.stages):
+            unknown = [s for s in st.sets if s not in names]
+            check(bool(st.sets) and not unknown, f"stages[{i}].sets", f"no set named {unknown}; sets: {names}")
+            c = _named(f"stages[{i}].config", load_config, st.config, [*self.lm_overrides, *st.overrides])
+            zero = resolve_zero_stage(c.train, load_base(c.train.deepspeed_config))
+            ladder.append(dict(seq_len=c.data.seq_len, steps=c.train.steps, rope_theta=c.model.rope_theta,
+                               sp=c.parallel.sp, lr=c.train.lr, zero_stage=zero))
+        object.__setattr__(self, "ladder", tuple(ladder))
+
+    def record(self) -> dict:
+        """The plan as plan.json and summary.json record it: the plan file's keys, each rung with
+        what its config resolves to (a changed stage config is another plan)."""
+        rec = to_dict(self)
+        for st, rung in zip(rec["stages"], self.ladder):
+            st.update(rung)
+        return rec
 
 
-def _classic(train: int, test: int, max_seconds: int, long_seconds: int, stages, *, clips: int = 0,
-             **kw) -> DemoPlan:
-    sets = (VideoSet("train", train, 0, 4, max_seconds, 0.1, long_seconds),
-            VideoSet("test", test, 1, 4, max_seconds, 0.1, long_seconds))
-    if clips:  # 2-4 second clips, one or two scenes: a shape label every ~200 tokens
-        sets = (VideoSet("clips", clips, 2, 2, 4),) + sets
-    return DemoPlan(sets=sets, held_out="test", stages=stages, chat_seconds=max_seconds, **kw)
+def load_plan(path: str | Path) -> DemoPlan:
+    """A plan file: a path, or one under configs/ (`demos/demo`). Errors name the key."""
+    return from_dict(DemoPlan, load_yaml(resolve_config_path(path)))
 
 
-FULL = _classic(600, 256, 12, 40, (Stage(1024, 2000, 1e4, ("clips",), sp=1, zero_stage=2),
-                                  Stage(1024, 1500, 1e4, ("train",), sp=1, zero_stage=2),
-                                  Stage(2048, 150, 1e5, ("train",), lr=1e-3 / 3), Stage(4096, 60, 1e5, ("train",), lr=1e-3 / 3)),
-                clips=12000, needle_trials=(20, 20, 20), eval_samples=256, vq_seconds=480.0)
-"""`make demo`. Its first rung reads 12,000 clips of 2-4 seconds (one or two scenes, about five to a
-1,024-token row) for 2,000 steps: "What shape came first?" needs thousands of examples of shapes
-(measured: a classifier over one frame's 64 codes reads the shape 68 % right from 600 frames, 82 %
-from 2,000, 91 % from 8,000) and the 600 training videos give 600, each among 4-12 seconds of other
-scenes. The clips' rung is where the first shape is learnt, and it was short of steps, not of a
-better signal (first shape on 128 held-out clips after the clips' rung alone: 1,000 steps 64.8 %,
-training clips 74.2 %; 2,000 steps 74.2 %, training clips 82.0 %; lr 2e-3 instead of 1e-3 56.2 %;
-the timed-segment captions beside the questions 68.8 %; one-scene clips of 1-2 seconds 37.5 %).
-The rung on the 600 videos then runs dp = 2 (two rows a step): the scene questions need about
-three times the rows the needle does (1,000 rows give the needle 100 % but the last shape's colour
-28 %; 3,000 rows give 98 % and 88 %). RoPE theta rises once, at 2K, and stays at 1e5 for 4K: each
-switch costs the scene questions (last colour 90.6 % after the 1K rungs, 84.4 % after 2K, 75.0 %
-after a 4K rung at 1e6), and 1e4 throughout kept the last colour (90.6 %) but not the first shape
-(56.2 %). Whole runs on 2 cores (needle / last colour / first shape): this plan, 256 held-out
-videos, 100 / 94.1 / 81.2 % in 25.6 minutes (a second run 97.2 / 93.4 / 78.1 %); the same plan with
-no flash frame in the clips (a flash hides one of a clip's 2-4 shape frames, and first-shape errors
-are circle-square confusions, more of them when fewer first-scene frames are visible), on a slower
-AVX2-only machine, 98.9 / 78.5 / 80.1 % in 38.1 minutes: the first shape did not move and the last
-colour fell, so the clips keep their flashes; this plan with its 1K rungs under ZeRO-2, on that
-AVX2-only machine, 97.2 / 90.6 / 69.9 % in 32.6 minutes and 98.9 / 88.7 / 73.4 % in 33.6; there, with the output
-head on weighted tokens only and the loader's shard indexes kept (a 1K step 0.24 s instead of 0.31 s), a VQ
-stopped by the clock at 1,427 steps gave 98.9 / 84.4 / 39.5 % in 30.4 minutes, and the VQ stopped by its
-1,500 steps (the same weights, bit for bit, as the 73.4 % run's) 98.9 / 89.8 / 82.8 % in 29.4: the VQ moves
-the first shape most, the language model's run-to-run spread (summation order) still about ten points; 1,000 clip steps on 6,000 clips with activation
-checkpointing, 64 videos, 97.8 / 92.2 / 65.6 % in 20.8; the plan before the clips 99.4 / 60.9 /
-35.9 % in 15.8. Before the clips, more first-rung steps (2,500), theta 1e4 on every rung, a wider
-model (dim 192), timestamps, lr 2e-3 or captions beside the questions left the first shape at
-31-52 %."""
-HOUR = DemoPlan(
-    sets=(VideoSet("brief", 800, 15, 10, 40), VideoSet("short", 320, 10, 60, 240), VideoSet("mid", 48, 11, 300, 900), VideoSet("long", 16, 12, 1800, 3600),
-          VideoSet("test", 32, 13, 60, 240), VideoSet("vq", 240, 14, 60, 240, flashes_per_minute=10.0)),
-    held_out="test", source_fps=1, lm_config="hour", vq_config="vq/causal3d-hour.yaml", vq_set="vq",
-    vq_seconds=480.0, vq_steps=3000, tokenizer_vocab=384,
-    stages=(Stage.from_config("stages/hour-brief", ("brief",)), Stage.from_config("stages/hour-2k", ("short",)), Stage.from_config("stages/hour-4k", ("short", "mid")),
-            Stage.from_config("stages/hour-20k", ("mid", "long"))),
-    eval_samples=32, needle_lengths=(60, 300, 900, 1800, 3600), needle_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
-    needle_trials=(20, 20, 20, 8, 8), eval_sp=2, chat_seconds=3600, vq_needle_trials=64)
-"""`make demo-hour`: hour-long videos in one context (about 18.4K tokens per hour)."""
-QUICK = _classic(96, 12, 8, 16, (Stage(512, 400, 1e4, ("train",)), Stage(1024, 20, 1e5, ("train",), lr=1e-3 / 3)),
-                 tokenizer_vocab=320, vq_seconds=40.0, vq_steps=150, eval_samples=12, needle_lengths=(8, 16),
-                 needle_depths=(0.0, 1.0))
+def config_arg(name: str) -> str:
+    """A config as the commands, run from the checkout, find it: a user's file by its absolute path,
+    a shipped one by its name."""
+    return str(Path(name).resolve()) if Path(name).is_file() else name
+
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 class DemoError(RuntimeError):
-    pass
+    """A demo that cannot go on (a command failed, a run directory of another plan)."""
 
 
 def finished_step(run_dir: Path) -> int:
@@ -229,6 +204,7 @@ def finished_step(run_dir: Path) -> int:
 class Demo:
     def __init__(self, out: Path, plan: DemoPlan, quiet: bool = False):
         self.out, self.plan, self.quiet = out, plan, quiet
+        self.q = ["--quiet"] if quiet else []  # every command's progress bars off
         self.timings: dict[str, float] = {}
         self.machine: dict | None = None
         self.env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
@@ -236,9 +212,6 @@ class Demo:
                         PYTHONUNBUFFERED="1")
 
     # ---- helpers ----------------------------------------------------------------------------
-    def say(self, msg: str) -> None:
-        print(f"\n=== {msg}", flush=True)
-
     def run(self, args: list[str], *, threads: int | None = None) -> None:
         env = dict(self.env)
         if threads is not None:
@@ -256,99 +229,87 @@ class Demo:
         if done.exists():
             print(f"=== {name}: done already ({done.relative_to(self.out)}), skipped", flush=True)
             return
-        self.say(name)
+        print(f"\n=== {name}", flush=True)
         t0 = time.time()
         fn()
         self.timings[name] = round(time.time() - t0, 1)
         print(f"--- {name}: {self.timings[name]:.0f} s", flush=True)
 
     # ---- stages ---------------------------------------------------------------------------------
-    def spec(self, v: VideoSet, **kw) -> SyntheticSpec:
-        return SyntheticSpec(fps=self.plan.source_fps, min_seconds=v.min_seconds, max_seconds=v.max_seconds,
-                             long_fraction=v.long_fraction, long_seconds=v.long_seconds,
-                             needle_fraction=self.plan.needle_fraction, **kw)
-
     def make_data(self) -> None:
         for v in self.plan.sets:
             self.lv("make-data", "synthetic", "--out", self.out / "data" / v.name, "--n", v.n, "--seed", v.seed,
                     "--fps", self.plan.source_fps, "--min-seconds", v.min_seconds, "--max-seconds", v.max_seconds,
                     "--long-fraction", v.long_fraction, "--long-seconds", v.long_seconds,
                     "--needle-fraction", self.plan.needle_fraction, "--flashes-per-minute", v.flashes_per_minute,
-                    "--samples-per-shard", 64, "--workers", 2,
-                    *(["--quiet"] if self.quiet else []))
+                    "--samples-per-shard", 64, "--workers", 2, *self.q)
         (self.out / "data/.done").touch()
 
     def tokenizer(self) -> None:
-        texts = []
-        for v in self.plan.sets:
-            texts += text_corpus(n=400 // len(self.plan.sets) + 1, seed=v.seed, spec=self.spec(v))
+        p, texts = self.plan, []
+        for v in p.sets:
+            spec = SyntheticSpec(fps=p.source_fps, min_seconds=v.min_seconds, max_seconds=v.max_seconds,
+                                 long_fraction=v.long_fraction, long_seconds=v.long_seconds,
+                                 needle_fraction=p.needle_fraction)
+            texts += text_corpus(n=400 // len(p.sets) + 1, seed=v.seed, spec=spec)
         corpus = self.out / "tokenizer_corpus.txt"
         corpus.write_text("\n".join(texts) + "\n")
         self.lv("train-tokenizer", "--texts", corpus, "--vocab-size", self.plan.tokenizer_vocab,
                 "--out", self.out / "tokenizer")
 
     def train_vq(self) -> None:
-        self.lv("train-vq", "--config", self.plan.vq_config, "--data", self.out / "data" / self.plan.vq_set,
-                "--out", self.out / "vq", "--steps", self.plan.vq_steps, "--time-budget", self.plan.vq_seconds,
-                "--no-tensorboard", *(["--quiet"] if self.quiet else []))
+        p, t0 = self.plan, time.time()
+        self.lv("train-vq", "--config", config_arg(p.vq_config), "--data", self.out / "data" / p.vq_set,
+                "--out", self.out / "vq", "--steps", p.vq_steps, "--no-tensorboard", *self.q,
+                *([] if p.vq_seed is None else [f"seed={p.vq_seed}"]))
+        if p.vq_warn_seconds and time.time() - t0 > p.vq_warn_seconds:
+            print(f"warning: the VQ's {p.vq_steps} steps took {time.time() - t0:.0f} s, more than the plan's "
+                  f"{p.vq_warn_seconds:g} s: this machine is slower or busier than the plan assumes (the VQ is "
+                  "the same, the demo takes longer)", flush=True)
 
     def tokenize(self) -> None:
         used = {name for st in self.plan.stages for name in st.sets} | {self.plan.held_out}
         for v in (v for v in self.plan.sets if v.name in used):  # a set only the VQ trains on is not tokenized
-            self.lv("tokenize", "--vq", self.out / "vq", "--in", self.out / "data" / v.name,
-                    "--out", self.out / "tokens" / v.name, "--config", self.plan.lm_config, "--workers", 2,
-                    *(["--quiet"] if self.quiet else []))
+            self.lv("tokenize", "--vq", self.out / "vq", "--in", self.out / "data" / v.name, "--out",
+                    self.out / "tokens" / v.name, "--config", config_arg(self.plan.lm_config), "--workers", 2, *self.q)
         (self.out / "tokens/.done").touch()
 
     def text_size(self) -> int:
         return TextTokenizer.from_dir(self.out / "tokenizer").text_size
 
     def train_lm(self) -> None:
-        p = self.plan
-        prev = None
-        for i, st in enumerate(p.stages):
-            run_dir = self.out / f"lm/stage{i}-{st.seq_len}"
+        p, prev = self.plan, None
+        for i, (st, rung) in enumerate(zip(p.stages, p.ladder)):
+            run_dir = self.out / f"lm/stage{i}-{rung['seq_len']}"
             reached = finished_step(run_dir)
-            if reached >= st.steps:
-                print(f"stage {st.seq_len}: done already (step {reached})", flush=True)
+            if reached >= rung["steps"]:
+                print(f"stage {rung['seq_len']}: done already (step {reached})", flush=True)
                 prev = run_dir
                 continue
             names = st.sets[0] if len(st.sets) == 1 else "{" + ",".join(st.sets) + "}"
-            shards = self.out / "tokens" / names
-            ladder = [] if st.config else [  # a stage config holds these itself
-                f"model.max_seq_len={st.seq_len}", f"model.rope_theta={st.rope_theta}", f"data.seq_len={st.seq_len}",
-                f"parallel.sp={st.sp}", f"train.steps={st.steps}", f"train.warmup_steps={max(1, st.steps // 10)}",
-                f"train.lr={st.lr}", f"train.checkpoint_every={st.steps}", f"train.zero_stage={st.zero_stage}",
-                "train.micro_batch_size=1", *p.training]
-            seed = [] if p.lm_seed is None else [f"train.seed={p.lm_seed}"]
             overrides = [
-                f"model.text_vocab_size={self.text_size()}", f"data.train_shards={shards}", *ladder, *seed,
+                f"model.text_vocab_size={self.text_size()}", f"data.train_shards={self.out / 'tokens' / names}",
+                *p.lm_overrides, *st.overrides, *([] if p.lm_seed is None else [f"train.seed={p.lm_seed}"]),
                 f"train.tokenizer_dir={self.out / 'tokenizer'}", f"train.vq_dir={self.out / 'vq'}",
-                f"train.out_dir={run_dir}",
+                f"train.out_dir={run_dir}", *(["train.progress=false"] if self.quiet else []),
             ]
-            if self.quiet:
-                overrides.append("train.progress=false")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p.nproc}",
-                   "-m", "longvideo", "train", "--config", st.config or p.lm_config, *overrides]
+                   "-m", "longvideo", "train", "--config", config_arg(st.config), *overrides]
             if reached > 0:  # stopped part-way (SIGTERM, a crash): continue from its last checkpoint
                 cmd.append("--resume")
             elif prev is not None:
                 cmd += ["--init-from", prev]
-            print(f"--- stage {i + 1}/{len(p.stages)}: context {st.seq_len}, sp {st.sp}, ZeRO-{st.zero_stage}, "
-                  f"RoPE theta {st.rope_theta:g}, {st.steps} steps", flush=True)
+            print(f"--- stage {i + 1}/{len(p.stages)}: context {rung['seq_len']}, sp {rung['sp']}, "
+                  f"ZeRO-{rung['zero_stage']}, RoPE theta {rung['rope_theta']:g}, {rung['steps']} steps", flush=True)
             self.run(cmd, threads=1)
             prev = run_dir
         (self.out / "lm/final").write_text(str(prev))
 
-    def final_lm(self) -> Path:
-        return Path((self.out / "lm/final").read_text().strip())
-
     def export(self) -> None:
-        self.lv("export", "--ckpt", self.final_lm(), "--out", self.out / "hf")
+        self.lv("export", "--ckpt", (self.out / "lm/final").read_text().strip(), "--out", self.out / "hf")
 
     def evaluate(self) -> None:
-        p = self.plan
-        quiet = ["--quiet"] if self.quiet else []
+        p, quiet = self.plan, self.q
         self.lv("eval", "qa", "--model", self.out / "hf", "--shards", self.out / "tokens" / p.held_out,
                 "--max-samples", p.eval_samples, "--out", self.out / "eval/qa", *quiet)
         needle = ["eval", "video-niah", "--model", self.out / "hf", "--out", self.out / "eval/video_niah",
@@ -378,7 +339,7 @@ class Demo:
         video, meta = self.held_out_video()
         question = meta["qa"][0]["question"]
         self.lv("chat", "--model", self.out / "hf", "--video", video, "--fps", 1, "--question", question,
-                "--max-new-tokens", 8, *(["--quiet"] if self.quiet else []))
+                "--max-new-tokens", 8, *self.q)
         print(f"(the true answer: {meta['qa'][0]['answer']})", flush=True)
         self.transformers_answer(video, question, meta["qa"][0]["answer"])
 
@@ -400,19 +361,13 @@ class Demo:
         (self.out / "chat.json").write_text(json.dumps({"question": question, "answer": answer, "truth": truth}))
 
     # ---- driver -------------------------------------------------------------------------------
-    def plan_record(self) -> dict:
-        """The plan as plan.json records it (tuples as lists)."""
-        return json.loads(json.dumps(asdict(self.plan)))
-
     def check_plan(self) -> None:
         """A run directory belongs to one plan: resuming it under another (a newer ladder, other
         video sets) would mix the two silently, so that stops here, before anything runs."""
-        plan = self.plan_record()
+        plan = self.plan.record()
         marker, summary = self.out / "plan.json", self.out / "summary.json"
         before = json.loads(marker.read_text()) if marker.exists() else \
             json.loads(summary.read_text()).get("plan") if summary.exists() else None
-        if before is not None:
-            before.setdefault("lm_seed", None)  # recorded before plans had a seed: the configs' seed
         if before is not None and before != plan:
             raise DemoError(f"{self.out} holds a run of another plan (its videos, ladder or sizes differ); "
                             "pass --fresh to start it again, or --out for a new directory")
@@ -429,7 +384,7 @@ class Demo:
         marker = run / "plan.json"
         if not (run / "tokens/.done").exists() or not marker.exists():
             raise DemoError(f"{run} has no finished tokens (tokens/.done) and plan.json to take inputs from")
-        mine, theirs = self.plan_record(), json.loads(marker.read_text())
+        mine, theirs = self.plan.record(), json.loads(marker.read_text())
         for record in (mine, theirs):
             record.pop("lm_seed", None)
         if mine != theirs:
@@ -455,8 +410,8 @@ class Demo:
         self.stage("2/8 text tokenizer", self.out / "tokenizer/tokenizer.json", self.tokenizer)
         self.stage("3/8 train-vq", self.out / "vq/model.safetensors", self.train_vq)
         self.stage("4/8 tokenize", self.out / "tokens/.done", self.tokenize)
-        zero = " and ".join(f"ZeRO-{z}" for z in sorted({st.zero_stage for st in self.plan.stages}))
-        self.stage(f"5/8 train the LM (ring attention over up to {max(st.sp for st in self.plan.stages)} processes, "
+        zero = " and ".join(f"ZeRO-{z}" for z in sorted({r["zero_stage"] for r in self.plan.ladder}))
+        self.stage(f"5/8 train the LM (ring attention over up to {max(r['sp'] for r in self.plan.ladder)} processes, "
                    f"{zero})", self.out / "lm/final", self.train_lm)
         self.stage("6/8 export a Hugging Face directory", self.out / "hf/config.json", self.export)
         self.stage("7/8 evaluate on held-out videos", self.out / "eval/video_niah", self.evaluate)
@@ -473,7 +428,7 @@ class Demo:
 
         qa, niah, vq_needle = load("qa"), load("video_niah"), load("vq_needle")
         chat = json.loads((self.out / "chat.json").read_text()) if (self.out / "chat.json").exists() else {}
-        return {"plan": asdict(self.plan), "machine": self.machine, "seconds": round(seconds, 1),
+        return {"plan": self.plan.record(), "machine": self.machine, "seconds": round(seconds, 1),
                 "stage_seconds": self.timings,
                 "qa": {k: qa.get(k) for k in ("accuracy", "chance", "n", "per_question") if k in qa},
                 "video_niah": {k: niah.get(k) for k in ("accuracy", "chance", "n", "lengths", "grid", "needles_dropped")
@@ -482,45 +437,60 @@ class Demo:
                 "chat": chat}
 
     def report(self, s: dict) -> None:
-        self.say("results")
+        def score(r: dict) -> str:
+            return f"{r.get('accuracy', float('nan')):.1%}   (chance {r.get('chance', float('nan')):.1%})"
+
+        print("\n=== results", flush=True)
         qa, niah, vq_needle = s["qa"], s["video_niah"], s.get("vq_needle")
         if vq_needle:
             print(f"flash colour after the tokenizer: {vq_needle['rate']:.1%}")
         if qa:
-            print(f"held-out QA accuracy:          {qa.get('accuracy', float('nan')):.1%}   (chance {qa.get('chance', float('nan')):.1%})")
+            print(f"held-out QA accuracy:          {score(qa)}")
             for q, r in (qa.get("per_question") or {}).items():
-                print(f"    {q:<40} {r.get('accuracy', float('nan')):.1%}   (chance {r.get('chance', float('nan')):.1%})")
+                print(f"    {q:<40} {score(r)}")
         if niah:
-            print(f"video needle retrieval:        {niah.get('accuracy', float('nan')):.1%}   (chance {niah.get('chance', float('nan')):.1%})")
+            print(f"video needle retrieval:        {score(niah)}")
             if niah.get("grid") and niah.get("lengths"):  # grid[depth][length]: one column per length
                 cols = zip(niah["lengths"], zip(*niah["grid"]))
                 print("    by length: " + ", ".join(f"{n} frames {sum(c) / len(c):.0%}" for n, c in cols))
             if niah.get("needles_dropped"):
                 print(f"    warning: {niah['needles_dropped']} needles did not fit the model's context (guesses)")
-        print(f"artefacts under {self.out}: eval/*/ (JSON + PNG), hf/ (Hugging Face export), lm/ (checkpoints, loss curves)")
-        print(f"demo time: {s['seconds'] / 60:.1f} min" + (f" on {describe(s['machine'])}" if s.get("machine") else ""))
+        print(f"artefacts under {self.out}: eval/*/ (JSON + PNG), hf/ (Hugging Face export), "
+              "lm/ (checkpoints, loss curves)")
+        on = f" on {describe(s['machine'])}" if s.get("machine") else ""
+        print(f"demo time: {s['seconds'] / 60:.1f} min{on}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m longvideo.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="where everything goes (default runs/demo, runs/demo-hour)")
-    ap.add_argument("--quick", action="store_true", help="the CI-sized version")
-    ap.add_argument("--hour", action="store_true", help="the hour demo: hour-long videos in one context (make demo-hour)")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--quick", action="store_true", help="the CI-sized version (configs/demos/demo-quick.yaml)")
+    which.add_argument("--hour", action="store_true", help="the hour demo: hour-long videos in one context "
+                                                           "(make demo-hour, configs/demos/demo-hour.yaml)")
+    which.add_argument("--plan", metavar="FILE", help="a plan file of your own (see configs/demos/demo.yaml)")
+    ap.add_argument("--out", default=None, help="where everything goes (default runs/<plan name>: runs/demo, "
+                                                "runs/demo-hour, runs/demo-quick)")
     ap.add_argument("--fresh", action="store_true", help="delete --out first")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     ap.add_argument("--seed", type=int, default=None,
                     help="the language model's seed (train.seed of every stage; the videos and VQ keep theirs)")
+    ap.add_argument("--vq-seed", type=int, default=None,
+                    help="the VQ's seed (its initial weights and frame sampling; recorded in the plan)")
     ap.add_argument("--inputs-from", type=Path, default=None, metavar="RUN",
                     help="link a finished run's videos, tokenizers and token shards instead of making them "
                          "(a run of the same plan, e.g. another --seed); --out must be new")
     a = ap.parse_args(argv)
-    out = Path(a.out or ("runs/demo-hour" if a.hour else "runs/demo")).resolve()
+    path = a.plan or f"demos/demo{'-hour' if a.hour else '-quick' if a.quick else ''}"
+    try:
+        plan = load_plan(path)
+        plan = replace(plan, **{k: v for k, v in (("lm_seed", a.seed), ("vq_seed", a.vq_seed)) if v is not None})
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"demo: plan {path}: {e}", file=sys.stderr)
+        return 2
+    out = Path(a.out or f"runs/{Path(path).stem}").resolve()
     if a.fresh and out.exists():
         shutil.rmtree(out)
-    plan = HOUR if a.hour else QUICK if a.quick else FULL
-    if a.seed is not None:
-        plan = replace(plan, lm_seed=a.seed)
     try:
         Demo(out, plan, quiet=a.quiet).main(inputs_from=a.inputs_from)
     except DemoError as e:

@@ -77,8 +77,10 @@ def test_hour_plan_fits_an_hour_in_its_last_stage():
     """The hour demo's plan: its longest videos fit the last rung of its ladder, which runs on the
     ring (sp = 2) with a raised RoPE theta; its configs exist and agree on the tokenizer's shape."""
     from longvideo.config import load_config
-    from longvideo.demo import HOUR
+    from longvideo.demo import load_plan
     from longvideo.vq import load_vq_config
+
+    HOUR = load_plan("demos/demo-hour")
 
     vq, root = load_vq_config(HOUR.vq_config), load_config(HOUR.lm_config)
     assert (vq.mode, vq.latent_size, vq.temporal_downsample, vq.codebook_size) == \
@@ -87,17 +89,17 @@ def test_hour_plan_fits_an_hour_in_its_last_stage():
     groups = vq.num_groups(longest)  # 1 fps
     stamps = -(-groups // root.data.timestamp_every) * 8  # "[3599.0s]" and its neighbours: at most 8 ids each
     tokens = groups * (vq.codes_per_frame + 1) + 2 + stamps + 32  # + <vision> </vision> + the QA text
-    last = HOUR.stages[-1]
-    assert longest == 3600 and tokens <= 20_000 and tokens <= last.seq_len and last.sp == 2, (tokens, last)
-    assert last.config and load_config(last.config).data.seq_len == last.seq_len  # the stage config is the source
-    assert [s.rope_theta for s in HOUR.stages] == sorted(s.rope_theta for s in HOUR.stages)
+    last = HOUR.ladder[-1]
+    assert longest == 3600 and tokens <= 20_000 and tokens <= last["seq_len"] and last["sp"] == 2, (tokens, last)
+    assert load_config(HOUR.stages[-1].config).data.seq_len == last["seq_len"]  # the stage config is the source
+    assert [r["rope_theta"] for r in HOUR.ladder] == sorted(r["rope_theta"] for r in HOUR.ladder)
     assert max(HOUR.needle_lengths) == 3600 and HOUR.eval_sp == 2
     assert all(n >= 20 for T, n in zip(HOUR.needle_lengths, HOUR.needle_trials) if T <= 900)
     assert all(n >= 8 for n in HOUR.needle_trials)
     # the ring rungs shard the parameters too; the rungs without a ring shard gradients and optimizer
     # state only (what the stage configs say reaches the plan)
-    assert [s.zero_stage for s in HOUR.stages] == [3 if s.sp > 1 else 2 for s in HOUR.stages]
-    assert [load_config(s.config).train.zero_stage for s in HOUR.stages] == [s.zero_stage for s in HOUR.stages]
+    assert [r["zero_stage"] for r in HOUR.ladder] == [3 if r["sp"] > 1 else 2 for r in HOUR.ladder]
+    assert [load_config(s.config).train.zero_stage for s in HOUR.stages] == [r["zero_stage"] for r in HOUR.ladder]
 
 
 def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_path):
@@ -105,8 +107,9 @@ def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_pat
     the two runs silently: the demo stops with a clear error and leaves the directory as it was."""
     from dataclasses import replace
 
-    from longvideo.demo import QUICK, Demo, DemoError
+    from longvideo.demo import Demo, DemoError, load_plan
 
+    QUICK = load_plan("demos/demo-quick")
     out = tmp_path / "demo"
     Demo(out, QUICK).check_plan()  # a new directory takes the plan
     recorded = (out / "plan.json").read_text()
@@ -124,21 +127,27 @@ def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_pat
         Demo(old, other).check_plan()
 
 
-def test_a_run_records_the_machine_it_ran_on():
+def test_a_run_records_the_machine_it_ran_on(monkeypatch):
     """summary.json carries the CPU, its vector units and a matmul rate: demo times from two machines
     are only comparable through them."""
+    import types
+
+    from longvideo import machine
     from longvideo.machine import describe, machine_info, matmul_gflops
 
     m = machine_info(probe_seconds=0.05)
     assert m["cores"] == os.cpu_count() and m["matmul_gflops"] > 0 and isinstance(m["vector"], list)
     text = describe(m)
     assert m["cpu"] in text and f"{m['cores']} cores" in text and "GFLOP/s" in text
-    # the probe counts the work it did: a 4x larger side is 64x the flops, not 64x the rate
-    small, large = matmul_gflops(0.05, n=32), matmul_gflops(0.05, n=128)
-    assert 0 < small < 20 * large
-    from longvideo.demo import QUICK, Demo
+    # the probe counts the work it did: on a clock that ticks 10 ms a read, 0.05 s hold 4 matmuls,
+    # 2 n^3 flops each, whatever the machine's load
+    for n in (32, 128):
+        ticks = iter(range(100))
+        monkeypatch.setattr(machine, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 0.01))
+        assert matmul_gflops(0.05, n=n) == pytest.approx(2 * n ** 3 * 4 / 0.05 / 1e9)
+    from longvideo.demo import Demo, load_plan
 
-    demo = Demo(Path("/nonexistent-demo-dir"), QUICK)
+    demo = Demo(Path("/nonexistent-demo-dir"), load_plan("demos/demo-quick"))
     demo.machine = m
     assert demo.summary(1.0)["machine"] == m
 
@@ -149,8 +158,9 @@ def test_a_seed_reaches_every_lm_stage_and_another_seed_reuses_the_inputs(tmp_pa
     seed, and refuses a run of another plan or one that has not tokenized yet."""
     from dataclasses import replace
 
-    from longvideo.demo import HOUR, QUICK, Demo, DemoError
+    from longvideo.demo import Demo, DemoError, load_plan
 
+    QUICK, HOUR = load_plan("demos/demo-quick"), load_plan("demos/demo-hour")
     for plan, seed in ((QUICK, 3), (HOUR, 5), (QUICK, None)):
         demo = Demo(tmp_path / f"seed{seed}", replace(plan, lm_seed=seed))
         (demo.out / "lm").mkdir(parents=True)
@@ -184,10 +194,103 @@ def test_a_seed_reaches_every_lm_stage_and_another_seed_reuses_the_inputs(tmp_pa
     with pytest.raises(DemoError, match="another plan"):
         other.link_inputs(first)
     assert not any(p.is_symlink() for p in other.out.iterdir())
-    # a plan recorded before plans had a seed still resumes under the same plan
-    legacy = tmp_path / "legacy"
-    legacy.mkdir()
-    recorded = json.loads((first / "plan.json").read_text())
-    recorded.pop("lm_seed")
-    (legacy / "plan.json").write_text(json.dumps(recorded))
-    Demo(legacy, QUICK).check_plan()
+
+def plan_commands(demo) -> list[list[str]]:
+    """Every command a demo would run, in order, with nothing run: each stage's method is called
+    with `run` recording instead (paths under the run directory written as OUT)."""
+    cmds = []
+    demo.run = lambda cmd, threads=None: cmds.append([str(a).replace(str(demo.out), "OUT") for a in cmd])
+    demo.text_size = lambda: 300
+    demo.transformers_answer = lambda *a: None
+    for d in ("data", "tokens", "lm"):
+        (demo.out / d).mkdir(parents=True, exist_ok=True)
+    for stage in (demo.make_data, demo.tokenizer, demo.train_vq, demo.tokenize, demo.train_lm, demo.export,
+                  demo.evaluate, demo.chat):
+        stage()
+    return [["python" if a == sys.executable else a for a in c] for c in cmds]
+
+
+def test_every_plan_file_runs_commands_bounded_by_steps(tmp_path):
+    """Each shipped plan, dry: its stage configs resolve to the rungs it records, every rung reads
+    sets that are tokenized, and no stage stops on a clock (the VQ stops at its steps)."""
+    from longvideo.config import load_config
+    from longvideo.demo import Demo, load_plan
+
+    names = sorted(f.stem for f in (ROOT / "configs/demos").glob("*.yaml"))
+    assert names == ["demo", "demo-hour", "demo-quick"]
+    for name in names:
+        plan = load_plan(f"demos/{name}")
+        cmds = plan_commands(Demo(tmp_path / name, plan))
+        assert not any("--time-budget" in c for c in cmds)
+        (vq,) = [c for c in cmds if "train-vq" in c]
+        assert vq[vq.index("--steps") + 1] == str(plan.vq_steps)
+        tokenized = {Path(c[c.index("--out") + 1]).name for c in cmds if "tokenize" in c}
+        train = [c for c in cmds if "train" in c and "torch.distributed.run" in c]
+        assert len(train) == len(plan.stages) and tokenized >= {s for st in plan.stages for s in st.sets}
+        for cmd, rung in zip(train, plan.ladder):
+            i = cmd.index("--config")
+            j = next((k for k in range(i + 2, len(cmd)) if cmd[k].startswith("--")), len(cmd))
+            cfg = load_config(cmd[i + 1], cmd[i + 2:j])
+            assert (cfg.data.seq_len, cfg.train.steps, cfg.parallel.sp, cfg.train.lr) == \
+                (rung["seq_len"], rung["steps"], rung["sp"], rung["lr"]), (name, cmd[i + 1])
+
+
+@pytest.mark.parametrize("text, key", [
+    ("sets: []\nheld_out: test\nstages: []\n", "held_out"),
+    ("{base}sets:\n - {{name: test, n: 1, min_seconds: 4, max_seconds: 8}}\n", "sets[0].seed"),
+    ("{base}sets:\n - {{name: test, n: 1, seed: 0, min_seconds: 9, max_seconds: 8}}\n", "sets[0].max_seconds"),
+    ("{base}vq_sett: train\n", "vq_sett"),
+    ("{base}stages:\n - {{config: stages/demo-quick-512, sets: [clips]}}\n", "stages[0].sets"),
+    ("{base}stages:\n - {{config: stages/no-such-rung, sets: [train]}}\n", "stages[0].config"),
+    ("{base}stages:\n - {{config: stages/demo-quick-512, sets: [train], overrides: [train.stepz=3]}}\n",
+     "stages[0].config"),
+    ("{base}vq_config: vq/no-such-vq\n", "vq_config"),
+    ("{base}needle_trials: [1, 2, 3]\n", "needle_trials"),
+])
+def test_a_bad_plan_file_names_its_key_before_anything_runs(tmp_path, capsys, text, key):
+    from longvideo.configtools import ConfigError
+    from longvideo.demo import load_plan, main
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(text.format(base=f"base: {ROOT / 'configs/demos/demo-quick.yaml'}\n"))
+    with pytest.raises(ConfigError) as e:
+        load_plan(plan)
+    assert e.value.key == key, str(e.value)
+    assert main(["--plan", str(plan), "--out", str(tmp_path / "run")]) == 2
+    assert f"'{key}'" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_a_users_plan_and_stage_config_are_found_from_its_directory(tmp_path, monkeypatch):
+    """A plan of one's own names its stage configs as paths; the commands, run from the checkout,
+    get them by their absolute paths, and the rung's own overrides reach its command."""
+    from longvideo.demo import Demo, load_plan
+
+    monkeypatch.chdir(tmp_path)
+    Path("rung.yaml").write_text(f"base: {ROOT / 'configs/stages/demo-quick-512.yaml'}\ntrain:\n  steps: 7\n")
+    Path("plan.yaml").write_text(f"base: {ROOT / 'configs/demos/demo-quick.yaml'}\n"
+                                 "stages:\n - {config: rung.yaml, sets: [train], overrides: [train.lr=0.002]}\n")
+    plan = load_plan("plan.yaml")
+    assert (plan.ladder[0]["steps"], plan.ladder[0]["lr"]) == (7, 0.002)
+    (cmd,) = [c for c in plan_commands(Demo(tmp_path / "out", plan)) if "torch.distributed.run" in c]
+    assert cmd[cmd.index("--config") + 1] == str(tmp_path / "rung.yaml") and "train.lr=0.002" in cmd
+
+
+def test_a_vq_seed_reaches_the_vq_and_the_plan(tmp_path):
+    """`--vq-seed` sets the VQ's seed (a train-vq override) and is recorded, so a run of another VQ
+    seed is another plan and shares no inputs; without it the command has no seed."""
+    from dataclasses import replace
+
+    from longvideo.demo import Demo, load_plan
+    from longvideo.vq import load_vq_config
+
+    plan = load_plan("demos/demo-hour")
+    for seed in (None, 4):
+        demo = Demo(tmp_path / f"vq{seed}", replace(plan, vq_seed=seed))
+        cmds = []
+        demo.run = lambda cmd, threads=None: cmds.append([str(a) for a in cmd])
+        demo.train_vq()
+        (cmd,) = cmds
+        overrides = [a for a in cmd if "=" in a]
+        assert overrides == ([] if seed is None else [f"seed={seed}"])
+        assert load_vq_config(cmd[cmd.index("--config") + 1], overrides).seed == (0 if seed is None else seed)
+        assert demo.plan.record()["vq_seed"] == seed and "--time-budget" not in cmd
