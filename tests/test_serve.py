@@ -327,3 +327,23 @@ def test_queue_full_is_429_and_a_client_that_leaves_frees_its_slot(server, mater
         else:
             assert got["usage"]["completion_tokens"] == 400  # answered whole
     assert server.get("/health")["queued"] == 0
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_server_answers_as_one_process(server, material):
+    """Under torchrun (2 gloo ranks) the ring-prefilled, sharded answers are the single process's,
+    and a follow-up extends the sharded cache (the replicated tail) instead of prefilling again."""
+    sp = Server(material["ckpt"], material["root"] / "sp", "--media-dir", str(material["media"]), nproc=2)
+    try:
+        history = []
+        for q in (NEEDLE_QUESTION, QUESTION_2):
+            want = server.client.chat.completions.create(model="ckpt", messages=messages("file://clip.mp4", q, history))
+            got = sp.client.chat.completions.create(model="ckpt", messages=messages("file://clip.mp4", q, history),
+                                                    stream=False)
+            assert got.choices[0].message.content == want.choices[0].message.content
+            assert got.usage.completion_tokens == want.usage.completion_tokens
+            history.append((q, got.choices[0].message.content))
+        assert got.usage.prompt_tokens_details.cached_tokens > 0
+        assert sp.get("/health")["world_size"] == 2
+    finally:
+        sp.stop()
