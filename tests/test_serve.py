@@ -15,12 +15,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from longvideo.checkpoint import save_project_checkpoint
 from longvideo.data.synthetic import NEEDLE_QUESTION
-from longvideo.data.templates import build_prompt
+from longvideo.data.templates import LayoutOptions, build_prompt, layout_doc
 from longvideo.data.video import read_video
 from longvideo.infer import cli
 from longvideo.vq import encode_video
@@ -347,3 +348,19 @@ def test_sequence_parallel_server_answers_as_one_process(server, material):
         assert sp.get("/health")["world_size"] == 2
     finally:
         sp.stop()
+
+
+def test_follow_up_prompt_is_the_training_layout_of_the_conversation():
+    """The prompt of turn 2 is the start of the QA training document with both pairs, up to where
+    the second answer begins (so a model sees at serving time what it was trained on)."""
+    pre = tiny_pretrained()
+    codes, times = torch.randint(0, 16, (3, 4, 4)).numpy(), np.arange(3.0)
+    pairs = [(NEEDLE_QUESTION, "red"), (QUESTION_2, "a circle")]
+    doc = layout_doc(pre.tokenizer, pre.model.cfg.vocab, codes, times,
+                     {"qa": [{"question": q, "answer": a} for q, a in pairs]}, "qa", False,
+                     LayoutOptions(), max_len=1024)
+    prompt = build_prompt(pre.tokenizer, pre.model.cfg.vocab, codes, times, QUESTION_2, history=pairs[:1])
+    assert doc.ids[:len(prompt.ids)].tolist() == prompt.ids
+    assert doc.ids[len(prompt.ids):].tolist() == pre.tokenizer.encode(" a circle") + [pre.tokenizer.eos_id]
+    first = build_prompt(pre.tokenizer, pre.model.cfg.vocab, codes, times, NEEDLE_QUESTION)
+    assert prompt.ids[:len(first.ids)] == first.ids and prompt.video_end == first.video_end

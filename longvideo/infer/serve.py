@@ -3,26 +3,23 @@
     longvideo serve --model DIR [--host 127.0.0.1 --port 8000] [--media-dir DIR] [--allow-remote-media]
     torchrun --nproc-per-node 2 -m longvideo serve --model DIR    # sequence-parallel; rank 0 holds HTTP
 
-Endpoints: POST /v1/chat/completions (streamed as server-sent events or not), GET /v1/models,
-GET /health, GET / (the page), GET /v1/videos/<id>/frames.jpg (the frames the model was given).
-See docs/serving.md.
+POST /v1/chat/completions (whole or as server-sent events), GET /v1/models, GET /health, GET / (the
+page), GET /v1/videos/<id>/frames.jpg (the frames the model was given). docs/serving.md.
 
-* HTTP threads (the standard library's ThreadingHTTPServer: nothing here needs more) validate a
-  request (longvideo.infer.api), fetch the video's bytes and queue a job; the queue is bounded
-  (--max-queue; full -> 429 with Retry-After), and a job whose client left frees its place. One
-  worker answers the jobs in arrival order: there is one model, with its caches.
-* A video is encoded once per (sha256 of its bytes, fps, max_frames); its codes and thumbnails are
-  kept, fitted to the context with the conversation that brought it, as `longvideo chat` fits a
-  video to its question.
-* Each video keeps one KV state: an engine's cache and the token ids it holds. A prompt (the QA
-  template continued over the conversation, `build_prompt(..., history)`) is compared with them,
-  the cache is cut back to the common prefix and only the rest is prefilled: a follow-up prefills
-  its new turn. A new state prefills the video part first, as `ChatSession.ask` does, so a first
-  answer is `longvideo chat`'s. Both caches are LRU, each within --cache-gb.
+* HTTP threads (the standard library's ThreadingHTTPServer: nothing here needs more) check a request
+  (longvideo.infer.api), fetch its video and queue a job; the queue is bounded (--max-queue, then 429)
+  and a job whose client left frees its place. One worker answers in arrival order: one model.
+* A video is encoded once per (sha256 of its bytes, fps, max_frames), fitted to the context with the
+  conversation that brought it as `longvideo chat` fits a video to its question; codes and
+  thumbnails are kept.
+* Each video keeps one KV state, an engine's cache and the ids it holds. A prompt (the QA template
+  continued over the conversation) is compared with them, the cache is cut back to the common prefix
+  and only the rest is prefilled: a follow-up prefills its new turn. A new state prefills the video
+  part first, as `ChatSession.ask` does, so a first answer is `longvideo chat`'s. Both caches are LRU.
 * Tokens come from `Engine.generate` one call at a time (a call with one token is the decoding
   step), so streaming, stop strings and a client that left are handled here, between tokens.
-* Under torchrun every rank runs the worker: rank 0 reads the videos and sends each job's prompt
-  ids to the others (tensors, no pickle), and after every token whether to go on.
+* Under torchrun every rank runs the worker: rank 0 reads the videos, sends each job's prompt ids to
+  the others (tensors, no pickle) and after every token whether to go on.
 """
 
 from __future__ import annotations
@@ -46,7 +43,7 @@ from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -61,19 +58,15 @@ from longvideo.infer.chat import EncodedVideo, encode_video_file, fit_frames, lo
 from longvideo.infer.generation import Engine, LocalEngine
 from longvideo.infer.sp import SequenceParallelEngine, broadcast_array, broadcast_text, comm_device
 
-THUMB = 48
-"""Thumbnail side in pixels."""
-MAX_THUMBS = 512
-"""Most thumbnails in a video's strip (spread evenly over the frames the model was given)."""
-STOP, ANSWER, IDLE = 0, 1, 2  # what rank 0 sends the other ranks
-KEEPALIVE_S = 300.0
+THUMB, MAX_THUMBS = 48, 512
+"""Thumbnail side (pixels); most thumbnails in a strip (spread evenly over the frames)."""
 
 
 @dataclass
 class Job:
     req: ChatRequest
     key: str
-    """The video's sha256 and its sampling: the key of both caches."""
+    """The video's sha256 and sampling: the key of both caches."""
     data: bytes
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -83,9 +76,8 @@ class Job:
 class VideoEntry:
     video: EncodedVideo
     times: list[float]
-    """Seconds of every frame the model was given."""
+    """Seconds of the frames in the strip."""
     jpeg: bytes
-    """The thumbnails in one strip."""
 
     def nbytes(self) -> int:
         return self.video.codes.nbytes + self.video.timestamps.nbytes + len(self.jpeg)
@@ -95,59 +87,50 @@ class VideoEntry:
 class KVState:
     engine: Engine
     ids: list[int]
-    """The tokens the engine's cache holds."""
+    """The ids the engine's cache holds; the first `base` (the video part) were prefilled together."""
     base: int
-    """The first `base` of them, the video part, were prefilled together (sharded under torchrun)."""
 
     def nbytes(self) -> int:
         c = self.engine.cache
         return sum(t.nbytes for t in [*c.k, *c.v, c.positions, c.segment_ids])
 
 
-class LRU:
-    """Entries by key, least recently used first; `trim` drops the oldest while over `budget` bytes."""
+class LRU(OrderedDict):
+    """Least recently used first; `trim` drops the oldest while the entries hold over `budget` bytes."""
 
     def __init__(self, budget: int):
-        self.budget, self.items = budget, OrderedDict()
+        super().__init__()
+        self.budget = budget
 
-    def get(self, key: str):
-        if key in self.items:
-            self.items.move_to_end(key)
-        return self.items.get(key)
-
-    def put(self, key: str, value) -> None:
-        self.items[key] = value
-        self.items.move_to_end(key)
+    def use(self, key: str):
+        if key in self:
+            self.move_to_end(key)
+        return self.get(key)
 
     def nbytes(self) -> int:
-        return sum(v.nbytes() for v in list(self.items.values()))
+        return sum(v.nbytes() for v in list(self.values()))
 
     def trim(self) -> None:
-        while self.items and self.nbytes() > self.budget:
-            self.items.popitem(last=False)
+        while self and self.nbytes() > self.budget:
+            self.popitem(last=False)
 
 
-def _thumbs(frames: torch.Tensor) -> np.ndarray:
-    """uint8 (t, H, W, 3) -> uint8 (t, THUMB, THUMB, 3)."""
-    x = F.interpolate(frames.permute(0, 3, 1, 2).float(), size=(THUMB, THUMB), mode="area")
-    return x.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
-
-
-def _strip(thumbs: np.ndarray) -> bytes:
-    """(T, h, w, 3) -> one JPEG with the T thumbnails side by side."""
-    T, h, w, _ = thumbs.shape
-    img = torch.from_numpy(np.ascontiguousarray(thumbs.transpose(3, 1, 0, 2).reshape(3, h, T * w)))
-    return encode_jpeg(img, quality=85).numpy().tobytes()
+def thumbnail_strip(chunks: list[torch.Tensor]) -> tuple[bytes, np.ndarray]:
+    """Chunks of frames uint8 (t, H, W, 3) -> one JPEG with up to MAX_THUMBS of them side by side,
+    and the indices of those frames."""
+    x = torch.cat([F.interpolate(c.permute(0, 3, 1, 2).float(), size=(THUMB, THUMB), mode="area") for c in chunks])
+    pick = np.linspace(0, len(x) - 1, min(len(x), MAX_THUMBS)).round().astype(int)
+    strip = x[pick].round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0, 3).reshape(3, THUMB, -1)  # (3, h, T*w)
+    return encode_jpeg(strip.contiguous(), quality=85).numpy().tobytes(), pick
 
 
 class Answer:
     """The answer's text as tokens arrive: cut at a stop string, stripped as `longvideo chat` prints
-    it, and streamed in deltas that never take back what was sent (a possible stop string's start,
+    it, streamed in deltas that never take back what was sent (a stop string's possible start,
     trailing spaces and an unfinished UTF-8 character wait for the next token)."""
 
     def __init__(self, tokenizer, stop: list[str]):
-        self.tok, self.stop, self.ids, self.sent = tokenizer, stop, [], ""
-        self.finish: Optional[str] = None
+        self.tok, self.stop, self.ids, self.sent, self.finish = tokenizer, stop, [], "", None
         self.hold = max((len(s) for s in stop), default=1) - 1
 
     def text(self) -> str:
@@ -158,12 +141,10 @@ class Answer:
         return text.strip()
 
     def add(self, tok: int) -> str:
-        """Take a generated token (not the end of sequence); return the text to send now."""
+        """Take a generated token (not the end of sequence); the text to send now."""
         self.ids.append(tok)
         show = self.text()
-        if self.finish is None:
-            show = show[:max(0, len(show) - self.hold)].rstrip("\ufffd")
-        return self.flush(show)
+        return self.flush(show if self.finish else show[:max(0, len(show) - self.hold)].rstrip("\ufffd"))
 
     def flush(self, show: Optional[str] = None) -> str:
         show = self.text() if show is None else show
@@ -174,48 +155,38 @@ class Answer:
 
 
 class Service:
-    """The model, its caches and the job queue; `run` on rank 0, `follow` on the other ranks."""
+    """The model, its caches and the queue: `run` on rank 0, `follow` on the other ranks."""
 
     def __init__(self, pretrained, args, name: str):
-        self.pre, self.args, self.name = pretrained, args, name
-        self.infer = pretrained.config.infer
+        self.pre, self.args, self.name, self.infer = pretrained, args, name, pretrained.config.infer
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.device = next(pretrained.model.parameters()).device
-        budget = int(args.cache_gb * 2**30)
-        self.videos, self.states = LRU(budget), LRU(budget)
-        self.media = MediaPolicy(max_bytes=int(args.max_upload_mb * 2**20),
-                                 media_dir=Path(args.media_dir) if args.media_dir else None,
-                                 allow_remote=args.allow_remote_media)
+        self.videos, self.states = LRU(int(args.cache_gb * 2**30)), LRU(int(args.cache_gb * 2**30))
+        self.media = MediaPolicy(int(args.max_upload_mb * 2**20), args.media_dir and Path(args.media_dir),
+                                 args.allow_remote_media)
         self.max_body = self.media.max_bytes * 4 // 3 + (1 << 20)  # base64 and the JSON around it
         self.waiting: deque[Job] = deque()
-        self.cond = threading.Condition()
-        self.busy = False
-        self.times: deque[float] = deque(maxlen=20)
+        self.cond, self.busy, self.times = threading.Condition(), False, deque(maxlen=20)
         self.stats = dict(served=0, cancelled=0, rejected=0, errors=0, videos_encoded=0)
         self.page = resources.files("longvideo.infer").joinpath("serve_page.html").read_bytes()
 
-    def new_engine(self) -> Engine:
-        if self.world > 1:
-            return SequenceParallelEngine(self.pre.model, backend=self.args.backend)
-        return LocalEngine(self.pre.model, prefill_chunk=self.infer.prefill_chunk)
-
     def health(self) -> dict:
-        with self.cond:
-            queued = sum(not j.cancelled.is_set() for j in self.waiting)
-        return dict(status="ok", model=self.name, queued=queued, max_queue=self.args.max_queue, busy=self.busy,
-                    world_size=self.world, cache_bytes=self.videos.nbytes() + self.states.nbytes(),
+        return dict(status="ok", model=self.name, queued=len(self._live()), max_queue=self.args.max_queue,
+                    busy=self.busy, world_size=self.world, cache_bytes=self.videos.nbytes() + self.states.nbytes(),
                     max_upload_mb=self.args.max_upload_mb, **self.stats)
 
-    # ------------------------------------------------------------------------- queue (rank 0)
+    def _live(self) -> list[Job]:
+        with self.cond:
+            return [j for j in self.waiting if not j.cancelled.is_set()]
 
     def submit(self, req: ChatRequest, data: bytes) -> Job:
         fps, max_frames = req.fps or self.args.fps, req.max_frames or self.args.max_frames
         job = Job(req, f"{hashlib.sha256(data).hexdigest()[:32]}-{fps:g}-{max_frames or 0}", data)
         with self.cond:
-            live = [j for j in self.waiting if not j.cancelled.is_set()]
+            live = self._live()
             if len(live) >= self.args.max_queue:
                 self.stats["rejected"] += 1
-                wait = max(1, math.ceil((sum(self.times) / len(self.times) if self.times else 1.0) * (len(live) + 1)))
+                wait = max(1, math.ceil(sum(self.times) / max(1, len(self.times)) * (len(live) + 1)))
                 raise ApiError(429, f"the server is busy: {len(live)} requests are waiting (--max-queue); "
                                f"retry in {wait} s", headers={"Retry-After": str(wait)})
             self.waiting = deque(live + [job])
@@ -223,97 +194,81 @@ class Service:
         return job
 
     def run(self, stop: threading.Event) -> None:
-        last = time.monotonic()
         while not stop.is_set():
             with self.cond:
                 self.cond.wait_for(lambda: self.waiting or stop.is_set(), timeout=0.5)
                 job = self.waiting.popleft() if self.waiting else None
-            if job is None:
-                if self.world > 1 and time.monotonic() - last > KEEPALIVE_S:  # the other ranks wait in a broadcast
-                    self._send([IDLE])
-                    last = time.monotonic()
-                continue
-            if job.cancelled.is_set():
+            if job is not None and job.cancelled.is_set():
                 self.stats["cancelled"] += 1
-                continue
-            self.busy, t0 = True, time.perf_counter()
-            try:
-                self._answer(job)
-            finally:
-                self.busy, last = False, time.monotonic()
-                self.times.append(time.perf_counter() - t0)
+            elif job is not None:
+                self.busy, t0 = True, time.perf_counter()
+                try:
+                    self._answer(job)
+                finally:
+                    self.busy = False
+                    self.times.append(time.perf_counter() - t0)
         if self.world > 1:
-            self._send([STOP])
-
-    def _send(self, head: list[int]) -> None:
-        broadcast_array(np.asarray(head, np.int64), src=0)
-
-    # ------------------------------------------------------------------------- answering
+            broadcast_array(np.zeros(3, np.int64), src=0)  # stop
 
     def _video(self, job: Job, history, question: str, max_tokens: int) -> VideoEntry:
-        entry = self.videos.get(job.key)
-        if entry is not None:
+        if (entry := self.videos.use(job.key)) is not None:
             return entry
-        req, thumbs, times = job.req, [], []
-
-        def keep(frames, ts):
-            thumbs.append(_thumbs(frames))
-            times.extend(float(t) for t in ts)
-
+        req, chunks, times = job.req, [], []
         try:
-            enc = encode_video_file(self.pre, job.data, fps=req.fps or self.args.fps,
+            enc = encode_video_file(self.pre, job.data, fps=req.fps or self.args.fps, progress=False,
                                     max_frames=req.max_frames or self.args.max_frames, question=question,
                                     max_new_tokens=max_tokens, batch_frames=self.infer.encode_batch_frames,
-                                    progress=False, history=history, on_frames=keep)
+                                    history=history, on_frames=lambda f, t: (chunks.append(f), times.extend(t.tolist())))
         except VideoError as e:
-            raise ApiError(400, f"not a readable video ({len(job.data)} bytes): "
-                           f"{str(e).removeprefix('<bytes>: ')}", req.video_field) from None
+            raise ApiError(400, f"not a readable video ({len(job.data)} bytes): {str(e).removeprefix('<bytes>: ')}",
+                           req.video_field) from None
         except ValueError as e:  # not one frame fits: say what does not
             side = self.pre.vq.cfg.resolution // self.pre.vq.cfg.downsample
             text = prompt_of(self.pre, np.zeros((0, side, side), np.int64), np.zeros(0), question, history)
             raise ApiError(400, f"the conversation is {len(text.ids)} tokens without the video and max_tokens is "
-                           f"{max_tokens}: not one frame fits in the model's context of "
-                           f"{self.pre.model.cfg.max_seq_len} tokens ({e}); shorten the conversation or lower "
-                           f"max_tokens", "messages") from None
-        t = np.concatenate(thumbs)
-        pick = np.linspace(0, len(t) - 1, min(len(t), MAX_THUMBS)).round().astype(int)
-        entry = VideoEntry(enc, [times[i] for i in pick], _strip(t[pick]))
-        self.videos.put(job.key, entry)
+                           f"{max_tokens}: not one frame fits in the model's context of {self.pre.model.cfg.max_seq_len}"
+                           f" tokens ({e}); shorten the conversation or lower max_tokens", "messages") from None
+        jpeg, pick = thumbnail_strip(chunks)
+        self.videos[job.key] = entry = VideoEntry(enc, [times[i] for i in pick], jpeg)
         self.stats["videos_encoded"] += 1
         return entry
 
-    def _answer(self, job: Job) -> None:
-        req, emit = job.req, job.events.put
+    def _prompt(self, job: Job, max_tokens: int):
+        """The job's video and prompt ids, or ApiError (unreadable, too long for the context)."""
+        history, question = job.req.turns[:-1], job.req.turns[-1][0]
+        entry = self._video(job, history, question, max_tokens)
+        v, limit = entry.video, self.pre.model.cfg.max_seq_len
         try:
-            history, question = req.turns[:-1], req.turns[-1][0]
-            max_tokens = req.max_tokens or self.infer.max_new_tokens
-            entry = self._video(job, history, question, max_tokens)
-            try:
-                prompt = prompt_of(self.pre, entry.video.codes, entry.video.timestamps, question, history)
-            except ValueError as e:
-                raise ApiError(400, str(e), "messages") from None
-            n, limit = len(prompt.ids), self.pre.model.cfg.max_seq_len
-            if n + max_tokens > limit:
-                v = entry.video
-                k = fit_frames(self.pre, v.num_frames, question, max_tokens, v.duration, history)
-                hint = (f"a frame budget of {k} frames would fit (the request's max_frames, or --max-frames)" if k
-                        else "no frame budget fits: shorten the conversation or lower max_tokens")
-                raise ApiError(400, f"the prompt is {n} tokens ({prompt.video_end} up to the end of the video's "
-                               f"{v.num_frames} frames) and max_tokens is {max_tokens}: {n + max_tokens} tokens, "
-                               f"more than the model's context of {limit}; {hint}", "messages")
+            prompt = prompt_of(self.pre, v.codes, v.timestamps, question, history)
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
+        if (n := len(prompt.ids)) + max_tokens > limit:
+            k = fit_frames(self.pre, v.num_frames, question, max_tokens, v.duration, history)
+            hint = (f"a frame budget of {k} frames would fit (the request's max_frames, or --max-frames)" if k
+                    else "no frame budget fits: shorten the conversation or lower max_tokens")
+            raise ApiError(400, f"the prompt is {n} tokens ({prompt.video_end} up to the end of the video's "
+                           f"{v.num_frames} frames) and max_tokens is {max_tokens}: {n + max_tokens} tokens, more "
+                           f"than the model's context of {limit}; {hint}", "messages")
+        return entry, prompt
+
+    def _answer(self, job: Job) -> None:
+        req, emit, infer = job.req, job.events.put, self.infer
+        max_tokens = req.max_tokens or infer.max_new_tokens
+        try:
+            entry, prompt = self._prompt(job, max_tokens)
         except ApiError as e:
             self.stats["errors"] += 1
             return emit(("error", e))
         v = entry.video
         emit(("start", dict(id=job.key, frames=v.num_frames, fps=v.fps, duration=v.duration, timestamps=entry.times,
                             thumbnails=f"/v1/videos/{job.key}/frames.jpg", thumb_size=THUMB)))
-        seed = self.infer.seed if req.seed is None else req.seed
-        temp = self.infer.temperature if req.temperature is None else req.temperature
-        top_p = self.infer.top_p if req.top_p is None else req.top_p
+        seed = infer.seed if req.seed is None else req.seed
+        sampling = (infer.temperature if req.temperature is None else req.temperature,
+                    infer.top_p if req.top_p is None else req.top_p)
         if self.world > 1:
-            self._send([ANSWER, prompt.video_end, seed])
+            broadcast_array(np.asarray([1, prompt.video_end, seed], np.int64), src=0)
             broadcast_array(np.asarray(prompt.ids, np.int64), src=0)
-            broadcast_array(np.asarray([temp, top_p], np.float64), src=0)
+            broadcast_array(np.asarray(sampling, np.float64), src=0)
             broadcast_text(job.key, src=0)
         answer, eos, count = Answer(self.pre.tokenizer, req.stop), self.pre.tokenizer.eos_id, [0]
 
@@ -321,23 +276,22 @@ class Service:
             count[0] += 1
             if tok == eos:
                 answer.finish = "stop"
-            elif (delta := answer.add(tok)):
+            elif delta := answer.add(tok):
                 emit(("delta", delta))
-            if answer.finish is None and count[0] >= max_tokens:
-                answer.finish = "length"
-            if answer.finish is None and job.cancelled.is_set():
-                answer.finish = "cancelled"
+            if answer.finish is None and (count[0] >= max_tokens or job.cancelled.is_set()):
+                answer.finish = "length" if count[0] >= max_tokens else "cancelled"
             return answer.finish is None
 
         try:
-            cached = self._generate(job.key, prompt.ids, prompt.video_end, seed, temp, top_p, on_token)
+            cached = self._generate(job.key, prompt.ids, prompt.video_end, seed, *sampling, on_token)
         except Exception as e:  # noqa: BLE001 - the client gets a 500, the server keeps serving
             self.stats["errors"] += 1
-            print(f"longvideo serve: error while answering: {type(e).__name__}: {e}", file=sys.stderr)
+            print(f"longvideo serve: generation failed: {type(e).__name__}: {e}", file=sys.stderr)
             return emit(("error", ApiError(500, f"generation failed: {type(e).__name__}: {e}")))
         self.stats["cancelled" if answer.finish == "cancelled" else "served"] += 1
-        if (delta := answer.flush()):
+        if delta := answer.flush():
             emit(("delta", delta))
+        n = len(prompt.ids)
         emit(("done", dict(content=answer.text(), finish_reason=answer.finish,
                            usage=dict(prompt_tokens=n, completion_tokens=count[0], total_tokens=n + count[0],
                                       prompt_tokens_details=dict(cached_tokens=cached)))))
@@ -345,28 +299,24 @@ class Service:
 
     def follow(self) -> None:
         """Ranks > 0: answer what rank 0 sends until it says stop."""
-        while True:
-            head = broadcast_array(None, src=0)
-            if int(head[0]) == STOP:
-                return
-            if int(head[0]) == ANSWER:
-                ids = broadcast_array(None, src=0).tolist()
-                temp, top_p = broadcast_array(None, src=0).tolist()
-                self._generate(broadcast_text(None, src=0), ids, int(head[1]), int(head[2]), temp, top_p, None)
+        while int((head := broadcast_array(None, src=0))[0]):
+            ids = broadcast_array(None, src=0).tolist()
+            temperature, top_p = broadcast_array(None, src=0).tolist()
+            self._generate(broadcast_text(None, src=0), ids, int(head[1]), int(head[2]), temperature, top_p, None)
 
     def _go(self, go: bool) -> bool:
-        if self.world == 1:
-            return go
-        flag = torch.tensor([int(go)], device=comm_device())
-        dist.broadcast(flag, src=0)
-        return bool(flag.item())
+        if self.world > 1:
+            flag = torch.tensor([int(go)], device=comm_device())
+            dist.broadcast(flag, src=0)
+            go = bool(flag.item())
+        return go
 
     @torch.no_grad()
     def _generate(self, key: str, ids: list[int], video_end: int, seed: int, temperature: float, top_p: float,
                   on_token: Optional[Callable[[int], bool]]) -> int:
-        """Answer the prompt `ids` on the KV state of `key` (every rank; on_token, rank 0's, says
-        after each token whether to go on). Returns how many prompt tokens came from the cache."""
-        state, cached = self.states.get(key), 0
+        """Answer the prompt `ids` on the KV state of `key` (every rank; on_token, rank 0's, says after
+        each token whether to go on). Returns how many prompt tokens came from the cache."""
+        state, cached = self.states.use(key), 0
         common = next((i for i, (a, b) in enumerate(zip(state.ids, ids)) if a != b),
                       min(len(state.ids), len(ids))) if state else 0
         if state is not None and common >= state.base:
@@ -375,26 +325,26 @@ class Service:
             state.ids = state.ids[:cached]
         else:  # the video part first, as ChatSession.ask prefills it
             base = min(video_end, len(ids) - 1)
-            state = KVState(self.new_engine(), ids[:base], base)
-            state.engine.set_prefix(torch.tensor([ids[:base]], dtype=torch.long, device=self.device))
-            self.states.put(key, state)
+            engine = SequenceParallelEngine(self.pre.model, backend=self.args.backend) if self.world > 1 else \
+                LocalEngine(self.pre.model, prefill_chunk=self.infer.prefill_chunk)
+            engine.set_prefix(torch.tensor([ids[:base]], dtype=torch.long, device=self.device))
+            self.states[key] = state = KVState(engine, ids[:base], base)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
-        vocab_limit = self.pre.model.cfg.vocab.answer_limit
-        limit = {} if vocab_limit is None else {"vocab_limit": vocab_limit}
+        limit = self.pre.model.cfg.vocab.answer_limit
         rest, engine = ids[len(state.ids):], state.engine
         try:
             while True:
                 out = engine.generate(torch.tensor([rest], dtype=torch.long, device=self.device), max_new_tokens=1,
-                                      temperature=temperature, top_p=top_p, generator=gen, **limit)
-                state.ids = state.ids + rest
-                tok = int(out.tokens[0, 0])
+                                      temperature=temperature, top_p=top_p, generator=gen,
+                                      **({} if limit is None else {"vocab_limit": limit}))
+                state.ids, tok = state.ids + rest, int(out.tokens[0, 0])
                 if not self._go(on_token(tok) if on_token else True):
                     break
                 engine.keep(engine.held)
                 rest = [tok]
         except BaseException:
-            self.states.items.pop(key, None)  # its cache may hold a half-fed token
+            self.states.pop(key, None)  # its cache may hold a half-fed token
             raise
         self.states.trim()
         return cached
@@ -402,139 +352,120 @@ class Service:
 
 # ----------------------------------------------------------------------------- HTTP
 
-def _chunk(cid: str, created: int, model: str, delta: Optional[dict], finish=None, **extra) -> bytes:
-    choices = [] if delta is None else [dict(index=0, delta=delta, finish_reason=finish, logprobs=None)]
-    obj = dict(id=cid, object="chat.completion.chunk", created=created, model=model, choices=choices, **extra)
-    return f"data: {json.dumps(obj)}\n\n".encode()
-
-
 class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "longvideo"
+    protocol_version, server_version = "HTTP/1.1", "longvideo"
     timeout = 120  # seconds a connection may stall in a read or a write
 
-    @property
-    def svc(self) -> Service:
-        return self.server.service  # type: ignore[attr-defined]
-
     def log_message(self, fmt, *args) -> None:
-        if not self.svc.args.quiet:
+        if not self.server.service.args.quiet:
             sys.stderr.write(f"{self.address_string()} {fmt % args}\n")
 
-    def _send(self, status: int, body: bytes, ctype: str = "application/json", headers: Optional[dict] = None):
+    def _send(self, status: int, body, ctype: str = "application/json", headers: Optional[dict] = None):
+        body = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (headers or {}).items():
+        for k, v in {"Content-Type": ctype, "Content-Length": str(len(body)), **(headers or {})}.items():
             self.send_header(k, v)
         self.end_headers()
         self.wfile.write(body)
 
-    def _json(self, status: int, obj: Any, headers: Optional[dict] = None) -> None:
-        self._send(status, json.dumps(obj).encode(), headers=headers)
-
     def _error(self, e: ApiError) -> None:
-        self._json(e.status, e.body(), e.headers)
+        self._send(e.status, e.body(), headers=e.headers)
 
     def do_GET(self) -> None:
-        path, svc = urlsplit(self.path).path, self.svc
-        if path in ("/", "/index.html"):
-            return self._send(200, svc.page, "text/html; charset=utf-8")
-        if path == "/health":
-            return self._json(200, svc.health())
-        if path == "/v1/models":
-            return self._json(200, dict(object="list", data=[dict(id=svc.name, object="model", created=0,
-                                                                  owned_by="longvideo")]))
+        path, svc = urlsplit(self.path).path, self.server.service
         parts = path.strip("/").split("/")
-        if len(parts) == 4 and parts[:2] == ["v1", "videos"] and parts[3] == "frames.jpg":
-            entry = svc.videos.items.get(parts[2])
-            if entry is not None:
-                return self._send(200, entry.jpeg, "image/jpeg", {"Cache-Control": "max-age=3600"})
-            return self._error(ApiError(404, "no such video in the cache (it may have been evicted)"))
-        self._error(ApiError(404, f"no such endpoint: GET {path}"))
+        if path in ("/", "/index.html"):
+            self._send(200, svc.page, "text/html; charset=utf-8")
+        elif path == "/health":
+            self._send(200, svc.health())
+        elif path == "/v1/models":
+            self._send(200, dict(object="list", data=[dict(id=svc.name, object="model", created=0, owned_by="longvideo")]))
+        elif len(parts) == 4 and parts[:2] == ["v1", "videos"] and parts[3] == "frames.jpg" and \
+                (entry := svc.videos.get(parts[2])) is not None:
+            self._send(200, entry.jpeg, "image/jpeg")
+        else:
+            self._error(ApiError(404, f"nothing at GET {path} (a video's frames are kept while it is cached)"))
 
     def do_POST(self) -> None:
-        path, svc = urlsplit(self.path).path, self.svc
+        path, svc = urlsplit(self.path).path, self.server.service
         try:
             if path != "/v1/chat/completions":
                 raise ApiError(404, f"no such endpoint: POST {path}")
-            size = self.headers.get("Content-Length")
-            if size is None or not size.isdigit():
-                self.close_connection = True
+            size = self.headers.get("Content-Length", "")
+            if not size.isdigit() or int(size) > svc.max_body:
+                self.close_connection = True  # the body is not read
+            if not size.isdigit():
                 raise ApiError(411, "a Content-Length header is required")
             if int(size) > svc.max_body:
-                self.close_connection = True  # the body is not read
-                raise ApiError(413, f"the request body is {int(size) / 2**20:.1f} MiB, over the limit of "
-                               f"{svc.max_body / 2**20:.1f} MiB for a video of --max-upload-mb "
-                               f"{svc.args.max_upload_mb:g} MiB sent as base64")
+                raise ApiError(413, f"the request body is {int(size) / 2**20:.1f} MiB, over the {svc.max_body / 2**20:.1f}"
+                               f" MiB of a video of --max-upload-mb {svc.args.max_upload_mb:g} sent as base64")
             req = parse_request(self.rfile.read(int(size)))
             if req.model not in (None, svc.name):
                 raise ApiError(404, f"the model {req.model!r} is not served here (GET /v1/models)", "model")
-            job = svc.submit(req, load_video(req.video_url, req.video_field, svc.media))
-            self._respond(job)
+            self._respond(svc.submit(req, load_video(req.video_url, req.video_field, svc.media)))
         except ApiError as e:
             self._error(e)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
 
-    def _gone(self) -> bool:
-        """Has the client closed its connection?"""
-        try:
-            ready, _, _ = select.select([self.connection], [], [], 0)
-            return bool(ready) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            return True
-
     def _next(self, job: Job):
+        """The job's next event; None (and the job cancelled) once the client has hung up."""
         while True:
             try:
                 return job.events.get(timeout=0.2)
             except queue.Empty:
-                if self._gone():
+                try:
+                    gone = select.select([self.connection], [], [], 0)[0] and \
+                        self.connection.recv(1, socket.MSG_PEEK) == b""
+                except OSError:
+                    gone = True
+                if gone:
                     job.cancelled.set()
                     self.close_connection = True
                     return None
 
     def _respond(self, job: Job) -> None:
         first = self._next(job)
-        if first is None:
+        if first is not None and first[0] == "error":
+            self._error(first[1])
+        if first is None or first[0] == "error":
             return
-        if first[0] == "error":
-            return self._error(first[1])
-        cid, created, model, video = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.svc.name, first[1]
+        head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.server.service.name)
         if not job.req.stream:
             while (ev := self._next(job)) is not None and ev[0] == "delta":
                 pass
-            if ev is None:
-                return
-            if ev[0] == "error":
-                return self._error(ev[1])
-            done = ev[1]
-            msg = dict(role="assistant", content=done["content"])
-            return self._json(200, dict(id=cid, object="chat.completion", created=created, model=model,
-                                        choices=[dict(index=0, message=msg, finish_reason=done["finish_reason"],
-                                                      logprobs=None)], usage=done["usage"], video=video))
+            if ev is not None and ev[0] == "error":
+                self._error(ev[1])
+            elif ev is not None:
+                msg = dict(role="assistant", content=ev[1]["content"])
+                self._send(200, dict(head, object="chat.completion", choices=[dict(
+                    index=0, message=msg, finish_reason=ev[1]["finish_reason"], logprobs=None)],
+                    usage=ev[1]["usage"], video=first[1]))
+            return
+
+        def chunk(delta: Optional[dict], finish=None, **extra) -> None:
+            choices = [] if delta is None else [dict(index=0, delta=delta, finish_reason=finish, logprobs=None)]
+            self.wfile.write(f"data: {json.dumps(dict(head, object='chat.completion.chunk', choices=choices, **extra))}"
+                             "\n\n".encode())
+            self.wfile.flush()
+
         self.close_connection = True
         self.send_response(200)
-        for k, v in (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
-                     ("Connection", "close"), ("X-Accel-Buffering", "no")):
+        for k, v in (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"), ("Connection", "close"),
+                     ("X-Accel-Buffering", "no")):
             self.send_header(k, v)
         self.end_headers()
         try:
-            self.wfile.write(_chunk(cid, created, model, dict(role="assistant", content=""), video=video))
-            while (ev := self._next(job)) is not None:
-                if ev[0] == "delta":
-                    self.wfile.write(_chunk(cid, created, model, dict(content=ev[1])))
-                elif ev[0] == "error":
-                    self.wfile.write(f"data: {json.dumps(ev[1].body())}\n\n".encode())
-                    break
-                else:
-                    self.wfile.write(_chunk(cid, created, model, {}, ev[1]["finish_reason"]))
-                    if job.req.include_usage:
-                        self.wfile.write(_chunk(cid, created, model, None, usage=ev[1]["usage"]))
-                    self.wfile.write(b"data: [DONE]\n\n")
-                    break
-                self.wfile.flush()
+            chunk(dict(role="assistant", content=""), video=first[1])
+            while (ev := self._next(job)) is not None and ev[0] == "delta":
+                chunk(dict(content=ev[1]))
+            if ev is not None and ev[0] == "error":
+                self.wfile.write(f"data: {json.dumps(ev[1].body())}\n\n".encode())
+            elif ev is not None:
+                chunk({}, ev[1]["finish_reason"])
+                if job.req.include_usage:
+                    chunk(None, usage=ev[1]["usage"])
+                self.wfile.write(b"data: [DONE]\n\n")
         except (BrokenPipeError, ConnectionResetError):
             job.cancelled.set()  # the worker stops at the next token
 
@@ -547,7 +478,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="exported Hugging Face directory or project checkpoint")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the directory's)")
+    p.add_argument("--served-model-name", default=None, help="the model's id in the API (default: its directory's name)")
     p.add_argument("--fps", type=float, default=1.0, help="frames per second read from a video (default 1)")
     p.add_argument("--max-frames", type=int, default=None, help="most frames read (uniform over the video)")
     p.add_argument("--media-dir", default=None, help="serve file:// video URLs from inside this directory")
@@ -565,19 +496,17 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if args.max_queue < 1 or args.cache_gb < 0 or args.max_upload_mb <= 0 or args.fps <= 0:
-        print("longvideo serve: error: --max-queue >= 1, --cache-gb >= 0, --max-upload-mb > 0 and --fps > 0 "
-              "are required", file=sys.stderr)
+        print("longvideo serve: error: need --max-queue >= 1, --cache-gb >= 0, --max-upload-mb > 0, --fps > 0",
+              file=sys.stderr)
         return 2
     world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
-    device = torch.device(args.device or (f"cuda:{local}" if cuda else "cpu"))
-    if world > 1:
+    device = torch.device(args.device or (f"cuda:{local}" if torch.cuda.is_available() else "cpu"))
+    if world > 1:  # the other ranks wait for rank 0's next job in a broadcast: a long timeout
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
-    rank = dist.get_rank() if world > 1 else 0
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(days=365))
+    rank, status = dist.get_rank() if world > 1 else 0, ""
     try:
-        status, svc = "", None
         try:
             pre = load_model(args.model, device)
             if pre.tokenizer is None or pre.vq is None:
@@ -596,11 +525,10 @@ def main(argv: list[str]) -> int:
             svc.follow()
             return 0
         httpd = ThreadingHTTPServer((args.host, args.port), Handler)
-        httpd.daemon_threads = True
-        httpd.service = svc  # type: ignore[attr-defined]
-        host, port = httpd.server_address[:2]
+        httpd.daemon_threads, httpd.service = True, svc
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
-        print(f"longvideo serve: {svc.name} on http://{host}:{port}/ ({world} rank{'s' * (world > 1)})", flush=True)
+        print(f"longvideo serve: {svc.name} on http://{httpd.server_address[0]}:{httpd.server_address[1]}/ "
+              f"({world} rank{'s' * (world > 1)})", flush=True)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
