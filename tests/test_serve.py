@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import http.client
+import io
 import json
 import os
 import re
@@ -18,12 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from longvideo.checkpoint import save_project_checkpoint
 from longvideo.data.synthetic import NEEDLE_QUESTION
 from longvideo.data.templates import LayoutOptions, build_prompt, layout_doc
 from longvideo.data.video import read_video
 from longvideo.infer import cli
+from longvideo.infer.serve import Answer
 from longvideo.vq import encode_video
 from test_infer_chat import tiny_pretrained, write_video
 
@@ -225,6 +228,13 @@ def raw_post(server, body: bytes, length: int | None = None) -> tuple[int, dict]
     return out
 
 
+def png_image() -> bytes:
+    """A photograph-sized PNG (FFmpeg would read it as a one-frame video)."""
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
 def test_bad_input_is_a_clear_error_and_the_server_keeps_serving(server, material):
     clip = (material["media"] / "clip.mp4").read_bytes()
     good = data_url(clip)
@@ -254,6 +264,7 @@ def test_bad_input_is_a_clear_error_and_the_server_keeps_serving(server, materia
         (body(url=data_url(clip[:64] + bytes(range(256)) * 8)), 400, "not a readable video",
          "messages[0].content[0].video_url.url"),  # corrupt
         (body(url=data_url(clip, "image/png")), 400, "must hold a video", "messages[0].content[0].video_url.url"),
+        (body(url=data_url(png_image())), 400, "a PNG image, not a video", "messages[0].content[0].video_url.url"),
         (body(url="data:video/mp4;base64,@@@@"), 400, "not valid base64", "messages[0].content[0].video_url.url"),
         (body(url=data_url(os.urandom(300_000))), 413, "over the server's limit", "messages[0].content[0].video_url.url"),
         (body(url=f"file://{material['root'] / 'secret.mp4'}"), 403, "outside --media-dir",
@@ -364,3 +375,26 @@ def test_follow_up_prompt_is_the_training_layout_of_the_conversation():
     assert doc.ids[len(prompt.ids):].tolist() == pre.tokenizer.encode(" a circle") + [pre.tokenizer.eos_id]
     first = build_prompt(pre.tokenizer, pre.model.cfg.vocab, codes, times, NEEDLE_QUESTION)
     assert prompt.ids[:len(first.ids)] == first.ids and prompt.video_end == first.video_end
+
+
+class _CharTokenizer:
+    """One token per character (ids are code points): decoding is exact and prefix-stable."""
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
+@pytest.mark.parametrize("stop", [[], ["END"], ["x", "world"]])
+def test_streamed_deltas_add_up_to_the_answer_and_never_show_a_stop_string(stop):
+    text = "  hello world END and more  "
+    answer, sent = Answer(_CharTokenizer(), stop), []
+    for ch in text:
+        sent.append(answer.add(ord(ch)))
+        assert not any(s in "".join(sent) for s in stop)
+        if answer.finish:
+            break
+    sent.append(answer.flush())
+    cut = min((text.index(s) for s in stop if s in text), default=len(text))
+    assert "".join(sent) == answer.text() == text[:cut].strip()
+    assert answer.finish == ("stop" if cut < len(text) else None)
+    assert sum(bool(d) for d in sent) > 3  # it streamed

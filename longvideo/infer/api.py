@@ -141,8 +141,20 @@ class MediaPolicy:
     timeout_s: float = 30.0
 
 
+IMAGES = {b"\x89PNG": "a PNG image", b"\xff\xd8\xff": "a JPEG image", b"BM": "a BMP image"}
+"""Still images FFmpeg would read as one-frame videos: refused (an animated GIF is a video)."""
+
+
 def load_video(url: str, where: str, policy: MediaPolicy) -> bytes:
     """The bytes of the video at `url` within the policy; ApiError otherwise."""
+    data = _fetch(url, where, policy)
+    kind = next((k for magic, k in IMAGES.items() if data.startswith(magic)), None)
+    kind = kind or ("a WebP image" if data[:4] == b"RIFF" and data[8:12] == b"WEBP" else None)
+    _check(kind is None, where, f"this is {kind}, not a video")
+    return data
+
+
+def _fetch(url: str, where: str, policy: MediaPolicy) -> bytes:
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
 
     def size_ok(n: int) -> None:

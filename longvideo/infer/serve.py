@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import math
 import os
@@ -50,7 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torchvision.io import encode_jpeg
+from PIL import Image
 
 from longvideo.data.video import VideoError
 from longvideo.infer.api import ApiError, ChatRequest, MediaPolicy, load_video, parse_request
@@ -120,8 +121,10 @@ def thumbnail_strip(chunks: list[torch.Tensor]) -> tuple[bytes, np.ndarray]:
     and the indices of those frames."""
     x = torch.cat([F.interpolate(c.permute(0, 3, 1, 2).float(), size=(THUMB, THUMB), mode="area") for c in chunks])
     pick = np.linspace(0, len(x) - 1, min(len(x), MAX_THUMBS)).round().astype(int)
-    strip = x[pick].round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0, 3).reshape(3, THUMB, -1)  # (3, h, T*w)
-    return encode_jpeg(strip.contiguous(), quality=85).numpy().tobytes(), pick
+    strip = x[pick].round().clamp(0, 255).to(torch.uint8).permute(2, 0, 3, 1).reshape(THUMB, -1, 3)  # (h, T*w, 3)
+    out = io.BytesIO()
+    Image.fromarray(strip.numpy()).save(out, "JPEG", quality=85)
+    return out.getvalue(), pick
 
 
 class Answer:
@@ -144,7 +147,7 @@ class Answer:
         """Take a generated token (not the end of sequence); the text to send now."""
         self.ids.append(tok)
         show = self.text()
-        return self.flush(show if self.finish else show[:max(0, len(show) - self.hold)].rstrip("\ufffd"))
+        return self.flush(show if self.finish else show[:max(0, len(show) - self.hold)].rstrip().rstrip("\ufffd").rstrip())
 
     def flush(self, show: Optional[str] = None) -> str:
         show = self.text() if show is None else show
