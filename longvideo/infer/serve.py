@@ -207,6 +207,10 @@ class Service:
                 self.busy, t0 = True, time.perf_counter()
                 try:
                     self._answer(job)
+                except Exception as e:  # noqa: BLE001 - the client gets a 500, the server keeps serving
+                    self.stats["errors"] += 1
+                    print(f"longvideo serve: answering failed: {type(e).__name__}: {e}", file=sys.stderr)
+                    job.events.put(("error", ApiError(500, f"answering failed: {type(e).__name__}: {e}")))
                 finally:
                     self.busy = False
                     self.times.append(time.perf_counter() - t0)
@@ -285,12 +289,7 @@ class Service:
                 answer.finish = "length" if count[0] >= max_tokens else "cancelled"
             return answer.finish is None
 
-        try:
-            cached = self._generate(job.key, prompt.ids, prompt.video_end, seed, *sampling, on_token)
-        except Exception as e:  # noqa: BLE001 - the client gets a 500, the server keeps serving
-            self.stats["errors"] += 1
-            print(f"longvideo serve: generation failed: {type(e).__name__}: {e}", file=sys.stderr)
-            return emit(("error", ApiError(500, f"generation failed: {type(e).__name__}: {e}")))
+        cached = self._generate(job.key, prompt.ids, prompt.video_end, seed, *sampling, on_token)
         self.stats["cancelled" if answer.finish == "cancelled" else "served"] += 1
         if delta := answer.flush():
             emit(("delta", delta))
