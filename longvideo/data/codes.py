@@ -13,7 +13,7 @@ does not grow with the video's length; only the codes accumulate.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -60,12 +60,14 @@ def frames_to_codes(vq: VQModel, chunks: Iterable[tuple[torch.Tensor, torch.Tens
 
 def video_to_codes(vq: VQModel, video: VideoSource, *, fps: float = 1.0, max_frames: Optional[int] = None,
                    max_resolution: int = DEFAULT_MAX_RESOLUTION, batch_frames: int = 16, backend: str = "auto",
-                   progress: bool = False, total_frames: Optional[int] = None) -> VideoCodes:
+                   progress: bool = False, total_frames: Optional[int] = None,
+                   on_frames: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> VideoCodes:
     """Decode `video` (a path or the file's bytes) at `fps` and VQ-encode it.
 
     max_frames: sample at most this many frames, spread over the whole video. progress: a bar
-    counting frames (`total_frames`, when known, sizes it). Raises VideoError (or a subclass) for
-    a missing or unreadable video.
+    counting frames (`total_frames`, when known, sizes it). on_frames: called with each chunk of
+    the frames the VQ is given (uint8 (t, H, W, 3)) and their times (a server's thumbnails).
+    Raises VideoError (or a subclass) for a missing or unreadable video.
     """
     bar = tqdm(total=total_frames, unit="frame", desc="encoding video", disable=not progress)
 
@@ -73,6 +75,8 @@ def video_to_codes(vq: VQModel, video: VideoSource, *, fps: float = 1.0, max_fra
         for frames, times in iter_video(video, fps=fps, max_frames=max_frames, size=vq.cfg.resolution,
                                         max_resolution=max_resolution, backend=backend):
             bar.update(int(frames.shape[0]))
+            if on_frames is not None:
+                on_frames(frames, times)
             yield frames, times
 
     try:

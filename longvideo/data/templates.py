@@ -370,12 +370,15 @@ class Prompt:
 
 
 def build_prompt(tokenizer, vocab, codes, timestamps, question: str,
-                 options: PromptOptions = PromptOptions()) -> Prompt:
+                 options: PromptOptions = PromptOptions(), history: Sequence[tuple[str, str]] = ()) -> Prompt:
     """The QA prompt for one question, ending exactly where the answer starts.
 
     codes: integer (G, h, w) (numpy or torch); timestamps: (G,) seconds. Uses the QA training
     template (:func:`qa_parts`), so a model trained on QA samples sees the same layout; or LWM's
-    vision-chat prompt (:func:`lwm_parts`) with ``options.template == "lwm"``.
+    vision-chat prompt (:func:`lwm_parts`) with ``options.template == "lwm"``. history: earlier
+    (question, answer) turns about the same video, laid out as the template continues
+    (``Question: q1\\nAnswer: a1<eos>Question: q2\\nAnswer:``), so that the prompt of a follow-up
+    extends the previous prompt and its answer (what a server's KV cache keeps between turns).
     """
     question_first, timestamp_every = options.question_first, options.timestamp_every
     codes = np.asarray(codes.cpu() if hasattr(codes, "cpu") else codes).astype(np.int64)
@@ -383,9 +386,11 @@ def build_prompt(tokenizer, vocab, codes, timestamps, question: str,
     if codes.ndim != 3 or timestamps.shape != codes.shape[:1]:
         raise ValueError(f"codes must be (G, h, w) and timestamps (G,), got {codes.shape}, {timestamps.shape}")
     if options.template == "lwm":
+        if history:
+            raise ValueError("LWM's vision-chat prompt holds one question; follow-ups need the qa template")
         parts = lwm_parts(question, range(codes.shape[0]))
     else:
-        parts = qa_parts([(question, None)], range(codes.shape[0]), question_first=question_first,
+        parts = qa_parts([*history, (question, None)], range(codes.shape[0]), question_first=question_first,
                          vision_loss=False)
     r = _Renderer(tokenizer, vocab, codes, timestamps, 0.0, 0.0, timestamp_every)
     ids, _ = r.render(parts)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -76,11 +76,13 @@ def _require(pretrained, what: str):
 
 # ----------------------------------------------------------------------------- prompt and context
 
-def prompt_of(pretrained, codes: np.ndarray, timestamps: np.ndarray, question: str) -> Prompt:
-    """The QA prompt (training template) for one question, ending where the answer starts."""
+def prompt_of(pretrained, codes: np.ndarray, timestamps: np.ndarray, question: str,
+              history: Sequence[tuple[str, str]] = ()) -> Prompt:
+    """The QA prompt (training template) for one question after the earlier turns `history`,
+    ending where the answer starts."""
     tok = _require(pretrained, "tokenizer")
     return build_prompt(tok, pretrained.model.cfg.vocab, codes, timestamps, question,
-                        PromptOptions.from_config(pretrained.config.data))
+                        PromptOptions.from_config(pretrained.config.data), history)
 
 
 def groups_that_fit(length_of: Callable[[int], int], num_groups: int, budget: int) -> int:
@@ -102,9 +104,9 @@ def context_budget(pretrained, max_new_tokens: int) -> int:
 
 
 def fit_frames(pretrained, num_frames: int, question: Optional[str], max_new_tokens: int,
-               duration: float = 0.0) -> int:
+               duration: float = 0.0, history: Sequence[tuple[str, str]] = ()) -> int:
     """How many of `num_frames` frames (spread over `duration` seconds) fit the context with the
-    question (QUESTION_RESERVE tokens when it is not known yet) and the answer."""
+    question after `history` (QUESTION_RESERVE tokens when it is not known yet) and the answer."""
     vq = _require(pretrained, "vq")
     side = vq.cfg.resolution // vq.cfg.downsample
     reserve = QUESTION_RESERVE if question is None else 0
@@ -113,7 +115,7 @@ def fit_frames(pretrained, num_frames: int, question: Optional[str], max_new_tok
         g = len(vq.group_frame_index(n))
         dummy = np.zeros((g, side, side), np.int64)
         times = np.linspace(0.0, max(duration, float(g)), g, endpoint=False)  # timestamp text grows with t
-        return len(prompt_of(pretrained, dummy, times, question or "").ids) + reserve
+        return len(prompt_of(pretrained, dummy, times, question or "", history).ids) + reserve
 
     return groups_that_fit(length, num_frames, context_budget(pretrained, max_new_tokens))
 
@@ -139,8 +141,10 @@ def fit_codes(pretrained, codes: np.ndarray, timestamps: np.ndarray, question: s
 
 def encode_video_file(pretrained, video, *, fps: float = 1.0, max_frames: Optional[int] = None,
                       question: Optional[str] = None, max_new_tokens: int = 64, batch_frames: int = 16,
-                      progress: bool = True) -> EncodedVideo:
-    """Decode `video` (path or bytes) at `fps`, fitted to the context, and VQ-encode it in batches.
+                      progress: bool = True, history: Sequence[tuple[str, str]] = (),
+                      on_frames: Optional[Callable] = None) -> EncodedVideo:
+    """Decode `video` (path or bytes) at `fps`, fitted to the context (with the question after
+    `history`), and VQ-encode it in batches; on_frames sees the frames (longvideo.data.codes).
 
     Raises longvideo.data.video.VideoError (or a subclass) for a missing or unreadable video.
     """
@@ -150,7 +154,7 @@ def encode_video_file(pretrained, video, *, fps: float = 1.0, max_frames: Option
     if wanted == 0:
         raise EmptyVideoError("no frames to read", str(video) if not isinstance(video, (bytes, bytearray)) else "<bytes>")
     duration = info.duration if info.duration > 0 else info.num_frames / max(info.fps, 1e-9)
-    n = fit_frames(pretrained, wanted, question, max_new_tokens, duration)
+    n = fit_frames(pretrained, wanted, question, max_new_tokens, duration, history)
     if n == 0:
         raise ValueError(f"not even one frame fits the context of {pretrained.model.cfg.max_seq_len} tokens")
     # max_frames or the context may thin the sampling out: report the rate actually taken
@@ -162,7 +166,7 @@ def encode_video_file(pretrained, video, *, fps: float = 1.0, max_frames: Option
                       f"{max_new_tokens} answer tokens; sampling {n} frames over the whole video instead "
                       f"(effective fps {effective:.4g})", ContextWarning, stacklevel=2)
     vc = video_to_codes(vq, video, fps=fps, max_frames=n, batch_frames=batch_frames, progress=progress,
-                        total_frames=n)
+                        total_frames=n, on_frames=on_frames)
     return EncodedVideo(codes=vc.codes, timestamps=vc.timestamps, num_frames=vc.num_frames,
                         duration=float(duration), fps=float(effective))
 

@@ -141,8 +141,14 @@ def logits_of(model: Transformer, hidden: Tensor) -> Tensor:
 class Engine(Protocol):
     prefix_len: int
     prefix_s: float
+    held: int
+    """Tokens the cache holds: the prefix, then the last generate's ids and the answer fed back."""
 
     def set_prefix(self, ids: Tensor) -> None: ...
+
+    def keep(self, n: int) -> None:
+        """The first n held tokens become the prefix of the next generate (a conversation's next
+        turn extends the cache instead of prefilling everything again)."""
 
     def generate(self, ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None,
@@ -190,6 +196,14 @@ class LocalEngine:
         if P:
             prefill(self.model, ids, self.cache, chunk=self.prefill_chunk)
         self.prefix_len, self.prefix_s = P, time.perf_counter() - t0
+
+    @property
+    def held(self) -> int:
+        return self.cache.length if self.cache is not None else 0
+
+    def keep(self, n: int) -> None:
+        self.cache.crop(n)
+        self.prefix_len = n
 
     @torch.no_grad()
     def generate(self, ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,

@@ -107,6 +107,19 @@ class SequenceParallelEngine:
         self.merged = MergedAttentionSeam(self.group, self.backend, shared_from=P, owner=self.rank == self.owner)
         self.prefix_s = time.perf_counter() - t0
 
+    @property
+    def held(self) -> int:
+        return self.prefix_len + self.cache.length - self.local_prefix_len if self.cache is not None else 0
+
+    def keep(self, n: int) -> None:
+        """Keep n held tokens as the prefix (Engine.keep); the ring-sharded part stays whole."""
+        ring = self.merged.shared_from
+        if not ring <= n <= self.held:
+            raise ValueError(f"can keep {ring} to {self.held} tokens, not {n}: the first {ring} are sharded")
+        local = self.local_prefix_len + n - self.prefix_len
+        self.cache.crop(local)
+        self.prefix_len, self.local_prefix_len = n, local
+
     def _replicated(self, ids: Tensor, positions: Tensor) -> Tensor:
         """Feed tokens every rank holds; return the last logits (B, V)."""
         hidden = self.model(ids, positions, torch.zeros_like(ids), cache=self.cache, attention_fn=self.merged)
