@@ -24,6 +24,8 @@ import struct
 import sys
 import tempfile
 
+from longvideo.data.video_base import display_matrix, stream_facts
+
 
 def _read_exact(f, n):
     chunks, left = [], n
@@ -40,8 +42,6 @@ def _facts(path):
     """What PyAV reads of how the video is shown (see video_base.Orientation); an error message instead."""
     try:
         import av
-
-        from longvideo.data.video_base import display_matrix, stream_facts
 
         if hasattr(path, "seek"):
             path.seek(0)

@@ -36,6 +36,7 @@ returned. Every failure raises a :class:`VideoError` subclass, which the pipelin
 
 from __future__ import annotations
 
+import ctypes
 import io
 import math
 import os
@@ -57,9 +58,16 @@ HARD_MAX_FRAMES = 1 << 16
 DEFAULT_MAX_RESOLUTION = 4096
 """Longest frame side accepted by default (pixels)."""
 _CHUNK_BYTES = 2 << 20
-"""Decoded bytes per chunk before resizing (the resize holds 4x this as float32). With 64 MiB
-chunks reading ten minutes of 256 x 256 video at 1 fps peaked 340 MiB above the start, growing with
-the length (the allocator keeps freed chunks); 2 MiB chunks stay near 40 MiB, flat (test_footage)."""
+"""Decoded bytes per chunk before resizing (the resize holds 4x this as float32). Tokenizing ten
+minutes of 256 x 256 video peaked 373 MiB above the start with 64 MiB chunks, growing with the
+length; with 2 MiB chunks, and the heap pages freed after each chunk handed back to the system
+(glibc keeps them: without that a single-threaded run still peaked at 240-320 MiB), it stays near
+50 MiB whatever the length (test_footage; tests/material/footage.py:tokenize_peak_mib)."""
+
+try:  # glibc: hand freed heap pages back to the system (absent elsewhere, where nothing is done)
+    _MALLOC_TRIM = ctypes.CDLL(None).malloc_trim
+except Exception:  # noqa: BLE001 - no C library that has it
+    _MALLOC_TRIM = None
 
 BACKENDS: tuple[str, ...] = ("auto", "pyav", "decord")
 """auto = pyav (in this process); decord runs in a child process (longvideo.data.isolate)."""
@@ -444,6 +452,9 @@ class VideoChunks:
                 if len(frames):
                     shown = torch.from_numpy(np.ascontiguousarray(o.apply(frames)))
                     yield resize_crop(shown, self._size, o.aspect), torch.from_numpy(times)
+                    del frames, shown
+                    if _MALLOC_TRIM is not None:
+                        _MALLOC_TRIM(0)
                 if reader.exhausted:
                     break
             if not read:

@@ -180,13 +180,21 @@ class ReadReport:
         return self.declared is not None and self.declared - self.duration > tol
 
     @property
-    def fraction(self) -> float:
-        """Share of the declared duration that was read (1.0 when not truncated)."""
-        return min(1.0, self.duration / self.declared) if self.truncated and self.declared > 0 else 1.0
-
-    @property
     def lost_seconds(self) -> float:
         return sum(b - a for a, b in self.gaps)
+
+    @property
+    def fraction(self) -> float:
+        """Share of the video that was read: seconds kept (less the gaps) over those declared."""
+        whole = max(self.declared or 0.0, self.duration) if self.truncated else self.duration
+        return max(0.0, self.duration - self.lost_seconds) / whole if whole > 0 else 1.0
+
+    def describe(self) -> str:
+        """What was lost, in a few words ("" when nothing was)."""
+        out = [f"cut short: {self.duration:.1f} of {self.declared:.1f} s could be read"] if self.truncated else []
+        if self.gaps:
+            out.append(f"{len(self.gaps)} gap(s) ({self.lost_seconds:.1f} s) lost to packets the decoder refused")
+        return "; ".join(out)
 
 
 def check_frame_size(width: int, height: int, max_resolution: int, label: str) -> None:

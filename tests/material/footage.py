@@ -221,3 +221,67 @@ def bad_packet_hour(minutes: int = 60, every_minutes: int = 10, fps: int = 2, ke
                 data[at: at + 3] = b"\xff\xff\xff"  # VP8's frame tag: a first partition longer than the frame
                 hit.append(t)
     return bytes(data), hit
+
+
+_PEAK = """
+import sys, threading, time, psutil
+import av, torch
+from longvideo.data.tokenize import TokenizeOptions, load_vq, tokenize_shard
+torch.set_num_threads(1)
+vq = load_vq(sys.argv[1])
+proc = psutil.Process()
+base, peak, done = proc.memory_info().rss, [0], threading.Event()
+def watch():
+    while not done.is_set():
+        peak[0] = max(peak[0], proc.memory_info().rss)
+        time.sleep(0.002)
+t = threading.Thread(target=watch)
+t.start()
+stats = tokenize_shard(vq, sys.argv[2], sys.argv[3], TokenizeOptions())
+done.set()
+t.join()
+assert stats.get("ok") == 1, stats
+print((max(peak[0], proc.memory_info().rss) - base) / 2**20)
+"""
+
+
+def tokenize_peak_mib(seconds: int, folder, size: int = 256, src_fps: int = 4,
+                      vq_config: str = "vq/causal3d-hour.yaml") -> float:
+    """Peak resident memory (MiB above the start, PyAV and torch already imported) of
+    ``tokenize_shard`` over one raw sample: a ``seconds``-long size x size mp4 of moving shapes
+    (src_fps frames a second, a keyframe every 2 s), sampled at 1 fps and encoded by a random VQ
+    of ``vq_config`` (default: the hour tokenizer, 64 x 64). Runs in a fresh process; files are
+    kept in ``folder`` (the video is made once)."""
+    import json
+    import os
+    import sys
+    import tarfile
+
+    import torch
+
+    from longvideo.configtools import from_dict, load_yaml, resolve_config_path
+    from longvideo.data.synthetic import moving_shapes_video, write_mp4
+    from longvideo.vq import VQConfig, VQModel
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = folder / f"raw-{seconds}s-{size}.tar"
+    if not raw.exists():
+        video = write_mp4((moving_shapes_video(10 * src_fps, size, seed=s) for s in range(0, seconds, 10)),
+                          src_fps, gop=2 * src_fps)
+        with tarfile.open(raw, "w") as tf:
+            for name, blob in (("clip.mp4", video), ("clip.json", json.dumps({"caption": "shapes"}).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(blob)
+                tf.addfile(info, io.BytesIO(blob))
+    vq_dir = folder / "vq"
+    if not (vq_dir / "config.json").exists():
+        torch.manual_seed(0)
+        VQModel(from_dict(VQConfig, load_yaml(resolve_config_path(vq_config)))).save(vq_dir)
+    out = folder / f"tok-{seconds}s-{size}.tar"
+    out.unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, "-c", _PEAK, str(vq_dir), str(raw), str(out)], capture_output=True,
+                          text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if done.returncode != 0:
+        raise RuntimeError(f"the memory probe failed: {done.stderr[-2000:]}")
+    return float(done.stdout.strip().splitlines()[-1])
