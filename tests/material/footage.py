@@ -173,8 +173,8 @@ def footage() -> list[Footage]:
                                                      "an index entry on an inter frame at 35.8 s"))
     whole = encode(scene(80, 64, 64), fmt="matroska", codec="libx264", times=_grid(80, 8), options=_x264(8),
                    rate=Fraction(8))
-    out.append(Footage("cut_mkv", "mkv", whole[: len(whole) * 3 // 5], expect="truncated",
-                       note="H.264 Matroska (10 s declared) cut after 60 % of its bytes"))
+    out.append(Footage("cut_mkv", "mkv", whole[: len(whole) * 7 // 10], expect="truncated",
+                       note="H.264 Matroska (10 s declared) cut after 70 % of its bytes (6 s of frames)"))
     mp4 = encode(scene(40, 64, 64), fmt="mp4", codec="libx264", times=_grid(40, 8), options=_x264(8),
                  rate=Fraction(8))
     out.append(Footage("mp4_no_index", "mp4", mp4[: mp4.rfind(b"moov") - 4], expect="corrupt",
