@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from longvideo.data import isolate
+from longvideo.data.cli import tokenize_main
 from longvideo.data.shards import SkipStats, iter_token_samples
 from longvideo.data.synthetic import decode_frame_index
 from longvideo.data.tokenize import MEASURES, OUTCOMES, TokenizeOptions, trim_meta, tokenize_shard
@@ -173,13 +174,19 @@ def test_tokenize_counts_footage_by_reason(corpus, tmp_path):
     items = [(f.name, f.ext, f.data, timed if f.name == "cut_mkv" else {"caption": f.name}) for f in corpus.values()]
     items.append(("gappy", "webm", gappy, {"caption": "gaps"}))
     _shard(tmp_path / "raw.tar", items)
-    runs = {"default": TokenizeOptions(), "skip": TokenizeOptions(partial_videos="skip"),
-            "strict": TokenizeOptions(min_partial_fraction=0.9)}
+    runs = {"default": TokenizeOptions(), "skip": ["--partial-videos", "skip"],
+            "strict": ["--min-partial-fraction", "0.9"]}
     got = {}
     for name, opts in runs.items():
-        stats = tokenize_shard(vq, str(tmp_path / "raw.tar"), str(tmp_path / f"{name}.tar"), opts)
+        if isinstance(opts, list):  # through the command line
+            assert tokenize_main(["--vq", str(tmp_path / "vq"), "--in", str(tmp_path / "raw.tar"), "--out",
+                                  str(tmp_path / name), "--quiet", *opts]) == 0
+            (tmp_path / name / "raw.tar").rename(tmp_path / f"{name}.tar")
+            stats = json.loads((tmp_path / name / "tokenize_stats.json").read_text())
+        else:
+            stats = tokenize_shard(vq, str(tmp_path / "raw.tar"), str(tmp_path / f"{name}.tar"), opts)
         samples = {s.key: s for s in iter_token_samples(str(tmp_path / f"{name}.tar"), SkipStats())}
-        counts = {k: v for k, v in stats.items() if k != "seconds" and k not in MEASURES}
+        counts = {k: v for k, v in stats.items() if k not in MEASURES + ("seconds", "shards_done")}
         assert sum(counts.values()) == len(items) and sum(stats.get(k, 0) for k in OUTCOMES) == len(samples)
         got[name] = (stats, samples)
     n_ok = len(valid(corpus))

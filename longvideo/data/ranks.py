@@ -1,11 +1,5 @@
-"""Ranks that fail together: per-rank I/O followed by collectives never leaves a rank waiting.
-
-When ranks read or encode on their own (a loader's shards, a shared encoding, a video read by
-rank 0) and then meet in a collective (a broadcast, a ring prefill, a training step), a rank whose
-I/O raised would leave the others at that collective until the process group's timeout (30
-minutes, or a day for interactive chat). Instead every rank calls :func:`fail_together` between
-the I/O and the collective: one all-reduce of a failure flag, and when any rank failed, the
-first failing rank's message is broadcast and every rank raises, at once.
+"""Ranks that fail together: a rank whose own I/O raised never leaves the others waiting at the
+collective that follows (until the process group's timeout, 30 minutes or a day for chat).
 
     codes, error = None, None
     try:

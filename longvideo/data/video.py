@@ -9,15 +9,10 @@ Sampling: the frame shown at t = 0, 1/fps, 2/fps, ... (t < duration) is taken; w
 more than ``max_frames`` frames, ``max_frames`` frames spread uniformly over the whole video are
 taken instead. Only those frames are decoded, from the keyframe before each one.
 
-Orientation: the display matrix (or the legacy ``rotate`` tag) and a non-square sample aspect
-ratio are applied, by every backend, before resizing: frames are what a player shows.
-
-Damage: a packet the decoder refuses costs the frames up to the next keyframe (a gap, reported),
-not the video; after a seek whose landing cannot be decoded the reader retries from the keyframe
-before, then decodes on from the last position that worked; a tail that cannot be decoded ends
-the clip there, and a clip shorter than its container's declared duration is reported truncated
-(:class:`~longvideo.data.video_base.ReadReport`). What to do with partial videos is the caller's
-policy (``tokenize``: ``data.partial_videos``).
+Frames are what a player shows (display matrix or legacy ``rotate`` tag, sample aspect ratio),
+with every backend. A packet the decoder refuses costs the frames up to the next keyframe (a gap),
+not the video; a tail that cannot be decoded ends the clip; ``clip.report`` says what was kept
+(docs/data.md, "Damaged and partial videos"); what to do with partial videos is the caller's policy.
 
 Backends: PyAV (the default, ``backend="auto"`` or ``"pyav"``), in this process: it demuxes the
 file once to learn the exact frame count and keyframe times, then seeks only where a keyframe lies
@@ -29,9 +24,7 @@ Inputs are untrusted, so decoding is bounded: FFmpeg refuses frames of more than
 ``max_resolution``^2 pixels before allocating them, frames larger than ``max_resolution`` on their
 long side are refused, and at most ``max_frames`` (or :data:`HARD_MAX_FRAMES`) frames are
 returned. Every failure raises a :class:`VideoError` subclass, which the pipeline counts under its
-``reason`` and skips. Memory: frames are decoded, oriented and resized in chunks of about
-:data:`_CHUNK_BYTES` of decoded frames, so a long video at full resolution is never in memory
-(``tests/test_footage.py`` bounds tokenizing ten minutes of 256 x 256 video).
+``reason`` and skips. Frames are decoded, turned and resized in chunks of :data:`_CHUNK_BYTES`.
 """
 
 from __future__ import annotations
@@ -58,13 +51,11 @@ HARD_MAX_FRAMES = 1 << 16
 DEFAULT_MAX_RESOLUTION = 4096
 """Longest frame side accepted by default (pixels)."""
 _CHUNK_BYTES = 2 << 20
-"""Decoded bytes per chunk before resizing (the resize holds 4x this as float32). Tokenizing ten
-minutes of 256 x 256 video peaked 373 MiB above the start with 64 MiB chunks, growing with the
-length; with 2 MiB chunks, and the heap pages freed after each chunk handed back to the system
-(glibc keeps them: without that a single-threaded run still peaked at 240-320 MiB), it stays near
-50 MiB whatever the length (test_footage; tests/material/footage.py:tokenize_peak_mib)."""
+"""Decoded bytes per chunk (the resize holds 4x this as float32); after each chunk the freed heap
+pages go back to the system. Both keep tokenizing memory small and flat in the video's length
+(docs/data.md, "Memory"; tests/test_footage.py)."""
 
-try:  # glibc: hand freed heap pages back to the system (absent elsewhere, where nothing is done)
+try:  # glibc's malloc_trim (absent elsewhere, where nothing is done)
     _MALLOC_TRIM = ctypes.CDLL(None).malloc_trim
 except Exception:  # noqa: BLE001 - no C library that has it
     _MALLOC_TRIM = None
@@ -119,29 +110,25 @@ def sample_indices(num_frames: int, src_fps: float, fps: Optional[float] = 1.0,
 
 # ----------------------------------------------------------------------------- orienting and resizing
 
-def resize_crop(frames: torch.Tensor, size: Optional[int], aspect: float = 1.0) -> torch.Tensor:
+def resize_crop(frames: torch.Tensor, size: Optional[int], shown: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Resize the short side to ``size`` (antialiased bilinear) and centre-crop to size x size.
 
-    frames: uint8 (T, H, W, 3) -> uint8 (T, size, size, 3). ``aspect``: the pixels' width over
-    their height (a non-square sample aspect ratio), applied in the same resize; size=None
-    returns the frames at their displayed size (unchanged when the pixels are square).
+    frames: uint8 (T, H, W, 3) -> uint8 (T, size, size, 3). ``shown``: the (height, width) the
+    frames are shown at, when their pixels are not square (a sample aspect ratio), applied in the
+    same resize; size=None returns the frames at that size (unchanged by default).
     """
-    if frames.shape[0] == 0 or (size is None and abs(aspect - 1.0) < 1e-3):
-        return frames.contiguous()
     t, h, w, _ = frames.shape
-    if size is None:
-        nh, nw = h, max(1, round(w * aspect))
-    else:
-        scale = size / min(h, w * aspect)
-        nh, nw = max(size, round(h * scale)), max(size, round(w * aspect * scale))
+    sh, sw = shown or (h, w)
+    if t == 0 or (size is None and (sh, sw) == (h, w)):
+        return frames.contiguous()
+    scale = 1.0 if size is None else size / min(sh, sw)
+    nh, nw = max(size or 1, round(sh * scale)), max(size or 1, round(sw * scale))
     if (nh, nw) != (h, w):
         x = frames.permute(0, 3, 1, 2).float()  # (T, 3, H, W)
         x = F.interpolate(x, size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)
         frames = x.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
-    if size is None:
-        return frames.contiguous()
-    top, left = (nh - size) // 2, (nw - size) // 2
-    return frames[:, top: top + size, left: left + size].contiguous()
+    top, left = ((nh - size) // 2, (nw - size) // 2) if size else (0, 0)
+    return frames[:, top: top + (size or nh), left: left + (size or nw)].contiguous()
 
 
 # ----------------------------------------------------------------------------- backends
@@ -451,7 +438,7 @@ class VideoChunks:
                 read += len(frames)
                 if len(frames):
                     shown = torch.from_numpy(np.ascontiguousarray(o.apply(frames)))
-                    yield resize_crop(shown, self._size, o.aspect), torch.from_numpy(times)
+                    yield resize_crop(shown, self._size, (info.height, info.width)), torch.from_numpy(times)
                     del frames, shown
                     if _MALLOC_TRIM is not None:
                         _MALLOC_TRIM(0)

@@ -116,11 +116,6 @@ class Orientation:
         w = max(1, round(width * self.sar))
         return (height, w) if self.transpose else (w, height)
 
-    @property
-    def aspect(self) -> float:
-        """Width stretch of the oriented (transposed, flipped) frames: sar, or 1 / sar after a transpose."""
-        return 1.0 / self.sar if self.transpose else self.sar
-
 
 def display_matrix(frame) -> Optional[list[int]]:
     """The display matrix a decoded PyAV frame carries as side data, or None."""
