@@ -1,13 +1,16 @@
 """The decord decoder's child process (see longvideo/data/isolate.py). Run as a script, not imported.
 
-It imports only numpy and decord (not the package, not torch), so it starts fast. It answers
+It imports numpy, decord, PyAV and the package's leaf ``video_base`` (not torch), so it starts
+fast. decord shows stored frames; PyAV reads, beside it, what decord does not: the display matrix,
+the legacy rotate tag, the sample aspect ratio and the declared duration (``facts``). It answers
 requests on stdin/stdout, one at a time: each message is a 4-byte big-endian length, a JSON header
 and, when the header names ``nbytes``, that many raw bytes. Replies are JSON plus raw frame bytes,
 never pickles, so a decoder taken over by a crafted file has no way to run code in the parent
 through a reply. Anything decord or FFmpeg print goes to stderr: stdout carries only replies.
 
     open  {"op": "open", "path": P} or {"op": "open", "nbytes": N} + N bytes
-          -> {"ok": true, "num_frames", "fps", "width", "height"}
+          -> {"ok": true, "num_frames", "fps", "width", "height", "facts": {"matrix", "rotate", "sar",
+             "declared"} or null with "facts_error"}
     read  {"op": "read", "indices": [...]} -> {"ok": true, "shape": [t, h, w, 3], "times": [...], "nbytes"} + bytes
     close {"op": "close"} -> {"ok": true}
     failure of any request -> {"ok": false, "error": "..."}
@@ -21,6 +24,8 @@ import struct
 import sys
 import tempfile
 
+from longvideo.data.video_base import display_matrix, stream_facts
+
 
 def _read_exact(f, n):
     chunks, left = [], n
@@ -31,6 +36,27 @@ def _read_exact(f, n):
         chunks.append(b)
         left -= len(b)
     return b"".join(chunks)
+
+
+def _facts(path):
+    """What PyAV reads of how the video is shown (see video_base.Orientation); an error message instead."""
+    try:
+        import av
+
+        if hasattr(path, "seek"):
+            path.seek(0)
+        with av.open(path) as c:
+            s = c.streams.video[0]
+            rate = s.average_rate or s.guessed_rate or s.base_rate
+            declared, tag, sar = stream_facts(c, s, float(rate) if rate else 1.0)
+            matrix = None
+            for f in c.decode(s):
+                matrix = display_matrix(f)
+                break
+        return {"matrix": matrix, "rotate": tag, "declared": declared,
+                "sar": float(sar) if sar else None}, None
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which refuses the video
+        return None, (str(e).splitlines() or [type(e).__name__])[0][:200]
 
 
 def main():
@@ -83,8 +109,9 @@ def main():
                 count, fps = len(vr), float(vr.get_avg_fps())
                 h, w = vr[0].shape[:2] if count > 0 else (0, 0)
                 vr.seek(0)
+                facts, why = _facts(path)
                 reply({"ok": True, "num_frames": count, "fps": fps if math.isfinite(fps) else 0.0,
-                       "width": int(w), "height": int(h)})
+                       "width": int(w), "height": int(h), "facts": facts, "facts_error": why})
             elif op == "read":
                 idx = [int(i) for i in req["indices"]]
                 frames = np.ascontiguousarray(vr.get_batch(idx).asnumpy(), dtype=np.uint8)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -61,7 +62,8 @@ def tokenize_main(argv: list[str]) -> int:
                         "streamed, brace patterns allowed)")
     p.add_argument("--out", required=True, help="output directory for token shards")
     p.add_argument("--workers", type=int, default=1, help="worker processes (each loads the VQ once)")
-    p.add_argument("--config", default=None, help="a root config; its data.fps/max_frames/max_resolution are the defaults")
+    p.add_argument("--config", default=None, help="a root config; its data.fps/max_frames/max_resolution/video_backend/"
+                                                 "partial_videos/min_partial_fraction are the defaults")
     p.add_argument("--fps", type=float, default=None, help=f"frames per second to sample (default {d.fps})")
     p.add_argument("--max-frames", type=int, default=None, help=f"frame cap per video (default {d.max_frames})")
     p.add_argument("--max-resolution", type=int, default=None, help=f"longest frame side accepted (default {d.max_resolution})")
@@ -69,6 +71,11 @@ def tokenize_main(argv: list[str]) -> int:
                    help=f"frames per VQ forward (default: the config's infer.encode_batch_frames, else {d.batch_frames})")
     p.add_argument("--backend", choices=["auto", "decord", "pyav"], default=None,
                    help=f"video decoder (default {d.backend} = pyav; decord runs in a child process)")
+    p.add_argument("--partial-videos", choices=["keep", "skip"], default=None,
+                   help=f"videos cut short or with frames lost to damage: keep what was read, or skip them "
+                        f"(default {d.partial_videos})")
+    p.add_argument("--min-partial-fraction", type=float, default=None,
+                   help=f"least share of a partial video read for it to be kept (default {d.min_partial_fraction})")
     p.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR if a.quiet else logging.WARNING, format="%(levelname)s %(message)s")
@@ -77,14 +84,16 @@ def tokenize_main(argv: list[str]) -> int:
         root = load_config(a.config)
         dc = root.data
         base = TokenizeOptions(fps=dc.fps, max_frames=dc.max_frames, max_resolution=dc.max_resolution,
-                               batch_frames=root.infer.encode_batch_frames, backend=dc.video_backend)
-    opts = TokenizeOptions(fps=a.fps if a.fps is not None else base.fps,
-                           max_frames=a.max_frames if a.max_frames is not None else base.max_frames,
-                           max_resolution=a.max_resolution if a.max_resolution is not None else base.max_resolution,
-                           batch_frames=a.batch_frames if a.batch_frames is not None else base.batch_frames,
-                           backend=a.backend if a.backend is not None else base.backend)
+                               batch_frames=root.infer.encode_batch_frames, backend=dc.video_backend,
+                               partial_videos=dc.partial_videos, min_partial_fraction=dc.min_partial_fraction)
+    given = {"fps": a.fps, "max_frames": a.max_frames, "max_resolution": a.max_resolution,
+             "batch_frames": a.batch_frames, "backend": a.backend, "partial_videos": a.partial_videos,
+             "min_partial_fraction": a.min_partial_fraction}
+    opts = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
     if opts.fps <= 0 or (opts.max_frames is not None and opts.max_frames <= 0) or opts.batch_frames <= 0:
         p.error("--fps, --max-frames and --batch-frames must be positive")
+    if not 0.0 <= opts.min_partial_fraction <= 1.0:
+        p.error("--min-partial-fraction must be in [0, 1]")
     try:
         stats = tokenize_shards(a.vq, a.inputs, a.out, opts, workers=a.workers, progress=not a.quiet)
     except FileNotFoundError as e:

@@ -6,8 +6,9 @@
     vc.num_frames   # frames read
 
 The video is decoded at `fps` by the data reader (longvideo.data.video: bounded, untrusted input
-raises VideoError) and streamed into the VQ encoder `batch_frames` frames at a time, so memory
-does not grow with the video's length; only the codes accumulate.
+raises VideoError; frames as a player shows them) and streamed into the VQ encoder `batch_frames`
+frames at a time, so memory does not grow with the video's length; only the codes accumulate.
+`vc.report` says what the read kept (a truncated file, gaps lost to refused packets).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from longvideo.data.video import DEFAULT_MAX_RESOLUTION, VideoSource, iter_video
+from longvideo.data.video import DEFAULT_MAX_RESOLUTION, ReadReport, VideoSource, iter_video
 from longvideo.vq.codec import encode_video
 from longvideo.vq.model import VQModel
 
@@ -34,6 +35,8 @@ class VideoCodes:
     """float64 (G,), seconds of each group's first frame."""
     num_frames: int
     """Frames read from the video."""
+    report: Optional[ReadReport] = None
+    """What the read kept (video_to_codes)."""
 
 
 def frames_to_codes(vq: VQModel, chunks: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
@@ -69,17 +72,20 @@ def video_to_codes(vq: VQModel, video: VideoSource, *, fps: float = 1.0, max_fra
     the frames the VQ is given (uint8 (t, H, W, 3)) and their times (a server's thumbnails).
     Raises VideoError (or a subclass) for a missing or unreadable video.
     """
+    reader = iter_video(video, fps=fps, max_frames=max_frames, size=vq.cfg.resolution,
+                        max_resolution=max_resolution, backend=backend)
     bar = tqdm(total=total_frames, unit="frame", desc="encoding video", disable=not progress)
 
     def chunks():
-        for frames, times in iter_video(video, fps=fps, max_frames=max_frames, size=vq.cfg.resolution,
-                                        max_resolution=max_resolution, backend=backend):
+        for frames, times in reader:
             bar.update(int(frames.shape[0]))
             if on_frames is not None:
                 on_frames(frames, times)
             yield frames, times
 
     try:
-        return frames_to_codes(vq, chunks(), batch_frames=batch_frames)
+        vc = frames_to_codes(vq, chunks(), batch_frames=batch_frames)
     finally:
         bar.close()
+    vc.report = reader.report
+    return vc

@@ -24,6 +24,10 @@ class DataConfig:
     """Longest frame side accepted when decoding (larger videos are skipped as unsupported)."""
     video_backend: Literal["auto", "decord", "pyav"] = "auto"
     """Video decoder: auto = pyav (in this process); decord runs in a child process (a crash skips the video)."""
+    partial_videos: Literal["keep", "skip"] = "keep"
+    """Videos cut short or with frames lost to damage: keep what was read (when at least min_partial_fraction), or skip."""
+    min_partial_fraction: float = 0.5
+    """Least share of a partial video's declared duration that must have been read for it to be kept."""
     text_loss_weight: float = 0.5
     """Loss weight of text tokens (LWM: 0.5)."""
     vision_loss_weight: float = 0.5
@@ -58,6 +62,7 @@ class DataConfig:
         check(self.fps > 0, "fps", "must be positive")
         check(self.max_frames > 0, "max_frames", "must be positive")
         check(self.max_resolution > 0, "max_resolution", "must be positive")
+        check(0.0 <= self.min_partial_fraction <= 1.0, "min_partial_fraction", "must be in [0, 1]")
         check(self.text_loss_weight >= 0, "text_loss_weight", "must be >= 0")
         check(self.vision_loss_weight >= 0, "vision_loss_weight", "must be >= 0")
         check(self.timestamp_every >= 0, "timestamp_every", "must be >= 0")

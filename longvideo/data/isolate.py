@@ -39,8 +39,8 @@ from typing import Optional
 
 import numpy as np
 
-from longvideo.data.video_base import (CorruptVideoError, EmptyVideoError, VideoError, VideoInfo, VideoSource,
-                                      check_frame_size)
+from longvideo.data.video_base import (CorruptVideoError, EmptyVideoError, Orientation, UnsupportedVideoError,
+                                      VideoError, VideoInfo, VideoSource, check_frame_size)
 
 OPEN_TIMEOUT_S = 120.0
 """Seconds the child may take to open a video (the whole file is indexed then)."""
@@ -53,6 +53,7 @@ MEMORY_GIB = float(os.environ.get("LONGVIDEO_DECODER_MEMORY_GIB", 16))
 IDLE_WORKERS = 2
 """Idle decoder children kept for reuse per process."""
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_decord_child.py")
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class DecoderCrashError(CorruptVideoError):
@@ -74,7 +75,9 @@ class _Worker:
         self.owner = os.getpid()
         self.spool = tempfile.mkdtemp(prefix="longvideo-decoder-")
         self.log = tempfile.TemporaryFile()
-        env = dict(os.environ, TMPDIR=self.spool, MALLOC_ARENA_MAX="2")
+        # the child imports the package's leaf video_base: from this checkout, installed or not
+        path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, TMPDIR=self.spool, MALLOC_ARENA_MAX="2", PYTHONPATH=path)
         self.proc = subprocess.Popen([sys.executable, "-P", "-u", _CHILD, str(MEMORY_GIB)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, env=env, close_fds=True)
         self._buf = bytearray()
@@ -226,9 +229,21 @@ class IsolatedDecordBackend:
         try:
             n, fps = int(reply["num_frames"]), float(reply["fps"])
             w, h = int(reply["width"]), int(reply["height"])
+            facts = reply["facts"]
+            if facts is not None:
+                matrix = None if facts["matrix"] is None else [int(x) for x in facts["matrix"]]
+                declared = None if facts["declared"] is None else float(facts["declared"])
+                # decord 0.6 turns frames by the matrix's (or the tag's) angle, without its flips
+                done = Orientation.from_container(matrix, facts["rotate"], flips=False)
+                o = Orientation.from_container(matrix, facts["rotate"], facts["sar"]).after(done)
         except (KeyError, TypeError, ValueError):
             self._fail()
             raise DecoderCrashError("decord's process sent a malformed reply", label) from None
+        if facts is None:  # decord shows stored frames; without PyAV's reading it cannot tell which way up
+            self.close()
+            raise UnsupportedVideoError("decord cannot tell how this video is shown (PyAV, which reads its "
+                                        f"display matrix for decord, cannot open it: {reply.get('facts_error')}); "
+                                        "use backend=pyav", label)
         if n <= 0:
             self.close()
             raise EmptyVideoError("decord finds no frames", label)
@@ -240,7 +255,10 @@ class IsolatedDecordBackend:
         except VideoError:
             self.close()
             raise
-        self.info = VideoInfo(num_frames=n, fps=fps, width=w, height=h, duration=n / fps)
+        self.stored, (sw, sh) = (h, w), o.shown(w, h)
+        self.info = VideoInfo(num_frames=n, fps=fps, width=sw, height=sh, duration=n / fps, declared=declared,
+                              orientation=o)
+        self.exhausted, self.end, self.gaps = False, None, []  # decord reads every frame asked or raises
 
     def _fail(self) -> None:
         if self._w is not None:
@@ -264,7 +282,7 @@ class IsolatedDecordBackend:
         return reply
 
     def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """uint8 (t, H, W, 3) frames and float64 (t,) start times of ``indices``."""
+        """Stored uint8 (t, H, W, 3) frames and float64 (t,) start times of ``indices``."""
         indices = np.asarray(indices, np.int64)
         reply = self._call({"op": "read", "indices": indices.tolist()}, None,
                            READ_TIMEOUT_S + PER_FRAME_TIMEOUT_S * len(indices))
@@ -275,7 +293,7 @@ class IsolatedDecordBackend:
         except (KeyError, TypeError, ValueError):
             self._fail()
             raise DecoderCrashError("decord's process sent a malformed reply", self.label) from None
-        want = (len(indices), self.info.height, self.info.width, 3)
+        want = (len(indices), *self.stored, 3)
         if shape != want or len(data) != int(np.prod(shape)) or times.shape != (len(indices),):
             raise CorruptVideoError(f"decord returned frames {shape} for a request of {want}", self.label)
         return np.frombuffer(data, np.uint8).reshape(shape), times

@@ -41,6 +41,7 @@ import torch
 
 from longvideo.data.templates import Doc, LayoutOptions, build_docs, sample_rng
 from longvideo.data.packing import Packer, pack_row
+from longvideo.data.ranks import fail_together
 from longvideo.data.shards import TOKEN_EXTS, ShardError, SkipStats, TokenShard, decode_token_blobs
 from longvideo.data.streams import expand_sources, is_url, iter_tar
 
@@ -62,12 +63,13 @@ class TokenLoader:
     """Infinite iterator of packed batches over token shards for one dp rank.
 
     Each batch: input_ids, targets, positions, segment_ids (long) and loss_weights (float32),
-    all (batch_size, seq_len). ``seq_len`` defaults to ``cfg.seq_len``.
+    all (batch_size, seq_len). ``seq_len`` defaults to ``cfg.seq_len``. ``group``: the process
+    group of every rank that draws batches in step (see ``__next__``); None for one process.
     """
 
     def __init__(self, shards, tokenizer, vocab, cfg, *, batch_size: int = 1, dp_rank: int = 0,
                  dp_size: int = 1, seed: Optional[int] = None, seq_len: Optional[int] = None,
-                 max_indexed_shards: int = 512):
+                 max_indexed_shards: int = 512, group=None):
         self.paths = expand_sources(shards if shards else cfg.train_shards)
         if not self.paths:
             raise FileNotFoundError(f"no token shards match {shards or cfg.train_shards!r}")
@@ -75,7 +77,7 @@ class TokenLoader:
             raise ValueError(f"need 0 <= dp_rank < dp_size, got {dp_rank}, {dp_size}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.tokenizer, self.vocab, self.cfg = tokenizer, vocab, cfg
+        self.tokenizer, self.vocab, self.cfg, self.group = tokenizer, vocab, cfg, group
         self.opts = LayoutOptions.from_config(cfg)
         self.batch_size, self.dp_rank, self.dp_size = batch_size, dp_rank, dp_size
         self.seed = cfg.seed if seed is None else seed
@@ -357,6 +359,20 @@ class TokenLoader:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
+        """The next batch. With ``group``, the ranks agree first that each has one: a rank whose
+        reading raised makes every rank raise (longvideo.data.ranks), instead of the others
+        waiting for it in the training step's collectives."""
+        if self.group is None:
+            return self._batch()
+        batch, error = None, None
+        try:
+            batch = self._batch()
+        except Exception as e:  # noqa: BLE001 - raised on every rank by fail_together
+            error = e
+        fail_together(error, self.group)
+        return batch
+
+    def _batch(self) -> dict[str, torch.Tensor]:
         rows, keys, refs = [], [], []
         for _ in range(self.batch_size):
             row = self._next_row()

@@ -3,9 +3,12 @@
 Each input shard becomes one output shard of the same name, written atomically (a temporary file
 renamed when complete), so an interrupted run leaves only finished shards behind and a rerun skips
 them. Shards are spread over worker processes, each holding one copy of the VQ model. Videos that
-cannot be read (corrupt, truncated, unsupported, empty) and samples without json are counted by
-reason, logged and skipped; a ``NAME.stats.json`` beside each output shard keeps its counts and
-``tokenize_stats.json`` sums them.
+cannot be read (corrupt, unsupported, empty) and samples without json are counted by reason,
+logged and skipped. A partial video (cut short of its declared duration, or with frames lost to
+refused packets) is kept as what was read, counted ``truncated`` or ``gaps`` instead of ``ok``,
+with the segments and QA pairs timed past its end dropped, or skipped (``video_truncated``) as
+``partial_videos`` and ``min_partial_fraction`` say. A ``NAME.stats.json`` beside each output
+shard keeps its counts and ``tokenize_stats.json`` sums them.
 """
 
 from __future__ import annotations
@@ -46,7 +49,32 @@ class TokenizeOptions:
     """Frames the VQ encodes at once."""
     backend: str = "auto"
     """Video decoder: auto (= pyav, in this process), pyav, or decord (in a child process)."""
+    partial_videos: str = "keep"
+    """Partial videos: keep what was read (when at least min_partial_fraction of it), or skip them."""
+    min_partial_fraction: float = 0.5
+    """Least share of a partial video that must have been read for it to be kept."""
 
+
+OUTCOMES = ("ok", "truncated", "gaps")
+"""Samples written: whole, cut short (kept), with frames lost inside (kept). With the skip reasons
+they sum to the samples read."""
+MEASURES = ("seconds_kept", "seconds_declared", "seconds_lost", "segments_dropped", "qa_dropped")
+"""Amounts over the partial samples (not samples): seconds read and declared of the truncated
+ones (kept or skipped), seconds lost in gaps, segments and QA pairs dropped past an end."""
+_TIMES = ("time", "start", "end", "timestamp")
+
+
+def trim_meta(meta: dict, end: float) -> tuple[dict, dict]:
+    """The json without the segments and QA pairs timed past ``end`` seconds (the part of a cut
+    video that was not read), and how many of each were dropped."""
+    out, dropped = dict(meta), {}
+    for key, counter in (("segments", "segments_dropped"), ("qa", "qa_dropped")):
+        items = meta.get(key)
+        if isinstance(items, list):
+            kept = [x for x in items if not any(isinstance(x.get(k), (int, float)) and x[k] > end + 1e-3
+                                                for k in _TIMES)]
+            out[key], dropped[counter] = kept, len(items) - len(kept)
+    return out, dropped
 
 _VQ = None  # the worker's VQ model, loaded once per process
 
@@ -87,13 +115,7 @@ def tokenize_shard(vq, src: str, dst: str, opts: TokenizeOptions, progress=None)
                 except VideoError as e:
                     stats.skip(_reason(e), f"{src}:{sample.key}", str(e))
                 else:
-                    meta = dict(sample.meta)
-                    meta["tokenized"] = {"num_frames": vc.num_frames, "num_groups": int(vc.codes.shape[0]),
-                                         "sample_fps": opts.fps, "video_ext": sample.video_ext,
-                                         "vq_mode": vq.cfg.mode, "vq_resolution": vq.cfg.resolution}
-                    writer.write(sample.key.replace("/", "_"), token_sample_members(sample.key, vc.codes, vc.timestamps,
-                                                                                        meta))
-                    stats["ok"] += 1
+                    _write(writer, stats, sample, vc, vq, opts, f"{src}:{sample.key}")
                 if progress is not None:
                     progress(1)
             if stats["shard_io_error"]:
@@ -104,6 +126,31 @@ def tokenize_shard(vq, src: str, dst: str, opts: TokenizeOptions, progress=None)
     out["seconds"] = round(time.time() - t0, 3)
     write_json_atomic(stats_path(dst), out)
     return out
+
+
+def _write(writer, stats: SkipStats, sample, vc, vq, opts: TokenizeOptions, where: str) -> None:
+    """Write one encoded sample, or skip it as the partial-video policy says; count it either way."""
+    rep, meta = vc.report, dict(sample.meta)
+    lost = rep.describe()
+    if rep.truncated:
+        stats["seconds_kept"] += round(rep.duration, 3)
+        stats["seconds_declared"] += round(rep.declared, 3)
+    if rep.gaps:
+        stats["seconds_lost"] += round(rep.lost_seconds, 3)
+    if lost and (opts.partial_videos == "skip" or rep.fraction < opts.min_partial_fraction):
+        stats.skip("video_truncated", where, f"{lost} ({rep.fraction:.0%} read; partial_videos={opts.partial_videos}, "
+                                             f"min_partial_fraction={opts.min_partial_fraction})")
+        return
+    meta["tokenized"] = {"num_frames": vc.num_frames, "num_groups": int(vc.codes.shape[0]), "sample_fps": opts.fps,
+                         "video_ext": sample.video_ext, "vq_mode": vq.cfg.mode, "vq_resolution": vq.cfg.resolution}
+    if lost:
+        meta, dropped = trim_meta(meta, rep.duration) if rep.truncated else (meta, {})
+        stats.update(dropped)
+        meta["tokenized"]["partial"] = {"seconds_kept": round(rep.duration, 3), "seconds_declared": rep.declared,
+                                        "gaps": [[round(a, 3), round(b, 3)] for a, b in rep.gaps], **dropped}
+        log.warning("kept %s partly: %s", where, lost)
+    writer.write(sample.key.replace("/", "_"), token_sample_members(sample.key, vc.codes, vc.timestamps, meta))
+    stats["truncated" if rep.truncated else "gaps" if rep.gaps else "ok"] += 1
 
 
 def stats_path(shard: str | os.PathLike) -> Path:
@@ -121,7 +168,8 @@ def _count_samples(path: str) -> int:
 
 
 def _skipped(counts) -> int:
-    return sum(v for k, v in counts.items() if k not in ("ok", "shards_done", "shards_skipped", "shards_failed"))
+    return sum(v for k, v in counts.items() if k not in OUTCOMES + MEASURES + ("shards_done", "shards_skipped",
+                                                                               "shards_failed"))
 
 
 def _worker_job(args) -> tuple[str, dict]:
@@ -133,8 +181,9 @@ def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = T
                     workers: int = 1, progress: bool = True) -> dict:
     """Tokenize every raw shard of ``inputs`` into ``out_dir``; finished outputs are skipped.
 
-    Returns summed counts (``ok`` = samples written, one key per skip reason, ``shards_done``,
-    ``shards_skipped``, ``shards_failed``: sources that failed part-way, left for a rerun).
+    Returns summed counts (:data:`OUTCOMES`: samples written, one key per skip reason,
+    :data:`MEASURES`, ``shards_done``, ``shards_skipped``, ``shards_failed``: sources that failed
+    part-way, left for a rerun).
     """
     paths = expand_sources(inputs)
     if not paths:
@@ -165,7 +214,7 @@ def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = T
             res = tokenize_shard(vq, src, dst, o, progress=bar.update)
             total.update({k: v for k, v in res.items() if k != "seconds"})
             total["shards_failed" if res.get("shard_io_error") else "shards_done"] += 1
-            bar.set_postfix(ok=total["ok"], skipped=_skipped(total))
+            bar.set_postfix(ok=total["ok"], partial=total["truncated"] + total["gaps"], skipped=_skipped(total))
     else:
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
@@ -181,7 +230,7 @@ def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = T
                     total.update({k: v for k, v in res.items() if k != "seconds"})
                     total["shards_failed" if res.get("shard_io_error") else "shards_done"] += 1
                     pending.remove(r)
-                    bar.set_postfix(ok=total["ok"], skipped=_skipped(total))
+                    bar.set_postfix(ok=total["ok"], partial=total["truncated"] + total["gaps"], skipped=_skipped(total))
                 if not done:
                     time.sleep(0.05)
             while not queue.empty():

@@ -1,12 +1,18 @@
-"""Reading videos: sample at a target fps, seek to the needed frames, resize and centre-crop.
+"""Reading videos: sample at a target fps, seek to the needed frames, orient, resize and centre-crop.
 
     clip = read_video("talk.mp4", fps=1.0, max_frames=3600, size=256)
-    clip.frames      # uint8 (T, 256, 256, 3)
+    clip.frames      # uint8 (T, 256, 256, 3), as a player shows them
     clip.timestamps  # float64 (T,), seconds from the start of the video
+    clip.report      # what was kept: seconds read of those declared, gaps lost to bad packets
 
 Sampling: the frame shown at t = 0, 1/fps, 2/fps, ... (t < duration) is taken; when that gives
 more than ``max_frames`` frames, ``max_frames`` frames spread uniformly over the whole video are
 taken instead. Only those frames are decoded, from the keyframe before each one.
+
+Frames are what a player shows (display matrix or legacy ``rotate`` tag, sample aspect ratio),
+with every backend. A packet the decoder refuses costs the frames up to the next keyframe (a gap),
+not the video; a tail that cannot be decoded ends the clip; ``clip.report`` says what was kept
+(docs/data.md, "Damaged and partial videos"); what to do with partial videos is the caller's policy.
 
 Backends: PyAV (the default, ``backend="auto"`` or ``"pyav"``), in this process: it demuxes the
 file once to learn the exact frame count and keyframe times, then seeks only where a keyframe lies
@@ -18,15 +24,16 @@ Inputs are untrusted, so decoding is bounded: FFmpeg refuses frames of more than
 ``max_resolution``^2 pixels before allocating them, frames larger than ``max_resolution`` on their
 long side are refused, and at most ``max_frames`` (or :data:`HARD_MAX_FRAMES`) frames are
 returned. Every failure raises a :class:`VideoError` subclass, which the pipeline counts under its
-``reason`` and skips.
+``reason`` and skips. Frames are decoded, turned and resized in chunks of :data:`_CHUNK_BYTES`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import io
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import numpy as np
@@ -35,14 +42,23 @@ import torch.nn.functional as F
 
 from longvideo.data.isolate import IsolatedDecordBackend
 from longvideo.data.video_base import (VIDEO_EXTS, CorruptVideoError, EmptyVideoError,  # noqa: F401 (re-exported:
-                                      UnsupportedVideoError, VideoError, VideoInfo,  # the reader's public names)
-                                      VideoSource, check_frame_size)
+                                      Orientation, ReadReport, UnsupportedVideoError,  # the reader's public names)
+                                      VideoError, VideoInfo, VideoSource, check_frame_size, display_matrix,
+                                      stream_facts)
 
 HARD_MAX_FRAMES = 1 << 16
 """Bound on frames returned when the caller sets no max_frames (about 18 hours at 1 fps)."""
 DEFAULT_MAX_RESOLUTION = 4096
 """Longest frame side accepted by default (pixels)."""
-_CHUNK_BYTES = 64 << 20  # decoded bytes per chunk before resizing
+_CHUNK_BYTES = 2 << 20
+"""Decoded bytes per chunk (the resize holds 4x this as float32); after each chunk the freed heap
+pages go back to the system. Both keep tokenizing memory small and flat in the video's length
+(docs/data.md, "Memory"; tests/test_footage.py)."""
+
+try:  # glibc's malloc_trim (absent elsewhere, where nothing is done)
+    _MALLOC_TRIM = ctypes.CDLL(None).malloc_trim
+except Exception:  # noqa: BLE001 - no C library that has it
+    _MALLOC_TRIM = None
 
 BACKENDS: tuple[str, ...] = ("auto", "pyav", "decord")
 """auto = pyav (in this process); decord runs in a child process (longvideo.data.isolate)."""
@@ -50,12 +66,14 @@ BACKENDS: tuple[str, ...] = ("auto", "pyav", "decord")
 
 @dataclass
 class VideoClip:
-    """Sampled frames (uint8 (T, H, W, 3)), their times (float64 (T,), seconds), source fps and duration."""
+    """Sampled frames (uint8 (T, H, W, 3)), their times (float64 (T,), seconds), source fps and
+    duration (seconds read), and the read's report (declared duration, gaps)."""
 
     frames: torch.Tensor
     timestamps: torch.Tensor
     fps: float
     duration: float
+    report: ReadReport = field(default_factory=lambda: ReadReport(0.0))
 
     def __len__(self) -> int:
         return int(self.frames.shape[0])
@@ -90,24 +108,27 @@ def sample_indices(num_frames: int, src_fps: float, fps: Optional[float] = 1.0,
     return idx
 
 
-# ----------------------------------------------------------------------------- resizing
+# ----------------------------------------------------------------------------- orienting and resizing
 
-def resize_crop(frames: torch.Tensor, size: Optional[int]) -> torch.Tensor:
+def resize_crop(frames: torch.Tensor, size: Optional[int], shown: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Resize the short side to ``size`` (antialiased bilinear) and centre-crop to size x size.
 
-    frames: uint8 (T, H, W, 3) -> uint8 (T, size, size, 3); size=None returns frames unchanged.
+    frames: uint8 (T, H, W, 3) -> uint8 (T, size, size, 3). ``shown``: the (height, width) the
+    frames are shown at, when their pixels are not square (a sample aspect ratio), applied in the
+    same resize; size=None returns the frames at that size (unchanged by default).
     """
-    if size is None or frames.shape[0] == 0:
-        return frames
     t, h, w, _ = frames.shape
-    scale = size / min(h, w)
-    nh, nw = max(size, round(h * scale)), max(size, round(w * scale))
+    sh, sw = shown or (h, w)
+    if t == 0 or (size is None and (sh, sw) == (h, w)):
+        return frames.contiguous()
+    scale = 1.0 if size is None else size / min(sh, sw)
+    nh, nw = max(size or 1, round(sh * scale)), max(size or 1, round(sw * scale))
     if (nh, nw) != (h, w):
         x = frames.permute(0, 3, 1, 2).float()  # (T, 3, H, W)
         x = F.interpolate(x, size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)
         frames = x.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
-    top, left = (nh - size) // 2, (nw - size) // 2
-    return frames[:, top: top + size, left: left + size].contiguous()
+    top, left = ((nh - size) // 2, (nw - size) // 2) if size else (0, 0)
+    return frames[:, top: top + (size or nh), left: left + (size or nw)].contiguous()
 
 
 # ----------------------------------------------------------------------------- backends
@@ -116,7 +137,14 @@ def _label(src: VideoSource) -> str:
     return "<bytes>" if isinstance(src, (bytes, bytearray, memoryview)) else str(src)
 
 
+_GAP = "gap"  # stands for the frame before a frame decoded right after a loss
+
+
 class _PyAVBackend:
+    """Reader over PyAV. State between reads: the live decode run (``_frames``), its two newest
+    frames (``_prev``, ``_last``; ``_prev`` None when ``_last`` is the run's first, ``_GAP`` when
+    packets were lost before it) and the keyframe the run started from (``_run_key``)."""
+
     name = "pyav"
 
     def __init__(self, src: VideoSource, label: str, max_resolution: int):
@@ -148,9 +176,10 @@ class _PyAVBackend:
             if not math.isfinite(fps) or fps <= 0:
                 raise CorruptVideoError(f"bad frame rate {rate}", label)
             self.start = float(s.start_time * s.time_base) if s.start_time is not None and s.time_base else 0.0
-            # one pass over the packets (demuxing, no decoding) gives the exact frame count, the
-            # duration and the keyframe times, so reads can seek exactly when a keyframe lies ahead
-            n, duration, keys = self._scan()
+            # one pass over the packets (demuxing, no decoding but the first frame's) gives the exact
+            # frame count, the duration, the keyframe times and the display matrix
+            n, duration, keys, matrix = self._scan()
+            declared, tag, sar = stream_facts(self.container, s, fps)
             self.container.close()
             self._open_container()
         except VideoError:
@@ -162,12 +191,19 @@ class _PyAVBackend:
         if n <= 0:
             self.close()
             raise EmptyVideoError("no frames", label)
-        self.info = VideoInfo(num_frames=n, fps=fps, width=w, height=h,
-                              duration=duration if duration > 0 else n / fps)
+        o = Orientation.from_container(matrix, tag, sar)
+        self.stored = (h, w)
+        sw, sh = o.shown(w, h)
+        self.info = VideoInfo(num_frames=n, fps=fps, width=sw, height=sh, duration=duration if duration > 0 else n / fps,
+                              declared=declared, orientation=o)
         self._keys = keys  # sorted keyframe times (seconds from the start)
-        self._frames = None  # the live decode iterator
-        self._last = None  # (time, frame) of the newest decoded frame
-        self._end = None  # time of the last frame, once the stream has ended
+        self._frames = None
+        self._prev = self._last = None
+        self._run_key = None
+        self._lost = None  # time of a packet the decoder refused, until the next frame decodes
+        self.end = None  # time of the last frame, once the decoder reached the end of the stream
+        self.exhausted = False  # no later frame can be read
+        self.gaps: list[tuple[float, float]] = []
 
     def _open_container(self) -> None:
         try:
@@ -177,15 +213,26 @@ class _PyAVBackend:
         if not self.container.streams.video:
             raise UnsupportedVideoError("no video stream", self.label)
         self.stream = self.container.streams.video[0]
-        self.stream.thread_type = "AUTO"
+        # slice threads only: frame threads report a refused packet frames later (which packet
+        # failed, and which frames came from the broken reference, is then unknown) and hold a
+        # frame per thread
+        self.stream.thread_type = "SLICE"
         if self.stream.codec_context is not None:
             self.stream.codec_context.options = dict(self._options)
 
-    def _scan(self) -> tuple[int, float, np.ndarray]:
-        """Frame count, duration and keyframe times from the packets."""
-        count, end, keys = 0, 0.0, []
+    def _scan(self) -> tuple[int, float, np.ndarray, Optional[list[int]]]:
+        """Frame count, duration and keyframe times from the packets; the first frame's display matrix."""
+        count, end, keys, matrix, probe = 0, 0.0, [], None, 64
         try:
             for packet in self.container.demux(self.stream):
+                if probe:  # the display matrix travels on decoded frames: decode up to the first one
+                    probe -= 1
+                    try:
+                        for f in packet.decode():
+                            matrix, probe = display_matrix(f), 0
+                            break
+                    except self._av.FFmpegError:
+                        pass
                 if packet.size == 0 or packet.pts is None:
                     continue
                 count += 1
@@ -199,87 +246,134 @@ class _PyAVBackend:
             raise
         except Exception as e:
             raise CorruptVideoError(f"PyAV cannot demux it: {str(e)[:200]}", self.label) from e
-        return count, end, np.asarray(sorted(keys), np.float64)
+        return count, end, np.asarray(sorted(keys), np.float64), matrix
 
-    def _reopen(self) -> None:
-        """Decode from the first frame (after a seek failed, or when seeking is off)."""
-        self.container.close()
-        self._open_container()
-        self._frames = self.container.decode(self.stream)
-        self._last = None
-
-    def _restart(self, t: float) -> bool:
-        """Position the decoder before time t (seconds from the start). Returns whether it sought."""
-        if not self._seekable:
-            if self._frames is None or (self._last is not None and self._last[0] > t + 0.5 / self.info.fps):
-                self._reopen()  # streams that cannot seek are decoded from the start
-            return False
-        self.container.seek(int((t + self.start) / self.stream.time_base), stream=self.stream,
-                            backward=True, any_frame=False)
-        self._frames = self.container.decode(self.stream)
-        self._last = None
-        return True
+    def _decode(self, wait_key: bool) -> Iterator[tuple[float, object]]:
+        """(time, frame) from the demuxer's position on. Packets before the first keyframe are
+        skipped when ``wait_key`` (after a seek); a packet the decoder refuses is noted in
+        ``_lost`` and decoding resumes at the next keyframe; a container that cannot be demuxed
+        further ends the stream there (what the decoder holds is flushed)."""
+        av, wait_key, t, cut = self._av, wait_key and len(self._keys) > 0, None, False
+        packets = self.container.demux(self.stream)
+        while True:
+            try:
+                packet = next(packets, None)
+            except av.FFmpegError:
+                packet, cut = None, True
+            if packet is not None and wait_key and packet.size and not packet.is_keyframe:
+                continue
+            try:
+                frames = packet.decode() if packet is not None else self.stream.codec_context.decode(None)
+            except av.FFmpegError:
+                if packet is None:
+                    return
+                if self._lost is None:
+                    self._lost = float(packet.pts * packet.time_base) - self.start if packet.pts is not None else t or 0.0
+                wait_key = len(self._keys) > 0
+                continue
+            wait_key = wait_key and not (packet is not None and packet.size)
+            for f in frames:
+                t = float(f.time) - self.start if f.time is not None else (t or 0.0) + 1.0 / self.info.fps
+                yield t, f
+            if packet is None:
+                if cut:
+                    self._lost = t or 0.0
+                return
 
     def _next(self):
-        """The next decoded (time, frame), or None at the end of the stream."""
-        try:
-            frame = next(self._frames)
-        except StopIteration:
+        """The next (time, frame) of the run, noting a gap when packets were lost before it; None at the end."""
+        nxt = next(self._frames, None)
+        if nxt is None:
             self._frames = None
             return None
-        except Exception as e:
-            raise CorruptVideoError(f"PyAV decode failed: {str(e)[:200]}", self.label) from e
-        ft = float(frame.time if frame.time is not None else 0.0) - self.start
-        return ft, frame
+        if self._lost is not None:
+            gap = (self._last[0] if self._last is not None else self._lost, nxt[0])
+            if not any(a <= gap[0] < b or a < gap[1] <= b for a, b in self.gaps):  # not met before
+                self.gaps.append(gap)
+            self._lost, self._prev = None, _GAP
+        else:
+            self._prev = self._last
+        self._last = nxt
+        return nxt
+
+    def _reopen(self, key: Optional[float]) -> None:
+        """Start a run at keyframe ``key`` (known to decode), or at the file's first frame."""
+        if key is None:
+            self.container.close()
+            self._open_container()
+        else:
+            self._seek(key)
+        self._frames, self._run_key = self._decode(wait_key=key is not None), key
+        self._prev = self._last = self._lost = None
+
+    def _seek(self, t: float) -> None:
+        self.container.seek(round((t + self.start) / self.stream.time_base), stream=self.stream,
+                            backward=True, any_frame=False)
+
+    def _position(self, target: float, limit: float) -> None:
+        """Start a run that reaches ``target``: at the keyframe before it, else the keyframe before
+        that, else (an index that lands on data the decoder refuses) on from the last keyframe that
+        worked. A seek that lands past the target (MPEG-TS's imprecise index) turns seeking off."""
+        j = int(np.searchsorted(self._keys, limit, side="right")) - 1
+        for key in self._keys[max(j - 1, 0): j + 1][::-1] if self._seekable and j >= 0 else ():
+            self._seek(key)
+            self._frames, self._lost, self._prev = self._decode(wait_key=True), None, None
+            first = next(self._frames, None)
+            if first is not None and self._lost is None and first[0] <= limit:
+                self._last, self._run_key = first, key
+                return
+            if first is not None and self._lost is None:
+                self._seekable = False  # overshot: decode linearly from here on
+                break
+        self._reopen(self._run_key if self._seekable else None)
 
     def _keyframe_ahead(self, limit: float) -> bool:
         """Whether a keyframe lies after the newest decoded frame and at or before ``limit``."""
         j = int(np.searchsorted(self._keys, limit, side="right")) - 1
         return j >= 0 and self._keys[j] > self._last[0]
 
+    def _frame_at(self, target: float, limit: float):
+        """The (time, frame) on screen at ``target`` (the newest at or before ``limit``), or None
+        when it was lost in a gap."""
+        if any(a + 1.0 / self.info.fps <= limit < b for a, b in self.gaps):
+            return None  # known lost: not decoded again
+        prev = self._prev if self._prev is not _GAP else None
+        behind = self._last is not None and self._last[0] > limit and not (prev is not None and prev[0] <= limit)
+        if self._last is None or behind or (self._frames is not None and self._seekable
+                                            and self._keyframe_ahead(limit)):
+            if self._frames is None or self._seekable or behind:
+                self._position(target, limit)
+        while self._frames is not None and (self._last is None or self._last[0] <= limit):
+            self._next()
+        last, prev = self._last, self._prev
+        if self._frames is None:
+            self.end = last[0] if last is not None else target
+        if last is None:
+            return None
+        if last[0] <= limit:
+            return last
+        if prev is None:
+            return last  # the run's first frame lies just after the target: it is the one on screen
+        return prev if prev is not _GAP and prev[0] <= limit else None
+
     def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """uint8 (t, H, W, 3) frames and float64 (t,) times of ``indices`` (t < len when the stream ends early)."""
-        fps = self.info.fps
+        """Stored uint8 (t, H, W, 3) frames and float64 (t,) times of ``indices``: fewer when the
+        stream ends early (then ``exhausted``) or a target's frame was lost (then in ``gaps``)."""
+        fps, (h, w) = self.info.fps, self.stored
         out, times = [], []
         for i in indices.tolist():
             target = i / fps
-            if self._end is not None and target > self._end + 1.0 / fps:
-                break  # past the last frame that exists (the header over-counted)
-            limit = target + 0.5 / fps  # tolerance for rounded timestamps
-            # decode forward unless a keyframe lies between here and the target (or the target is behind)
-            sought = False
-            if self._frames is None or self._last is None or self._last[0] > limit \
-                    or self._keyframe_ahead(limit):
-                sought = self._restart(target)
-            picked = self._last if self._last is not None and self._last[0] <= limit else None
-            while True:
-                nxt = self._next()
-                if nxt is None and sought and picked is None and self._last is None:
-                    # some containers (e.g. MPEG-TS without an index) cannot seek: decode linearly
-                    self._seekable, sought = False, False
-                    self._reopen()
-                    continue
-                if nxt is None:
-                    self._end = picked[0] if picked is not None else target
-                    break
-                self._last = nxt
-                if nxt[0] > limit and sought and picked is None:
-                    # the seek overshot (imprecise index, e.g. MPEG-TS): decode linearly instead
-                    self._seekable, sought = False, False
-                    self._reopen()
-                    continue
-                sought = False
-                if nxt[0] > limit:
-                    break  # one frame too far: it stays as the newest decoded frame
-                picked = nxt
-            if picked is None:
-                picked = self._last  # the seek landed after the target: the next frame is on screen
-            if picked is None:
+            if self.end is not None and target > self.end + 1.0 / fps:
+                self.exhausted = True  # past the last frame that exists (or that decodes)
                 break
-            out.append(picked[1].to_ndarray(format="rgb24"))
-            times.append(picked[0])
+            got = self._frame_at(target, target + 0.5 / fps)
+            if got is not None:
+                f = got[1]  # a stream may change size mid-way: frames keep the first size
+                out.append(f.to_ndarray(format="rgb24") if (f.height, f.width) == (h, w)
+                           else f.to_ndarray(format="rgb24", width=w, height=h))
+                times.append(got[0])
         if not out:
-            return np.zeros((0, self.info.height, self.info.width, 3), np.uint8), np.zeros(0)
+            return np.zeros((0, h, w, 3), np.uint8), np.zeros(0)
         return np.stack(out), np.asarray(times, np.float64)
 
     def close(self) -> None:
@@ -291,7 +385,8 @@ class _PyAVBackend:
 
 def probe_video(src: VideoSource, *, max_resolution: int = DEFAULT_MAX_RESOLUTION,
                 backend: str = "auto") -> VideoInfo:
-    """Frame count, fps, size and duration, without decoding frames (beyond what opening takes)."""
+    """Frame count, fps, displayed size, duration (read and declared) and orientation, without
+    decoding frames (beyond the first)."""
     reader = _open(src, _label(src), max_resolution, backend)
     reader.close()
     return reader.info
@@ -312,46 +407,64 @@ def _open(src: VideoSource, label: str, max_resolution: int, backend: str = "aut
     return _PyAVBackend(src, label, max_resolution)
 
 
-def _chunks(reader, src: VideoSource, label: str, *, fps, max_frames, size, max_resolution,
-            chunk_frames, backend) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    info = reader.info
-    indices = sample_indices(info.num_frames, info.fps, fps, max_frames)
-    if chunk_frames is None:
-        chunk_frames = max(1, min(256, _CHUNK_BYTES // (info.width * info.height * 3)))
-    done = 0
-    try:
-        while done < len(indices):
-            want = indices[done: done + chunk_frames]
-            try:
-                frames, times = reader.read(want)
-            except VideoError:
-                raise
-            except Exception as e:
-                raise CorruptVideoError(f"{reader.name} decode failed: {type(e).__name__}: {str(e)[:200]}",
-                                        label) from e
-            if len(frames) == 0:
-                break
-            done += len(want)
-            yield resize_crop(torch.from_numpy(frames), size), torch.from_numpy(times)
-            if len(frames) < len(want):
-                break  # the stream ended before the header said it would
-    finally:
-        reader.close()
+class VideoChunks:
+    """The sampled frames of a video as chunks ``(frames uint8 (t, H, W, 3), timestamps float64
+    (t,))``, oriented and resized: see :func:`iter_video`. ``info`` once opened; ``report``
+    (:class:`ReadReport`) once iterated to the end."""
+
+    def __init__(self, src: VideoSource, *, fps: Optional[float], max_frames: Optional[int], size: Optional[int],
+                 max_resolution: int, chunk_frames: Optional[int], backend: str):
+        self.label = _label(src)
+        self._reader = _open(src, self.label, max_resolution, backend)
+        self.info = self._reader.info
+        self._indices = sample_indices(self.info.num_frames, self.info.fps, fps, max_frames)
+        h, w = self._reader.stored
+        self._chunk = chunk_frames or max(1, min(256, _CHUNK_BYTES // (w * h * 3)))
+        self._size = size
+        self.report: Optional[ReadReport] = None
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        reader, info, o = self._reader, self.info, self.info.orientation
+        read = 0
+        try:
+            for start in range(0, len(self._indices), self._chunk):
+                try:
+                    frames, times = reader.read(self._indices[start: start + self._chunk])
+                except VideoError:
+                    raise
+                except Exception as e:
+                    raise CorruptVideoError(f"{reader.name} decode failed: {type(e).__name__}: {str(e)[:200]}",
+                                            self.label) from e
+                read += len(frames)
+                if len(frames):
+                    shown = torch.from_numpy(np.ascontiguousarray(o.apply(frames)))
+                    yield resize_crop(shown, self._size, (info.height, info.width)), torch.from_numpy(times)
+                    del frames, shown
+                    if _MALLOC_TRIM is not None:
+                        _MALLOC_TRIM(0)
+                if reader.exhausted:
+                    break
+            if not read:
+                raise CorruptVideoError("no frame could be decoded", self.label)
+            duration, declared = info.duration, info.declared
+            if reader.end is not None and reader.end + 1.0 / info.fps < duration:
+                # the decoder stopped before the packets did: the packets' duration was claimed
+                declared, duration = max(declared or 0.0, duration), reader.end + 1.0 / info.fps
+            self.report = ReadReport(duration=duration, declared=declared, gaps=list(reader.gaps), fps=info.fps)
+        finally:
+            reader.close()
 
 
 def iter_video(src: VideoSource, *, fps: Optional[float] = 1.0, max_frames: Optional[int] = None,
                size: Optional[int] = None, max_resolution: int = DEFAULT_MAX_RESOLUTION,
-               chunk_frames: Optional[int] = None, backend: str = "auto",
-               ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+               chunk_frames: Optional[int] = None, backend: str = "auto") -> VideoChunks:
     """Stream the sampled frames as chunks ``(frames uint8 (t, H, W, 3), timestamps float64 (t,))``.
 
-    Decoding memory is bounded by the chunk size (about 64 MiB of raw frames by default). See
-    :func:`read_video`.
+    Decoding memory is bounded by the chunk size (about 2 MiB of decoded frames by default). The
+    returned iterable's ``report`` says, after the last chunk, what was kept. See :func:`read_video`.
     """
-    label = _label(src)
-    reader = _open(src, label, max_resolution, backend)
-    yield from _chunks(reader, src, label, fps=fps, max_frames=max_frames, size=size,
-                       max_resolution=max_resolution, chunk_frames=chunk_frames, backend=backend)
+    return VideoChunks(src, fps=fps, max_frames=max_frames, size=size, max_resolution=max_resolution,
+                       chunk_frames=chunk_frames, backend=backend)
 
 
 def read_video(src: VideoSource, *, fps: Optional[float] = 1.0, max_frames: Optional[int] = None,
@@ -360,21 +473,16 @@ def read_video(src: VideoSource, *, fps: Optional[float] = 1.0, max_frames: Opti
     """Decode the frames sampled at ``fps`` (None: all), capped at ``max_frames``, resized to ``size``.
 
     src: a path or the bytes of a video file (any of :data:`VIDEO_EXTS`; FFmpeg looks at the content).
-    Returns a :class:`VideoClip` with frames uint8 (T, H, W, 3) (H = W = size when size is given)
-    and timestamps float64 (T,). Raises :class:`VideoError` (a subclass) when the video is empty,
-    corrupt, truncated, unsupported or larger than ``max_resolution``; with ``backend="decord"``
-    also :class:`~longvideo.data.isolate.DecoderCrashError` when decord's process died on it.
+    Returns a :class:`VideoClip` with frames uint8 (T, H, W, 3) as a player shows them (H = W =
+    size when size is given), timestamps float64 (T,) and the read's report (a truncated file
+    gives the frames that could be read; ``clip.report.truncated`` says so). Raises
+    :class:`VideoError` (a subclass) when the video is empty, corrupt, unsupported or larger
+    than ``max_resolution``, or no frame of it decodes; with ``backend="decord"`` also
+    :class:`~longvideo.data.isolate.DecoderCrashError` when decord's process died on it.
     ``backend``: auto (= pyav) or pyav, in this process, or decord, in a child process.
     """
-    label = _label(src)
-    reader = _open(src, label, max_resolution, backend)
-    info = reader.info
-    chunks, stamps = [], []
-    for frames, times in _chunks(reader, src, label, fps=fps, max_frames=max_frames, size=size,
-                                 max_resolution=max_resolution, chunk_frames=None, backend=backend):
-        chunks.append(frames)
-        stamps.append(times)
-    if not chunks:
-        raise EmptyVideoError("no frame could be decoded", label)
-    return VideoClip(frames=torch.cat(chunks), timestamps=torch.cat(stamps), fps=info.fps,
-                     duration=info.duration)
+    chunks = iter_video(src, fps=fps, max_frames=max_frames, size=size, max_resolution=max_resolution,
+                        backend=backend)
+    parts = list(chunks)
+    return VideoClip(frames=torch.cat([p[0] for p in parts]), timestamps=torch.cat([p[1] for p in parts]),
+                     fps=chunks.info.fps, duration=chunks.report.duration, report=chunks.report)

@@ -1,13 +1,20 @@
 """What every video reader shares: the source type, the accepted extensions, the errors (each
-with the skip counter it is filed under), what a reader learns from a container, and the frame-size
-bound applied before anything is decoded. A leaf: the in-process reader (longvideo.data.video) and
-the isolated decord reader (longvideo.data.isolate) both build on it."""
+with the skip counter it is filed under), what a reader learns from a container (including which
+way up it is shown), what a read kept, and the frame-size bound applied before anything is
+decoded. A leaf: the in-process reader (longvideo.data.video), the isolated decord reader
+(longvideo.data.isolate) and decord's child process all build on it; it imports numpy only (PyAV's
+objects are passed in)."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
-from dataclasses import dataclass
-from typing import Union
+import struct
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import numpy as np
 
 VideoSource = Union[str, os.PathLike, bytes, bytearray, memoryview]
 
@@ -16,6 +23,10 @@ VIDEO_EXTS: tuple[str, ...] = ("mp4", "m4v", "mov", "mkv", "webm", "avi", "ogv",
                                "flv", "gif", "3gp")
 """Accepted video file extensions (lower case, no dot): in shards, folders and ``chat --video``.
 The one list; shard members, folder scans and messages all use it."""
+
+TRUNCATED_TOLERANCE_S = 0.5
+"""A video is truncated when it ends more than this many seconds (and two frames) before its
+container says it does; audio tracks and rounded headers differ from the video by less."""
 
 
 class VideoError(Exception):
@@ -47,14 +58,138 @@ class UnsupportedVideoError(VideoError):
 
 
 @dataclass(frozen=True)
+class Orientation:
+    """How stored frames become what a player shows: a transpose and flips (the display matrix, or
+    the legacy ``rotate`` tag), then the sample aspect ratio ``sar`` (a stored pixel's width over
+    its height) stretching the stored width."""
+
+    transpose: bool = False
+    flip_rows: bool = False
+    flip_cols: bool = False
+    sar: float = 1.0
+
+    @classmethod
+    def from_container(cls, matrix: Optional[list[int]] = None, rotate_tag: Optional[str] = None,
+                       sar=None, flips: bool = True) -> "Orientation":
+        """``matrix``: FFmpeg's display matrix (9 ints, row-major), which maps a stored pixel
+        (column x, row y) to (a x + c y, b x + d y); ``rotate_tag``: degrees clockwise, used when
+        there is no matrix; ``sar``: a number, a Fraction or None. ``flips=False``: the turn
+        alone, as readers that take only the matrix's rotation angle (atan2(b, a)) apply it."""
+        a, b, c, d = 1.0, 0.0, 0.0, 1.0
+        if matrix is not None and len(matrix) == 9 and any(matrix[i] for i in (0, 1, 3, 4)):
+            a, b, c, d = matrix[0], matrix[1], matrix[3], matrix[4]
+        elif rotate_tag is not None:
+            try:
+                theta = math.radians(float(rotate_tag))
+                a, b, c, d = math.cos(theta), math.sin(theta), -math.sin(theta), math.cos(theta)
+            except ValueError:
+                pass  # a tag that is no number is ignored
+        if not flips:
+            c, d = -b, a
+        try:
+            s = float(sar) if sar else 1.0
+        except (TypeError, ValueError, ZeroDivisionError):
+            s = 1.0
+        s = s if math.isfinite(s) and 0.01 < s < 100 else 1.0
+        if abs(a) + abs(d) >= abs(b) + abs(c):  # 0 or 180 degrees (rounded to a quarter turn), flips
+            return cls(False, d < 0, a < 0, s)
+        return cls(True, b < 0, c < 0, s)  # a quarter turn: (x, y) -> (c y, b x)
+
+    def apply(self, frames: np.ndarray) -> np.ndarray:
+        """Stored frames (..., H, W, C) turned as shown: a view (the sample aspect ratio is left
+        to the resize, longvideo.data.video.resize_crop)."""
+        if self.transpose:
+            frames = np.swapaxes(frames, -3, -2)
+        if self.flip_rows:
+            frames = frames[..., ::-1, :, :]
+        return frames[..., ::-1, :] if self.flip_cols else frames
+
+    def after(self, done: "Orientation") -> "Orientation":
+        """What is left to apply to frames that another reader already turned by ``done``."""
+        probe = np.arange(6).reshape(2, 3, 1)
+        want = self.apply(probe)
+        return next(o for t, r, c in itertools.product((False, True), repeat=3)
+                    if np.array_equal((o := Orientation(t, r, c, self.sar)).apply(done.apply(probe)), want))
+
+    def shown(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) a player shows for stored frames of width x height."""
+        w = max(1, round(width * self.sar))
+        return (height, w) if self.transpose else (w, height)
+
+
+def display_matrix(frame) -> Optional[list[int]]:
+    """The display matrix a decoded PyAV frame carries as side data, or None."""
+    for sd in getattr(frame, "side_data", ()):
+        if getattr(sd.type, "name", "") == "DISPLAYMATRIX" and sd.buffer_size == 36:
+            return list(struct.unpack("<9i", bytes(memoryview(sd))))
+    return None
+
+
+def stream_facts(container, stream, fps: float) -> tuple[Optional[float], Optional[str], object]:
+    """(declared duration in seconds or None, legacy rotate tag or None, sample aspect ratio) of a
+    PyAV stream. Only containers that state a duration in a header declare one (Matroska/WebM,
+    MP4/MOV, FLV: the duration; AVI: the frame count); elsewhere FFmpeg estimates it from the data
+    that is there, which says nothing about what is missing."""
+    fmt = set(container.format.name.split(","))
+    declared = None
+    if "avi" in fmt:
+        declared = stream.frames / fps if stream.frames else None
+    elif fmt & {"matroska", "mov", "flv"}:
+        if stream.duration and stream.time_base:
+            declared = float(stream.duration * stream.time_base)
+        elif container.duration:  # Matroska's header holds the end time, not the length (AV_TIME_BASE units)
+            declared = (container.duration - (container.start_time or 0)) / 1e6
+    tag = next((str(v) for k, v in stream.metadata.items() if k.lower() == "rotate"), None)
+    return declared, tag, stream.sample_aspect_ratio
+
+
+@dataclass(frozen=True)
 class VideoInfo:
-    """What a reader learnt from the container."""
+    """What a reader learnt from the container; width and height are what a player shows."""
 
     num_frames: int
     fps: float
     width: int
     height: int
     duration: float
+    """Seconds of frames in the file (from its packets)."""
+    declared: Optional[float] = None
+    """Seconds the container's header claims (None where it claims nothing)."""
+    orientation: Orientation = Orientation()
+
+
+@dataclass
+class ReadReport:
+    """What a read kept: ``duration`` seconds could be read of the ``declared`` ones (the header's
+    claim, or the packets' when decoding stopped short of them; None: nothing claimed), and
+    ``gaps``, the (start, end) seconds lost inside the video to packets the decoder refused."""
+
+    duration: float
+    declared: Optional[float] = None
+    gaps: list[tuple[float, float]] = field(default_factory=list)
+    fps: float = 0.0
+
+    @property
+    def truncated(self) -> bool:
+        tol = max(TRUNCATED_TOLERANCE_S, 2.0 / self.fps if self.fps > 0 else 0.0)
+        return self.declared is not None and self.declared - self.duration > tol
+
+    @property
+    def lost_seconds(self) -> float:
+        return sum(b - a for a, b in self.gaps)
+
+    @property
+    def fraction(self) -> float:
+        """Share of the video that was read: seconds kept (less the gaps) over those declared."""
+        whole = max(self.declared or 0.0, self.duration) if self.truncated else self.duration
+        return max(0.0, self.duration - self.lost_seconds) / whole if whole > 0 else 1.0
+
+    def describe(self) -> str:
+        """What was lost, in a few words ("" when nothing was)."""
+        out = [f"cut short: {self.duration:.1f} of {self.declared:.1f} s could be read"] if self.truncated else []
+        if self.gaps:
+            out.append(f"{len(self.gaps)} gap(s) ({self.lost_seconds:.1f} s) lost to packets the decoder refused")
+        return "; ".join(out)
 
 
 def check_frame_size(width: int, height: int, max_resolution: int, label: str) -> None:

@@ -18,6 +18,7 @@ suppresses the vision ids, so `generate` answers with text as LWM does.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -112,6 +113,8 @@ class LongVideoProcessor:
         s = self.settings
         vc = video_to_codes(self.vq, video, fps=fps or s.fps, max_frames=max_frames or s.max_frames,
                             max_resolution=s.max_resolution, batch_frames=s.batch_frames)
+        if vc.report.describe():
+            warnings.warn(f"the video is partly unreadable ({vc.report.describe()}); encoding what was read")
         return vc.codes, vc.timestamps
 
     def prompt_ids(self, codes, timestamps, question: str) -> list[int]:

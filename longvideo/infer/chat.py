@@ -167,6 +167,9 @@ def encode_video_file(pretrained, video, *, fps: float = 1.0, max_frames: Option
                       f"(effective fps {effective:.4g})", ContextWarning, stacklevel=2)
     vc = video_to_codes(vq, video, fps=fps, max_frames=n, batch_frames=batch_frames, progress=progress,
                         total_frames=n, on_frames=on_frames)
+    if vc.report.describe():
+        warnings.warn(f"the video is partly unreadable ({vc.report.describe()}); answering about what was read",
+                      stacklevel=2)
     return EncodedVideo(codes=vc.codes, timestamps=vc.timestamps, num_frames=vc.num_frames,
                         duration=float(duration), fps=float(effective))
 

@@ -27,10 +27,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from longvideo.data.ranks import fail_together
 from longvideo.data.video import VIDEO_EXTS, VideoError
 from longvideo.infer import evals
 from longvideo.infer.chat import ChatSession, EncodedVideo, encode_video_file, infer_config, load_model
-from longvideo.infer.sp import SequenceParallelEngine, broadcast_array, broadcast_text, comm_device
+from longvideo.infer.sp import SequenceParallelEngine, broadcast_array, broadcast_text
 from longvideo.vq import load_vq
 
 EXIT_ERROR = 2
@@ -140,7 +141,7 @@ def _chat_sequence_parallel(args) -> int:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=wait)
     rank = dist.get_rank()
     try:
-        status, pretrained = "", None
+        error, pretrained = None, None
         try:
             pretrained = load_model(args.model, device)
             cfg = infer_config(pretrained, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -151,14 +152,9 @@ def _chat_sequence_parallel(args) -> int:
                                         question=args.question, max_new_tokens=cfg.max_new_tokens,
                                         batch_frames=cfg.encode_batch_frames, progress=not args.quiet)
         except _known_errors() as e:
-            status = str(e) or type(e).__name__
-        # every rank learns whether any rank failed before the collectives start
-        failed = torch.tensor([1 if status else 0], device=comm_device())
-        dist.all_reduce(failed)
-        if int(failed):
-            if status:
-                print(f"longvideo chat: error (rank {rank}): {status}", file=sys.stderr)
-            return EXIT_ERROR
+            error = e
+        # every rank learns whether any rank failed (and its error) before the collectives start
+        fail_together(error)
         codes = broadcast_array(enc.codes if rank == 0 else None, src=0)
         stamps = broadcast_array(enc.timestamps if rank == 0 else None, src=0)
         meta = broadcast_array(np.asarray([enc.num_frames, enc.duration, enc.fps]) if rank == 0 else None, src=0)
@@ -168,13 +164,23 @@ def _chat_sequence_parallel(args) -> int:
         session = ChatSession(pretrained, video, infer=cfg, engine=engine)
         questions = _questions(args) if rank == 0 else None
         while True:
-            q = broadcast_text(next(questions, "") if rank == 0 else None, src=0)
+            q, error = "", None
+            if rank == 0:
+                try:
+                    q = next(questions, "")
+                except Exception as e:  # noqa: BLE001 - a question that cannot be read stops every rank
+                    error = e
+            fail_together(error)
+            q = broadcast_text(q if rank == 0 else None, src=0)
             if not q:
                 break
             out = session.ask(q)
             if rank == 0:
                 print(out, flush=True)
         return 0
+    except _known_errors() as e:
+        print(f"longvideo chat: error (rank {rank}): {e}", file=sys.stderr)
+        return EXIT_ERROR
     finally:
         if owns_group:
             dist.destroy_process_group()
@@ -273,7 +279,7 @@ def _eval(args) -> int:
         if args.task == "qa":
             res = evals.evaluate_qa(pretrained, args.shards, out_dir=out, max_samples=args.max_samples,
                                     max_new_tokens=args.max_new_tokens, fps=args.fps, engine_factory=factory,
-                                    progress=progress)
+                                    progress=progress, encode_group=dist.group.WORLD if distributed else None)
             line = (f"QA accuracy {res['accuracy']:.3f} (chance {res['chance'] or float('nan'):.3f}; "
                     f"substring {res['substring_accuracy']:.3f}) over {res['questions']} questions "
                     f"of {res['samples']} videos")

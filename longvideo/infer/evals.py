@@ -38,6 +38,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from longvideo.data.codes import video_to_codes
+from longvideo.data.ranks import fail_together, together
 from longvideo.data.templates import build_prompt, parse_answer
 from longvideo.data.shards import index_tar, iter_raw_samples, iter_token_samples
 from longvideo.data.streams import ShardError, SkipStats, expand_shards
@@ -146,18 +147,21 @@ def _qa_samples(pretrained, shards, *, fps: float, max_frames: Optional[int], ba
 
 def evaluate_qa(model, shards, *, out_dir: Optional[str | Path] = None, max_samples: Optional[int] = None,
                 max_new_tokens: int = 16, fps: float = 1.0, max_frames: Optional[int] = 3600,
-                engine_factory: Optional[EngineFactory] = None, progress: bool = True) -> dict:
+                engine_factory: Optional[EngineFactory] = None, progress: bool = True,
+                encode_group=None) -> dict:
     """Accuracy over every question of the samples in `shards` (token shards, or raw shards that the
-    model's VQ encodes). Returns accuracy (exact), substring accuracy, chance, per-question results."""
+    model's VQ encodes). Returns accuracy (exact), substring accuracy, chance, per-question results.
+    encode_group: the ranks of a sequence-parallel prefill, which read the samples each and agree
+    after every one (longvideo.data.ranks.together), so that no rank waits on one that failed."""
     pretrained = load_model(model)
     infer = infer_config(pretrained, max_new_tokens=max_new_tokens, temperature=0.0)
     stats = SkipStats()
     records = []
     t0 = time.time()
     bar = tqdm(desc="QA eval", unit="sample", disable=not progress)
-    for n, (key, codes, stamps, meta) in enumerate(_qa_samples(
+    for n, (key, codes, stamps, meta) in enumerate(together(_qa_samples(
             pretrained, shards, fps=fps, max_frames=max_frames, batch_frames=infer.encode_batch_frames,
-            stats=stats)):
+            stats=stats), encode_group)):
         if max_samples is not None and n >= max_samples:
             break
         qa = [x for x in meta.get("qa", []) if isinstance(x, dict) and "question" in x and "answer" in x]
@@ -395,8 +399,15 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
             return np.stack([background.codes_with({needle_index(T, d): flash[c]}).numpy().astype(np.int64)
                              for d in depths])
 
-        # shared: every rank encodes its trials of this length first, in parallel with the others
-        mine = {t: depth_codes(t) for t in range(n_trials) if t % world == rank} if world > 1 else {}
+        # shared: every rank encodes its trials of this length first, in parallel with the others,
+        # and all learn whether any failed before the broadcasts
+        mine, error = {}, None
+        if world > 1:
+            try:
+                mine = {t: depth_codes(t) for t in range(n_trials) if t % world == rank}
+            except Exception as e:  # noqa: BLE001 - raised on every rank by fail_together
+                error = e
+            fail_together(error, encode_group)
         for trial in range(n_trials):
             c = colours[trial % len(colours)]
             if world > 1:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from longvideo.data.ranks import comm_device  # noqa: F401 (re-exported: where collectives' tensors live)
 from longvideo.infer.generation import (Generation, copy_cache, decode_loop, limit_vocab, logits_of,
                                         sample_token)
 from longvideo.kernels import get_backend, merge_partials
@@ -191,13 +192,6 @@ def sp_generate(model: Transformer, ids: Tensor, group=None, *, max_new_tokens: 
 # ----------------------------------------------------------------------------- sharing inputs
 
 _MAX_DIMS = 6
-
-
-def comm_device(group=None) -> torch.device:
-    """Where tensors for collectives must live: the current GPU under NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def broadcast_array(arr: Optional[np.ndarray], src: int = 0, group=None) -> np.ndarray:

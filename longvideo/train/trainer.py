@@ -224,8 +224,10 @@ class Trainer:
             if not tc.tokenizer_dir:
                 raise ConfigError("train.tokenizer_dir", "data.train_shards needs the text tokenizer directory")
             tok = TextTokenizer.from_dir(tc.tokenizer_dir)
+            # every rank draws a batch each micro step: one whose shard fails makes them all fail at once
             return make_loader(cfg.data, tok, cfg.model.vocab, batch_size=tc.micro_batch_size,
-                               dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp)
+                               dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp,
+                               group=self.mesh.world_group if self.mesh.distributed else None)
         vocab = tc.synthetic_vocab or cfg.model.text_vocab_size
         return SyntheticTokens(seq_len=cfg.data.seq_len, batch_size=tc.micro_batch_size, vocab=vocab,
                                seed=tc.seed, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp)
