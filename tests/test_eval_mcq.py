@@ -147,16 +147,17 @@ def write_lvbench(root: Path, samples):
     return [qa for x in lines for qa in x["qa"][:2]]
 
 
-def write_generic(root: Path, samples, *, broken=True):
-    """The documented generic JSONL; with `broken`, plus a missing video, an unreadable one and
-    malformed options (each must be counted, not crash the run)."""
+def write_generic(root: Path, samples, *, broken=True, letters=True):
+    """The documented generic JSONL (answers as letters and as indices, or indices only); with
+    `broken`, plus a missing video, an unreadable one and malformed options (each must be counted,
+    not crash the run)."""
     root.mkdir(parents=True, exist_ok=True)
     rows = []
     for i, s in enumerate(samples):
         (root / f"v{i}.mp4").write_bytes(s.mp4())
         for k, (q, opts, a) in enumerate(facts(s)):
             rows.append({"question_id": f"v{i}-{k}", "video": f"v{i}.mp4", "question": q, "options": opts,
-                         "answer": a if k else "ABCD"[a], "groups": {"kind": ("flash", "last")[k]}})
+                         "answer": "ABCD"[a] if letters and not k else a, "groups": {"kind": ("flash", "last")[k]}})
     if broken:
         (root / "broken.mp4").write_bytes(samples[0].mp4()[:300])
         rows += [{"question_id": "gone", "video": "nowhere.mp4", "question": NEEDLE, "options": ["a", "b"],
@@ -398,3 +399,105 @@ def test_the_cli_continues_a_run_killed_mid_way(pre, samples, tmp_path):
     key = lambda r: r["question_id"]  # noqa: E731
     for a, b in zip(sorted(got, key=key), sorted(want, key=key)):
         assert a["prediction"] == b["prediction"] and a["scores"] == pytest.approx(b["scores"], abs=1e-5)
+
+
+def _sequence_parallel_body(rank, world, data, out, reference):
+    import torch.distributed as dist
+
+    from longvideo.infer.sp import SequenceParallelEngine
+
+    pre = tiny_pretrained(max_seq_len=512)
+    for mode in ("likelihood", "generate"):
+        evaluate_mcq(pre, "generic", data, f"{out}/{mode}", mode=mode, max_new_tokens=4, progress=False,
+                     engine_factory=lambda p: SequenceParallelEngine(p.model, backend="torch"),
+                     group=dist.group.WORLD)
+        if rank == 0:
+            got = [json.loads(x) for x in Path(f"{out}/{mode}/predictions.jsonl").read_text().splitlines()]
+            want = reference[mode]
+            assert [r["question_id"] for r in got] == [r["question_id"] for r in want]
+            for a, b in zip(got, want):
+                assert a["prediction"] == b["prediction"] and a.get("response") == b.get("response")
+                if mode == "likelihood":
+                    assert a["scores"] == pytest.approx(b["scores"], abs=1e-4)
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_prefill_gives_the_single_process_answers(pre, samples, tmp_path):
+    """On 2 gloo ranks (rank 0 encodes, ring prefill, merged attention for the questions and the
+    options) every question gets the single process's prediction and scores, in both modes."""
+    from distributed import run_ranks
+
+    write_generic(tmp_path / "data", samples[:2])
+    reference = {}
+    for mode in ("likelihood", "generate"):
+        evaluate_mcq(pre, "generic", tmp_path / "data", tmp_path / "one" / mode, mode=mode, max_new_tokens=4,
+                     progress=False)
+        reference[mode] = [json.loads(x) for x in (tmp_path / "one" / mode / "predictions.jsonl").read_text().splitlines()]
+    run_ranks(_sequence_parallel_body, world=2, args=(str(tmp_path / "data"), str(tmp_path / "sp"), reference),
+              timeout=300)
+
+
+# ----------------------------------------------------------------------------- the visual needle on the user's media
+
+def test_video_needle_on_a_user_haystack_and_needle_image_writes_what_it_inserted(pre, tmp_path, capsys):
+    """Any haystack video and needle image: each cell's prompt holds exactly the codes of the
+    haystack's window (read at 1 fps) with the written needle PNG at its depth."""
+    from PIL import Image
+
+    from material.photo_videos import pan_zoom_video
+    from longvideo.data.synthetic import write_mp4
+    from longvideo.data.video import read_video
+    from longvideo.infer.evals import evaluate_video_needle
+    from longvideo.vq import encode_video
+
+    photo = np.asarray(Image.new("RGB", (96, 80), (30, 90, 160)))
+    photo = photo.copy()
+    photo[::7] = 250  # stripes: some texture to pan over
+    write_mp4(pan_zoom_video(photo, 24, size=32, seed=3), 2.0, tmp_path / "hay.mp4")  # 12 s: 12 frames at 1 fps
+    needle = np.zeros((40, 40, 3), np.uint8)
+    needle[:, :20] = (250, 200, 0)
+    Image.fromarray(needle).save(tmp_path / "needle.png")
+    prompts = []
+
+    class Recording:
+        def __init__(self, tok):
+            self.tok, self.prefix_len, self.prefix_s = tok, 0, 0.0
+
+        def set_prefix(self, ids):
+            prompts.append(ids[0].tolist())
+
+        def generate(self, ids, **kw):
+            return Generation(tokens=torch.tensor([self.tok.encode(" a flag") + [self.tok.eos_id]]), prompt_len=0,
+                              ttft_s=0.0, total_s=0.0)
+
+    res = evaluate_video_needle(pre, lengths=(5, 9), depths=(0.0, 1.0), trials=2, haystack=tmp_path / "hay.mp4",
+                                needle=tmp_path / "needle.png", question="What was on the inserted frame?",
+                                answer="a flag", out_dir=tmp_path / "out", progress=False,
+                                engine_factory=lambda p: Recording(p.tokenizer))
+    assert res["accuracy"] == 1.0 and res["haystack_frames"] == 12 and len(res["cells"]) == 8
+    inserted = torch.from_numpy(np.array(Image.open(res["needle_frames"]["a flag"])))
+    hay = read_video(str(tmp_path / "hay.mp4"), fps=1.0, size=pre.vq.cfg.resolution).frames
+    vocab = pre.model.cfg.vocab
+    for ids, cell in zip(prompts, res["cells"]):
+        frames = hay[cell["window_start"]: cell["window_start"] + cell["frames"]].clone()
+        frames[cell["needle_frame"]] = inserted
+        want = encode_video(pre.vq, frames).reshape(-1).tolist()
+        assert [t - vocab.vq_offset for t in ids if vocab.vq_offset <= t < vocab.size] == want
+    assert {c["window_start"] for c in res["cells"] if c["frames"] == 5} == {0, 7}  # windows spread over it
+    saved = json.loads((tmp_path / "out" / "video_needle.json").read_text())
+    assert saved["question"] == "What was on the inserted frame?" and (tmp_path / "out" / "video_needle.png").is_file()
+    with pytest.raises(ValueError, match="question and answer"):
+        evaluate_video_needle(pre, lengths=(5,), needle=tmp_path / "needle.png", progress=False)
+    with pytest.raises(ValueError, match="12 frames at 1 fps"):
+        evaluate_video_needle(pre, lengths=(13,), haystack=tmp_path / "hay.mp4", progress=False)
+    # the CLI: the user's haystack with the colour flashes, then with the needle image
+    ckpt = save_project_checkpoint(tmp_path / "ckpt", pre.model.state_dict(), pre.config, tokenizer=pre.tokenizer,
+                                   vq=pre.vq)
+    base = ["video-niah", "--model", str(ckpt), "--lengths", "4", "--depths", "0.5", "--haystack",
+            str(tmp_path / "hay.mp4"), "--max-new-tokens", "2", "--quiet"]
+    assert cli.eval_main(base + ["--out", str(tmp_path / "cli1"), "--colours", "red,blue"]) == 0
+    assert sorted(p.name for p in (tmp_path / "cli1" / "video_needle_frames").iterdir()) == ["needle_0.png",
+                                                                                           "needle_1.png"]
+    assert cli.eval_main(base + ["--out", str(tmp_path / "cli2"), "--needle", str(tmp_path / "needle.png"),
+                                 "--question", "What was it?", "--answer", "a flag"]) == 0
+    assert "over 4 needles" in capsys.readouterr().out

@@ -226,6 +226,11 @@ def eval_parser() -> argparse.ArgumentParser:
     vn.add_argument("--trials", type=_ints, default=None,
                     help="trials per cell: one number, or one per length (default: one per colour)")
     vn.add_argument("--seed", type=int, default=0)
+    vn.add_argument("--haystack", default=None, help="a video to cut the backgrounds from (read at 1 fps)")
+    vn.add_argument("--needle", default=None, help="an image inserted instead of the colour flashes "
+                    "(needs --question and --answer)")
+    vn.add_argument("--question", default=None, help="the question about the needle image")
+    vn.add_argument("--answer", default=None, help="its answer (exact match)")
     mc = sub.add_parser("mcq", help="multiple-choice benchmarks in their release layout (docs/evaluation.md); "
                         "writes predictions.jsonl, summary.json and summary.png; resumable")
     common(mc)
@@ -312,7 +317,9 @@ def _eval(args) -> int:
                                               trials=trials, seed=args.seed, source_fps=args.source_fps,
                                               max_new_tokens=args.max_new_tokens,
                                               out_dir=out, engine_factory=factory, progress=progress,
-                                              encode_group=dist.group.WORLD if distributed else None)
+                                              encode_group=dist.group.WORLD if distributed else None,
+                                              haystack=args.haystack, needle=args.needle, question=args.question,
+                                              answer=args.answer)
             line = (f"video needle accuracy {res['accuracy']:.3f} (chance {res['chance']:.3f}) "
                     f"over {len(res['cells'])} needles")
             if res["needles_dropped"]:

@@ -191,11 +191,12 @@ def _check_settings(out: Path, settings: dict) -> None:
 
 # ----------------------------------------------------------------------------- the evaluation
 
-def _encode(pretrained, q: Question, texts: list[str], room: int, fps: float, max_frames, batch: int):
-    """The video fitted to its longest prompt; raises VideoError."""
+def fit_and_encode(pretrained, video, texts: list[str], room: int, fps: float, max_frames, batch: int):
+    """The video read at fps (at most max_frames) and fitted to the longest of `texts` asked about
+    it plus `room` answer tokens, VQ-encoded; raises VideoError."""
     tok = pretrained.tokenizer
     longest = max(texts, key=lambda t: len(tok.encode(t)))
-    return encode_video_file(pretrained, q.video, fps=fps, max_frames=max_frames, question=longest,
+    return encode_video_file(pretrained, video, fps=fps, max_frames=max_frames, question=longest,
                              max_new_tokens=room, batch_frames=batch, progress=False)
 
 
@@ -275,7 +276,7 @@ def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihoo
                 texts = [question_text(q, mode, subs.get(q.qid, "")) for q in qs]
                 room = infer.max_new_tokens if mode == "generate" else \
                     max(len(option_ids(tok, o)) for q in qs for o in q.options)
-                enc = _encode(pretrained, qs[0], texts, room, fps, max_frames, infer.encode_batch_frames)
+                enc = fit_and_encode(pretrained, video, texts, room, fps, max_frames, infer.encode_batch_frames)
             except FileNotFoundError:
                 error = f"missing_video\tno such file: {video}"
             except VideoError as e:
