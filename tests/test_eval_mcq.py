@@ -293,10 +293,11 @@ def test_every_format_end_to_end_in_likelihood_mode(name, pre, samples, tmp_path
     summary, records = check_summary(tmp_path / "out")
     good = [q for q in read_benchmark(name, tmp_path / "data") if not q.problem and q.qid not in ("gone", "torn")]
     assert sorted(r["question_id"] for r in records) == sorted(q.qid for q in good) and rows
-    for r in records:
+    options = {q.qid: q.options for q in good}
+    for r in records:  # the best log-likelihood per character of the option's text
         assert r["prediction"] == "ABCDE"[int(np.argmax(r["scores"]))]
-        assert r["scores"] == pytest.approx([s / n for s, n in zip(r["logprobs"], r["tokens"])])
-    assert res["accuracy"] == summary["accuracy"]
+        assert r["scores"] == pytest.approx([s / len(o) for s, o in zip(r["logprobs"], options[r["question_id"]])])
+    assert res["accuracy"] == summary["accuracy"] and res["videos_encoded"] == len({q.video for q in good})
 
 
 def test_generate_mode_parses_letters_and_counts_unparseable(pre, samples, tmp_path):
@@ -339,9 +340,15 @@ def test_generate_mode_on_a_real_tiny_model_answers_like_chat(pre, samples, tmp_
     assert [r["response"] for r in records] == [session.ask(question_text(q, "generate")) for q in qs]
 
 
-def test_bad_inputs_are_skipped_and_counted_by_name(pre, samples, tmp_path):
+def test_bad_inputs_are_skipped_and_counted_by_name(pre, samples, tmp_path, monkeypatch):
     write_generic(tmp_path / "data", samples[:2])
+    from longvideo.infer import mcq
+
+    calls = []
+    real = mcq.encode_video_file
+    monkeypatch.setattr(mcq, "encode_video_file", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     res = evaluate_mcq(pre, "generic", tmp_path / "data", tmp_path / "out", progress=False)
+    assert sorted(Path(c).name for c in calls) == ["broken.mp4", "v0.mp4", "v1.mp4"]  # once a video
     skipped = {k: [x["question_id"] for x in v["questions"]] for k, v in res["skipped"].items()}
     assert skipped == {"missing_video": ["gone"], "unreadable_video": ["torn"], "malformed_options": ["one-option"]}
     assert res["questions"] == 4 and json.loads((tmp_path / "out" / "summary.json").read_text())["skipped"] == \

@@ -59,6 +59,7 @@ def write_tasks(root, data):
         doc_to_choice: !function utils.doc_to_choice
         metric_list:
           - metric: acc
+          - metric: acc_norm
     """))
     (root / "tiny_letters.yaml").write_text(textwrap.dedent(common) + textwrap.dedent("""
         task: tiny_letters
@@ -100,10 +101,13 @@ def test_lmms_eval_with_our_model_makes_the_choices_of_eval_mcq(tmp_path):
             [r["question_id"] for r in rows]
         if mode == "likelihood":
             losses = [[float(r[0][0]) for r in s["resps"]] for s in samples]
-            assert ["ABCD"[int(np.argmin(x))] for x in losses] == [r["prediction"] for r in ours]
-            for x, r in zip(losses, ours):  # lmms-eval's mean loss is our mean log-likelihood, negated
-                assert x == pytest.approx([-v for v in r["scores"]], abs=1e-5)
-            acc = np.mean([r["correct"] for r in ours])
+            for x, r in zip(losses, ours):  # the loss lmms-eval gets is our log-likelihood, negated
+                assert x == pytest.approx([-v for v in r["logprobs"]], abs=1e-5)
+            chars = [[len(o) for o in s["doc"]["options"]] for s in samples]  # lmms-eval's acc_norm divides by them
+            assert ["ABCD"[int(np.argmin(np.divide(x, c)))] for x, c in zip(losses, chars)] == \
+                [r["prediction"] for r in ours]
+            assert res["results"][task]["acc_norm,none"] == pytest.approx(np.mean([r["correct"] for r in ours]))
+            acc = np.mean(["ABCD"[int(np.argmin(x))] == r["answer"] for x, r in zip(losses, ours)])
         else:
             assert [s["resps"][0][0] for s in samples] == [r["response"] for r in ours]
             acc = np.mean([r["correct"] for r in ours])

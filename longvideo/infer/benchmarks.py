@@ -2,20 +2,12 @@
 
     questions = read_benchmark("videomme", "data/Video-MME")      # list[Question]
 
-| benchmark | question files under DIR | videos (and subtitles) | breakdowns |
-|---|---|---|---|
-| videomme | a parquet of video_id, duration, domain, sub_category, url, videoID, question_id, task_type, question, options ("A. ..."), answer (a letter), e.g. videomme/test-00000-of-00001.parquet | videos/ or data/ {videoID}.mp4 (.MP4, .mkv); subtitle/{videoID}.srt | duration, domain, task_type |
-| mlvu | json/{n}_{task}.json: lists of video, duration, question, candidates, answer (a candidate's text), question_type | video/{n}_{task}/{video} | task |
-| longvideobench | lvb_val.json: id, video_path, subtitle_path, question, candidates, correct_choice (an index), duration_group, question_category, starting_timestamp_for_subtitles, ... | videos/{video_path}; subtitles/{subtitle_path} | duration_group, question_category |
-| egoschema | questions.json (q_uid, question, "option 0" ... "option 4") and subset_answers.json ({q_uid: index}) | videos/{q_uid}.mp4 | none |
-| lvbench | video_info.meta.jsonl: one video a line (key, type, qa: uid, question with "(A) ..." option lines, answer letter, question_type list) | videos/, all_videos/ or DIR itself: {key}.mp4 | question_type, type |
-| generic | questions.jsonl: question_id, video (relative to DIR), question, options (texts), answer (letter, index or the option's text), optional subtitles (.srt or LongVideoBench .json), optional groups {name: label} | as named | the groups given |
-
-MLVU's generation tasks (8_sub_scene, 9_summary) are not multiple choice and are left out; of
-EgoSchema only the questions whose answer its release publishes (subset_answers.json) are read.
-A question whose options or answer cannot be read comes back with `problem` set (filed under
-"malformed_options" by the caller) instead of stopping the reader; a benchmark whose question
-files are missing raises FileNotFoundError naming what was looked for.
+One reader per benchmark (videomme, mlvu, longvideobench, egoschema, lvbench, and a documented
+generic JSONL) finds the question files and the videos (and subtitles) where the release puts them
+and keeps the benchmark's own breakdown labels; docs/evaluation.md lists each layout. A question
+whose options or answer cannot be read comes back with `problem` set (the caller files it under
+"malformed_options") instead of stopping the reader; missing question files raise
+FileNotFoundError naming what was looked for.
 """
 
 from __future__ import annotations

@@ -214,11 +214,9 @@ class ChatSession:
 
     @torch.no_grad()
     def score(self, question: str, continuations: Sequence[Sequence[int]]) -> list[tuple[float, int, bool]]:
-        """How likely each continuation (answer token ids) is after `question`: (sum of its tokens'
-        log-probabilities, its length, whether greedy decoding would produce exactly it). The video is
-        prefilled once per session and the question once per call; each continuation is fed after
-        them, all but its last token. Log-probabilities are over the ids an answer may use (the text
-        ids in LWM's layout, as in `ask`)."""
+        """Each continuation's (answer ids') summed log-probability after `question`, its length, and
+        whether greedy decoding gives exactly it; over the ids an answer may use, as in `ask`. The
+        question is fed once after the cached video, each continuation (but its last id) after it."""
         rest = self._after_video(self.prompt(question))
         device = next(self.pretrained.model.parameters()).device
         model, limit = self.pretrained.model, self.pretrained.model.cfg.vocab.answer_limit

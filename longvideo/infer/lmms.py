@@ -1,25 +1,17 @@
 """An lmms-eval model, so the standard harness scores any checkpoint of ours.
 
-    pip install "longvideo[eval]"
-    lmms-eval --model longvideo --model_args pretrained=exported/,fps=1 --tasks videomme ...
+    lmms-eval --model longvideo --model_args pretrained=exported/,fps=1 --tasks ...   # the eval extra
 
-`pyproject.toml` registers it in lmms-eval's entry-point group ``lmms_eval.models`` (`manifest`).
-A request's visual is one video path (the task's doc_to_visual); its context is asked as the
-question of the QA template, as `longvideo eval mcq` asks it:
+Registered in lmms-eval's entry-point group ``lmms_eval.models`` (pyproject.toml: `manifest`). A
+request's visual is one video path; its context is asked as the QA template's question, as `eval
+mcq` asks it. ``loglikelihood`` returns the continuation's negative log-likelihood (lmms-eval's
+scorers pick the smallest value a model returns) and whether greedy decoding gives it, so a
+multiple-choice task's ``acc_norm`` (per character) picks what `eval mcq` picks; ``generate_until`` answers greedily, cut at the ``until`` strings. Requests are
+grouped by video: each is encoded (fitted as `eval mcq` fits it) and prefilled once.
 
-* ``loglikelihood``: the continuation's tokens after the question; returns its mean negative
-  log-likelihood and whether greedy decoding gives it. lmms-eval's own models return that loss and
-  its multiple-choice scorer picks the smallest, so the choice is the likelihood mode's.
-* ``generate_until``: the greedy answer (``max_new_tokens`` from the request, else the model
-  argument), cut at the first ``until`` string.
-
-Requests are grouped by video: each video is read at ``fps`` (at most ``max_frames``), fitted to
-the longest context asked about it plus the longest continuation or answer, encoded once and
-prefilled once, exactly as `longvideo.infer.mcq` does, so both give the same answers.
-
-Pinned to lmms-eval 0.7.3 (the `eval` extra): its evaluator turns every response that is not a
-string into ``str(response)``, which breaks log-likelihood tasks; a ``GenerationResult`` passes
-through unchanged, so the (loss, greedy) pair travels in one.
+Pinned to lmms-eval 0.7.3: its evaluator turns every response that is not a string into
+``str(response)``, breaking log-likelihood tasks; a ``GenerationResult`` passes through unchanged,
+so the (loss, greedy) pair travels in one.
 """
 
 from __future__ import annotations
@@ -41,10 +33,6 @@ def manifest():
     return ModelManifest(model_id="longvideo", simple_class_path="longvideo.infer.lmms.LongVideoLMM")
 
 
-def _opt(value, cast):
-    return None if value in (None, "", "None", "none") else cast(value)
-
-
 class LongVideoLMM(lmms):
     """model_args: pretrained (a model directory), device, fps, max_frames, max_new_tokens."""
 
@@ -52,7 +40,7 @@ class LongVideoLMM(lmms):
                  max_new_tokens=16, **unused):
         super().__init__()
         self.pre = load_model(pretrained, device or "cpu")
-        self.fps, self.max_frames = float(fps), _opt(max_frames, int)
+        self.fps, self.max_frames = float(fps), None if max_frames in (None, "", "None") else int(max_frames)
         self.infer = infer_config(self.pre, max_new_tokens=int(max_new_tokens), temperature=0.0)
 
     def _doc(self, req):
@@ -83,8 +71,8 @@ class LongVideoLMM(lmms):
     def loglikelihood(self, requests):
         out = [None] * len(requests)
         for i, session in self._grouped(requests, lambda r: len(self._continuation(r))):
-            (logp, n, greedy), = session.score(requests[i].args[0], [self._continuation(requests[i])])
-            out[i] = GenerationResult(text=(-logp / n, greedy))
+            (logp, _, greedy), = session.score(requests[i].args[0], [self._continuation(requests[i])])
+            out[i] = GenerationResult(text=(-logp, greedy))
         return out
 
     def generate_until(self, requests):

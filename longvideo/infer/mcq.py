@@ -1,40 +1,19 @@
 """Multiple-choice benchmarks: answer every question, score them, and write what people report.
 
-    from longvideo.infer.mcq import evaluate_mcq
     res = evaluate_mcq("exported/", "videomme", "data/Video-MME", "eval/videomme", mode="likelihood")
     res["accuracy"], res["ci95"], res["breakdowns"]["duration"]
 
-Questions come from `longvideo.infer.benchmarks` (each benchmark's own release layout). Each video
-is read at `fps` (at most `max_frames` frames spread over the whole video, fewer when the model's
-context needs it: it is fitted to the longest prompt of all its questions), VQ-encoded and prefilled
-once; its questions reuse that KV cache.
-
-* ``likelihood``: each option's text (" {option}", the training template's answer) is scored after
-  the question by its mean token log-probability (the length-normalised log-likelihood); the best
-  option is the prediction. lmms-eval's built-in models return the same quantity (a mean loss) and
-  its scorer picks the smallest, so both pick the same option.
-* ``generate``: the question, the lettered options and "Answer with the option's letter from the
-  given choices directly." are asked; the letter is parsed from the answer (a leading letter, an
-  option's exact text, or "answer is X"); an answer with none counts as wrong and as unparseable.
-
-With `subtitles`, the subtitle lines on screen at the sampled frames precede the question
-("This video's subtitles are listed below:", Video-MME's wording). Under sequence-parallel prefill
-(`group`), rank 0 reads and encodes each video and broadcasts its codes; every rank runs the same
-questions and rank 0 writes.
-
-OUT/predictions.jsonl gets one line per answered question (question_id, prediction, answer, correct,
-scores, groups, video), appended and fsynced one whole line at a time: a killed run leaves at most a
-torn last line, dropped when the run is started again, and the questions already there are not
-asked again (OUT/run.json must match the new run's settings). Questions that cannot be asked
-(missing or unreadable video, malformed options) are counted by reason and listed in summary.json,
-and tried again by the next run. OUT/summary.json: accuracy (a fraction) with a bootstrap 95 %
-interval, the chance level, the same per breakdown label (and the breakdown's mean over labels, as
-MLVU reports its M-Avg), and OUT/summary.png, a bar chart of them.
-
-The interval resamples videos, not questions (questions about one video are not independent):
-`BOOTSTRAP_RESAMPLES` draws of len(videos) videos with replacement (numpy default_rng(0),
-``rng.integers(0, n_videos, (resamples, n_videos))`` over the videos in sorted order), accuracy =
-correct / questions of the draw, and the 2.5th and 97.5th percentiles (numpy's linear rule).
+Each video is read at `fps` (at most `max_frames`), fitted to the longest prompt of all its
+questions, encoded and prefilled once; its questions reuse that KV cache. ``likelihood`` scores
+each option's text as the template's answer by its log-likelihood per character (lm-eval's
+``acc_norm``; per token favours options whose later tokens are near certain, measured in
+docs/evaluation.md, "Why per character"); ``generate`` asks with lettered options and parses the
+letter. Under sequence-parallel prefill (`group`) rank 0 encodes and
+broadcasts each video, and writes. OUT/predictions.jsonl is appended one fsynced line per question
+(a killed run leaves at most a torn last line; a new run with the same settings drops it and asks
+the rest); skipped questions are counted by reason in OUT/summary.json, with the accuracy, its
+video-bootstrap 95 % interval and the breakdowns; OUT/summary.png charts them. docs/evaluation.md
+gives the exact protocol (prompts, letter parsing, subtitles, the bootstrap).
 """
 
 from __future__ import annotations
@@ -98,7 +77,7 @@ def option_ids(tokenizer, option: str) -> list[int]:
 # ----------------------------------------------------------------------------- scores
 
 def bootstrap_ci(correct, videos, *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> list[float]:
-    """95 % interval of the accuracy, resampling videos (the module docstring gives the procedure)."""
+    """95 % interval of the accuracy, resampling videos (docs/evaluation.md gives the procedure)."""
     ids, inv = np.unique(np.asarray(videos, dtype=str), return_inverse=True)
     hits = np.bincount(inv, weights=np.asarray(correct, dtype=float), minlength=len(ids))
     count = np.bincount(inv, minlength=len(ids))
@@ -179,14 +158,12 @@ def read_predictions(path: Path) -> list[dict]:
 
 
 def _check_settings(out: Path, settings: dict) -> None:
-    old = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else None
-    if old is None:
-        write_json_atomic(out / "run.json", settings)
-        return
-    for k in SETTINGS:
-        if old.get(k) != settings.get(k):
-            raise ValueError(f"{out} holds a run with {k}={old.get(k)!r}, this one has {k}={settings.get(k)!r}: "
-                             f"continue it with the same settings or choose another --out")
+    if not (out / "run.json").is_file():
+        return write_json_atomic(out / "run.json", settings)
+    old = json.loads((out / "run.json").read_text())
+    for k in (k for k in SETTINGS if old.get(k) != settings.get(k)):
+        raise ValueError(f"{out} holds a run with {k}={old.get(k)!r}, this one has {k}={settings.get(k)!r}: "
+                         f"continue it with the same settings or choose another --out")
 
 
 # ----------------------------------------------------------------------------- the evaluation
@@ -251,7 +228,7 @@ def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihoo
         pending = json.dumps([q.qid for q in questions if q.qid not in done])
     if group is not None:
         pending = broadcast_text(pending, src=dist.get_global_rank(group, 0), group=group)
-    todo, skipped = set(json.loads(pending)), {}
+    todo, skipped, encoded = set(json.loads(pending)), {}, 0
 
     def skip(q: Question, reason: str, detail: str) -> None:
         skipped.setdefault(reason, []).append({"question_id": q.qid, "video": q.video, "detail": detail})
@@ -277,6 +254,7 @@ def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihoo
                 room = infer.max_new_tokens if mode == "generate" else \
                     max(len(option_ids(tok, o)) for q in qs for o in q.options)
                 enc = fit_and_encode(pretrained, video, texts, room, fps, max_frames, infer.encode_batch_frames)
+                encoded += 1
             except FileNotFoundError:
                 error = f"missing_video\tno such file: {video}"
             except VideoError as e:
@@ -299,8 +277,8 @@ def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihoo
                    "groups": q.groups, "frames": int(enc.codes.shape[0])}
             if mode == "likelihood":
                 scored = session.score(text, [option_ids(tok, o) for o in q.options])
-                means = [s / n for s, n, _ in scored]
-                rec.update(prediction=LETTERS[int(np.argmax(means))], scores=means,
+                norm = [s / len(o) for (s, _, _), o in zip(scored, q.options)]
+                rec.update(prediction=LETTERS[int(np.argmax(norm))], scores=norm,
                            logprobs=[s for s, _, _ in scored], tokens=[n for _, n, _ in scored])
             else:
                 rec["response"] = session.ask(text)
@@ -320,7 +298,7 @@ def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihoo
     summary = {"benchmark": benchmark, "mode": mode, **summarise(records), "settings": settings,
                "skipped": {k: {"count": len(v), "questions": v} for k, v in skipped.items()},
                "bootstrap": {"resamples": BOOTSTRAP_RESAMPLES, "seed": 0, "unit": "video"},
-               "seconds_this_run": round(time.time() - t0, 2),
+               "seconds_this_run": round(time.time() - t0, 2), "videos_encoded": encoded,
                "json": str(out / "summary.json"), "png": str(out / "summary.png")}
     save_bars(summary, out / "summary.png", f"{benchmark} ({mode}): {summary['accuracy']:.1%} of "
                                             f"{summary['questions']} questions")
