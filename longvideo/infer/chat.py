@@ -208,6 +208,38 @@ class ChatSession:
     def prompt(self, question: str) -> Prompt:
         return prompt_of(self.pretrained, self.video.codes, self.video.timestamps, question)
 
+    def _after_video(self, prompt: Prompt) -> list[int]:
+        """Prefill the prompt's part up to the video's end unless it is cached; return the ids after it."""
+        ids = prompt.ids
+        # the part up to the video's end is the same for every question: prefilled once, cached
+        cut = min(prompt.video_end, len(ids) - 1)
+        if ids[:cut] != self._prefix:  # first question, or a template that puts the question first
+            device = next(self.pretrained.model.parameters()).device
+            self.engine.set_prefix(torch.tensor([ids[:cut]], dtype=torch.long, device=device))
+            self._prefix = ids[:cut]
+        return ids[cut:]
+
+    @torch.no_grad()
+    def score(self, question: str, continuations: Sequence[Sequence[int]]) -> list[tuple[float, int, bool]]:
+        """Each continuation's (answer ids') summed log-probability after `question`, its length, and
+        whether greedy decoding gives exactly it; over the ids an answer may use, as in `ask`. The
+        question is fed once after the cached video, each continuation (but its last id) after it."""
+        rest = self._after_video(self.prompt(question))
+        device = next(self.pretrained.model.parameters()).device
+        model, limit = self.pretrained.model, self.pretrained.model.cfg.vocab.answer_limit
+        last = self.engine.extend(torch.tensor([rest], device=device))[:, -1:]  # (1, 1, dim)
+        out = []
+        for cont in continuations:
+            if not cont or (limit is not None and max(cont) >= limit):
+                raise ValueError(f"a continuation needs 1 or more answer ids, got {list(cont)}")
+            h = last if len(cont) == 1 else torch.cat(
+                [last, self.engine.extend(torch.tensor([cont[:-1]], device=device), keep=len(rest))], 1)
+            logp = torch.log_softmax(model.logits(h)[0].float()[:, :limit], -1)  # (len(cont), V)
+            target = torch.tensor(cont, device=device)
+            out.append((float(logp.gather(1, target[:, None]).sum()), len(cont),
+                        bool((logp.argmax(-1) == target).all())))
+        return out
+
     def ask(self, question: str) -> str:
         """The model's answer to `question` about the video (text up to the end-of-sequence token;
         sampled from the text ids alone where the vocabulary says so, as LWM does)."""
@@ -220,13 +252,7 @@ class ChatSession:
             warnings.warn(f"prompt of {len(ids)} tokens plus {self.infer.max_new_tokens} answer tokens exceeds "
                           f"the model's context of {limit}", ContextWarning, stacklevel=2)
         vocab = self.pretrained.model.cfg.vocab
-        # the part up to the video's end is the same for every question: prefilled once, cached
-        cut = min(prompt.video_end, len(ids) - 1)
-        prefix, rest = ids[:cut], ids[cut:]
-        device = next(self.pretrained.model.parameters()).device
-        if prefix != self._prefix:  # first question, or a template that puts the question first
-            self.engine.set_prefix(torch.tensor([prefix], dtype=torch.long, device=device))
-            self._prefix = prefix
+        rest, device = self._after_video(prompt), next(self.pretrained.model.parameters()).device
         stop = [self.tokenizer.eos_id] if self.tokenizer.eos_id is not None else []
         # only LWM's layout restricts the answer's ids; engines need not know the option otherwise
         limit = {} if vocab.answer_limit is None else {"vocab_limit": vocab.answer_limit}

@@ -6,6 +6,7 @@
     longvideo eval qa --model DIR --shards 'heldout/*.tar' --out eval/
     longvideo eval text-niah --model DIR --lengths 512,1024 --depths 0,0.5,1 --out eval/
     longvideo eval video-niah --model DIR --lengths 16,32 --out eval/
+    longvideo eval mcq --benchmark videomme --data Video-MME/ --model DIR --out eval/videomme
 
 Under torchrun (WORLD_SIZE > 1) chat serves sequence-parallel: rank 0 reads and encodes the video
 and the questions, every rank holds its shard of the video's KV cache (longvideo.infer.sp), and
@@ -29,7 +30,8 @@ import torch.distributed as dist
 
 from longvideo.data.ranks import fail_together
 from longvideo.data.video import VIDEO_EXTS, VideoError
-from longvideo.infer import evals
+from longvideo.infer import evals, mcq
+from longvideo.infer.benchmarks import BENCHMARKS
 from longvideo.infer.chat import ChatSession, EncodedVideo, encode_video_file, infer_config, load_model
 from longvideo.infer.sp import SequenceParallelEngine, broadcast_array, broadcast_text
 from longvideo.vq import load_vq
@@ -230,6 +232,22 @@ def eval_parser() -> argparse.ArgumentParser:
     vn.add_argument("--trials", type=_ints, default=None,
                     help="trials per cell: one number, or one per length (default: one per colour)")
     vn.add_argument("--seed", type=int, default=0)
+    vn.add_argument("--haystack", default=None, help="a video to cut the backgrounds from (read at 1 fps)")
+    vn.add_argument("--needle", default=None, help="an image inserted instead of the colour flashes "
+                    "(needs --question and --answer)")
+    vn.add_argument("--question", default=None, help="the question about the needle image")
+    vn.add_argument("--answer", default=None, help="its answer (exact match)")
+    mc = sub.add_parser("mcq", help="multiple-choice benchmarks in their release layout (docs/evaluation.md); "
+                        "writes predictions.jsonl, summary.json and summary.png; resumable")
+    common(mc)
+    mc.add_argument("--benchmark", required=True, choices=BENCHMARKS)
+    mc.add_argument("--data", required=True, help="the benchmark's folder as released (or generic: a .jsonl)")
+    mc.add_argument("--mode", choices=mcq.MODES, default="likelihood",
+                    help="likelihood: score each option's text; generate: parse the letter the model writes")
+    mc.add_argument("--subtitles", action="store_true", help="the subtitles at the sampled frames before the question")
+    mc.add_argument("--fps", type=float, default=1.0, help="frames per second read (default 1)")
+    mc.add_argument("--max-frames", type=int, default=None, help="most frames a video, spread over all of it")
+    mc.add_argument("--limit", type=int, default=None, help="the first N questions only")
     vq = sub.add_parser("vq-needle", help="does a one-frame flash survive the video tokenizer (per offset in a group)")
     vq.add_argument("--model", required=True, help="a model directory with vq/, or a VQ directory")
     vq.add_argument("--out", required=True, help="output directory for the JSON and the PNG")
@@ -276,7 +294,17 @@ def _eval(args) -> int:
         progress = not args.quiet and rank == 0
         out = args.out if rank == 0 else None
         factory = (lambda p: SequenceParallelEngine(p.model, backend=args.backend)) if distributed else None
-        if args.task == "qa":
+        if args.task == "mcq":
+            res = mcq.evaluate_mcq(pretrained, args.benchmark, args.data, args.out, mode=args.mode,
+                                   subtitles=args.subtitles, fps=args.fps, max_frames=args.max_frames,
+                                   max_new_tokens=args.max_new_tokens, limit=args.limit, engine_factory=factory,
+                                   group=dist.group.WORLD if distributed else None, progress=progress)
+            skipped = sum(v["count"] for v in res.get("skipped", {}).values())
+            line = res and (f"{args.benchmark} accuracy {res['accuracy']:.3f} (95 % interval {res['ci95'][0]:.3f}-"
+                            f"{res['ci95'][1]:.3f}; chance {res['chance']:.3f}) over {res['questions']} questions, "
+                            f"{skipped} skipped" + (f", {res['unparseable']} unparseable" if args.mode == "generate"
+                                                     else ""))
+        elif args.task == "qa":
             res = evals.evaluate_qa(pretrained, args.shards, out_dir=out, max_samples=args.max_samples,
                                     max_new_tokens=args.max_new_tokens, fps=args.fps, engine_factory=factory,
                                     progress=progress, encode_group=dist.group.WORLD if distributed else None)
@@ -295,7 +323,9 @@ def _eval(args) -> int:
                                               trials=trials, seed=args.seed, source_fps=args.source_fps,
                                               max_new_tokens=args.max_new_tokens,
                                               out_dir=out, engine_factory=factory, progress=progress,
-                                              encode_group=dist.group.WORLD if distributed else None)
+                                              encode_group=dist.group.WORLD if distributed else None,
+                                              haystack=args.haystack, needle=args.needle, question=args.question,
+                                              answer=args.answer)
             line = (f"video needle accuracy {res['accuracy']:.3f} (chance {res['chance']:.3f}) "
                     f"over {len(res['cells'])} needles")
             if res["needles_dropped"]:

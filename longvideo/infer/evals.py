@@ -21,7 +21,10 @@ final period, case-insensitive) and, reported beside it, by substring match.
   1 / number of colours. Grid: video length in frames x depth, `trials` backgrounds per length.
   Each background is encoded once and the flash spliced in at every depth (exactly: causal-3D
   codes after the flash are re-encoded as far as its temporal context reaches); under
-  sequence-parallel prefill the ranks share the encoding.
+  sequence-parallel prefill the ranks share the encoding. Any haystack video and needle image can
+  stand in for the generated ones (`haystack=`, `needle=` with its question and answer): trial t of
+  length T takes T frames of the haystack read at 1 fps, its windows spread over the video, and the
+  exact frames inserted are written as PNGs beside the grid, so anyone can repeat the run.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from longvideo.data.templates import build_prompt, parse_answer
 from longvideo.data.shards import index_tar, iter_raw_samples, iter_token_samples
 from longvideo.data.streams import ShardError, SkipStats, expand_shards
 from longvideo.data.synthetic import COLOURS, NEEDLE_CHOICES, NEEDLE_QUESTION, SyntheticSpec, make_sample
-from longvideo.data.video import VideoError
+from longvideo.data.video import VideoError, read_video, resize_crop
 from longvideo.infer.chat import ChatSession, EncodedVideo, fit_codes, infer_config, load_model
 from longvideo.infer.generation import Engine, LocalEngine, trim_at_stop
 from longvideo.infer.sp import broadcast_array
@@ -339,6 +342,11 @@ def needle_index(num_frames: int, depth: float) -> int:
     return int(round(depth * (num_frames - 1)))
 
 
+def window_start(frames: int, length: int, trial: int, trials: int) -> int:
+    """Where trial `trial` of `trials` cuts `length` frames from a haystack of `frames`: spread evenly."""
+    return int(round(trial * (frames - length) / max(trials - 1, 1)))
+
+
 def trials_per_length(lengths: Sequence[int], trials) -> list[int]:
     """Trials of each length: one int for all, or one per length."""
     per = [int(trials)] * len(lengths) if isinstance(trials, (int, np.integer)) else [int(t) for t in trials]
@@ -352,7 +360,8 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                           colours: Optional[Sequence[str]] = None, trials=None, seed: int = 0,
                           source_fps: int = 8, max_new_tokens: int = 8, out_dir: Optional[str | Path] = None,
                           engine_factory: Optional[EngineFactory] = None, progress: bool = True,
-                          encode_group=None) -> dict:
+                          encode_group=None, haystack=None, needle=None, question: Optional[str] = None,
+                          answer: Optional[str] = None) -> dict:
     """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid.
 
     A trial is one background video (its own seed) with a needle colour (colours taken in turn);
@@ -366,6 +375,9 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
     they share the encoding instead of each doing all of it. Trial t's background is rendered and
     encoded, and its flash spliced in at every depth, on rank t mod world, for a length's trials at
     once; the codes then reach the other ranks by broadcast (integers: the prompts are identical).
+    haystack: a video file the backgrounds are cut from (instead of generated ones); needle: an
+    image file inserted instead of the colour flashes, asked about with `question`, scored
+    against `answer` (exact match); the inserted frames go to OUT/video_needle_frames/.
     """
     pretrained = load_model(model)
     if pretrained.vq is None or pretrained.tokenizer is None:
@@ -378,8 +390,20 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
     per_length = trials_per_length(lengths, len(colours) if trials is None else trials)
     infer = infer_config(pretrained, max_new_tokens=max_new_tokens, temperature=0.0)
     size = vq.cfg.resolution
-    flash = {c: torch.from_numpy(np.broadcast_to(np.asarray(COLOURS[c], np.uint8), (size, size, 3)).copy())
-             for c in colours}
+    if (needle is None) != (question is None) or (needle is None) != (answer is None):
+        raise ValueError("a needle image needs its question and answer (needle=, question=, answer=)")
+    if needle is not None:
+        from PIL import Image
+
+        img = torch.from_numpy(np.asarray(Image.open(needle).convert("RGB")).copy())
+        needles = [(answer, resize_crop(img[None], size)[0])]
+    else:
+        needles = [(c, torch.from_numpy(np.broadcast_to(np.asarray(COLOURS[c], np.uint8), (size, size, 3)).copy()))
+                   for c in colours]
+    hay = read_video(str(haystack), fps=1.0, size=size).frames.numpy() if haystack is not None else None
+    if hay is not None and max(lengths) > len(hay):
+        raise ValueError(f"{haystack} gives {len(hay)} frames at 1 fps, fewer than the longest length {max(lengths)}")
+    question = question or NEEDLE_QUESTION
     hits = np.zeros((len(depths), len(lengths)))
     cells = []
     world, rank = 1, 0
@@ -393,10 +417,11 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
 
         def depth_codes(trial: int) -> np.ndarray:
             """(depths, G, h, w) codes of the trial's background with its flash at each depth."""
-            background = SplicingEncoder(vq, haystack_frames(T, size, seed + 1000 * j + trial, source_fps),
-                                         batch_frames=infer.encode_batch_frames)
-            c = colours[trial % len(colours)]
-            return np.stack([background.codes_with({needle_index(T, d): flash[c]}).numpy().astype(np.int64)
+            frames = haystack_frames(T, size, seed + 1000 * j + trial, source_fps) if hay is None else \
+                hay[window_start(len(hay), T, trial, n_trials):][:T]
+            background = SplicingEncoder(vq, frames, batch_frames=infer.encode_batch_frames)
+            frame = needles[trial % len(needles)][1]
+            return np.stack([background.codes_with({needle_index(T, d): frame}).numpy().astype(np.int64)
                              for d in depths])
 
         # shared: every rank encodes its trials of this length first, in parallel with the others,
@@ -409,7 +434,7 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                 error = e
             fail_together(error, encode_group)
         for trial in range(n_trials):
-            c = colours[trial % len(colours)]
+            c = needles[trial % len(needles)][0]
             if world > 1:
                 src = dist.get_global_rank(encode_group, trial % world)
                 trial_codes = broadcast_array(mine.pop(trial, None), src=src, group=encode_group)
@@ -418,11 +443,10 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
             for i, d in enumerate(depths):
                 k = needle_index(T, d)
                 codes = trial_codes[i]
-                kept_codes, stamps, keep = fit_codes(pretrained, codes, stamps_all, NEEDLE_QUESTION,
-                                                     infer.max_new_tokens)
+                kept_codes, stamps, keep = fit_codes(pretrained, codes, stamps_all, question, infer.max_new_tokens)
                 video = EncodedVideo(codes=kept_codes, timestamps=stamps, num_frames=T, duration=float(T), fps=1.0)
                 session = _session(pretrained, video, infer, engine_factory)
-                pred = session.ask(NEEDLE_QUESTION)
+                pred = session.ask(question)
                 ok = exact_match(pred, c)
                 hits[i, j] += ok
                 group = next(g for g, members in enumerate(groups) if k in members)
@@ -430,6 +454,7 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                               "needle_group": group, "frame_in_group": groups[group].index(k), "colour": c,
                               "prediction": pred, "correct": ok, "substring": substring_match(pred, c),
                               "groups": int(kept_codes.shape[0]), "needle_kept": group in set(keep),
+                              "window_start": window_start(len(hay), T, trial, n_trials) if hay is not None else 0,
                               "tokens": session.last.prompt_len})
                 bar.update(1)
     bar.close()
@@ -437,9 +462,20 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
     # a needle whose group did not fit the model's context was never shown: that trial is a guess
     dropped = sum(not c["needle_kept"] for c in cells)
     result = {"task": "video_needle", "lengths": list(lengths), "depths": [float(d) for d in depths],
-              "colours": colours, "trials": per_length, "accuracy": float(hits.sum() / (len(depths) * sum(per_length))),
-              "chance": 1.0 / len(colours), "grid": grid.tolist(), "needles_dropped": dropped,
-              "context": pretrained.model.cfg.max_seq_len, "cells": cells, "vq_mode": vq.cfg.mode}
+              "colours": [a for a, _ in needles], "trials": per_length,
+              "accuracy": float(hits.sum() / (len(depths) * sum(per_length))),
+              "chance": 1.0 / len(colours) if needle is None else 0.0, "grid": grid.tolist(), "needles_dropped": dropped,
+              "context": pretrained.model.cfg.max_seq_len, "cells": cells, "vq_mode": vq.cfg.mode,
+              "question": question, "haystack": str(haystack) if haystack is not None else None,
+              "haystack_frames": len(hay) if hay is not None else None}
+    if out_dir is not None:  # the exact frames inserted, at the tokenizer's resolution
+        from PIL import Image
+
+        (Path(out_dir) / "video_needle_frames").mkdir(parents=True, exist_ok=True)
+        result["needle_frames"] = {a: str(Path(out_dir) / "video_needle_frames" / f"needle_{k}.png")
+                                   for k, (a, _) in enumerate(needles)}
+        for k, (a, frame) in enumerate(needles):
+            Image.fromarray(frame.numpy()).save(result["needle_frames"][a])
     return _write(result, out_dir, "video_needle", lambda p: save_heatmap(
         grid, list(lengths), [f"{d:.2f}" for d in depths], p,
         title=f"Video needle retrieval (chance {result['chance']:.2f})", xlabel="video length (frames at 1 fps)",

@@ -154,6 +154,8 @@ class Engine(Protocol):
                  stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None,
                  vocab_limit: Optional[int] = None) -> Generation: ...
 
+    def extend(self, ids: Tensor, *, keep: int = 0) -> Tensor: ...
+
 
 def limit_vocab(logits: Tensor, vocab_limit: Optional[int]) -> Tensor:
     """The logits of ids below `vocab_limit` only (all when None): sampling then picks among them."""
@@ -231,6 +233,18 @@ class LocalEngine:
         tokens = decode_loop(step, first, max_new_tokens=max_new_tokens, pick=pick, stop_ids=stop_ids)
         return Generation(tokens=tokens, prompt_len=self.prefix_len + ids.shape[1], ttft_s=ttft,
                           total_s=time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def extend(self, ids: Tensor, *, keep: int = 0) -> Tensor:
+        """Feed ids (B, n) after the prefix and the first `keep` tokens cached after it (the rest of
+        the cache is dropped); return their hidden states (B, n, dim), e.g. to score a continuation."""
+        if self.cache is None:
+            raise RuntimeError("set_prefix must be called before extend")
+        self.cache.crop(self.prefix_len + keep)
+        if self.cache.length + ids.shape[1] > self.cache.max_len:
+            self.cache = copy_cache(self.cache, new_cache(self.model, ids.shape[0],
+                                                          self.cache.length + ids.shape[1] + self.spare))
+        return self.model(ids, cache=self.cache)
 
 
 @torch.no_grad()

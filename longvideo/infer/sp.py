@@ -133,6 +133,19 @@ class SequenceParallelEngine:
         return tok
 
     @torch.no_grad()
+    def extend(self, ids: Tensor, *, keep: int = 0) -> Tensor:
+        """Feed replicated ids (B, n) after the prefix and the first `keep` tokens cached after it;
+        return their hidden states (B, n, dim), the same on every rank; collective."""
+        if self.cache is None:
+            raise RuntimeError("set_prefix must be called before extend")
+        B, n = ids.shape
+        self.cache.crop(self.local_prefix_len + keep)
+        if self.cache.length + n > self.cache.max_len:
+            self.cache = copy_cache(self.cache, self._new_cache(B, self.cache.length + n + self.spare))
+        pos = self.prefix_len + keep + torch.arange(n, device=ids.device)[None].expand(B, n)
+        return self.model(ids, pos, torch.zeros_like(ids), cache=self.cache, attention_fn=self.merged)
+
+    @torch.no_grad()
     def generate(self, ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None,
                  vocab_limit: Optional[int] = None) -> Generation:
