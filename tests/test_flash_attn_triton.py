@@ -168,8 +168,15 @@ def test_backward_with_global_out_and_lse():
 
 
 def test_block_attention_and_auto_backend():
-    """The kernel serves kernels.block_attention as the `triton` backend; `auto` picks it on CUDA."""
-    assert resolve_backend_name("auto", torch.device("cuda")) == "triton"
+    """The kernel serves kernels.block_attention as the `triton` backend, and `auto` sends it the
+    blocks that need the element mask (on CUDA; tests/test_dispatch.py covers the other routes)."""
+    assert resolve_backend_name("auto", torch.device("cuda")) == "auto"
+    if DEV == "cuda":  # shuffled positions: no dense piece, so the triton kernel, bit for bit
+        (q, k, v, _), _ = make_case(32, 1, 40, 40, 2, 1, 32, torch.bfloat16, "self")
+        pos = torch.randperm(40, device=DEV)[None]
+        seg = torch.zeros_like(pos)
+        torch.testing.assert_close(block_attention(q, k, v, pos, pos, seg, seg, backend="auto"),
+                                   flash_attn(q, k, v, pos, pos, seg, seg), rtol=0, atol=0)
     (q, k, v, dout), meta = make_case(31, 1, 20, 20, 2, 1, 32, torch.float32, "self")
     qa, ka, va = (x.clone().requires_grad_(True) for x in (q, k, v))
     qb, kb, vb = (x.clone().requires_grad_(True) for x in (q, k, v))
