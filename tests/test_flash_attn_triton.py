@@ -272,16 +272,19 @@ def test_decode_path(Sq, heads, causal):
     torch.testing.assert_close(one[1], many[1], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("variant,per_head", [("fused", True), ("fused", False), ("split", False)])
-def test_backward_variants(variant, per_head):
-    """Both backward structures (dQ by atomics in the dK/dV kernel, or a second pass) and both GQA
-    layouts (a program per query head adding dK/dV by atomics, or per kv head) match the truth;
-    the split variant without atomics is bitwise deterministic."""
-    tk.set_backward(variant, per_head)
+@pytest.mark.parametrize("variant,per_head,kv_smem", [("fused", True, False), ("fused", False, False),
+                                                     ("split", False, False), ("split", True, True),
+                                                     ("fused", True, True)])
+def test_backward_variants(variant, per_head, kv_smem):
+    """Both backward structures (dQ by atomics in the dK/dV kernel, or a second pass), both GQA
+    layouts (a program per query head adding dK/dV by atomics, or per kv head) and both places of
+    the K/V operands (registers, or the shared-memory side of each dot) match the truth; the split
+    variant without atomics is bitwise deterministic."""
+    tk.set_backward(variant, per_head, kv_smem)
     try:
         (q, k, v, dout), meta = make_case(120, 2, 40, 40, 6, 2, 32, torch.bfloat16, "zigzag", max_len=25)
-        check_against_reference(q, k, v, dout, meta, True, what=f"{variant} per_head={per_head}")
-        if variant == "split":
+        check_against_reference(q, k, v, dout, meta, True, what=f"{variant} per_head={per_head} kv_smem={kv_smem}")
+        if variant == "split" and not per_head:
             grads = []
             for _ in range(2):
                 qg = q.clone().requires_grad_(True)
