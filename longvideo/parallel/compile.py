@@ -134,6 +134,6 @@ def apply_compile(model: nn.Module, *, mode: str | None = None, backend: str = "
         raise TypeError(f"{type(model).__name__} has no attention seam (set_attention) and layers to compile")
     if not isinstance(model.attention_fn, OpaqueSeam):
         model.set_attention(OpaqueSeam(model.attention_fn))
-    for block in model.layers:
-        block.compile(fullgraph=True, mode=mode, backend=backend)
+    for block in model.layers:  # a checkpoint-wrapped block: its own module, so the recompute is compiled too
+        getattr(block, "_checkpoint_wrapped_module", block).compile(fullgraph=True, mode=mode, backend=backend)
     return model
