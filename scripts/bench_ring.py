@@ -3,14 +3,11 @@
     python scripts/bench_ring.py                         # defaults: a few minutes on 2 cores
     python scripts/bench_ring.py --seq 65536 --threads 4 --worlds 1,2,4 --iters 3 --backend cpu
 
-Causal attention, forward + backward, fp32, the `auto` block backend by default. W = 1 is one
-process doing the whole sequence (the baseline), timed beside torch SDPA on the same inputs; W > 1
-runs the zigzag layout and a contiguous one (what the zigzag balances). Per rank: step time, CPU
-time, exposed communication (time blocked in wait; the part after both neighbours had posted their
-side is the transfer's own), one bare hop, and the bytes saved for backward. Every rank uses
---threads threads, so T_single / (W x T_ring) = 1 means W ranks did the one-process work W times
-faster; CPU seconds are immune to the time-slicing of a shared machine. Writes docs/bench/ring.json
-and ring.png.
+Causal attention forward + backward, fp32, the `auto` block backend by default. W = 1 is one
+process on the whole sequence, timed beside torch SDPA on the same inputs; W > 1 runs the zigzag
+layout and a contiguous one. Per rank: step and CPU time, time blocked in wait (and the part after
+both neighbours had posted their side: the transfer's own) and the bytes saved for
+backward (docs/ring_attention.md). Writes docs/bench/ring.json and ring.png.
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -39,14 +37,10 @@ TARGETS = [Target("ring: per-rank activation memory", "within 1.2x of single / W
            Target("ring: zigzag balance", "slowest rank within 10 % of the mean"),
            Target("ring: W = 1 attention vs torch SDPA (CPU s)", "within 1.05x"),
            Target("ring: W = 2 CPU-second efficiency vs W = 1", ">= 0.95")]
-RING_HEADERS = ["W", "layout", "S_local", "step s (slowest rank)", "ideal (wall)", "ideal (CPU s)",
-                "blocked in wait (worst rank)", "transfer's own exposed time (worst rank)",
-                "serial transfers / step", "slowest / mean CPU s", "saved for backward / (single / W)",
-                "step peak / (single / W)"]
-
-
-def _pct(x):
-    return fmt_num(x if x is None else 100 * x, ".1f", " %")
+RING_HEADERS = ["W", "layout", "S_local", "step s (slowest rank)", "ideal (wall)", "ideal (CPU s)", "blocked in wait (worst "
+                "rank)", "transfer's own exposed time (worst rank)", "serial transfers / step", "slowest / mean CPU s",
+                "saved for backward / (single / W)", "step peak / (single / W)"]
+_pct = lambda x: fmt_num(x if x is None else 100 * x, ".1f", " %")  # noqa: E731
 
 
 def report(result: dict) -> Section:
@@ -62,7 +56,7 @@ def report(result: dict) -> Section:
     one, w2 = rows[0], next((r for r in zig if r["world"] == 2 and r.get("cpu_efficiency")), None)
     if one.get("sdpa_cpu_ratio"):
         sdpa_t.figure, sdpa_t.met = f"{one['sdpa_cpu_ratio']:.3f}x torch SDPA's CPU s", yes_no(one["sdpa_cpu_ratio"] <= 1.05)
-    if w2:
+    if w2:  # the ring's CPU seconds, all ranks together, against W = 1's
         eff_t.figure, eff_t.met = f"{w2['cpu_efficiency']:.3f} of W = 1's CPU s", yes_no(w2["cpu_efficiency"] >= 0.95)
     for t in (mem_t, comm_t, bal_t) if not zig else ():
         t.figure, t.met = "no zigzag run with W > 1", "unknown"
@@ -95,14 +89,9 @@ def report(result: dict) -> Section:
         bal_t.figure = f"slowest / mean CPU s = {worst:.3f} (worst of W = {', '.join(str(r['world']) for r in zig)})"
         bal_t.met = yes_no(worst <= 1.10)
     a = result.get("args") or {}
-    notes = [f"Causal attention forward + backward, total S = {a.get('seq'):,}, {a.get('heads')} / {a.get('kv_heads')} "
-             f"heads of dim {a.get('head_dim')}, {a.get('dtype')}, backend `{a.get('backend')}`, {a.get('threads')} "
-             f"thread(s) per rank, median of {a.get('iters')} steps; W = 1 is timed beside torch SDPA on the same "
-             "inputs." if a else "",
-             "\"ideal\" is T_single / (W x T_ring) (1.0: W ranks did the one-process work W times faster); the wall "
-             "figure needs W free cores, the CPU-seconds one does not. The exposed-communication target is judged on "
-             "the transfer's own exposed time (blocked after both neighbours had posted their side) where the JSON "
-             "has it. \"Serial transfers\": one bare hop times the 3W-2 hops of a step, over the step."]
+    notes = [f"Causal fwd + bwd, total S = {a.get('seq'):,}, {a.get('heads')} / {a.get('kv_heads')} heads of dim "
+             f"{a.get('head_dim')}, {a.get('dtype')}, backend `{a.get('backend')}`, {a.get('threads')} thread(s) per rank, "
+             f"median of {a.get('iters')} steps. \"ideal\" is T_single / (W x T_ring); see the detailed doc." if a else ""]
     contig = [r for r in rows if r["world"] > 1 and r["layout"] == "contiguous"]
     if contig:
         notes.append("Contiguous rows (no zigzag) show the imbalance the zigzag layout removes: slowest / mean "
@@ -126,17 +115,16 @@ def _exposed_transfer(timeline: list, group) -> float:
 
 def _rank(rank, world, init_file, args, layout, queue):
     import torch.nn.functional as F
-
-    from longvideo.parallel import CommStats, RingComm, ring_attention, zigzag_indices
+    from longvideo.parallel import CommStats, ring_attention, zigzag_indices
 
     try:
         torch.set_num_threads(args.threads)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         group, n, saved = dist.group.WORLD, args.seq // world, {}
-        g = torch.Generator().manual_seed(rank)
-        q, k, v, dout = (torch.randn(1, n, h, args.head_dim, generator=g).to(getattr(torch, args.dtype))
-                         for h in (args.heads, args.kv_heads, args.kv_heads, args.heads))
-        pos = zigzag_indices(args.seq, world, rank)[None] if layout == "zigzag" else torch.arange(rank * n, (rank + 1) * n)[None]
+        g, dt = torch.Generator().manual_seed(rank), getattr(torch, args.dtype)
+        q, k, v, dout = (torch.randn(1, n, h, args.head_dim, generator=g).to(dt) for h in (args.heads, args.kv_heads,
+                                                                                            args.kv_heads, args.heads))
+        pos = (zigzag_indices(args.seq, world, rank) if layout == "zigzag" else torch.arange(rank * n, (rank + 1) * n))[None]
 
         def pack(t):  # bytes kept for backward, each storage once
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
@@ -167,20 +155,10 @@ def _rank(rank, world, init_file, args, layout, queue):
                                ("exposed_transfer_s", _exposed_transfer(stats.timeline, group) if world > 1 else 0.0)):
                     res.setdefault(name + key, []).append(x)
         ours(CommStats(), hooks=True)
-        hop = []
-        for _ in range(3 if world > 1 else 0):  # one bare hop, no compute
-            send = [torch.stack([k, v]), torch.stack([pos, pos])]
-            dist.barrier()
-            t0 = time.perf_counter()
-            RingComm(group).exchange(send, [torch.empty_like(t) for t in send]).wait()
-            hop.append(time.perf_counter() - t0)
-        queue.put(dict({key: statistics.median(x) for key, x in res.items()}, rank=rank, s_local=n, step_s_all=res["step_s"],
-                       cpu_s_all=res["cpu_s"], hop_s=statistics.median(hop) if hop else 0.0,
+        queue.put(dict({key: statistics.median(x) for key, x in res.items()}, rank=rank, s_local=n, cpu_s_all=res["cpu_s"],
                        saved_mib=sum(saved.values()) / 2**20))
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported by the parent
-        import traceback
-
         queue.put(dict(rank=rank, error=f"{e!r}\n{traceback.format_exc()}"))
 
 
@@ -189,8 +167,6 @@ def summarise(world, layout, ranks, single):
     row = dict(world=world, layout=layout, s_local=ranks[0]["s_local"], step_s=step, ranks=ranks,
                exposed_frac_max=max(r["exposed_s"] / r["step_s"] for r in ranks),
                exposed_transfer_frac_max=max(r["exposed_transfer_s"] / r["step_s"] for r in ranks),
-               # 3W-2 hops per step (W-1 forward, W-1 + W backward): their serial time over the step
-               serial_comm_frac=max(r["hop_s"] for r in ranks) * (3 * world - 2) / step if world > 1 else 0.0,
                balance_slowest_over_mean=max(cpu) / statistics.mean(cpu))
     if world == 1:
         row["sdpa_cpu_ratio"] = ranks[0]["cpu_s"] / ranks[0]["sdpa_cpu_s"]
@@ -204,10 +180,8 @@ def summarise(world, layout, ranks, single):
 
 def plot(rows, path):
     import matplotlib
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     zig = [r for r in rows if r["layout"] == "zigzag"]
     ws, single = [r["world"] for r in zig], zig[0]["ranks"][0]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
@@ -243,10 +217,8 @@ def main(argv=None) -> int:
         ranks = sorted(spawn_ranks(_rank, w, args, layout, label=f"W={w} {layout}"), key=lambda r: r["rank"])
         rows.append(r := summarise(w, layout, ranks, single))
         single = single or ranks[0]
-        print(f"W={w} {layout:10s} S_local={r['s_local']:6d} step {r['step_s']:.3f}s ideal {r.get('ideal_ratio', 1):.2f} "
-              f"(CPU s {r.get('ideal_ratio_cpu', 1):.2f}, efficiency {r.get('cpu_efficiency', 1):.3f}) exposed "
-              f"{r['exposed_frac_max']:.1%} (transfer {r['exposed_transfer_frac_max']:.1%}) balance "
-              f"{r['balance_slowest_over_mean']:.3f}" + (f", {r['sdpa_cpu_ratio']:.3f}x SDPA's CPU s" if w == 1 else ""))
+        print(f"W={w} {layout}: " + ", ".join(f"{k} {r[k]:.3f}" for k in ("step_s", "ideal_ratio_cpu", "cpu_efficiency",
+              "exposed_transfer_frac_max", "balance_slowest_over_mean", "sdpa_cpu_ratio") if k in r), flush=True)
     result = dict(benchmark="ring attention, causal fwd+bwd, CPU gloo", args=vars(args), rows=rows,
                   machine=dict(cpus=os.cpu_count(), platform=platform.platform(), python=sys.version.split()[0],
                                torch=torch.__version__, loadavg_before=load_before, loadavg_after=os.getloadavg()))
