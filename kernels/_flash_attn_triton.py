@@ -1,39 +1,20 @@
-"""Raw Triton kernels of masked flash attention, their tile plans, launch shapes and launchers.
+"""Raw Triton kernels of masked flash attention, their tile plans, launch shapes and launchers
+(docs/kernels.md, "How the kernel works").
 
 Layouts: q, out, dout (B, Sq, Hq, D); k, v (B, Sk, Hkv, D), any strides with a unit last stride;
 positions and segment ids int32 (B, S); lse (B, Hq, Sq) float32. Any head dim 1..256: tiles are
-HEAD_DIM_PAD = max(16, next power of two) wide, loads are masked and read zeros past D (which add
-nothing to any dot), stores are masked.
+HEAD_DIM_PAD = max(16, next power of two) wide, loads masked past D, stores masked.
 
-Masks are never materialised. A *tile plan* (attention_math.visit_ranges; built in PyTorch, no
-host sync, O(tiles log tiles), kept by the caller in an AttentionPlan) gives per row tile:
-
-    [full_lo, full_hi)          key tiles where every pair is visible -> no mask arithmetic at all
-    [pure_lo, pure_hi),
-    [mixed_lo, mixed_hi)        candidates for the partial tiles -> a scalar skip test on the
-                                tile's bounds, then the mask from the position/segment vectors
-
-as indices into a sorted list of (tile, seg_min, seg_max, pos_min) entries. Tiles that can hold no
-visible pair are never listed (or fail the skip test), so packed documents, padding and ring
-blocks cost only their visible tiles, and a block with nothing visible costs one launch that
-writes out = 0, lse = -inf. The loop bounds come from memory: no host sync anywhere.
-
-A plan is one int32 tensor (B, n_rows * 9 + 2 * n_cols * 4): the row ranges, then the entries.
-
-Kernels:
-* `_fwd_kernel`: one program per (query tile, batch, query head); online softmax in base 2.
-* `_decode_kernel`: few queries (Sq <= DECODE_MAX_Q): no plan; the key range is split across
-  programs (split-K), the rows of one program are the queries of several heads of one GQA group,
-  and the partial results are merged with attention_math.merge_stacked.
-* `_bwd_preprocess`: delta = rowsum(dO * O), lse in base 2 (-inf -> +inf, so P = 0 on empty rows).
-* `_bwd_kernel`: one program per key tile and (batch, query head) or (batch, kv head): dK and dV
-  from the transposed plan; with FUSED_DQ also dQ, added to an fp32 buffer with atomics
-  (FlashAttention-2: five matmuls per tile pair). Per query head programs add dK/dV of a GQA
-  group with atomics; per kv head programs loop over the group and store.
-* `_bwd_dq_kernel`: dQ in a second pass (the "split" variant: seven matmuls per tile pair, but no
-  atomics, so the result is deterministic).
-
-Softmax runs in base 2: s2 = (q . k) * scale * log2(e), lse2 = lse * log2(e).
+Masks are never materialised. A tile plan (attention_math.visit_ranges, one int32 tensor
+(B, n_rows * 9 + 2 * n_cols * 4), built without a host sync and kept by the caller) gives per row
+tile the full key tiles [full_lo, full_hi) (no mask arithmetic) and the candidates for the partial
+ones [pure_lo, pure_hi), [mixed_lo, mixed_hi) (the mask from the position/segment vectors), as
+indices into a sorted list of (tile, seg_min, seg_max, pos_min) entries; every loop loads its next
+index one tile ahead. Kernels: `_fwd_kernel` (online softmax in base 2, per query tile and head),
+`_decode_kernel` (Sq <= DECODE_MAX_Q: split-K over the keys, the heads of a GQA group in one
+program, no plan), `_bwd_preprocess` (delta = rowsum(dO * O), lse in base 2 with -inf -> +inf),
+`_bwd_kernel` (per key tile: dK, dV, and with FUSED_DQ dQ by atomics: five matmuls), `_bwd_dq_kernel`
+(dQ in a second pass, the "split" variant: seven matmuls, no atomics).
 """
 
 from __future__ import annotations
@@ -277,15 +258,10 @@ def _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2_row, D
                offs_m0, offs_d, d_ok,
                BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
                FUSED_DQ: tl.constexpr, KV_SMEM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    """dK, dV of one key tile (and with FUSED_DQ the dQ share of each query tile) from the plan
-    entries [t_start, t_end) of the transposed plan. The next entry's query tile index is loaded
-    one iteration ahead, so no load of Q or dO waits for it.
-
-    KV_SMEM False: scores are kept transposed, (BLOCK_N, BLOCK_M), K and V are the row (register)
-    operand of their dots and P^T, dS^T feed dV, dK from registers. KV_SMEM True: scores are
-    (BLOCK_M, BLOCK_N), K and V are only ever the column operand (Hopper reads it from shared
-    memory, so they leave the registers to the dK/dV accumulators) and P^T, dS^T are transposed
-    for their dots."""
+    """dK, dV of one key tile (and with FUSED_DQ the dQ share of each query tile) from the plan entries
+    [t_start, t_end) of the transposed plan. KV_SMEM False: scores kept transposed (BLOCK_N, BLOCK_M),
+    K and V the register operand of their dots; True: scores (BLOCK_M, BLOCK_N), K and V only ever the
+    column operand (which Hopper reads from shared memory), P and dS transposed for their dots."""
     mb_next = tl.load(COLS + t_start * 4, mask=t_start < t_end, other=0)
     for t in range(t_start, t_end):
         mb = mb_next

@@ -21,8 +21,8 @@ and sequence-parallel inference cannot disagree:
   the Triton kernels walk these ranges;
 * `lse_merge_` / `merge_partials`: combining attention over disjoint key sets exactly from their
   (out, lse) pairs (online softmax across blocks, ring steps or ranks);
-* `dense_pieces`: the rule as a few rectangles of the block where every pair is visible, or the
-  aligned causal triangle, which dense kernels (cuDNN, flash, the CPU flash op) compute exactly;
+* `dense_pieces`: the rule as a few rectangles visible everywhere or the aligned causal triangle,
+  what dense kernels (cuDNN, flash, the CPU flash op) compute exactly;
 * `accum_dtype`: merges, partial sums and gradients accumulate in fp32 (fp64 for fp64 inputs);
 * `fill_meta`: default positions (0..S-1) and segment ids (one segment).
 
@@ -217,19 +217,13 @@ def dense_pieces(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, cau
     """The block's visible pairs as at most `max_pieces` rectangles a dense kernel computes exactly,
     or None when the block needs the element mask. Host tensors (B, S); reads their values.
 
-    A piece (q0, q1, k0, k1, False) has every pair of its rectangle visible in every row; a piece
-    (q0, q1, k0, k1, True) is the aligned causal triangle (key j visible to query i iff j <= i,
-    as a dense kernel's is_causal computes it); every visible pair lies in exactly one piece and
-    every query row of a piece sees at least one key there. [] means nothing is visible.
-
-    One causal piece covers the whole block when queries and keys carry the same strictly
-    increasing positions and one real segment per row (any local block of the zigzag layout);
-    otherwise both sides are cut into runs (attention_math `_runs`), every run pair is classified
-    with the tile bounds (`classify_tiles`), and pieces that share a side are joined: a visiting
-    zigzag block is then one piece (all queries x the first key chunk, or the second query chunk
-    x all keys). Packed documents the block cuts, padding inside a run and anything else that is
-    neither visible everywhere nor the aligned triangle give None.
-    """
+    (q0, q1, k0, k1, False): every pair of the rectangle visible in every row; (q0, q1, k0, k1, True):
+    the aligned causal triangle (key j visible to query i iff j <= i, a dense kernel's is_causal).
+    Every visible pair lies in one piece, every query row of a piece sees a key there; [] means
+    nothing is visible. One causal piece covers a block whose queries and keys carry the same strictly
+    increasing positions and one real segment per row (the local block of the zigzag layout); else
+    both sides are cut into runs (`_runs`), run pairs are classified with the tile bounds and pieces
+    sharing a side are joined (a visiting zigzag block: one rectangle)."""
     Sq, Sk = q_pos.shape[1], k_pos.shape[1]
     if Sq == 0 or Sk == 0:
         return []

@@ -2,19 +2,15 @@
 
     model = apply_compile(model)        # after the seam is final (parallelize calls it last)
 
-Every block is compiled in place (`nn.Module.compile`: parameter names and checkpoints do not
-change): its RMSNorms, projections, RoPE, SwiGLU feed-forward and residual adds become fused
-kernels. The attention between them stays exactly what it was: the model's seam (the
-single-device `LocalAttention` or the ring's `RingAttentionSeam`) is wrapped in `OpaqueSeam`,
-whose call is one custom op, `longvideo::seam_attention` (its backward `seam_attention_bwd`), so
-Dynamo and AOTAutograd put it in the graph as an opaque node and never trace the host-side
-planning, the dispatch's host read or the ring's communication: one graph per block, no graph
-break (`fullgraph=True`; tests/test_compile.py checks with `torch._dynamo.explain`).
-
-The ops call the wrapped seam's forward (out, lse) and its backward from the saved out/lse, as
-the seam's own autograd does, and look its plans up by the identity of the metadata tensors, which
-compiled graphs pass through unchanged: the layers of a step still share one plan. Off by default
-(training config), until `scripts/gpu_check.py` measures it faster on a GPU.
+Every block is compiled in place (`nn.Module.compile`: parameter names do not change): RMSNorms,
+projections, RoPE, SwiGLU and residual adds become fused kernels. The model's seam (LocalAttention
+or RingAttentionSeam) is wrapped in `OpaqueSeam`, one custom op (`longvideo::seam_attention`, its
+backward `seam_attention_bwd`), so Dynamo and AOTAutograd never trace the host-side planning, the
+dispatch's host read or the ring's communication: one graph per block, no graph break (checked
+with `torch._dynamo.explain` in tests/test_compile.py). The ops run the seam's forward (out, lse)
+and its backward from the saved out/lse and find its plans by the identity of the metadata
+tensors, which compiled graphs pass through: the layers of a step still share one plan. Off by
+default, until `scripts/gpu_check.py` measures it faster on a GPU.
 """
 
 from __future__ import annotations
@@ -37,12 +33,8 @@ _HANDLES = itertools.count()
 
 
 class OpaqueSeam:
-    """An attention seam as one custom op: what compiled code sees of attention.
-
-    inner: a `LocalAttention` or a `RingAttentionSeam` (the other seams serve decoding, which is
-    not compiled). Called like the model's seam: fn(q, k, v, *, q_positions, k_positions,
-    q_segment_ids, k_segment_ids, causal) -> out (B, Sq, Hq, D).
-    """
+    """An attention seam as one custom op. inner: a LocalAttention or RingAttentionSeam (the other
+    seams serve decoding, which is not compiled). Called like the model's seam."""
 
     def __init__(self, inner):
         if not isinstance(inner, (LocalAttention, RingAttentionSeam)):
@@ -91,8 +83,7 @@ def seam_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor
 
 @seam_attention.register_fake
 def _seam_attention_fake(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, handle):
-    B, Sq, Hq, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty(B, Hq, Sq, dtype=accum_dtype(q.dtype))
+    return q.new_empty(q.shape), q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=accum_dtype(q.dtype))
 
 
 @torch.library.custom_op("longvideo::seam_attention_bwd", mutates_args=())
