@@ -36,9 +36,10 @@ demo-hour: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python scripts/run_benchmarks.py
 
-# One run of at most 8 minutes on one GPU (a dry run on tiny shapes without CUDA): kernel vs
-# float64, host syncs, determinism, TFLOP/s vs SDPA, a 135M-shape training step. Writes
-# docs/bench/gpu_check.json and the GPU-check section of docs/benchmarks.md.
+# One run of at most 8 minutes on one GPU (a dry run on tiny shapes without CUDA): every attention
+# route vs float64, host syncs, forward and backward vs SDPA-flash and cuDNN, a predicted ring, the
+# 135M-shape training step and context vs transformers. Writes docs/bench/gpu_check.json and the
+# GPU-check section of docs/benchmarks.md.
 gpu-check: $(STAMP)
 	$(BIN)/python scripts/gpu_check.py
 

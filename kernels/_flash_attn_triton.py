@@ -1,39 +1,20 @@
-"""Raw Triton kernels of masked flash attention, their tile plans, launch shapes and launchers.
+"""Raw Triton kernels of masked flash attention, their tile plans, launch shapes and launchers
+(docs/kernels.md, "How the kernel works").
 
 Layouts: q, out, dout (B, Sq, Hq, D); k, v (B, Sk, Hkv, D), any strides with a unit last stride;
 positions and segment ids int32 (B, S); lse (B, Hq, Sq) float32. Any head dim 1..256: tiles are
-HEAD_DIM_PAD = max(16, next power of two) wide, loads are masked and read zeros past D (which add
-nothing to any dot), stores are masked.
+HEAD_DIM_PAD = max(16, next power of two) wide, loads masked past D, stores masked.
 
-Masks are never materialised. A *tile plan* (attention_math.visit_ranges; built in PyTorch, no
-host sync, O(tiles log tiles), kept by the caller in an AttentionPlan) gives per row tile:
-
-    [full_lo, full_hi)          key tiles where every pair is visible -> no mask arithmetic at all
-    [pure_lo, pure_hi),
-    [mixed_lo, mixed_hi)        candidates for the partial tiles -> a scalar skip test on the
-                                tile's bounds, then the mask from the position/segment vectors
-
-as indices into a sorted list of (tile, seg_min, seg_max, pos_min) entries. Tiles that can hold no
-visible pair are never listed (or fail the skip test), so packed documents, padding and ring
-blocks cost only their visible tiles, and a block with nothing visible costs one launch that
-writes out = 0, lse = -inf. The loop bounds come from memory: no host sync anywhere.
-
-A plan is one int32 tensor (B, n_rows * 9 + 2 * n_cols * 4): the row ranges, then the entries.
-
-Kernels:
-* `_fwd_kernel`: one program per (query tile, batch, query head); online softmax in base 2.
-* `_decode_kernel`: few queries (Sq <= DECODE_MAX_Q): no plan; the key range is split across
-  programs (split-K), the rows of one program are the queries of several heads of one GQA group,
-  and the partial results are merged with attention_math.merge_stacked.
-* `_bwd_preprocess`: delta = rowsum(dO * O), lse in base 2 (-inf -> +inf, so P = 0 on empty rows).
-* `_bwd_kernel`: one program per key tile and (batch, query head) or (batch, kv head): dK and dV
-  from the transposed plan; with FUSED_DQ also dQ, added to an fp32 buffer with atomics
-  (FlashAttention-2: five matmuls per tile pair). Per query head programs add dK/dV of a GQA
-  group with atomics; per kv head programs loop over the group and store.
-* `_bwd_dq_kernel`: dQ in a second pass (the "split" variant: seven matmuls per tile pair, but no
-  atomics, so the result is deterministic).
-
-Softmax runs in base 2: s2 = (q . k) * scale * log2(e), lse2 = lse * log2(e).
+Masks are never materialised. A tile plan (attention_math.visit_ranges, one int32 tensor
+(B, n_rows * 9 + 2 * n_cols * 4), built without a host sync and kept by the caller) gives per row
+tile the full key tiles [full_lo, full_hi) (no mask arithmetic) and the candidates for the partial
+ones [pure_lo, pure_hi), [mixed_lo, mixed_hi) (the mask from the position/segment vectors), as
+indices into a sorted list of (tile, seg_min, seg_max, pos_min) entries; every loop loads its next
+index one tile ahead. Kernels: `_fwd_kernel` (online softmax in base 2, per query tile and head),
+`_decode_kernel` (Sq <= DECODE_MAX_Q: split-K over the keys, the heads of a GQA group in one
+program, no plan), `_bwd_preprocess` (delta = rowsum(dO * O), lse in base 2 with -inf -> +inf),
+`_bwd_kernel` (per key tile: dK, dV, and with FUSED_DQ dQ by atomics: five matmuls), `_bwd_dq_kernel`
+(dQ in a second pass, the "split" variant: seven matmuls, no atomics).
 """
 
 from __future__ import annotations
@@ -93,9 +74,12 @@ def _fwd_tiles(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, C
                Sk, stride_ks, stride_vs, qk_scale, offs_n0, offs_d, d_ok,
                BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
                DOT: tl.constexpr, PREC: tl.constexpr):
-    """Online softmax over the plan entries [t_start, t_end): all full, or all candidates."""
+    """Online softmax over the plan entries [t_start, t_end): all full, or all candidates. The
+    next entry's key tile index is loaded one iteration ahead."""
+    nb_next = tl.load(COLS + t_start * 4, mask=t_start < t_end, other=0)
     for t in range(t_start, t_end):
-        nb = tl.load(COLS + t * 4)
+        nb = nb_next
+        nb_next = tl.load(COLS + (t + 1) * 4, mask=t + 1 < t_end, other=0)
         offs_n = nb * BLOCK_N + offs_n0
         kt_ptrs = K_base + nb.to(tl.int64) * BLOCK_N * stride_ks + offs_n0[None, :] * stride_ks + offs_d[:, None]
         v_ptrs = V_base + nb.to(tl.int64) * BLOCK_N * stride_vs + offs_n0[:, None] * stride_vs + offs_d[None, :]
@@ -273,12 +257,15 @@ def _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2_row, D
                t_start, t_end, Sq, stride_qs, stride_dos, stride_dqs, qk_scale, sm_scale,
                offs_m0, offs_d, d_ok,
                BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-               FUSED_DQ: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    """dK, dV of one key tile (and with FUSED_DQ the dQ share of each query tile) from the plan
-    entries [t_start, t_end) of the transposed plan. Scores are kept transposed, (BLOCK_N, BLOCK_M),
-    so the key tile is the row operand throughout."""
+               FUSED_DQ: tl.constexpr, KV_SMEM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """dK, dV of one key tile (and with FUSED_DQ the dQ share of each query tile) from the plan entries
+    [t_start, t_end) of the transposed plan. KV_SMEM False: scores kept transposed (BLOCK_N, BLOCK_M),
+    K and V the register operand of their dots; True: scores (BLOCK_M, BLOCK_N), K and V only ever the
+    column operand (which Hopper reads from shared memory), P and dS transposed for their dots."""
+    mb_next = tl.load(COLS + t_start * 4, mask=t_start < t_end, other=0)
     for t in range(t_start, t_end):
-        mb = tl.load(COLS + t * 4)
+        mb = mb_next
+        mb_next = tl.load(COLS + (t + 1) * 4, mask=t + 1 < t_end, other=0)
         offs_m = mb * BLOCK_M + offs_m0
         start = mb.to(tl.int64) * BLOCK_M
         q_ptrs = Q_base + start * stride_qs + offs_m0[:, None] * stride_qs + offs_d[None, :]
@@ -299,21 +286,39 @@ def _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2_row, D
                 do = tl.load(do_ptrs, mask=d_ok[None, :], other=0.0)
             lse2 = tl.load(LSE2_row + offs_m)
             delta = tl.load(DELTA_row + offs_m)
-        st = tl.dot(k, tl.trans(q.to(DOT)), input_precision=PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
-        pt = tl.math.exp2(st - lse2[None, :])
-        if MASKED:
-            q_seg = tl.load(QSEG_b + offs_m, mask=row_ok, other=-1)
-            vis = (k_seg[:, None] == q_seg[None, :]) & (k_seg[:, None] >= 0)
-            if CAUSAL:
-                q_pos = tl.load(QPOS_b + offs_m, mask=row_ok, other=0)
-                vis = vis & (k_pos[:, None] <= q_pos[None, :])
-            pt = tl.where(vis, pt, 0.0)
-        dv += tl.dot(pt.to(do.dtype).to(DOT), do.to(DOT), input_precision=PREC)
-        dpt = tl.dot(v, tl.trans(do.to(DOT)), input_precision=PREC)  # (BLOCK_N, BLOCK_M)
-        dst = (pt * (dpt - delta[None, :])).to(q.dtype).to(DOT)
-        dk += tl.dot(dst, q.to(DOT), input_precision=PREC)
+        if KV_SMEM:
+            s = tl.dot(q.to(DOT), tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N)
+            p = tl.math.exp2(s - lse2[:, None])
+            if MASKED:
+                q_seg = tl.load(QSEG_b + offs_m, mask=row_ok, other=-1)
+                vis = (q_seg[:, None] == k_seg[None, :]) & (k_seg[None, :] >= 0)
+                if CAUSAL:
+                    q_pos = tl.load(QPOS_b + offs_m, mask=row_ok, other=0)
+                    vis = vis & (k_pos[None, :] <= q_pos[:, None])
+                p = tl.where(vis, p, 0.0)
+            dv += tl.dot(tl.trans(p.to(do.dtype)).to(DOT), do.to(DOT), input_precision=PREC)
+            dp = tl.dot(do.to(DOT), tl.trans(v), input_precision=PREC)
+            ds = (p * (dp - delta[:, None])).to(q.dtype).to(DOT)  # (BLOCK_M, BLOCK_N)
+            dk += tl.dot(tl.trans(ds), q.to(DOT), input_precision=PREC)
+            if FUSED_DQ:
+                dq = tl.dot(ds, k, input_precision=PREC) * sm_scale  # (BLOCK_M, D)
+        else:
+            st = tl.dot(k, tl.trans(q.to(DOT)), input_precision=PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
+            pt = tl.math.exp2(st - lse2[None, :])
+            if MASKED:
+                q_seg = tl.load(QSEG_b + offs_m, mask=row_ok, other=-1)
+                vis = (k_seg[:, None] == q_seg[None, :]) & (k_seg[:, None] >= 0)
+                if CAUSAL:
+                    q_pos = tl.load(QPOS_b + offs_m, mask=row_ok, other=0)
+                    vis = vis & (k_pos[:, None] <= q_pos[None, :])
+                pt = tl.where(vis, pt, 0.0)
+            dv += tl.dot(pt.to(do.dtype).to(DOT), do.to(DOT), input_precision=PREC)
+            dpt = tl.dot(v, tl.trans(do.to(DOT)), input_precision=PREC)  # (BLOCK_N, BLOCK_M)
+            dst = (pt * (dpt - delta[None, :])).to(q.dtype).to(DOT)
+            dk += tl.dot(dst, q.to(DOT), input_precision=PREC)
+            if FUSED_DQ:
+                dq = tl.dot(tl.trans(dst), k, input_precision=PREC) * sm_scale  # (BLOCK_M, D)
         if FUSED_DQ:
-            dq = tl.dot(tl.trans(dst), k, input_precision=PREC) * sm_scale  # (BLOCK_M, D)
             dq_ptrs = DQ_base + start * stride_dqs + offs_m0[:, None] * stride_dqs + offs_d[None, :]
             if MASKED:
                 tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
@@ -332,7 +337,8 @@ def _bwd_kernel(Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, QPOS, KPOS, QSEG, KSEG, PL
                 Hq, Hkv, GROUP, Sq, Sk, qk_scale, sm_scale,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_HEAD: tl.constexpr, ATOMIC_KV: tl.constexpr,
-                FUSED_DQ: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                FUSED_DQ: tl.constexpr, KV_SMEM: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
+                PREC: tl.constexpr):
     """One key tile of one (batch, query head) [PER_HEAD] or (batch, kv head) [the group in a loop]."""
     pid_n = tl.program_id(0)  # under a causal mask early key tiles have most work: they start first
     pid_bh = tl.program_id(1)
@@ -386,15 +392,15 @@ def _bwd_kernel(Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, QPOS, KPOS, QSEG, KSEG, PL
         dk, dv = _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2 + row, DELTA + row, QPOS_b,
                             QSEG_b, COLS, f_lo, f_hi, Sq, stride_qs, stride_dos, stride_dqs,
                             qk_scale, sm_scale, offs_m0, offs_d, d_ok, BLOCK_M, CAUSAL, False, EVEN_D, FUSED_DQ,
-                            DOT, PREC)
+                            KV_SMEM, DOT, PREC)
         dk, dv = _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2 + row, DELTA + row, QPOS_b,
                             QSEG_b, COLS, p_lo, p_hi, Sq, stride_qs, stride_dos, stride_dqs,
                             qk_scale, sm_scale, offs_m0, offs_d, d_ok, BLOCK_M, CAUSAL, True, EVEN_D, FUSED_DQ,
-                            DOT, PREC)
+                            KV_SMEM, DOT, PREC)
         dk, dv = _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2 + row, DELTA + row, QPOS_b,
                             QSEG_b, COLS, x_lo, x_hi, Sq, stride_qs, stride_dos, stride_dqs,
                             qk_scale, sm_scale, offs_m0, offs_d, d_ok, BLOCK_M, CAUSAL, True, EVEN_D, FUSED_DQ,
-                            DOT, PREC)
+                            KV_SMEM, DOT, PREC)
 
     ptrs = b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + start_n * stride_dks \
         + offs_n0[:, None] * stride_dks + offs_d[None, :]
@@ -411,9 +417,11 @@ def _dq_tiles(dq, q, do, lse2, delta, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG
               Sk, stride_ks, stride_vs, qk_scale, offs_n0, offs_d, d_ok,
               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
               DOT: tl.constexpr, PREC: tl.constexpr):
-    """dQ of one query tile from the plan entries [t_start, t_end)."""
+    """dQ of one query tile from the plan entries [t_start, t_end), the next index loaded ahead."""
+    nb_next = tl.load(COLS + t_start * 4, mask=t_start < t_end, other=0)
     for t in range(t_start, t_end):
-        nb = tl.load(COLS + t * 4)
+        nb = nb_next
+        nb_next = tl.load(COLS + (t + 1) * 4, mask=t + 1 < t_end, other=0)
         offs_n = nb * BLOCK_N + offs_n0
         k_ptrs = K_base + nb.to(tl.int64) * BLOCK_N * stride_ks + offs_n0[:, None] * stride_ks + offs_d[None, :]
         v_ptrs = V_base + nb.to(tl.int64) * BLOCK_N * stride_vs + offs_n0[:, None] * stride_vs + offs_d[None, :]
@@ -543,7 +551,9 @@ class TileConfig:
     bwd: block_m = query tile, block_n = key tile of `_bwd_kernel`; dq: the split variant's dQ
     kernel; decode: block_n = key tile of `_decode_kernel`. variant: "fused" (dQ by atomics in the
     dK/dV kernel) or "split" (a dQ pass, deterministic). per_head: GQA programs per query head
-    (dK/dV by atomics) instead of one per kv head looping over its group.
+    (dK/dV by atomics at the end of a program, never in its loop) instead of one per kv head
+    looping over its group. kv_smem: the dK/dV kernel's K/V tiles as the shared-memory operand of
+    their dots instead of registers (`_bwd_tiles`).
     """
 
     fwd: LaunchConfig
@@ -552,23 +562,27 @@ class TileConfig:
     decode: LaunchConfig
     variant: str = "fused"
     per_head: bool = True
+    kv_smem: bool = False
 
 
 def _lc(bm, bn, w, s):
     return LaunchConfig(bm, bn, w, s)
 
 
-# Hopper shapes. For 16-bit inputs every build fits shared memory and spills no registers in sm_90a
-# ptxas reports (scripts/ptxas_report.py; tests/test_flash_attn_triton.py checks it); fp32 is a
-# correctness path (three TF32 dots each) whose backward spills at any shape tried. The head dim 64
-# and 128 forward and backward shapes are the fastest of `scripts/gpu_check.py --tune` on an H200
-# (S = 8192, 32 / 8 heads, bf16; docs/bench/gpu_tune.json holds every candidate's time); the other
-# rows follow them or were chosen from the ptxas reports alone.
+# Hopper shapes, chosen from sm_90a ptxas reports (scripts/ptxas_report.py, checked by tests/
+# test_flash_attn_triton.py): for 16-bit inputs every build fits shared memory and spills no
+# register. Head dims 64 and 128 take the split backward (no atomics in any loop) with 3-stage
+# dK/dV and dQ kernels at the largest spill-free tiles. No row is a GPU timing of these kernels:
+# `scripts/gpu_check.py --tune` times them beside other candidates at the shipped head counts
+# (docs/kernels.md, "Launch shapes"). fp32 is a correctness path (three TF32 dots each) whose
+# backward spills at any shape tried.
 DEFAULT_TABLE: dict[tuple[int, str], TileConfig] = {
     (16, "16bit"): TileConfig(_lc(128, 64, 8, 3), _lc(64, 128, 8, 2), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3)),
     (32, "16bit"): TileConfig(_lc(128, 64, 8, 3), _lc(64, 128, 8, 2), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3)),
-    (64, "16bit"): TileConfig(_lc(64, 64, 4, 3), _lc(64, 128, 8, 2), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3)),
-    (128, "16bit"): TileConfig(_lc(128, 128, 8, 3), _lc(64, 128, 8, 2), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3)),
+    (64, "16bit"): TileConfig(_lc(64, 64, 4, 3), _lc(32, 128, 8, 3), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3),
+                              variant="split"),
+    (128, "16bit"): TileConfig(_lc(128, 128, 8, 2), _lc(16, 128, 8, 3), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3),
+                               variant="split"),
     (256, "16bit"): TileConfig(_lc(64, 64, 8, 2), _lc(32, 32, 8, 2), _lc(32, 64, 8, 2), _lc(16, 32, 4, 2)),
     (16, "fp32"): TileConfig(_lc(32, 32, 8, 2), _lc(16, 16, 4, 2), _lc(32, 32, 8, 2), _lc(16, 32, 4, 2)),
     (32, "fp32"): TileConfig(_lc(32, 32, 8, 2), _lc(16, 16, 4, 2), _lc(32, 32, 8, 2), _lc(16, 32, 4, 2)),
@@ -576,10 +590,9 @@ DEFAULT_TABLE: dict[tuple[int, str], TileConfig] = {
     (128, "fp32"): TileConfig(_lc(32, 32, 8, 2), _lc(16, 16, 4, 2), _lc(32, 32, 8, 2), _lc(16, 32, 4, 2)),
     (256, "fp32"): TileConfig(_lc(16, 32, 4, 1), _lc(16, 16, 4, 1), _lc(16, 32, 4, 1), _lc(16, 32, 4, 1)),
 }
-# Rows whose shapes were timed on a GPU: their fastest shape may spill a few registers (D = 128:
-# the 128 x 128 forward and the 64 x 128 backward beat every spill-free candidate by 7 % and 18 %),
-# so the ptxas check holds them to shared memory only.
-GPU_TIMED: frozenset[tuple[int, str]] = frozenset({(64, "16bit"), (128, "16bit")})
+# Rows whose shapes are GPU timings (a `--tune` result copied into DEFAULT_TABLE) and may spill a
+# few registers for their speed; the ptxas check holds them to shared memory only.
+GPU_TIMED: frozenset[tuple[int, str]] = frozenset()
 _INTERPRET_CONFIG = TileConfig(_lc(16, 16, 4, 1), _lc(16, 16, 4, 1), _lc(16, 16, 4, 1), _lc(16, 16, 4, 1))
 _table: dict[tuple[int, str], TileConfig] = dict(DEFAULT_TABLE)
 _override: dict = {}
@@ -598,7 +611,8 @@ def table_from_json(rows: list[dict]) -> dict[tuple[int, str], TileConfig]:
     for r in rows:
         cfg = {k: LaunchConfig(**r[k]) for k in ("fwd", "bwd", "dq", "decode")}
         out[(int(r["head_dim_pad"]), r["kind"])] = TileConfig(**cfg, variant=r.get("variant", "fused"),
-                                                                per_head=bool(r.get("per_head", True)))
+                                                                per_head=bool(r.get("per_head", True)),
+                                                                kv_smem=bool(r.get("kv_smem", False)))
     return out
 
 
@@ -610,20 +624,19 @@ def set_tile_table(table: Optional[dict[tuple[int, str], TileConfig]] = None) ->
         _table.update(table)
 
 
-def set_backward(variant: Optional[str] = None, per_head: Optional[bool] = None) -> None:
-    """Force a backward variant ("fused" / "split") and GQA program layout for every shape
-    (None: each table entry's own). "split" means every gradient is deterministic, so it implies
-    one program per kv head (per_head=False: no atomics into dK/dV) unless per_head is given.
-    `LONGVIDEO_FLASH_BWD=split` at import does the same."""
+def set_backward(variant: Optional[str] = None, per_head: Optional[bool] = None,
+                 kv_smem: Optional[bool] = None) -> None:
+    """Force a backward variant ("fused" / "split"), GQA program layout and K/V operand placement
+    for every shape (None: each table entry's own). "split" means every gradient is deterministic,
+    so it implies one program per kv head (per_head=False: no atomics into dK/dV) unless per_head
+    is given. `LONGVIDEO_FLASH_BWD=split` at import does the same."""
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"backward variant must be one of {VARIANTS}, got {variant!r}")
     if variant == "split" and per_head is None:
         per_head = False
     _override.clear()
-    if variant is not None:
-        _override["variant"] = variant
-    if per_head is not None:
-        _override["per_head"] = per_head
+    _override.update({k: v for k, v in dict(variant=variant, per_head=per_head, kv_smem=kv_smem).items()
+                      if v is not None})
 
 
 if os.environ.get("LONGVIDEO_FLASH_TABLE"):  # a table written by `scripts/gpu_check.py --tune`
@@ -808,7 +821,8 @@ def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
         dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
         Hq, Hkv, G, Sq, Sk, scale * LOG2E, scale, **shape,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, PER_HEAD=per_head, ATOMIC_KV=atomic_kv,
-        FUSED_DQ=variant == "fused", CAUSAL=causal, num_warps=c.num_warps, num_stages=c.num_stages, **flags)
+        FUSED_DQ=variant == "fused", KV_SMEM=cfg.kv_smem, CAUSAL=causal, num_warps=c.num_warps,
+        num_stages=c.num_stages, **flags)
 
     if variant == "split":
         c = cfg.dq

@@ -21,14 +21,18 @@ and sequence-parallel inference cannot disagree:
   the Triton kernels walk these ranges;
 * `lse_merge_` / `merge_partials`: combining attention over disjoint key sets exactly from their
   (out, lse) pairs (online softmax across blocks, ring steps or ranks);
+* `dense_pieces`: the rule as a few rectangles visible everywhere or the aligned causal triangle,
+  what dense kernels (cuDNN, flash, the CPU flash op) compute exactly;
 * `accum_dtype`: merges, partial sums and gradients accumulate in fp32 (fp64 for fp64 inputs);
 * `fill_meta`: default positions (0..S-1) and segment ids (one segment).
 
-Nothing here synchronises with the device: tile statistics are reductions, classes are tensors.
+Nothing here synchronises with the device (tile statistics are reductions, classes are tensors),
+except `dense_pieces`, which works on host copies of the metadata.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -171,6 +175,83 @@ def block_class(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, caus
     q = tile_stats(q_pos, q_seg, max(1, q_pos.shape[1]))
     k = tile_stats(k_pos, k_seg, max(1, k_pos.shape[1]))
     return classify_tiles(q, k, causal)[:, 0, 0]
+
+
+Piece = tuple[int, int, int, int, bool]
+"""(q_start, q_stop, k_start, k_stop, causal) of `dense_pieces`."""
+
+
+def _runs(pos: Tensor, seg: Tensor, causal: bool) -> list[tuple[int, int]]:
+    """Maximal [start, stop) where, in every row, the segment is constant and (causal, real tokens)
+    positions step by +1. A run of padding is one run whatever its positions."""
+    S = pos.shape[1]
+    brk = seg[:, 1:] != seg[:, :-1]
+    if causal:
+        brk = brk | ((seg[:, 1:] >= 0) & (pos[:, 1:] != pos[:, :-1] + 1))
+    cuts = [0] + (brk.any(0).nonzero().flatten() + 1).tolist() + [S]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _merge_pieces(pieces: list[Piece]) -> list[Piece]:
+    """Join full pieces that share one side and touch on the other (fewer, larger kernel calls)."""
+    merged = True
+    while merged:
+        merged = False
+        for a, b in itertools.permutations(pieces, 2):
+            if a[4] or b[4]:
+                continue
+            if a[2:4] == b[2:4] and a[1] == b[0]:  # the same keys, the queries continue
+                new = (a[0], b[1], a[2], a[3], False)
+            elif a[:2] == b[:2] and a[3] == b[2]:  # the same queries, the keys continue
+                new = (a[0], a[1], a[2], b[3], False)
+            else:
+                continue
+            pieces = [p for p in pieces if p != a and p != b] + [new]
+            merged = True
+            break
+    return sorted(pieces)
+
+
+def dense_pieces(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causal: bool,
+                 max_pieces: int = 4) -> Optional[list[Piece]]:
+    """The block's visible pairs as at most `max_pieces` rectangles a dense kernel computes exactly,
+    or None when the block needs the element mask. Host tensors (B, S); reads their values.
+
+    (q0, q1, k0, k1, False): every pair of the rectangle visible in every row; (q0, q1, k0, k1, True):
+    the aligned causal triangle (key j visible to query i iff j <= i, a dense kernel's is_causal).
+    Every visible pair lies in one piece, every query row of a piece sees a key there; [] means
+    nothing is visible. One causal piece covers a block whose queries and keys carry the same strictly
+    increasing positions and one real segment per row (the local block of the zigzag layout); else
+    both sides are cut into runs (`_runs`), run pairs are classified with the tile bounds and pieces
+    sharing a side are joined (a visiting zigzag block: one rectangle)."""
+    Sq, Sk = q_pos.shape[1], k_pos.shape[1]
+    if Sq == 0 or Sk == 0:
+        return []
+    one_seg = bool((q_seg >= 0).all()) and bool((q_seg == q_seg[:, :1]).all())
+    if causal and Sq == Sk and one_seg and torch.equal(q_pos, k_pos) and torch.equal(q_seg, k_seg) \
+            and bool((q_pos[:, 1:] > q_pos[:, :-1]).all()):
+        return [(0, Sq, 0, Sk, True)]
+    qr, kr = _runs(q_pos, q_seg, causal), _runs(k_pos, k_seg, causal)
+    if len(qr) * len(kr) > 4 * max_pieces ** 2:
+        return None
+    qs = tile_stats(q_pos, q_seg, [a for a, _ in qr] + [Sq])
+    ks = tile_stats(k_pos, k_seg, [a for a, _ in kr] + [Sk])
+    cls = classify_tiles(qs, ks, causal)
+    lo, hi = cls.amin(0).tolist(), cls.amax(0).tolist()
+    pieces: list[Piece] = []
+    for i, (qa, qb) in enumerate(qr):
+        for j, (ka, kb) in enumerate(kr):
+            if hi[i][j] == SKIP:
+                continue
+            if lo[i][j] == FULL:
+                pieces.append((qa, qb, ka, kb, False))
+            elif causal and qb - qa == kb - ka and bool((q_pos[:, qa] == k_pos[:, ka]).all()) \
+                    and bool((q_seg[:, qa] == k_seg[:, ka]).all()) and bool((q_seg[:, qa] >= 0).all()):
+                pieces.append((qa, qb, ka, kb, True))  # one real run on both sides, the same positions
+            else:
+                return None
+    pieces = _merge_pieces(pieces)
+    return pieces if len(pieces) <= max_pieces else None
 
 
 # ----------------------------------------------------------------------------- visit ranges

@@ -14,12 +14,15 @@ A backend computes masked attention of a query block against a key/value block:
 
     plan: an optional AttentionPlan (plans.py) shared by calls with the same positions and segment
     ids; backends keep whatever they derive from the metadata in it (or ignore it).
-    sync_free: True when no call reads a device value on the host (the Triton backend). Callers
-    then must not either: the ring, for one, launches blocks it could have skipped on the host.
+    sync_free: True when no call reads a device value on the host once its plan is built (triton
+    never does; auto reads a block's metadata when its plan is built). Callers then must not
+    either: the ring, for one, launches blocks it could have skipped on the host.
 
 Backends are chosen by name: "torch" (exact reference, chunked so memory is O(block^2)),
-"cpu" (fast CPU path), "triton" (fused kernel; CUDA, or CPU under TRITON_INTERPRET=1);
-"auto" picks triton on CUDA and cpu otherwise.
+"cpu" (fast CPU path), "triton" (fused kernel; CUDA, or CPU under TRITON_INTERPRET=1), and
+"auto" (dispatch.py, the default): per block, a dense kernel (cuDNN or SDPA flash on CUDA, the CPU
+flash op on CPU) where the block's mask is a dense rectangle or the aligned causal triangle, and
+triton on CUDA / cpu on CPU for every other block.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ _REGISTRY: dict[str, str] = {  # module names relative to this package, or absol
     "torch": ".torch_backend:TorchBackend",
     "cpu": ".cpu_backend:CpuBackend",
     "triton": ".flash_attn:TritonBackend",
+    "auto": ".dispatch:DispatchBackend",
 }
 _INSTANCES: dict[str, BlockBackend] = {}
 
@@ -63,15 +67,14 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    if name != "auto":
-        if name not in _REGISTRY:
-            raise ValueError(f"unknown attention backend '{name}'; choose from auto, {', '.join(available_backends())}")
-        return name
-    return "triton" if device.type == "cuda" else "cpu"
+    """`name`, checked against the registry ("auto" chooses per block and device by itself)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend '{name}'; choose from {', '.join(available_backends())}")
+    return name
 
 
 def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> BlockBackend:
-    """The backend object for `name` ("auto" resolves by device)."""
+    """The backend object for `name`."""
     name = resolve_backend_name(name, torch.device(device))
     if name not in _INSTANCES:
         module, cls = _REGISTRY[name].split(":")

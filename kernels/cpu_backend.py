@@ -1,30 +1,17 @@
-"""The `cpu` block backend: torch's fused flash-attention CPU op on tiles classified from metadata.
+"""The `cpu` block backend: torch's fused flash-attention CPU op on tiles classified from metadata
+(the `auto` backend's route on CPU for every block that needs the element mask).
 
-The key and query sequences are cut into tiles along the places where positions stop being
-consecutive or the segment id changes (and every `tile` tokens inside long runs; runs shorter than
-`min_tile` are pooled so that many tiny packed documents do not become many tiny op calls). Each
-(query tile, key tile) pair is then classified from per-row min/max of positions and segments:
+Both sequences are cut into tiles where positions stop being consecutive or the segment changes
+(and every `tile` tokens inside long runs; runs shorter than `min_tile` are pooled, so many tiny
+packed documents do not become many tiny calls). A (query tile, key tile) pair, classified from
+per-row min/max of positions and segments, is skipped (provably nothing visible), full (flash op),
+aligned-causal (the same run on both sides: flash op with is_causal, whose top-left triangle is
+then the rule) or masked (flash op with an additive -inf mask of this tile only, ~2x faster than
+the exact torch tiles on CPU; rows with no visible key are set to out = 0, lse = -inf).
 
-    skipped        the mask is provably all false (segment ranges disjoint, only padding keys,
-                   or every key after every query under causal masking): no work at all;
-    full           one segment on both sides and (non-causal, or every key at or before every
-                   query): flash op, is_causal=False;
-    aligned-causal both tiles are the same run of consecutive positions in one segment: flash op,
-                   is_causal=True (its top-left triangle is then exactly the position rule);
-    masked         anything else: flash op with an additive -inf mask built for this tile only
-                   (measured ~2x faster than the exact torch tiles on CPU); rows of the tile with
-                   no visible key are set to out = 0, lse = -inf afterwards.
-
-In the zigzag ring layout every pair of chunks is full, aligned-causal or skipped unless packed
-segments cut it, so the masked path only runs on tiles that straddle a document boundary.
-
-Tiles are merged with the log-sum-exp rule in fp32 (fp64 for fp64 inputs). Half-precision inputs
-are computed in fp32: the op's bf16 backward is ~9x slower than fp32 on CPUs without bf16 matrix
-units, and fp32 tiles also round less. GQA needs no repeated heads: the op maps query head h to
-key/value head h // (Hq // Hkv), as the reference does.
-
-The backward takes the *global* out/lse (ring attention): the op recomputes P = exp(S - lse) and
-D = rowsum(dO * O) from them, so each tile yields its exact share of dq, dk, dv.
+Tiles merge with the log-sum-exp rule in fp32 (fp64 for fp64 inputs); 16-bit inputs compute in
+fp32 (the op's bf16 backward is ~9x slower on CPUs without bf16 matrix units). GQA needs no
+repeated heads. The backward takes the global out/lse of a ring: each tile yields its exact share.
 """
 
 from __future__ import annotations

@@ -18,12 +18,10 @@ Layers (as in flash-attention's interface):
 `TritonBackend` serves the same ops to ring attention through the block-backend interface
 (backends.py); its backward accepts the global out/lse of a ring.
 
-Tile plans: every entry point takes an optional `plan` (kernels/plans.py AttentionPlan) that the
-caller keeps for calls sharing the same positions and segment ids (the layers of a model step, a
-ring step and its backward); the plans it needs are built into it on first use. Without one, each
-call builds its own (the forward's is kept for its backward). Nothing on this path reads a device
-value on the host: no call synchronises with the GPU.
-`flash_attn_ref` (reference.py) is the materialised pure-PyTorch reference.
+Tile plans: every entry point takes an optional `plan` (kernels/plans.py AttentionPlan) kept by
+the caller for calls sharing positions and segment ids; without one each call builds its own (kept
+for its backward). Nothing on this path reads a device value on the host. `flash_attn_ref`
+(reference.py) is the materialised pure-PyTorch reference.
 """
 
 from __future__ import annotations

@@ -1,53 +1,33 @@
-"""One prepared GPU check of the Triton attention and a training step, in one run (`make gpu-check`).
+"""One prepared GPU check of the attention kernels, the dispatch and a training step (`make gpu-check`).
 
     python scripts/gpu_check.py                 # on a CUDA machine: every part, at most --budget s (480)
     python scripts/gpu_check.py --parts speed   # some parts only (env always runs)
     python scripts/gpu_check.py --tune          # time candidate tile shapes, write docs/bench/gpu_tune.json
     python scripts/gpu_check.py --dry-run       # what runs without CUDA: the interpreter, tiny shapes
 
-Parts, each in its own try with its own time budget (a part that fails or runs out of time is
-recorded and the next one starts; the JSON is rewritten after every part):
-
-* env          GPU name, capability, memory, versions.
-* correctness  kernel vs float64 at multi-tile shapes: S = 8192, bf16, head dim 128, GQA 32/8, one
-               document and packed documents with padding; both backward variants; a ring-style
-               split-key backward (two key blocks, global out/lse); head dim 80; the decode path.
-               Rule: error <= 2 x the same-dtype PyTorch error + eps, for out, dq, dk and dv.
-* syncs        host syncs counted with torch.cuda.set_sync_debug_mode on: flash_attn forward +
-               backward with and without a kept plan, the decode path, ring steps (a visible and an
-               empty key block), and a whole model step (non-attention code included).
-* determinism  two forwards bitwise equal; the backward of each variant compared bitwise.
-* speed        forward and forward+backward TFLOP/s at S = 4K, 8K, 16K (bf16, D = 128, GQA 32/8)
-               against SDPA-flash and cuDNN SDPA, both backward variants timed; the tile plans'
-               build time on the GPU at 64K, 256K and 1M tokens.
-* train        one training step (forward, backward, AdamW) of the smol-135m shape
-               (configs/smol-135m.yaml) in bf16 at 16K, 32K, 64K tokens: tokens/s, MFU, peak
-               memory; the same for transformers' Llama with SDPA (with and without gradient
-               checkpointing); the longest context that fits the GPU, from a linear fit of peak
-               memory against length (the attention is O(S) memory for all of them).
-* tune         (--tune only) time candidate launch shapes per (head dim, dtype) and write the
-               fastest as a launch table (docs/bench/gpu_tune.json; LONGVIDEO_FLASH_TABLE=<that
-               file> makes the kernels use it). Later parts of the same run use it.
-
-Writes docs/bench/gpu_check.json and, on a GPU, replaces the GPU-check section of
-docs/benchmarks.md (between its markers; appended when absent). Without CUDA (or with --dry-run)
-it runs the same code on tiny shapes under TRITON_INTERPRET=1, skips what needs a GPU, says so in
-the JSON (docs/bench/gpu_check_dry.json when gpu_check.json holds a GPU run) and exits 0.
+Parts (docs/kernels.md, "The GPU check", says what each measures): env, correctness, syncs, speed,
+ring, train; tune with --tune. Each has its own try, time budget and hard stop 20 s past it; the
+JSON (docs/bench/gpu_check.json) is rewritten after every part, and on a GPU the check's section of
+docs/benchmarks.md is replaced. Without CUDA (or with --dry-run) the same code runs on tiny shapes
+under TRITON_INTERPRET=1, claims no figure (gpu_check_dry.json if gpu_check.json holds a GPU run).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
 import os
 import platform
 import signal
+import statistics
 import sys
 import time
 import traceback
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,886 +40,515 @@ DRY = "--dry-run" in sys.argv or not torch.cuda.is_available()
 if DRY:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from bench_kernels import _sdpa_call, attention_flops, device_peak, time_cuda  # noqa: E402
-from longvideo.kernels import AttentionPlan, RingPlans, flash_attn_ref, get_backend  # noqa: E402
+from longvideo.kernels import AttentionPlan, block_attention, flash_attn_ref, get_backend, lse_merge_  # noqa: E402
 from longvideo.kernels import _flash_attn_triton as tk  # noqa: E402
-from longvideo.kernels.flash_attn import flash_attn  # noqa: E402
+from longvideo.kernels.dispatch import DispatchBackend  # noqa: E402
 
 BENCH = ROOT / "docs" / "bench"
-MD_BEGIN = "<!-- gpu-check:begin (written by scripts/gpu_check.py) -->"
-MD_END = "<!-- gpu-check:end -->"
-DEV = torch.device("cpu" if DRY else "cuda")
-EPS = {torch.float32: 2e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
-PARTS = ("env", "correctness", "syncs", "determinism", "speed", "train", "profile")
-BUDGETS = {"correctness": 100, "syncs": 40, "determinism": 30, "speed": 110, "train": 170, "profile": 60,
-           "tune": 300}
-TARGETS = {
-    "fwd+bwd vs SDPA-flash (S >= 4K, bf16, D = 128)": ">= 0.9x",
-    "host syncs per attention call": "0",
-    "plan build / training step at 64K": "<= 2 %",
-    "135M-shape context vs transformers + SDPA": ">= 8x",
-}
+MD_BEGIN, MD_END = "<!-- gpu-check:begin (written by scripts/gpu_check.py) -->", "<!-- gpu-check:end -->"
+DEV, BF16 = torch.device("cpu" if DRY else "cuda"), torch.bfloat16
+PARTS = ("env", "correctness", "syncs", "speed", "ring", "train")
+BUDGETS = dict(correctness=90, syncs=25, speed=100, ring=30, train=210, tune=300)
+LINKS = {"NVLink (450 GB/s per direction)": 450e9, "InfiniBand NDR (50 GB/s)": 50e9}
+OURS, HF, HF_CKPT = "ours (auto, checkpointing)", "transformers sdpa", "transformers sdpa + gradient checkpointing"
+IMPLS = ("triton", "auto", "flash", "cudnn")
+PEAK_BF16_TFLOPS = {"H200": 989.4, "H100 SXM": 989.4, "H100 80GB HBM3": 989.4, "H800": 989.4, "GH200": 989.4,
+                    "H100 NVL": 835.0, "H100 PCIe": 756.5, "A100": 312.0, "A800": 312.0, "L40S": 362.1, "L4": 121.0}
+"""Dense bf16 tensor-core peaks (TFLOP/s) from the vendors' data sheets."""
+
+
+device_peak = lambda name: next((PEAK_BF16_TFLOPS[k] for k in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True)  # noqa: E731
+                                 if k.lower() in name.lower()), None)
+_sync = lambda: None if DRY else torch.cuda.synchronize()  # noqa: E731
+_peak_gib = lambda: None if DRY else torch.cuda.max_memory_allocated() / 2**30  # noqa: E731
+_oom = lambda e: isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()  # noqa: E731
+_f = lambda x, fmt=".1f": "-" if x is None else format(x, fmt)  # noqa: E731
+_met = lambda x, good: "unknown" if x is None else "yes" if good(x) else "**no**"  # noqa: E731
+TIME = lambda fn, warm=1, reps=5: 1e3 * statistics.median(time_fn(fn, 0 if DRY else warm, 1 if DRY else reps))  # noqa
+_free = lambda: gc.collect() or DRY or (torch.cuda.empty_cache(), torch.cuda.reset_peak_memory_stats())  # noqa: E731
 
 
 class PartTimeout(Exception):
-    pass
+    """A part ran past its hard stop."""
 
 
-class Budget:
-    def __init__(self, seconds: float):
-        self.t0, self.seconds = time.monotonic(), seconds
-
-    def left(self) -> float:
-        return self.seconds - (time.monotonic() - self.t0)
-
-    def ok(self, need: float = 0.0) -> bool:
-        return self.left() > need
-
-
-def _sync():
-    if not DRY:
-        torch.cuda.synchronize()
-
-
-def _free():
-    gc.collect()
-    if not DRY:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+def time_fn(fn, warmup: int, reps: int) -> list[float]:
+    """Seconds of each timed call: CUDA events on a GPU, perf_counter in a dry run."""
+    [fn() for _ in range(warmup)]
+    out = []
+    for _ in range(max(1, reps)):
+        a, b = (None, None) if DRY else (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        _sync()
+        t0 = a.record() or time.perf_counter() if a else time.perf_counter()
+        fn()
+        b.record() if b else None
+        _sync()
+        out.append(a.elapsed_time(b) / 1e3 if a else time.perf_counter() - t0)
+    return out
 
 
-def _err(a, b) -> float:
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-
-
-# ----------------------------------------------------------------------------- inputs and reference
-
-
-def packed_meta(B: int, S: int, docs: int, pad: int, seed: int):
-    """Documents of random lengths (positions restarting), then `pad` padding tokens (segment -1)."""
-    g = torch.Generator().manual_seed(seed)
-    n = S - pad
-    cuts = torch.sort(torch.randperm(n - 1, generator=g)[:docs - 1] + 1).values if docs > 1 else torch.zeros(0)
-    seg = torch.zeros(n, dtype=torch.long)
-    seg[cuts.long()] = 1
-    seg = seg.cumsum(0)
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), cuts.long()])
-    pos = torch.arange(n) - starts[seg]
-    pos = torch.cat([pos, torch.zeros(pad, dtype=torch.long)])
-    seg = torch.cat([seg, torch.full((pad,), -1, dtype=torch.long)])
-    return pos.expand(B, S).contiguous().to(DEV), seg.expand(B, S).contiguous().to(DEV)
-
-
-def make_inputs(B, S, Hq, Hkv, D, dtype, seed, docs=1, pad=0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    q, k, v, dout = (torch.randn(B, S, h, D, generator=g, device=DEV).to(dtype) for h in (Hq, Hkv, Hkv, Hq))
-    pos, seg = packed_meta(B, S, docs, pad, seed)
+def make_inputs(B, S, Hq, Hkv, D, seed, docs=1, pad=0):
+    """bf16 q, k, v, dout and metadata: `docs` documents of random lengths (positions restarting),
+    then `pad` padding tokens (segment -1)."""
+    g, n = torch.Generator().manual_seed(seed), S - pad
+    cuts = torch.sort(torch.randperm(n - 1, generator=g)[:docs - 1] + 1).values if docs > 1 else torch.zeros(0).long()
+    seg = torch.zeros(n, dtype=torch.long).index_fill_(0, cuts, 1).cumsum(0)
+    pos = torch.arange(n) - torch.cat([torch.zeros(1, dtype=torch.long), cuts])[seg]
+    pos = torch.cat([pos, torch.zeros(pad, dtype=torch.long)]).expand(B, S).contiguous().to(DEV)
+    seg = torch.cat([seg, torch.full((pad,), -1, dtype=torch.long)]).expand(B, S).contiguous().to(DEV)
+    q, k, v, dout = (torch.randn(B, S, h, D, generator=g).to(DEV, BF16) for h in (Hq, Hkv, Hkv, Hq))
     return q, k, v, dout, (pos, pos, seg, seg)
 
 
-def reference(q, k, v, dout, meta, causal, upcast: bool):
-    """Materialised attention and its gradients, one kv head (and its query heads) at a time:
-    float64 (upcast) or the inputs' dtype. Returns out, dq, dk, dv in that dtype."""
-    dt = torch.float64 if upcast else q.dtype
-    Hq, Hkv = q.shape[2], k.shape[2]
-    G = Hq // Hkv
-    outs, dqs, dks, dvs = [], [], [], []
-    for hk in range(Hkv):
-        qq = q[:, :, hk * G:(hk + 1) * G].detach().to(dt).requires_grad_(True)
-        kk = k[:, :, hk:hk + 1].detach().to(dt).requires_grad_(True)
-        vv = v[:, :, hk:hk + 1].detach().to(dt).requires_grad_(True)
-        out, _ = flash_attn_ref(qq, kk, vv, *meta, causal=causal, upcast=False)
-        out.backward(dout[:, :, hk * G:(hk + 1) * G].to(dt))
-        outs.append(out.detach())
-        dqs.append(qq.grad)
-        dks.append(kk.grad)
-        dvs.append(vv.grad)
-        del out, qq, kk, vv
-    return torch.cat(outs, 2), torch.cat(dqs, 2), torch.cat(dks, 2), torch.cat(dvs, 2)
+def reference(q, k, v, dout, meta, upcast: bool):
+    """Attention and its gradients, materialised one kv-head group at a time, in float64 or bf16."""
+    dt, G, parts = torch.float64 if upcast else q.dtype, q.shape[2] // k.shape[2], []
+    for h in range(k.shape[2]):
+        qq, kk, vv = (x.detach().to(dt).requires_grad_(True) for x in (q[:, :, h * G:(h + 1) * G], k[:, :, h:h + 1],
+                                                                         v[:, :, h:h + 1]))
+        out, _ = flash_attn_ref(qq, kk, vv, *meta, causal=True, upcast=False)
+        out.backward(dout[:, :, h * G:(h + 1) * G].to(dt))
+        parts.append((out.detach(), qq.grad, kk.grad, vv.grad))
+    return [torch.cat(x, 2) for x in zip(*parts)]
 
 
-def compare(got: dict, truth, plain, dtype) -> dict:
-    """Per tensor: error vs float64, the same-dtype error, the bound 2 x that + eps, and pass."""
-    res, ok = {}, True
+def compare(got: dict, truth, plain) -> dict:
+    """Per tensor: error / (2 x the same-dtype error + eps); passes below 1."""
+    res = {}
     for name, t, p in zip(("out", "dq", "dk", "dv"), truth, plain):
-        if name not in got:
-            continue
-        g = got[name]
-        err, base = _err(g, t), _err(p, t)
-        bound = 2 * base + EPS[dtype] * (1 + t.abs().max().item())
-        finite = bool(torch.isfinite(g).all())
-        res[name] = dict(err=err, same_dtype_err=base, bound=bound, ratio=err / bound if bound else None,
-                         ok=finite and err <= bound)
-        ok &= res[name]["ok"]
-    res["ok"] = ok
-    return res
+        if name in got:
+            err = (got[name].double() - t).abs().max().item()
+            bound = 2 * (p.double() - t).abs().max().item() + 1e-3 * (1 + t.abs().max().item())
+            res[name] = dict(err=err, ratio=err / bound, ok=bool(torch.isfinite(got[name]).all()) and err <= bound)
+    return dict(res, ok=all(r["ok"] for r in res.values()))
 
 
-def ours(q, k, v, dout, meta, causal=True, plan=None):
-    qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-    out = flash_attn(qg, kg, vg, *meta, causal=causal, plan=plan)
-    out.backward(dout)
-    return dict(out=out.detach(), dq=qg.grad, dk=kg.grad, dv=vg.grad)
-
-
-# ----------------------------------------------------------------------------- parts
-
-
-def part_env(budget, entry, args):
-    import triton
-
-    entry.update(mode="dry-run" if DRY else "gpu", torch=torch.__version__, triton=triton.__version__,
-                 python=platform.python_version(), platform=platform.platform())
-    try:
-        import transformers
-
-        entry["transformers"] = transformers.__version__
-    except Exception as e:  # noqa: BLE001
-        entry["transformers"] = f"unavailable: {e!r}"
-    if DRY:
-        entry["gpu"] = None
-        entry["note"] = "no CUDA device: a dry run on tiny shapes under TRITON_INTERPRET=1; no figure is a GPU figure"
-        return
-    p = torch.cuda.get_device_properties(DEV)
-    entry.update(gpu=p.name, capability=list(torch.cuda.get_device_capability(DEV)), sms=p.multi_processor_count,
-                 memory_gib=p.total_memory / 2**30, peak_bf16_tflops=device_peak(p.name),
-                 cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
-
-
-def part_correctness(budget, entry, args):
-    if DRY:
-        S, H, Hkv, D, D2, S2 = 48, 4, 2, 32, 80, 40
-    else:
-        S, H, Hkv, D, D2, S2 = 8192, 32, 8, 128, 80, 4096
-    dt = torch.bfloat16
-    cases = entry.setdefault("cases", {})
-
-    def run_case(name, q, k, v, dout, meta, variants=("fused",), extra=None):
-        if not budget.ok(10):
-            cases[name] = dict(status="skipped: out of time")
-            return None
-        t0 = time.monotonic()
-        truth = reference(q, k, v, dout, meta, True, upcast=True)
-        plain = reference(q, k, v, dout, meta, True, upcast=False)
-        res = {}
-        for variant in variants:
-            tk.set_backward(variant)
-            try:
-                res[variant] = compare(ours(q, k, v, dout, meta), truth, plain, dt)
-            finally:
-                tk.set_backward(None)
-        if extra is not None:
-            res.update(extra(truth, plain))
-        res["ok"] = all(r["ok"] for r in res.values() if isinstance(r, dict))
-        res["seconds"] = time.monotonic() - t0
-        cases[name] = res
-        print(f"  correctness {name}: {'ok' if res['ok'] else 'FAIL'} ({res['seconds']:.1f} s)", flush=True)
-        return truth, plain
-
-    q, k, v, dout, meta = make_inputs(1, S, H, Hkv, D, dt, seed=1)
-    run_case(f"S={S} bf16 D={D} GQA {H}/{Hkv}, one document", q, k, v, dout, meta, variants=("fused", "split"))
-    del q, k, v, dout
-    _free()
-
-    q, k, v, dout, meta = make_inputs(1, S, H, Hkv, D, dt, seed=2, docs=7, pad=S // 40)
-    be = get_backend("triton", DEV)
-    scale = 1 / math.sqrt(D)
-
-    def ring_split(truth, plain):
-        """Ring-style backward: the global out/lse from all keys, then each key block's backward."""
-        qp, kp, qs, ks = meta
-        out, lse = be.forward(q, k, v, qp, kp, qs, ks, scale, True)
-        cut = S // 3 + 5
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=DEV)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=DEV)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=DEV)
-        for sl in (slice(0, cut), slice(cut, S)):
-            gq, gk, gv = be.backward(dout, q, k[:, sl], v[:, sl], out, lse, qp, kp[:, sl], qs, ks[:, sl], scale, True,
-                                     plan=AttentionPlan())
-            dq += gq
-            dk[:, sl] += gk
-            dv[:, sl] += gv
-        got = dict(out=out, dq=dq.to(dt), dk=dk.to(dt), dv=dv.to(dt))
-        return {"ring split-key backward": compare(got, truth, plain, dt)}
-
-    run_case(f"S={S} bf16 D={D} GQA {H}/{Hkv}, 7 packed documents + padding", q, k, v, dout, meta,
-             variants=("fused", "split"), extra=ring_split)
-    del q, k, v, dout
-    _free()
-
-    q, k, v, dout, meta = make_inputs(1, S2, 8, 2, D2, dt, seed=3, docs=3, pad=S2 // 50)
-    run_case(f"S={S2} bf16 D={D2} GQA 8/2, packed + padding", q, k, v, dout, meta)
-    del q, k, v, dout
-    _free()
-
-    if budget.ok(10):  # decode: a few queries at the end of a long prompt, forward only
-        q, k, v, dout, (pos, _, seg, _) = make_inputs(1, S, H, Hkv, D, dt, seed=4)
-        res = {}
-        for n in (1, 16):
-            qm = (pos[:, -n:], pos, seg[:, -n:], seg)
-            truth = flash_attn_ref(q[:, -n:].double(), k.double(), v.double(), *qm)[0]
-            plain = flash_attn_ref(q[:, -n:], k, v, *qm, upcast=False)[0]
-            res[f"Sq={n}"] = compare(dict(out=flash_attn(q[:, -n:], k, v, *qm)), (truth,), (plain,), dt)
-        res["ok"] = all(r["ok"] for r in res.values())
-        cases[f"decode, Sk={S}"] = res
-        del q, k, v, dout
-        _free()
-    entry["ok"] = all(c.get("ok", False) for c in cases.values() if "status" not in c)
-    if not entry["ok"]:
-        entry["status"] = "fail"
-
-
-def count_syncs(fn) -> dict:
-    """Host syncs of fn() as torch's sync debug mode reports them (warn mode, warnings counted),
-    then once more in error mode (the first sync raises)."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
+def via_autograd(backend: str, bwd_variant: str | None = None):
+    """The route through block_attention's autograd (forward, then the backward of dout)."""
+    def run(q, k, v, dout, meta):
+        qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
         try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    # the notice that sync debug mode is a prototype is a warning too; it is not a sync
-    syncs = [str(w.message) for w in caught
-             if "synchroniz" in str(w.message).lower() and "prototype feature" not in str(w.message)]
-    res = dict(syncs=len(syncs), first=[m[:200] for m in syncs[:2]])
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fn()
-        res["error_mode"] = "passed"
-    except RuntimeError as e:
-        res["error_mode"] = f"raised: {str(e)[:200]}"
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    return res
-
-
-def part_syncs(budget, entry, args):
-    if DRY:
-        entry.update(status="skipped", reason="needs CUDA (torch.cuda.set_sync_debug_mode); on CPU the test suite "
-                     "runs the same calls under tests/sync_guard.py, which fails on any tensor-to-Python conversion")
-        return
-    from longvideo.model import ModelConfig, Transformer, token_weights
-    from longvideo.parallel import apply_activation_checkpointing
-    from longvideo.parallel.ring import backward_step, forward_step
-
-    dt = torch.bfloat16
-    q, k, v, dout, meta = make_inputs(1, 4096, 32, 8, 128, dt, seed=5, docs=3, pad=64)
-    qp, kp, qs, ks = meta
-    be = get_backend("triton", DEV)
-    scale = 1 / math.sqrt(128)
-    kept = AttentionPlan()
-    qg = q.clone().requires_grad_(True)
-
-    def with_plan():
-        flash_attn(qg, k, v, *meta, plan=kept).backward(dout)
-
-    def without_plan():
-        flash_attn(qg, k, v, *meta).backward(dout)
-
-    def decode():
-        flash_attn(q[:, -4:], k, v, qp[:, -4:], kp, qs[:, -4:], ks)
-
-    plans = RingPlans()
-    out = torch.zeros(q.shape, dtype=torch.float32, device=DEV)
-    lse = torch.full((1, 32, 4096), float("-inf"), device=DEV)
-
-    def ring_steps():
-        out.zero_()
-        lse.fill_(float("-inf"))
-        for i, kpos in enumerate((kp, kp + 100000)):  # a visible block, then one entirely in the future
-            forward_step(be, q, k, v, qp, kpos, qs, ks, True, scale, plans.step(i), out, lse)
-        for i, kpos in enumerate((kp, kp + 100000)):
-            backward_step(be, dout, q, k, v, out, lse, qp, kpos, qs, ks, True, scale, plans.step(i))
-
-    cfg = ModelConfig(text_vocab_size=1000, codebook_size=64, dim=256, n_layers=2, n_heads=4, n_kv_heads=2,
-                      ffn_dim=512)
-    model = Transformer(cfg, ffn_chunk=4096, backend="triton").to(DEV, dt).train()
-    apply_activation_checkpointing(model)
-    ids = torch.randint(0, 1000, (1, 4096), device=DEV)
-
-    def model_step():
-        loss = model(ids, qp, qs, targets=ids)
-        (loss / token_weights(ids).sum()).backward()
-
-    calls = {"flash_attn fwd+bwd, plan kept": with_plan, "flash_attn fwd+bwd, plans built in the call": without_plan,
-             "decode forward (Sq = 4)": decode, "ring steps, triton (a visible and an empty block)": ring_steps,
-             "model step (2 layers, whole step incl. non-attention code)": model_step}
-    res = entry.setdefault("calls", {})
-    for name, fn in calls.items():
-        if not budget.ok(5):
-            res[name] = dict(status="skipped: out of time")
-            continue
-        try:
-            fn()  # compile and warm up first: Triton's first launch is not what is measured
-            res[name] = count_syncs(fn)
-        except Exception as e:  # noqa: BLE001
-            res[name] = dict(error=repr(e)[:300])
-        print(f"  syncs {name}: {res[name]}", flush=True)
-    attn = [r for n, r in res.items() if not n.startswith("model")]
-    entry["attention_syncs"] = sum(r.get("syncs", 0) for r in attn) if all("syncs" in r for r in attn) else None
-    if entry["attention_syncs"] != 0:
-        entry["status"] = "fail"
-
-
-def part_determinism(budget, entry, args):
-    S, H, Hkv, D = (48, 4, 2, 32) if DRY else (4096, 32, 8, 128)
-    q, k, v, dout, meta = make_inputs(1, S, H, Hkv, D, torch.bfloat16, seed=6, docs=3, pad=S // 64)
-    plan = AttentionPlan()
-    with torch.no_grad():
-        a, b = flash_attn(q, k, v, *meta, plan=plan), flash_attn(q, k, v, *meta, plan=plan)
-    entry["forward_bitwise_equal"] = bool(torch.equal(a, b))
-    for variant in ("fused", "split"):
-        tk.set_backward(variant)
-        try:
-            r1, r2 = ours(q, k, v, dout, meta, plan=plan), ours(q, k, v, dout, meta, plan=plan)
+            tk.set_backward(bwd_variant)
+            (out := block_attention(qg, kg, vg, *meta, backend=backend)).backward(dout)
         finally:
             tk.set_backward(None)
-        entry[f"backward_{variant}"] = {n: dict(bitwise_equal=bool(torch.equal(r1[n], r2[n])),
-                                                max_abs_diff=_err(r1[n], r2[n])) for n in ("dq", "dk", "dv")}
-    if not entry["forward_bitwise_equal"] or not all(x["bitwise_equal"] for x in entry["backward_split"].values()):
-        entry["status"] = "fail"
+        return dict(out=out.detach(), dq=qg.grad, dk=kg.grad, dv=vg.grad)
+    return run
 
 
-def _time(fn, warmup=2, reps=5) -> float:
-    return time_cuda(fn, 0 if DRY else warmup, 1 if DRY else reps)
+def ring_steps(be, W: int):
+    """All ranks' zigzag ring steps of W on this device: per rank the forward of every key block merged
+    in fp32, then every block's backward from that global out/lse; the whole sequence reassembled."""
+    from longvideo.parallel import zigzag_indices
+    def run(q, k, v, dout, meta):
+        (pos, _, seg, _), idx = meta, [zigzag_indices(q.shape[1], W, r).to(DEV) for r in range(W)]
+        acc = {n: torch.zeros(x.shape, device=DEV) for n, x in (("out", q), ("dq", q), ("dk", k), ("dv", v))}
+        for qi in idx:
+            o, plans = torch.zeros(q[:, qi].shape, device=DEV), [AttentionPlan() for _ in idx]
+            lse = torch.full((q.shape[0], q.shape[2], len(qi)), float("-inf"), device=DEV)
+            meta_of = lambda ki: (pos[:, qi], pos[:, ki], seg[:, qi], seg[:, ki], q.shape[-1] ** -0.5, True)  # noqa: E731
+            for ki, plan in zip(idx, plans):
+                lse_merge_(o, lse, *be.forward(q[:, qi], k[:, ki], v[:, ki], *meta_of(ki), plan=plan))
+            for ki, plan in zip(idx, plans):
+                for name, i, g in zip(("dq", "dk", "dv"), (qi, ki, ki), be.backward(dout[:, qi], q[:, qi], k[:, ki],
+                                                                                    v[:, ki], o, lse, *meta_of(ki), plan=plan)):
+                    acc[name][:, i] += g
+            acc["out"][:, qi] = o
+        return {n: t.to(BF16) for n, t in acc.items()}
+    return run
 
 
-def part_speed(budget, entry, args):
-    from torch.nn.attention import SDPBackend
+def part_env(ok, entry, args):
+    import transformers
+    import triton
+    p = None if DRY else torch.cuda.get_device_properties(DEV)
+    entry.update(mode="dry-run" if DRY else "gpu", torch=torch.__version__, triton=triton.__version__,
+                 transformers=transformers.__version__, python=platform.python_version(), platform=platform.platform(),
+                 **{} if DRY else dict(gpu=p.name, capability=list(torch.cuda.get_device_capability(DEV)),
+                                       sms=p.multi_processor_count, memory_gib=p.total_memory / 2**30,
+                                       peak_bf16_tflops=device_peak(p.name), cudnn=torch.backends.cudnn.version()))
 
-    seqlens = (64,) if DRY else (4096, 8192, 16384)
-    tokens = 64 if DRY else 16384
-    H, Hkv, D = (4, 2, 32) if DRY else (32, 8, 128)
-    dt = torch.bfloat16
-    peak = None if DRY else device_peak(torch.cuda.get_device_name(DEV))
-    rows = entry.setdefault("rows", [])
-    for S in seqlens:
-        if not budget.ok(15):
-            rows.append(dict(seqlen=S, status="skipped: out of time"))
+
+def part_correctness(ok, entry, args):
+    """Every route against float64: triton (both backward variants), auto (cuDNN first; SDPA flash
+    alone), and zigzag ring steps of W = 2 and 4 with the global out/lse."""
+    S, D, H, Hkv, S2 = (48, 32, 4, 2, 48) if DRY else (8192, 128, 32, 8, 4096)
+    auto, flash = get_backend("auto", DEV), DispatchBackend(dense=("flash",))  # cuDNN first; flash alone
+    cases = entry.setdefault("cases", {})
+    tri = {"triton split": via_autograd("triton", "split"), "triton fused": via_autograd("triton", "fused")}
+    for name, inputs, runs in (
+            (f"S={S} D={D} {H}/{Hkv}, one document", (1, S, H, Hkv, D, 1),
+             {**tri, "auto": via_autograd("auto"), "ring W=2, auto": ring_steps(auto, 2),
+              "ring W=2, SDPA flash": ring_steps(flash, 2)}),
+            (f"S={S} D={D} {H}/{Hkv}, 7 packed documents + padding", (1, S, H, Hkv, D, 2, 7, S // 40),
+             {**tri, "ring W=2, triton": ring_steps(get_backend("triton", DEV), 2), "ring W=2, auto": ring_steps(auto, 2)}),
+            (f"S={S2} D=64 9/3 (the 135M shape)", (1, S2, 9, 3, 64, 3),
+             {"triton split": tri["triton split"], "auto": via_autograd("auto"), "ring W=4, auto": ring_steps(auto, 4)}),
+            (f"S={S2 // 2} D=80 8/2, packed + padding", (1, S2 // 2, 8, 2, 80, 4, 3, 8), {"auto": via_autograd("auto")})):
+        if not ok(10):
+            cases[name] = dict(status="skipped: out of time")
             continue
-        B = max(1, tokens // S)
-        row = dict(seqlen=S, batch=B, heads=H, kv_heads=Hkv, head_dim=D)
-        rows.append(row)
-        fwd_flops = attention_flops(B, H, S, D, True)
-        q, k, v, dout, meta = make_inputs(B, S, H, Hkv, D, dt, seed=7)
-        q.requires_grad_(True)
-        k.requires_grad_(True)
-        v.requires_grad_(True)
-        plan = AttentionPlan()
-
-        def ours_fwd():
-            with torch.no_grad():
-                flash_attn(q, k, v, *meta, plan=plan)
-
-        def ours_fwdbwd():
-            q.grad = k.grad = v.grad = None
-            flash_attn(q, k, v, *meta, plan=plan).backward(dout)
-
-        qt, kt, vt, dtt = (x.transpose(1, 2) for x in (q, k, v, dout))
-        timed = [("ours_fwd", ours_fwd, fwd_flops)]
-        for variant in ("fused", "split"):
-            def fb(variant=variant):
-                tk.set_backward(variant)
-                try:
-                    ours_fwdbwd()
-                finally:
-                    tk.set_backward(None)
-            timed.append((f"ours_fwdbwd_{variant}", fb, 3.5 * fwd_flops))
-        for label, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-            call = _sdpa_call(backend, None, "native", H // Hkv)
+        t0, (q, k, v, dout, meta) = time.monotonic(), make_inputs(*inputs)
+        truth, plain = reference(q, k, v, dout, meta, True), reference(q, k, v, dout, meta, False)
+        res = auto.routes.clear() or flash.routes.clear() or {}
+        for label, run in runs.items():
             try:
-                with torch.no_grad():
-                    call(qt[:, :, :256], kt[:, :, :256], vt[:, :, :256])
-            except Exception:  # noqa: BLE001 - no native GQA here: repeat K/V in the call
-                call = _sdpa_call(backend, None, "expanded", H // Hkv)
-                row[f"{label}_gqa"] = "expanded"
-
-            def s_fwd(call=call):
-                with torch.no_grad():
-                    call(qt, kt, vt)
-
-            def s_fwdbwd(call=call):
-                q.grad = k.grad = v.grad = None
-                call(qt, kt, vt).backward(dtt)
-
-            timed += [(f"{label}_fwd", s_fwd, fwd_flops), (f"{label}_fwdbwd", s_fwdbwd, 3.5 * fwd_flops)]
-        for name, fn, flops in timed:
-            if not budget.ok(5):
-                row[name + "_error"] = "skipped: out of time"
-                continue
-            try:
-                sec = _time(fn)
-                row[name + "_ms"] = sec * 1e3
-                row[name + "_tflops"] = flops / sec / 1e12
-                if peak:
-                    row[name + "_frac_peak"] = row[name + "_tflops"] / peak
-            except Exception as e:  # noqa: BLE001
-                row[name + "_error"] = repr(e)[:300]
-        best = max((row.get(f"ours_fwdbwd_{v}_tflops") or 0) for v in ("fused", "split"))
-        if row.get("sdpa_flash_fwdbwd_tflops") and best:
-            row["ratio_fwdbwd_vs_flash"] = best / row["sdpa_flash_fwdbwd_tflops"]
-        if row.get("sdpa_flash_fwd_tflops") and row.get("ours_fwd_tflops"):
-            row["ratio_fwd_vs_flash"] = row["ours_fwd_tflops"] / row["sdpa_flash_fwd_tflops"]
-        print(f"  speed S={S}: " + ", ".join(f"{k_[:-7]} {v_:.0f}" for k_, v_ in row.items() if k_.endswith("_tflops"))
-              + " TFLOP/s", flush=True)
-        del q, k, v, dout, qt, kt, vt, dtt
-        _free()
-    ratios = [r["ratio_fwdbwd_vs_flash"] for r in rows if "ratio_fwdbwd_vs_flash" in r]
-    entry["min_ratio_fwdbwd_vs_flash"] = min(ratios) if ratios else None
-    # the tile plans' build time on this device (forward + fused backward plans, causal, one document)
-    plans = entry.setdefault("plan_build", [])
-    for S in ((4096, 16384) if DRY else (65536, 262144, 1048576)):
-        if not budget.ok(3):
-            break
-        pos = torch.arange(S, device=DEV)[None]
-        seg = torch.zeros(1, S, dtype=torch.long, device=DEV)
-        cfg = tk.tile_config(128, dt)
-
-        def build():
-            tk.build_plan(pos, pos, seg, seg, True, cfg.fwd.block_m, cfg.fwd.block_n)
-            tk.build_plan(pos, pos, seg, seg, True, cfg.bwd.block_m, cfg.bwd.block_n, transpose=True)
-
-        plans.append(dict(seqlen=S, ms=_time(build, 2, 5) * 1e3))
-    if entry["min_ratio_fwdbwd_vs_flash"] is None and not DRY:
+                res[label] = compare(run(q, k, v, dout, meta), truth, plain)
+            except Exception as e:  # noqa: BLE001 - a route that fails is a finding
+                res[label] = dict(ok=False, error=repr(e)[:300])
+        cases[name] = dict(res, ok=all(r["ok"] for r in res.values()), seconds=time.monotonic() - t0,
+                           routes={f"{a} -> {b}": n for (a, b), n in (auto.routes + flash.routes).items()})
+        print(f"  correctness {name}: {'ok' if cases[name]['ok'] else 'FAIL'}", flush=True)
+        q = k = v = dout = truth = plain = _free()
+    if not all(c.get("ok") for c in cases.values() if "status" not in c):
         entry["status"] = "fail"
 
 
-def _step_stats(step, S: int, budget, steps: int = 2) -> dict:
-    """Time and peak memory of `steps` training steps at length S (the first one warms up and is
-    timed apart); peak memory includes the model and its optimizer state."""
-    _free()
-    t_first = time.perf_counter()
-    step()
-    _sync()
-    t_first = time.perf_counter() - t_first
-    times = []
-    for _ in range(steps - 1):
-        if not budget.ok(3 * t_first + 5):
-            break
-        t0 = time.perf_counter()
-        step()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    sec = min(times) if times else t_first
-    peak = None if DRY else torch.cuda.max_memory_allocated() / 2**30
-    return dict(seqlen=S, step_s=sec, first_step_s=t_first, tokens_per_s=S / sec, peak_gib=peak,
-                timed_steps=len(times))
+def part_syncs(ok, entry, args):
+    """Host syncs per attention call after a warm-up call: triton (plan kept, and built in the call),
+    auto with its plan kept (0 expected) and built in the call (its one read of the metadata), decode."""
+    if DRY:
+        return entry.update(status="skipped", reason="needs CUDA (torch.cuda.set_sync_debug_mode); on CPU the tests "
+                            "run the Triton path under tests/sync_guard.py, which fails on any read of a tensor")
+    q, k, v, dout, meta = make_inputs(1, 4096, 32, 8, 128, 6, docs=3, pad=64)
+    qg, kept = q.clone().requires_grad_(True), {b: AttentionPlan() for b in ("triton", "auto")}
+    calls = {f"{b} fwd+bwd, plan {how}": (lambda b=b, how=how: block_attention(
+        qg, k, v, *meta, backend=b, plan=kept[b] if how == "kept" else None).backward(dout))
+        for b in kept for how in ("kept", "built in the call")}
+    res = entry.setdefault("calls", {})
+    for name, fn in calls.items():
+        fn()  # compile and warm up first
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        res[name] = sum("synchroniz" in str(w.message).lower() and "prototype" not in str(w.message) for w in caught)
+    entry["attention_syncs"] = sum(n for c, n in res.items() if c != "auto fwd+bwd, plan built in the call")
+    if entry["attention_syncs"]:
+        entry["status"] = "fail"
 
 
-def our_step(model, S: int, opt=None):
-    """One training step of our model on S random tokens (one document): forward, backward, and
-    the optimizer's step when one is given (else the gradients are dropped)."""
-    ids = torch.randint(0, model.cfg.vocab_size, (1, S), device=DEV)
-    pos = torch.arange(S, device=DEV)[None]
-    seg = torch.zeros(1, S, dtype=torch.long, device=DEV)
+def _calls(who: str, q, k, v, meta, group: int):
+    """Implementation `who` as a function of (q, k, v) in (B, S, H, D): ours through block_attention
+    with a kept plan; SDPA with GQA natively where the backend takes it, else K/V repeated in the call."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    if who in ("triton", "auto"):
+        plan = AttentionPlan()  # kept across calls, as a model step keeps it across layers
+        return lambda q, k, v: block_attention(q, k, v, *meta, backend=who, plan=plan)
+
+    def call(q, k, v, expand=False):
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        k, v = (x.repeat_interleave(group, 1) for x in (k, v)) if expand else (k, v)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION if who == "flash" else SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=group > 1 and not expand).transpose(1, 2)
+    try:
+        torch.no_grad()(call)(q[:, :64], k[:, :64], v[:, :64])
+        return call
+    except RuntimeError:
+        return lambda q, k, v: call(q, k, v, expand=True)
+
+
+def bench_case(S: int, tokens: int, H: int, Hkv: int, D: int, docs: int, warmup: int = 2, reps: int = 5,
+               impls=IMPLS) -> dict:
+    """One row: per implementation the forward and the backward (from a kept graph) timed apart: median,
+    min, max ms and TFLOP/s of the visible pairs (forward 4 * B * H * pairs * D, backward 2.5x that).
+    Packed rows (docs > 1, equal documents, positions restarting) run ours only."""
+    B, n = max(1, tokens // S), S // docs
+    seg = torch.clamp(torch.arange(S, device=DEV) // n, max=docs - 1)
+    meta = ((torch.arange(S, device=DEV) - seg * n).expand(B, S), seg.expand(B, S))
+    flops = 4.0 * B * H * (docs * n * (n + 1) / 2 + (S - docs * n) * n) * D
+    row = dict(seqlen=S, batch=B, shape=f"{D} {H}/{Hkv}", docs=docs, fwd_tflop=flops / 1e12)
+    q, k, v, dout = (torch.randn(B, S, h, D, device=DEV, dtype=BF16) for h in (H, Hkv, Hkv, H))
+    [x.requires_grad_(True) for x in (q, k, v)]
+    for who in impls if docs == 1 else ("triton", "auto"):
+        try:
+            fn = _calls(who, q, k, v, (meta[0], meta[0], meta[1], meta[1]), H // Hkv)
+            with torch.no_grad():
+                fwd = time_fn(lambda: fn(q, k, v), warmup, reps)
+            out = fn(q, k, v)
+            bwd = time_fn(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), warmup, reps)
+        except Exception as e:  # noqa: BLE001 - unsupported backend, out of memory: recorded, the others still run
+            row[f"{who}_error"] = repr(e)[:300]
+            continue
+        for part, ts, f in (("fwd", fwd, flops), ("bwd", bwd, 2.5 * flops)):
+            row[f"{who}_{part}_ms"] = [1e3 * statistics.median(ts), 1e3 * min(ts), 1e3 * max(ts)]
+            row[f"{who}_{part}_tflops"] = f / statistics.median(ts) / 1e12
+        row[f"{who}_fwdbwd_tflops"] = 3.5 * flops / (statistics.median(fwd) + statistics.median(bwd)) / 1e12
+    return row
+
+
+def compare_packed(rows: list[dict]) -> None:
+    """Each packed row's TFLOP/s over cuDNN's dense causal row of the same length and shape."""
+    for r in rows:
+        dense = next((d for d in rows if d.get("docs") == 1 and (d["seqlen"], d["shape"]) == (r["seqlen"], r["shape"])), {})
+        for part, a, b in ((p, r.get(f"triton_{p}_tflops"), dense.get(f"cudnn_{p}_tflops")) for p in ("fwd", "fwdbwd")):
+            r.update({f"packed_vs_cudnn_{part}": a / b if a and b else None} if r.get("docs", 1) > 1 else {})
+
+
+def part_speed(ok, entry, args):
+    shapes, seqlens, tokens = (((32, 4, 2),), (64,), 64) if DRY else (((64, 9, 3), (128, 32, 8)), (4096, 16384), 16384)
+    rows = entry.setdefault("rows", [])
+    for (D, H, Hkv), S, docs in ((sh, S, d) for sh in shapes for S in seqlens for d in (1, 8)):
+        if ok(10):
+            rows.append(bench_case(S, tokens, H, Hkv, D, docs, warmup=0 if DRY else 2, reps=1 if DRY else 5))
+            compare_packed(rows)
+            _free()
+
+
+def part_ring(ok, entry, args):
+    """What one GPU shows of a ring: the dispatch's two zigzag block kinds timed at real shapes (every
+    step has S_local^2 / 2 visible pairs); the exposed communication of W ranks over a link predicted
+    from those times and its bandwidth (K/V hops overlap each step, the fp32 dK/dV sums each backward
+    step, and the last sums' hop home is exposed)."""
+    from longvideo.parallel import zigzag_indices
+    S_local, be = 64 if DRY else 16384, get_backend("auto", DEV)
+    be.routes.clear()
+    for D, H, Hkv in ((64, 9, 3), (128, 32, 8)) if ok(5) else ():
+        q, k, v, dout, _ = make_inputs(1, S_local, H, Hkv, D, 8)
+        z, (r0, r1) = torch.zeros(1, S_local, dtype=torch.long, device=DEV), \
+            (zigzag_indices(4 * S_local, 4, r).to(DEV)[None] for r in (0, 1))
+        t = {}
+        for kind, kp in (("local", r0), ("visiting", r1)):  # one causal call; one dense rectangle
+            plan, a = AttentionPlan(), (r0, kp, z, z, D ** -0.5, True)
+            o, lse = be.forward(q, k, v, *a, plan=plan)
+            t[kind] = (TIME(lambda: be.forward(q, k, v, *a, plan=plan)),
+                       TIME(lambda: be.backward(dout, q, k, v, o, lse, *a, plan=plan)))
+        hop_bytes, rows = 2 * S_local * Hkv * D * 2 + 2 * S_local * 8, []  # K and V in bf16, positions and segments
+        for W, (link, bw) in ((W, lb) for W in (2, 4, 8) for lb in LINKS.items()):
+            fwd, bwd = ([t["local"][i]] + [t["visiting"][i]] * (W - 1) for i in (0, 1))
+            hop = 1e3 * hop_bytes / bw
+            exposed = sum(max(0.0, hop - x) for x in fwd[:-1]) + sum(max(0.0, 3 * hop - x) for x in bwd) + 2 * hop
+            rows.append(dict(W=W, link=link, compute_ms=sum(fwd + bwd), hop_ms=hop, exposed_ms=exposed,
+                             efficiency=sum(fwd + bwd) / (sum(fwd + bwd) + exposed)))
+        entry[f"D={D} {H}/{Hkv}"] = dict(s_local=S_local, block_ms={k_: dict(fwd=f, bwd=b) for k_, (f, b) in t.items()},
+                                         predicted=rows, routes={f"{a} -> {b}": n for (a, b), n in be.routes.items()})
+        _free()
+
+
+def _model(system: str):
+    """ours (configs/smol-135m.yaml's model, bf16, auto dispatch, activation checkpointing) or transformers'
+    Llama of the same shape with SDPA attention, with or without gradient checkpointing."""
+    from longvideo.config import load_config
+    small = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, text_vocab_size=500, codebook_size=64)
+    root = load_config(ROOT / "configs" / "smol-135m.yaml")
+    mcfg = replace(root.model, max_seq_len=1 << 22, **small if DRY else {})
+    if system == OURS:
+        from longvideo.model import Transformer
+        from longvideo.parallel import apply_activation_checkpointing
+        with torch.device(DEV):
+            model = Transformer(mcfg, ffn_chunk=root.runtime.ffn_chunk, loss_chunk=root.runtime.loss_chunk,
+                                backend="auto").to(BF16).train()
+        apply_activation_checkpointing(model)
+        return model, mcfg
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hcfg = LlamaConfig(vocab_size=mcfg.vocab_size, hidden_size=mcfg.dim, intermediate_size=mcfg.ffn_dim,
+                       num_hidden_layers=mcfg.n_layers, num_attention_heads=mcfg.n_heads,
+                       num_key_value_heads=mcfg.n_kv_heads, max_position_embeddings=1 << 22, rms_norm_eps=mcfg.norm_eps,
+                       rope_theta=mcfg.rope_theta, tie_word_embeddings=mcfg.tie_embeddings, use_cache=False)
+    with torch.device(DEV):
+        model = LlamaForCausalLM._from_config(hcfg, attn_implementation="sdpa", dtype=BF16).train()
+    if system == HF_CKPT:
+        model.gradient_checkpointing_enable()
+    return model, mcfg
+
+
+def _step(model, system, S: int, opt):
+    """One training step (forward, backward, AdamW) of `system` on S random tokens, one document."""
+    ids = torch.randint(0, model.cfg.vocab_size if system == OURS else model.config.vocab_size, (1, S), device=DEV)
+    pos, seg = torch.arange(S, device=DEV)[None], torch.zeros(1, S, dtype=torch.long, device=DEV)
 
     def step():
-        loss = model(ids, pos, seg, targets=ids)
-        (loss / ids.numel()).backward()
-        if opt is not None:
-            opt.step()
+        if system == OURS:
+            (model(ids, pos, seg, targets=ids) / S).backward()
+        else:
+            model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
         model.zero_grad(set_to_none=True)
     return step
 
 
-def hf_llama(mcfg, max_len: int, checkpointing: bool):
-    """transformers' Llama of the same shape as our model config, bf16, SDPA attention, on the device."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hcfg = LlamaConfig(vocab_size=mcfg.vocab_size, hidden_size=mcfg.dim, intermediate_size=mcfg.ffn_dim,
-                       num_hidden_layers=mcfg.n_layers, num_attention_heads=mcfg.n_heads,
-                       num_key_value_heads=mcfg.n_kv_heads, max_position_embeddings=max_len,
-                       rms_norm_eps=mcfg.norm_eps, rope_theta=mcfg.rope_theta,
-                       tie_word_embeddings=mcfg.tie_embeddings, use_cache=False)
-    with torch.device(DEV):
-        model = LlamaForCausalLM._from_config(hcfg, attn_implementation="sdpa", dtype=torch.bfloat16).train()
-    if checkpointing:
-        model.gradient_checkpointing_enable()
-    return model
-
-
-def part_train(budget, entry, args):
-    from dataclasses import replace
-
-    from longvideo.config import load_config
-    from longvideo.model import Transformer
-    from longvideo.parallel import apply_activation_checkpointing
-
-    root = load_config(ROOT / "configs" / "smol-135m.yaml")
-    mcfg, rt = root.model, root.runtime
-    if DRY:
-        mcfg = replace(mcfg, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, text_vocab_size=500,
-                       codebook_size=64)
-        seqlens = (32, 64)
-    else:
-        seqlens = (16384, 32768, 65536)
-    mcfg = replace(mcfg, max_seq_len=max(seqlens))
-    dt = torch.bfloat16
-    peak = None if DRY else device_peak(torch.cuda.get_device_name(DEV))
-    entry["model"] = dict(config="configs/smol-135m.yaml" + (" (shrunk for the dry run)" if DRY else ""),
-                          dim=mcfg.dim, layers=mcfg.n_layers, heads=mcfg.n_heads, kv_heads=mcfg.n_kv_heads,
-                          head_dim=mcfg.head_dim, vocab=mcfg.vocab_size, params=mcfg.num_params(),
-                          activation_checkpointing=rt.activation_checkpointing, dtype="bfloat16",
-                          optimizer="AdamW")
-
-    def ours():
-        with torch.device(DEV):  # initialised on the device: no CPU init of 139M parameters
-            model = Transformer(mcfg, ffn_chunk=rt.ffn_chunk, loss_chunk=rt.loss_chunk, backend="triton").to(dt).train()
-        if rt.activation_checkpointing:
-            apply_activation_checkpointing(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=not DRY)
-
-        return (lambda S: our_step(model, S, opt)), (model, opt)
-
-    def hf(checkpointing):
-        def build():
-            model = hf_llama(mcfg, max(seqlens), checkpointing)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=not DRY)
-
-            def make(S):
-                ids = torch.randint(0, mcfg.vocab_size, (1, S), device=DEV)
-
-                def step():
-                    model(input_ids=ids, labels=ids).loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                return step
-            return make, (model, opt)
-        return build
-
-    systems = entry.setdefault("systems", {})
-    for name, build in (("ours (triton, checkpointing)", ours), ("transformers sdpa", hf(False)),
-                        ("transformers sdpa + gradient checkpointing", hf(True))):
-        rows = systems.setdefault(name, [])
-        if not budget.ok(15):
-            rows.append(dict(status="skipped: out of time"))
-            continue
-        try:
-            make, held = build()
-        except Exception as e:  # noqa: BLE001
-            rows.append(dict(error=f"building the model: {e!r}"[:300]))
-            continue
-        for S in seqlens:
-            if not budget.ok(10):
-                rows.append(dict(seqlen=S, status="skipped: out of time"))
-                continue
-            try:
-                r = _step_stats(make(S), S, budget, steps=1 if DRY else 2)
-                r["mfu"] = mcfg.flops_per_token(S) * r["tokens_per_s"] / (peak * 1e12) if peak else None
-            except Exception as e:  # noqa: BLE001 - OOM is a result here
-                r = dict(seqlen=S, error=repr(e)[:300], oom="out of memory" in repr(e).lower())
-            _free()
-            rows.append(r)
-            print(f"  train {name} S={S}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                                        for k, v in r.items()), flush=True)
-            if r.get("oom"):
-                break  # longer ones will not fit either
-        del make, held
-        _free()
-    # the longest context: peak memory is a + b S for all three (flash attention, chunked loss in ours)
-    if not DRY:
-        budget_gib = torch.cuda.get_device_properties(DEV).total_memory / 2**30 * 0.95
-        fits = {}
-        for name, rows in systems.items():
-            pts = [(r["seqlen"], r["peak_gib"]) for r in rows if r.get("peak_gib")]
-            if len(pts) >= 2:
-                (s0, m0), (s1, m1) = pts[0], pts[-1]
-                b = (m1 - m0) / (s1 - s0)
-                fits[name] = dict(gib_per_1k_tokens=b * 1024, fixed_gib=m0 - b * s0,
-                                  longest_context=int((budget_gib - (m0 - b * s0)) / b) if b > 0 else None,
-                                  budget_gib=budget_gib, from_points=pts)
-        entry["longest_context_fit"] = fits
-        ours_fit = fits.get("ours (triton, checkpointing)", {}).get("longest_context")
-        hf_fit = fits.get("transformers sdpa", {}).get("longest_context")
-        entry["context_ratio_vs_transformers_sdpa"] = ours_fit / hf_fit if ours_fit and hf_fit else None
-
-
-def _profile_step(step, rows: int = 20) -> dict:
-    """One profiled call of step() (after a warm-up call): wall time, the summed time of the device
-    kernels (wall minus that is time the GPU waited for the host), the ops with the most device
-    time and the ops with the most host time."""
+def part_train(ok, entry, args):
+    """Per system: at 16K, 32K and 64K tokens the median of >= 5 timed steps (forward, backward, AdamW)
+    after two warm-up steps, with min and max; at 16K one step under the profiler (not transformers
+    without checkpointing), its device kernels counted once each (never also the op that launched
+    them); then one step at doubling lengths until it runs out of memory or its share of the time
+    (ours 60 s, transformers 25 s) is spent: the longest length that ran, measured."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-
-    step()
-    _sync()
-    acts = [ProfilerActivity.CPU] + ([] if DRY else [ProfilerActivity.CUDA])
-    with profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        step()
-        _sync()
-        wall = time.perf_counter() - t0
-    events = prof.key_averages()
-    dev = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-
-    def top(key, n):
-        ranked = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:n]
-        return [dict(op=e.key[:120], calls=e.count, device_ms=getattr(e, dev, 0) / 1e3,
-                     host_self_ms=e.self_cpu_time_total / 1e3) for e in ranked]
-    kernels_ms = sum(getattr(e, dev, 0) for e in events) / 1e3
-    return dict(wall_ms=wall * 1e3, device_kernels_ms=kernels_ms, launches=sum(e.count for e in events
-                                                                                if getattr(e, dev, 0) > 0),
-                top_device=top(dev, rows), top_host=top("self_cpu_time_total", rows // 2))
-
-
-def _print_profile(name: str, r: dict) -> None:
-    print(f"  profile {name}: wall {r.get('wall_ms', 0):.0f} ms, kernels {r.get('device_kernels_ms', 0):.0f} ms"
-          + "".join(f"\n      {t['device_ms']:8.1f} ms {t['calls']:5d}x {t['op'][:90]}" for t in r.get("top_device", [])[:12]),
-          flush=True)
-
-
-def part_profile(budget, entry, args):
-    """Where one training step of the 135M shape spends its time, ours beside transformers + SDPA
-    with gradient checkpointing (the nearest like-for-like system), at 16K tokens."""
-    from dataclasses import replace
-
-    from longvideo.config import load_config
-    from longvideo.model import Transformer
-    from longvideo.parallel import apply_activation_checkpointing
-
-    root = load_config(ROOT / "configs" / "smol-135m.yaml")
-    mcfg, rt = root.model, root.runtime
-    S = 16384
-    if DRY:
-        mcfg = replace(mcfg, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, text_vocab_size=500,
-                       codebook_size=64)
-        S = 64
-    dt = torch.bfloat16
-    variants = {"ours (triton, checkpointing)": dict(ffn_chunk=rt.ffn_chunk),
-                "ours, feed-forward in 4096-token chunks": dict(ffn_chunk=4096)}
-    for name, over in variants.items():
-        if not budget.ok(15):
-            entry[name] = dict(status="skipped: out of time")
+    peak = None if DRY else device_peak(torch.cuda.get_device_name(DEV))
+    for system in (OURS, HF, HF_CKPT):
+        e, S = entry.setdefault(system, dict(rows=[])), None
+        if not ok(15):
+            e["status"] = "skipped: out of time"
             continue
         try:
-            with torch.device(DEV):
-                model = Transformer(replace(mcfg, max_seq_len=S), loss_chunk=rt.loss_chunk, backend="triton",
-                                    **over).to(dt).train()
-                apply_activation_checkpointing(model)
-            entry[name] = _profile_step(our_step(model, S))
-        except Exception as e:  # noqa: BLE001
-            entry[name] = dict(error=repr(e)[:300])
-        model = None
+            model, mcfg = _model(system)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=not DRY)
+            for S in (32, 64) if DRY else (16384, 32768, 65536):
+                _free()
+                step = _step(model, system, S, opt)
+                ts = time_fn(step, 2, 7 if ok(60) else 5)
+                med = statistics.median(ts)
+                e["rows"].append(dict(seqlen=S, step_s=med, min_s=min(ts), max_s=max(ts), steps=len(ts),
+                                      tokens_per_s=S / med, peak_gib=_peak_gib(),
+                                      mfu=mcfg.flops_per_token(S) * S / med / peak / 1e12 if peak else None))
+                e["longest"] = S
+                print(f"  train {system} S={S}: {S / med:,.0f} tokens/s", flush=True)
+                if system != HF and len(e["rows"]) == 1:
+                    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (not DRY)) as prof:
+                        t0 = time.perf_counter()
+                        step()
+                        _sync()
+                    wall, ev = time.perf_counter() - t0, prof.key_averages()
+                    kern = sorted((x for x in ev if x.device_type == DeviceType.CUDA), key=lambda x: -x.self_device_time_total)
+                    host = sorted((x for x in ev if x.device_type == DeviceType.CPU), key=lambda x: -x.self_cpu_time_total)
+                    e["profile"] = dict(seqlen=S, wall_ms=1e3 * wall, kernel_launches=sum(x.count for x in kern),
+                                        kernel_ms=sum(x.self_device_time_total for x in kern) / 1e3,
+                                        top_kernels=[(x.key[:100], x.count, x.self_device_time_total / 1e3) for x in kern[:12]],
+                                        top_host=[(x.key[:100], x.count, x.self_cpu_time_total / 1e3) for x in host[:8]])
+            S, last, until = 2 * S, med, time.monotonic() + (60 if system == OURS else 25)
+            while time.monotonic() + 4 * last < until and ok(4 * last + 5) and (not DRY or S <= 256):
+                t0 = time.perf_counter()
+                _free()
+                _step(model, system, S, opt)()
+                _sync()
+                last, e["longest"], e["longest_peak_gib"], S = time.perf_counter() - t0, S, _peak_gib(), 2 * S
+        except Exception as err:  # noqa: BLE001 - running out of memory is a result here
+            e.update(out_of_memory_at=S) if _oom(err) else e.update(error=repr(err)[:300])
+        model = opt = None
         _free()
-        _print_profile(name, entry[name])
-    if budget.ok(15):
-        try:
-            hf = hf_llama(mcfg, S, checkpointing=True)
-            ids = torch.randint(0, mcfg.vocab_size, (1, S), device=DEV)
-
-            def hf_step():
-                hf(input_ids=ids, labels=ids).loss.backward()
-                hf.zero_grad(set_to_none=True)
-            entry["transformers sdpa + gradient checkpointing"] = _profile_step(hf_step)
-        except Exception as e:  # noqa: BLE001
-            entry["transformers sdpa + gradient checkpointing"] = dict(error=repr(e)[:300])
-        _print_profile("transformers sdpa + gradient checkpointing", entry["transformers sdpa + gradient checkpointing"])
+    ours = entry[OURS]
+    for other in (HF, HF_CKPT):
+        o = entry.get(other, {})
+        if ours.get("longest") and o.get("longest"):
+            entry[f"context_vs_{other}"] = dict(ratio=ours["longest"] / o["longest"],
+                                                ours_bounded="out_of_memory_at" in ours,
+                                                other_bounded="out_of_memory_at" in o)
 
 
-def part_tune(budget, entry, args):
-    """Time candidate launch shapes for the head dims the model and the speed target use."""
-    import dataclasses
-
-    S, H, Hkv = (64, 4, 2) if DRY else (8192, 32, 8)
-    dt = torch.bfloat16
-    cands = {"fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3)],
-             "bwd": [(32, 128, 8, 3), (16, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 3), (64, 128, 8, 2)]}
-    if DRY:
-        cands = {"fwd": [(16, 16, 4, 1)], "bwd": [(16, 16, 4, 1)]}
-    chosen, timings = {}, []
-    for D in ((32,) if DRY else (128, 64)):
-        if not budget.ok(20):
-            break
-        pad = tk.head_dim_pad(D)
-        base = tk.DEFAULT_TABLE[(pad, "16bit")]
-        q, k, v, dout, meta = make_inputs(1, S, H, Hkv, D, dt, seed=8)
+def part_tune(ok, entry, args):
+    """Candidate launch shapes at the shipped head counts (S = 8192); the fastest forward and backward
+    (timed as forward + backward) go to docs/bench/gpu_tune.json and serve the later parts."""
+    fwd = [(16, 16, 4, 1)] if DRY else [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)]
+    bwd = [(16, 16, 4, 1)] if DRY else [(16, 128, 8, 3), (32, 128, 8, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3)]
+    layouts = [("split", True, False), ("split", False, False), ("split", True, True), ("fused", True, False)]
+    chosen, timings = {}, entry.setdefault("timings", [])
+    for D, H, Hkv in ((32, 4, 2),) if DRY else ((128, 32, 8), (64, 9, 3)):
+        key, best = (tk.head_dim_pad(D), "16bit"), {}
+        q, k, v, dout, meta = make_inputs(1, 64 if DRY else 8192, H, Hkv, D, 9)
         q.requires_grad_(True)
-        best = {}
-        for what in ("fwd", "bwd"):
-            for c in cands[what]:
-                for variant, per_head in ((("fused", True), ("fused", False), ("split", False)) if what == "bwd"
-                                          else (("fused", True),)):
-                    if not budget.ok(8):
-                        break
-                    lc = tk.LaunchConfig(*c)
-                    cfg = dataclasses.replace(base, **{what: lc}, variant=variant, per_head=per_head)
-                    tk.set_tile_table({(pad, "16bit"): cfg})
-                    if DRY:  # the interpreter ignores the table: exercise the code, time nothing real
-                        pass
-                    plan = AttentionPlan()
-                    if what == "fwd":
-                        def fn():
-                            with torch.no_grad():
-                                flash_attn(q, k, v, *meta, plan=plan)
-                    else:
-                        def fn():
-                            q.grad = None
-                            flash_attn(q, k, v, *meta, plan=plan).backward(dout)
-                    try:
-                        sec = _time(fn, 1, 3)
-                        timings.append(dict(head_dim=D, part=what, config=c, variant=variant, per_head=per_head,
-                                            ms=sec * 1e3))
-                        if what not in best or sec < best[what][0]:
-                            best[what] = (sec, lc, variant, per_head)
-                    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory at this shape
-                        timings.append(dict(head_dim=D, part=what, config=c, variant=variant, error=repr(e)[:200]))
+        for what, c, (var, per_head, smem) in [("fwd", c, layouts[0]) for c in fwd] + [("bwd", c, x) for c in bwd
+                                                                                       for x in layouts]:
+            cfg = replace(tk.DEFAULT_TABLE[key], **{what: tk.LaunchConfig(*c)}, variant=var, per_head=per_head, kv_smem=smem)
+            tk.set_tile_table({key: cfg})
+            plan, row = AttentionPlan(), dict(head_dim=D, heads=[H, Hkv], part=what, config=c, variant=var,
+                                              per_head=per_head, kv_smem=smem)
+            attn = lambda: block_attention(q, k, v, *meta, backend="triton", plan=plan)  # noqa: E731
+            try:
+                row["ms"] = TIME((lambda: attn().detach()) if what == "fwd" else (lambda: attn().backward(dout)), 1, 3) \
+                    if ok(8) else None
+                best[what] = min(best.get(what, (math.inf, None)), (row["ms"] or math.inf, cfg), key=lambda x: x[0])
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory at this shape
+                row["error"] = repr(e)[:200]
+            timings.append(row)
         tk.set_tile_table(None)
-        if "fwd" in best and "bwd" in best:
-            chosen[(pad, "16bit")] = dataclasses.replace(base, fwd=best["fwd"][1], bwd=best["bwd"][1],
-                                                         variant=best["bwd"][2], per_head=best["bwd"][3])
-        del q, k, v, dout
-        _free()
-    entry["timings"] = timings
+        if all(best.get(w, (math.inf,))[0] < math.inf for w in ("fwd", "bwd")):
+            chosen[key] = replace(best["bwd"][1], fwd=best["fwd"][1].fwd)
     entry["table"] = tk.table_to_json(chosen)
     if chosen and not DRY:
-        out = BENCH / "gpu_tune.json"
-        out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(DEV), seqlen=S, heads=[H, Hkv],
-                                       table=tk.table_to_json(chosen), timings=timings), indent=1) + "\n")
-        entry["written"] = str(out.relative_to(ROOT))
-        tk.set_tile_table(chosen)  # later parts of this run use it
-    elif DRY:
-        entry["note"] = "dry run: the interpreter uses its own 16-wide tiles; nothing was written"
+        (BENCH / "gpu_tune.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(DEV), table=entry["table"],
+                                                             timings=timings), indent=1) + "\n")
+        tk.set_tile_table(chosen)
 
 
-FUNCS = {"env": part_env, "correctness": part_correctness, "syncs": part_syncs, "determinism": part_determinism,
-         "speed": part_speed, "train": part_train, "profile": part_profile, "tune": part_tune}
-
-
-# ----------------------------------------------------------------------------- report
+FUNCS = dict(env=part_env, correctness=part_correctness, syncs=part_syncs, speed=part_speed, ring=part_ring,
+             train=part_train, tune=part_tune)
 
 
 def targets(report: dict) -> list[list[str]]:
+    """[what, goal, measured, met] of the GPU targets (docs/kernels.md)."""
     p = report["parts"]
-    if report.get("mode") != "gpu":
-        return [[what, goal, "dry run: no GPU figure", "n/a"] for what, goal in TARGETS.items()]
-    rows = []
-    r = p.get("speed", {}).get("min_ratio_fwdbwd_vs_flash")
-    rows.append(["fwd+bwd vs SDPA-flash (S >= 4K, bf16, D = 128)", ">= 0.9x",
-                 f"{r:.2f}x (worst length, best variant)" if r else "not measured", _met(r, lambda x: x >= 0.9)])
-    s = p.get("syncs", {}).get("attention_syncs")
-    rows.append(["host syncs per attention call", "0", "not measured" if s is None else str(s),
-                 _met(s, lambda x: x == 0)])
-    step = next((x for x in p.get("train", {}).get("systems", {}).get("ours (triton, checkpointing)", [])
-                 if x.get("seqlen") == 65536 and x.get("step_s")), None)
-    build = next((x for x in p.get("speed", {}).get("plan_build", []) if x.get("seqlen") == 65536), None)
-    frac = build["ms"] / 1e3 / step["step_s"] if step and build else None
-    rows.append(["plan build / training step at 64K", "<= 2 %", f"{100 * frac:.3f} %" if frac is not None
-                 else "not measured", _met(frac, lambda x: x <= 0.02)])
-    c = p.get("train", {}).get("context_ratio_vs_transformers_sdpa")
-    rows.append(["135M-shape context vs transformers + SDPA", ">= 8x", f"{c:.1f}x (fit)" if c else "not measured",
-                 _met(c, lambda x: x >= 8)])
-    return rows
-
-
-def _met(x, ok) -> str:
-    if x is None:
-        return "unknown"
-    return "yes" if ok(x) else "**no**"
-
-
-def _f(x, fmt=".1f") -> str:
-    return "-" if x is None else format(x, fmt)
+    rows = {s: {r["seqlen"]: r for r in p.get("train", {}).get(s, {}).get("rows", []) if r.get("tokens_per_s")}
+            for s in (OURS, HF, HF_CKPT)}
+    ours, hf, hfc = rows[OURS], rows[HF], rows[HF_CKPT]
+    speed = [ours[S]["tokens_per_s"] / hfc[S]["tokens_per_s"] for S in ours if S in hfc]
+    mem = [ours[S]["peak_gib"] / hfc[S]["peak_gib"] for S in ours if S in hfc and ours[S]["peak_gib"]]
+    stretch = ours[16384]["tokens_per_s"] / hf[16384]["tokens_per_s"] if 16384 in ours and 16384 in hf else None
+    packed = [(r["packed_vs_cudnn_fwd"], r.get("packed_vs_cudnn_fwdbwd") or 0)
+              for r in p.get("speed", {}).get("rows", []) if r.get("packed_vs_cudnn_fwd") is not None]
+    syncs = p.get("syncs", {}).get("attention_syncs")
+    c = p.get("train", {}).get(f"context_vs_{HF_CKPT}")
+    ctx = ["not measured", "unknown"] if not c else ["transformers never ran out of memory", "unknown"] \
+        if not c["other_bounded"] else [f"{c['ratio']:.1f}x", _met(c["ratio"], lambda x: x >= 8)] if c["ours_bounded"] \
+        else [f">= {c['ratio']:.1f}x (ours never ran out of memory)", "yes" if c["ratio"] >= 8 else "unknown"]
+    out = [["135M step vs transformers + SDPA + checkpointing, 16K-64K", ">= 1.1x tokens/s, peak memory <= 1/2.5",
+            f"{min(speed):.2f}x (worst), memory {max(mem):.2f}x (worst)" if speed and mem else "not measured",
+            _met(min(speed) if speed and mem else None, lambda x: x >= 1.1 and max(mem) <= 0.4)],
+           ["135M step vs transformers + SDPA, no checkpointing, 16K (stretch)", ">= 1.0x", _f(stretch, ".2f"),
+            _met(stretch, lambda x: x >= 1.0)],
+           ["packed documents (Triton) vs cuDNN dense causal, D = 64 and 128", "fwd >= 0.8x, fwd+bwd >= 0.75x",
+            f"fwd {min(a for a, _ in packed):.2f}x, fwd+bwd {min(b for _, b in packed):.2f}x (worst)" if packed else "-",
+            _met(packed or None, lambda x: min(a for a, _ in x) >= 0.8 and min(b for _, b in x) >= 0.75)],
+           ["host syncs per attention call (auto: once its plan is built)", "0", _f(syncs, "d"), _met(syncs, lambda x: x == 0)],
+           ["135M context vs transformers + SDPA + checkpointing (measured)", ">= 8x", *ctx]]
+    return out if report.get("mode") == "gpu" else [[w, g, "dry run: no GPU figure", "n/a"] for w, g, _, _ in out]
 
 
 def markdown(report: dict) -> str:
-    p = report["parts"]
-    env = p.get("env", {})
+    p, env = report["parts"], report["parts"].get("env", {})
+    tr, cases = p.get("train", {}), p.get("correctness", {}).get("cases", {})
+    routes = [(c, r, x) for c, res in cases.items() for r, x in res.items() if isinstance(x, dict) and "ok" in x]
+    worst = max((x.get(n, {}).get("ratio", 0) for _, _, x in routes for n in ("out", "dq", "dk", "dv")), default=None)
+    rings = {sh: e for sh, e in p.get("ring", {}).items() if isinstance(e, dict)}
+    ring = [f"{sh} W={r['W']} {r['link'].split(' (')[0]} {100 * r['efficiency']:.1f} %" for sh, e in rings.items()
+            for r in e["predicted"]]
+    prof = [f"{n}: {e['profile']['kernel_launches']:,} kernel launches, {e['profile']['kernel_ms']:.0f} ms of device "
+            f"kernels in {e['profile']['wall_ms']:.0f} ms" for n, e in tr.items() if isinstance(e, dict) and "profile" in e]
     lines = [MD_BEGIN, '<a id="gpu-check"></a>', "## GPU check (`make gpu-check`, `scripts/gpu_check.py`)", "",
-             f"GPU: **{env.get('gpu')}** (capability {env.get('capability')}, {env.get('sms')} SMs, "
-             f"{_f(env.get('memory_gib'))} GiB); torch {env.get('torch')}, Triton {env.get('triton')}, "
-             f"transformers {env.get('transformers')}. Run {report['finished']}, {report['wall_s']:.0f} s.", "",
-             "| part | status | seconds |", "|---|---|---|"]
-    for name, e in p.items():
-        lines.append(f"| {name} | {e.get('status')} | {_f(e.get('seconds'), '.0f')} |")
-    lines += ["", "| target | goal | measured | met |", "|---|---|---|---|"]
-    lines += ["| " + " | ".join(r) + " |" for r in targets(report)]
-    corr = p.get("correctness", {}).get("cases", {})
-    if corr:
-        lines += ["", "Correctness (error / allowed bound, bound = 2 x same-dtype error + eps; < 1 passes):", "",
-                  "| case | variant | out | dq | dk | dv | ok |", "|---|---|---|---|---|---|---|"]
-        for case, res in corr.items():
-            for variant, r in res.items():
-                if isinstance(r, dict) and "ok" in r:
-                    cells = [_f((r.get(n) or {}).get("ratio"), ".2f") for n in ("out", "dq", "dk", "dv")]
-                    lines.append(f"| {case} | {variant} | " + " | ".join(cells) + f" | {'yes' if r['ok'] else '**no**'} |")
-    sy = p.get("syncs", {}).get("calls", {})
-    if sy:
-        lines += ["", "| call (sync debug mode) | host syncs | error mode |", "|---|---|---|"]
-        lines += [f"| {n} | {r.get('syncs', r.get('error', r.get('status')))} | {r.get('error_mode', '-')} |"
-                  for n, r in sy.items()]
-    det = p.get("determinism", {})
-    if "forward_bitwise_equal" in det:
-        bw = {v: all(x["bitwise_equal"] for x in det.get(f"backward_{v}", {}).values()) for v in ("fused", "split")}
-        lines += ["", f"Determinism: forward bitwise equal over two runs: {det['forward_bitwise_equal']}; backward "
-                  f"bitwise equal: fused (dQ atomics) {bw['fused']}, split {bw['split']}."]
-    rows = p.get("speed", {}).get("rows", [])
-    if rows:
-        lines += ["", "TFLOP/s (causal, bf16, D = 128, GQA 32/8; FLOPs of the visible half; fwd+bwd = 3.5 x fwd):", "",
-                  "| S | batch | ours fwd | flash fwd | cuDNN fwd | ours fwd+bwd fused | ours fwd+bwd split | "
-                  "flash fwd+bwd | cuDNN fwd+bwd | best / flash fwd+bwd |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            cells = [_f(r.get(k + "_tflops")) for k in ("ours_fwd", "sdpa_flash_fwd", "sdpa_cudnn_fwd",
-                                                         "ours_fwdbwd_fused", "ours_fwdbwd_split", "sdpa_flash_fwdbwd",
-                                                         "sdpa_cudnn_fwdbwd")]
-            lines.append(f"| {r['seqlen']:,} | {r.get('batch', '-')} | " + " | ".join(cells)
-                         + f" | {_f(r.get('ratio_fwdbwd_vs_flash'), '.2f')} |")
-        pb = p["speed"].get("plan_build", [])
-        if pb:
-            lines += ["", "Plan build on the GPU (forward + backward plans, causal): "
-                      + ", ".join(f"{x['seqlen']:,} tokens {x['ms']:.2f} ms" for x in pb) + "."]
-    tr = p.get("train", {}).get("systems", {})
-    if tr:
-        lines += ["", "Training step, smol-135m shape, bf16, AdamW:", "",
-                  "| system | S | tokens/s | MFU | peak GiB |", "|---|---|---|---|---|"]
-        for name, rs in tr.items():
-            for r in rs:
-                if "seqlen" not in r:
-                    lines.append(f"| {name} | - | {r.get('status') or r.get('error', '')[:80]} | | |")
-                    continue
-                lines.append(f"| {name} | {r['seqlen']:,} | {_f(r.get('tokens_per_s'), ',.0f')} | "
-                             f"{_f(r.get('mfu') and 100 * r['mfu'], '.0f')} % | {_f(r.get('peak_gib'))} |"
-                             if "error" not in r and "status" not in r else
-                             f"| {name} | {r['seqlen']:,} | {r.get('status') or r.get('error', '')[:80]} | | |")
-        for name, fit in p["train"].get("longest_context_fit", {}).items():
-            lines.append(f"\nLongest context, {name}: {fit['longest_context']:,} tokens "
-                         f"({fit['gib_per_1k_tokens']:.3f} GiB per 1K tokens over {fit['fixed_gib']:.1f} GiB, "
-                         f"fit to {len(fit['from_points'])} points, budget {fit['budget_gib']:.0f} GiB)."
-                         if fit.get("longest_context") else f"\nLongest context, {name}: no fit.")
-    prof = {n: r for n, r in p.get("profile", {}).items() if isinstance(r, dict) and "wall_ms" in r}
-    if prof:
-        lines += ["", "One profiled training step (forward + backward, no optimizer), smol-135m shape, 16K tokens "
-                  "(the profiler slows host-bound code: compare rows with each other, not with the table above):", "",
-                  "| system | wall ms | launches | top device ops (ms) |", "|---|---|---|---|"]
-        for name, r in prof.items():
-            ops = "; ".join(f"{t['op'][:40]} {t['device_ms']:.0f}" for t in r["top_device"][:4])
-            lines.append(f"| {name} | {r['wall_ms']:.0f} | {r['launches']:,} | {ops} |")
-    tune = p.get("tune", {}).get("table")
-    if tune:
-        lines += ["", "Tuned launch shapes (`--tune`, fastest of the candidates; the kernels use them by default):", "",
-                  "| head dim | fwd | bwd | variant |", "|---|---|---|---|"]
-        for r in tune:
-            lines.append(f"| {r['head_dim_pad']} | {r['fwd']['block_m']}x{r['fwd']['block_n']} w{r['fwd']['num_warps']} "
-                         f"s{r['fwd']['num_stages']} | {r['bwd']['block_m']}x{r['bwd']['block_n']} "
-                         f"w{r['bwd']['num_warps']} s{r['bwd']['num_stages']} | {r['variant']}"
-                         f"{' (per query head)' if r['per_head'] else ''} |")
-    if report.get("note"):
-        lines += ["", report["note"]]
-    lines += ["", "Data: [bench/gpu_check.json](bench/gpu_check.json).", MD_END]
-    return "\n".join(lines) + "\n"
+             f"GPU: **{env.get('gpu')}** (capability {env.get('capability')}, {env.get('sms')} SMs, {_f(env.get('memory_gib'))}"
+             f" GiB, cuDNN {env.get('cudnn')}); torch {env.get('torch')}, Triton {env.get('triton')}, transformers "
+             f"{env.get('transformers')}. Run {report['finished']}, {report['wall_s']:.0f} s. Parts: "
+             + ", ".join(f"{n} {e.get('status')} ({_f(e.get('seconds'), '.0f')} s)" for n, e in p.items()) + ".", "",
+             f"Correctness: {sum(x['ok'] for *_, x in routes)} of {len(routes)} routes within the float64 rule (2 x the "
+             f"same-dtype error + eps), worst error / bound {_f(worst, '.2f')}"
+             + "".join(f"; **failed: {c}, {r}**" for c, r, x in routes if not x["ok"]) + "." if routes else "", ""]
+    for head, rows in (
+            (["target", "goal", "measured", "met"], targets(report)),
+            (["S", "D heads", "docs", *(f"{w} fwd / bwd" for w in IMPLS), "packed / cuDNN fwd, fwd+bwd"],
+             [[f"{r['seqlen']:,}", r["shape"], r["docs"], *(f"{_f(r.get(f'{w}_fwd_tflops'), '.0f')} / "
+               f"{_f(r.get(f'{w}_bwd_tflops'), '.0f')}" for w in IMPLS), f"{_f(r.get('packed_vs_cudnn_fwd'), '.2f')}, "
+               f"{_f(r.get('packed_vs_cudnn_fwdbwd'), '.2f')}"] for r in p.get("speed", {}).get("rows", []) if "shape" in r]),
+            (["system", "S", "tokens/s", "step s (min-max)", "MFU %", "peak GiB"],
+             [[n, f"{r['seqlen']:,}", _f(r["tokens_per_s"], ",.0f"), f"{r['step_s']:.3f} ({r['min_s']:.3f}-{r['max_s']:.3f})",
+               _f(r["mfu"] and 100 * r["mfu"], ".0f"), _f(r["peak_gib"])] for n in (OURS, HF, HF_CKPT)
+              for r in tr.get(n, {}).get("rows", [])]),
+            (["system", "longest context that ran (peak GiB)", "ran out of memory at"],
+             [[n, f"{e['longest']:,} ({_f(e.get('longest_peak_gib'))})", _f(e.get("out_of_memory_at"), ",d")]
+              for n, e in tr.items() if isinstance(e, dict) and "longest" in e])):
+        if rows:
+            lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows] + [""]
+    lines += ["Kernel TFLOP/s count the visible pairs (bf16, causal, 16K tokens a batch); steps: medians after two warm-up "
+              "steps; the longest context: one step at doubling lengths, measured, not fitted.", ""]
+    lines += [f"Ring, **predicted** from this GPU's block times at {next(iter(rings.values()), {}).get('s_local')} "
+              f"tokens a rank and the link's bandwidth (efficiency = compute / (compute + exposed communication)): "
+              + "; ".join(ring) + ".", ""] if ring else []
+    lines += ["Profile of one step at 16K (each device kernel counted once): " + "; ".join(prof) + ".", ""] if prof else []
+    return "\n".join(lines + ["Data: [bench/gpu_check.json](bench/gpu_check.json).", MD_END]) + "\n"
 
 
 def write_markdown(report: dict, path: Path) -> None:
-    text = path.read_text() if path.exists() else ""
-    section = markdown(report)
+    text, section = (path.read_text() if path.exists() else ""), markdown(report)
     if MD_BEGIN in text and MD_END in text:
         head, rest = text.split(MD_BEGIN, 1)
-        text = head + section.rstrip("\n") + rest.split(MD_END, 1)[1]
+        path.write_text(head + section.rstrip("\n") + rest.split(MD_END, 1)[1])
     else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+        path.write_text(text.rstrip("\n") + "\n\n" + section)
 
 
 def main(argv=None) -> int:
@@ -949,57 +558,33 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="tiny shapes under the interpreter even with CUDA")
     p.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default docs/bench/gpu_check.json)")
-    p.add_argument("--md", type=Path, default=None, help="markdown to update (default docs/benchmarks.md on a GPU; "
-                   "none in a dry run)")
-    args = p.parse_args(argv)
-    start = time.monotonic()
-    parts = ["env"] + [x for x in (args.parts.split(",") if args.parts else
-                                   (["tune", "speed"] if args.tune else list(PARTS[1:]))) if x != "env"]
-    unknown = [x for x in parts if x not in FUNCS]
-    if unknown:
-        p.error(f"unknown parts {unknown}; choose from {', '.join(FUNCS)}")
-    out = args.out
-    if out is None:
-        out = BENCH / "gpu_check.json"
-        if DRY and out.exists():
-            try:
-                if json.loads(out.read_text()).get("mode") == "gpu":
-                    out = BENCH / "gpu_check_dry.json"  # never overwrite a GPU run with a dry run
-            except ValueError:
-                pass
+    p.add_argument("--md", type=Path, default=None, help="markdown to update (default docs/benchmarks.md on a GPU)")
+    args, start = p.parse_args(argv), time.monotonic()
+    parts = ["env"] + [x for x in (args.parts.split(",") if args.parts else ["tune", "speed"] if args.tune else PARTS)
+                       if x != "env"]
+    if set(parts) - set(FUNCS):
+        p.error(f"unknown parts {sorted(set(parts) - set(FUNCS))}; choose from {', '.join(FUNCS)}")
+    out = args.out or BENCH / "gpu_check.json"
+    if args.out is None and DRY and out.exists() and json.loads(out.read_text() or "{}").get("mode") == "gpu":
+        out = BENCH / "gpu_check_dry.json"  # never overwrite a GPU run with a dry run
     md = args.md if args.md is not None else (None if DRY else ROOT / "docs" / "benchmarks.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = dict(check="scripts/gpu_check.py", mode="dry-run" if DRY else "gpu", argv=sys.argv[1:],
-                  budget_s=args.budget, started=time.strftime("%Y-%m-%d %H:%M:%S"), parts={})
+    args.report = report = dict(check="scripts/gpu_check.py", mode="dry-run" if DRY else "gpu", argv=sys.argv[1:],
+                                budget_s=args.budget, started=time.strftime("%Y-%m-%d %H:%M:%S"), parts={})
     if DRY:
-        report["skipped"] = ("no CUDA device" if not torch.cuda.is_available() else "--dry-run") + \
-            ": every part ran on tiny shapes under TRITON_INTERPRET=1 (figures are not GPU figures); GPU-only parts " \
-            "say so in their entries"
-
-    def write():
-        report["wall_s"] = time.monotonic() - start
-        report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-        out.write_text(json.dumps(report, indent=1, default=str) + "\n")
-
-    def on_alarm(signum, frame):
-        raise PartTimeout("the part ran past its budget")
-
-    signal.signal(signal.SIGALRM, on_alarm)
+        report["skipped"] = f"{'no CUDA device' if not torch.cuda.is_available() else '--dry-run'}: every part ran on " \
+            "tiny shapes under TRITON_INTERPRET=1 (no figure is a GPU figure)"
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(PartTimeout("the part ran past its budget")))
     for name in parts:
         entry = report["parts"][name] = dict(status="running")
-        left = args.budget - (time.monotonic() - start)
-        budget = Budget(min(BUDGETS.get(name, 30), left))
-        if budget.left() < 5:
-            entry.update(status="skipped", reason="the run's time budget is spent")
-            write()
-            continue
-        print(f"[{time.monotonic() - start:5.0f} s] {name} (budget {budget.left():.0f} s)", flush=True)
-        t0 = time.monotonic()
+        deadline = time.monotonic() + min(BUDGETS.get(name, 30), args.budget - (time.monotonic() - start))
+        ok, t0 = (lambda need=0.0, d=deadline: d - time.monotonic() > need), time.monotonic()
+        print(f"[{t0 - start:5.0f} s] {name}", flush=True)
         try:
-            signal.alarm(max(1, int(budget.left() + 20)))  # a hard stop 20 s past the budget
-            FUNCS[name](budget, entry, args)
-            if entry["status"] == "running":
-                entry["status"] = "ok"
+            if not ok(5):
+                raise PartTimeout("the run's time budget is spent")
+            signal.alarm(max(1, int(deadline - t0 + 20)))  # a hard stop 20 s past the budget
+            FUNCS[name](ok, entry, args)
+            entry["status"] = "ok" if entry["status"] == "running" else entry["status"]
         except PartTimeout as e:
             entry.update(status="timeout", error=str(e))
         except Exception as e:  # noqa: BLE001 - the next part still runs
@@ -1008,22 +593,17 @@ def main(argv=None) -> int:
             signal.alarm(0)
             tk.set_backward(None)
             entry["seconds"] = time.monotonic() - t0
-        print(f"  -> {entry['status']} ({entry['seconds']:.0f} s)" + (f": {entry.get('error')}" if "error" in entry
-                                                                        else ""), flush=True)
-        try:
+        print(f"  -> {entry['status']} ({entry['seconds']:.0f} s) {entry.get('error', '')}", flush=True)
+        with contextlib.suppress(Exception):  # a broken CUDA context: later parts record their own errors
             _free()
-        except Exception:  # noqa: BLE001 - a broken CUDA context: later parts record their own errors
-            pass
-        write()
-    write()
-    report["targets"] = [dict(zip(("target", "goal", "measured", "met"), r)) for r in targets(report)]
-    write()
+        report.update(wall_s=time.monotonic() - start, finished=time.strftime("%Y-%m-%d %H:%M:%S"),
+                      targets=[dict(zip(("target", "goal", "measured", "met"), r)) for r in targets(report)])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1, default=str) + "\n")
     if md is not None:
         write_markdown(report, md)
-        print(f"updated {md}")
-    print(f"wrote {out}")
-    for r in targets(report):
-        print(f"  {r[0]}: {r[2]} (goal {r[1]}, met: {r[3]})")
+    print("\n".join(f"  {r['target']}: {r['measured']} (goal {r['goal']}, met: {r['met']})" for r in report["targets"]))
+    print(f"wrote {out}" + (f" and {md}" if md else ""))
     return 0
 
 

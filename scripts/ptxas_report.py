@@ -57,11 +57,11 @@ def _jobs(k, D: int, dt: str, kernels):
     if "bwd_fused" in kernels:
         out.append(("bwd_fused", k._bwd_kernel, bwd_ptrs,
                     dict(common, EVEN_D=D == pad, BLOCK_M=c.block_m, BLOCK_N=c.block_n, PER_HEAD=True,
-                         ATOMIC_KV=True, FUSED_DQ=True), c))
+                         ATOMIC_KV=True, FUSED_DQ=True, KV_SMEM=cfg.kv_smem), c))
     if "bwd_split" in kernels:
         out.append(("bwd_split", k._bwd_kernel, bwd_ptrs,
                     dict(common, EVEN_D=D == pad, BLOCK_M=c.block_m, BLOCK_N=c.block_n, PER_HEAD=False,
-                         ATOMIC_KV=False, FUSED_DQ=False), c))
+                         ATOMIC_KV=False, FUSED_DQ=False, KV_SMEM=cfg.kv_smem), c))
     if "dq" in kernels:
         c = cfg.dq
         out.append(("dq", k._bwd_dq_kernel, dict(meta, Q=T, K=T, V=T, DO=T, LSE2=f32, DELTA=f32, DQ=f32),

@@ -168,8 +168,15 @@ def test_backward_with_global_out_and_lse():
 
 
 def test_block_attention_and_auto_backend():
-    """The kernel serves kernels.block_attention as the `triton` backend; `auto` picks it on CUDA."""
-    assert resolve_backend_name("auto", torch.device("cuda")) == "triton"
+    """The kernel serves kernels.block_attention as the `triton` backend, and `auto` sends it the
+    blocks that need the element mask (on CUDA; tests/test_dispatch.py covers the other routes)."""
+    assert resolve_backend_name("auto", torch.device("cuda")) == "auto"
+    if DEV == "cuda":  # shuffled positions: no dense piece, so the triton kernel, bit for bit
+        (q, k, v, _), _ = make_case(32, 1, 40, 40, 2, 1, 32, torch.bfloat16, "self")
+        pos = torch.randperm(40, device=DEV)[None]
+        seg = torch.zeros_like(pos)
+        torch.testing.assert_close(block_attention(q, k, v, pos, pos, seg, seg, backend="auto"),
+                                   flash_attn(q, k, v, pos, pos, seg, seg), rtol=0, atol=0)
     (q, k, v, dout), meta = make_case(31, 1, 20, 20, 2, 1, 32, torch.float32, "self")
     qa, ka, va = (x.clone().requires_grad_(True) for x in (q, k, v))
     qb, kb, vb = (x.clone().requires_grad_(True) for x in (q, k, v))
@@ -265,16 +272,19 @@ def test_decode_path(Sq, heads, causal):
     torch.testing.assert_close(one[1], many[1], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("variant,per_head", [("fused", True), ("fused", False), ("split", False)])
-def test_backward_variants(variant, per_head):
-    """Both backward structures (dQ by atomics in the dK/dV kernel, or a second pass) and both GQA
-    layouts (a program per query head adding dK/dV by atomics, or per kv head) match the truth;
-    the split variant without atomics is bitwise deterministic."""
-    tk.set_backward(variant, per_head)
+@pytest.mark.parametrize("variant,per_head,kv_smem", [("fused", True, False), ("fused", False, False),
+                                                     ("split", False, False), ("split", True, True),
+                                                     ("fused", True, True)])
+def test_backward_variants(variant, per_head, kv_smem):
+    """Both backward structures (dQ by atomics in the dK/dV kernel, or a second pass), both GQA
+    layouts (a program per query head adding dK/dV by atomics, or per kv head) and both places of
+    the K/V operands (registers, or the shared-memory side of each dot) match the truth; the split
+    variant without atomics is bitwise deterministic."""
+    tk.set_backward(variant, per_head, kv_smem)
     try:
         (q, k, v, dout), meta = make_case(120, 2, 40, 40, 6, 2, 32, torch.bfloat16, "zigzag", max_len=25)
-        check_against_reference(q, k, v, dout, meta, True, what=f"{variant} per_head={per_head}")
-        if variant == "split":
+        check_against_reference(q, k, v, dout, meta, True, what=f"{variant} per_head={per_head} kv_smem={kv_smem}")
+        if variant == "split" and not per_head:
             grads = []
             for _ in range(2):
                 qg = q.clone().requires_grad_(True)
