@@ -38,7 +38,7 @@ from torch import Tensor
 from longvideo.kernels import RingPlans
 from longvideo.parallel.comm import CommStats
 from longvideo.parallel.mesh import UlyssesGroups
-from longvideo.parallel.ring import ring_attention
+from longvideo.parallel.ring import ring_backward, ring_forward
 
 
 def head_split(hq: int, hkv: int, ulysses: int, sp: Optional[int] = None) -> tuple[int, Tensor]:
@@ -90,11 +90,40 @@ class _AllToAll(torch.autograd.Function):
         return _a2a(grad.contiguous(), ctx.group, not ctx.to_heads, ctx.stats), None, None, None
 
 
-def gather_metadata(positions: Tensor, segment_ids: Tensor, group) -> tuple[Tensor, Tensor]:
+class _HeadsRing(torch.autograd.Function):
+    """Ring attention over the head-split tensors, returning the output in the sequence layout.
+
+    It saves that output (which the caller's output projection keeps anyway) rather than the ring's
+    head-layout copy, and re-forms the latter in the backward with one more all-to-all: the saved
+    activations are then the ring's (q, k, v, out, lse), not one output more (scripts/bench_hybrid.py)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pos, seg, groups, causal, backend, stats, plans):
+        plans = plans if plans is not None else RingPlans()
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        out, lse = ring_forward(q, k, v, pos, seg, groups.ring, causal, scale, backend, stats, plans)
+        out = _a2a(out, groups.group, False, stats)
+        ctx.save_for_backward(q, k, v, out, lse, pos, seg)
+        ctx.args = (groups, causal, scale, backend, stats, plans)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, pos, seg = ctx.saved_tensors
+        groups, causal, scale, backend, stats, plans = ctx.args
+        dout, out = (_a2a(x.contiguous(), groups.group, True, stats) for x in (dout, out))
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, pos, seg, groups.ring, causal, scale, backend, stats, plans)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+
+
+def gather_metadata(positions: Tensor, segment_ids: Tensor, group,
+                    stats: Optional[CommStats] = None) -> tuple[Tensor, Tensor]:
     """The Ulysses group's positions and segment ids (B, U * S), in member order (collective)."""
     meta = torch.stack([positions, segment_ids]).long().contiguous()
     parts = [torch.empty_like(meta) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, meta, group=group)
+    if stats is not None:  # what a ring all-gather sends: U - 1 pieces
+        stats.bytes_sent += meta.numel() * meta.element_size() * (len(parts) - 1)
     pos, seg = torch.cat(parts, dim=-1)
     return pos, seg
 
@@ -110,13 +139,12 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, groups: UlyssesGroups, 
     plans: RingPlans for the ring over the group's metadata. Returns out (B, S, Hq, D) in q.dtype."""
     Hq, U = q.shape[2], groups.size
     qu, idx = head_split(Hq, k.shape[2], U, U * dist.get_world_size(groups.ring))
-    qp = F.pad(q, (0, 0, 0, U * qu - Hq)) if U * qu != Hq else q
-    kv = torch.stack([k, v])  # (2, B, S, U * Hkv', D) after replicating the heads members share
-    if not torch.equal(idx, torch.arange(k.shape[2])):
-        kv = kv.index_select(3, idx.to(q.device))
-    qh = _AllToAll.apply(qp, groups.group, True, comm_stats)  # (B, U*S, Qu, D)
-    kh, vh = _AllToAll.apply(kv, groups.group, True, comm_stats)  # (B, U*S, Hkv', D) each
-    pos, seg = group_meta if group_meta is not None else gather_metadata(positions, segment_ids, groups.group)
-    out = ring_attention(qh, kh, vh, group=groups.ring, causal=causal, positions=pos, segment_ids=seg,
-                         backend=backend, comm_stats=comm_stats, plans=plans)
-    return _AllToAll.apply(out, groups.group, False, comm_stats)[:, :, :Hq]
+    same = torch.equal(idx, torch.arange(k.shape[2]))
+
+    def to_heads(x: Tensor) -> Tensor:  # (B, S, U * h, D) -> (B, U * S, h, D); with B = 1 the result is
+        return _AllToAll.apply(x, groups.group, True, comm_stats)  # the receive buffer itself, no copy
+
+    qh = to_heads(F.pad(q, (0, 0, 0, U * qu - Hq)) if U * qu != Hq else q)  # (B, U*S, Qu, D)
+    kh, vh = (to_heads(x if same else x.index_select(2, idx.to(x.device))) for x in (k, v))  # (B, U*S, Hkv', D)
+    pos, seg = group_meta if group_meta is not None else gather_metadata(positions, segment_ids, groups.group, comm_stats)
+    return _HeadsRing.apply(qh, kh, vh, pos, seg, groups, causal, backend, comm_stats, plans)[:, :, :Hq]
