@@ -31,7 +31,9 @@ from test_ring_attention import _make_case
 from test_train_distributed import TINY, assert_grads_match, full_grads, reference_grads
 from longvideo.config import load_config
 from longvideo.configtools import ConfigError
-from longvideo.parallel import CommStats, Mesh, head_split, hybrid_attention, shard_sequence, split_group
+from longvideo.model import ModelConfig, Transformer
+from longvideo.parallel import (CommStats, Mesh, apply_attention, head_split, hybrid_attention, shard_sequence,
+                                split_group)
 
 
 def test_head_split_pads_queries_replicates_kv_and_names_what_fits():
@@ -90,6 +92,10 @@ def _attention_body(rank, world):
     assert [int(p) for p in peers] == [rank % 2, rank % 2 + 2]  # the ring joins the same member of each group
     with pytest.raises(ConfigError, match="ulysses"):
         Mesh.build(sp=4, ulysses=3)
+    two_heads = Transformer(ModelConfig(text_vocab_size=8, codebook_size=8, dim=16, n_layers=1, n_heads=2,
+                                        n_kv_heads=1, multiple_of=16, max_seq_len=16))
+    with pytest.raises(ConfigError, match=r"parallel.ulysses.*2 query heads \(1 key/value heads\); use ulysses in \[1, 2\]"):
+        apply_attention(two_heads, mesh41)  # before any step
     # W = 3: only ranks 0-2 make and use its groups, so it runs last (no world-wide group after it)
     ring3 = dist.new_group([0, 1, 2])
     splits = [(mesh22.ulysses_groups, mesh22.sp_group), (mesh41.ulysses_groups, mesh41.sp_group)]

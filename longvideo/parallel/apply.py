@@ -24,13 +24,14 @@ from typing import Optional
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+from longvideo.configtools import ConfigError
 from longvideo.kernels import PlanCache, RingPlans
 from longvideo.model import LocalAttention
 from longvideo.parallel.deepspeed_config import build_deepspeed_config
 from longvideo.parallel.engine import Engine
 from longvideo.parallel.mesh import Mesh, UlyssesGroups
 from longvideo.parallel.ring import ring_attention
-from longvideo.parallel.ulysses import gather_metadata, hybrid_attention
+from longvideo.parallel.ulysses import gather_metadata, head_split, hybrid_attention
 
 
 class RingAttentionSeam:
@@ -72,6 +73,14 @@ def apply_attention(model: nn.Module, mesh: Mesh, backend: str = "auto") -> None
     when sp > 1, else the single-device seam, all over `backend`'s block kernels."""
     if not hasattr(model, "set_attention"):
         raise TypeError(f"{type(model).__name__} has no attention seam (set_attention)")
+    cfg = getattr(model, "cfg", None) or getattr(getattr(model, "model", None), "config", None)  # ours, or HF's
+    hq = getattr(cfg, "n_heads", None) or getattr(cfg, "num_attention_heads", None)
+    if mesh.ulysses > 1 and hq:  # refuse a split the model's heads cannot take before any step
+        try:
+            head_split(hq, getattr(cfg, "n_kv_heads", None) or getattr(cfg, "num_key_value_heads", None) or hq,
+                       mesh.ulysses, mesh.sp)
+        except ValueError as e:
+            raise ConfigError("parallel.ulysses", str(e)) from None
     seam = RingAttentionSeam(mesh.sp_group, backend, mesh.ulysses_groups) if mesh.sp > 1 else LocalAttention(backend)
     model.set_attention(seam)
 

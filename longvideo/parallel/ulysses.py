@@ -18,7 +18,7 @@ a zero query's output is dropped and its gradients are exactly zero). Each membe
 heads its query heads read, replicated where fewer than U (LoongTrain's rule): with d = gcd(query
 heads per member, Hq / Hkv), a member holds Qu / d key/value heads, each read by d of its queries.
 
-The all-to-all is torch.distributed.all_to_all_single on one contiguous buffer per direction, not
+The all-to-alls are torch.distributed.all_to_all_single on one contiguous buffer per tensor, not
 DeepSpeed's `deepspeed.sequence.layer`: that one reads its rank from a process-global sequence
 group, refuses fewer key/value heads than ranks, and would import DeepSpeed below the engine. Pure
 data movement, so it is exact in every dtype; its time counts as exposed communication.
