@@ -3,6 +3,7 @@
     from longvideo.hf import enable_ring_attention, shard_batch
 
     enable_ring_attention(group)                                   # once per process
+    # or enable_ring_attention(group, ulysses_size=4): heads all-to-all in groups of 4, ring across
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="ring")
     batch = shard_batch(batch, group)   # this rank's zigzag shard: ids, labels, positions, documents
     loss = model(**batch).loss           # this rank's share of the global token mean
@@ -45,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from longvideo.model.head import LMHead
-from longvideo.parallel import RingAttentionSeam, layout_positions, shard_sequence
+from longvideo.parallel import RingAttentionSeam, layout_positions, shard_sequence, split_group
 
 RING = "ring"
 SEGMENT_KEY = "ring_segment_ids"
@@ -209,24 +210,27 @@ def seam_attention(seam, group=None):
     return attention
 
 
-def make_ring_attention(group, backend: str = "auto"):
+def make_ring_attention(group, backend: str = "auto", ulysses_size: int = 1):
     """The attention function registered as "ring": ring attention over `group` with `backend`'s
-    block kernels (see seam_attention)."""
-    return seam_attention(RingAttentionSeam(group, backend), group)
+    block kernels, or the Ulysses x ring hybrid for ulysses_size > 1 (see seam_attention)."""
+    return seam_attention(RingAttentionSeam(group, backend, split_group(group, ulysses_size)), group)
 
 
-def enable_ring_attention(group, *, backend: str = "auto", name: str = RING) -> str:
+def enable_ring_attention(group, *, backend: str = "auto", name: str = RING, ulysses_size: int = 1) -> str:
     """Register ring attention over `group` as `attn_implementation=name` (once per process, before
     the model runs; registering again replaces the group). Returns the name.
 
     group: the ring's process group (every rank of it runs the same forward on its own shard);
     None is the default group, or a world of one without torch.distributed.
     backend: the ring's block backend ("auto": triton on CUDA, cpu otherwise; "torch", "cpu").
+    ulysses_size: U > 1 splits the group into rings across groups of U neighbouring ranks that
+    exchange heads by all-to-all (docs/hybrid.md); every rank of the world then calls this, each
+    with its own group. Batches are sharded as for the ring (shard_batch).
     """
     from transformers import AttentionInterface, AttentionMaskInterface
 
     _size_rank(group)  # a group without an initialised process group is an error here
-    AttentionInterface.register(name, make_ring_attention(group, backend))
+    AttentionInterface.register(name, make_ring_attention(group, backend, ulysses_size))
     AttentionMaskInterface.register(name, ring_mask)
     return name
 

@@ -1,7 +1,9 @@
 """Ring attention inside transformers models (longvideo.hf) against transformers' own eager attention.
 
 Tiny random LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM (2 layers, hidden 48, GQA
-4/2 heads) built from configs. One spawned world of 3 gloo ranks runs rings of W = 1, 2, 3 on a
+4/2 heads) built from configs. One spawned world of 3 gloo ranks runs rings of W = 1, 2, 3, and
+the head-parallel split of W = 3 (ulysses_size=3: heads not a multiple of 3, fewer key/value heads
+than ranks), on a
 batch of packed documents of random lengths (one longer than a shard, several shorter than a
 zigzag chunk; one row padded through attention_mask; a length that is not a multiple of 2W).
 Every rank computes the single-process reference itself: the same weights with
@@ -294,6 +296,14 @@ def _body(rank, world):
                 _assert_fp64(f"W={W} mistral fp64 checkpointing", got, refs["mistral", torch.float64], batch)
                 # generate falls back to sdpa on each rank: the same tokens as an sdpa model
                 _generate_matches_sdpa()
+                # heads all-to-all over the 3 ranks (4 query heads padded to 6; 2 key/value heads, replicated)
+                enable_ring_attention(group, backend="cpu", ulysses_size=3)
+                for kind in ("llama", "qwen2"):
+                    got = _ring(kind, torch.float64, batch, group, checkpointing=kind == "qwen2")
+                    _assert_fp64(f"W={W} ulysses=3 {kind} fp64", got, refs[kind, torch.float64], batch)
+                got = _ring("llama", torch.float32, batch, group)
+                _assert_fp32(f"W={W} ulysses=3 llama fp32", got, refs["llama", torch.float32],
+                             refs["llama", torch.float64], batch)
         dist.barrier()
         timings[W] = time.perf_counter() - t0
     enable_ring_attention(dist.group.WORLD)

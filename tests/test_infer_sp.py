@@ -1,5 +1,7 @@
-"""Sequence-parallel serving: exact partial merge, and W = 2 answers equal to W = 1."""
+"""Sequence-parallel serving: exact partial merge, and W = 2 answers equal to W = 1, with the ring
+prefill and with the head-parallel one (ulysses = 2)."""
 
+import itertools
 import math
 
 import pytest
@@ -81,12 +83,15 @@ def _sp_body(rank, world, ref, chat_case):
     import io
 
     from longvideo.infer.sp import SequenceParallelEngine, broadcast_text, sp_generate
+    from longvideo.parallel import split_group
 
-    for name, dtype, backend in (("f64", torch.float64, "torch"), ("f32", torch.float32, "auto")):
+    heads = split_group(None, 2)
+    for (name, dtype, backend), ulysses in itertools.product(
+            (("f64", torch.float64, "torch"), ("f32", torch.float32, "auto")), (None, heads)):
         prefix, questions, runs = ref[name]
         model = tiny_model(dtype, backend=backend)
         own = model.attention_fn
-        engine = SequenceParallelEngine(model, backend=backend)
+        engine = SequenceParallelEngine(model, backend=backend, ulysses=ulysses)
         engine.set_prefix(prefix)
         assert engine.cache.length == 48 // world  # 45 tokens padded to 48, this rank's zigzag shard
         for q, (want_tokens, want_logits) in zip(questions, runs):  # follow-ups reuse the sharded prefix
@@ -98,10 +103,11 @@ def _sp_body(rank, world, ref, chat_case):
             tol = 1e-10 if dtype == torch.float64 else 2e-5
             torch.testing.assert_close(logits, want_logits, rtol=tol, atol=tol)
             got = engine.generate(q, max_new_tokens=10)
-            assert torch.equal(got.tokens, want_tokens), (name, got.tokens, want_tokens)
+            assert torch.equal(got.tokens, want_tokens), (name, ulysses, got.tokens, want_tokens)
         # the one-call API, with the question replicated (tail) and the prefix ring-prefilled
         ids = torch.cat([prefix, questions[0]], 1)
-        got = sp_generate(model, ids, max_new_tokens=10, tail=questions[0].shape[1], backend=backend)
+        got = sp_generate(model, ids, max_new_tokens=10, tail=questions[0].shape[1], backend=backend,
+                          ulysses=ulysses)
         assert torch.equal(got.tokens, runs[0][0])
         assert model.attention_fn is own  # the engine passes its seams per call; the model is never changed
     assert broadcast_text("héllo" if rank == 0 else None) == "héllo"
@@ -110,18 +116,21 @@ def _sp_body(rank, world, ref, chat_case):
     from longvideo.infer import cli
 
     ckpt, video, question, expected = chat_case
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        rc = cli._chat_sequence_parallel(cli.chat_parser().parse_args(
-            ["--model", ckpt, "--video", video, "--question", question, "--quiet", "--device", "cpu"]))
-    assert rc == 0
-    assert buf.getvalue().splitlines() == ([expected] if rank == 0 else [])
+    for ulysses in ("1", "2"):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = cli._chat_sequence_parallel(cli.chat_parser().parse_args(
+                ["--model", ckpt, "--video", video, "--question", question, "--quiet", "--device", "cpu",
+                 "--ulysses", ulysses]))
+        assert rc == 0
+        assert buf.getvalue().splitlines() == ([expected] if rank == 0 else []), ulysses
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_sequence_parallel_w2_equals_single_process(tmp_path):
-    """W = 2 (ring prefill, sharded KV cache, merged decoding) gives the single-process tokens."""
+    """W = 2 (ring or head-parallel prefill, sharded KV cache, merged decoding) gives the single-process
+    tokens, and `longvideo chat --ulysses 2` the single-process answer."""
     from test_infer_chat import tiny_pretrained, write_video
 
     from longvideo.data.synthetic import NEEDLE_QUESTION

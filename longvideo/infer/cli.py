@@ -34,6 +34,7 @@ from longvideo.infer import evals, mcq
 from longvideo.infer.benchmarks import BENCHMARKS
 from longvideo.infer.chat import ChatSession, EncodedVideo, encode_video_file, infer_config, load_model
 from longvideo.infer.sp import SequenceParallelEngine, broadcast_array, broadcast_text
+from longvideo.parallel import split_group
 from longvideo.vq import load_vq
 
 EXIT_ERROR = 2
@@ -83,6 +84,8 @@ def chat_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--backend", default="auto", help="block-attention backend for sequence-parallel serving")
+    p.add_argument("--ulysses", type=int, default=1, help="torchrun: head-parallel prefill in groups of this many "
+                   "ranks, a ring across them (docs/hybrid.md)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -146,6 +149,7 @@ def _chat_sequence_parallel(args) -> int:
         error, pretrained = None, None
         try:
             pretrained = load_model(args.model, device)
+            heads = split_group(None, args.ulysses)
             cfg = infer_config(pretrained, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                top_p=args.top_p, seed=args.seed)
             enc = None
@@ -162,7 +166,7 @@ def _chat_sequence_parallel(args) -> int:
         meta = broadcast_array(np.asarray([enc.num_frames, enc.duration, enc.fps]) if rank == 0 else None, src=0)
         video = EncodedVideo(codes=codes, timestamps=stamps, num_frames=int(meta[0]), duration=float(meta[1]),
                              fps=float(meta[2]))
-        engine = SequenceParallelEngine(pretrained.model, backend=args.backend)
+        engine = SequenceParallelEngine(pretrained.model, backend=args.backend, ulysses=heads)
         session = ChatSession(pretrained, video, infer=cfg, engine=engine)
         questions = _questions(args) if rank == 0 else None
         while True:
@@ -210,6 +214,8 @@ def eval_parser() -> argparse.ArgumentParser:
         sp.add_argument("--device", default=None)
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
         sp.add_argument("--backend", default="auto", help="block-attention backend of sequence-parallel prefill")
+        sp.add_argument("--ulysses", type=int, default=1, help="torchrun: head-parallel prefill in groups of this "
+                        "many ranks, a ring across them (docs/hybrid.md)")
 
     qa = sub.add_parser("qa", help="accuracy on the questions of QA shards (token or raw)")
     common(qa)
@@ -293,7 +299,8 @@ def _eval(args) -> int:
         pretrained = load_model(args.model, _device(args.device, int(os.environ.get("LOCAL_RANK", "0"))))
         progress = not args.quiet and rank == 0
         out = args.out if rank == 0 else None
-        factory = (lambda p: SequenceParallelEngine(p.model, backend=args.backend)) if distributed else None
+        heads = split_group(None, args.ulysses) if distributed else None
+        factory = (lambda p: SequenceParallelEngine(p.model, backend=args.backend, ulysses=heads)) if distributed else None
         if args.task == "mcq":
             res = mcq.evaluate_mcq(pretrained, args.benchmark, args.data, args.out, mode=args.mode,
                                    subtitles=args.subtitles, fps=args.fps, max_frames=args.max_frames,

@@ -13,6 +13,9 @@ Under torchrun with W ranks in a sequence-parallel group:
    owner; masked with segment id -1 elsewhere), so every key is counted once.
 3. The sampled token is broadcast from rank 0, so all ranks always feed the same token.
 
+With `ulysses` = U > 1 the prefill runs the Ulysses x ring hybrid (longvideo.parallel.ulysses) on
+the same zigzag shards, so the cache and the decoding are as above.
+
 The answer equals the single-process answer up to float rounding of the merge (the same tokens
 under greedy decoding). Memory per rank: the KV cache of S/W prefix tokens plus the replicated
 tail, and one ring block's activations during prefill.
@@ -34,7 +37,7 @@ from longvideo.infer.generation import (Generation, copy_cache, decode_loop, lim
                                         sample_token)
 from longvideo.kernels import get_backend, merge_partials
 from longvideo.model import KVCache, Transformer
-from longvideo.parallel import RingAttentionSeam, shard_sequence
+from longvideo.parallel import RingAttentionSeam, UlyssesGroups, shard_sequence
 
 
 class MergedAttentionSeam:
@@ -71,14 +74,17 @@ class SequenceParallelEngine:
     """The `Engine` interface (longvideo.infer.generation) over a sequence-parallel group.
 
     Call collectively: every rank of `group` calls the same methods with the same ids.
+    ulysses: the group's split (longvideo.parallel.split_group, made once and shared by every
+    engine) to prefill with the Ulysses x ring hybrid; None: one ring.
     """
 
-    def __init__(self, model: Transformer, group=None, *, backend: str = "auto", spare: int = 256):
+    def __init__(self, model: Transformer, group=None, *, backend: str = "auto", spare: int = 256,
+                 ulysses: Optional[UlyssesGroups] = None):
         self.model, self.group, self.spare = model, group, spare
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.owner = self.world - 1  # holds the keys of the replicated tokens
-        self.ring = RingAttentionSeam(group, backend)
+        self.ring = RingAttentionSeam(group, backend, ulysses)
         self.merged: Optional[MergedAttentionSeam] = None  # built for each prefix (it knows its length)
         self.backend = backend
         self.cache: Optional[KVCache] = None
@@ -185,7 +191,7 @@ class SequenceParallelEngine:
 def sp_generate(model: Transformer, ids: Tensor, group=None, *, max_new_tokens: int = 64,
                 temperature: float = 0.0, top_p: float = 1.0, stop_ids: Sequence[int] = (),
                 generator: Optional[torch.Generator] = None, tail: int = 1,
-                backend: str = "auto") -> Generation:
+                backend: str = "auto", ulysses: Optional[UlyssesGroups] = None) -> Generation:
     """Sequence-parallel `generate`: ring prefill of ids[:, :S-tail], replicated rest, sharded decoding.
 
     Collective over `group` (default: the world); every rank passes the same ids (B, S).
@@ -193,7 +199,7 @@ def sp_generate(model: Transformer, ids: Tensor, group=None, *, max_new_tokens: 
     """
     S = ids.shape[1]
     tail = max(1, min(tail, S))
-    engine = SequenceParallelEngine(model, group, backend=backend)
+    engine = SequenceParallelEngine(model, group, backend=backend, ulysses=ulysses)
     engine.set_prefix(ids[:, :S - tail])
     out = engine.generate(ids[:, S - tail:], max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, stop_ids=stop_ids, generator=generator)

@@ -1,6 +1,6 @@
 """Sequence parallelism: the dp x sp mesh, the zigzag layout, ring attention, and `parallelize`.
 
-    mesh = Mesh.from_config(cfg.parallel)                   # dp x sp process groups
+    mesh = Mesh.from_config(cfg.parallel)                   # dp x sp process groups (x ulysses)
     engine = parallelize(model, mesh, cfg, optimizer=opt)   # ring seam, checkpointing, ZeRO
     local = shard_batch(batch, mesh.sp_group)               # this rank's zigzag shard of a batch
     scale, total = loss_scale(token_weights(...).sum(), mesh)   # the global batch's weight total
@@ -29,6 +29,10 @@ _EXPORTS = {
     "loss_scale": "loss",
     "normalized_loss": "loss",
     "Mesh": "mesh",
+    "UlyssesGroups": "mesh",
+    "split_group": "mesh",
+    "head_split": "ulysses",
+    "hybrid_attention": "ulysses",
     "ParallelConfig": "config",
     "RuntimeConfig": "config",
     "RingAttentionSeam": "apply",

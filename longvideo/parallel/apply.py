@@ -3,8 +3,9 @@
 
     mesh = Mesh.from_config(cfg.parallel)
     engine = parallelize(model, mesh, cfg, optimizer=opt)
-        1. the attention seam: ring attention over mesh.sp_group when sp > 1, else the
-           single-device one, both with cfg.parallel.backend
+        1. the attention seam: ring attention over mesh.sp_group when sp > 1 (with parallel.ulysses
+           > 1 the hybrid: heads all-to-all inside groups of that many ranks, the ring across
+           them), else the single-device one, all with cfg.parallel.backend
         2. activation checkpointing (cfg.runtime.activation_checkpointing): every decoder block
            wrapped from outside, so the model's code holds none
         3. DeepSpeed ZeRO over all dp x sp ranks: the returned Engine (longvideo.parallel.engine)
@@ -23,28 +24,32 @@ from typing import Optional
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+from longvideo.configtools import ConfigError
 from longvideo.kernels import PlanCache, RingPlans
 from longvideo.model import LocalAttention
 from longvideo.parallel.deepspeed_config import build_deepspeed_config
 from longvideo.parallel.engine import Engine
-from longvideo.parallel.mesh import Mesh
+from longvideo.parallel.mesh import Mesh, UlyssesGroups
 from longvideo.parallel.ring import ring_attention
+from longvideo.parallel.ulysses import gather_metadata, head_split, hybrid_attention
 
 
 class RingAttentionSeam:
-    """The model's attention seam implemented by ring attention over one process group.
+    """The model's attention seam implemented by ring attention over one process group, or by the
+    hybrid of longvideo.parallel.ulysses when `ulysses` splits that group (sp / U rings of U).
 
     Called as fn(q, k, v, *, q_positions, k_positions, q_segment_ids, k_segment_ids, causal) with
     q (B, S, Hq, D) and k, v (B, S, Hkv, D) of the same local shard (training: no KV cache).
 
     The tile plans of every ring step are kept per (positions, segment ids) tensors, by identity
     (kernels.PlanCache): the layers of one model step, which all get the same tensors, and their
-    backward share one set of plans.
+    backward share one set of plans (and, for the hybrid, one gather of the Ulysses group's metadata).
     """
 
-    def __init__(self, group, backend: str = "auto"):
-        self.group, self.backend = group, backend
+    def __init__(self, group, backend: str = "auto", ulysses: Optional[UlyssesGroups] = None):
+        self.group, self.backend, self.ulysses = group, backend, ulysses
         self.plans = PlanCache(size=2, factory=RingPlans)
+        self.metadata = PlanCache(size=2, factory=dict)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_positions: Tensor,
                  q_segment_ids: Tensor, k_segment_ids: Tensor, causal: bool = True) -> Tensor:
@@ -52,17 +57,32 @@ class RingAttentionSeam:
             raise RuntimeError(f"ring attention needs queries and keys of the same shard (got {q.shape[1]} "
                                f"queries, {k.shape[1]} keys); decoding with a KV cache is served by "
                                "longvideo.infer.sp")
-        return ring_attention(q, k, v, group=self.group, causal=causal, positions=q_positions,
-                              segment_ids=q_segment_ids, backend=self.backend,
-                              plans=self.plans.lookup(q_positions, q_segment_ids))
+        plans = self.plans.lookup(q_positions, q_segment_ids)
+        if self.ulysses is None:
+            return ring_attention(q, k, v, group=self.group, causal=causal, positions=q_positions,
+                                  segment_ids=q_segment_ids, backend=self.backend, plans=plans)
+        kept = self.metadata.lookup(q_positions, q_segment_ids)
+        if "meta" not in kept:
+            kept["meta"] = gather_metadata(q_positions, q_segment_ids, self.ulysses.group)
+        return hybrid_attention(q, k, v, groups=self.ulysses, positions=q_positions, segment_ids=q_segment_ids,
+                                causal=causal, backend=self.backend, plans=plans, group_meta=kept["meta"])
 
 
 def apply_attention(model: nn.Module, mesh: Mesh, backend: str = "auto") -> None:
-    """The sequence-parallel seam: ring attention over mesh.sp_group when sp > 1, else the
-    single-device seam, both over `backend`'s block kernels."""
+    """The sequence-parallel seam: ring (or hybrid, mesh.ulysses > 1) attention over mesh.sp_group
+    when sp > 1, else the single-device seam, all over `backend`'s block kernels."""
     if not hasattr(model, "set_attention"):
         raise TypeError(f"{type(model).__name__} has no attention seam (set_attention)")
-    model.set_attention(RingAttentionSeam(mesh.sp_group, backend) if mesh.sp > 1 else LocalAttention(backend))
+    cfg = getattr(model, "cfg", None) or getattr(getattr(model, "model", None), "config", None)  # ours, or HF's
+    hq = getattr(cfg, "n_heads", None) or getattr(cfg, "num_attention_heads", None)
+    if mesh.ulysses > 1 and hq:  # refuse a split the model's heads cannot take before any step
+        try:
+            head_split(hq, getattr(cfg, "n_kv_heads", None) or getattr(cfg, "num_key_value_heads", None) or hq,
+                       mesh.ulysses, mesh.sp)
+        except ValueError as e:
+            raise ConfigError("parallel.ulysses", str(e)) from None
+    seam = RingAttentionSeam(mesh.sp_group, backend, mesh.ulysses_groups) if mesh.sp > 1 else LocalAttention(backend)
+    model.set_attention(seam)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

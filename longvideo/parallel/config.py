@@ -14,7 +14,11 @@ class ParallelConfig:
     dp: int = -1
     """Data-parallel size; -1 means world_size // sp."""
     sp: int = 1
-    """Sequence-parallel (ring) size; neighbouring ranks form one ring."""
+    """Sequence-parallel size; neighbouring ranks share one sequence."""
+    ulysses: int = 1
+    """Head-parallel (Ulysses) size inside each sp group: sp / ulysses ring positions of `ulysses`
+    neighbouring ranks, an all-to-all inside each, the ring across them (docs/hybrid.md).
+    1 = a ring over all sp ranks; sp = heads only. Must divide sp."""
     backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
     """Block-attention backend, inside the ring and on a single device: auto = triton on CUDA, cpu otherwise."""
     timeout_s: float = 600.0
@@ -22,6 +26,8 @@ class ParallelConfig:
 
     def __post_init__(self):
         check(self.sp >= 1, "sp", f"must be >= 1, got {self.sp}")
+        check(self.ulysses >= 1 and self.sp % self.ulysses == 0, "ulysses",
+              f"must be >= 1 and divide sp={self.sp}, got {self.ulysses}")
         check(self.dp == -1 or self.dp >= 1, "dp", f"must be >= 1 or -1 (derive), got {self.dp}")
         check(self.timeout_s > 0, "timeout_s", "must be positive")
 

@@ -1,12 +1,15 @@
 """The dp x sp mesh: which ranks share a sequence (sp axis) and which share nothing but weights (dp).
 
     mesh = Mesh.build(dp=2, sp=4)            # world of 8: sp groups {0..3}, {4..7}
+    mesh = Mesh.build(dp=1, sp=8, ulysses=4) # 2 ring positions of 4 head-parallel ranks each
     mesh = Mesh.from_config(cfg.parallel)    # dp = -1 derives world // sp
 
 Ranks r = dp_rank * sp + sp_rank: a sequence-parallel group is `sp` neighbouring ranks (on a node
 these share the fastest links, which the ring uses every step); a data-parallel group holds the
-ranks with the same sp_rank in every sp group. The object is created once and passed to whatever
-needs process groups; nothing here is stored in module globals.
+ranks with the same sp_rank in every sp group. With ulysses = U > 1 an sp group is split further
+(`UlyssesGroups`): sp rank g * U + u is member u of Ulysses group g (U neighbours: one all-to-all)
+and position g of ring u (the ranks with the same u). The object is created once and passed to
+whatever needs process groups; nothing here is stored in module globals.
 """
 
 from __future__ import annotations
@@ -17,6 +20,38 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from longvideo.configtools import ConfigError
+
+
+@dataclass(frozen=True)
+class UlyssesGroups:
+    """How one sequence-parallel group splits for hybrid attention (longvideo.parallel.ulysses)."""
+
+    size: int
+    """U: ranks of one Ulysses group (query heads are split U ways among them)."""
+    group: Any
+    """The U neighbouring ranks this rank exchanges heads with (all-to-all)."""
+    ring: Any
+    """The sp / U ranks at this rank's place in every Ulysses group: the ring across them."""
+
+
+def split_group(group, ulysses: int, timeout_s: Optional[float] = None) -> Optional[UlyssesGroups]:
+    """This rank's UlyssesGroups of its sp `group` (None: the world), or None for ulysses = 1.
+
+    Every rank of the world calls it, each with its own sp group of the same size (the groups are
+    made with local synchronisation, which only keeps torch's group names in step across the world
+    while every rank makes the same number of groups). Group rank i is member i % U of Ulysses
+    group i // U and position i // U of ring i % U."""
+    if ulysses == 1:
+        return None
+    ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+    if len(ranks) % ulysses:
+        raise ConfigError("parallel.ulysses", f"ulysses={ulysses} does not divide sp={len(ranks)}")
+    kw = {} if timeout_s is None else {"timeout": _timedelta(timeout_s)}
+    i = ranks.index(dist.get_rank())
+    # every member makes its Ulysses group first, then its ring: no member waits on a later one
+    heads = dist.new_group(ranks[i - i % ulysses:i - i % ulysses + ulysses], use_local_synchronization=True, **kw)
+    ring = dist.new_group(ranks[i % ulysses::ulysses], use_local_synchronization=True, **kw)
+    return UlyssesGroups(size=ulysses, group=heads, ring=ring)
 
 
 @dataclass(frozen=True)
@@ -32,7 +67,11 @@ class Mesh:
     dp_rank: int
     """Index of this rank's sp group (which slice of the batch it reads)."""
     sp_rank: int
-    """Position of this rank in its ring (which zigzag chunks it holds)."""
+    """Position of this rank in its sp group (which zigzag chunks it holds)."""
+    ulysses: int = 1
+    """Head-parallel size inside the sp group (1: one ring over the sp group)."""
+    ulysses_groups: Optional[UlyssesGroups] = None
+    """This rank's Ulysses group and ring when ulysses > 1."""
     sp_group: Any = None
     """Process group of this rank's ring (None when the world is a single process)."""
     dp_group: Any = None
@@ -43,12 +82,15 @@ class Mesh:
     """The ParallelConfig the mesh was built from (its `backend` is the ring's block backend)."""
 
     @classmethod
-    def build(cls, dp: int = -1, sp: int = 1, timeout_s: Optional[float] = None, config: Any = None) -> "Mesh":
+    def build(cls, dp: int = -1, sp: int = 1, timeout_s: Optional[float] = None, config: Any = None,
+              ulysses: int = 1) -> "Mesh":
         """Create the groups (collective: every rank calls it with the same arguments).
 
         Without an initialised process group only dp * sp == 1 is allowed (a single process)."""
         if sp < 1:
             raise ConfigError("parallel.sp", f"must be >= 1, got {sp}")
+        if ulysses < 1 or sp % ulysses:
+            raise ConfigError("parallel.ulysses", f"must be >= 1 and divide sp={sp}, got {ulysses}")
         if not dist.is_available() or not dist.is_initialized():
             dp_ = 1 if dp == -1 else dp
             if dp_ * sp != 1:
@@ -73,13 +115,15 @@ class Mesh:
             g = dist.new_group(list(range(j, world, sp)), **kw)
             if j == rank % sp:
                 dp_group = g
+        split = split_group(sp_group, ulysses, timeout_s)
         return cls(world_size=world, rank=rank, dp=dp, sp=sp, dp_rank=rank // sp, sp_rank=rank % sp,
-                   sp_group=sp_group, dp_group=dp_group, world_group=dist.group.WORLD, config=config)
+                   ulysses=ulysses, ulysses_groups=split, sp_group=sp_group, dp_group=dp_group,
+                   world_group=dist.group.WORLD, config=config)
 
     @classmethod
     def from_config(cls, cfg) -> "Mesh":
-        """From a ParallelConfig (dp, sp, timeout_s)."""
-        return cls.build(dp=cfg.dp, sp=cfg.sp, timeout_s=cfg.timeout_s, config=cfg)
+        """From a ParallelConfig (dp, sp, ulysses, timeout_s)."""
+        return cls.build(dp=cfg.dp, sp=cfg.sp, timeout_s=cfg.timeout_s, config=cfg, ulysses=cfg.ulysses)
 
     @property
     def distributed(self) -> bool:
@@ -87,7 +131,7 @@ class Mesh:
 
     def __repr__(self) -> str:
         return (f"Mesh(world={self.world_size}, rank={self.rank}, dp={self.dp}[{self.dp_rank}], "
-                f"sp={self.sp}[{self.sp_rank}])")
+                f"sp={self.sp}[{self.sp_rank}]" + (f", ulysses={self.ulysses}" if self.ulysses > 1 else "") + ")")
 
 
 def _timedelta(seconds: float):

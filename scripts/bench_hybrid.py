@@ -1,0 +1,119 @@
+"""Hybrid sequence parallelism on CPU, 4 gloo ranks: one attention layer (q, k, v, output projections)
+at one total length as a ring of 4 (U = 1), 2 Ulysses groups x a ring of 2 and pure Ulysses (U = 4).
+
+    python scripts/bench_hybrid.py                       # S = 8192, 8 / 8 heads, D = 64
+    python scripts/bench_hybrid.py --kv-heads 2 --out /tmp/gqa.json
+
+Causal forward + backward, fp32, the `cpu` backend, zigzag shards. Per rank: step time (median of
+--iters), bytes sent (CommStats: ring hops, all-to-alls, metadata gather), peak malloc'd memory of a
+step above its start (bench_ring's meter) and bytes saved for backward. Writes docs/bench/hybrid.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from benchreport import Section, Target, md_table, req, req_list, spawn_ranks, yes_no  # noqa: E402
+
+TITLE = "Hybrid sequence parallelism (Ulysses x ring)"
+MEASURES = ("One causal attention layer, forward + backward, over 4 gloo ranks at one total length: a ring of 4, "
+            "2 head-parallel groups x a ring of 2, and pure Ulysses; time, bytes sent and memory per rank.")
+DOCS = ["hybrid.md"]
+TARGETS = [Target("hybrid: bytes per rank, U = 2 x ring 2 / ring of 4", "<= 0.5"),
+           Target("hybrid: per-rank activation memory, U = 2 x ring 2 / ring of 4", "within 1.2x")]
+
+
+def report(result: dict) -> Section:
+    rows = {int(req(r, "ulysses")): r for r in req_list(result, "rows")}
+    ring, cfg = rows[1], result["config"]
+    body = [[f"{u} x {4 // u}", f"{r['step_s']:.3f}", f"{r['step_s_min']:.3f}-{r['step_s_max']:.3f}",
+             f"{r['bytes_sent'] / 2**20:.1f}", f"{r['bytes_sent'] / ring['bytes_sent']:.2f}", f"{r['peak_mib']:.1f}",
+             f"{r['peak_mib'] / ring['peak_mib']:.2f}", f"{r['saved_mib']:.1f}"] for u, r in sorted(rows.items())]
+    table = md_table(["U x ring", "step s (slowest rank, median)", "spread", "MiB sent / rank", "vs ring",
+                      "peak MiB / rank", "vs ring", "saved for backward MiB / rank"], body)
+    b, m = rows[2]["bytes_sent"] / ring["bytes_sent"], rows[2]["peak_mib"] / ring["peak_mib"]
+    t = [Target(TARGETS[0].what, TARGETS[0].goal, f"{b:.2f}", yes_no(b <= 0.5)),
+         Target(TARGETS[1].what, TARGETS[1].goal, f"{m:.2f}x", yes_no(m <= 1.2))]
+    return Section(table, t, [f"S = {cfg['seq']:,}, heads {cfg['heads']}/{cfg['kv_heads']}, D = {cfg['head_dim']}, fp32; "
+                              f"{cfg['threads']} thread(s) a rank on {cfg['cores']} cores (shared: times indicative)."])
+
+
+def _rank(rank, world, init, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    from bench_ring import MallocPeak
+    from longvideo.parallel import CommStats, Mesh, hybrid_attention, ring_attention, zigzag_indices
+
+    try:
+        torch.set_num_threads(args.threads)
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+        n, H, D, out = args.seq // world, args.heads, args.head_dim, {"rank": rank, "rows": []}
+        torch.manual_seed(0)  # the layer: q, k, v and output projections around attention
+        w = [(torch.randn(H * D, h * D) / (H * D) ** 0.5).requires_grad_() for h in (H, args.kv_heads, args.kv_heads, H)]
+        x, dy = torch.randn(2, 1, n, H * D, generator=torch.Generator().manual_seed(rank))
+        pos = zigzag_indices(args.seq, world, rank)[None]
+        for u, mesh in ((u, Mesh.build(sp=world, ulysses=u)) for u in (1, 2, 4)):
+            def step(stats, saved):
+                def pack(t):  # bytes kept for backward, each storage once (the input and weights excluded)
+                    if t.untyped_storage().data_ptr() not in [m.data_ptr() for m in (xx, *w)]:
+                        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                    return t
+
+                xx = x.detach().requires_grad_(True)
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    q, k, v = ((xx @ m).view(1, n, -1, D) for m in w[:3])
+                    kw = dict(positions=pos, segment_ids=torch.zeros_like(pos), backend="cpu", comm_stats=stats)
+                    o = ring_attention(q, k, v, group=mesh.sp_group, **kw) if u == 1 else \
+                        hybrid_attention(q, k, v, groups=mesh.ulysses_groups, **kw)
+                    (o.reshape(1, n, -1) @ w[3]).backward(dy)
+
+            times, stats = [], CommStats()
+            for i in range(args.iters + 1):  # the first is a warm-up
+                stats.reset()
+                dist.barrier()
+                t0 = time.perf_counter()
+                step(stats, {})
+                times += [time.perf_counter() - t0] if i else []
+            saved: dict = {}
+            with MallocPeak() as meter:  # malloc'd bytes in use above the step's start, sampled
+                step(CommStats(), saved)
+            out["rows"].append({"ulysses": u, "step_s": statistics.median(times), "step_s_all": times,
+                                "bytes_sent": stats.bytes_sent, "peak_mib": meter.delta_mib,
+                                "saved_mib": sum(saved.values()) / 2**20})
+        dist.destroy_process_group()
+        queue.put(out)
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        queue.put({"rank": rank, "error": f"{e!r}\n{__import__('traceback').format_exc()}"})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for name, default in (("seq", 8192), ("heads", 8), ("kv-heads", 8), ("head-dim", 64), ("iters", 5), ("threads", 1)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--out", default=str(ROOT / "docs" / "bench" / "hybrid.json"))
+    args = p.parse_args()
+    ranks = spawn_ranks(_rank, 4, args, label="bench_hybrid")
+    rows = []
+    for per in zip(*(r["rows"] for r in ranks)):  # per split: the slowest rank's median, the largest figures
+        rows.append({"ulysses": per[0]["ulysses"], "step_s_min": min(min(r["step_s_all"]) for r in per),
+                     "step_s_max": max(max(r["step_s_all"]) for r in per),
+                     **{k: max(r[k] for r in per) for k in ("step_s", "bytes_sent", "peak_mib", "saved_mib")}})
+    cfg = {k: v for k, v in vars(args).items() if k != "out"} | {"cores": os.cpu_count()}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result := {"config": cfg, "rows": rows}, indent=1) + "\n")
+    sec = report(result)
+    print(sec.table + "\n" + "\n".join(f"{t.what}: {t.figure} (goal {t.goal}): {t.met}" for t in sec.targets))
+
+
+if __name__ == "__main__":
+    main()
