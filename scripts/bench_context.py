@@ -1,20 +1,17 @@
-"""The longest context a training step fits in a per-rank memory budget, and tokens/s: our trainer at
-sp = W, and transformers' Llama with our ring attention over W ranks, against transformers' own eager
-and sdpa attention in one process; one model shape, one run (CPU).
+"""The longest context a training step fits in a per-rank memory budget, and tokens/s (CPU, one run).
 
     python scripts/bench_context.py                    # tiny.yaml, 4 layers, W = 1, 2, 4 (~25 min on 2 cores)
     python scripts/bench_context.py --layers 32 --systems eager,sdpa,ours1 --lengths 2048,4096,8192
     python scripts/bench_context.py --quick            # short lengths, W <= 2: a smoke run of every system
 
-Systems, each a full step (forward, backward, AdamW; fp32; one row of S tokens): `eager`, `sdpa`
-(transformers' LlamaForCausalLM of the config's shape: the Ring Attention paper's "vanilla" and
-"memory-efficient" columns), `ringW` (the same model with attn_implementation="ring", longvideo.hf, over
-W gloo processes, gradients all-reduced, no ZeRO: only the activations differ), `oursW` (longvideo's
-Trainer at parallel.sp = W, ZeRO-3). Memory: the worst rank's resident-set high-water mark over one
-step at each total length S (reset before the step; glibc maps large blocks on their own, so freed
-memory does not linger). A least-squares fit of peak against S (plus S^2 for eager's S x S weights)
-gives the longest S within --budget-gb per rank, an extrapolation. tokens/s: --seq tokens over the
-slowest rank's step, median of --steps. Writes docs/bench/context.json (one part per --label) and .png.
+Systems, each a full step (forward, backward, AdamW; fp32; one row of S tokens): `eager` and `sdpa`,
+transformers' LlamaForCausalLM of the config's shape (the Ring Attention paper's "vanilla" and
+"memory-efficient" columns); `ringW`, that model with attn_implementation="ring" (longvideo.hf) over W
+gloo processes, gradients all-reduced, no ZeRO; `oursW`, longvideo's Trainer at parallel.sp = W (ZeRO-3).
+Memory: the worst rank's resident-set high-water mark over a step at each total length S (glibc maps
+large blocks on their own, so freed memory does not linger); a least-squares fit of it against S (plus
+S^2 for eager) gives the longest S within --budget-gb per rank, an extrapolation. tokens/s: --seq tokens
+over the slowest rank's step, median of --steps. Writes docs/bench/context.json (a part per --label).
 """
 
 from __future__ import annotations
@@ -236,11 +233,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads shared by a system's ranks")
     p.add_argument("--no-hf-checkpointing", dest="hf_checkpointing", action="store_false")
     p.add_argument("--label", default=None, help="this part's name in the JSON (default: config and layers)")
-    p.add_argument("--quick", action="store_true", help="lengths 512,1024 (eager 256,512), W <= 2, one step")
+    p.add_argument("--quick", action="store_true", help="lengths 512,1024 (eager 128-512), W <= 2, one step")
     p.add_argument("--out", default=str(ROOT / "docs" / "bench" / "context.json"))
     args = p.parse_args(argv)
     if args.quick:
-        args.lengths, args.eager_lengths, args.seq, args.steps = "512,1024", "256,512", 512, 1
+        args.lengths, args.eager_lengths, args.seq, args.steps = "512,1024", "128,256,512", 512, 1
         args.systems = ",".join(s for s in args.systems.split(",") if not s[-1].isdigit() or int(s[-1]) <= 2)
     args.lengths, args.eager_lengths = ([int(x) for x in v.split(",")] for v in (args.lengths, args.eager_lengths))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
