@@ -8,10 +8,10 @@ and docs/*.md show against the real argument parsers.
   ratio such as 1.5x, GiB / MiB, tokens/s, TFLOP/s) appears in a generated block at the precision
   written, or is on NOT_MEASURED: the README quotes no figure its JSON does not hold.
 - Every `longvideo ...`, `python -m longvideo...`, `torchrun / deepspeed ... -m longvideo ...`,
-  `python scripts/...` and `make ...` line of the code blocks (and inline code) names a command that
-  exists and whose parser accepts the arguments shown (`train` and `train-vq` also load the config with
-  the overrides shown); `--help` of every command and subcommand exits 0. They run in a child process in
-  which argparse stops as soon as it has parsed, so no command runs.
+  `python scripts/...` and `make ...` line of the code blocks of README.md and docs/*.md (and the README's
+  inline commands) names a command that exists and whose parser accepts the arguments shown (`train` and
+  `train-vq` also load the config with the overrides shown); `--help` of every command and subcommand
+  exits 0. They run in a child process in which argparse stops as soon as it has parsed: nothing runs.
 """
 
 from __future__ import annotations
@@ -182,7 +182,6 @@ def test_the_command_check_refuses_what_the_parsers_refuse():
     assert "unrecognized arguments: --no-such-option" in str(e.value) and "no_such_key" in str(e.value)
 
 
-@pytest.mark.slow
 def test_docs_commands_parse():
     check(documented(sorted((ROOT / "docs").glob("*.md"))))
 
