@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-hour test bench gpu-check install clean
+.PHONY: demo demo-hour test bench results gpu-check install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,8 +33,14 @@ demo: $(STAMP)
 demo-hour: $(STAMP)
 	$(BIN)/python -m longvideo.demo --hour
 
+# Every scripts/bench_*.py, then docs/benchmarks.md, docs/results.md and the README's generated blocks.
 bench: $(STAMP)
 	$(BIN)/python scripts/run_benchmarks.py
+
+# Only the pages and the README's blocks, from docs/bench/*.json (after one script's run, or a demo's
+# summary.json copied to docs/bench/demo.json or demo-hour.json).
+results: $(STAMP)
+	$(BIN)/python scripts/run_benchmarks.py --skip-run
 
 # One run of at most 8 minutes on one GPU (a dry run on tiny shapes without CUDA): every attention
 # route vs float64, host syncs, forward and backward vs SDPA-flash and cuDNN, a predicted ring, the

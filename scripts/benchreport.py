@@ -1,25 +1,23 @@
-"""What the benchmark scripts' report functions share: the target rows, the section they return, and
-small helpers for reading a JSON result and writing figures, the process-memory readings several
-scripts take and the launcher of their multi-process measurements.
-
-Each `scripts/bench_<name>.py` defines, next to the code that measures, TITLE, MEASURES, DOCS,
-TARGETS and `report(result) -> Section`; `scripts/run_benchmarks.py` runs the scripts and assembles
-docs/benchmarks.md from those reports. This module imports nothing from the project (nor torch), so
-it loads fast wherever the scripts are imported. A script that runs finds it next to itself
-(`scripts/` is then on sys.path); the runner puts `scripts/` on sys.path before importing one.
+"""What the benchmark scripts share. Each `scripts/bench_<name>.py` defines, next to the code that
+measures, TITLE, MEASURES, DOCS (pages under docs/), TARGETS (the first is its headline, shown in the
+README) and `report(result) -> Section`; `scripts/run_benchmarks.py` runs the scripts and renders the
+pages from their JSON. This module imports nothing of the project (nor torch): the pages build fast.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import math
 import multiprocessing
 import os
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class LayoutError(ValueError):
-    """The JSON does not have the layout this benchmark's formatter reads."""
+    """The JSON does not have the layout the report reads."""
 
 
 @dataclass
@@ -34,7 +32,7 @@ class Target:
 
 @dataclass
 class Section:
-    """What a benchmark's formatter reads out of its JSON."""
+    """What a report reads out of its JSON."""
 
     table: str
     targets: list[Target] = field(default_factory=list)
@@ -47,37 +45,31 @@ def fmt_num(x, fmt: str = ".2f", unit: str = "") -> str:
     if x is None:
         return "-"
     if isinstance(x, (int, float)) and not isinstance(x, bool):
-        if isinstance(x, float) and math.isinf(x):
-            return "unbounded"
-        return f"{x:{fmt}}{unit}"
+        return "unbounded" if isinstance(x, float) and math.isinf(x) else f"{x:{fmt}}{unit}"
     raise LayoutError(f"expected a number, got {x!r}")
 
 
 def req(d: dict, *keys):
     """d[k0][k1]...; LayoutError naming the path when a key is missing."""
-    cur = d
     for k in keys:
-        if not isinstance(cur, (dict, list)):
-            raise LayoutError(f"no key {'.'.join(map(str, keys))}")
         try:
-            cur = cur[k]
+            d = d[k]
         except (KeyError, IndexError, TypeError):
             raise LayoutError(f"no key {'.'.join(map(str, keys))}") from None
-    return cur
+    return d
 
 
 def req_list(d: dict, *keys) -> list:
     """req(d, *keys), which must be a non-empty list."""
     v = req(d, *keys)
     if not isinstance(v, list) or not v:
-        raise LayoutError(f"{'.'.join(keys)} is not a non-empty list")
+        raise LayoutError(f"{'.'.join(map(str, keys))} is not a non-empty list")
     return v
 
 
 def md_table(headers: list[str], rows: list[list[str]]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(out)
+    return "\n".join(out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
 def yes_no(ok: bool) -> str:
@@ -92,28 +84,22 @@ def ratio(a, b):
 
 def fmt_tokens(n) -> str:
     """A token count as 117.2K or 1.50M (binary K and M); '-' for None, 'unbounded' for infinity."""
-    if n is None:
-        return "-"
-    if isinstance(n, float) and math.isinf(n):
-        return "unbounded"
-    if n >= 2**20:
-        return f"{n / 2**20:,.2f}M"
-    return f"{n / 1024:,.1f}K" if n >= 1024 else f"{n:,.0f}"
+    if n is None or (isinstance(n, float) and math.isinf(n)):
+        return "-" if n is None else "unbounded"
+    return f"{n / 2**20:,.2f}M" if n >= 2**20 else f"{n / 1024:,.1f}K" if n >= 1024 else f"{n:,.0f}"
 
 
 def status_mib(key: str) -> float:
     """A field of /proc/self/status (VmRSS, VmHWM, ...) in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
     raise KeyError(key)
 
 
 def reset_peak() -> None:
     """Reset VmHWM to the current RSS (Linux >= 4.0)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def spawn_ranks(target, world: int, *args, label: str) -> list[dict]:
@@ -122,8 +108,8 @@ def spawn_ranks(target, world: int, *args, label: str) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as d:
-        init = os.path.join(d, "rendezvous")
-        procs = [ctx.Process(target=target, args=(r, world, init, *args, queue)) for r in range(world)]
+        procs = [ctx.Process(target=target, args=(r, world, os.path.join(d, "rdzv"), *args, queue))
+                 for r in range(world)]
         for p in procs:
             p.start()
         ranks = [queue.get() for _ in procs]
@@ -133,3 +119,31 @@ def spawn_ranks(target, world: int, *args, label: str) -> list[dict]:
         if "error" in r:
             raise RuntimeError(f"{label} rank {r['rank']} failed:\n{r['error']}")
     return ranks
+
+
+def subplots(*args, **kwargs):
+    """matplotlib's subplots on the file-only backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
+
+
+def save(result: dict, out, plot=None) -> Path:
+    """Write result as JSON at `out` (stamped with today's date unless it has one) and, with plot,
+    the figure plot(result) returns next to it as a PNG. Returns the JSON's path."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result.setdefault("date", datetime.date.today().isoformat())
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    if plot is not None:
+        import matplotlib.pyplot as plt
+
+        fig = plot(result)
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".png"), dpi=110)
+        plt.close(fig)
+    print(f"wrote {out}" + (f" and {out.with_suffix('.png')}" if plot else ""))
+    return out

@@ -25,25 +25,20 @@ def _summary(text: str) -> str:
         if ln.endswith(":") or " --" in ln:  # a lead-in to an example, or a command on its own
             break
     para = " ".join(head)
-    cut = para.find(". ")
-    return para if cut < 0 else para[:cut + 1]
+    return para if ". " not in para else para[:para.find(". ") + 1]
 
 
 def section(name: str, cls) -> list[str]:
-    docs = field_docs(cls)
-    hints = typing.get_type_hints(cls)
-    lines = [f"## `{name}` ({cls.__name__}, `{cls.__module__}`)", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    lines = [f"## `{name}` ({cls.__name__}, `{cls.__module__}`)", "", "| key | type | default | meaning |",
+             "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
             continue
-        if f.default is not dataclasses.MISSING:
-            default = repr(f.default)
-        elif f.default_factory is not dataclasses.MISSING:
-            default = repr(f.default_factory())
-        else:
-            default = "derived" if not f.init else "required"
-        key = f"{name}.{f.name}" if name != "(root)" else f.name
-        lines.append(f"| `{key}` | {_type_name(hints[f.name])} | `{default}` | {' '.join(docs.get(f.name, '').split())} |")
+        default = (repr(f.default) if f.default is not dataclasses.MISSING else repr(f.default_factory())
+                   if f.default_factory is not dataclasses.MISSING else "derived" if not f.init else "required")
+        key, doc = f"{name}.{f.name}" if name != "(root)" else f.name, " ".join(docs.get(f.name, "").split())
+        lines.append(f"| `{key}` | {_type_name(hints[f.name])} | `{default}` | {doc} |")
     return lines + [""]
 
 
@@ -54,16 +49,11 @@ def main() -> int:
              "overrides on the command line: `longvideo train --config tiny model.n_layers=4 train.lr=1e-3`.",
              "A file may start with `base: other.yaml` to inherit. Unknown keys, wrong types and inconsistent",
              "values stop the run before anything starts, with an error that names the key.", ""]
-    lines += section("(root)", Config)
     hints = typing.get_type_hints(Config)
-    for f in dataclasses.fields(Config):
-        if dataclasses.is_dataclass(hints[f.name]):
-            lines += section(f.name, hints[f.name])
-    lines += ["## Shipped configs", ""]
-    for p in sorted(CONFIG_DIR.rglob("*")):
-        if p.suffix in (".yaml", ".json"):
-            first = _summary(p.read_text())
-            lines.append(f"- `configs/{p.relative_to(CONFIG_DIR)}`" + (f": {first}" if first else ""))
+    parts = [(f.name, hints[f.name]) for f in dataclasses.fields(Config) if dataclasses.is_dataclass(hints[f.name])]
+    lines += section("(root)", Config) + [x for name, cls in parts for x in section(name, cls)]
+    lines += ["## Shipped configs", ""] + [f"- `configs/{p.relative_to(CONFIG_DIR)}`" + (f": {s}" if (
+        s := _summary(p.read_text())) else "") for p in sorted(CONFIG_DIR.rglob("*")) if p.suffix in (".yaml", ".json")]
     OUT.write_text("\n".join(lines) + "\n")
     print(f"wrote {OUT}")
     return 0

@@ -1,7 +1,7 @@
 """Small real encodes in every accepted container, and damaged copies of them.
 
-Used by the robustness tests and by ``scripts/survey_decoders.py`` (which finds the inputs that
-crash a decoder). Every frame spells its own index (:func:`longvideo.data.synthetic.frame_index_video`)
+Used by the robustness tests (docs/experiments.md records the survey of which inputs crash a
+decoder). Every frame spells its own index (:func:`longvideo.data.synthetic.frame_index_video`)
 over a little noise, so a reader's output can be checked frame by frame and the files are not
 trivially small.
 
