@@ -116,3 +116,62 @@ def _ring_body(rank, world):
 @pytest.mark.distributed
 def test_ring_seam_is_opaque_too():
     run_ranks(_ring_body, world=2, timeout=240)
+
+
+def _trainer_body(rank, world, tmp):
+    import json
+    from pathlib import Path
+
+    from longvideo.config import load_config
+    from longvideo.train.trainer import Trainer
+
+    overrides = ["model.text_vocab_size=64", "model.codebook_size=16", "vq.codebook_size=16", "model.dim=32",
+                 "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.multiple_of=16",
+                 "runtime.ffn_chunk=0", "runtime.loss_chunk=0", "data.seq_len=62", "train.synthetic_vocab=32",
+                 "train.lr=3e-3", "train.warmup_steps=1", "train.steps=3", "train.micro_batch_size=1",
+                 "train.grad_accum=1", "train.zero_stage=2", "train.checkpoint_every=100", "parallel.sp=2",
+                 "parallel.timeout_s=120", "parallel.backend=cpu", "train.progress=false",
+                 "train.tensorboard=false", "train.plot=false"]
+    losses = {}
+    for flag in ("false", "true"):
+        t = Trainer(load_config(None, overrides + [f"runtime.compile={flag}", f"train.out_dir={tmp}/{flag}"]))
+        assert isinstance(t.model.attention_fn, OpaqueSeam) == (flag == "true")
+        losses[flag] = t.run().losses
+    if rank == 0:
+        Path(f"{tmp}/losses.json").write_text(json.dumps(losses))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_runtime_compile_through_the_trainer_trains_the_same_losses(tmp_path):
+    """runtime.compile=true: parallelize compiles the blocks (inductor) under ZeRO-2 over a ring of
+    2; three optimizer steps give the eager run's losses."""
+    import json
+
+    run_ranks(_trainer_body, world=2, args=(str(tmp_path),), timeout=600)
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert len(losses["true"]) == 3
+    assert losses["true"] == pytest.approx(losses["false"], rel=1e-4), losses
+
+
+def test_compile_refuses_the_ulysses_hybrid():
+    from longvideo.configtools import ConfigError
+
+    model = _model()
+    seam = RingAttentionSeam(None, "cpu", ulysses=object())
+    with pytest.raises(ConfigError, match="runtime.compile"):
+        OpaqueSeam(seam)
+    assert isinstance(model.attention_fn, LocalAttention)
+
+
+def test_runtime_compile_refuses_zero3_by_name():
+    from types import SimpleNamespace
+
+    from longvideo.configtools import ConfigError
+    from longvideo.parallel import parallelize
+
+    cfg = SimpleNamespace(parallel=SimpleNamespace(backend="cpu"), runtime=SimpleNamespace(
+        activation_checkpointing=False, compile=True))
+    mesh = SimpleNamespace(sp=1, ulysses=1, sp_group=None, ulysses_groups=None, world_size=1)
+    with pytest.raises(ConfigError, match="runtime.compile.*ZeRO-3"):
+        parallelize(_model(), mesh, cfg, optimizer=None, ds_config={"zero_optimization": {"stage": 3}})

@@ -209,7 +209,8 @@ class TokenLoader:
         Kept for the last ``max_indexed_shards`` shards used (~60 KB each, no open file): the
         shuffle buffer draws from about ``shuffle_buffer * dp_size / samples_per_shard`` shards at
         once and a few stragglers from earlier ones, and an index evicted too soon is read again
-        and again (docs/experiments.md, "Loader: shard indexes kept").
+        and again (docs/experiments.md, "the demo's 1K training step: the loader's shard indexes
+        and the output head").
         """
         if self._remote[s]:
             raise ValueError(f"{self.paths[s]} is streamed, it has no random access")

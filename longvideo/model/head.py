@@ -12,7 +12,8 @@ so packed, sharded and gradient-accumulated batches all give the gradients of on
 Only the tokens whose loss weight is not zero reach the projection: a row trained on its answers
 alone (the demos' QA rows, where the video is prompt) projects a few dozen of its 1,024 hidden
 states instead of all of them: the same sum (the skipped terms are zero), a zero gradient for the
-skipped hidden states, less time (docs/experiments.md, "Output head on weighted tokens only").
+skipped hidden states, less time (docs/experiments.md, "the demo's 1K training step: the loader's
+shard indexes and the output head").
 Finding the kept tokens reads their count on the host: one small synchronisation per forward on
 a GPU.
 """

@@ -102,8 +102,8 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 def parallelize(model: nn.Module, mesh: Mesh, cfg, *, optimizer, ds_config: Optional[dict] = None,
                 bf16: bool = False) -> Engine:
-    """Apply the seam, activation checkpointing and ZeRO to `model` (in that order) and return the
-    engine that trains it (collective: every rank of the world calls it with the same config).
+    """Apply the seam, activation checkpointing, torch.compile (runtime.compile) and ZeRO to `model`
+    (in that order) and return the engine that trains it (collective: every rank of the world calls it with the same config).
 
     cfg: the root Config (its parallel, runtime and train sections are read). optimizer: built over
     the model's parameters. ds_config: the DeepSpeed config when the caller built (and so checked)
@@ -113,4 +113,11 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg, *, optimizer, ds_config: Opti
         apply_activation_checkpointing(model)
     if ds_config is None:
         ds_config = build_deepspeed_config(cfg.train, world_size=mesh.world_size, bf16=bf16)
+    if cfg.runtime.compile:
+        if ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+            raise ConfigError("runtime.compile", "ZeRO-3 gathers parameters in module hooks that the compiled "
+                              "blocks cannot trace: use train.zero_stage <= 2, or runtime.compile=false")
+        from longvideo.parallel.compile import apply_compile  # it imports this module
+
+        apply_compile(model)
     return Engine(model, optimizer, ds_config)

@@ -10,7 +10,7 @@ dispatch's host read or the ring's communication: one graph per block, no graph 
 with `torch._dynamo.explain` in tests/test_compile.py). The ops run the seam's forward (out, lse)
 and its backward from the saved out/lse and find its plans by the identity of the metadata
 tensors, which compiled graphs pass through: the layers of a step still share one plan. Off by
-default, until `scripts/gpu_check.py` measures it faster on a GPU.
+default (`runtime.compile`), until `scripts/gpu_check.py` measures it faster on a GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from longvideo.configtools import ConfigError
 from longvideo.kernels import accum_dtype, get_backend
 from longvideo.model.attention import LocalAttention
 from longvideo.parallel.apply import RingAttentionSeam
@@ -40,6 +41,9 @@ class OpaqueSeam:
         if not isinstance(inner, (LocalAttention, RingAttentionSeam)):
             raise TypeError(f"cannot make {type(inner).__name__} opaque: apply_compile takes a model whose seam "
                             "is LocalAttention or RingAttentionSeam")
+        if getattr(inner, "ulysses", None) is not None:
+            raise ConfigError("runtime.compile", "the compiled seam covers the ring, not the Ulysses hybrid: set "
+                              "parallel.ulysses=1 or runtime.compile=false")
         self.inner = inner
         self.handle = next(_HANDLES)
         _SEAMS[self.handle] = self

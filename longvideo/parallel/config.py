@@ -42,9 +42,13 @@ class RuntimeConfig:
     ffn_chunk: int = 4096
     """Blockwise feed-forward: tokens per chunk (0 = whole sequence at once); each chunk is
     recomputed in the backward pass. Larger chunks cost fewer launches on a GPU (smol-135m uses
-    16384; docs/experiments.md, "Feed-forward chunks on the GPU")."""
+    16384; docs/experiments.md, "feed-forward chunks on the GPU")."""
     loss_chunk: int = 4096
     """Chunked cross-entropy: tokens per chunk; full (tokens x vocab) logits never exist."""
+    compile: bool = False
+    """torch.compile every decoder block with the attention seam as one opaque op
+    (longvideo.parallel.compile; the ring, not the Ulysses hybrid; ZeRO stages 0-2). Off by
+    default: not yet measured faster on a GPU (docs/kernels.md)."""
 
     def __post_init__(self):
         check(self.ffn_chunk >= 0, "ffn_chunk", "must be >= 0 (0 = no chunking)")
