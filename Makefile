@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-hour test bench results gpu-check install clean
+.PHONY: demo demo-hour test check bench results gpu-check install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,11 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --timeout=900 tests
+
+# The fast loop: everything but the tests marked slow (multi-rank training runs, the demos' plans,
+# compiler builds). LONGVIDEO_SUITE_JSON=docs/bench/suite-check.json records its time for the README.
+check: $(STAMP)
+	$(BIN)/python -m pytest -q -x --timeout=900 -m "not slow" tests
 
 demo: $(STAMP)
 	$(BIN)/python -m longvideo.demo

@@ -569,7 +569,7 @@ def _lc(bm, bn, w, s):
     return LaunchConfig(bm, bn, w, s)
 
 
-# Hopper shapes, chosen from sm_90a ptxas reports (scripts/ptxas_report.py, checked by tests/
+# Hopper shapes, chosen from sm_90a ptxas reports (tests/ptxas_report.py, checked by tests/
 # test_flash_attn_triton.py): for 16-bit inputs every build fits shared memory and spills no
 # register. Head dims 64 and 128 take the split backward (no atomics in any loop) with 3-stage
 # dK/dV and dQ kernels at the largest spill-free tiles. No row is a GPU timing of these kernels:

@@ -40,8 +40,9 @@ from benchreport import LayoutError, Section, Target, md_table  # noqa: E402
 
 ORDER = ["context", "ring", "kernels", "infer", "vq", "data"]  # the summary's order; other scripts follow by name
 GPU_BEGIN, GPU_END = "<!-- gpu-check:begin", "<!-- gpu-check:end -->"  # scripts/gpu_check.py's own section
-NOT_BENCHMARKS = ("gpu_check", "gpu_tune", "demo")  # JSON under docs/bench/ that no bench_*.py writes
+NOT_BENCHMARKS = ("gpu_check", "gpu_tune", "demo", "suite")  # JSON under docs/bench/ that no bench_*.py writes
 DEMOS = {"make demo": "demo", "make demo-hour": "demo-hour"}  # command: docs/bench/<name>.json
+SUITES = {"make test": "suite-test", "make check": "suite-check"}  # tests/conftest.py's LONGVIDEO_SUITE_JSON
 BLOCK = re.compile(r"(<!-- ([\w-]+):begin[^>]*-->\n)(.*?)(<!-- \2:end -->)", re.S)
 NOT_YET = "not measured yet"
 
@@ -219,17 +220,22 @@ def _pct(x) -> str:
     return f"{100 * x:.1f} %" if isinstance(x, (int, float)) else "-"
 
 
+def _machine(m) -> str:
+    return "-" if not isinstance(m, dict) else (
+        f"{m.get('cpu', '?')}{' (' + ', '.join(m['vector']) + ')' if m.get('vector') else ''}, "
+        f"{m.get('cores', '?')} cores, float32 matmul {m.get('matmul_gflops', '?')} GFLOP/s, "
+        f"load {(m.get('loadavg') or ['?'])[0]}")
+
+
 def demo_blocks(bench_dir: Path) -> dict[str, str]:
-    """The demos' times and results from docs/bench/demo.json and demo-hour.json."""
+    """The demos' times and results from docs/bench/demo.json and demo-hour.json, and the test
+    suite's times from suite-test.json and suite-check.json."""
     runs = {cmd: read_json(bench_dir / f"{name}.json") for cmd, name in DEMOS.items()}
     times, rows = [], {}
     for cmd, (s, why) in runs.items():
         m = s.get("machine") if s else None
         times.append([f"`{cmd}`", f"{s['seconds'] / 60:.1f} min" if isinstance((s or {}).get("seconds"), (int, float))
-                      else f"{NOT_YET} ({why or 'no seconds'})", "-" if not isinstance(m, dict) else
-                      f"{m.get('cpu', '?')}{' (' + ', '.join(m['vector']) + ')' if m.get('vector') else ''}, "
-                      f"{m.get('cores', '?')} cores, float32 matmul {m.get('matmul_gflops', '?')} GFLOP/s, "
-                      f"load {(m.get('loadavg') or ['?'])[0]}"])
+                      else f"{NOT_YET} ({why or 'no seconds'})", _machine(m)])
         niah, qa, vq = ((s or {}).get(k) or {} for k in ("video_niah", "qa", "vq_needle"))
         found = [("video needle, every length and depth", _pct(niah.get("accuracy")), niah.get("chance"))]
         if niah.get("grid") and niah.get("lengths"):
@@ -244,6 +250,12 @@ def demo_blocks(bench_dir: Path) -> dict[str, str]:
                 row = rows.setdefault(task, {"chance": set()})
                 row[cmd] = value
                 row["chance"] |= {_pct(chance)} if chance is not None else set()
+    for cmd, name in SUITES.items():  # the test suite's wall time after the install
+        s, why = read_json(bench_dir / f"{name}.json")
+        n = (s or {}).get("tests") or {}
+        times.append([f"`{cmd}`", f"{s['seconds'] / 60:.1f} min ({n.get('passed', '?'):,} tests passed)"
+                      if isinstance((s or {}).get("seconds"), (int, float)) else f"{NOT_YET} ({why or 'no seconds'})",
+                      _machine((s or {}).get("machine"))])
     body = [[task, *[r.get(c, "-" if runs[c][0] else NOT_YET) for c in DEMOS], " / ".join(sorted(r["chance"])) or "-"]
             for task, r in rows.items()] or [["video needle and QA", *[NOT_YET] * len(DEMOS), "-"]]
     return {"demo-times": md_table(["command", "measured time", "machine"], times),

@@ -3,14 +3,20 @@
 * Triton kernels run through the interpreter when there is no GPU (set before triton is imported).
 * DeepSpeed uses its CPU accelerator.
 * Threads are capped so several spawned ranks share the 2-core CI machine well.
+* DeepSpeed's JIT-built ops go under the venv, so two checkouts' venvs never rebuild each other's.
+* With LONGVIDEO_SUITE_JSON=PATH, a session that passes writes its wall time, test counts and the
+  machine there (`make results` puts `make test` / `make check` times in the README from it).
 """
 
 import os
+import sys
+import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 try:  # decide on the interpreter before any module imports triton
     import torch
@@ -20,13 +26,30 @@ try:  # decide on the interpreter before any module imports triton
 except ImportError:  # pragma: no cover
     pass
 
-import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 import pytest  # noqa: E402
+
+_START = time.time()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = os.environ.get("LONGVIDEO_SUITE_JSON")
+    if not out or exitstatus != 0:
+        return
+    import json
+
+    from longvideo.machine import machine_info
+
+    stats = session.config.pluginmanager.get_plugin("terminalreporter").stats
+    record = {"seconds": round(time.time() - _START, 1), "markexpr": session.config.option.markexpr or None,
+              "tests": {"passed": len([r for r in stats.get("passed", []) if r.when == "call"]),
+                        "skipped": len(stats.get("skipped", []))},
+              "machine": machine_info(), "date": time.strftime("%Y-%m-%d")}
+    Path(out).write_text(json.dumps(record, indent=1) + "\n")
 
 
 @pytest.fixture

@@ -483,14 +483,14 @@ def test_kernels_compile_for_hopper(tmp_path):
     shapes of head dims 64, 80 (padded to 128, masked), 128 and 256, for every kernel (forward,
     decode, both backward variants, the dQ pass), fits shared memory, and spills no registers
     except in the rows whose shapes were timed on a GPU (GPU_TIMED).
-    Needs no GPU: Triton's own compiler and ptxas run on the CPU (scripts/ptxas_report.py)."""
+    Needs no GPU: Triton's own compiler and ptxas run on the CPU (tests/ptxas_report.py)."""
     ptxas = Path(tk.triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
         pytest.skip("Triton's bundled ptxas is not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, never from a cache
     root = Path(__file__).resolve().parents[1]
-    procs = [subprocess.Popen([sys.executable, str(root / "scripts" / "ptxas_report.py"), "--head-dims", *dims,
+    procs = [subprocess.Popen([sys.executable, str(root / "tests" / "ptxas_report.py"), "--head-dims", *dims,
                                "--json", str(tmp_path / f"{i}.json")], env=env, cwd=root, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for i, dims in enumerate((["128", "64"], ["256", "80"]))]  # two processes: two cores

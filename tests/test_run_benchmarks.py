@@ -158,10 +158,14 @@ def _summary_json(seconds=1764.0):
 def test_demo_blocks_from_a_summary(rb, tmp_path):
     bench = tmp_path / "bench"
     _write(bench, "demo", _summary_json())  # and no demo-hour.json
+    _write(bench, "suite-check", {"seconds": 183.0, "tests": {"passed": 1234, "skipped": 2},
+                                  "machine": _summary_json()["machine"]})  # as tests/conftest.py writes it
     blocks = rb.demo_blocks(bench)
     assert blocks["demo-times"].splitlines()[2:] == [
         "| `make demo` | 29.4 min | AMD EPYC (avx2), 2 cores, float32 matmul 66.2 GFLOP/s, load 0.5 |",
-        "| `make demo-hour` | not measured yet (no demo-hour.json) | - |"]
+        "| `make demo-hour` | not measured yet (no demo-hour.json) | - |",
+        "| `make test` | not measured yet (no suite-test.json) | - |",
+        "| `make check` | 3.0 min (1,234 tests passed) | AMD EPYC (avx2), 2 cores, float32 matmul 66.2 GFLOP/s, load 0.5 |"]
     results = blocks["demo-results"].splitlines()[2:]
     assert results == ["| video needle, every length and depth | 98.9 % | not measured yet | 25.0 % |",
                        "| video needle, the longest videos | 97.0 % (40 frames) | not measured yet | 25.0 % |",
@@ -179,7 +183,9 @@ def test_blocks_are_rewritten_between_their_markers(rb, tmp_path):
     got = readme.read_text()
     assert got.startswith("# x\n\n<!-- demo-times:begin (generated) -->\n| command |") and "old" not in got
     assert got.endswith("| 29.4 min | AMD EPYC (avx2), 2 cores, float32 matmul 66.2 GFLOP/s, load 0.5 |\n"
-                        "| `make demo-hour` | not measured yet (no demo-hour.json) | - |\n<!-- demo-times:end -->\n"
+                        "| `make demo-hour` | not measured yet (no demo-hour.json) | - |\n"
+                        "| `make test` | not measured yet (no suite-test.json) | - |\n"
+                        "| `make check` | not measured yet (no suite-check.json) | - |\n<!-- demo-times:end -->\n"
                         "after 29.4 min\n")
     assert (tmp_path / "results.md").read_text().count("| `make demo` | 29.4 min |") == 1
     with pytest.raises(ValueError, match="no generated block named 'nosuch'"):

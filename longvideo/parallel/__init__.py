@@ -35,7 +35,7 @@ _EXPORTS = {
     "hybrid_attention": "ulysses",
     "ParallelConfig": "config",
     "RuntimeConfig": "config",
-    "RingAttentionSeam": "apply",
+    "RingAttentionSeam": "seam",
     "apply_activation_checkpointing": "apply",
     "apply_attention": "apply",
     "parallelize": "apply",

@@ -8,7 +8,8 @@
            them), else the single-device one, all with cfg.parallel.backend
         2. activation checkpointing (cfg.runtime.activation_checkpointing): every decoder block
            wrapped from outside, so the model's code holds none
-        3. DeepSpeed ZeRO over all dp x sp ranks: the returned Engine (longvideo.parallel.engine)
+        3. torch.compile of the blocks, the seam opaque (cfg.runtime.compile; off by default)
+        4. DeepSpeed ZeRO over all dp x sp ranks: the returned Engine (longvideo.parallel.engine)
 
 The model keeps its code and its parameter names. Inputs must then be this rank's zigzag shard with
 explicit positions and segment ids (`shard_batch`), since a shard's tokens are not at positions
@@ -21,51 +22,17 @@ from __future__ import annotations
 
 from typing import Optional
 
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 from longvideo.configtools import ConfigError
-from longvideo.kernels import PlanCache, RingPlans
 from longvideo.model import LocalAttention
+from longvideo.parallel.compile import apply_compile
 from longvideo.parallel.deepspeed_config import build_deepspeed_config
 from longvideo.parallel.engine import Engine
-from longvideo.parallel.mesh import Mesh, UlyssesGroups
-from longvideo.parallel.ring import ring_attention
-from longvideo.parallel.ulysses import gather_metadata, head_split, hybrid_attention
-
-
-class RingAttentionSeam:
-    """The model's attention seam implemented by ring attention over one process group, or by the
-    hybrid of longvideo.parallel.ulysses when `ulysses` splits that group (sp / U rings of U).
-
-    Called as fn(q, k, v, *, q_positions, k_positions, q_segment_ids, k_segment_ids, causal) with
-    q (B, S, Hq, D) and k, v (B, S, Hkv, D) of the same local shard (training: no KV cache).
-
-    The tile plans of every ring step are kept per (positions, segment ids) tensors, by identity
-    (kernels.PlanCache): the layers of one model step, which all get the same tensors, and their
-    backward share one set of plans (and, for the hybrid, one gather of the Ulysses group's metadata).
-    """
-
-    def __init__(self, group, backend: str = "auto", ulysses: Optional[UlyssesGroups] = None):
-        self.group, self.backend, self.ulysses = group, backend, ulysses
-        self.plans = PlanCache(size=2, factory=RingPlans)
-        self.metadata = PlanCache(size=2, factory=dict)
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_positions: Tensor,
-                 q_segment_ids: Tensor, k_segment_ids: Tensor, causal: bool = True) -> Tensor:
-        if k.shape[1] != q.shape[1] or k_positions.shape != q_positions.shape:
-            raise RuntimeError(f"ring attention needs queries and keys of the same shard (got {q.shape[1]} "
-                               f"queries, {k.shape[1]} keys); decoding with a KV cache is served by "
-                               "longvideo.infer.sp")
-        plans = self.plans.lookup(q_positions, q_segment_ids)
-        if self.ulysses is None:
-            return ring_attention(q, k, v, group=self.group, causal=causal, positions=q_positions,
-                                  segment_ids=q_segment_ids, backend=self.backend, plans=plans)
-        kept = self.metadata.lookup(q_positions, q_segment_ids)
-        if "meta" not in kept:
-            kept["meta"] = gather_metadata(q_positions, q_segment_ids, self.ulysses.group)
-        return hybrid_attention(q, k, v, groups=self.ulysses, positions=q_positions, segment_ids=q_segment_ids,
-                                causal=causal, backend=self.backend, plans=plans, group_meta=kept["meta"])
+from longvideo.parallel.mesh import Mesh
+from longvideo.parallel.seam import RingAttentionSeam
+from longvideo.parallel.ulysses import head_split
 
 
 def apply_attention(model: nn.Module, mesh: Mesh, backend: str = "auto") -> None:
@@ -117,7 +84,5 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg, *, optimizer, ds_config: Opti
         if ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
             raise ConfigError("runtime.compile", "ZeRO-3 gathers parameters in module hooks that the compiled "
                               "blocks cannot trace: use train.zero_stage <= 2, or runtime.compile=false")
-        from longvideo.parallel.compile import apply_compile  # it imports this module
-
         apply_compile(model)
     return Engine(model, optimizer, ds_config)

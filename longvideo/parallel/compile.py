@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from longvideo.configtools import ConfigError
 from longvideo.kernels import accum_dtype, get_backend
 from longvideo.model.attention import LocalAttention
-from longvideo.parallel.apply import RingAttentionSeam
+from longvideo.parallel.seam import RingAttentionSeam
 from longvideo.parallel.ring import ring_backward, ring_forward
 
 _SEAMS: "weakref.WeakValueDictionary[int, OpaqueSeam]" = weakref.WeakValueDictionary()

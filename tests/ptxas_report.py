@@ -1,9 +1,9 @@
 """Build the Triton attention kernels for Hopper (sm_90a) on a machine without a GPU and report, per
 kernel, registers, register spills and shared memory from `ptxas -v`.
 
-    python scripts/ptxas_report.py                       # head dims 64 80 128 256, bf16, every kernel
-    python scripts/ptxas_report.py --head-dims 128 --kernels fwd bwd_fused
-    python scripts/ptxas_report.py --json out.json
+    python tests/ptxas_report.py                       # head dims 64 80 128 256, bf16, every kernel
+    python tests/ptxas_report.py --head-dims 128 --kernels fwd bwd_fused
+    python tests/ptxas_report.py --json out.json
 
 Triton's own compiler and its bundled ptxas run on the CPU: no CUDA device is needed. Pointers and
 strides are marked 16-byte aligned, as Triton specialises them at launch for aligned tensors. The
