@@ -36,6 +36,19 @@ import pytest  # noqa: E402
 _START = time.time()
 
 
+@pytest.fixture(scope="module")
+def rb():
+    """scripts/run_benchmarks.py imported as a module (it is a script, not part of the package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_benchmarks", Path(__file__).parent.parent / "scripts"
+                                                  / "run_benchmarks.py")
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop(spec.name, None)
+
+
 def pytest_sessionfinish(session, exitstatus):
     out = os.environ.get("LONGVIDEO_SUITE_JSON")
     if not out or exitstatus != 0:

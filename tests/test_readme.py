@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -43,15 +42,6 @@ UNITS = {"%": "%", "percent": "%", "min": "min", "minute": "min", "minutes": "mi
 NUM = r"\d[\d,]*(?:\.\d+)?"
 FIGURE = re.compile(rf"(?<![\w.])((?:{NUM}\s*(?:/|-|–|to|and)\s*)*{NUM})(\s?)"
                     rf"({'|'.join(sorted(map(re.escape, UNITS), key=len, reverse=True))})(?![\w/])")
-
-
-@pytest.fixture(scope="module")
-def rb():
-    spec = importlib.util.spec_from_file_location("run_benchmarks", ROOT / "scripts" / "run_benchmarks.py")
-    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
 
 
 def figures(text: str) -> list[tuple[str, str, str]]:

@@ -6,25 +6,14 @@ scripts that fail or run past the timeout, and every committed result still rend
 from __future__ import annotations
 
 import ast
-import importlib.util
 import io
 import json
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def rb():
-    spec = importlib.util.spec_from_file_location("run_benchmarks", ROOT / "scripts" / "run_benchmarks.py")
-    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
 
 
 def _write(d: Path, name: str, obj) -> None:

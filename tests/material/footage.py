@@ -224,24 +224,16 @@ def bad_packet_hour(minutes: int = 60, every_minutes: int = 10, fps: int = 2, ke
 
 
 _PEAK = """
-import sys, threading, time, psutil
+import sys
 import av, torch
+sys.path.insert(0, sys.argv[4])
+from memwatch import growth
 from longvideo.data.tokenize import TokenizeOptions, load_vq, tokenize_shard
 torch.set_num_threads(1)
 vq = load_vq(sys.argv[1])
-proc = psutil.Process()
-base, peak, done = proc.memory_info().rss, [0], threading.Event()
-def watch():
-    while not done.is_set():
-        peak[0] = max(peak[0], proc.memory_info().rss)
-        time.sleep(0.002)
-t = threading.Thread(target=watch)
-t.start()
-stats = tokenize_shard(vq, sys.argv[2], sys.argv[3], TokenizeOptions())
-done.set()
-t.join()
+mib, stats = growth(lambda: tokenize_shard(vq, sys.argv[2], sys.argv[3], TokenizeOptions()))
 assert stats.get("ok") == 1, stats
-print((max(peak[0], proc.memory_info().rss) - base) / 2**20)
+print(mib)
 """
 
 
@@ -280,7 +272,8 @@ def tokenize_peak_mib(seconds: int, folder, size: int = 256, src_fps: int = 4,
         VQModel(from_dict(VQConfig, load_yaml(resolve_config_path(vq_config)))).save(vq_dir)
     out = folder / f"tok-{seconds}s-{size}.tar"
     out.unlink(missing_ok=True)
-    done = subprocess.run([sys.executable, "-c", _PEAK, str(vq_dir), str(raw), str(out)], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", _PEAK, str(vq_dir), str(raw), str(out),
+                           os.path.dirname(os.path.dirname(os.path.abspath(__file__)))], capture_output=True,
                           text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if done.returncode != 0:
         raise RuntimeError(f"the memory probe failed: {done.stderr[-2000:]}")
