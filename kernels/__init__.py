@@ -4,13 +4,31 @@ pure-PyTorch reference. Installed as `longvideo.kernels`; imports nothing else o
     from longvideo.kernels import block_attention, flash_attn_ref, get_backend
 """
 
-from .attention_math import (FULL, PARTIAL, SKIP, TileStats, accum_dtype, block_class, classify_tiles,
-                             default_meta, fill_meta, lse_merge_, merge_partials, merge_stacked, tile_stats,
-                             transposed, visibility, visit_ranges)
-from .backends import BlockBackend, available_backends, get_backend, register_backend, resolve_backend_name
-from .interface import block_attention
-from .plans import AttentionPlan, PlanCache, RingPlans
-from .reference import flash_attn_ref
+import os as _os
+import sys as _sys
+
+if __name__ == "kernels":  # found as a top-level name: a checkout's root is on sys.path
+    # (`python -m ...` or pytest started there). This folder is `longvideo.kernels`; a top-level
+    # `import kernels` means Hugging Face's package (transformers >= 5.25 imports it), so hand
+    # the name over to whatever the rest of sys.path holds under it.
+    import importlib as _importlib
+
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _path = list(_sys.path)
+    _sys.path[:] = [p for p in _path if _os.path.abspath(p or _os.curdir) != _root]
+    del _sys.modules["kernels"]
+    try:
+        _sys.modules["kernels"] = _importlib.import_module("kernels")
+    finally:
+        _sys.path[:] = _path
+else:
+    from .attention_math import (FULL, PARTIAL, SKIP, TileStats, accum_dtype, block_class, classify_tiles,
+                                 default_meta, fill_meta, lse_merge_, merge_partials, merge_stacked, tile_stats,
+                                 transposed, visibility, visit_ranges)
+    from .backends import BlockBackend, available_backends, get_backend, register_backend, resolve_backend_name
+    from .interface import block_attention
+    from .plans import AttentionPlan, PlanCache, RingPlans
+    from .reference import flash_attn_ref
 
 __all__ = [
     "AttentionPlan",
