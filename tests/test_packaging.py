@@ -62,11 +62,12 @@ def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     probe = ("import importlib.util, longvideo, longvideo.kernels, longvideo.configtools as c; "
              "print(longvideo.__file__); print(longvideo.kernels.__file__); print(c.CONFIG_DIR); "
-             "print(importlib.util.find_spec('kernels'))")
+             "print(getattr(importlib.util.find_spec('kernels'), 'origin', None))")
     lines = _run([py, "-c", probe], cwd=work, env=env).stdout.split()
     site = str(venv)
     assert all(x.startswith(site) for x in lines[:3]), lines  # the wheel's copy, not the checkout's
-    assert lines[3] == "None"  # we install no top-level `kernels`
+    # we install no top-level `kernels` (Hugging Face's, which transformers >= 5.25 needs, may be there)
+    assert lines[3] == "None" or not lines[3].startswith(site), lines
     run = work / "run"
     res = _run([venv / "bin" / "longvideo", "train", "--config", "tiny", "train.steps=2", "train.progress=false",
                 "train.tensorboard=false", "train.plot=false", "model.n_layers=1", "data.seq_len=128",
