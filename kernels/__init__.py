@@ -6,21 +6,23 @@ pure-PyTorch reference. Installed as `longvideo.kernels`; imports nothing else o
 
 import os as _os
 import sys as _sys
+from importlib.machinery import PathFinder as _PathFinder
 
+_ROOT = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+_OTHER = None
 if __name__ == "kernels":  # found as a top-level name: a checkout's root is on sys.path
     # (`python -m ...` or pytest started there). This folder is `longvideo.kernels`; a top-level
-    # `import kernels` means Hugging Face's package (transformers >= 5.25 imports it), so hand
-    # the name over to whatever the rest of sys.path holds under it.
-    import importlib as _importlib
+    # `import kernels` means Hugging Face's package (transformers >= 5.25 requires and imports it):
+    # where the rest of sys.path holds one, the name goes to it; where none is installed, this
+    # module stays what the import found (transformers then reads it as no `kernels` at all).
+    _OTHER = _PathFinder.find_spec("kernels", [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _ROOT])
 
-    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-    _path = list(_sys.path)
-    _sys.path[:] = [p for p in _path if _os.path.abspath(p or _os.curdir) != _root]
-    del _sys.modules["kernels"]
-    try:
-        _sys.modules["kernels"] = _importlib.import_module("kernels")
-    finally:
-        _sys.path[:] = _path
+if _OTHER is not None:
+    import importlib.util as _util
+
+    _module = _util.module_from_spec(_OTHER)
+    _sys.modules["kernels"] = _module
+    _OTHER.loader.exec_module(_module)
 else:
     from .attention_math import (FULL, PARTIAL, SKIP, TileStats, accum_dtype, block_class, classify_tiles,
                                  default_meta, fill_meta, lse_merge_, merge_partials, merge_stacked, tile_stats,

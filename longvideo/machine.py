@@ -49,7 +49,7 @@ def machine_info(probe_seconds: float = 1.0) -> dict:
 
 
 def describe(m: dict) -> str:
-    """'AMD EPYC (avx2), 2 cores, float32 matmul 95.0 GFLOP/s, load 0.12'."""
+    """'AMD EPYC (avx2), 2 cores, float32 matmul 95.0 GFLOP/s, load 0.12'; '?' for what a record lacks."""
     vector = f" ({', '.join(m['vector'])})" if m.get("vector") else ""
-    return (f"{m['cpu']}{vector}, {m['cores']} cores, float32 matmul {m['matmul_gflops']} GFLOP/s, "
-            f"load {m['loadavg'][0]}")
+    return (f"{m.get('cpu', '?')}{vector}, {m.get('cores', '?')} cores, float32 matmul "
+            f"{m.get('matmul_gflops', '?')} GFLOP/s, load {(m.get('loadavg') or ['?'])[0]}")

@@ -38,6 +38,8 @@ sys.path.insert(0, str(SCRIPTS_DIR))
 
 from benchreport import LayoutError, Section, Target, md_table  # noqa: E402
 
+from longvideo.machine import describe  # noqa: E402
+
 ORDER = ["context", "ring", "kernels", "infer", "vq", "data"]  # the summary's order; other scripts follow by name
 GPU_BEGIN, GPU_END = "<!-- gpu-check:begin", "<!-- gpu-check:end -->"  # scripts/gpu_check.py's own section
 NOT_BENCHMARKS = ("gpu_check", "gpu_tune", "demo", "suite")  # JSON under docs/bench/ that no bench_*.py writes
@@ -220,13 +222,6 @@ def _pct(x) -> str:
     return f"{100 * x:.1f} %" if isinstance(x, (int, float)) else "-"
 
 
-def _machine(m) -> str:
-    return "-" if not isinstance(m, dict) else (
-        f"{m.get('cpu', '?')}{' (' + ', '.join(m['vector']) + ')' if m.get('vector') else ''}, "
-        f"{m.get('cores', '?')} cores, float32 matmul {m.get('matmul_gflops', '?')} GFLOP/s, "
-        f"load {(m.get('loadavg') or ['?'])[0]}")
-
-
 def demo_blocks(bench_dir: Path) -> dict[str, str]:
     """The demos' times and results from docs/bench/demo.json and demo-hour.json, and the test
     suite's times from suite-test.json and suite-check.json."""
@@ -235,7 +230,7 @@ def demo_blocks(bench_dir: Path) -> dict[str, str]:
     for cmd, (s, why) in runs.items():
         m = s.get("machine") if s else None
         times.append([f"`{cmd}`", f"{s['seconds'] / 60:.1f} min" if isinstance((s or {}).get("seconds"), (int, float))
-                      else f"{NOT_YET} ({why or 'no seconds'})", _machine(m)])
+                      else f"{NOT_YET} ({why or 'no seconds'})", describe(m) if isinstance(m, dict) else "-"])
         niah, qa, vq = ((s or {}).get(k) or {} for k in ("video_niah", "qa", "vq_needle"))
         found = [("video needle, every length and depth", _pct(niah.get("accuracy")), niah.get("chance"))]
         if niah.get("grid") and niah.get("lengths"):
@@ -255,7 +250,7 @@ def demo_blocks(bench_dir: Path) -> dict[str, str]:
         n = (s or {}).get("tests") or {}
         times.append([f"`{cmd}`", f"{s['seconds'] / 60:.1f} min ({n.get('passed', '?'):,} tests passed)"
                       if isinstance((s or {}).get("seconds"), (int, float)) else f"{NOT_YET} ({why or 'no seconds'})",
-                      _machine((s or {}).get("machine"))])
+                      describe(s["machine"]) if isinstance((s or {}).get("machine"), dict) else "-"])
     body = [[task, *[r.get(c, "-" if runs[c][0] else NOT_YET) for c in DEMOS], " / ".join(sorted(r["chance"])) or "-"]
             for task, r in rows.items()] or [["video needle and QA", *[NOT_YET] * len(DEMOS), "-"]]
     return {"demo-times": md_table(["command", "measured time", "machine"], times),
