@@ -40,7 +40,7 @@ from benchreport import LayoutError, Section, Target, md_table  # noqa: E402
 
 from longvideo.machine import describe  # noqa: E402
 
-ORDER = ["context", "ring", "kernels", "infer", "vq", "data"]  # the summary's order; other scripts follow by name
+ORDER = ["context", "ring", "infer", "vq", "data"]  # the summary's order; other scripts follow by name
 GPU_BEGIN, GPU_END = "<!-- gpu-check:begin", "<!-- gpu-check:end -->"  # scripts/gpu_check.py's own section
 NOT_BENCHMARKS = ("gpu_check", "gpu_tune", "demo", "suite")  # JSON under docs/bench/ that no bench_*.py writes
 DEMOS = {"make demo": "demo", "make demo-hour": "demo-hour"}  # command: docs/bench/<name>.json

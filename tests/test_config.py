@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from config_docs import OUT, render
+
 from longvideo.config import CONFIG_DIR, Config, load_config
 from longvideo.configtools import ConfigError
 
@@ -72,3 +74,8 @@ def test_model_shapes_of_named_configs():
     assert llama.vocab_size == 32000 + 4 + llama.codebook_size
     smol = load_config("smol-135m").model
     assert (smol.n_layers, smol.dim, smol.n_heads, smol.n_kv_heads, smol.tie_embeddings) == (30, 576, 9, 3, True)
+
+
+def test_configs_reference_is_fresh():
+    """docs/configs.md lists every key of the dataclasses and every shipped config as they are now."""
+    assert OUT.read_text() == render(), "docs/configs.md is stale: run `python tests/config_docs.py`"

@@ -62,3 +62,8 @@ def test_dry_run_writes_its_report(tmp_path):
         sys.path.pop(0)
     gpu_check.write_markdown(rep, md)
     assert md.read_text().count("## GPU check") == 1
+    gpu = dict(rep, mode="gpu", parts=dict(parts, speed=dict(rows=[  # the kernel target read from GPU-mode rows
+        dict(docs=1, triton_fwdbwd_tflops=90.0, flash_fwdbwd_tflops=100.0),
+        dict(docs=1, triton_fwdbwd_tflops=120.0, flash_fwdbwd_tflops=100.0), dict(docs=8, triton_fwdbwd_tflops=1.0)])))
+    kernel = next(t for t in gpu_check.targets(gpu) if t[0].startswith("Triton fwd+bwd vs SDPA flash"))
+    assert kernel[2:] == ["0.90x (worst)", "yes"]

@@ -105,7 +105,7 @@ def test_pages_from_fabricated_results(rb, tmp_path):
     # the README's headline table: each benchmark's first target, linked into docs/benchmarks.md
     assert [ln.split("](")[0] for ln in blocks["benchmarks"].splitlines()[2:]] == [
         "| [context (tiny, 4 layers): our sp=W / (W x our sp=1)", "| [ring: per-rank activation memory",
-        "| [kernels: Triton flash attention fwd+bwd", "| [infer: TTFT and peak memory vs context",
+        "| [infer: TTFT and peak memory vs context",
         "| [vq: throughput and held-out quality after training", "| [data: 1 fps sampling from an hour of video",
         "| [hybrid: bytes per rank, U = 2 x ring 2 / ring of 4", "| [mcq: 1,000 questions over 1-minute videos",
         "| [serve: follow-up / first question, 10-minute video", "| [gpu-check"]
