@@ -4,14 +4,9 @@
     python scripts/bench_context.py --layers 32 --systems eager,sdpa,ours1 --lengths 2048,4096,8192
     python scripts/bench_context.py --quick            # short lengths, W <= 2: a smoke run of every system
 
-Systems, each a full step (forward, backward, AdamW; fp32; one row of S tokens): `eager` and `sdpa`,
-transformers' LlamaForCausalLM of the config's shape (the Ring Attention paper's "vanilla" and
-"memory-efficient" columns); `ringW`, that model with attn_implementation="ring" (longvideo.hf) over W
-gloo processes, gradients all-reduced, no ZeRO; `oursW`, longvideo's Trainer at parallel.sp = W (ZeRO-3).
-Memory: the worst rank's resident-set high-water mark over a step at each total length S (glibc maps
-large blocks on their own, so freed memory does not linger); a least-squares fit of it against S (plus
-S^2 for eager) gives the longest S within --budget-gb per rank, an extrapolation. tokens/s: --seq tokens
-over the slowest rank's step, median of --steps. Writes docs/bench/context.json (a part per --label).
+Systems `eager`, `sdpa` (transformers' Llama), `ringW` (it with our ring over W gloo ranks), `oursW` (our
+trainer at sp = W); memory is the worst rank's resident-set peak, fitted against S (docs/training.md,
+"Benchmark"). Writes docs/bench/context.json (a part per --label) and context.png.
 """
 
 from __future__ import annotations
@@ -38,10 +33,6 @@ from benchreport import (LayoutError, Section, Target, fmt_num, fmt_tokens, md_t
                          req, req_list, reset_peak, save, spawn_ranks, status_mib, subplots, yes_no)
 
 TITLE = "Training: longest context per memory budget"
-MEASURES = ("Per-rank peak memory and throughput of a full training step (forward, backward, AdamW): our trainer "
-            "at sp = W and transformers' Llama with our ring attention over W ranks, against transformers' eager "
-            "and sdpa attention in one process; the longest context within a per-rank budget, as in the Ring "
-            "Attention paper's table.")
 DOCS = ["training.md", "hf.md"]
 HF_GOAL, W_GOAL = 16.0, 0.9
 TARGETS = [Target("context: our sp=W / (W x our sp=1)", f">= {W_GOAL:g}"),

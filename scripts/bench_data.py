@@ -3,14 +3,8 @@
     python scripts/bench_data.py                      # a one-hour 256p video (generated once, cached)
     python scripts/bench_data.py --minutes 10 --src-fps 24 --gop-seconds 1 2 8
 
-1. Video: seconds to take 1 frame a second from a generated `--minutes`-long 256p mp4 with each backend
-   of the project's reader, `read_video(backend="pyav")` (the default) and `read_video(backend="decord")`
-   (decord in a child process), against PyAV decoding every frame (a reader that does not seek), in
-   interleaved repeats of one run. Every frame carries its own index in a corner: the benchmark also
-   checks that the right frames came back.
-2. Loader: tokens per second the token-shard loader produces (layout + packing, 256 codes a frame as in
-   LWM), against what a training step consumes: LLaMA-7B at 32K tokens on one H200 at 40 % MFU
-   (estimated from its FLOPs per token).
+The project's reader (PyAV, decord in a child process) against PyAV decoding every frame, each frame's
+index drawn into it and checked; the loader against a 7B step's tokens/s (docs/data.md, "Measured").
 Writes docs/bench/data.json.
 """
 
@@ -32,8 +26,6 @@ sys.path.insert(0, str(ROOT))
 from benchreport import Section, Target, md_table, req, req_list, save, yes_no  # noqa: E402
 
 TITLE = "Data pipeline"
-MEASURES = ("Sampling 1 fps from an hour of video with the project's reader against decoding every frame; "
-            "token-shard loader throughput against the tokens per second a training step consumes.")
 DOCS = ["data.md"]
 TARGETS = [Target("data: 1 fps sampling from an hour of video", "faster than decoding every frame"),
            Target("data: loader tokens/s", "keeps up with a training step")]

@@ -4,11 +4,8 @@ chunked prefill and W = 2 sequence-parallel prefill, in one run (CPU, tiny model
     python scripts/bench_infer.py                          # defaults: a few minutes on 2 CPU cores
     python scripts/bench_infer.py --lengths 4096,16384,65536 --dim 512 --layers 8
 
-A random prompt of S tokens is prefilled and 1 + `--decode` tokens generated: in one forward, in
-`--chunk`-token forwards into one KV cache, and ring-prefilled over two gloo processes of one thread
-(zigzag layout, half the KV cache each). Peak memory is the rise of the resident set over the prefill
-(high-water mark reset first; glibc returns large blocks, so freed tensors hide no later peak; for W = 2
-the larger rank's), the KV cache included. Writes docs/bench/infer.json and infer.png.
+Peak memory is the rise of the resident set over the prefill, the KV cache included (docs/inference.md,
+"Benchmark"). Writes docs/bench/infer.json and infer.png.
 """
 
 from __future__ import annotations
@@ -29,8 +26,6 @@ from benchreport import (LayoutError, Section, Target, fmt_num, md_table, ratio,
                          reset_peak, save, spawn_ranks, status_mib, subplots)
 
 TITLE = "Inference: time to first token and memory vs context"
-MEASURES = ("Time to first token and peak memory during prefill against context length, for one-shot "
-            "prefill (the baseline), chunked prefill and W = 2 sequence-parallel prefill.")
 DOCS = ["inference.md"]
 TARGETS = [Target("infer: TTFT and peak memory vs context", "no numeric target", met="n/a")]
 MODES = ("one_shot", "chunked", "sp2")

@@ -3,17 +3,14 @@
     python scripts/bench_ring.py                         # defaults: a few minutes on 2 cores
     python scripts/bench_ring.py --seq 65536 --threads 4 --worlds 1,2,4 --iters 3 --backend cpu
 
-Causal attention forward + backward, fp32, the `auto` block backend by default. W = 1 is one
-process on the whole sequence, timed beside torch SDPA on the same inputs; W > 1 runs the zigzag
-layout and a contiguous one. Per rank: step and CPU time, time blocked in wait (and the part after
-both neighbours had posted their side: the transfer's own) and the bytes saved for
-backward (docs/ring_attention.md). Writes docs/bench/ring.json and ring.png.
+W = 1 is timed beside torch SDPA; W > 1 runs the zigzag and a contiguous layout; per rank the time
+blocked in wait, the transfer's own part and the bytes saved for backward (docs/ring_attention.md,
+"Benchmark"). Writes docs/bench/ring.json and ring.png.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -25,12 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchreport import Section, Target, fmt_num, md_table, req, req_list, spawn_ranks, yes_no
+from benchreport import Section, Target, fmt_num, md_table, req, req_list, save, spawn_ranks, subplots, yes_no
 
 TITLE = "Ring attention"
-MEASURES = ("Causal attention forward + backward over W = 1, 2, 4 gloo ranks at one total length: step "
-            "time, exposed communication, balance and per-rank memory, against one process doing the whole "
-            "sequence (W = 1), itself timed beside torch SDPA; a contiguous split is run beside the zigzag layout.")
 DOCS = ["ring_attention.md"]
 TARGETS = [Target("ring: per-rank activation memory", "within 1.2x of single / W"),
            Target("ring: exposed communication", "< 10 % of the step at S_local >= 8K"),
@@ -178,21 +172,17 @@ def summarise(world, layout, ranks, single):
     return row
 
 
-def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    zig = [r for r in rows if r["layout"] == "zigzag"]
+def plot(result: dict):
+    zig = [r for r in result["rows"] if r["layout"] == "zigzag"]
     ws, single = [r["world"] for r in zig], zig[0]["ranks"][0]
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig, ax = subplots(figsize=(6.5, 4.2))
     ax.plot(ws, [r["step_s"] for r in zig], "o-", label="ring, wall (zigzag)")
     ax.plot(ws, [max(k["cpu_s"] for k in r["ranks"]) for r in zig], "s-", label="ring, CPU s of the slowest rank")
     ax.plot(ws, [single["cpu_s"] / w for w in ws], "k:", label="ideal CPU s: W = 1 / W")
     ax.axhline(single["sdpa_cpu_s"], color="tab:gray", ls="--", label="torch SDPA at W = 1 (CPU s)")
     ax.set(xlabel="ranks W", ylabel="fwd+bwd step (s)", title="Ring attention on CPU (gloo)", xticks=ws)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
 
 
 def main(argv=None) -> int:
@@ -206,8 +196,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--no-contiguous", action="store_true", help="skip the contiguous-layout comparison")
-    ap.add_argument("--out", default=str(ROOT / "docs/bench/ring.json"))
-    ap.add_argument("--plot", default=str(ROOT / "docs/bench/ring.png"))
+    ap.add_argument("--out", default=str(ROOT / "docs/bench/ring.json"), help="the JSON; the plot beside it (.png)")
     args = ap.parse_args(argv)
     worlds = sorted({int(w) for w in args.worlds.split(",")} | {1})
     if args.seq % (2 * max(worlds)):
@@ -222,11 +211,8 @@ def main(argv=None) -> int:
     result = dict(benchmark="ring attention, causal fwd+bwd, CPU gloo", args=vars(args), rows=rows,
                   machine=dict(cpus=os.cpu_count(), platform=platform.platform(), python=sys.version.split()[0],
                                torch=torch.__version__, loadavg_before=load_before, loadavg_after=os.getloadavg()))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    if args.plot:
-        plot(rows, args.plot)
-    print(f"{time.perf_counter() - t0:.0f} s; wrote {args.out} and {args.plot}")
+    save(result, args.out, plot)
+    print(f"{time.perf_counter() - t0:.0f} s")
     return 0
 
 

@@ -4,6 +4,7 @@ lost) and the server's resident memory after them against its level after the wa
 
     python scripts/bench_serve.py --model /tmp/demo-quick/hf    # default: runs/demo-quick/hf, trained
                                                                 # first with `longvideo.demo --quick`
+
 The server runs as its own process (`python -m longvideo serve`); requests go through the real
 openai client with videos as data: URLs. Writes docs/bench/serve.json.
 """
@@ -24,8 +25,6 @@ from pathlib import Path
 from benchreport import Section, Target, fmt_num, md_table, req, yes_no
 
 TITLE = "Serving: follow-up questions and concurrent clients"
-MEASURES = ("Wall time of a first question about a 10-minute video (decode, VQ-encode, prefill) and of a "
-            "follow-up that reuses its KV cache; 50 requests from 8 concurrent clients against a bounded queue.")
 DOCS = ["serving.md"]
 TARGETS = [Target("serve: follow-up / first question, 10-minute video", "<= 0.2"),
            Target("serve: 50 requests, 8 clients: answered or 429, RSS after / after warm-up", "none lost, <= 1.10")]

@@ -4,17 +4,9 @@
     python scripts/bench_vq.py --skip-train --configs tiny lwm-256
     python scripts/bench_vq.py --configs --train --real lwm-256:10:batch_size=2 --out /tmp/vq.json   # one part
 
-1. Throughput: frames per second of `encode_video` and `decode_codes` for each config (weights at
-   initialisation: speed does not depend on them), side by side in one run, and the codes each spends
-   per second of video at 1 fps (2d: a group per frame; causal3d: a group per 4 frames).
-2. Quality: each `name:steps` of --train trains that config from scratch on generated moving-shapes
-   videos (the demo's data) for that many steps and reports held-out PSNR and the codebook used.
-3. Real footage: each `name:steps[:key=value,...]` of --real trains on videos over photographs (a
-   camera panning, zooming and rolling over scikit-image's samples; tests/material/photo_videos.py)
-   and evaluates on videos over *other* photographs. Baselines on the same held-out frames: the
-   untrained tokenizer, and 8 x 8 and 16 x 16 thumbnails upsampled bicubically (192 and 768 bytes).
-Runs stop at their step counts, so a busy machine changes the times, not the tokenizer. Writes
-docs/bench/vq.json, vq.png and vq_<config>[_real]_samples.png (held-out frames over reconstructions).
+Throughput at initialisation; `--train name:steps` on generated videos, `--real name:steps[:k=v,...]` on
+videos over photographs held out by photograph, against the untrained tokenizer and bicubic thumbnails
+(docs/vq.md). Runs stop at their step counts. Writes docs/bench/vq.json, vq.png and sample grids.
 """
 
 from __future__ import annotations
@@ -37,9 +29,6 @@ sys.path.insert(0, str(ROOT / "tests"))  # test material: videos over photograph
 from benchreport import LayoutError, Section, Target, fmt_num, md_table, req, req_list, save, subplots  # noqa: E402
 
 TITLE = "VQ video tokenizer"
-MEASURES = ("Encode and decode frames/s of each VQ config (2D per frame and causal 3D) and the codes it spends "
-            "per second of video; held-out PSNR and codebook usage after training from scratch (generated "
-            "shapes, and real footage held out by photograph), against the untrained tokenizer and thumbnails.")
 DOCS = ["vq.md"]
 TARGETS = [Target("vq: throughput and held-out quality after training",
                   "no numeric target (frames/s, PSNR, codebook usage)", met="n/a")]

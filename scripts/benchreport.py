@@ -1,7 +1,7 @@
-"""What the benchmark scripts share. Each `scripts/bench_<name>.py` defines, next to the code that
-measures, TITLE, MEASURES, DOCS (pages under docs/), TARGETS (the first is its headline, shown in the
-README) and `report(result) -> Section`; `scripts/run_benchmarks.py` runs the scripts and renders the
-pages from their JSON. This module imports nothing of the project (nor torch): the pages build fast.
+"""What the benchmark scripts share. Each `scripts/bench_<name>.py` has, next to the code that measures,
+a docstring (what and how: its page shows it without the command lines), TITLE, DOCS (pages under
+docs/), TARGETS (the first is its headline, shown in the README) and `report(result) -> Section`;
+`scripts/run_benchmarks.py` runs the scripts and renders the pages from their JSON. This module imports nothing of the project (nor torch): the pages build fast.
 """
 
 from __future__ import annotations

@@ -157,6 +157,11 @@ class Result:
     def attr(self, key: str, default):
         return getattr(self.mod, key, default) if not isinstance(self.mod, (str, type(None))) else default
 
+    def measures(self) -> str:
+        """The script's docstring without its command lines: what it measures and how, for the page."""
+        doc = "\n".join(ln for ln in (self.attr("__doc__", None) or "").splitlines() if not ln.startswith("    "))
+        return " ".join(" ".join(p.split()) for p in doc.split("\n\n") if p.strip())
+
     def targets(self) -> list[Target]:
         if self.section is None:
             return [Target(t.what, t.goal) for t in self.attr("TARGETS", [])] or [Target(self.name, "-")]
@@ -262,7 +267,7 @@ def demo_blocks(bench_dir: Path) -> dict[str, str]:
 def section_md(r: Result, run: RunResult | None, bench_dir: Path, docs_dir: Path, out_dir: Path) -> str:
     rel = lambda p: Path(os.path.relpath(p, out_dir)).as_posix()  # noqa: E731
     lines = [f'<a id="{r.name}"></a>', f"## {r.attr('TITLE', r.name)} (`scripts/bench_{r.name}.py`)", ""]
-    lines += [r.attr("MEASURES", ""), ""] if r.attr("MEASURES", "") else []
+    lines += [r.measures(), ""] if r.measures() else []
     if run is not None and run.status != "ok":
         lines += [f"**The last run of `scripts/bench_{r.name}.py` " + (
             f"timed out after {run.seconds:.0f} s.**" if run.status == "timeout" else
