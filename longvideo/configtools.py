@@ -1,16 +1,11 @@
-"""Typed, frozen configuration: build dataclasses from YAML dicts and dotted overrides.
-
-Every component owns one frozen, keyword-only dataclass (``ModelConfig``, ``VQConfig``, ...).
-This module turns plain dicts into those dataclasses and rejects, before anything runs:
-
-* unknown keys (the error names the dotted key and lists the allowed ones),
-* values of the wrong type (the error names the key, the expected type and the value),
-* inconsistent values (each ``__post_init__`` raises :class:`ConfigError` naming its key).
-"""
+"""Typed, frozen configuration: one keyword-only dataclass per component, built from YAML dicts and
+dotted overrides. Unknown keys, wrong types and inconsistent values (each ``__post_init__``) raise
+:class:`ConfigError` naming the dotted key, before anything runs (docs/configs.md)."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -35,6 +30,18 @@ def check(condition: bool, key: str, message: str) -> None:
     """Raise ConfigError(key, message) unless condition holds. For use in __post_init__."""
     if not condition:
         raise ConfigError(key, message)
+
+
+def check_positive(cfg, *keys: str) -> None:
+    """check() that each named field of cfg is > 0 ("must be positive")."""
+    for key in keys:
+        check(getattr(cfg, key) > 0, key, "must be positive")
+
+
+def check_at_least(cfg, low: int, *keys: str) -> None:
+    """check() that each named field of cfg is >= low ("must be >= 0", "must be >= 1")."""
+    for key in keys:
+        check(getattr(cfg, key) >= low, key, f"must be >= {low}")
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -77,12 +84,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(key, f"got {value!r}; allowed: {_type_name(tp)}")
     if origin in (Union, types.UnionType):
-        errors = []
         for arg in get_args(tp):
-            try:
+            with contextlib.suppress(ConfigError):
                 return _coerce(value, arg, key)
-            except ConfigError as e:
-                errors.append(e)
         raise ConfigError(key, f"got {value!r}; expected {_type_name(tp)}")
     if tp is type(None):
         if value is None:
@@ -195,9 +199,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-"""Where the shipped configs are: `longvideo/configs/` in an installed wheel (the top-level configs/
-folder is installed as the package `longvideo.configs`, see pyproject.toml), else the checkout's
-top-level configs/ (source tree and editable installs)."""
+"""The shipped configs: `longvideo/configs/` in a wheel (pyproject.toml installs the top-level configs/
+there), else the checkout's configs/ (source tree and editable installs)."""
 if not CONFIG_DIR.is_dir():
     CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -224,17 +227,11 @@ def load_yaml(path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(str(path), "a config file must hold a mapping")
     base = data.pop("base", None)
-    if base is not None:
-        merged = load_yaml(path.parent / base)
-        data = deep_merge(merged, data)
-    return data
+    return data if base is None else deep_merge(load_yaml(path.parent / base), data)
 
 
 def deep_merge(base: dict, update: dict) -> dict:
     out = dict(base)
     for k, v in update.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = v
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
