@@ -1,13 +1,10 @@
 """Training the tokenizer: reconstruction (L1 + L2) + quantizer loss (+ an optional patch GAN).
 
-    from longvideo.train.vq import train_vq
     result = train_vq(VQConfig(...), "data/videos", "runs/vq", time_budget_s=180)
     result.metrics  # {'psnr': ..., 'usage': ..., 'perplexity': ..., 'codes_used': ...}
 
-`out_dir` receives `model.safetensors` + `config.json` (the tokenizer, loadable by `load_vq`),
-`train_state.pt` (optimizer, step, sampler state: what resuming needs), `metrics.jsonl` (one line
-per evaluation), `samples/step_XXXXXXX.png` (held-out originals above their reconstructions) and
-`tb/` (TensorBoard: losses, PSNR, codebook usage, learning rate, the sample grid).
+`out_dir` receives the tokenizer (`load_vq` reads it), `train_state.pt` (what resuming needs),
+`metrics.jsonl`, `samples/` and `tb/` (docs/vq.md, "Training").
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import torch
 
 from longvideo.configtools import to_dict
 from longvideo.data.frames import FrameSource, Source, build_frame_source
-from longvideo.vq.codec import frames_to_input, output_to_frames
+from longvideo.vq.codec import eval_mode, frames_to_input, output_to_frames
 from longvideo.vq.config import VQConfig
 from longvideo.vq.discriminator import PatchDiscriminator, adaptive_weight, hinge_d_loss
 from longvideo.vq.model import CONFIG_FILE, VQModel
@@ -74,53 +71,18 @@ def evaluate(vq: VQModel, batch: torch.Tensor) -> tuple[dict, torch.Tensor]:
 
     Returns ({psnr, usage, perplexity, codes_used}, reconstructions shaped like `batch`).
     """
-    was = vq.training
-    vq.eval()
     device = next(vq.parameters()).device
     recons, codes = [], []
-    if vq.cfg.mode == "2d":
-        for part in batch.split(16):
-            rec, c, _ = vq(frames_to_input(part, device, as_clip=False))
-            recons.append(output_to_frames(rec))
+    clips = vq.cfg.mode != "2d"
+    with eval_mode(vq):
+        for part in batch if clips else batch.split(16):  # one clip, or 16 frames, per call
+            rec, c, _ = vq(frames_to_input(part, device, as_clip=clips))
+            recons.append(output_to_frames(rec)[None] if clips else output_to_frames(rec))
             codes.append(c.cpu())
-    else:
-        for clip in batch:
-            rec, c, _ = vq(frames_to_input(clip, device, as_clip=True))
-            recons.append(output_to_frames(rec)[None])
-            codes.append(c.cpu())
-    vq.train(was)
     recon = torch.cat(recons)
     metrics = {"psnr": psnr(recon, batch), **codebook_usage(torch.cat([c.flatten() for c in codes]),
                                                            vq.cfg.codebook_size)}
     return metrics, recon
-
-
-def sample_grid(orig: torch.Tensor, recon: torch.Tensor, max_cols: int = 8) -> torch.Tensor:
-    """uint8 image (H', W', 3): rows of originals, each above the same frames reconstructed."""
-    if orig.ndim == 4:  # frames: wrap into rows of max_cols
-        n = orig.shape[0]
-        cols = min(n, max_cols)
-        rows_o = [orig[i: i + cols] for i in range(0, n, cols)]
-        rows_r = [recon[i: i + cols] for i in range(0, n, cols)]
-    else:  # clips: one clip per row pair
-        cols = min(orig.shape[1], max_cols * 2)
-        rows_o, rows_r = [c[:cols] for c in orig], [c[:cols] for c in recon]
-    h, w = orig.shape[-3:-1]
-    gap = 2
-    canvas = torch.full((len(rows_o) * 2 * (h + gap) - gap, cols * (w + gap) - gap, 3), 255, dtype=torch.uint8)
-    for r, (ro, rr) in enumerate(zip(rows_o, rows_r)):
-        for k, row in enumerate((ro, rr)):
-            y = (2 * r + k) * (h + gap)
-            for c, img in enumerate(row):
-                canvas[y: y + h, c * (w + gap): c * (w + gap) + w] = img
-    return canvas
-
-
-def save_png(img: torch.Tensor, path: Path) -> None:
-    from PIL import Image
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(img.numpy()).save(path)
 
 
 def _vq_config(cfg) -> VQConfig:
@@ -245,20 +207,24 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
         writer = SummaryWriter(str(out / "tb"))
 
     def run_eval() -> dict:
+        from PIL import Image
+
         metrics, recon = evaluate(vq, eval_set)
+        png = out / "samples" / f"step_{step:07d}.png"
         metrics = {"step": step, "seconds": round(elapsed, 2), **metrics}
         history.append(metrics)
         # guard rails: compare with the untrained model (history[0]) and say what to try
         metrics["warnings"] = health_warnings(history, train_videos=len(src.train), lr=cfg.lr,
                                               max_usage=held_codes / cfg.codebook_size)
         for w in metrics["warnings"]:
-            log.warning("train-vq: %s (%s)", w, out / "samples" / f"step_{step:07d}.png")
+            log.warning("train-vq: %s (%s)", w, png)
         with open(out / METRICS_FILE, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         grid = labelled_grid(eval_set, recon, step=step, psnr=metrics["psnr"], usage=metrics["usage"],
                              psnr_untrained=history[0]["psnr"] if step > history[0]["step"] else None,
                              warnings=metrics["warnings"])
-        save_png(grid, out / "samples" / f"step_{step:07d}.png")
+        png.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(grid.numpy()).save(png)
         if writer is not None:
             for k in ("psnr", "usage", "perplexity"):
                 writer.add_scalar(f"eval/{k}", metrics[k], step)
@@ -344,14 +310,10 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
             used = (hist > 0).float().mean().item()
             show(loss=f"{loss.item():.4f}", batch_psnr=f"{batch_psnr:.1f}", usage=f"{used:.2f}")
             if writer is not None:
-                writer.add_scalar("train/loss", loss.item(), step)
-                writer.add_scalar("train/rec_loss", rec_loss.item(), step)
-                writer.add_scalar("train/quant_loss", float(aux), step)
-                writer.add_scalar("train/psnr", batch_psnr, step)
-                writer.add_scalar("train/usage", used, step)
-                writer.add_scalar("train/lr", lr, step)
-                if gan_on:
-                    writer.add_scalar("train/d_loss", d_loss.item(), step)
+                scalars = {"loss": loss.item(), "rec_loss": rec_loss.item(), "quant_loss": float(aux),
+                           "psnr": batch_psnr, "usage": used, "lr": lr, **({"d_loss": d_loss.item()} if gan_on else {})}
+                for k, v in scalars.items():
+                    writer.add_scalar(f"train/{k}", v, step)
             hist.zero_()
         if step % cfg.eval_every == 0:
             run_eval()

@@ -12,6 +12,7 @@ no_grad and is deterministic.
 
 from __future__ import annotations
 
+import contextlib
 from itertools import chain, repeat
 from typing import Iterable, Iterator, Union
 
@@ -23,17 +24,15 @@ from longvideo.vq.model import VQModel
 Frames = Union[torch.Tensor, np.ndarray, Iterable[Union[torch.Tensor, np.ndarray]]]
 
 
-class _EvalMode:
-    """Run a block in eval mode, then restore the module's mode (training must not see EMA updates)."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module, self.was_training = module, module.training
-
-    def __enter__(self):
-        self.module.eval()
-
-    def __exit__(self, *exc):
-        self.module.train(self.was_training)
+@contextlib.contextmanager
+def eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    """Run a block in eval mode, then restore the module's mode (encoding must make no EMA updates)."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
 
 
 def _device(vq: VQModel) -> torch.device:
@@ -54,11 +53,8 @@ def _check_frames(chunk, res: int) -> torch.Tensor:
 
 
 def _chunks(frames: Frames, res: int) -> Iterator[torch.Tensor]:
-    if isinstance(frames, (torch.Tensor, np.ndarray)):
-        yield _check_frames(frames, res)
-        return
-    for chunk in frames:
-        yield _check_frames(chunk, res)
+    whole = isinstance(frames, (torch.Tensor, np.ndarray))
+    return (_check_frames(chunk, res) for chunk in ([frames] if whole else frames))
 
 
 def frames_to_input(frames: torch.Tensor, device, *, as_clip: bool) -> torch.Tensor:
@@ -146,7 +142,7 @@ def encode_video(vq: VQModel, frames: Frames, *, batch_frames: int = 16) -> torc
     # small blocks kept alive between the pieces' large temporaries fragment the heap, and the
     # process grows with the video's length though the codes themselves are a few KB a second
     codes, n = _empty_codes(vq), 0
-    with _EvalMode(vq):
+    with eval_mode(vq):
         for i, piece in enumerate(_pieces(_chunks(frames, vq.cfg.resolution), _piece_sizes(vq.cfg, batch_frames))):
             c = _encode_piece(vq, piece, state, i == 0)
             if n + c.shape[0] > codes.shape[0]:
@@ -177,7 +173,7 @@ class SplicingEncoder:
         self.contexts: list[dict] = []  # the temporal context before each piece
         self.piece_codes: list[torch.Tensor] = []
         sizes, start, state = _piece_sizes(vq.cfg, batch_frames), 0, {}
-        with _EvalMode(vq):
+        with eval_mode(vq):
             while start < self.frames.shape[0]:
                 n = next(sizes)
                 self.starts.append(start)
@@ -202,7 +198,7 @@ class SplicingEncoder:
         if self.vq.cfg.mode == "2d":
             keys = sorted(replace)
             codes = self.codes.clone()
-            with _EvalMode(self.vq):
+            with eval_mode(self.vq):
                 codes[keys] = _encode_piece(self.vq, edited[keys], {}, False)
             return codes
         first = min(replace)
@@ -210,7 +206,7 @@ class SplicingEncoder:
         state = {k: v.clone() for k, v in self.contexts[p].items()}
         parts = self.piece_codes[:p]
         last_edit = max(replace)
-        with _EvalMode(self.vq):
+        with eval_mode(self.vq):
             while p < len(self.piece_codes):
                 a, b = self.starts[p], self.starts[p + 1]
                 parts.append(_encode_piece(self.vq, edited[a:b], state, a == 0))
@@ -244,7 +240,7 @@ def iter_decode(vq: VQModel, codes, *, batch_groups: int = 16) -> Iterator[torch
     codes = _check_codes(vq, codes)
     device = _device(vq)
     state: dict = {}
-    with _EvalMode(vq):
+    with eval_mode(vq):
         for g in range(0, codes.shape[0], batch_groups):
             part = codes[g: g + batch_groups].to(device)
             if vq.cfg.mode == "2d":

@@ -53,22 +53,14 @@ def _plan(cfg: VQConfig) -> tuple[list[int], list[int], list[bool]]:
     return widths, kts, temporal
 
 
-def space_to_depth(x: torch.Tensor, p: int) -> torch.Tensor:
-    """(B, C, T, H, W) -> (B, C p^2, T, H/p, W/p)."""
+def _per_frame(op, x: torch.Tensor, p: int) -> torch.Tensor:
+    """F.pixel_unshuffle ((B, C, T, H, W) -> (B, C p^2, T, H/p, W/p)) or F.pixel_shuffle (the
+    inverse) on every frame."""
     if p == 1:
         return x
     if x.shape[2] == 1:
-        return F.pixel_unshuffle(x[:, :, 0], p).unsqueeze(2)
-    return F.pixel_unshuffle(x.transpose(1, 2), p).transpose(1, 2)
-
-
-def depth_to_space(x: torch.Tensor, p: int) -> torch.Tensor:
-    """(B, C p^2, T, H, W) -> (B, C, T, H p, W p)."""
-    if p == 1:
-        return x
-    if x.shape[2] == 1:
-        return F.pixel_shuffle(x[:, :, 0], p).unsqueeze(2)
-    return F.pixel_shuffle(x.transpose(1, 2), p).transpose(1, 2)
+        return op(x[:, :, 0], p).unsqueeze(2)
+    return op(x.transpose(1, 2), p).transpose(1, 2)
 
 
 class Encoder(nn.Module):
@@ -89,7 +81,7 @@ class Encoder(nn.Module):
 
     def forward(self, x: torch.Tensor, state: dict | None = None) -> torch.Tensor:
         # (B, 3, T, H, W) -> (B, D, T', H/f, W/f)
-        x = space_to_depth(x, self.patch)
+        x = _per_frame(F.pixel_unshuffle, x, self.patch)
         for layer in self.layers:
             x = layer(x, state)
         return x
@@ -115,7 +107,7 @@ class Decoder(nn.Module):
         # (B, D, T', h, w) -> (B, 3, T, h*f, w*f)
         for layer in self.layers:
             z = layer(z, state)
-        return depth_to_space(z, self.patch)
+        return _per_frame(F.pixel_shuffle, z, self.patch)
 
 
 class VQModel(nn.Module):

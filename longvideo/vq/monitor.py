@@ -1,10 +1,7 @@
-"""Guard rails of tokenizer training: warnings on bad runs and a labelled sample grid.
-
-A run can look healthy on its training batches while it learns nothing useful: a decoder that
-memorises a few training scenes reproduces them well and paints the same picture over any other
-video. Only held-out frames show it. `health_warnings` compares each held-out evaluation with the
-untrained model's (step 0) and says what to try; `labelled_grid` draws held-out originals above
-their reconstructions with each reconstruction's PSNR, so that a bad run is plain to see.
+"""Guard rails of tokenizer training (docs/vq.md, "Guard rails"): a decoder that memorises a few
+training scenes looks healthy on its training batches, and only held-out frames show it.
+`health_warnings` compares each held-out evaluation with the untrained model's and says what to try;
+`labelled_grid` draws held-out originals above their reconstructions, each with its PSNR.
 """
 
 from __future__ import annotations
@@ -60,9 +57,7 @@ def health_warnings(history: list[dict], *, train_videos: int | None = None, lr:
 
 def short_warning(warnings: list[str]) -> str:
     """A few words for a progress bar: which checks failed."""
-    tags = []
-    for w in warnings:
-        tags.append("PSNR<untrained" if w.startswith("held-out PSNR") else "codebook collapse")
+    tags = ["PSNR<untrained" if w.startswith("held-out PSNR") else "codebook collapse" for w in warnings]
     return ("WARNING " + ", ".join(tags)) if tags else ""
 
 

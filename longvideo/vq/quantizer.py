@@ -80,10 +80,8 @@ class EMAVectorQuantizer(nn.Module):
 
     def _nearest(self, flat: torch.Tensor) -> torch.Tensor:
         # flat (N, D) unit vectors -> (N,) codes; chunked to bound the (N, K) similarity matrix
-        out = []
-        for part in flat.split(max(1, (1 << 24) // self.codebook_size)):
-            out.append((part @ self.embed.t()).argmax(-1))
-        return torch.cat(out)
+        parts = flat.split(max(1, (1 << 24) // self.codebook_size))
+        return torch.cat([(part @ self.embed.t()).argmax(-1) for part in parts])
 
     def forward(self, z: torch.Tensor):
         # z (..., D) -> zq (..., D) unit vectors, codes (...) long, commitment loss (scalar)

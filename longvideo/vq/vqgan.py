@@ -1,19 +1,13 @@
-"""LWM's VQGAN behind the project's video-tokenizer interface, on diffusers' VQModel.
+"""LWM's VQGAN behind the project's video-tokenizer interface, on diffusers' VQModel (docs/lwm.md).
 
-LWM's released checkpoints code frames with a taming-style VQGAN (lwm/vqgan.py of the LWM
-repository): 256 x 256 frames in [-1, 1], a convolutional encoder of `channel_mult` levels
-(1, 2, 2, 4, 6 x 128 channels, two residual blocks each, no attention), a 1x1 `quant_conv`, a
-nearest-neighbour codebook of 8192 x 64, a 1x1 `post_quant_conv` and the mirrored decoder; 16 x 16
-codes per frame. That is exactly the architecture of diffusers' `VQModel` (the aMUSEd VQ-GAN), so
-the weights are mapped onto it rather than re-implemented (`state_dict_from_flax`).
+LWM's taming-style VQGAN (lwm/vqgan.py of the LWM repository: no attention, a 1x1 quant_conv, a
+nearest-neighbour codebook, a 1x1 post_quant_conv, the mirrored decoder) is exactly diffusers'
+`VQModel` (the aMUSEd VQ-GAN), so the flax weights are mapped onto it (`state_dict_from_flax`), not
+re-implemented. `LWMVQGAN` has the interface of `longvideo.vq.VQModel` with LWM's pixels: uint8 /
+127.5 - 1 in, decoded pixels clipped to [-1, 1]. Inference only.
 
-`LWMVQGAN` offers what the codec and the chat path use of `longvideo.vq.VQModel` (`encode`,
-`decode`, `codes_to_latents`, `group_frame_index`, `cfg`, `save`; `load_vq` builds it when the
-saved config says `arch: lwm-vqgan`), with LWM's preprocessing: uint8 pixels / 127.5 - 1 (the
-codec's), and decoded pixels clipped to [-1, 1] as LWM's decode does. Inference only.
-
-The flax parameter tree (LWM's `VQGANModel`; flax names compact submodules by class and creation
-order, so the decoder's `UpsamplingBlock_0` is its *deepest* level, as diffusers' `up_blocks.0`):
+The flax parameter tree (flax names compact submodules by class and creation order, so the
+decoder's `UpsamplingBlock_0` is its *deepest* level, as diffusers' `up_blocks.0`):
 
     encoder/Conv_0, encoder/DownsamplingBlock_{i}/ResnetBlock_{j}/{GroupNorm_0,Conv_0,GroupNorm_1,Conv_1,Conv_2?},
     encoder/DownsamplingBlock_{i}/Downsample_0/Conv_0, encoder/MidBlock_0/ResnetBlock_{0,1},
@@ -196,40 +190,36 @@ def state_dict_from_flax(params: dict, cfg: VQConfig) -> dict[str, torch.Tensor]
     flat = flatten(params)
     n = len(cfg.channel_mult)
     parts: dict[str, dict[str, torch.Tensor]] = {}
-
-    def put(name: str, tensors: dict[str, torch.Tensor]):
-        parts[name] = tensors
-
     try:
-        put("encoder.conv_in", _conv(flat, "encoder/Conv_0"))
+        parts["encoder.conv_in"] = _conv(flat, "encoder/Conv_0")
         for i in range(n):
             for j in range(cfg.num_res_blocks):
                 for sub, t in _resnet(flat, f"encoder/DownsamplingBlock_{i}/ResnetBlock_{j}").items():
-                    put(f"encoder.down_blocks.{i}.resnets.{j}.{sub}", t)
+                    parts[f"encoder.down_blocks.{i}.resnets.{j}.{sub}"] = t
             if i < n - 1:
-                put(f"encoder.down_blocks.{i}.downsamplers.0.conv",
-                    _conv(flat, f"encoder/DownsamplingBlock_{i}/Downsample_0/Conv_0"))
+                parts[f"encoder.down_blocks.{i}.downsamplers.0.conv"] = _conv(
+                    flat, f"encoder/DownsamplingBlock_{i}/Downsample_0/Conv_0")
         for j in range(2):
             for sub, t in _resnet(flat, f"encoder/MidBlock_0/ResnetBlock_{j}").items():
-                put(f"encoder.mid_block.resnets.{j}.{sub}", t)
-        put("encoder.conv_norm_out", _norm(flat, "encoder/GroupNorm_0"))
-        put("encoder.conv_out", _conv(flat, "encoder/Conv_1"))
-        put("quant_conv", _conv(flat, "quant_conv"))
-        put("quantize.embedding", {"weight": torch.from_numpy(np.asarray(flat["quantize/embeddings"]))})
-        put("post_quant_conv", _conv(flat, "post_quant_conv"))
-        put("decoder.conv_in", _conv(flat, "decoder/Conv_0"))
+                parts[f"encoder.mid_block.resnets.{j}.{sub}"] = t
+        parts["encoder.conv_norm_out"] = _norm(flat, "encoder/GroupNorm_0")
+        parts["encoder.conv_out"] = _conv(flat, "encoder/Conv_1")
+        parts["quant_conv"] = _conv(flat, "quant_conv")
+        parts["quantize.embedding"] = {"weight": torch.from_numpy(np.asarray(flat["quantize/embeddings"]))}
+        parts["post_quant_conv"] = _conv(flat, "post_quant_conv")
+        parts["decoder.conv_in"] = _conv(flat, "decoder/Conv_0")
         for j in range(2):
             for sub, t in _resnet(flat, f"decoder/MidBlock_0/ResnetBlock_{j}").items():
-                put(f"decoder.mid_block.resnets.{j}.{sub}", t)
+                parts[f"decoder.mid_block.resnets.{j}.{sub}"] = t
         for k in range(n):  # UpsamplingBlock_k is created first for the deepest level, as up_blocks.k
             for j in range(cfg.num_res_blocks + 1):
                 for sub, t in _resnet(flat, f"decoder/UpsamplingBlock_{k}/ResnetBlock_{j}").items():
-                    put(f"decoder.up_blocks.{k}.resnets.{j}.{sub}", t)
+                    parts[f"decoder.up_blocks.{k}.resnets.{j}.{sub}"] = t
             if k < n - 1:
-                put(f"decoder.up_blocks.{k}.upsamplers.0.conv",
-                    _conv(flat, f"decoder/UpsamplingBlock_{k}/Upsample_0/Conv_0"))
-        put("decoder.conv_norm_out", _norm(flat, "decoder/GroupNorm_0"))
-        put("decoder.conv_out", _conv(flat, "decoder/Conv_1"))
+                parts[f"decoder.up_blocks.{k}.upsamplers.0.conv"] = _conv(
+                    flat, f"decoder/UpsamplingBlock_{k}/Upsample_0/Conv_0")
+        parts["decoder.conv_norm_out"] = _norm(flat, "decoder/GroupNorm_0")
+        parts["decoder.conv_out"] = _conv(flat, "decoder/Conv_1")
     except KeyError as e:
         raise LWMVQGANError(f"LWM VQGAN parameters: missing {e.args[0]}") from None
     sd = {f"net.{name}.{p}": t.float() for name, tensors in parts.items() for p, t in tensors.items()}
