@@ -1,12 +1,10 @@
 """Atomic file writes: readers see the old file or the new one, never a partial one.
 
-    with atomic_open("out/shard.tar", "wb") as f:   # a temporary file beside the target...
-        f.write(...)                                  # ...renamed over it when the block ends cleanly
+    with atomic_open("out/shard.tar", "wb") as f:   # a temporary file beside the target, fsynced and
+        f.write(...)                                  # renamed over it when the block ends cleanly
     write_json_atomic("out/stats.json", counts)
 
-The temporary file lives in the target's directory (so the rename never crosses file systems), is
-fsynced before the rename, and the directory is fsynced after it; an exception inside the block
-removes the temporary file and leaves the target untouched.
+The rename never crosses file systems; an exception inside the block leaves the target untouched.
 """
 
 from __future__ import annotations

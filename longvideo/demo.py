@@ -1,19 +1,11 @@
 """`make demo`: train a tiny long-video model on CPU from nothing and question it on unseen videos.
 
-Every stage runs the same command a user would type, so the demo is also a tour of the CLI:
-
-  1. make-data      synthetic mp4 shards (train and held-out) with captions, QA and a needle frame
-  2. tokenizer      a small byte-level BPE trained on the dataset's own text
-  3. train-vq       the tiny VQ video tokenizer
-  4. tokenize       raw shards -> token shards (training never decodes video)
-  5. train          the tiny LM through a context ladder of stage configs, each rung starting from
-                    the previous one's weights; the long rungs with ring attention over 2 processes
-  6. eval           QA accuracy and video needle retrieval on held-out videos (JSON + PNG, chance)
-  7. export         a Hugging Face directory, reloaded with transformers
-  8. chat           one question about a held-out video, through `longvideo chat`
-
-What runs is a plan file (configs/demos/*.yaml, or your own: --plan). Stages whose outputs exist
-are skipped, so an interrupted demo continues where it stopped.
+Every stage runs the command a user would type: make-data (synthetic mp4 shards with captions, QA
+and a needle frame), a byte-level BPE text tokenizer, train-vq, tokenize, train (a context ladder of
+stage configs, each rung from the previous one's weights, the long rungs with ring attention over 2
+processes), eval on held-out videos, export (reloaded with transformers) and chat. What runs is a
+plan file (configs/demos/*.yaml, or your own: --plan); stages whose outputs exist are skipped, so
+an interrupted demo continues where it stopped.
 
     python -m longvideo.demo                 # configs/demos/demo.yaml (about half an hour on 2 cores)
     python -m longvideo.demo --quick         # configs/demos/demo-quick.yaml, the CI-sized version
@@ -211,7 +203,6 @@ class Demo:
                         TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                         PYTHONUNBUFFERED="1")
 
-    # ---- helpers ----------------------------------------------------------------------------
     def run(self, args: list[str], *, threads: int | None = None) -> None:
         env = dict(self.env)
         if threads is not None:
@@ -222,8 +213,13 @@ class Demo:
         if r.returncode != 0:
             raise DemoError(f"command failed with exit code {r.returncode}: {' '.join(cmd)}")
 
-    def lv(self, *args, threads: int | None = None) -> None:
-        self.run([sys.executable, "-m", "longvideo", *args], threads=threads)
+    def lv(self, *args) -> None:
+        self.run([sys.executable, "-m", "longvideo", *args])
+
+    def torchrun(self, nproc: int, *args) -> None:
+        """`longvideo ARGS` in nproc processes of one thread each."""
+        self.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                  "-m", "longvideo", *args], threads=1)
 
     def stage(self, name: str, done: Path, fn) -> None:
         if done.exists():
@@ -235,7 +231,6 @@ class Demo:
         self.timings[name] = round(time.time() - t0, 1)
         print(f"--- {name}: {self.timings[name]:.0f} s", flush=True)
 
-    # ---- stages ---------------------------------------------------------------------------------
     def make_data(self) -> None:
         for v in self.plan.sets:
             self.lv("make-data", "synthetic", "--out", self.out / "data" / v.name, "--n", v.n, "--seed", v.seed,
@@ -293,15 +288,13 @@ class Demo:
                 f"train.tokenizer_dir={self.out / 'tokenizer'}", f"train.vq_dir={self.out / 'vq'}",
                 f"train.out_dir={run_dir}", *(["train.progress=false"] if self.quiet else []),
             ]
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p.nproc}",
-                   "-m", "longvideo", "train", "--config", config_arg(st.config), *overrides]
             if reached > 0:  # stopped part-way (SIGTERM, a crash): continue from its last checkpoint
-                cmd.append("--resume")
+                overrides.append("--resume")
             elif prev is not None:
-                cmd += ["--init-from", prev]
+                overrides += ["--init-from", prev]
             print(f"--- stage {i + 1}/{len(p.stages)}: context {rung['seq_len']}, sp {rung['sp']}, "
                   f"ZeRO-{rung['zero_stage']}, RoPE theta {rung['rope_theta']:g}, {rung['steps']} steps", flush=True)
-            self.run(cmd, threads=1)
+            self.torchrun(p.nproc, "train", "--config", config_arg(st.config), *overrides)
             prev = run_dir
         (self.out / "lm/final").write_text(str(prev))
 
@@ -321,8 +314,7 @@ class Demo:
         if p.needle_trials:
             needle += ["--trials", ",".join(map(str, p.needle_trials))]
         if p.eval_sp > 1:  # every prompt's video prefilled by ring attention over eval_sp processes
-            self.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p.eval_sp}",
-                      "-m", "longvideo", *needle], threads=1)
+            self.torchrun(p.eval_sp, *needle)
         else:
             self.lv(*needle)
 
@@ -360,7 +352,6 @@ class Demo:
               f"(truth: {truth})", flush=True)
         (self.out / "chat.json").write_text(json.dumps({"question": question, "answer": answer, "truth": truth}))
 
-    # ---- driver -------------------------------------------------------------------------------
     def check_plan(self) -> None:
         """A run directory belongs to one plan: resuming it under another (a newer ladder, other
         video sets) would mix the two silently, so that stops here, before anything runs."""

@@ -1,11 +1,5 @@
-"""What machine a run was measured on, so that times from different machines can be compared.
-
-The same CPU-only run can take 1.5-2x longer on one 2-core machine than on another (the vector
-units differ: AVX2 against AVX-512, for one). `machine_info()` records the CPU, its vector
-extensions, the torch build and a one-second float32 matmul probe, so that a run's times are
-read beside the machine they were measured on (the probe is a rough gauge: one 2-core machine's
-steps were 1.2x slower at 2K tokens and 2x slower at 20K than another's).
-"""
+"""What machine a run was measured on (CPU, vector extensions, torch build, a one-second float32
+matmul probe), so that times from different machines are read side by side (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """Run logging on rank 0: a tqdm bar (loss, tokens/s, MFU), metrics.jsonl, TensorBoard, wandb, loss.png.
-
-Other ranks get a `RunLogger(enabled=False)` whose methods do nothing, so the trainer calls the
-same methods everywhere without rank checks.
-"""
+Other ranks get a `RunLogger(enabled=False)`, whose methods do nothing."""
 
 from __future__ import annotations
 
@@ -62,11 +59,9 @@ def plot_losses(run_dir: str | Path, out: Optional[str | Path] = None) -> Option
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in rows]
     losses = [float(r["loss"]) for r in rows]
-    losses = [v if math.isfinite(v) else float("nan") for v in losses]  # bad steps become gaps
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(steps, losses, lw=1.2)
+    ax.plot([r["step"] for r in rows], [v if math.isfinite(v) else float("nan") for v in losses], lw=1.2)  # gaps
     ax.set_xlabel("step")
     ax.set_ylabel("loss (weighted token mean)")
     ax.set_title(Path(run_dir).name)

@@ -1,8 +1,6 @@
 """The model a run trains, chosen in one place (`model_kind`): the project's decoder, or a
-transformers decoder directory (`train.hf_model`, docs/hf.md). A kind builds the model (weights
-from --init-from where given) and writes its weights into a checkpoint; the trainer, ZeRO and the
-loss are the same for both.
-"""
+transformers decoder directory (`train.hf_model`, docs/hf.md). A kind builds the model and writes
+its weights into a checkpoint; the trainer, ZeRO and the loss are the same for both."""
 
 from __future__ import annotations
 
