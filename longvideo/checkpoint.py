@@ -200,7 +200,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    if (path / CONFIG_FILE).is_file() and ((path / WEIGHTS_FILE).is_file() or any(path.glob("*model_states.pt"))):
+    engine_files = any(path.glob("*model_states.pt"))
+    if (path / CONFIG_FILE).is_file() and ((path / WEIGHTS_FILE).is_file() or engine_files):
         return path
     ckpt = latest_checkpoint(path)
     if ckpt is None:
@@ -222,16 +223,11 @@ def load_project_state(path: str | Path) -> tuple[dict[str, torch.Tensor], Confi
 
 
 _LAYER_MAP = {  # ours -> transformers' LlamaForCausalLM, per layer
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wv.weight": "self_attn.v_proj.weight",
-    "attn.wo.weight": "self_attn.o_proj.weight",
-    "ffn.w_gate.weight": "mlp.gate_proj.weight",
-    "ffn.w_up.weight": "mlp.up_proj.weight",
-    "ffn.w_down.weight": "mlp.down_proj.weight",
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
+    "attn.wq.weight": "self_attn.q_proj.weight", "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight", "attn.wo.weight": "self_attn.o_proj.weight",
+    "ffn.w_gate.weight": "mlp.gate_proj.weight", "ffn.w_up.weight": "mlp.up_proj.weight",
+    "ffn.w_down.weight": "mlp.down_proj.weight", "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight"}
 _TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
             TIED_HEAD: "lm_head.weight"}
 
@@ -258,13 +254,11 @@ def from_hf_names(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
     for name, t in sd.items():
         if "rotary_emb" in name:
             continue  # a buffer some versions save; recomputed from the config
+        parts = name.split(".", 3)  # model.layers.N.rest
         if name in inv_top:
             out[inv_top[name]] = t
-        elif name.startswith("model.layers."):
-            _, _, idx, rest = name.split(".", 3)
-            if rest not in inv_layer:
-                raise CheckpointError(f"unexpected tensor '{name}' in the Hugging Face checkpoint")
-            out[f"layers.{idx}.{inv_layer[rest]}"] = t
+        elif parts[:2] == ["model", "layers"] and len(parts) == 4 and parts[3] in inv_layer:
+            out[f"layers.{parts[2]}.{inv_layer[parts[3]]}"] = t
         else:
             raise CheckpointError(f"unexpected tensor '{name}' in the Hugging Face checkpoint")
     if not cfg.tie_embeddings and TIED_HEAD not in out:
@@ -300,10 +294,6 @@ class Pretrained:
     path: Optional[Path] = None
 
 
-def _has_tokenizer(path: Optional[Path]) -> bool:
-    return path is not None and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
-
-
 def load_pretrained(path: str | Path, device: str | torch.device = "cpu") -> Pretrained:
     """Load a project checkpoint, a training run, or an exported Hugging Face directory (eval mode)."""
     path = Path(path)
@@ -312,7 +302,7 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu") -> Pre
     if (path / EXPORT_CONFIG).is_file() and (path / "config.json").is_file():  # an exported directory
         cfg = load_config(path / EXPORT_CONFIG)
         sd = from_hf_names(read_safetensors_dir(path), cfg.model)
-        tok_dir: Optional[Path] = path
+        tok_dir = path
     else:
         sd, cfg = load_project_state(path)
         tok_dir = path / TOKENIZER_DIR
@@ -320,6 +310,7 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu") -> Pre
     model = build_model(cfg)
     model.load_state_dict(sd)
     model.to(device).eval()
-    tokenizer = TextTokenizer.from_dir(tok_dir, cfg.model.vocab_layout) if _has_tokenizer(tok_dir) else None
+    has_tokenizer = any((tok_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+    tokenizer = TextTokenizer.from_dir(tok_dir, cfg.model.vocab_layout) if has_tokenizer else None
     vq = load_vq(path / VQ_DIR) if (path / VQ_DIR).is_dir() else None
     return Pretrained(model=model, config=cfg, tokenizer=tokenizer, vq=vq, path=path)

@@ -51,13 +51,9 @@ def field_docs(cls) -> dict[str, str]:
     except (OSError, TypeError):
         return {}
     body = ast.parse(src).body[0].body
-    docs = {}
-    for a, b in zip(body, body[1:]):
-        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name):
-            if isinstance(b, ast.Expr) and isinstance(getattr(b, "value", None), ast.Constant):
-                if isinstance(b.value.value, str):
-                    docs[a.target.id] = b.value.value.strip()
-    return docs
+    return {a.target.id: b.value.value.strip() for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)}
 
 
 def _type_name(tp: Any) -> str:
@@ -72,6 +68,10 @@ def _type_name(tp: Any) -> str:
         args = get_args(tp)
         return f"list of {_type_name(args[0])}" if args else "list"
     return getattr(tp, "__name__", str(tp))
+
+
+_PLAIN = {bool: "true or false", str: "a string", dict: "a mapping"}
+"""Annotations whose values are taken as they are, and what a wrong value's error expects."""
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
@@ -104,10 +104,6 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(key, f"got {value!r}; expected a mapping for {tp.__name__}")
         return from_dict(tp, value, prefix=key)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(key, f"got {value!r}; expected true or false")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -123,14 +119,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ValueError:
                 pass
         raise ConfigError(key, f"got {value!r}; expected a number")
-    if tp is str:
-        if isinstance(value, str):
+    plain = dict if origin is dict else tp
+    if plain in _PLAIN:
+        if isinstance(value, plain):
             return value
-        raise ConfigError(key, f"got {value!r}; expected a string")
-    if tp is dict or origin is dict:
-        if isinstance(value, dict):
-            return value
-        raise ConfigError(key, f"got {value!r}; expected a mapping")
+        raise ConfigError(key, f"got {value!r}; expected {_PLAIN[plain]}")
     raise ConfigError(key, f"unsupported annotation {tp!r}")
 
 
@@ -157,17 +150,13 @@ def from_dict(cls, data: dict, prefix: str = ""):
         raise
 
 
-def to_dict(cfg) -> dict:
+def to_dict(cfg) -> Any:
     """Plain nested dict (tuples as lists) of a config dataclass, suitable for YAML/JSON."""
-
-    def conv(v):
-        if dataclasses.is_dataclass(v):
-            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v) if f.init}
-        if isinstance(v, (list, tuple)):
-            return [conv(x) for x in v]
-        return v
-
-    return conv(cfg)
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.init}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(x) for x in cfg]
+    return cfg
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

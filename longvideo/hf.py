@@ -406,6 +406,6 @@ class HFCausalLM(nn.Module):
         self.model.save_pretrained(str(out_dir), state_dict=own, safe_serialization=True)
 
 
-__all__ = ["IGNORE_INDEX", "PAD_VALUES", "RING", "SEGMENT_KEY", "TESTED_MODEL_TYPES", "DeferredMask", "HFCausalLM",
-           "RingAttentionUnsupported", "check_model", "document_ids", "enable_ring_attention", "global_loss",
-           "seam_attention", "num_items_in_batch", "ring_loss", "ring_mask", "shard_batch"]
+__all__ = ["IGNORE_INDEX", "PAD_VALUES", "RING", "SEGMENT_KEY", "TESTED_MODEL_TYPES", "DeferredMask",
+           "HFCausalLM", "RingAttentionUnsupported", "check_model", "document_ids", "enable_ring_attention",
+           "global_loss", "seam_attention", "num_items_in_batch", "ring_loss", "ring_mask", "shard_batch"]

@@ -77,10 +77,8 @@ class TextTokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path, layout: str = "longvideo") -> "TextTokenizer":
-        """Load a local tokenizer directory (tokenizer.json, or a SentencePiece tokenizer.model).
-
-        A directory with only a LLaMA `tokenizer.model` (as LWM's releases ship it) is read as a
-        LLaMA tokenizer; converting it needs the `sentencepiece` package."""
+        """Load a local tokenizer directory: tokenizer.json, or only a LLaMA `tokenizer.model` (as LWM's
+        releases ship it; converting it needs the `sentencepiece` package)."""
         from transformers import AutoTokenizer
 
         path = Path(path)

@@ -59,9 +59,9 @@ def plot_losses(run_dir: str | Path, out: Optional[str | Path] = None) -> Option
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    losses = [float(r["loss"]) for r in rows]
+    losses = [v if math.isfinite(v) else float("nan") for v in (float(r["loss"]) for r in rows)]  # gaps
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot([r["step"] for r in rows], [v if math.isfinite(v) else float("nan") for v in losses], lw=1.2)  # gaps
+    ax.plot([r["step"] for r in rows], losses, lw=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (weighted token mean)")
     ax.set_title(Path(run_dir).name)

@@ -99,7 +99,8 @@ def init_distributed(timeout_s: float) -> None:
         # tear the process down when a collective times out or fails, so it cannot hang
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=timeout_s))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
 class Trainer:
@@ -379,10 +380,8 @@ def train(cfg: Config, *, resume: bool = False, init_from: Optional[str] = None,
           batches: Optional[Iterable[dict]] = None, callbacks: Iterable[Callable] = ()) -> TrainResult:
     """Train `cfg` in this process as one rank of the launcher's world (or a world of one).
 
-    resume: continue from OUT/checkpoints/latest when there is one (same world shape).
-    init_from: start from the model weights of a checkpoint or run dir (the previous stage).
-    batches: an iterable of (B, S) batch dicts replacing the configured data (tests).
-    callbacks: functions `cb(event, trainer, **info)`; events step_end(step, metrics),
-        checkpoint_staged(path), checkpoint_saved(path).
-    """
+    resume: continue from OUT/checkpoints/latest when there is one (same world shape). init_from: the
+    model weights of a checkpoint or run dir. batches: (B, S) batch dicts instead of the configured
+    data. callbacks: `cb(event, trainer, **info)` on step_end(step, metrics), checkpoint_staged(path)
+    and checkpoint_saved(path)."""
     return Trainer(cfg, resume=resume, init_from=init_from, batches=batches, callbacks=callbacks).run()

@@ -67,10 +67,8 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.no_grad()
 def evaluate(vq: VQModel, batch: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """Reconstruct held-out uint8 frames (N, H, W, 3) (2d) or clips (C, L, H, W, 3) (causal3d).
-
-    Returns ({psnr, usage, perplexity, codes_used}, reconstructions shaped like `batch`).
-    """
+    """({psnr, usage, perplexity, codes_used}, reconstructions shaped like `batch`) of held-out uint8
+    frames (N, H, W, 3) (2d) or clips (C, L, H, W, 3) (causal3d)."""
     device = next(vq.parameters()).device
     recons, codes = [], []
     clips = vq.cfg.mode != "2d"
@@ -104,11 +102,8 @@ def _check_resume(cfg: VQConfig, out: Path) -> None:
 
 
 def random_crops(x: torch.Tensor, size: int, gen: torch.Generator) -> torch.Tensor:
-    """A random square crop of each frame (B, S, S, 3) or clip (B, L, S, S, 3), resized to size x size.
-
-    The side is uniform in [size, S] (the whole frame included), the position uniform; all frames of
-    a clip share one crop, as one camera would. Shrinking is antialiased (bilinear).
-    """
+    """A random square crop of each frame (B, S, S, 3) or clip (B, L, S, S, 3), resized (antialiased
+    bilinear) to size x size: side uniform in [size, S], position uniform, one crop per clip."""
     s = x.shape[-2]
     if s == size:
         return x
@@ -155,15 +150,11 @@ class _Batches:
 def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: int | None = None,
              time_budget_s: float | None = None, resume: bool = True, device: str | None = None,
              progress: bool = True, tensorboard: bool = True) -> TrainResult:
-    """Train a tokenizer from scratch (or resume the run in `out_dir`).
+    """Train a tokenizer from scratch, or resume the run in `out_dir` (docs/vq.md, "Training").
 
-    cfg: a VQConfig, or a root Config (its `vq` section is used).
-    source: a folder of videos, raw shards (directory of .tar / glob / brace pattern), a video
-        file, in-memory uint8 videos (T, H, W, 3) (one or a list), or a FrameSource.
-    steps: overrides cfg.steps. time_budget_s: also stop after this much training time (the
-        learning-rate decay then follows whichever of steps and time runs out first).
-    resume: continue from `out_dir/train_state.pt` when present.
-    """
+    cfg: a VQConfig or a root Config (its `vq`). source: what `--data` takes, uint8 videos (T, H, W, 3)
+    (one or a list), or a FrameSource. steps: overrides cfg.steps. time_budget_s: also stop after this
+    much training time (the learning-rate decay follows whichever of steps and time ends first)."""
     cfg = _vq_config(cfg)
     if steps is not None:
         cfg = dataclasses.replace(cfg, steps=steps)
@@ -268,14 +259,8 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
     while step < cfg.steps and not (time_budget_s is not None and elapsed >= time_budget_s):
         t0 = time.perf_counter()
         frames = batches.next()
-        if cfg.mode == "2d":
-            x = frames_to_input(frames, device, as_clip=False)  # (B, 3, 1, H, W)
-        else:
-            x = frames.to(device).float().div_(127.5).sub_(1.0).permute(0, 4, 1, 2, 3)  # (B, 3, L, H, W)
-        progress_frac = step / cfg.steps
-        if time_budget_s:
-            progress_frac = max(progress_frac, elapsed / time_budget_s)
-        lr = lr_at(cfg, step, progress_frac)
+        x = frames_to_input(frames, device, as_clip=cfg.mode != "2d")  # (B, 3, L, H, W); L = 1 in 2d
+        lr = lr_at(cfg, step, max(step / cfg.steps, elapsed / time_budget_s if time_budget_s else 0.0))
         for g in opt.param_groups:
             g["lr"] = lr
 
@@ -305,13 +290,14 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
         hist += torch.bincount(codes.flatten().cpu(), minlength=cfg.codebook_size)
         bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.steps:
-            with torch.no_grad():
-                batch_psnr = 10 * math.log10(4.0 / max(err.pow(2).mean().item(), 1e-10))
+            batch_psnr = 10 * math.log10(4.0 / max(err.detach().pow(2).mean().item(), 1e-10))
             used = (hist > 0).float().mean().item()
             show(loss=f"{loss.item():.4f}", batch_psnr=f"{batch_psnr:.1f}", usage=f"{used:.2f}")
             if writer is not None:
                 scalars = {"loss": loss.item(), "rec_loss": rec_loss.item(), "quant_loss": float(aux),
-                           "psnr": batch_psnr, "usage": used, "lr": lr, **({"d_loss": d_loss.item()} if gan_on else {})}
+                           "psnr": batch_psnr, "usage": used, "lr": lr}
+                if gan_on:
+                    scalars["d_loss"] = d_loss.item()
                 for k, v in scalars.items():
                     writer.add_scalar(f"train/{k}", v, step)
             hist.zero_()

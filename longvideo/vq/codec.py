@@ -1,13 +1,10 @@
-"""uint8 frames <-> codes, batched and streaming.
+"""uint8 frames <-> codes, batched and streaming (docs/vq.md, "Python API").
 
     codes = encode_video(vq, frames)           # frames uint8 (T, H, W, 3) or an iterable of chunks
     frames = decode_codes(vq, codes)           # codes (G, h, w) -> uint8 (T', H, W, 3)
 
-Memory: encoding holds at most `batch_frames` input frames (plus, in causal3d, the few frames of
-carry each temporal convolution keeps) whatever the video's length; only the codes accumulate.
-In causal3d the video is cut after frame 0 and then on group boundaries (multiples of t), so the
-codes are those of the whole video encoded at once. Encoding runs the model in eval mode under
-no_grad and is deterministic.
+Encoding holds at most `batch_frames` frames (plus the causal3d carries); in causal3d the video is
+cut after frame 0 and then on group boundaries, so the codes are those of the whole video at once.
 """
 
 from __future__ import annotations
@@ -58,10 +55,12 @@ def _chunks(frames: Frames, res: int) -> Iterator[torch.Tensor]:
 
 
 def frames_to_input(frames: torch.Tensor, device, *, as_clip: bool) -> torch.Tensor:
-    """uint8 (T, H, W, 3) -> float in [-1, 1]: (1, 3, T, H, W) as one clip, else (T, 3, 1, H, W)."""
+    """uint8 (T, H, W, 3) -> float in [-1, 1]: (1, 3, T, H, W) as one clip, else (T, 3, 1, H, W);
+    clips (B, L, H, W, 3) -> (B, 3, L, H, W)."""
     x = frames.to(device, non_blocking=True).float().div_(127.5).sub_(1.0)
     if as_clip:
-        return x.permute(3, 0, 1, 2).unsqueeze(0)
+        x = x.movedim(-1, -4)
+        return x if x.ndim == 5 else x.unsqueeze(0)
     return x.permute(0, 3, 1, 2).unsqueeze(2)
 
 
@@ -129,13 +128,9 @@ def _empty_codes(vq: VQModel) -> torch.Tensor:
 
 @torch.no_grad()
 def encode_video(vq: VQModel, frames: Frames, *, batch_frames: int = 16) -> torch.Tensor:
-    """Codes of a video: LongTensor (G, h, w) on the CPU.
-
-    frames: uint8 (T, H, W, 3) with H = W = vq.cfg.resolution, or an iterable of such chunks
-    (any chunk lengths). G = T in 2d mode; in causal3d G = 1 + ceil((T - 1) / t), the last
-    group padded by repeating the last frame. At most `batch_frames` frames are encoded at once
-    (causal3d needs batch_frames >= t).
-    """
+    """Codes of a video, LongTensor (G, h, w) on the CPU, from uint8 frames (T, R, R, 3) or an
+    iterable of such chunks: G = T in 2d, 1 + ceil((T - 1) / t) in causal3d (the last group padded by
+    repeating the last frame). At most `batch_frames` (>= t in causal3d) are encoded at once."""
     _check_batch(vq, batch_frames)
     state: dict = {}
     # one buffer that doubles when full instead of a list of small per-piece tensors: thousands of
@@ -153,17 +148,10 @@ def encode_video(vq: VQModel, frames: Frames, *, batch_frames: int = 16) -> torc
 
 
 class SplicingEncoder:
-    """Codes of one video with a few frames replaced, without encoding the whole video again.
-
-        enc = SplicingEncoder(vq, frames)            # encodes once, keeping the temporal context
-        codes = enc.codes_with({k: flash_frame})     # exact: equal to encode_video of the edited video
-
-    2d mode re-encodes the replaced frames only. In causal3d a replaced frame changes the codes of
-    its group and of the few groups its temporal receptive field reaches: encoding resumes from the
-    saved context at the piece holding the first replaced frame and stops at the first piece
-    boundary where the context equals the original video's again (compared exactly), so the result
-    is bitwise what encoding the edited video from the start gives.
-    """
+    """Codes of one video with a few frames replaced, without encoding it all again (docs/vq.md,
+    "Splicing"): `SplicingEncoder(vq, frames).codes_with({k: frame})` equals encode_video of the edited
+    video bitwise. In causal3d, encoding resumes from the context saved before the first edited piece
+    and stops where the context equals the original's again."""
 
     @torch.no_grad()
     def __init__(self, vq: VQModel, frames: torch.Tensor, *, batch_frames: int = 16):
@@ -252,11 +240,8 @@ def iter_decode(vq: VQModel, codes, *, batch_groups: int = 16) -> Iterator[torch
 
 
 def decode_codes(vq: VQModel, codes, *, batch_groups: int = 16) -> torch.Tensor:
-    """Frames of codes (G, h, w): uint8 (T', H, W, 3); T' = G in 2d, 1 + t (G - 1) in causal3d.
-
-    In causal3d the frames of a padded last group are included; trim to the source length with
-    `vq.group_frame_index(T)` when it is known.
-    """
+    """Frames of codes (G, h, w): uint8 (T', H, W, 3); T' = G in 2d, 1 + t (G - 1) in causal3d, a
+    padded last group included (`vq.group_frame_index(T)` trims to a known source length)."""
     parts = list(iter_decode(vq, codes, batch_groups=batch_groups))
     if not parts:
         r = vq.cfg.resolution

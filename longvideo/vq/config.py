@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from longvideo.configtools import (apply_overrides, check, check_at_least, check_positive, from_dict, load_yaml,
-                                   resolve_config_path)
+from longvideo.configtools import (apply_overrides, check, check_at_least, check_positive, from_dict,
+                                   load_yaml, resolve_config_path)
 
 
 def _is_pow2(n: int) -> bool:
@@ -139,8 +139,8 @@ class VQConfig:
         check_positive(self, "resolution", "channels", "codebook_dim", "disc_channels", "steps", "lr", "fps")
         check_at_least(self, 0, "num_res_blocks", "dead_code_threshold", "l1_weight", "l2_weight",
                        "commit_weight", "disc_weight", "disc_start", "warmup_steps", "grad_clip")
-        check_at_least(self, 1, "temporal_downsample", "batch_size", "clip_groups", "eval_every", "eval_frames",
-                       "log_every", "save_every", "max_frames_per_video", "pool_frames")
+        check_at_least(self, 1, "temporal_downsample", "batch_size", "clip_groups", "eval_every",
+                       "eval_frames", "log_every", "save_every", "max_frames_per_video", "pool_frames")
         check(_is_pow2(self.downsample) and self.downsample >= 2, "downsample",
               f"must be a power of 2 >= 2, got {self.downsample}")
         check(self.resolution % self.downsample == 0, "downsample",

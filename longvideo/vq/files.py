@@ -1,8 +1,5 @@
-"""The files of a saved video tokenizer: `config.json` (its VQConfig) and `model.safetensors`.
-
-Every implementation (`VQConfig.arch`) is saved and read the same way; `longvideo.vq.load_vq`
-builds the one the config names.
-"""
+"""The files of a saved video tokenizer, for every implementation (`VQConfig.arch`): `config.json` (its
+VQConfig) and `model.safetensors`; `longvideo.vq.load_vq` builds the one the config names."""
 
 from __future__ import annotations
 

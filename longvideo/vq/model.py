@@ -1,10 +1,5 @@
-"""VQModel: convolutional encoder -> quantizer -> decoder (VQGAN-style, no attention).
-
-2d mode: frames are coded one by one; a (H, W) frame becomes (H/f, W/f) codes.
-causal3d mode: the same network with causal temporal kernels and log2(t) temporal halvings in
-the deepest levels; frame 0 becomes code group 0 alone, then each t frames become one group.
-Pixels enter and leave as floats in [-1, 1] laid out (B, 3, T, H, W).
-"""
+"""VQModel: convolutional encoder -> quantizer -> decoder (VQGAN-style, no attention; docs/vq.md).
+Pixels enter and leave as floats in [-1, 1] laid out (B, 3, T, H, W)."""
 
 from __future__ import annotations
 
@@ -37,13 +32,9 @@ class Head(nn.Module):
 
 
 def _plan(cfg: VQConfig) -> tuple[list[int], list[int], list[bool]]:
-    """Widths per level, temporal kernel size per level, and which halvings also halve time.
-
-    Time is halved in the deepest levels, where tensors (and streaming carries) are smallest.
-    Residual blocks mix time (kernel kt > 1) from the first level that halves time downwards;
-    shallower, full-resolution levels work on each frame alone, which keeps the causal 3D model's
-    cost near the 2D one's (a 3 x 3 x 3 kernel at 256 x 256 costs three 2D convolutions).
-    """
+    """Widths per level, temporal kernel size per level, and which halvings also halve time: the
+    deepest ones, where tensors and carries are smallest. Residual blocks mix time from the first
+    such level down; the full-resolution levels work per frame, keeping causal3d's cost near 2d's."""
     widths = [cfg.channels * m for m in cfg.channel_mult]
     levels = len(widths) - 1
     t_levels = int(math.log2(cfg.temporal_downsample)) if cfg.mode == "causal3d" else 0

@@ -53,11 +53,8 @@ def diffusers_config(cfg: VQConfig) -> dict:
 
 
 class LWMVQGAN(nn.Module):
-    """LWM's VQGAN (a diffusers VQModel in `.net`) with the interface of longvideo.vq.VQModel.
-
-    Pixels enter and leave as floats in [-1, 1] laid out (B, 3, T, H, W); every frame is coded
-    alone (2d mode), so a code group is one frame.
-    """
+    """LWM's VQGAN (a diffusers VQModel in `.net`) with the interface of longvideo.vq.VQModel: pixels
+    in [-1, 1] laid out (B, 3, T, H, W), every frame coded alone (a code group is one frame)."""
 
     def __init__(self, cfg: VQConfig):
         super().__init__()
@@ -74,10 +71,8 @@ class LWMVQGAN(nn.Module):
 
     # --- tensors in [-1, 1] ---
     def encode(self, x: torch.Tensor, state: Optional[dict] = None):
-        """(B, 3, T, H, W) -> latents zq (B, D, T, h, w), codes (B, T, h, w), auxiliary loss (0).
-
-        Codes are the nearest codebook entries of the encoder's output (LWM's quantizer); zq are
-        those entries."""
+        """(B, 3, T, H, W) -> latents zq (B, D, T, h, w), codes (B, T, h, w), auxiliary loss (0): the
+        nearest codebook entries of the encoder's output, as LWM's quantizer picks them."""
         B, C, T, H, W = x.shape
         frames = x.movedim(2, 1).reshape(B * T, C, H, W).to(self.codebook.dtype)
         z = self.net.encode(frames).latents  # (B T, D, h, w): encoder, then quant_conv
