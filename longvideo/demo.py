@@ -1,19 +1,13 @@
 """`make demo`: train a tiny long-video model on CPU from nothing and question it on unseen videos.
 
-Every stage runs the command a user would type: make-data (synthetic mp4 shards with captions, QA
-and a needle frame), a byte-level BPE text tokenizer, train-vq, tokenize, train (a context ladder of
-stage configs, each rung from the previous one's weights, the long rungs with ring attention over 2
-processes), eval on held-out videos, export (reloaded with transformers) and chat. What runs is a
-plan file (configs/demos/*.yaml, or your own: --plan); stages whose outputs exist are skipped, so
-an interrupted demo continues where it stopped.
+Every stage runs the command a user would type (docs/demo.md). What runs is a plan file
+(configs/demos/*.yaml, or your own: --plan); stages whose outputs exist are skipped, so an
+interrupted demo continues where it stopped.
 
     python -m longvideo.demo                 # configs/demos/demo.yaml (about half an hour on 2 cores)
     python -m longvideo.demo --quick         # configs/demos/demo-quick.yaml, the CI-sized version
     python -m longvideo.demo --hour          # configs/demos/demo-hour.yaml (make demo-hour)
-    python -m longvideo.demo --plan my-plan.yaml
-    python -m longvideo.demo --seed 1 --inputs-from runs/demo --out runs/demo-seed1
-                                             # the language model again with another seed, on the
-                                             # first run's videos, tokenizers and token shards
+    python -m longvideo.demo --seed 1 --inputs-from runs/demo --out runs/demo-seed1   # another LM seed
 """
 
 from __future__ import annotations
@@ -318,28 +312,23 @@ class Demo:
         else:
             self.lv(*needle)
 
-    def held_out_video(self) -> tuple[Path, dict]:
-        """One held-out needle video, written as a plain mp4 file (what a user would bring)."""
+    def chat(self) -> None:
+        """A held-out needle video, as a plain mp4 file (what a user would bring), questioned through
+        `longvideo chat` and through plain transformers."""
         spec = SyntheticSpec(fps=self.plan.source_fps, min_seconds=self.plan.chat_seconds,
                              max_seconds=self.plan.chat_seconds, needle_fraction=1.0, long_fraction=0.0)
         sample = make_sample(seed=7, index=0, spec=spec)
-        path = self.out / "held_out.mp4"
-        path.write_bytes(sample.mp4())
-        return path, sample.meta
-
-    def chat(self) -> None:
-        video, meta = self.held_out_video()
-        question = meta["qa"][0]["question"]
-        self.lv("chat", "--model", self.out / "hf", "--video", video, "--fps", 1, "--question", question,
+        video, qa = self.out / "held_out.mp4", sample.meta["qa"][0]
+        video.write_bytes(sample.mp4())
+        self.lv("chat", "--model", self.out / "hf", "--video", video, "--fps", 1, "--question", qa["question"],
                 "--max-new-tokens", 8, *self.q)
-        print(f"(the true answer: {meta['qa'][0]['answer']})", flush=True)
-        self.transformers_answer(video, question, meta["qa"][0]["answer"])
+        print(f"(the true answer: {qa['answer']})", flush=True)
+        self.transformers_answer(video, qa["question"], qa["answer"])
 
     def transformers_answer(self, video: Path, question: str, truth: str) -> None:
         """Reload the export with plain transformers and answer through LongVideoProcessor."""
         import torch
         from transformers import AutoModelForCausalLM
-
         # an export with its own transformers code (attn_logn_base) names it in config.json's auto_map
         remote = "auto_map" in json.loads((self.out / "hf/config.json").read_text())
         model = AutoModelForCausalLM.from_pretrained(self.out / "hf", trust_remote_code=remote)

@@ -1,7 +1,6 @@
 """Ring attention for transformers decoders, through transformers' own extension points.
 
     from longvideo.hf import enable_ring_attention, shard_batch
-
     enable_ring_attention(group)                                   # once per process
     # or enable_ring_attention(group, ulysses_size=4): heads all-to-all in groups of 4, ring across
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="ring")
@@ -88,7 +87,6 @@ class DeferredMask:
 
     def materialize(self):
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
         return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**self.kwargs)
 
     def __repr__(self) -> str:
@@ -110,7 +108,6 @@ def _refuse(what: str) -> RingAttentionUnsupported:
 def _plain_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' sdpa attention, with the mask transformers' sdpa mask function builds."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     if isinstance(attention_mask, DeferredMask):
         attention_mask = attention_mask.materialize()
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
@@ -197,7 +194,6 @@ def enable_ring_attention(group, *, backend: str = "auto", name: str = RING, uly
     ulysses_size U > 1: heads all-to-all in groups of U neighbouring ranks, a ring across them
     (docs/hybrid.md); batches are sharded as for the ring."""
     from transformers import AttentionInterface, AttentionMaskInterface
-
     _group_size(group)  # a group without an initialised process group is an error here
     seam = RingAttentionSeam(group, backend, split_group(group, ulysses_size))
     AttentionInterface.register(name, seam_attention(seam, group))
@@ -368,7 +364,6 @@ class HFCausalLM(nn.Module):
         """Load a local transformers decoder for training; RingAttentionUnsupported when the ring could
         not compute it exactly. Its attention is sdpa until `set_attention`."""
         from transformers import AutoConfig, AutoModelForCausalLM
-
         check_model(AutoConfig.from_pretrained(path, local_files_only=True), seq_len=seq_len)
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dtype,
                                                      local_files_only=True)
@@ -378,7 +373,6 @@ class HFCausalLM(nn.Module):
     def set_attention(self, seam) -> None:
         """Compute the decoder's attention with `seam` (a project seam: ring or single-device)."""
         from transformers import AttentionInterface, AttentionMaskInterface
-
         name = f"{RING}_seam_{next(self._names)}"
         AttentionInterface.register(name, seam_attention(seam, getattr(seam, "group", None)))
         AttentionMaskInterface.register(name, ring_mask)

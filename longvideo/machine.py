@@ -23,7 +23,6 @@ def _cpuinfo() -> tuple[str, list[str]]:
 def matmul_gflops(seconds: float = 1.0, n: int = 512) -> float:
     """float32 n x n matmuls for about `seconds` on torch's threads: the rate in GFLOP/s."""
     import torch
-
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b  # warm the threads
     reps, t0 = 0, time.perf_counter()
@@ -35,7 +34,6 @@ def matmul_gflops(seconds: float = 1.0, n: int = 512) -> float:
 
 def machine_info(probe_seconds: float = 1.0) -> dict:
     import torch
-
     model, flags = _cpuinfo()
     return {"cpu": model, "vector": flags, "cores": os.cpu_count(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "matmul_gflops": round(matmul_gflops(probe_seconds), 1),

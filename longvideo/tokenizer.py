@@ -40,7 +40,6 @@ def _sentencepiece_model(hf):
 class TextTokenizer:
     def __init__(self, hf_tokenizer, layout: str = "longvideo"):
         from tokenizers import AddedToken
-
         self.hf = hf_tokenizer
         if layout not in LAYOUTS:
             raise TokenizerError(f"unknown vocabulary layout {layout!r}; expected one of {LAYOUTS}")
@@ -80,7 +79,6 @@ class TextTokenizer:
         """Load a local tokenizer directory: tokenizer.json, or only a LLaMA `tokenizer.model` (as LWM's
         releases ship it; converting it needs the `sentencepiece` package)."""
         from transformers import AutoTokenizer
-
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {path}")
@@ -88,7 +86,6 @@ class TextTokenizer:
             raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {path}")
         if not any((path / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json", "config.json")):
             from transformers import LlamaTokenizer
-
             try:
                 hf = LlamaTokenizer.from_pretrained(str(path), local_files_only=True)
             except ImportError as e:
@@ -145,16 +142,12 @@ class TextTokenizer:
         ids = [int(i) for i in ids if int(i) < known]  # drop VQ codes (and LWM's vision ids)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def __len__(self) -> int:
-        return len(self.hf)
-
 
 def train_text_tokenizer(texts: Iterable[str], vocab_size: int = 1024,
                          out_dir: Optional[str | Path] = None) -> TextTokenizer:
     """Train a byte-level BPE on `texts` (offline); round trips any string exactly."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-
     base_specials = ["<unk>", "<s>", "</s>", "<pad>"]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -194,12 +194,10 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
     writer = None
     if tensorboard:
         from torch.utils.tensorboard import SummaryWriter
-
         writer = SummaryWriter(str(out / "tb"))
 
     def run_eval() -> dict:
         from PIL import Image
-
         metrics, recon = evaluate(vq, eval_set)
         png = out / "samples" / f"step_{step:07d}.png"
         metrics = {"step": step, "seconds": round(elapsed, 2), **metrics}
@@ -238,7 +236,6 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
     last_weight = vq.decoder.layers[-1].conv.weight
 
     from tqdm import tqdm
-
     desc = "train-vq" + (f" (stops after {time_budget_s:g} s)" if time_budget_s else "")
     bar = tqdm(total=cfg.steps, initial=step, unit="step", desc=desc, disable=not progress)
     post: dict[str, str] = {}

@@ -44,7 +44,6 @@ def fsq_levels_for(codebook_size: int) -> tuple[int, ...] | None:
 
 @dataclass(frozen=True, kw_only=True)
 class VQConfig:
-    # --- shape ---
     arch: Literal["longvideo", "lwm-vqgan"] = "longvideo"
     """Implementation: the project's tokenizer, or LWM's VQGAN (diffusers' VQModel; inference only, see docs/lwm.md)."""
     mode: Literal["2d", "causal3d"] = "2d"
@@ -57,7 +56,6 @@ class VQConfig:
     """Causal-3D only: t frames per temporal group (a power of 2; the first frame is coded alone)."""
     codebook_size: int = 8192
     """Number of codes."""
-    # --- architecture ---
     patch_size: int = 1
     """Pixels folded into channels (space-to-depth) before the first conv; a power of 2 <= f."""
     channels: int = 128
@@ -68,7 +66,6 @@ class VQConfig:
     """Residual blocks per level in the encoder and the decoder."""
     temporal_kernel: int = 3
     """Causal-3D only: temporal size of the residual convolutions' kernels."""
-    # --- quantizer ---
     quantizer: Literal["fsq", "vq"] = "fsq"
     """fsq: finite scalar quantisation; vq: l2-normalised codebook with EMA updates and restarts."""
     fsq_levels: tuple[int, ...] = ()
@@ -79,7 +76,6 @@ class VQConfig:
     """VQ only: decay of the codebook's moving averages."""
     dead_code_threshold: float = 0.05
     """VQ only: a code whose EMA assignments per step drop below this restarts on an encoder output."""
-    # --- losses ---
     l1_weight: float = 1.0
     """Weight of the L1 reconstruction loss (pixels in [-1, 1])."""
     l2_weight: float = 1.0
@@ -92,7 +88,6 @@ class VQConfig:
     """Step from which the discriminator trains and its loss reaches the generator."""
     disc_channels: int = 64
     """Width of the patch discriminator's first layer."""
-    # --- training ---
     steps: int = 20000
     """Optimizer steps."""
     lr: float = 2e-4

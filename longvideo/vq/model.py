@@ -113,7 +113,6 @@ class VQModel(nn.Module):
         self.quantizer = build_quantizer(cfg)
         self.decoder = Decoder(cfg)
 
-    # --- tensors in [-1, 1] ---
     def encode(self, x: torch.Tensor, state: dict | None = None):
         """(B, 3, T, H, W) -> latents zq (B, D, G, h, w), codes (B, G, h, w), auxiliary loss."""
         z = self.encoder(x, state)
@@ -136,7 +135,6 @@ class VQModel(nn.Module):
         zq, codes, aux = self.encode(x)
         return self.decode(zq), codes, aux
 
-    # --- layout ---
     def group_frame_index(self, num_frames: int) -> list[list[int]]:
         """The source frames each code group covers (padding frames excluded)."""
         if self.cfg.mode == "2d":
@@ -147,7 +145,6 @@ class VQModel(nn.Module):
             out.append(list(range(start, min(start + t, num_frames))))
         return out
 
-    # --- files ---
     def save(self, out_dir: str | Path) -> None:
         """Write `model.safetensors` and `config.json` into out_dir."""
         save_vq(self, self.cfg, out_dir)

@@ -64,7 +64,6 @@ def labelled_grid(orig: torch.Tensor, recon: torch.Tensor, *, step: int, psnr: f
     originals above their reconstructions, each with its PSNR (red below the untrained model's).
     orig/recon: frames (N, H, W, 3), rows of max_cols, or clips (C, L, H, W, 3), one per row."""
     from PIL import Image, ImageDraw, ImageFont
-
     if orig.ndim == 4:
         n = orig.shape[0]
         cols = min(n, max_cols)

@@ -2,21 +2,9 @@
 
 LWM's taming-style VQGAN (lwm/vqgan.py of the LWM repository: no attention, a 1x1 quant_conv, a
 nearest-neighbour codebook, a 1x1 post_quant_conv, the mirrored decoder) is exactly diffusers'
-`VQModel` (the aMUSEd VQ-GAN), so the flax weights are mapped onto it (`state_dict_from_flax`), not
-re-implemented. `LWMVQGAN` has the interface of `longvideo.vq.VQModel` with LWM's pixels: uint8 /
-127.5 - 1 in, decoded pixels clipped to [-1, 1]. Inference only.
-
-The flax parameter tree (flax names compact submodules by class and creation order, so the
-decoder's `UpsamplingBlock_0` is its *deepest* level, as diffusers' `up_blocks.0`):
-
-    encoder/Conv_0, encoder/DownsamplingBlock_{i}/ResnetBlock_{j}/{GroupNorm_0,Conv_0,GroupNorm_1,Conv_1,Conv_2?},
-    encoder/DownsamplingBlock_{i}/Downsample_0/Conv_0, encoder/MidBlock_0/ResnetBlock_{0,1},
-    encoder/GroupNorm_0, encoder/Conv_1, quant_conv, quantize/embeddings, post_quant_conv,
-    decoder/Conv_0, decoder/MidBlock_0/ResnetBlock_{0,1}, decoder/UpsamplingBlock_{k}/ResnetBlock_{j},
-    decoder/UpsamplingBlock_{k}/Upsample_0/Conv_0, decoder/GroupNorm_0, decoder/Conv_1
-
-Convolution kernels are (kh, kw, in, out) there and (out, in, kh, kw) here; GroupNorm's scale is
-torch's weight.
+`VQModel` (the aMUSEd VQ-GAN), so the flax weights are mapped onto it (`state_dict_from_flax`, which
+names every flax path), not re-implemented. `LWMVQGAN` has the interface of `longvideo.vq.VQModel`
+with LWM's pixels: uint8 / 127.5 - 1 in, decoded pixels clipped to [-1, 1]. Inference only.
 """
 
 from __future__ import annotations
@@ -61,7 +49,6 @@ class LWMVQGAN(nn.Module):
         if cfg.arch != "lwm-vqgan":
             raise ConfigError("arch", f"LWMVQGAN implements arch lwm-vqgan, got {cfg.arch!r}")
         from diffusers import VQModel as DiffusersVQModel  # a heavy import, needed only here
-
         self.cfg = cfg
         self.net = DiffusersVQModel(**diffusers_config(cfg))
 
@@ -69,7 +56,6 @@ class LWMVQGAN(nn.Module):
     def codebook(self) -> torch.Tensor:
         return self.net.quantize.embedding.weight
 
-    # --- tensors in [-1, 1] ---
     def encode(self, x: torch.Tensor, state: Optional[dict] = None):
         """(B, 3, T, H, W) -> latents zq (B, D, T, h, w), codes (B, T, h, w), auxiliary loss (0): the
         nearest codebook entries of the encoder's output, as LWM's quantizer picks them."""
@@ -101,18 +87,14 @@ class LWMVQGAN(nn.Module):
         zq, codes, aux = self.encode(x)
         return self.decode(zq), codes, aux
 
-    # --- layout ---
     def group_frame_index(self, num_frames: int) -> list[list[int]]:
         """The source frames each code group covers: one frame each."""
         return [[i] for i in range(num_frames)]
 
-    # --- files ---
     def save(self, out_dir: str | Path) -> None:
         """Write `model.safetensors` and `config.json` (arch lwm-vqgan) into out_dir."""
         save_vq(self, self.cfg, out_dir)
 
-
-# ----------------------------------------------------------------------------- flax parameters
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, np.ndarray]:
     """'a/b/c' -> array of a nested dict of arrays."""
@@ -125,8 +107,7 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, np.ndarray]:
 
 
 def _levels(flat: dict[str, np.ndarray], pattern: str) -> list[int]:
-    found = {int(m.group(1)) for k in flat for m in [re.match(pattern, k)] if m}
-    return sorted(found)
+    return sorted({int(m.group(1)) for k in flat if (m := re.match(pattern, k))})
 
 
 def vq_config_from_flax(params: dict, base: Optional[VQConfig] = None) -> VQConfig:
@@ -160,12 +141,14 @@ def vq_config_from_flax(params: dict, base: Optional[VQConfig] = None) -> VQConf
 
 
 def _conv(flat, src: str) -> dict[str, torch.Tensor]:
+    """A flax conv (kernel (kh, kw, in, out)) as torch's weight (out, in, kh, kw) and bias."""
     k = np.asarray(flat[f"{src}/kernel"])
     return {"weight": torch.from_numpy(np.ascontiguousarray(k.transpose(3, 2, 0, 1))),
             "bias": torch.from_numpy(np.asarray(flat[f"{src}/bias"]))}
 
 
 def _norm(flat, src: str) -> dict[str, torch.Tensor]:
+    """A flax GroupNorm (scale, bias) as torch's (weight, bias)."""
     return {"weight": torch.from_numpy(np.asarray(flat[f"{src}/scale"])),
             "bias": torch.from_numpy(np.asarray(flat[f"{src}/bias"]))}
 
@@ -206,7 +189,9 @@ def state_dict_from_flax(params: dict, cfg: VQConfig) -> dict[str, torch.Tensor]
         for j in range(2):
             for sub, t in _resnet(flat, f"decoder/MidBlock_0/ResnetBlock_{j}").items():
                 parts[f"decoder.mid_block.resnets.{j}.{sub}"] = t
-        for k in range(n):  # UpsamplingBlock_k is created first for the deepest level, as up_blocks.k
+        # flax names compact submodules by class and creation order: UpsamplingBlock_k is created
+        # first for the deepest level, as diffusers' up_blocks.k
+        for k in range(n):
             for j in range(cfg.num_res_blocks + 1):
                 for sub, t in _resnet(flat, f"decoder/UpsamplingBlock_{k}/ResnetBlock_{j}").items():
                     parts[f"decoder.up_blocks.{k}.resnets.{j}.{sub}"] = t
