@@ -20,33 +20,22 @@ TMP_PREFIX = ".tmp_"
 """Prefix of temporary files and directories that a killed writer may leave behind."""
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Flush a directory entry (a rename inside it) to disk; a no-op where that is unsupported."""
-    try:
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file, or a directory's entries (a rename inside it), to disk; a no-op where that fails."""
+    with contextlib.suppress(OSError):
         fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def fsync_tree(root: str | os.PathLike) -> None:
     """fsync every file and directory under root (before a directory is renamed into place)."""
     for dirpath, _, files in os.walk(root):
         for name in files:
-            try:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass
-        fsync_dir(dirpath)
+            fsync_path(os.path.join(dirpath, name))
+        fsync_path(dirpath)
 
 
 @contextlib.contextmanager
@@ -68,7 +57,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", *, file_mode: int = 0o
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:

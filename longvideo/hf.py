@@ -231,9 +231,7 @@ def _active_window(cfg) -> Optional[int]:
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types is not None:
         return int(window) if "sliding_attention" in layer_types else None
-    if getattr(cfg, "use_sliding_window", None) is False:
-        return None
-    return int(window)
+    return None if getattr(cfg, "use_sliding_window", None) is False else int(window)
 
 
 def document_ids(position_ids: Tensor) -> Tensor:

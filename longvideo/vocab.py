@@ -89,9 +89,7 @@ class Vocab:
     @property
     def size(self) -> int:
         """Total number of ids (the LM's vocabulary size)."""
-        if self.is_lwm:
-            return self.text_size + self.vision_size
-        return self.vq_offset + self.codebook_size
+        return self.text_size + self.vision_size if self.is_lwm else self.vq_offset + self.codebook_size
 
     @property
     def video_end(self) -> int:

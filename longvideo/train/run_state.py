@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from longvideo.atomic import TMP_PREFIX, fsync_dir, fsync_tree, write_text_atomic
+from longvideo.atomic import TMP_PREFIX, fsync_path, fsync_tree, write_text_atomic
 from longvideo.checkpoint import CHECKPOINTS, CONFIG_FILE, LATEST, latest_checkpoint
 from longvideo.config import save_config
 
@@ -136,7 +136,7 @@ def save_training_checkpoint(*, engine, cfg, run_dir: Path, step: int, rank: int
             old = ckpts / f"{TMP_PREFIX}old_{name}"
             os.rename(final, old)
         os.rename(tmp, final)
-        fsync_dir(ckpts)
+        fsync_path(ckpts)
         write_text_atomic(ckpts / LATEST, name)  # last: the pointer only ever names complete dirs
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)

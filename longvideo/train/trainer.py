@@ -73,9 +73,7 @@ class SkippableAdamW(torch.optim.AdamW):
         self.skip = False
 
     def step(self, closure=None):
-        if self.skip:
-            return None
-        return super().step(closure)
+        return None if self.skip else super().step(closure)
 
 
 def _free_port() -> int:
