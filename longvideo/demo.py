@@ -320,8 +320,8 @@ class Demo:
         sample = make_sample(seed=7, index=0, spec=spec)
         video, qa = self.out / "held_out.mp4", sample.meta["qa"][0]
         video.write_bytes(sample.mp4())
-        self.lv("chat", "--model", self.out / "hf", "--video", video, "--fps", 1, "--question", qa["question"],
-                "--max-new-tokens", 8, *self.q)
+        self.lv("chat", "--model", self.out / "hf", "--video", video, "--fps", 1,
+                "--question", qa["question"], "--max-new-tokens", 8, *self.q)
         print(f"(the true answer: {qa['answer']})", flush=True)
         self.transformers_answer(video, qa["question"], qa["answer"])
 
