@@ -91,9 +91,7 @@ def _pieces(chunks: Iterator[torch.Tensor], sizes: Iterator[int]) -> Iterator[to
 def _piece_sizes(cfg, batch_frames: int) -> Iterator[int]:
     """Frames per encoder call: in causal3d, frame 0 plus whole groups, then whole groups (so the
     pieces cut the video on group boundaries, and the codes equal those of one whole-clip call)."""
-    if cfg.mode == "2d":
-        return repeat(batch_frames)
-    t = cfg.frames_per_group
+    t = cfg.frames_per_group  # 1 in 2d: batch_frames each time
     return chain([1 + ((batch_frames - 1) // t) * t], repeat((batch_frames // t) * t))
 
 
@@ -116,7 +114,7 @@ def _check_batch(vq: VQModel, batch_frames: int) -> None:
     if batch_frames < 1:
         raise ValueError(f"batch_frames must be >= 1, got {batch_frames}")
     t = vq.cfg.frames_per_group
-    if vq.cfg.mode != "2d" and batch_frames < t:
+    if batch_frames < t:
         raise ValueError(f"batch_frames must be >= temporal_downsample={t} in causal3d mode, "
                          f"got {batch_frames}")
 

@@ -200,12 +200,7 @@ class VQConfig:
 
     def num_groups(self, num_frames: int) -> int:
         """Code groups for a video of num_frames frames: T in 2d, 1 + ceil((T - 1) / t) in causal3d."""
-        if num_frames <= 0:
-            return 0
-        if self.mode == "2d":
-            return num_frames
-        t = self.temporal_downsample
-        return 1 + -(-(num_frames - 1) // t)
+        return 0 if num_frames <= 0 else 1 + -(-(num_frames - 1) // self.frames_per_group)
 
     def tokens_per_hour(self, fps: float = 1.0) -> int:
         """VQ codes for one hour of video sampled at `fps` (no special tokens)."""

@@ -136,14 +136,10 @@ class VQModel(nn.Module):
         return self.decode(zq), codes, aux
 
     def group_frame_index(self, num_frames: int) -> list[list[int]]:
-        """The source frames each code group covers (padding frames excluded)."""
-        if self.cfg.mode == "2d":
-            return [[i] for i in range(num_frames)]
-        t = self.cfg.temporal_downsample
-        out = [[0]] if num_frames > 0 else []
-        for start in range(1, num_frames, t):
-            out.append(list(range(start, min(start + t, num_frames))))
-        return out
+        """The source frames each code group covers (padding frames excluded): frame 0, then t at a time."""
+        t = self.cfg.frames_per_group
+        rest = [list(range(start, min(start + t, num_frames))) for start in range(1, num_frames, t)]
+        return [[0], *rest] if num_frames > 0 else []
 
     def save(self, out_dir: str | Path) -> None:
         """Write `model.safetensors` and `config.json` into out_dir."""
