@@ -142,6 +142,9 @@ class TextTokenizer:
         ids = [int(i) for i in ids if int(i) < known]  # drop VQ codes (and LWM's vision ids)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def __len__(self) -> int:
+        return len(self.hf)
+
 
 def train_text_tokenizer(texts: Iterable[str], vocab_size: int = 1024,
                          out_dir: Optional[str | Path] = None) -> TextTokenizer:
