@@ -70,6 +70,6 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         f.write(text)
 
 
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """JSON with indent=1 and sorted keys."""
-    write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
+def write_json_atomic(path: str | os.PathLike, obj, **dump_kwargs) -> None:
+    """JSON with indent=1 and sorted keys unless told otherwise."""
+    write_text_atomic(path, json.dumps(obj, **{"indent": 1, "sort_keys": True, **dump_kwargs}))
