@@ -1,8 +1,5 @@
-"""Lazy package surfaces: a package's public names are imported on first use.
-
-Package `__init__` files stay light this way, so that composing the root config (which imports
-each component's config module, and with it the component's package) never imports runtime code
-such as torch, decoders or DeepSpeed.
+"""Lazy package surfaces: a package's public names are imported on first use, so that composing the
+root config (which imports every component's package) never imports torch, decoders or DeepSpeed.
 
     __getattr__, __dir__ = lazy_exports(__name__, {"Transformer": "transformer", "X": "mod:Y", ...})
 """
@@ -22,15 +19,11 @@ def lazy_exports(package: str, table: dict[str, str]) -> tuple[Callable, Callabl
         if name in table:
             module, _, attr = table[name].partition(":")
             value = getattr(importlib.import_module(f"{package}.{module}"), attr or name)
-            globals_of(package)[name] = value  # later lookups skip this function
+            vars(sys.modules[package])[name] = value  # later lookups skip this function
             return value
         raise AttributeError(f"module '{package}' has no attribute '{name}'")
 
     def __dir__() -> list[str]:
-        return sorted(set(globals_of(package)) | set(table))
+        return sorted(set(vars(sys.modules[package])) | set(table))
 
     return __getattr__, __dir__
-
-
-def globals_of(package: str) -> dict:
-    return vars(sys.modules[package])

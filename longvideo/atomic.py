@@ -1,12 +1,10 @@
 """Atomic file writes: readers see the old file or the new one, never a partial one.
 
-    with atomic_open("out/shard.tar", "wb") as f:   # a temporary file beside the target...
-        f.write(...)                                  # ...renamed over it when the block ends cleanly
+    with atomic_open("out/shard.tar", "wb") as f:   # a temporary file beside the target, fsynced and
+        f.write(...)                                  # renamed over it when the block ends cleanly
     write_json_atomic("out/stats.json", counts)
 
-The temporary file lives in the target's directory (so the rename never crosses file systems), is
-fsynced before the rename, and the directory is fsynced after it; an exception inside the block
-removes the temporary file and leaves the target untouched.
+The rename never crosses file systems; an exception inside the block leaves the target untouched.
 """
 
 from __future__ import annotations
@@ -22,33 +20,22 @@ TMP_PREFIX = ".tmp_"
 """Prefix of temporary files and directories that a killed writer may leave behind."""
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Flush a directory entry (a rename inside it) to disk; a no-op where that is unsupported."""
-    try:
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file, or a directory's entries (a rename inside it), to disk; a no-op where that fails."""
+    with contextlib.suppress(OSError):
         fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def fsync_tree(root: str | os.PathLike) -> None:
     """fsync every file and directory under root (before a directory is renamed into place)."""
     for dirpath, _, files in os.walk(root):
         for name in files:
-            try:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass
-        fsync_dir(dirpath)
+            fsync_path(os.path.join(dirpath, name))
+        fsync_path(dirpath)
 
 
 @contextlib.contextmanager
@@ -70,7 +57,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", *, file_mode: int = 0o
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
@@ -85,6 +72,4 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 def write_json_atomic(path: str | os.PathLike, obj, **dump_kwargs) -> None:
     """JSON with indent=1 and sorted keys unless told otherwise."""
-    dump_kwargs.setdefault("indent", 1)
-    dump_kwargs.setdefault("sort_keys", True)
-    write_text_atomic(path, json.dumps(obj, **dump_kwargs))
+    write_text_atomic(path, json.dumps(obj, **{"indent": 1, "sort_keys": True, **dump_kwargs}))

@@ -1,32 +1,22 @@
 """The checkpoint formats on disk, in one place: what training writes, what export and chat read.
 
-A *project checkpoint* is a directory
+    project checkpoint    config.yaml (the root Config), model.safetensors (own names, unsharded; a tied
+                          head stored once, as the embedding), optional tokenizer/ and vq/
+    training run          checkpoints/step_NNNNNN/ (a project checkpoint plus the trainer's state) and
+                          checkpoints/latest (docs/training.md, "Checkpoints")
+    exported directory    a plain LlamaForCausalLM for transformers, plus longvideo.yaml, vq/ and a
+                          processor config (docs/export.md)
 
-    config.yaml            the root Config
-    model.safetensors      the model's parameters under its own names, unsharded; a tied output
-                           head is stored once (as the embedding) and re-tied on load
-    tokenizer/, vq/        optional: the text tokenizer and the VQ video tokenizer
-
-A *training run* (`train.out_dir`) holds `checkpoints/step_NNNNNN/` (each a project checkpoint plus
-the trainer's state) and `checkpoints/latest`, a file naming the newest complete one; anything that
-reads a checkpoint also accepts a run directory. When a training checkpoint was written without
-model.safetensors (train.save_weights=false), the ZeRO shards are consolidated to fp32 with
-DeepSpeed's utility (it reads torch pickles: only load runs you wrote).
-
-An *exported directory* is what `transformers.AutoModelForCausalLM.from_pretrained` loads with no
-custom code: a plain LlamaForCausalLM (config.json, model.safetensors under transformers' names,
-the tokenizer files), plus `longvideo.yaml` (the root Config), `vq/` and a processor config.
-
-`load_pretrained` reads all three kinds. Writes are atomic (longvideo.atomic): an interrupted save
-leaves the previous files intact. Weights are read with safetensors only. `StreamingWeights` writes a
-safetensors file tensor by tensor (in pieces, in any order) for weights too large to hold twice in
-memory (LWM import, export).
+`load_pretrained` reads all three. Writes are atomic (longvideo.atomic); weights are read with
+safetensors only, except a training checkpoint without model.safetensors (train.save_weights=false),
+whose ZeRO shards DeepSpeed consolidates from torch pickles: only load runs you wrote.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,9 +47,6 @@ class CheckpointError(ValueError):
     """A checkpoint does not match what the config (or the format) says it should hold."""
 
 
-# ----------------------------------------------------------------------------- weights
-
-
 def untie(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The state dict as stored: a tied head is dropped (it is the embedding)."""
     return {k: v for k, v in sd.items() if not (cfg.tie_embeddings and k == TIED_HEAD)}
@@ -80,15 +67,10 @@ def build_model(cfg: Config) -> Transformer:
                        backend=cfg.parallel.backend)
 
 
-def meta_model(cfg: ModelConfig) -> Transformer:
-    """A model on the meta device: shapes without memory."""
-    with torch.device("meta"):
-        return Transformer(cfg)
-
-
 def check_shapes(sd: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> None:
     """Every tensor the config expects, with its shape, and nothing else; else CheckpointError."""
-    expected = meta_model(cfg).state_dict()
+    with torch.device("meta"):  # shapes without memory
+        expected = Transformer(cfg).state_dict()
     missing = sorted(set(expected) - set(sd))
     if missing:
         raise CheckpointError(f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -128,7 +110,7 @@ class StreamingWeights:
         for name, (dtype, shape) in sorted(self.specs.items(), key=lambda kv: -_itemsize(kv[1][0])):
             if dtype not in SAFETENSORS_DTYPES:
                 raise CheckpointError(f"tensor '{name}': dtype {dtype} cannot be stored in safetensors")
-            nbytes = _numel(shape) * _itemsize(dtype)
+            nbytes = math.prod(shape) * _itemsize(dtype)
             header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
                             "data_offsets": [pos, pos + nbytes]}
             self.offsets[name] = pos
@@ -148,7 +130,7 @@ class StreamingWeights:
         dtype, shape = self.specs[name]
         if tensor.dtype != dtype:
             raise CheckpointError(f"tensor '{name}' is {dtype} in the header, got {tensor.dtype}")
-        n, size = tensor.numel(), _numel(shape)
+        n, size = tensor.numel(), math.prod(shape)
         if at < 0 or at + n > size:
             raise CheckpointError(f"tensor '{name}': elements [{at}, {at + n}) outside its {size}")
         item = _itemsize(dtype)
@@ -165,17 +147,10 @@ class StreamingWeights:
                     what = "overlap" if a < end else "a gap"
                     raise CheckpointError(f"tensor '{name}': its pieces leave {what} at element {min(a, end)}")
                 end = b
-            if end != _numel(self.specs[name][1]):
-                raise CheckpointError(f"tensor '{name}': only {end} of {_numel(self.specs[name][1])} elements written")
+            if end != (size := math.prod(self.specs[name][1])):
+                raise CheckpointError(f"tensor '{name}': only {end} of {size} elements written")
         self.f.seek(self.base + self.total)
         self.f.truncate()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -190,9 +165,6 @@ def streaming_weights(path: str | Path, specs: dict[str, tuple[torch.dtype, tupl
         w = StreamingWeights(f, specs, metadata)
         yield w
         w.close()
-
-
-# ----------------------------------------------------------------------------- project checkpoints
 
 
 def save_project_checkpoint(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg: Config,
@@ -223,16 +195,13 @@ def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
     return None
 
 
-def _has_engine_files(path: Path) -> bool:
-    return any(path.glob("*model_states.pt"))
-
-
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory from a checkpoint dir, a run dir or a checkpoints dir."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    if (path / CONFIG_FILE).is_file() and ((path / WEIGHTS_FILE).is_file() or _has_engine_files(path)):
+    engine_files = any(path.glob("*model_states.pt"))
+    if (path / CONFIG_FILE).is_file() and ((path / WEIGHTS_FILE).is_file() or engine_files):
         return path
     ckpt = latest_checkpoint(path)
     if ckpt is None:
@@ -253,19 +222,12 @@ def load_project_state(path: str | Path) -> tuple[dict[str, torch.Tensor], Confi
     return tie(sd, cfg.model), cfg
 
 
-# ----------------------------------------------------------------------------- exported (transformers) layout
-
-_LAYER_MAP = {  # ours -> transformers, per layer
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wv.weight": "self_attn.v_proj.weight",
-    "attn.wo.weight": "self_attn.o_proj.weight",
-    "ffn.w_gate.weight": "mlp.gate_proj.weight",
-    "ffn.w_up.weight": "mlp.up_proj.weight",
-    "ffn.w_down.weight": "mlp.down_proj.weight",
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
+_LAYER_MAP = {  # ours -> transformers' LlamaForCausalLM, per layer
+    "attn.wq.weight": "self_attn.q_proj.weight", "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight", "attn.wo.weight": "self_attn.o_proj.weight",
+    "ffn.w_gate.weight": "mlp.gate_proj.weight", "ffn.w_up.weight": "mlp.up_proj.weight",
+    "ffn.w_down.weight": "mlp.down_proj.weight", "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight"}
 _TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
             TIED_HEAD: "lm_head.weight"}
 
@@ -292,13 +254,11 @@ def from_hf_names(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
     for name, t in sd.items():
         if "rotary_emb" in name:
             continue  # a buffer some versions save; recomputed from the config
+        parts = name.split(".", 3)  # model.layers.N.rest
         if name in inv_top:
             out[inv_top[name]] = t
-        elif name.startswith("model.layers."):
-            _, _, idx, rest = name.split(".", 3)
-            if rest not in inv_layer:
-                raise CheckpointError(f"unexpected tensor '{name}' in the Hugging Face checkpoint")
-            out[f"layers.{idx}.{inv_layer[rest]}"] = t
+        elif parts[:2] == ["model", "layers"] and len(parts) == 4 and parts[3] in inv_layer:
+            out[f"layers.{parts[2]}.{inv_layer[parts[3]]}"] = t
         else:
             raise CheckpointError(f"unexpected tensor '{name}' in the Hugging Face checkpoint")
     if not cfg.tie_embeddings and TIED_HEAD not in out:
@@ -323,14 +283,6 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"no {WEIGHTS_FILE} (or model.safetensors.index.json) in {path}")
 
 
-def is_exported(path: str | Path) -> bool:
-    path = Path(path)
-    return (path / EXPORT_CONFIG).is_file() and (path / "config.json").is_file()
-
-
-# ----------------------------------------------------------------------------- loading anything
-
-
 @dataclass
 class Pretrained:
     """A loaded model with what it needs to read videos and text."""
@@ -342,19 +294,15 @@ class Pretrained:
     path: Optional[Path] = None
 
 
-def _has_tokenizer(path: Optional[Path]) -> bool:
-    return path is not None and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
-
-
 def load_pretrained(path: str | Path, device: str | torch.device = "cpu") -> Pretrained:
     """Load a project checkpoint, a training run, or an exported Hugging Face directory (eval mode)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model directory not found: {path}")
-    if is_exported(path):
+    if (path / EXPORT_CONFIG).is_file() and (path / "config.json").is_file():  # an exported directory
         cfg = load_config(path / EXPORT_CONFIG)
         sd = from_hf_names(read_safetensors_dir(path), cfg.model)
-        tok_dir: Optional[Path] = path
+        tok_dir = path
     else:
         sd, cfg = load_project_state(path)
         tok_dir = path / TOKENIZER_DIR
@@ -362,6 +310,7 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu") -> Pre
     model = build_model(cfg)
     model.load_state_dict(sd)
     model.to(device).eval()
-    tokenizer = TextTokenizer.from_dir(tok_dir, cfg.model.vocab_layout) if _has_tokenizer(tok_dir) else None
+    has_tokenizer = any((tok_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+    tokenizer = TextTokenizer.from_dir(tok_dir, cfg.model.vocab_layout) if has_tokenizer else None
     vq = load_vq(path / VQ_DIR) if (path / VQ_DIR).is_dir() else None
     return Pretrained(model=model, config=cfg, tokenizer=tokenizer, vq=vq, path=path)

@@ -1,8 +1,5 @@
-"""`longvideo <command> ...`: one entry point; each command lives in its own package.
-
-Commands are looked up lazily so that `longvideo --help` stays fast and a command only imports
-what it needs. Each target is a function `main(argv: list[str]) -> int`.
-"""
+"""`longvideo <command> ...`: one entry point. Commands are imported lazily (`--help` stays fast);
+each target is a function `main(argv: list[str]) -> int`."""
 
 from __future__ import annotations
 

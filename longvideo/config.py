@@ -24,6 +24,7 @@ from longvideo.parallel.config import ParallelConfig, RuntimeConfig
 from longvideo.train.config import TrainConfig
 from longvideo.vq.config import VQConfig
 
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     name: str = "unnamed"

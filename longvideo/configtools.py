@@ -1,16 +1,11 @@
-"""Typed, frozen configuration: build dataclasses from YAML dicts and dotted overrides.
-
-Every component owns one frozen, keyword-only dataclass (``ModelConfig``, ``VQConfig``, ...).
-This module turns plain dicts into those dataclasses and rejects, before anything runs:
-
-* unknown keys (the error names the dotted key and lists the allowed ones),
-* values of the wrong type (the error names the key, the expected type and the value),
-* inconsistent values (each ``__post_init__`` raises :class:`ConfigError` naming its key).
-"""
+"""Typed, frozen configuration: one keyword-only dataclass per component, built from YAML dicts and
+dotted overrides. Unknown keys, wrong types and inconsistent values (each ``__post_init__``) raise
+:class:`ConfigError` naming the dotted key, before anything runs (docs/configs.md)."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -37,6 +32,18 @@ def check(condition: bool, key: str, message: str) -> None:
         raise ConfigError(key, message)
 
 
+def check_positive(cfg, *keys: str) -> None:
+    """check() that each named field of cfg is > 0 ("must be positive")."""
+    for key in keys:
+        check(getattr(cfg, key) > 0, key, "must be positive")
+
+
+def check_at_least(cfg, low: int, *keys: str) -> None:
+    """check() that each named field of cfg is >= low ("must be >= 0", "must be >= 1")."""
+    for key in keys:
+        check(getattr(cfg, key) >= low, key, f"must be >= {low}")
+
+
 def field_docs(cls) -> dict[str, str]:
     """The one-line docstring written under each field of a config dataclass."""
     try:
@@ -44,13 +51,9 @@ def field_docs(cls) -> dict[str, str]:
     except (OSError, TypeError):
         return {}
     body = ast.parse(src).body[0].body
-    docs = {}
-    for a, b in zip(body, body[1:]):
-        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name):
-            if isinstance(b, ast.Expr) and isinstance(getattr(b, "value", None), ast.Constant):
-                if isinstance(b.value.value, str):
-                    docs[a.target.id] = b.value.value.strip()
-    return docs
+    return {a.target.id: b.value.value.strip() for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)}
 
 
 def _type_name(tp: Any) -> str:
@@ -67,6 +70,10 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+_PLAIN = {bool: "true or false", str: "a string", dict: "a mapping"}
+"""Annotations whose values are taken as they are, and what a wrong value's error expects."""
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check `value` against annotation `tp`; return it (tuples for sequences). Raise ConfigError."""
     origin = get_origin(tp)
@@ -77,12 +84,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(key, f"got {value!r}; allowed: {_type_name(tp)}")
     if origin in (Union, types.UnionType):
-        errors = []
         for arg in get_args(tp):
-            try:
+            with contextlib.suppress(ConfigError):
                 return _coerce(value, arg, key)
-            except ConfigError as e:
-                errors.append(e)
         raise ConfigError(key, f"got {value!r}; expected {_type_name(tp)}")
     if tp is type(None):
         if value is None:
@@ -100,10 +104,6 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(key, f"got {value!r}; expected a mapping for {tp.__name__}")
         return from_dict(tp, value, prefix=key)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(key, f"got {value!r}; expected true or false")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -119,14 +119,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ValueError:
                 pass
         raise ConfigError(key, f"got {value!r}; expected a number")
-    if tp is str:
-        if isinstance(value, str):
+    plain = dict if origin is dict else tp
+    if plain in _PLAIN:
+        if isinstance(value, plain):
             return value
-        raise ConfigError(key, f"got {value!r}; expected a string")
-    if tp is dict or origin is dict:
-        if isinstance(value, dict):
-            return value
-        raise ConfigError(key, f"got {value!r}; expected a mapping")
+        raise ConfigError(key, f"got {value!r}; expected {_PLAIN[plain]}")
     raise ConfigError(key, f"unsupported annotation {tp!r}")
 
 
@@ -153,17 +150,13 @@ def from_dict(cls, data: dict, prefix: str = ""):
         raise
 
 
-def to_dict(cfg) -> dict:
+def to_dict(cfg) -> Any:
     """Plain nested dict (tuples as lists) of a config dataclass, suitable for YAML/JSON."""
-
-    def conv(v):
-        if dataclasses.is_dataclass(v):
-            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v) if f.init}
-        if isinstance(v, (list, tuple)):
-            return [conv(x) for x in v]
-        return v
-
-    return conv(cfg)
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.init}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(x) for x in cfg]
+    return cfg
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -195,9 +188,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-"""Where the shipped configs are: `longvideo/configs/` in an installed wheel (the top-level configs/
-folder is installed as the package `longvideo.configs`, see pyproject.toml), else the checkout's
-top-level configs/ (source tree and editable installs)."""
+"""The shipped configs: `longvideo/configs/` in a wheel (pyproject.toml installs the top-level configs/
+there), else the checkout's configs/ (source tree and editable installs)."""
 if not CONFIG_DIR.is_dir():
     CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -224,17 +216,11 @@ def load_yaml(path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(str(path), "a config file must hold a mapping")
     base = data.pop("base", None)
-    if base is not None:
-        merged = load_yaml(path.parent / base)
-        data = deep_merge(merged, data)
-    return data
+    return data if base is None else deep_merge(load_yaml(path.parent / base), data)
 
 
 def deep_merge(base: dict, update: dict) -> dict:
     out = dict(base)
     for k, v in update.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = v
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out

@@ -1,27 +1,13 @@
 """`make demo`: train a tiny long-video model on CPU from nothing and question it on unseen videos.
 
-Every stage runs the same command a user would type, so the demo is also a tour of the CLI:
-
-  1. make-data      synthetic mp4 shards (train and held-out) with captions, QA and a needle frame
-  2. tokenizer      a small byte-level BPE trained on the dataset's own text
-  3. train-vq       the tiny VQ video tokenizer
-  4. tokenize       raw shards -> token shards (training never decodes video)
-  5. train          the tiny LM through a context ladder of stage configs, each rung starting from
-                    the previous one's weights; the long rungs with ring attention over 2 processes
-  6. eval           QA accuracy and video needle retrieval on held-out videos (JSON + PNG, chance)
-  7. export         a Hugging Face directory, reloaded with transformers
-  8. chat           one question about a held-out video, through `longvideo chat`
-
-What runs is a plan file (configs/demos/*.yaml, or your own: --plan). Stages whose outputs exist
-are skipped, so an interrupted demo continues where it stopped.
+Every stage runs the command a user would type (docs/demo.md). What runs is a plan file
+(configs/demos/*.yaml, or your own: --plan); stages whose outputs exist are skipped, so an
+interrupted demo continues where it stopped.
 
     python -m longvideo.demo                 # configs/demos/demo.yaml (about half an hour on 2 cores)
     python -m longvideo.demo --quick         # configs/demos/demo-quick.yaml, the CI-sized version
     python -m longvideo.demo --hour          # configs/demos/demo-hour.yaml (make demo-hour)
-    python -m longvideo.demo --plan my-plan.yaml
-    python -m longvideo.demo --seed 1 --inputs-from runs/demo --out runs/demo-seed1
-                                             # the language model again with another seed, on the
-                                             # first run's videos, tokenizers and token shards
+    python -m longvideo.demo --seed 1 --inputs-from runs/demo --out runs/demo-seed1   # another LM seed
 """
 
 from __future__ import annotations
@@ -211,7 +197,6 @@ class Demo:
                         TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                         PYTHONUNBUFFERED="1")
 
-    # ---- helpers ----------------------------------------------------------------------------
     def run(self, args: list[str], *, threads: int | None = None) -> None:
         env = dict(self.env)
         if threads is not None:
@@ -222,8 +207,13 @@ class Demo:
         if r.returncode != 0:
             raise DemoError(f"command failed with exit code {r.returncode}: {' '.join(cmd)}")
 
-    def lv(self, *args, threads: int | None = None) -> None:
-        self.run([sys.executable, "-m", "longvideo", *args], threads=threads)
+    def lv(self, *args) -> None:
+        self.run([sys.executable, "-m", "longvideo", *args])
+
+    def torchrun(self, nproc: int, *args) -> None:
+        """`longvideo ARGS` in nproc processes of one thread each."""
+        self.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                  "-m", "longvideo", *args], threads=1)
 
     def stage(self, name: str, done: Path, fn) -> None:
         if done.exists():
@@ -235,7 +225,6 @@ class Demo:
         self.timings[name] = round(time.time() - t0, 1)
         print(f"--- {name}: {self.timings[name]:.0f} s", flush=True)
 
-    # ---- stages ---------------------------------------------------------------------------------
     def make_data(self) -> None:
         for v in self.plan.sets:
             self.lv("make-data", "synthetic", "--out", self.out / "data" / v.name, "--n", v.n, "--seed", v.seed,
@@ -293,15 +282,13 @@ class Demo:
                 f"train.tokenizer_dir={self.out / 'tokenizer'}", f"train.vq_dir={self.out / 'vq'}",
                 f"train.out_dir={run_dir}", *(["train.progress=false"] if self.quiet else []),
             ]
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p.nproc}",
-                   "-m", "longvideo", "train", "--config", config_arg(st.config), *overrides]
             if reached > 0:  # stopped part-way (SIGTERM, a crash): continue from its last checkpoint
-                cmd.append("--resume")
+                overrides.append("--resume")
             elif prev is not None:
-                cmd += ["--init-from", prev]
+                overrides += ["--init-from", prev]
             print(f"--- stage {i + 1}/{len(p.stages)}: context {rung['seq_len']}, sp {rung['sp']}, "
                   f"ZeRO-{rung['zero_stage']}, RoPE theta {rung['rope_theta']:g}, {rung['steps']} steps", flush=True)
-            self.run(cmd, threads=1)
+            self.torchrun(p.nproc, "train", "--config", config_arg(st.config), *overrides)
             prev = run_dir
         (self.out / "lm/final").write_text(str(prev))
 
@@ -321,33 +308,27 @@ class Demo:
         if p.needle_trials:
             needle += ["--trials", ",".join(map(str, p.needle_trials))]
         if p.eval_sp > 1:  # every prompt's video prefilled by ring attention over eval_sp processes
-            self.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p.eval_sp}",
-                      "-m", "longvideo", *needle], threads=1)
+            self.torchrun(p.eval_sp, *needle)
         else:
             self.lv(*needle)
 
-    def held_out_video(self) -> tuple[Path, dict]:
-        """One held-out needle video, written as a plain mp4 file (what a user would bring)."""
+    def chat(self) -> None:
+        """A held-out needle video, as a plain mp4 file (what a user would bring), questioned through
+        `longvideo chat` and through plain transformers."""
         spec = SyntheticSpec(fps=self.plan.source_fps, min_seconds=self.plan.chat_seconds,
                              max_seconds=self.plan.chat_seconds, needle_fraction=1.0, long_fraction=0.0)
         sample = make_sample(seed=7, index=0, spec=spec)
-        path = self.out / "held_out.mp4"
-        path.write_bytes(sample.mp4())
-        return path, sample.meta
-
-    def chat(self) -> None:
-        video, meta = self.held_out_video()
-        question = meta["qa"][0]["question"]
-        self.lv("chat", "--model", self.out / "hf", "--video", video, "--fps", 1, "--question", question,
-                "--max-new-tokens", 8, *self.q)
-        print(f"(the true answer: {meta['qa'][0]['answer']})", flush=True)
-        self.transformers_answer(video, question, meta["qa"][0]["answer"])
+        video, qa = self.out / "held_out.mp4", sample.meta["qa"][0]
+        video.write_bytes(sample.mp4())
+        self.lv("chat", "--model", self.out / "hf", "--video", video, "--fps", 1,
+                "--question", qa["question"], "--max-new-tokens", 8, *self.q)
+        print(f"(the true answer: {qa['answer']})", flush=True)
+        self.transformers_answer(video, qa["question"], qa["answer"])
 
     def transformers_answer(self, video: Path, question: str, truth: str) -> None:
         """Reload the export with plain transformers and answer through LongVideoProcessor."""
         import torch
         from transformers import AutoModelForCausalLM
-
         # an export with its own transformers code (attn_logn_base) names it in config.json's auto_map
         remote = "auto_map" in json.loads((self.out / "hf/config.json").read_text())
         model = AutoModelForCausalLM.from_pretrained(self.out / "hf", trust_remote_code=remote)
@@ -360,7 +341,6 @@ class Demo:
               f"(truth: {truth})", flush=True)
         (self.out / "chat.json").write_text(json.dumps({"question": question, "answer": answer, "truth": truth}))
 
-    # ---- driver -------------------------------------------------------------------------------
     def check_plan(self) -> None:
         """A run directory belongs to one plan: resuming it under another (a newer ladder, other
         video sets) would mix the two silently, so that stops here, before anything runs."""

@@ -1,37 +1,16 @@
 """Ring attention for transformers decoders, through transformers' own extension points.
 
     from longvideo.hf import enable_ring_attention, shard_batch
-
     enable_ring_attention(group)                                   # once per process
     # or enable_ring_attention(group, ulysses_size=4): heads all-to-all in groups of 4, ring across
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="ring")
     batch = shard_batch(batch, group)   # this rank's zigzag shard: ids, labels, positions, documents
     loss = model(**batch).loss           # this rank's share of the global token mean
 
-`enable_ring_attention` registers an attention function named "ring" with
-`transformers.AttentionInterface` and a mask function of the same name with
-`transformers.AttentionMaskInterface`. No model code is patched. See docs/hf.md.
-
-How the pieces meet inside transformers' forward:
-
-* Documents. `shard_batch` derives document ids from the *global* position_ids before sharding
-  (a document starts wherever a position is not the previous one + 1: transformers' rule for
-  packed batches), marks padding with -1 and shards them with the zigzag layout. They reach the
-  attention function as the extra keyword `ring_segment_ids`: transformers decoders forward unknown
-  keywords of `model(**batch)` down to the attention function (checked for Llama, Mistral, Qwen2).
-  The ring's causal rule uses the tokens' zigzag layout indices, which within one document differ
-  from the position_ids by a constant, so no position_ids are needed by the attention itself.
-* Masks. The registered mask function builds nothing: it returns a `DeferredMask` holding the
-  arguments transformers would have built the mask from. The ring ignores it (apart from a 2D
-  padding mask); the plain fallback materialises it with transformers' own sdpa mask function.
-* Fallback. A call without `ring_segment_ids` (`generate`, a forward on unsharded inputs) runs
-  transformers' sdpa attention on the local tensors, exactly as `attn_implementation="sdpa"`.
-* Loss. `shard_batch` shifts the labels *before* sharding (a shard's next token can live on
-  another rank) and passes them as `shift_labels`, which transformers' causal-LM loss uses as they
-  are, together with `num_items_in_batch` = the global label count / the number of ranks whose
-  gradients are averaged. Each rank's `loss` is then G x (its token-loss sum) / N: averaging the
-  gradients over the G ranks gives exactly the gradient of the global token mean, and the mean
-  of the G loss values is the global token mean (`global_loss`).
+No model code is patched: documents reach the attention function as the keyword `ring_segment_ids`
+(a call without it runs transformers' sdpa attention), the registered mask function builds nothing,
+and the loss divisor `num_items_in_batch` makes the gradients those of the global token mean.
+docs/hf.md explains each piece.
 """
 
 from __future__ import annotations
@@ -66,25 +45,30 @@ class RingAttentionUnsupported(ValueError):
     """The model (or this call) needs something ring attention does not compute exactly."""
 
 
-# ---- groups ---------------------------------------------------------------------------------
-
-def _size_rank(group) -> tuple[int, int]:
+def _group_size(group) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise RuntimeError("a process group was given but torch.distributed is not initialised")
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
+        return 1
+    return dist.get_world_size(group)
 
 
-# ---- the mask function ----------------------------------------------------------------------
+def _sum_over(t: Tensor, group) -> int:
+    """All-reduce (sum) `t` in place over `group` where torch.distributed runs; the group's size."""
+    size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if size > 1:
+        dist.all_reduce(t, group=group)
+    return size
+
+
+def _check_reduction(grad_reduction: str) -> None:
+    if grad_reduction not in ("mean", "sum"):
+        raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
+
 
 class DeferredMask:
-    """What transformers' mask creation would have built the mask from, kept unbuilt.
-
-    transformers hands the registered mask function the shapes, offsets, the composed mask
-    function (causal, packed sequences, sliding window, overlays) and the 2D padding mask. The
-    ring needs none of it but the padding; the sdpa fallback calls `materialize()`, which runs
-    transformers' own sdpa mask function on exactly these arguments."""
+    """The arguments transformers would have built the mask from, kept unbuilt: the ring reads only
+    the 2D padding; the sdpa fallback calls `materialize()` (transformers' own sdpa mask function)."""
 
     __slots__ = ("kwargs",)
 
@@ -103,7 +87,6 @@ class DeferredMask:
 
     def materialize(self):
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
         return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**self.kwargs)
 
     def __repr__(self) -> str:
@@ -116,8 +99,6 @@ def ring_mask(**kwargs) -> DeferredMask:
     return DeferredMask(kwargs)
 
 
-# ---- the attention function ------------------------------------------------------------------
-
 def _refuse(what: str) -> RingAttentionUnsupported:
     return RingAttentionUnsupported(
         f"ring attention cannot run this model exactly: {what}. Load it with attn_implementation='sdpa' "
@@ -127,7 +108,6 @@ def _refuse(what: str) -> RingAttentionUnsupported:
 def _plain_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' sdpa attention, with the mask transformers' sdpa mask function builds."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     if isinstance(attention_mask, DeferredMask):
         attention_mask = attention_mask.materialize()
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
@@ -159,11 +139,10 @@ def _check_call(module, query, key, value, attention_mask, seg, world, dropout, 
     if tuple(seg.shape) != (B, S):
         raise ValueError(f"{SEGMENT_KEY} has shape {tuple(seg.shape)}; this rank's shard is (B, S) = ({B}, {S}). "
                          "Make batches with longvideo.hf.shard_batch")
-    if sliding_window is not None:
-        if S * world > sliding_window:
-            raise _refuse(f"a sliding window of {sliding_window} tokens, which would mask keys of a "
-                          f"{S * world}-token sequence (ring attention is exact with a window only while the "
-                          "whole sequence fits in it)")
+    if sliding_window is not None and S * world > sliding_window:
+        raise _refuse(f"a sliding window of {sliding_window} tokens, which would mask keys of a "
+                      f"{S * world}-token sequence (ring attention is exact with a window only while the "
+                      "whole sequence fits in it)")
     padding = attention_mask
     if isinstance(attention_mask, DeferredMask):
         if attention_mask.has_overlay:
@@ -175,16 +154,13 @@ def _check_call(module, query, key, value, attention_mask, seg, world, dropout, 
 
 
 def seam_attention(seam, group=None):
-    """A transformers attention function (signature below) that computes attention through one of
-    the project's seams (longvideo.parallel.RingAttentionSeam over `group`, or the single-device
-    LocalAttention), for calls that carry `ring_segment_ids` (a shard from `shard_batch`, or
-    HFCausalLM's forward); other calls run transformers' sdpa attention.
+    """A transformers attention function computing through a project seam (RingAttentionSeam over
+    `group`, or LocalAttention) for calls that carry `ring_segment_ids`; others run sdpa.
 
-    fn(module, query, key, value, attention_mask, *, dropout, scaling, sliding_window=None,
-    softcap=None, **kwargs) with query (B, Hq, S, D) and key, value (B, Hkv, S, D); returns
-    (out (B, S, Hq, D), None). Positions: `ring_positions` when given, else the zigzag layout's."""
-
-    world = _size_rank(group)[0] if hasattr(seam, "group") else 1  # a seam without a group is one rank
+    fn(module, query, key, value, attention_mask, *, dropout, scaling, sliding_window=None, **kwargs)
+    with query (B, Hq, S, D), key and value (B, Hkv, S, D) -> (out (B, S, Hq, D), None). Positions:
+    `ring_positions` when given, else the zigzag layout's."""
+    world = _group_size(group) if hasattr(seam, "group") else 1  # a seam without a group is one rank
 
     def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
                   scaling: Optional[float] = None, sliding_window: Optional[int] = None, **kwargs):
@@ -210,48 +186,34 @@ def seam_attention(seam, group=None):
     return attention
 
 
-def make_ring_attention(group, backend: str = "auto", ulysses_size: int = 1):
-    """The attention function registered as "ring": ring attention over `group` with `backend`'s
-    block kernels, or the Ulysses x ring hybrid for ulysses_size > 1 (see seam_attention)."""
-    return seam_attention(RingAttentionSeam(group, backend, split_group(group, ulysses_size)), group)
-
-
 def enable_ring_attention(group, *, backend: str = "auto", name: str = RING, ulysses_size: int = 1) -> str:
-    """Register ring attention over `group` as `attn_implementation=name` (once per process, before
-    the model runs; registering again replaces the group). Returns the name.
+    """Register ring attention over `group` (None: the default group, or a world of one) as
+    `attn_implementation=name`, once per process (again: replaces the group). Returns the name.
 
-    group: the ring's process group (every rank of it runs the same forward on its own shard);
-    None is the default group, or a world of one without torch.distributed.
-    backend: the ring's block backend ("auto": triton on CUDA, cpu otherwise; "torch", "cpu").
-    ulysses_size: U > 1 splits the group into rings across groups of U neighbouring ranks that
-    exchange heads by all-to-all (docs/hybrid.md); every rank of the world then calls this, each
-    with its own group. Batches are sharded as for the ring (shard_batch).
-    """
+    backend: the block backend ("auto": triton on CUDA, cpu otherwise; "torch", "cpu").
+    ulysses_size U > 1: heads all-to-all in groups of U neighbouring ranks, a ring across them
+    (docs/hybrid.md); batches are sharded as for the ring."""
     from transformers import AttentionInterface, AttentionMaskInterface
-
-    _size_rank(group)  # a group without an initialised process group is an error here
-    AttentionInterface.register(name, make_ring_attention(group, backend, ulysses_size))
+    _group_size(group)  # a group without an initialised process group is an error here
+    seam = RingAttentionSeam(group, backend, split_group(group, ulysses_size))
+    AttentionInterface.register(name, seam_attention(seam, group))
     AttentionMaskInterface.register(name, ring_mask)
     return name
 
 
 def check_model(model_or_config, *, seq_len: Optional[int] = None, training: bool = True,
                 allow_untested: bool = False) -> None:
-    """Raise RingAttentionUnsupported, before any step, for a model the ring would not compute exactly.
-
-    The attention function checks every call as well (soft-capping, sinks, dropout, non-causal,
-    sliding windows against the actual length); this catches the configuration early.
-    seq_len: the global training length (a sliding window shorter than it is refused).
-    allow_untested: accept model types outside TESTED_MODEL_TYPES (their attention calls are still
-    checked; anything else that mixes tokens, e.g. convolutions or recurrences, would be wrong)."""
+    """Raise RingAttentionUnsupported, before any step, for a model the ring would not compute exactly
+    (every attention call is checked as well). seq_len: the global training length (a shorter sliding
+    window is refused). allow_untested: accept model types outside TESTED_MODEL_TYPES (what mixes
+    tokens outside attention, e.g. convolutions or recurrences, would then be wrong)."""
     cfg = getattr(model_or_config, "config", model_or_config)
     mt = getattr(cfg, "model_type", None)
     if mt not in TESTED_MODEL_TYPES and not allow_untested:
         raise _refuse(f"model type '{mt}' is not one of the tested types {', '.join(TESTED_MODEL_TYPES)} "
                       "(pass allow_untested=True to try it)")
-    for key in ("attn_logit_softcapping",):
-        if getattr(cfg, key, None) is not None:
-            raise _refuse(f"attention logit soft-capping ({key}={getattr(cfg, key)})")
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        raise _refuse(f"attention logit soft-capping (attn_logit_softcapping={cfg.attn_logit_softcapping})")
     if training and float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0:
         raise _refuse(f"attention dropout {cfg.attention_dropout} in training (set config.attention_dropout = 0)")
     if getattr(cfg, "is_causal", True) is False:
@@ -269,12 +231,8 @@ def _active_window(cfg) -> Optional[int]:
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types is not None:
         return int(window) if "sliding_attention" in layer_types else None
-    if getattr(cfg, "use_sliding_window", None) is False:
-        return None
-    return int(window)
+    return None if getattr(cfg, "use_sliding_window", None) is False else int(window)
 
-
-# ---- batches --------------------------------------------------------------------------------
 
 def document_ids(position_ids: Tensor) -> Tensor:
     """(B, S) document index per token: a document starts at token 0 and wherever a position is
@@ -284,33 +242,16 @@ def document_ids(position_ids: Tensor) -> Tensor:
     return new.long().cumsum(1) - 1
 
 
-def shift_labels_of(labels: Tensor) -> Tensor:
-    """labels[:, i + 1] at position i and -100 at the end: what transformers' loss shifts to."""
-    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
-
-
 def shard_batch(batch: Mapping[str, Any], group, *, count: bool = True, grad_group=None,
                 grad_reduction: str = "mean", pad_values: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
-    """This rank's zigzag shard of an HF-style batch of whole sequences (B, S); every rank of the
-    ring passes the same batch.
+    """This rank's zigzag shard of an HF-style batch of whole sequences (B, S), the same batch on
+    every rank of the ring (docs/hf.md, "The batch").
 
-    Reads input_ids, and optionally labels (unshifted, as given to a transformers causal LM) or
-    shift_labels (already shifted), position_ids (default 0..S-1 per row; restarts mark packed
-    documents), attention_mask (0 = padding), segment_ids (explicit documents, -1 = padding; else
-    derived from position_ids). Other (B, S, ...) keys need a pad value in `pad_values`.
-    Returns input_ids, position_ids, ring_segment_ids, and when there are labels: `shift_labels`
-    (pre-shifted, -100 on padding; `labels` is the same tensor, so that transformers computes a
-    loss and never shifts again) and, with `count`, num_items_in_batch.
-
-    The sequence is padded to a multiple of 2W (ids 0, positions 0, labels -100, document -1: the
-    padding sees nothing and is seen by nothing). count=True is collective over `grad_group` (the
-    ranks whose gradients are averaged or summed; None: every process): num_items_in_batch is the
-    number of label tokens over all of them, divided by their number for grad_reduction="mean"
-    (DeepSpeed, DDP and accelerate average), so each rank's loss is its share of the global mean.
-    count=False (e.g. in a data collator; the HF Trainer counts `shift_labels` itself) adds none.
-    """
-    if grad_reduction not in ("mean", "sum"):
-        raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
+    Reads input_ids and optionally labels or shift_labels, position_ids, attention_mask,
+    segment_ids; other (B, S, ...) keys need a pad value in `pad_values`. Returns input_ids,
+    position_ids, ring_segment_ids and, with labels, shift_labels (also as `labels`) and, with
+    `count` (collective over `grad_group`), num_items_in_batch."""
+    _check_reduction(grad_reduction)
     pads = {**PAD_VALUES, **(pad_values or {})}
     batch = dict(batch)
     if "input_ids" not in batch:
@@ -333,8 +274,8 @@ def shard_batch(batch: Mapping[str, Any], group, *, count: bool = True, grad_gro
     if mask is not None:
         seg = torch.where(mask.bool(), seg, -1)
     labels, shifted = batch.pop("labels", None), batch.pop("shift_labels", None)
-    if shifted is None and labels is not None:
-        shifted = shift_labels_of(labels)
+    if shifted is None and labels is not None:  # labels[:, i + 1] at i, -100 at the end
+        shifted = torch.cat([labels[:, 1:], labels.new_full((B, 1), IGNORE_INDEX)], dim=1)
     full = {"input_ids": ids, "position_ids": pos, SEGMENT_KEY: seg}
     if shifted is not None:
         full["shift_labels"] = torch.where(seg >= 0, shifted, IGNORE_INDEX)  # padding predicts nothing
@@ -355,30 +296,19 @@ def shard_batch(batch: Mapping[str, Any], group, *, count: bool = True, grad_gro
 
 def num_items_in_batch(shift_labels: Iterable[Tensor], *, grad_group=None, grad_reduction: str = "mean",
                        accumulation_steps: int = 1) -> Tensor:
-    """The divisor that makes transformers' loss this rank's share of the global token mean.
-
-    shift_labels: this rank's sharded label tensors of every micro-batch of one optimizer step.
-    The label tokens (!= -100) are summed over them and over `grad_group` (collective; None: every
-    process); for grad_reduction="mean" the total is divided by the group's size.
-    accumulation_steps: what the engine divides each micro-batch's loss by (accelerate's and
-    DeepSpeed's backward divide by the gradient accumulation steps); the divisor is divided by it
-    too, so that the two cancel. Pass the same value to every micro-batch of the step.
-    A float64 scalar (the loss it divides comes out in float64); never below 1 / size, so a step
-    without label tokens gives a zero loss, not NaN."""
-    if grad_reduction not in ("mean", "sum"):
-        raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
+    """The divisor that makes transformers' loss this rank's share of the global token mean: the
+    label tokens of `shift_labels` (this rank's, every micro-batch of the step) summed over
+    `grad_group` (collective; None: every process), / its size for "mean", / accumulation_steps
+    (which the engine's backward divides by: the two cancel). A float64 scalar, at least
+    1 / size, so a step without labels gives a zero loss, not NaN (docs/hf.md, "The loss")."""
+    _check_reduction(grad_reduction)
     if accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
     labels = list(shift_labels)
     if not labels:
         raise ValueError("num_items_in_batch needs at least one label tensor")
-    total = sum(int((t != IGNORE_INDEX).sum()) for t in labels)
-    total = torch.tensor(float(total), dtype=torch.float64)
-    size = 1
-    if dist.is_available() and dist.is_initialized():
-        size = dist.get_world_size(grad_group)
-        if size > 1:
-            dist.all_reduce(total, group=grad_group)
+    total = torch.tensor(float(sum(int((t != IGNORE_INDEX).sum()) for t in labels)), dtype=torch.float64)
+    size = _sum_over(total, grad_group)
     total = total.clamp_min(1.0)
     # float64: total / size is not exact in float32 (a uniform ~1e-7 scale on the loss)
     total = total / size if grad_reduction == "mean" else total
@@ -404,30 +334,16 @@ def global_loss(loss: Tensor, *, grad_group=None, grad_reduction: str = "mean") 
     """The global token-mean loss from every rank's `loss` (collective over grad_group, for logging):
     their mean for grad_reduction="mean", their sum for "sum"."""
     value = loss.detach().double().reshape(()).clone()
-    size = 1
-    if dist.is_available() and dist.is_initialized():
-        size = dist.get_world_size(grad_group)
-        if size > 1:
-            dist.all_reduce(value, group=grad_group)
+    size = _sum_over(value, grad_group)
     return float(value / size) if grad_reduction == "mean" else float(value)
 
 
-# ---- the project trainer's view of a transformers model -------------------------------------------
-
 class HFCausalLM(nn.Module):
-    """A transformers causal LM behind the project model's training contract, so that `longvideo
-    train` trains it (`train.hf_model=DIR`) with the same data, loss normalisation, ZeRO and
-    checkpoints as its own decoder:
-
-        loss_sum = lm(input_ids, positions, segment_ids, targets=t, loss_weights=w)
-
-    The inputs are this rank's zigzag shard (longvideo.parallel.shard_batch). `parallelize` gives it
-    its attention seam (`set_attention`: ring attention over the sp group, registered with
-    transformers' AttentionInterface; positions and segment ids travel as `ring_positions` and
-    `ring_segment_ids`) and activation checkpointing (transformers' own switch). The loss is the
-    project's chunked weighted cross-entropy on the decoder's hidden states and the model's own
-    output projection, so loss weights of any value work and no (tokens x vocab) logits are built.
-    """
+    """A transformers causal LM behind the project decoder's training contract (`train.hf_model`,
+    docs/hf.md): `loss_sum = lm(input_ids, positions, segment_ids, targets=t, loss_weights=w)` on
+    this rank's zigzag shard. `parallelize` sets its seam (`set_attention`) and checkpointing; the
+    loss is the project's chunked weighted cross-entropy on the decoder's hidden states and the
+    model's own output projection, so no (tokens x vocab) logits are built."""
 
     _names = itertools.count()
 
@@ -446,7 +362,6 @@ class HFCausalLM(nn.Module):
         """Load a local transformers decoder for training; RingAttentionUnsupported when the ring could
         not compute it exactly. Its attention is sdpa until `set_attention`."""
         from transformers import AutoConfig, AutoModelForCausalLM
-
         check_model(AutoConfig.from_pretrained(path, local_files_only=True), seq_len=seq_len)
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dtype,
                                                      local_files_only=True)
@@ -456,7 +371,6 @@ class HFCausalLM(nn.Module):
     def set_attention(self, seam) -> None:
         """Compute the decoder's attention with `seam` (a project seam: ring or single-device)."""
         from transformers import AttentionInterface, AttentionMaskInterface
-
         name = f"{RING}_seam_{next(self._names)}"
         AttentionInterface.register(name, seam_attention(seam, getattr(seam, "group", None)))
         AttentionMaskInterface.register(name, ring_mask)
@@ -484,24 +398,6 @@ class HFCausalLM(nn.Module):
         self.model.save_pretrained(str(out_dir), state_dict=own, safe_serialization=True)
 
 
-__all__ = [
-    "IGNORE_INDEX",
-    "PAD_VALUES",
-    "RING",
-    "SEGMENT_KEY",
-    "TESTED_MODEL_TYPES",
-    "DeferredMask",
-    "HFCausalLM",
-    "RingAttentionUnsupported",
-    "check_model",
-    "document_ids",
-    "enable_ring_attention",
-    "global_loss",
-    "make_ring_attention",
-    "seam_attention",
-    "num_items_in_batch",
-    "ring_loss",
-    "ring_mask",
-    "shard_batch",
-    "shift_labels_of",
-]
+__all__ = ["IGNORE_INDEX", "PAD_VALUES", "RING", "SEGMENT_KEY", "TESTED_MODEL_TYPES", "DeferredMask",
+           "HFCausalLM", "RingAttentionUnsupported", "check_model", "document_ids", "enable_ring_attention",
+           "global_loss", "seam_attention", "num_items_in_batch", "ring_loss", "ring_mask", "shard_batch"]

@@ -1,11 +1,5 @@
-"""What machine a run was measured on, so that times from different machines can be compared.
-
-The same CPU-only run can take 1.5-2x longer on one 2-core machine than on another (the vector
-units differ: AVX2 against AVX-512, for one). `machine_info()` records the CPU, its vector
-extensions, the torch build and a one-second float32 matmul probe, so that a run's times are
-read beside the machine they were measured on (the probe is a rough gauge: one 2-core machine's
-steps were 1.2x slower at 2K tokens and 2x slower at 20K than another's).
-"""
+"""What machine a run was measured on (CPU, vector extensions, torch build, a one-second float32
+matmul probe), so that times from different machines are read side by side (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -29,7 +23,6 @@ def _cpuinfo() -> tuple[str, list[str]]:
 def matmul_gflops(seconds: float = 1.0, n: int = 512) -> float:
     """float32 n x n matmuls for about `seconds` on torch's threads: the rate in GFLOP/s."""
     import torch
-
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b  # warm the threads
     reps, t0 = 0, time.perf_counter()
@@ -41,7 +34,6 @@ def matmul_gflops(seconds: float = 1.0, n: int = 512) -> float:
 
 def machine_info(probe_seconds: float = 1.0) -> dict:
     import torch
-
     model, flags = _cpuinfo()
     return {"cpu": model, "vector": flags, "cores": os.cpu_count(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "matmul_gflops": round(matmul_gflops(probe_seconds), 1),

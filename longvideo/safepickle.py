@@ -1,16 +1,13 @@
-"""Reading a pickle of numpy arrays without running anything the pickle names.
+"""Reading a pickle of numpy arrays without running anything the pickle names (the one place the
+project unpickles: LWM's released VQGAN weights).
 
     params = load_array_pickle("vqgan")      # nested dicts / lists of numpy arrays
 
-A pickle is a program: each global it names (`os.system`, `builtins.eval`, ...) is imported and
-may be called with arguments the file chooses. This reader admits only the globals numpy needs to
-rebuild arrays (array reconstruction, `numpy.ndarray`, `numpy.dtype`, numpy scalars) and plain
-containers (`collections.OrderedDict`, and flax's `FrozenDict`, read as a plain dict), and the
-latin-1 bytes of protocol-2 pickles (`_codecs.encode`, latin-1 only). Any other
-global, and any persistent id, raises `UnsafePickleError` when the unpickler meets it, before it
-is imported or called. Arrays of Python objects are refused after loading.
-
-This is the one place the project unpickles anything (LWM's released VQGAN weights are a pickle).
+A pickle is a program: each global it names (`os.system`, ...) is imported and may be called. This
+reader admits only numpy's array reconstruction (`numpy.ndarray`, `numpy.dtype`, numpy scalars),
+plain containers (`collections.OrderedDict`, flax's `FrozenDict` read as a dict) and protocol 2's
+latin-1 bytes (`_codecs.encode`); any other global or a persistent id raises `UnsafePickleError`
+before it is imported. Arrays of Python objects are refused after loading.
 """
 
 from __future__ import annotations

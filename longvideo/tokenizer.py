@@ -2,22 +2,11 @@
 
     tok = TextTokenizer.from_dir("path/to/llama-tokenizer")      # tokenizer.json or tokenizer.model
     tok = train_text_tokenizer(texts, vocab_size=512, out_dir=d)  # offline byte-level BPE
+    tok = TextTokenizer.from_dir("ckpt/tokenizer", layout="lwm")  # LWM's LLaMA tokenizer as it is
 
-`<vision>`, `</vision>`, `<eof>`, `<eov>` are added as *special* tokens right after the text ids,
-so each is one id and `tok.vocab(codebook_size)` gives the unified layout of `longvideo.vocab`.
-`encode` never adds BOS by itself: the sequence builder adds it once per sequence (LWM's code
-adds a stray `<s>` before `<vision>`; that cannot happen here).
-
-A tokenizer of an imported LWM model (`layout="lwm"`) is LWM's LLaMA tokenizer as it is: nothing
-is added, `<vision>` is text, and the prompt builder places LWM's BOS tokens itself
-(longvideo.data.templates). LWM tokenized with SentencePiece semantics (transformers 4.29): every
-encoded string gets a word-boundary marker in front, even one that starts with a space
-(" ASSISTANT:" is "▁▁ASSISTANT:"). transformers 5 reads a LLaMA tokenizer.model with a Metaspace
-pre-tokenizer that skips the marker before a leading space; so for SentencePiece-style tokenizers
-the lwm layout encodes "▁" + text (spaces as "▁") with the tokenizer's model directly, which is
-what LWM's tokenizer did.
-
-    tok = TextTokenizer.from_dir("ckpt/tokenizer", layout="lwm")
+The vision tokens follow the text ids as special tokens (docs/vocabulary.md); `encode` never adds
+BOS (the sequence builder does). The lwm layout adds nothing and encodes as LWM's SentencePiece
+tokenizer did (docs/lwm.md).
 """
 
 from __future__ import annotations
@@ -30,7 +19,7 @@ from longvideo.vocab import LAYOUTS, SPECIAL_TOKENS, Vocab
 
 
 class TokenizerError(ValueError):
-    pass
+    """A tokenizer that cannot carry the vocabulary layout, or a token it does not have."""
 
 
 SP_SPACE = "\u2581"
@@ -51,7 +40,6 @@ def _sentencepiece_model(hf):
 class TextTokenizer:
     def __init__(self, hf_tokenizer, layout: str = "longvideo"):
         from tokenizers import AddedToken
-
         self.hf = hf_tokenizer
         if layout not in LAYOUTS:
             raise TokenizerError(f"unknown vocabulary layout {layout!r}; expected one of {LAYOUTS}")
@@ -86,15 +74,11 @@ class TextTokenizer:
         self.text_size = len(self.hf)
         self._sp_model = _sentencepiece_model(self.hf)
 
-    # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_dir(cls, path: str | Path, layout: str = "longvideo") -> "TextTokenizer":
-        """Load a local tokenizer directory (tokenizer.json, or a SentencePiece tokenizer.model).
-
-        A directory with only a LLaMA `tokenizer.model` (as LWM's releases ship it) is read as a
-        LLaMA tokenizer; converting it needs the `sentencepiece` package."""
+        """Load a local tokenizer directory: tokenizer.json, or only a LLaMA `tokenizer.model` (as LWM's
+        releases ship it; converting it needs the `sentencepiece` package)."""
         from transformers import AutoTokenizer
-
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {path}")
@@ -102,7 +86,6 @@ class TextTokenizer:
             raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {path}")
         if not any((path / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json", "config.json")):
             from transformers import LlamaTokenizer
-
             try:
                 hf = LlamaTokenizer.from_pretrained(str(path), local_files_only=True)
             except ImportError as e:
@@ -118,7 +101,6 @@ class TextTokenizer:
         Path(path).mkdir(parents=True, exist_ok=True)
         self.hf.save_pretrained(str(path))
 
-    # ---- ids ----------------------------------------------------------------------------------
     @property
     def bos_id(self) -> Optional[int]:
         return self.hf.bos_token_id
@@ -139,7 +121,9 @@ class TextTokenizer:
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         sp = getattr(self, "_sp_model", None)
-        if sp is not None:  # lwm layout: SentencePiece's encoding, a word-boundary marker in front
+        # lwm layout: SentencePiece's encoding, a word-boundary marker in front even of a leading space
+        # (transformers 5's Metaspace pre-tokenizer skips it there; LWM's tokenizer did not)
+        if sp is not None:
             ids = [t.id for t in sp.tokenize(SP_SPACE + text.replace(" ", SP_SPACE))] if text else []
         else:
             ids = self.hf.encode(text, add_special_tokens=False)
@@ -167,7 +151,6 @@ def train_text_tokenizer(texts: Iterable[str], vocab_size: int = 1024,
     """Train a byte-level BPE on `texts` (offline); round trips any string exactly."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-
     base_specials = ["<unk>", "<s>", "</s>", "<pad>"]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -190,9 +173,7 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--out", required=True, help="output tokenizer directory")
     a = p.parse_args(argv)
-    lines = []
-    for f in a.texts:
-        lines += [ln for ln in Path(f).read_text().splitlines() if ln.strip()]
+    lines = [ln for f in a.texts for ln in Path(f).read_text().splitlines() if ln.strip()]
     if not lines:
         raise SystemExit("longvideo train-tokenizer: the text files are empty")
     tok = train_text_tokenizer(lines, a.vocab_size, a.out)

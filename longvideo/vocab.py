@@ -1,32 +1,8 @@
-"""The unified token space, defined here and nowhere else.
+"""The unified token space, defined here and nowhere else (docs/vocabulary.md).
 
-Two layouts exist. The project's own (``layout="longvideo"``, the default):
-
-    [0, text_size)                          text tokens of the text tokenizer
-    text_size + 0                           <vision>   opens a video
-    text_size + 1                           </vision>  closes a video
-    text_size + 2                           <eof>      ends a frame (or a temporal group in causal-3D mode)
-    text_size + 3                           <eov>      ends the last frame of a video
-    [text_size + 4, text_size + 4 + K)      VQ codes 0..K-1 (K = codebook size)
-
-The four special tokens are added to the Hugging Face tokenizer as *special* tokens, so each is a
-single id and the exported checkpoint is a plain LlamaForCausalLM whose tokenizer knows them.
-
-LWM's (``layout="lwm"``), the vocabulary of the released LWM-Chat checkpoints: their text
-vocabulary followed by their vision vocabulary of ``vision_size`` ids (8448 = 8192 codes + 256):
-
-    [0, text_size)                          text tokens (LWM's text ids; rows of its wte / lm_head)
-    [text_size, text_size + K)              VQ codes 0..K-1 (LWM's vision ids 0..K-1)
-    text_size + K                           <eof>      (LWM's vision id K = 8192)
-    text_size + K + 1                       <eov>      (LWM's vision id K + 1 = 8193)
-    [text_size + K + 2, text_size + vision_size)   unused vision ids
-
-``<vision>`` and ``</vision>`` are plain text there (the tokenizer splits them into text pieces),
-so they have no id of their own, and nothing is added to the tokenizer. LWM's model embeds a
-vision id with its vision table and predicts it with its vision head; in this layout both tables
-are simply stacked after the text ones, so LWM's logits are its text logits followed by its
-vision logits, and its answers (text) are sampled from ids below ``text_size``
-(:attr:`Vocab.answer_limit`).
+layout "longvideo": text ids, then <vision>, </vision>, <eof>, <eov> (added to the text tokenizer as
+special tokens), then the K VQ codes. layout "lwm" (LWM-Chat's): text ids, then LWM's vision
+vocabulary (K codes, <eof>, <eov>, unused ids); <vision> and </vision> are text there.
 """
 
 from __future__ import annotations
@@ -113,9 +89,7 @@ class Vocab:
     @property
     def size(self) -> int:
         """Total number of ids (the LM's vocabulary size)."""
-        if self.is_lwm:
-            return self.text_size + self.vision_size
-        return self.vq_offset + self.codebook_size
+        return self.text_size + self.vision_size if self.is_lwm else self.vq_offset + self.codebook_size
 
     @property
     def video_end(self) -> int:
@@ -132,20 +106,10 @@ class Vocab:
     def codes_to_ids(self, codes: torch.Tensor) -> torch.Tensor:
         return codes.long() + self.vq_offset
 
-    def ids_to_codes(self, ids: torch.Tensor) -> torch.Tensor:
-        if not bool(self.is_code(ids).all()):
-            raise ValueError("ids_to_codes got ids outside the VQ range")
-        return ids.long() - self.vq_offset
-
-    def is_code(self, ids: torch.Tensor) -> torch.Tensor:
-        return (ids >= self.vq_offset) & (ids < self.vq_offset + self.codebook_size)
-
-    def is_text(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids < self.text_size
-
     def is_vision(self, ids: torch.Tensor) -> torch.Tensor:
         """Tokens that belong to the vision modality: codes, <eof> and <eov> (in the lwm layout,
         every id of the vision vocabulary: what LWM's vision mask marks)."""
         if self.is_lwm:
             return (ids >= self.text_size) & (ids < self.size)
-        return self.is_code(ids) | (ids == self.eof) | (ids == self.eov)
+        codes = (ids >= self.vq_offset) & (ids < self.vq_offset + self.codebook_size)
+        return codes | (ids == self.eof) | (ids == self.eov)

@@ -1,15 +1,6 @@
-"""`longvideo train --config CONFIG [section.key=value ...] [--resume] [--init-from DIR]`.
-
-Every rank runs this command; the launcher says how many there are:
-
-    torchrun --nproc_per_node 8 -m longvideo train --config stages/lwm-vl-32k.yaml
-    deepspeed --no_local_rank --num_gpus 8 --module longvideo train --config ...
-    accelerate launch --config_file configs/accelerate/gpu-8.yaml -m longvideo train --config ...
-    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 -m longvideo train --config tiny.yaml parallel.sp=2
-
-Exit codes: 0 done (or stopped by SIGTERM/SIGINT after writing a checkpoint), 1 the run failed
-(NaN losses, a dead rank, ...), 2 a configuration error (reported before any work starts).
-"""
+"""`longvideo train --config CONFIG [section.key=value ...] [--resume] [--init-from DIR]`, run by every
+rank under torchrun, deepspeed or accelerate (docs/training.md). Exit codes: 0 done (or stopped by
+SIGTERM/SIGINT after a checkpoint), 1 the run failed, 2 a configuration error, before any work."""
 
 from __future__ import annotations
 
@@ -24,7 +15,7 @@ from longvideo.configtools import ConfigError
 from longvideo.train.trainer import TrainingError, train
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="longvideo train", description="Train the language model (ring "
                                 "attention over the sp axis, DeepSpeed ZeRO over all ranks).")
     p.add_argument("--config", required=True, help="YAML config (a path, or relative to configs/)")
@@ -35,11 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON with tuning keys (train.deepspeed_config)")
     # the deepspeed launcher passes --local_rank unless told --no_local_rank; LOCAL_RANK is in the env
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    return p
-
-
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_intermixed_args(argv)  # overrides may follow options
+    args = p.parse_intermixed_args(argv)  # overrides may follow options
     overrides = list(args.overrides)
     if args.out:
         overrides.append(f"train.out_dir={args.out}")
@@ -56,8 +43,7 @@ def main(argv: list[str]) -> int:
     try:
         result = train(cfg, resume=args.resume, init_from=args.init_from)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            where = result.checkpoint or "-"
-            print(f"{result.status} at step {result.step}; checkpoint {where}", flush=True)
+            print(f"{result.status} at step {result.step}; checkpoint {result.checkpoint or '-'}", flush=True)
     except ConfigError as e:
         print(f"longvideo train: {e}", file=sys.stderr, flush=True)
         code = 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from longvideo.configtools import check
+from longvideo.configtools import check, check_at_least, check_positive
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,22 +79,13 @@ class TrainConfig:
     """Synthetic data only: draw tokens from the first N ids (0 = the text vocabulary)."""
 
     def __post_init__(self):
-        check(self.steps > 0, "steps", "must be positive")
-        check(self.lr > 0, "lr", "must be positive")
-        check(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        check_positive(self, "steps", "lr", "adam_eps")
+        check_at_least(self, 0, "warmup_steps", "weight_decay", "grad_clip", "peak_flops", "synthetic_vocab")
+        check_at_least(self, 1, "micro_batch_size", "grad_accum", "max_bad_steps", "log_every")
         check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
-        check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         check(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
         check(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
-        check(self.adam_eps > 0, "adam_eps", "must be positive")
-        check(self.grad_clip >= 0, "grad_clip", "must be >= 0")
-        check(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
-        check(self.grad_accum >= 1, "grad_accum", "must be >= 1")
         check(self.zero_stage in (None, 1, 2, 3), "zero_stage", f"must be 1, 2 or 3, got {self.zero_stage}")
         check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0 = only at the end)")
         check(self.keep_checkpoints >= 0, "keep_checkpoints", "must be >= 0 (0 = keep all)")
-        check(self.max_bad_steps >= 1, "max_bad_steps", "must be >= 1")
-        check(self.peak_flops >= 0, "peak_flops", "must be >= 0")
-        check(self.log_every >= 1, "log_every", "must be >= 1")
-        check(self.synthetic_vocab >= 0, "synthetic_vocab", "must be >= 0")
         check(bool(self.out_dir), "out_dir", "must not be empty")

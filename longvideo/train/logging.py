@@ -1,8 +1,5 @@
 """Run logging on rank 0: a tqdm bar (loss, tokens/s, MFU), metrics.jsonl, TensorBoard, wandb, loss.png.
-
-Other ranks get a `RunLogger(enabled=False)` whose methods do nothing, so the trainer calls the
-same methods everywhere without rank checks.
-"""
+Other ranks get a `RunLogger(enabled=False)`, whose methods do nothing."""
 
 from __future__ import annotations
 
@@ -58,15 +55,11 @@ def plot_losses(run_dir: str | Path, out: Optional[str | Path] = None) -> Option
     if not rows:
         return None
     import matplotlib
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in rows]
-    losses = [float(r["loss"]) for r in rows]
-    losses = [v if math.isfinite(v) else float("nan") for v in losses]  # bad steps become gaps
+    losses = [v if math.isfinite(v) else float("nan") for v in (float(r["loss"]) for r in rows)]  # gaps
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(steps, losses, lw=1.2)
+    ax.plot([r["step"] for r in rows], losses, lw=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (weighted token mean)")
     ax.set_title(Path(run_dir).name)
@@ -92,15 +85,12 @@ class RunLogger:
         self.metrics = open(self.run_dir / METRICS_FILE, "a")
         if progress:
             from tqdm.auto import tqdm
-
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-
             self.tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=start_step + 1)
         if wandb_mode != "disabled":
             import wandb  # checked at start-up by the trainer
-
             self.wandb = wandb.init(project=wandb_project, name=run_name or None, mode=wandb_mode,
                                     dir=str(self.run_dir), config=config, resume="allow")
 
@@ -140,11 +130,9 @@ class RunLogger:
     def close(self, plot: bool = True) -> Optional[Path]:
         if not self.enabled:
             return None
-        if self.bar is not None:
-            self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
+        for handle in (self.bar, self.tb, self.metrics):
+            if handle is not None:
+                handle.close()
         if self.wandb is not None:
             self.wandb.finish()
-        self.metrics.close()
         return plot_losses(self.run_dir) if plot else None

@@ -1,8 +1,6 @@
 """The model a run trains, chosen in one place (`model_kind`): the project's decoder, or a
-transformers decoder directory (`train.hf_model`, docs/hf.md). A kind builds the model (weights
-from --init-from where given) and writes its weights into a checkpoint; the trainer, ZeRO and the
-loss are the same for both.
-"""
+transformers decoder directory (`train.hf_model`, docs/hf.md). A kind builds the model and writes
+its weights into a checkpoint; the trainer, ZeRO and the loss are the same for both."""
 
 from __future__ import annotations
 
@@ -12,7 +10,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from longvideo.checkpoint import CONFIG_FILE, build_model, load_project_state, save_project_checkpoint
+from longvideo.checkpoint import (CONFIG_FILE, CheckpointError, build_model, check_shapes, load_project_state,
+                                  save_project_checkpoint)
 from longvideo.config import Config, save_config
 from longvideo.configtools import ConfigError
 from longvideo.hf import HFCausalLM, RingAttentionUnsupported
@@ -34,13 +33,10 @@ class ProjectDecoder:
             model = build_model(cfg)
         if init_from and fresh:
             sd, old = load_project_state(init_from)
-            own = model.state_dict()
-            missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
-            shapes = [f"{k}: {tuple(sd[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
-                      if k in sd and tuple(sd[k].shape) != tuple(v.shape)]
-            if missing or unexpected or shapes:
-                raise ConfigError("train.init_from", f"{init_from} does not fit this model: missing {missing[:5]}, "
-                                                     f"unexpected {unexpected[:5]}, shapes {shapes[:5]}")
+            try:
+                check_shapes(sd, cfg.model, str(init_from))
+            except CheckpointError as e:
+                raise ConfigError("train.init_from", f"does not fit this model: {e}") from None
             model.load_state_dict(sd, strict=True)
             log(f"initialised from {init_from} (its rope_theta {old.model.rope_theta:g}, now "
                 f"{cfg.model.rope_theta:g})")

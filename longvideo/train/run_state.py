@@ -1,26 +1,11 @@
 """Training checkpoints: written atomically, resumable exactly, readable as project checkpoints.
 
-Layout of a run directory:
-
-    OUT/checkpoints/step_000123/      one checkpoint (complete, or absent)
-        config.yaml                   the root Config               } a project checkpoint:
-        model.safetensors             full fp32 weights, own names  } what export / chat read
-        hf/                           instead, with train.hf_model: a transformers directory
-        trainer_state.json            step, schedule, counters, world shape
-        loader/rank_00000.json        data position of each rank
-        rng/rank_00000.{json,safetensors}   Python / NumPy / torch RNG states of each rank
-        <DeepSpeed engine files>      module, ZeRO-partitioned optimizer state (one file per rank)
-    OUT/checkpoints/latest            text file naming the newest complete checkpoint
-
-Atomicity: every rank writes into `.tmp_step_000123/`; after a barrier rank 0 renames it to
-`step_000123/` and only then replaces `latest` (write to a temporary file, fsync, os.replace).
-A process killed at any point leaves either the previous checkpoint as `latest` or the new one,
-never a half-written one; stale `.tmp_*` directories are removed at the next start.
-
-The engine files are DeepSpeed's own format (torch pickles): load only checkpoints you wrote.
-Weights meant for sharing are the safetensors file; when it is absent (train.save_weights=false),
-`longvideo.checkpoint.load_project_state` consolidates the ZeRO shards to fp32 (DeepSpeed's utility).
-The file names and the project checkpoint inside each step are longvideo.checkpoint's.
+OUT/checkpoints/step_NNNNNN/ holds a project checkpoint (longvideo.checkpoint's names; with
+train.hf_model, hf/ instead of model.safetensors), trainer_state.json, each rank's data position
+(loader/) and RNG states (rng/), and DeepSpeed's engine files (torch pickles: load only
+checkpoints you wrote); OUT/checkpoints/latest names the newest complete one. Every rank writes
+into a `.tmp_` directory that rank 0 renames into place before it replaces `latest`, so a killed
+process leaves the previous checkpoint or the new one (docs/training.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -36,7 +21,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from longvideo.atomic import TMP_PREFIX, fsync_dir, fsync_tree, write_text_atomic
+from longvideo.atomic import TMP_PREFIX, fsync_path, fsync_tree, write_text_atomic
 from longvideo.checkpoint import CHECKPOINTS, CONFIG_FILE, LATEST, latest_checkpoint
 from longvideo.config import save_config
 
@@ -48,16 +33,10 @@ def checkpoint_name(step: int) -> str:
 
 
 def _jsonable(x):
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating,)):
-        return float(x)
-    if isinstance(x, np.ndarray):
+    if isinstance(x, (np.integer, np.floating)):
+        return x.item()
+    if isinstance(x, (np.ndarray, torch.Tensor)):
         return x.tolist()
-    if isinstance(x, torch.Tensor):
-        return x.tolist()
-    if isinstance(x, tuple):
-        return list(x)
     raise TypeError(f"cannot store {type(x).__name__} in a checkpoint json")
 
 
@@ -88,9 +67,8 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-# ---- RNG states (no pickles: json + safetensors) -----------------------------------------------
-
 def rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
+    """Python / NumPy (as json) and torch (as tensors) RNG states: no pickles."""
     py = random.getstate()
     npy = np.random.get_state()
     meta = {"python": [py[0], list(py[1]), py[2]],
@@ -113,8 +91,6 @@ def set_rng_state(meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         if cuda:
             torch.cuda.set_rng_state_all(cuda)
 
-
-# ---- save / load a training checkpoint ----------------------------------------------------------
 
 def save_training_checkpoint(*, engine, cfg, run_dir: Path, step: int, rank: int, trainer_state: dict,
                              loader_state: dict, barrier: Callable[[], None],
@@ -160,7 +136,7 @@ def save_training_checkpoint(*, engine, cfg, run_dir: Path, step: int, rank: int
             old = ckpts / f"{TMP_PREFIX}old_{name}"
             os.rename(final, old)
         os.rename(tmp, final)
-        fsync_dir(ckpts)
+        fsync_path(ckpts)
         write_text_atomic(ckpts / LATEST, name)  # last: the pointer only ever names complete dirs
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)

@@ -1,15 +1,10 @@
 """A generated token dataset for smoke runs and tests: deterministic by seed, resumable, packed.
 
-Each sequence packs several documents; a document is an arithmetic progression modulo `vocab`
-(random start, stride from a small set), so the next token follows from the previous two and a
-tiny model's loss falls within a few steps. The batch format is the loader's:
-
-    input_ids, targets (next-token ids, already shifted), positions (restart at 0 per document),
-    segment_ids (0, 1, ... per document; -1 = padding), loss_weights (0 on a document's last
-    token, whose target belongs to the next document, and on padding) -- all (B, seq_len).
-
-Sample `i` is a pure function of (seed, i); dp rank r takes samples r, r + dp_size, ... so ranks
-see disjoint samples, and the state is just the number of batches consumed.
+Each sequence packs documents that are arithmetic progressions modulo `vocab` (the next token
+follows from the previous two, so a tiny model's loss falls within a few steps), in the loader's
+batch format, all (B, seq_len): input_ids, targets (already shifted), positions (0 per document),
+segment_ids (-1 = padding), loss_weights (0 on a document's last token and on padding). Sample i
+is a function of (seed, i); dp rank r takes samples r, r + dp_size, ...
 """
 
 from __future__ import annotations

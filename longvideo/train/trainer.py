@@ -1,24 +1,10 @@
 """The trainer: dp x sp mesh, ring attention, DeepSpeed ZeRO, exact loss normalisation, checkpoints.
 
-Order of construction (parallelism is applied to a built model, in one place):
-
-    process group -> mesh (dp x sp; a world it does not match is an error here, before any work)
-    -> DeepSpeed config (config errors here) -> data -> model of its kind (seeded; --init-from
-    weights; longvideo.train.models) -> parallelize (seam, checkpointing, ZeRO) -> the engine
-
-Loss normalisation (docs/architecture.md, decision 6; `longvideo.parallel.loss`). All dp x sp ranks are DeepSpeed's data-parallel world
-(their parameters are identical), so DeepSpeed averages the gradients of W = dp * sp ranks. Each
-rank back-propagates
-
-    W * (its weighted token-loss sum over its sequence shards of all micro-batches of the step)
-      / (total loss weight of the whole global batch, all-reduced before the first backward)
-
-and the averaged gradient is exactly that of the global batch's weighted mean loss, as one process
-would compute it (tests/test_train_distributed.py asserts this against a single-process reference).
-
-A NaN/inf loss is detected globally (the loss is all-reduced every step), so every rank makes the
-same decision: the optimizer update of that step is skipped (SkippableAdamW), a warning is logged,
-and `max_bad_steps` in a row stop the run with `LossDiverged`, leaving the last good checkpoint.
+Construction: process group -> mesh (a world it does not match is an error, before any work) ->
+DeepSpeed config -> data -> model of its kind (longvideo.train.models) -> parallelize (seam,
+checkpointing, ZeRO). Each rank back-propagates W x its weighted loss sum / the global weight total
+(docs/training.md, "Exact gradients over dp x sp ranks"); a NaN/inf loss, seen by every rank through
+the all-reduced loss, skips the step on all of them, and max_bad_steps in a row stop the run.
 """
 
 from __future__ import annotations
@@ -79,25 +65,16 @@ class TrainResult:
 
 
 class SkippableAdamW(torch.optim.AdamW):
-    """AdamW whose update can be suppressed for one engine step.
-
-    DeepSpeed's ZeRO wrappers call `step()` on the partitions each rank owns (ZeRO-3 once per
-    sub-group). With `skip` set, all of them stay unchanged and the moments are not touched; the
-    flag is set from the all-reduced loss, so every rank skips the same step. (DeepSpeed skips on
-    overflow only for fp16, or bf16 at ZeRO-1/2; this covers fp32 and ZeRO-3 as well.)
-    """
+    """AdamW whose update (of every partition ZeRO calls `step()` on) is suppressed while `skip` is
+    set: DeepSpeed itself skips on overflow only for fp16, or bf16 at ZeRO-1/2."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.skip = False
 
     def step(self, closure=None):
-        if self.skip:
-            return None
-        return super().step(closure)
+        return None if self.skip else super().step(closure)
 
-
-# ---- process group and mesh -----------------------------------------------------------------
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -120,17 +97,9 @@ def init_distributed(timeout_s: float) -> None:
         # tear the process down when a collective times out or fails, so it cannot hang
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl"
-    else:
-        backend = "gloo"
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
-
-def build_mesh(parallel_cfg) -> Mesh:
-    return Mesh.from_config(parallel_cfg)  # dp * sp != world: ConfigError
-
-
-# ---- the trainer ----------------------------------------------------------------------------
 
 class Trainer:
     """One training run. `train()` below is the usual entry; tests drive the pieces directly:
@@ -141,15 +110,14 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, *, resume: bool = False, init_from: Optional[str] = None,
-                 batches: Optional[Iterable[dict]] = None,
-                 callbacks: Iterable[Callable] = ()):
+                 batches: Optional[Iterable[dict]] = None, callbacks: Iterable[Callable] = ()):
         self.cfg = cfg
         tc = cfg.train
         self.callbacks = list(callbacks)
         self.run_dir = Path(tc.out_dir)
         init_distributed(cfg.parallel.timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.mesh = build_mesh(cfg.parallel)  # dp * sp != world raises here, before any work
+        self.mesh = Mesh.from_config(cfg.parallel)  # dp * sp != world raises here, before any work
         self.bf16 = tc.precision == "bf16" or (tc.precision == "auto" and torch.cuda.is_available())
         ds_config = build_deepspeed_config(tc, world_size=self.world, bf16=self.bf16)
         self.zero_stage = ds_config["zero_optimization"]["stage"]
@@ -162,10 +130,9 @@ class Trainer:
             except ImportError:
                 raise ConfigError("train.wandb", f"'{tc.wandb}' needs the wandb package "
                                   "(pip install 'longvideo[wandb]')") from None
-        if tc.tokenizer_dir and not Path(tc.tokenizer_dir).is_dir():
-            raise ConfigError("train.tokenizer_dir", f"not a directory: {tc.tokenizer_dir}")
-        if tc.vq_dir and not Path(tc.vq_dir).is_dir():
-            raise ConfigError("train.vq_dir", f"not a directory: {tc.vq_dir}")
+        for key, path in (("tokenizer_dir", tc.tokenizer_dir), ("vq_dir", tc.vq_dir)):
+            if path and not Path(path).is_dir():
+                raise ConfigError(f"train.{key}", f"not a directory: {path}")
 
         # the data source is checked (shards found, tokenizer readable) before the model is built
         self.loader = batches if batches is not None else self._make_loader()
@@ -193,15 +160,13 @@ class Trainer:
         if self.resume_from is not None:
             self._resume(self.resume_from)
 
-    # -- set-up helpers ---------------------------------------------------------------------
     def _check_run_dir(self, resume: bool) -> None:
         if self.rank == 0:
             stale = ckpt_io.clean_stale(self.run_dir)
             if stale:
                 print(f"removed {len(stale)} incomplete checkpoint(s) left by an interrupted write: "
                       f"{', '.join(p.name for p in stale)}", flush=True)
-        has_ckpt = latest_checkpoint(self.run_dir) is not None
-        if has_ckpt and not resume:
+        if not resume and latest_checkpoint(self.run_dir) is not None:
             raise ConfigError("train.out_dir", f"{self.run_dir} already holds checkpoints; pass --resume "
                                                f"to continue that run, or choose another out_dir")
 
@@ -236,7 +201,6 @@ class Trainer:
         for cb in self.callbacks:
             cb(event, self, **info)
 
-    # -- data -------------------------------------------------------------------------------
     def shard(self, batch: dict) -> dict:
         """This rank's part of a (B, S) batch: the zigzag shard of its sp group, on the device."""
         local = shard_batch({k: batch[k] for k in BATCH_KEYS}, self.mesh.sp_group)
@@ -248,7 +212,6 @@ class Trainer:
             self._batches = iter(self.loader)
         return [self.shard(next(self._batches)) for _ in range(self.cfg.train.grad_accum)]
 
-    # -- one step ---------------------------------------------------------------------------
     def forward_backward(self, micro_batches: list[dict]) -> dict:
         """Forward and backward of one step's micro-batches (this rank's shards). Afterwards the
         reduced gradients are in the engine (deepspeed.utils.safe_get_full_grad reads them) and
@@ -267,8 +230,7 @@ class Trainer:
             loss_sum += part.detach().double()
             if i < len(micro_batches) - 1:
                 self.engine.step()  # not a boundary: DeepSpeed only accumulates
-        return {"loss_sum": loss_sum, "total_weight": total_weight,
-                "sequences": sum(mb["input_ids"].shape[0] for mb in micro_batches)}
+        return {"loss_sum": loss_sum, "total_weight": total_weight}
 
     def optimizer_step(self, stats: dict) -> dict:
         """Apply the step (or skip it on a NaN/inf loss), advance the schedule; return metrics."""
@@ -301,13 +263,11 @@ class Trainer:
         stats = self.forward_backward(self.next_micro_batches())
         metrics = self.optimizer_step(stats)
         dt = time.perf_counter() - t0
-        metrics["step_time"] = dt
-        metrics["tokens_per_s"] = metrics["tokens"] / dt
-        metrics["mfu"] = mfu(self.flops_per_token, metrics["tokens_per_s"], self.peak_flops, self.world)
-        metrics["peak_mem_gb"] = peak_memory_gb(self.device)
-        return metrics
+        tokens_per_s = metrics["tokens"] / dt
+        return {**metrics, "step_time": dt, "tokens_per_s": tokens_per_s,
+                "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.world),
+                "peak_mem_gb": peak_memory_gb(self.device)}
 
-    # -- checkpoints ------------------------------------------------------------------------
     def trainer_state(self) -> dict:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "bad_in_a_row": self.bad_in_a_row,
                 "schedule": self.schedule.state_dict(), "world_size": self.world, "dp": self.mesh.dp,
@@ -342,10 +302,8 @@ class Trainer:
         if state["loader"] and hasattr(self.loader, "load_state_dict"):
             self.loader.load_state_dict(state["loader"])
         self.last_saved, self.last_checkpoint = self.step, ckpt
-        if self.rank == 0:
-            print(f"resumed from {ckpt} at step {self.step}", flush=True)
+        self._say(f"resumed from {ckpt} at step {self.step}")
 
-    # -- the loop ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def _graceful_signals(self):
         """SIGTERM / first SIGINT: finish the step, write a checkpoint, exit. A second SIGINT aborts."""
@@ -420,11 +378,8 @@ def train(cfg: Config, *, resume: bool = False, init_from: Optional[str] = None,
           batches: Optional[Iterable[dict]] = None, callbacks: Iterable[Callable] = ()) -> TrainResult:
     """Train `cfg` in this process as one rank of the launcher's world (or a world of one).
 
-    resume: continue from OUT/checkpoints/latest when there is one (same world shape).
-    init_from: start from the model weights of a checkpoint or run dir (the previous stage).
-    batches: an iterable of (B, S) batch dicts replacing the configured data (tests).
-    callbacks: functions `cb(event, trainer, **info)`; events step_end(step, metrics),
-        checkpoint_staged(path), checkpoint_saved(path).
-    """
-    trainer = Trainer(cfg, resume=resume, init_from=init_from, batches=batches, callbacks=callbacks)
-    return trainer.run()
+    resume: continue from OUT/checkpoints/latest when there is one (same world shape). init_from: the
+    model weights of a checkpoint or run dir. batches: (B, S) batch dicts instead of the configured
+    data. callbacks: `cb(event, trainer, **info)` on step_end(step, metrics), checkpoint_staged(path)
+    and checkpoint_saved(path)."""
+    return Trainer(cfg, resume=resume, init_from=init_from, batches=batches, callbacks=callbacks).run()

@@ -1,13 +1,10 @@
 """Training the tokenizer: reconstruction (L1 + L2) + quantizer loss (+ an optional patch GAN).
 
-    from longvideo.train.vq import train_vq
     result = train_vq(VQConfig(...), "data/videos", "runs/vq", time_budget_s=180)
     result.metrics  # {'psnr': ..., 'usage': ..., 'perplexity': ..., 'codes_used': ...}
 
-`out_dir` receives `model.safetensors` + `config.json` (the tokenizer, loadable by `load_vq`),
-`train_state.pt` (optimizer, step, sampler state: what resuming needs), `metrics.jsonl` (one line
-per evaluation), `samples/step_XXXXXXX.png` (held-out originals above their reconstructions) and
-`tb/` (TensorBoard: losses, PSNR, codebook usage, learning rate, the sample grid).
+`out_dir` receives the tokenizer (`load_vq` reads it), `train_state.pt` (what resuming needs),
+`metrics.jsonl`, `samples/` and `tb/` (docs/vq.md, "Training").
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import torch
 
 from longvideo.configtools import to_dict
 from longvideo.data.frames import FrameSource, Source, build_frame_source
-from longvideo.vq.codec import frames_to_input, output_to_frames
+from longvideo.vq.codec import eval_mode, frames_to_input, output_to_frames
 from longvideo.vq.config import VQConfig
 from longvideo.vq.discriminator import PatchDiscriminator, adaptive_weight, hinge_d_loss
 from longvideo.vq.model import CONFIG_FILE, VQModel
@@ -70,57 +67,20 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.no_grad()
 def evaluate(vq: VQModel, batch: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """Reconstruct held-out uint8 frames (N, H, W, 3) (2d) or clips (C, L, H, W, 3) (causal3d).
-
-    Returns ({psnr, usage, perplexity, codes_used}, reconstructions shaped like `batch`).
-    """
-    was = vq.training
-    vq.eval()
+    """({psnr, usage, perplexity, codes_used}, reconstructions shaped like `batch`) of held-out uint8
+    frames (N, H, W, 3) (2d) or clips (C, L, H, W, 3) (causal3d)."""
     device = next(vq.parameters()).device
     recons, codes = [], []
-    if vq.cfg.mode == "2d":
-        for part in batch.split(16):
-            rec, c, _ = vq(frames_to_input(part, device, as_clip=False))
-            recons.append(output_to_frames(rec))
+    clips = vq.cfg.mode != "2d"
+    with eval_mode(vq):
+        for part in batch if clips else batch.split(16):  # one clip, or 16 frames, per call
+            rec, c, _ = vq(frames_to_input(part, device, as_clip=clips))
+            recons.append(output_to_frames(rec)[None] if clips else output_to_frames(rec))
             codes.append(c.cpu())
-    else:
-        for clip in batch:
-            rec, c, _ = vq(frames_to_input(clip, device, as_clip=True))
-            recons.append(output_to_frames(rec)[None])
-            codes.append(c.cpu())
-    vq.train(was)
     recon = torch.cat(recons)
     metrics = {"psnr": psnr(recon, batch), **codebook_usage(torch.cat([c.flatten() for c in codes]),
                                                            vq.cfg.codebook_size)}
     return metrics, recon
-
-
-def sample_grid(orig: torch.Tensor, recon: torch.Tensor, max_cols: int = 8) -> torch.Tensor:
-    """uint8 image (H', W', 3): rows of originals, each above the same frames reconstructed."""
-    if orig.ndim == 4:  # frames: wrap into rows of max_cols
-        n = orig.shape[0]
-        cols = min(n, max_cols)
-        rows_o = [orig[i: i + cols] for i in range(0, n, cols)]
-        rows_r = [recon[i: i + cols] for i in range(0, n, cols)]
-    else:  # clips: one clip per row pair
-        cols = min(orig.shape[1], max_cols * 2)
-        rows_o, rows_r = [c[:cols] for c in orig], [c[:cols] for c in recon]
-    h, w = orig.shape[-3:-1]
-    gap = 2
-    canvas = torch.full((len(rows_o) * 2 * (h + gap) - gap, cols * (w + gap) - gap, 3), 255, dtype=torch.uint8)
-    for r, (ro, rr) in enumerate(zip(rows_o, rows_r)):
-        for k, row in enumerate((ro, rr)):
-            y = (2 * r + k) * (h + gap)
-            for c, img in enumerate(row):
-                canvas[y: y + h, c * (w + gap): c * (w + gap) + w] = img
-    return canvas
-
-
-def save_png(img: torch.Tensor, path: Path) -> None:
-    from PIL import Image
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(img.numpy()).save(path)
 
 
 def _vq_config(cfg) -> VQConfig:
@@ -142,11 +102,8 @@ def _check_resume(cfg: VQConfig, out: Path) -> None:
 
 
 def random_crops(x: torch.Tensor, size: int, gen: torch.Generator) -> torch.Tensor:
-    """A random square crop of each frame (B, S, S, 3) or clip (B, L, S, S, 3), resized to size x size.
-
-    The side is uniform in [size, S] (the whole frame included), the position uniform; all frames of
-    a clip share one crop, as one camera would. Shrinking is antialiased (bilinear).
-    """
+    """A random square crop of each frame (B, S, S, 3) or clip (B, L, S, S, 3), resized (antialiased
+    bilinear) to size x size: side uniform in [size, S], position uniform, one crop per clip."""
     s = x.shape[-2]
     if s == size:
         return x
@@ -193,15 +150,11 @@ class _Batches:
 def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: int | None = None,
              time_budget_s: float | None = None, resume: bool = True, device: str | None = None,
              progress: bool = True, tensorboard: bool = True) -> TrainResult:
-    """Train a tokenizer from scratch (or resume the run in `out_dir`).
+    """Train a tokenizer from scratch, or resume the run in `out_dir` (docs/vq.md, "Training").
 
-    cfg: a VQConfig, or a root Config (its `vq` section is used).
-    source: a folder of videos, raw shards (directory of .tar / glob / brace pattern), a video
-        file, in-memory uint8 videos (T, H, W, 3) (one or a list), or a FrameSource.
-    steps: overrides cfg.steps. time_budget_s: also stop after this much training time (the
-        learning-rate decay then follows whichever of steps and time runs out first).
-    resume: continue from `out_dir/train_state.pt` when present.
-    """
+    cfg: a VQConfig or a root Config (its `vq`). source: what `--data` takes, uint8 videos (T, H, W, 3)
+    (one or a list), or a FrameSource. steps: overrides cfg.steps. time_budget_s: also stop after this
+    much training time (the learning-rate decay follows whichever of steps and time ends first)."""
     cfg = _vq_config(cfg)
     if steps is not None:
         cfg = dataclasses.replace(cfg, steps=steps)
@@ -241,24 +194,26 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
     writer = None
     if tensorboard:
         from torch.utils.tensorboard import SummaryWriter
-
         writer = SummaryWriter(str(out / "tb"))
 
     def run_eval() -> dict:
+        from PIL import Image
         metrics, recon = evaluate(vq, eval_set)
+        png = out / "samples" / f"step_{step:07d}.png"
         metrics = {"step": step, "seconds": round(elapsed, 2), **metrics}
         history.append(metrics)
         # guard rails: compare with the untrained model (history[0]) and say what to try
         metrics["warnings"] = health_warnings(history, train_videos=len(src.train), lr=cfg.lr,
                                               max_usage=held_codes / cfg.codebook_size)
         for w in metrics["warnings"]:
-            log.warning("train-vq: %s (%s)", w, out / "samples" / f"step_{step:07d}.png")
+            log.warning("train-vq: %s (%s)", w, png)
         with open(out / METRICS_FILE, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         grid = labelled_grid(eval_set, recon, step=step, psnr=metrics["psnr"], usage=metrics["usage"],
                              psnr_untrained=history[0]["psnr"] if step > history[0]["step"] else None,
                              warnings=metrics["warnings"])
-        save_png(grid, out / "samples" / f"step_{step:07d}.png")
+        png.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(grid.numpy()).save(png)
         if writer is not None:
             for k in ("psnr", "usage", "perplexity"):
                 writer.add_scalar(f"eval/{k}", metrics[k], step)
@@ -281,7 +236,6 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
     last_weight = vq.decoder.layers[-1].conv.weight
 
     from tqdm import tqdm
-
     desc = "train-vq" + (f" (stops after {time_budget_s:g} s)" if time_budget_s else "")
     bar = tqdm(total=cfg.steps, initial=step, unit="step", desc=desc, disable=not progress)
     post: dict[str, str] = {}
@@ -302,14 +256,8 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
     while step < cfg.steps and not (time_budget_s is not None and elapsed >= time_budget_s):
         t0 = time.perf_counter()
         frames = batches.next()
-        if cfg.mode == "2d":
-            x = frames_to_input(frames, device, as_clip=False)  # (B, 3, 1, H, W)
-        else:
-            x = frames.to(device).float().div_(127.5).sub_(1.0).permute(0, 4, 1, 2, 3)  # (B, 3, L, H, W)
-        progress_frac = step / cfg.steps
-        if time_budget_s:
-            progress_frac = max(progress_frac, elapsed / time_budget_s)
-        lr = lr_at(cfg, step, progress_frac)
+        x = frames_to_input(frames, device, as_clip=cfg.mode != "2d")  # (B, 3, L, H, W); L = 1 in 2d
+        lr = lr_at(cfg, step, max(step / cfg.steps, elapsed / time_budget_s if time_budget_s else 0.0))
         for g in opt.param_groups:
             g["lr"] = lr
 
@@ -339,19 +287,16 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
         hist += torch.bincount(codes.flatten().cpu(), minlength=cfg.codebook_size)
         bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.steps:
-            with torch.no_grad():
-                batch_psnr = 10 * math.log10(4.0 / max(err.pow(2).mean().item(), 1e-10))
+            batch_psnr = 10 * math.log10(4.0 / max(err.detach().pow(2).mean().item(), 1e-10))
             used = (hist > 0).float().mean().item()
             show(loss=f"{loss.item():.4f}", batch_psnr=f"{batch_psnr:.1f}", usage=f"{used:.2f}")
             if writer is not None:
-                writer.add_scalar("train/loss", loss.item(), step)
-                writer.add_scalar("train/rec_loss", rec_loss.item(), step)
-                writer.add_scalar("train/quant_loss", float(aux), step)
-                writer.add_scalar("train/psnr", batch_psnr, step)
-                writer.add_scalar("train/usage", used, step)
-                writer.add_scalar("train/lr", lr, step)
+                scalars = {"loss": loss.item(), "rec_loss": rec_loss.item(), "quant_loss": float(aux),
+                           "psnr": batch_psnr, "usage": used, "lr": lr}
                 if gan_on:
-                    writer.add_scalar("train/d_loss", d_loss.item(), step)
+                    scalars["d_loss"] = d_loss.item()
+                for k, v in scalars.items():
+                    writer.add_scalar(f"train/{k}", v, step)
             hist.zero_()
         if step % cfg.eval_every == 0:
             run_eval()

@@ -9,17 +9,8 @@ of t frames with causal temporal convolutions. Its trainer is `longvideo.train.v
 
 from longvideo._lazy import lazy_exports
 
-_EXPORTS = {
-    "VQConfig": "config",
-    "load_vq_config": "config",
-    "VQModel": "model",
-    "load_vq": "model",
-    "build_vq": "model",
-    "LWMVQGAN": "vqgan",
-    "encode_video": "codec",
-    "decode_codes": "codec",
-    "iter_decode": "codec",
-    "codebook_usage": "quantizer",
-}
+_EXPORTS = {"VQConfig": "config", "load_vq_config": "config", "VQModel": "model", "load_vq": "model",
+            "build_vq": "model", "LWMVQGAN": "vqgan", "encode_video": "codec", "decode_codes": "codec",
+            "iter_decode": "codec", "codebook_usage": "quantizer"}
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)

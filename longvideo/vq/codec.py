@@ -1,17 +1,15 @@
-"""uint8 frames <-> codes, batched and streaming.
+"""uint8 frames <-> codes, batched and streaming (docs/vq.md, "Python API").
 
     codes = encode_video(vq, frames)           # frames uint8 (T, H, W, 3) or an iterable of chunks
     frames = decode_codes(vq, codes)           # codes (G, h, w) -> uint8 (T', H, W, 3)
 
-Memory: encoding holds at most `batch_frames` input frames (plus, in causal3d, the few frames of
-carry each temporal convolution keeps) whatever the video's length; only the codes accumulate.
-In causal3d the video is cut after frame 0 and then on group boundaries (multiples of t), so the
-codes are those of the whole video encoded at once. Encoding runs the model in eval mode under
-no_grad and is deterministic.
+Encoding holds at most `batch_frames` frames (plus the causal3d carries); in causal3d the video is
+cut after frame 0 and then on group boundaries, so the codes are those of the whole video at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 from itertools import chain, repeat
 from typing import Iterable, Iterator, Union
 
@@ -23,17 +21,15 @@ from longvideo.vq.model import VQModel
 Frames = Union[torch.Tensor, np.ndarray, Iterable[Union[torch.Tensor, np.ndarray]]]
 
 
-class _EvalMode:
-    """Run a block in eval mode, then restore the module's mode (training must not see EMA updates)."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module, self.was_training = module, module.training
-
-    def __enter__(self):
-        self.module.eval()
-
-    def __exit__(self, *exc):
-        self.module.train(self.was_training)
+@contextlib.contextmanager
+def eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    """Run a block in eval mode, then restore the module's mode (encoding must make no EMA updates)."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
 
 
 def _device(vq: VQModel) -> torch.device:
@@ -54,18 +50,17 @@ def _check_frames(chunk, res: int) -> torch.Tensor:
 
 
 def _chunks(frames: Frames, res: int) -> Iterator[torch.Tensor]:
-    if isinstance(frames, (torch.Tensor, np.ndarray)):
-        yield _check_frames(frames, res)
-        return
-    for chunk in frames:
-        yield _check_frames(chunk, res)
+    whole = isinstance(frames, (torch.Tensor, np.ndarray))
+    return (_check_frames(chunk, res) for chunk in ([frames] if whole else frames))
 
 
 def frames_to_input(frames: torch.Tensor, device, *, as_clip: bool) -> torch.Tensor:
-    """uint8 (T, H, W, 3) -> float in [-1, 1]: (1, 3, T, H, W) as one clip, else (T, 3, 1, H, W)."""
+    """uint8 (T, H, W, 3) -> float in [-1, 1]: (1, 3, T, H, W) as one clip, else (T, 3, 1, H, W);
+    clips (B, L, H, W, 3) -> (B, 3, L, H, W)."""
     x = frames.to(device, non_blocking=True).float().div_(127.5).sub_(1.0)
     if as_clip:
-        return x.permute(3, 0, 1, 2).unsqueeze(0)
+        x = x.movedim(-1, -4)
+        return x if x.ndim == 5 else x.unsqueeze(0)
     return x.permute(0, 3, 1, 2).unsqueeze(2)
 
 
@@ -96,9 +91,7 @@ def _pieces(chunks: Iterator[torch.Tensor], sizes: Iterator[int]) -> Iterator[to
 def _piece_sizes(cfg, batch_frames: int) -> Iterator[int]:
     """Frames per encoder call: in causal3d, frame 0 plus whole groups, then whole groups (so the
     pieces cut the video on group boundaries, and the codes equal those of one whole-clip call)."""
-    if cfg.mode == "2d":
-        return repeat(batch_frames)
-    t = cfg.frames_per_group
+    t = cfg.frames_per_group  # 1 in 2d: batch_frames each time
     return chain([1 + ((batch_frames - 1) // t) * t], repeat((batch_frames // t) * t))
 
 
@@ -121,7 +114,7 @@ def _check_batch(vq: VQModel, batch_frames: int) -> None:
     if batch_frames < 1:
         raise ValueError(f"batch_frames must be >= 1, got {batch_frames}")
     t = vq.cfg.frames_per_group
-    if vq.cfg.mode != "2d" and batch_frames < t:
+    if batch_frames < t:
         raise ValueError(f"batch_frames must be >= temporal_downsample={t} in causal3d mode, "
                          f"got {batch_frames}")
 
@@ -133,20 +126,16 @@ def _empty_codes(vq: VQModel) -> torch.Tensor:
 
 @torch.no_grad()
 def encode_video(vq: VQModel, frames: Frames, *, batch_frames: int = 16) -> torch.Tensor:
-    """Codes of a video: LongTensor (G, h, w) on the CPU.
-
-    frames: uint8 (T, H, W, 3) with H = W = vq.cfg.resolution, or an iterable of such chunks
-    (any chunk lengths). G = T in 2d mode; in causal3d G = 1 + ceil((T - 1) / t), the last
-    group padded by repeating the last frame. At most `batch_frames` frames are encoded at once
-    (causal3d needs batch_frames >= t).
-    """
+    """Codes of a video, LongTensor (G, h, w) on the CPU, from uint8 frames (T, R, R, 3) or an
+    iterable of such chunks: G = T in 2d, 1 + ceil((T - 1) / t) in causal3d (the last group padded by
+    repeating the last frame). At most `batch_frames` (>= t in causal3d) are encoded at once."""
     _check_batch(vq, batch_frames)
     state: dict = {}
     # one buffer that doubles when full instead of a list of small per-piece tensors: thousands of
     # small blocks kept alive between the pieces' large temporaries fragment the heap, and the
     # process grows with the video's length though the codes themselves are a few KB a second
     codes, n = _empty_codes(vq), 0
-    with _EvalMode(vq):
+    with eval_mode(vq):
         for i, piece in enumerate(_pieces(_chunks(frames, vq.cfg.resolution), _piece_sizes(vq.cfg, batch_frames))):
             c = _encode_piece(vq, piece, state, i == 0)
             if n + c.shape[0] > codes.shape[0]:
@@ -157,17 +146,10 @@ def encode_video(vq: VQModel, frames: Frames, *, batch_frames: int = 16) -> torc
 
 
 class SplicingEncoder:
-    """Codes of one video with a few frames replaced, without encoding the whole video again.
-
-        enc = SplicingEncoder(vq, frames)            # encodes once, keeping the temporal context
-        codes = enc.codes_with({k: flash_frame})     # exact: equal to encode_video of the edited video
-
-    2d mode re-encodes the replaced frames only. In causal3d a replaced frame changes the codes of
-    its group and of the few groups its temporal receptive field reaches: encoding resumes from the
-    saved context at the piece holding the first replaced frame and stops at the first piece
-    boundary where the context equals the original video's again (compared exactly), so the result
-    is bitwise what encoding the edited video from the start gives.
-    """
+    """Codes of one video with a few frames replaced, without encoding it all again (docs/vq.md,
+    "Splicing"): `SplicingEncoder(vq, frames).codes_with({k: frame})` equals encode_video of the edited
+    video bitwise. In causal3d, encoding resumes from the context saved before the first edited piece
+    and stops where the context equals the original's again."""
 
     @torch.no_grad()
     def __init__(self, vq: VQModel, frames: torch.Tensor, *, batch_frames: int = 16):
@@ -177,7 +159,7 @@ class SplicingEncoder:
         self.contexts: list[dict] = []  # the temporal context before each piece
         self.piece_codes: list[torch.Tensor] = []
         sizes, start, state = _piece_sizes(vq.cfg, batch_frames), 0, {}
-        with _EvalMode(vq):
+        with eval_mode(vq):
             while start < self.frames.shape[0]:
                 n = next(sizes)
                 self.starts.append(start)
@@ -202,7 +184,7 @@ class SplicingEncoder:
         if self.vq.cfg.mode == "2d":
             keys = sorted(replace)
             codes = self.codes.clone()
-            with _EvalMode(self.vq):
+            with eval_mode(self.vq):
                 codes[keys] = _encode_piece(self.vq, edited[keys], {}, False)
             return codes
         first = min(replace)
@@ -210,7 +192,7 @@ class SplicingEncoder:
         state = {k: v.clone() for k, v in self.contexts[p].items()}
         parts = self.piece_codes[:p]
         last_edit = max(replace)
-        with _EvalMode(self.vq):
+        with eval_mode(self.vq):
             while p < len(self.piece_codes):
                 a, b = self.starts[p], self.starts[p + 1]
                 parts.append(_encode_piece(self.vq, edited[a:b], state, a == 0))
@@ -244,7 +226,7 @@ def iter_decode(vq: VQModel, codes, *, batch_groups: int = 16) -> Iterator[torch
     codes = _check_codes(vq, codes)
     device = _device(vq)
     state: dict = {}
-    with _EvalMode(vq):
+    with eval_mode(vq):
         for g in range(0, codes.shape[0], batch_groups):
             part = codes[g: g + batch_groups].to(device)
             if vq.cfg.mode == "2d":
@@ -256,11 +238,8 @@ def iter_decode(vq: VQModel, codes, *, batch_groups: int = 16) -> Iterator[torch
 
 
 def decode_codes(vq: VQModel, codes, *, batch_groups: int = 16) -> torch.Tensor:
-    """Frames of codes (G, h, w): uint8 (T', H, W, 3); T' = G in 2d, 1 + t (G - 1) in causal3d.
-
-    In causal3d the frames of a padded last group are included; trim to the source length with
-    `vq.group_frame_index(T)` when it is known.
-    """
+    """Frames of codes (G, h, w): uint8 (T', H, W, 3); T' = G in 2d, 1 + t (G - 1) in causal3d, a
+    padded last group included (`vq.group_frame_index(T)` trims to a known source length)."""
     parts = list(iter_decode(vq, codes, batch_groups=batch_groups))
     if not parts:
         r = vq.cfg.resolution

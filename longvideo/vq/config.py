@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from longvideo.configtools import apply_overrides, check, from_dict, load_yaml, resolve_config_path
+from longvideo.configtools import (apply_overrides, check, check_at_least, check_positive, from_dict,
+                                   load_yaml, resolve_config_path)
 
 
 def _is_pow2(n: int) -> bool:
@@ -43,7 +44,6 @@ def fsq_levels_for(codebook_size: int) -> tuple[int, ...] | None:
 
 @dataclass(frozen=True, kw_only=True)
 class VQConfig:
-    # --- shape ---
     arch: Literal["longvideo", "lwm-vqgan"] = "longvideo"
     """Implementation: the project's tokenizer, or LWM's VQGAN (diffusers' VQModel; inference only, see docs/lwm.md)."""
     mode: Literal["2d", "causal3d"] = "2d"
@@ -56,7 +56,6 @@ class VQConfig:
     """Causal-3D only: t frames per temporal group (a power of 2; the first frame is coded alone)."""
     codebook_size: int = 8192
     """Number of codes."""
-    # --- architecture ---
     patch_size: int = 1
     """Pixels folded into channels (space-to-depth) before the first conv; a power of 2 <= f."""
     channels: int = 128
@@ -67,7 +66,6 @@ class VQConfig:
     """Residual blocks per level in the encoder and the decoder."""
     temporal_kernel: int = 3
     """Causal-3D only: temporal size of the residual convolutions' kernels."""
-    # --- quantizer ---
     quantizer: Literal["fsq", "vq"] = "fsq"
     """fsq: finite scalar quantisation; vq: l2-normalised codebook with EMA updates and restarts."""
     fsq_levels: tuple[int, ...] = ()
@@ -78,7 +76,6 @@ class VQConfig:
     """VQ only: decay of the codebook's moving averages."""
     dead_code_threshold: float = 0.05
     """VQ only: a code whose EMA assignments per step drop below this restarts on an encoder output."""
-    # --- losses ---
     l1_weight: float = 1.0
     """Weight of the L1 reconstruction loss (pixels in [-1, 1])."""
     l2_weight: float = 1.0
@@ -91,7 +88,6 @@ class VQConfig:
     """Step from which the discriminator trains and its loss reaches the generator."""
     disc_channels: int = 64
     """Width of the patch discriminator's first layer."""
-    # --- training ---
     steps: int = 20000
     """Optimizer steps."""
     lr: float = 2e-4
@@ -135,12 +131,15 @@ class VQConfig:
             check(self.patch_size == 1, "patch_size", "must be 1 for arch lwm-vqgan")
             check(self.channels % 32 == 0 and all((self.channels * m) % 32 == 0 for m in self.channel_mult),
                   "channels", "arch lwm-vqgan normalises in 32 groups: every level's width must be a multiple of 32")
-        check(self.resolution > 0, "resolution", "must be positive")
+        check_positive(self, "resolution", "channels", "codebook_dim", "disc_channels", "steps", "lr", "fps")
+        check_at_least(self, 0, "num_res_blocks", "dead_code_threshold", "l1_weight", "l2_weight",
+                       "commit_weight", "disc_weight", "disc_start", "warmup_steps", "grad_clip")
+        check_at_least(self, 1, "temporal_downsample", "batch_size", "clip_groups", "eval_every",
+                       "eval_frames", "log_every", "save_every", "max_frames_per_video", "pool_frames")
         check(_is_pow2(self.downsample) and self.downsample >= 2, "downsample",
               f"must be a power of 2 >= 2, got {self.downsample}")
         check(self.resolution % self.downsample == 0, "downsample",
               f"must divide resolution={self.resolution}, got {self.downsample}")
-        check(self.temporal_downsample >= 1, "temporal_downsample", "must be >= 1")
         check(_is_pow2(self.patch_size) and self.patch_size <= self.downsample, "patch_size",
               f"must be a power of 2 <= downsample = {self.downsample}, got {self.patch_size}")
         if self.mode == "causal3d":
@@ -151,12 +150,10 @@ class VQConfig:
                   "(one halving per level)")
             check(self.temporal_kernel >= 1, "temporal_kernel", "must be >= 1")
         check(self.codebook_size >= 2, "codebook_size", "must be >= 2")
-        check(self.channels >= 1, "channels", "must be positive")
         levels = int(math.log2(self.downsample // self.patch_size)) + 1
         check(len(self.channel_mult) == levels and all(m >= 1 for m in self.channel_mult),
               "channel_mult", f"needs log2(downsample / patch_size) + 1 = {levels} positive entries, "
               f"got {list(self.channel_mult)}")
-        check(self.num_res_blocks >= 0, "num_res_blocks", "must be >= 0")
         if self.quantizer == "fsq":
             if self.fsq_levels:
                 check(all(lv >= 2 for lv in self.fsq_levels), "fsq_levels", "each level must be >= 2")
@@ -167,24 +164,8 @@ class VQConfig:
                 check(fsq_levels_for(self.codebook_size) is not None, "codebook_size",
                       f"{self.codebook_size} has no split into FSQ levels 2..8; set fsq_levels "
                       "or use quantizer: vq")
-        check(self.codebook_dim >= 1, "codebook_dim", "must be positive")
         check(0 < self.ema_decay < 1, "ema_decay", "must be in (0, 1)")
-        check(self.dead_code_threshold >= 0, "dead_code_threshold", "must be >= 0")
-        for key in ("l1_weight", "l2_weight", "commit_weight", "disc_weight"):
-            check(getattr(self, key) >= 0, key, "must be >= 0")
         check(self.l1_weight + self.l2_weight > 0, "l1_weight", "l1_weight + l2_weight must be > 0")
-        check(self.disc_start >= 0, "disc_start", "must be >= 0")
-        check(self.disc_channels >= 1, "disc_channels", "must be positive")
-        check(self.steps > 0, "steps", "must be positive")
-        check(self.lr > 0, "lr", "must be positive")
-        check(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-        check(self.grad_clip >= 0, "grad_clip", "must be >= 0")
-        check(self.batch_size >= 1, "batch_size", "must be >= 1")
-        check(self.clip_groups >= 1, "clip_groups", "must be >= 1")
-        for key in ("eval_every", "eval_frames", "log_every", "save_every", "max_frames_per_video",
-                    "pool_frames"):
-            check(getattr(self, key) >= 1, key, "must be >= 1")
-        check(self.fps > 0, "fps", "must be positive")
         check(1.0 <= self.crop_scale <= 4.0, "crop_scale", f"must be in [1, 4], got {self.crop_scale}")
 
     @property
@@ -219,12 +200,7 @@ class VQConfig:
 
     def num_groups(self, num_frames: int) -> int:
         """Code groups for a video of num_frames frames: T in 2d, 1 + ceil((T - 1) / t) in causal3d."""
-        if num_frames <= 0:
-            return 0
-        if self.mode == "2d":
-            return num_frames
-        t = self.temporal_downsample
-        return 1 + -(-(num_frames - 1) // t)
+        return 0 if num_frames <= 0 else 1 + -(-(num_frames - 1) // self.frames_per_group)
 
     def tokens_per_hour(self, fps: float = 1.0) -> int:
         """VQ codes for one hour of video sampled at `fps` (no special tokens)."""

@@ -1,9 +1,5 @@
-"""Patch discriminator (PatchGAN, Isola et al. 2017) for the optional adversarial loss.
-
-It scores overlapping patches of single frames as real or reconstructed; the generator side uses
-the hinge loss with VQGAN's adaptive weight (Esser et al. 2021). Trained from scratch: nothing
-here needs pretrained weights.
-"""
+"""Patch discriminator (PatchGAN, Isola et al. 2017) on single frames for the optional adversarial loss,
+with the hinge loss and VQGAN's adaptive weight (Esser et al. 2021); trained from scratch."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The files of a saved video tokenizer: `config.json` (its VQConfig) and `model.safetensors`.
-
-Every implementation (`VQConfig.arch`) is saved and read the same way; `longvideo.vq.load_vq`
-builds the one the config names.
-"""
+"""The files of a saved video tokenizer, for every implementation (`VQConfig.arch`): `config.json` (its
+VQConfig) and `model.safetensors`; `longvideo.vq.load_vq` builds the one the config names."""
 
 from __future__ import annotations
 
@@ -22,7 +19,6 @@ CONFIG_FILE = "config.json"
 def save_vq(model: nn.Module, cfg: VQConfig, out_dir: str | Path) -> None:
     """Write `model.safetensors` (the module's state dict) and `config.json` (cfg) into out_dir."""
     from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
@@ -49,7 +45,6 @@ def read_vq_config(path: str | Path) -> VQConfig:
 def load_weights_into(model: nn.Module, path: str | Path) -> None:
     """Load `path/model.safetensors` into `model`, which must expect exactly its tensors and shapes."""
     from safetensors.torch import load_file
-
     path = Path(path)
     state = load_file(str(path / WEIGHTS_FILE))
     expected = model.state_dict()

@@ -1,13 +1,8 @@
-"""Building blocks of the tokenizer, all on video tensors (B, C, T, H, W).
+"""Building blocks of the tokenizer, on video tensors (B, C, T, H, W) (docs/vq.md, "Two modes").
 
-Spatial operations act on each frame alone. Temporal operations are causal: output frame i
-sees input frames <= i only. Before the first frame they see copies of the first frame, so a
-still image is coded like a still video.
-
-Streaming: every temporal layer takes an optional `state` dict. Given one, the layer keeps in
-it the last input frames its kernel still needs (the "carry") and prepends them to the next
-chunk, so that a video cut into chunks gives the same output as the whole video. Without a
-state, the call is one whole clip. In 2d mode (T = 1, no temporal kernels) no state is used.
+Spatial operations act on each frame alone; temporal ones are causal, frames before the first being
+copies of it. Given a `state` dict, a temporal layer keeps there the last input frames its kernel
+still needs and prepends them to the next chunk, so a chunked video gives the whole video's output.
 """
 
 from __future__ import annotations
@@ -20,11 +15,8 @@ from torch import nn
 
 
 class Conv(nn.Module):
-    """k x k spatial convolution with an optional causal temporal extent kt and stride ts.
-
-    Weight (C_out, C_in, kt, k, k). With kt == 1 on one-frame inputs it runs as a 2D
-    convolution (the 2d mode's whole network), which is faster on CPU than conv3d.
-    """
+    """k x k spatial convolution with an optional causal temporal extent kt and temporal stride;
+    weight (C_out, C_in, kt, k, k). kt == 1 on one frame runs conv2d (faster on CPU than conv3d)."""
 
     def __init__(self, c_in: int, c_out: int, k: int = 3, *, kt: int = 1, stride: int = 1,
                  tstride: int = 1):
@@ -72,12 +64,8 @@ class FrameNorm(nn.GroupNorm):
 
 
 def norm(c: int) -> FrameNorm:
-    """GroupNorm with >= 8 channels per group (at most 32 groups).
-
-    One channel per group would be InstanceNorm, which erases each channel's mean over the frame:
-    on small, mostly flat frames (a shape on a plain background) that is the colour, and the
-    tiny configs learned measurably slower with it.
-    """
+    """GroupNorm with >= 8 channels per group (at most 32 groups); one channel per group (InstanceNorm)
+    would erase the colour of flat frames (docs/vq.md, "Two modes")."""
     groups = min(32, max(1, c // 8))
     while c % groups:
         groups -= 1
@@ -100,11 +88,8 @@ class ResBlock(nn.Module):
 
 
 class Downsample(nn.Module):
-    """Halve H and W with a stride-2 conv; with `temporal`, also go from 1 + 2n frames to 1 + n.
-
-    The temporal conv (kt = 3, stride 2, two copies of frame 0 in front) maps frame 0 alone to
-    output 0 and frames (2j - 2, 2j - 1, 2j) to output j.
-    """
+    """Halve H and W with a stride-2 conv; with `temporal`, also 1 + 2n frames to 1 + n (frame 0
+    alone to output 0, frames (2j - 2, 2j - 1, 2j) to output j)."""
 
     def __init__(self, c: int, temporal: bool):
         super().__init__()
@@ -115,11 +100,8 @@ class Downsample(nn.Module):
 
 
 class Upsample(nn.Module):
-    """Double H and W (nearest, then conv); with `temporal`, also go from 1 + n frames to 1 + 2n.
-
-    Temporal doubling: a causal conv emits two frames' worth of channels per input frame, which
-    are laid out in time (depth-to-time); input frame 0 yields one frame (the copy is dropped).
-    """
+    """Double H and W (nearest, then conv); with `temporal`, also 1 + n frames to 1 + 2n: a causal
+    conv emits two frames' channels per frame, laid out in time, and one frame for frame 0."""
 
     def __init__(self, c: int, temporal: bool):
         super().__init__()

@@ -1,10 +1,5 @@
-"""VQModel: convolutional encoder -> quantizer -> decoder (VQGAN-style, no attention).
-
-2d mode: frames are coded one by one; a (H, W) frame becomes (H/f, W/f) codes.
-causal3d mode: the same network with causal temporal kernels and log2(t) temporal halvings in
-the deepest levels; frame 0 becomes code group 0 alone, then each t frames become one group.
-Pixels enter and leave as floats in [-1, 1] laid out (B, 3, T, H, W).
-"""
+"""VQModel: convolutional encoder -> quantizer -> decoder (VQGAN-style, no attention; docs/vq.md).
+Pixels enter and leave as floats in [-1, 1] laid out (B, 3, T, H, W)."""
 
 from __future__ import annotations
 
@@ -37,13 +32,9 @@ class Head(nn.Module):
 
 
 def _plan(cfg: VQConfig) -> tuple[list[int], list[int], list[bool]]:
-    """Widths per level, temporal kernel size per level, and which halvings also halve time.
-
-    Time is halved in the deepest levels, where tensors (and streaming carries) are smallest.
-    Residual blocks mix time (kernel kt > 1) from the first level that halves time downwards;
-    shallower, full-resolution levels work on each frame alone, which keeps the causal 3D model's
-    cost near the 2D one's (a 3 x 3 x 3 kernel at 256 x 256 costs three 2D convolutions).
-    """
+    """Widths per level, temporal kernel size per level, and which halvings also halve time: the
+    deepest ones, where tensors and carries are smallest. Residual blocks mix time from the first
+    such level down; the full-resolution levels work per frame, keeping causal3d's cost near 2d's."""
     widths = [cfg.channels * m for m in cfg.channel_mult]
     levels = len(widths) - 1
     t_levels = int(math.log2(cfg.temporal_downsample)) if cfg.mode == "causal3d" else 0
@@ -53,22 +44,14 @@ def _plan(cfg: VQConfig) -> tuple[list[int], list[int], list[bool]]:
     return widths, kts, temporal
 
 
-def space_to_depth(x: torch.Tensor, p: int) -> torch.Tensor:
-    """(B, C, T, H, W) -> (B, C p^2, T, H/p, W/p)."""
+def _per_frame(op, x: torch.Tensor, p: int) -> torch.Tensor:
+    """F.pixel_unshuffle ((B, C, T, H, W) -> (B, C p^2, T, H/p, W/p)) or F.pixel_shuffle (the
+    inverse) on every frame."""
     if p == 1:
         return x
     if x.shape[2] == 1:
-        return F.pixel_unshuffle(x[:, :, 0], p).unsqueeze(2)
-    return F.pixel_unshuffle(x.transpose(1, 2), p).transpose(1, 2)
-
-
-def depth_to_space(x: torch.Tensor, p: int) -> torch.Tensor:
-    """(B, C p^2, T, H, W) -> (B, C, T, H p, W p)."""
-    if p == 1:
-        return x
-    if x.shape[2] == 1:
-        return F.pixel_shuffle(x[:, :, 0], p).unsqueeze(2)
-    return F.pixel_shuffle(x.transpose(1, 2), p).transpose(1, 2)
+        return op(x[:, :, 0], p).unsqueeze(2)
+    return op(x.transpose(1, 2), p).transpose(1, 2)
 
 
 class Encoder(nn.Module):
@@ -89,7 +72,7 @@ class Encoder(nn.Module):
 
     def forward(self, x: torch.Tensor, state: dict | None = None) -> torch.Tensor:
         # (B, 3, T, H, W) -> (B, D, T', H/f, W/f)
-        x = space_to_depth(x, self.patch)
+        x = _per_frame(F.pixel_unshuffle, x, self.patch)
         for layer in self.layers:
             x = layer(x, state)
         return x
@@ -115,7 +98,7 @@ class Decoder(nn.Module):
         # (B, D, T', h, w) -> (B, 3, T, h*f, w*f)
         for layer in self.layers:
             z = layer(z, state)
-        return depth_to_space(z, self.patch)
+        return _per_frame(F.pixel_shuffle, z, self.patch)
 
 
 class VQModel(nn.Module):
@@ -130,7 +113,6 @@ class VQModel(nn.Module):
         self.quantizer = build_quantizer(cfg)
         self.decoder = Decoder(cfg)
 
-    # --- tensors in [-1, 1] ---
     def encode(self, x: torch.Tensor, state: dict | None = None):
         """(B, 3, T, H, W) -> latents zq (B, D, G, h, w), codes (B, G, h, w), auxiliary loss."""
         z = self.encoder(x, state)
@@ -153,18 +135,12 @@ class VQModel(nn.Module):
         zq, codes, aux = self.encode(x)
         return self.decode(zq), codes, aux
 
-    # --- layout ---
     def group_frame_index(self, num_frames: int) -> list[list[int]]:
-        """The source frames each code group covers (padding frames excluded)."""
-        if self.cfg.mode == "2d":
-            return [[i] for i in range(num_frames)]
-        t = self.cfg.temporal_downsample
-        out = [[0]] if num_frames > 0 else []
-        for start in range(1, num_frames, t):
-            out.append(list(range(start, min(start + t, num_frames))))
-        return out
+        """The source frames each code group covers (padding frames excluded): frame 0, then t at a time."""
+        t = self.cfg.frames_per_group
+        rest = [list(range(start, min(start + t, num_frames))) for start in range(1, num_frames, t)]
+        return [[0], *rest] if num_frames > 0 else []
 
-    # --- files ---
     def save(self, out_dir: str | Path) -> None:
         """Write `model.safetensors` and `config.json` into out_dir."""
         save_vq(self, self.cfg, out_dir)

@@ -1,10 +1,7 @@
-"""Guard rails of tokenizer training: warnings on bad runs and a labelled sample grid.
-
-A run can look healthy on its training batches while it learns nothing useful: a decoder that
-memorises a few training scenes reproduces them well and paints the same picture over any other
-video. Only held-out frames show it. `health_warnings` compares each held-out evaluation with the
-untrained model's (step 0) and says what to try; `labelled_grid` draws held-out originals above
-their reconstructions with each reconstruction's PSNR, so that a bad run is plain to see.
+"""Guard rails of tokenizer training (docs/vq.md, "Guard rails"): a decoder that memorises a few
+training scenes looks healthy on its training batches, and only held-out frames show it.
+`health_warnings` compares each held-out evaluation with the untrained model's and says what to try;
+`labelled_grid` draws held-out originals above their reconstructions, each with its PSNR.
 """
 
 from __future__ import annotations
@@ -28,13 +25,9 @@ def frame_psnrs(orig: torch.Tensor, recon: torch.Tensor) -> torch.Tensor:
 
 def health_warnings(history: list[dict], *, train_videos: int | None = None, lr: float | None = None,
                     max_usage: float = 1.0) -> list[str]:
-    """Warnings about the last evaluation in `history` (history[0] is the untrained model's).
-
-    * held-out PSNR below the untrained model's: the decoder fits its training frames instead of
-      learning to code frames (few or near-still training videos, too high a learning rate);
-    * held-out codebook usage below USAGE_FLOOR x max_usage: the codes carry little information.
-      max_usage is the most the held-out set can use: min(1, codes it holds / codebook size).
-    """
+    """Warnings about the last evaluation in `history` (history[0] is the untrained model's): held-out
+    PSNR below the untrained model's (the decoder fits its training frames), and held-out codebook
+    usage below USAGE_FLOOR x max_usage (the most the held-out set can use: codes it holds / size)."""
     if len(history) < 2 or history[-1]["step"] <= history[0]["step"]:
         return []
     first, last = history[0], history[-1]
@@ -60,24 +53,17 @@ def health_warnings(history: list[dict], *, train_videos: int | None = None, lr:
 
 def short_warning(warnings: list[str]) -> str:
     """A few words for a progress bar: which checks failed."""
-    tags = []
-    for w in warnings:
-        tags.append("PSNR<untrained" if w.startswith("held-out PSNR") else "codebook collapse")
+    tags = ["PSNR<untrained" if w.startswith("held-out PSNR") else "codebook collapse" for w in warnings]
     return ("WARNING " + ", ".join(tags)) if tags else ""
 
 
 def labelled_grid(orig: torch.Tensor, recon: torch.Tensor, *, step: int, psnr: float, usage: float,
                   psnr_untrained: float | None = None, warnings: list[str] | None = None,
                   max_cols: int = 8) -> torch.Tensor:
-    """uint8 image (H', W', 3): a title, then rows of held-out originals, each above its reconstructions.
-
-    orig/recon: frames (N, H, W, 3) (wrapped into rows of max_cols) or clips (C, L, H, W, 3) (one
-    clip per row, at most 2 max_cols frames). Under every reconstruction: its PSNR in dB, in red
-    when it is below the untrained model's held-out PSNR. The title gives the step, the held-out
-    PSNR (and the untrained model's), the codebook usage and, in red, any warning.
-    """
+    """uint8 image (H', W', 3): a title (step, PSNRs, usage, warnings in red), then rows of held-out
+    originals above their reconstructions, each with its PSNR (red below the untrained model's).
+    orig/recon: frames (N, H, W, 3), rows of max_cols, or clips (C, L, H, W, 3), one per row."""
     from PIL import Image, ImageDraw, ImageFont
-
     if orig.ndim == 4:
         n = orig.shape[0]
         cols = min(n, max_cols)

@@ -1,13 +1,7 @@
-"""Quantizers: latent vectors (..., D) -> codes (...) and back, without codebook collapse.
-
-* FSQ (Mentzer et al., "Finite Scalar Quantization", 2023): each latent channel is bounded and
-  rounded to one of L_i levels; the code is the mixed-radix number of the levels. The codebook is
-  implicit (prod L_i codes), has no parameters and cannot collapse.
-* EMAVectorQuantizer: l2-normalised lookup in a low-dimensional codebook (as in ViT-VQGAN, Yu et
-  al. 2021) whose entries follow the moving average of the vectors assigned to them; entries that
-  stop being used are restarted from current encoder outputs.
-
-Both return the straight-through quantised latents, the integer codes and an auxiliary loss.
+"""Quantizers: latent vectors (..., D) -> codes (...) and back, without codebook collapse (docs/vq.md,
+"Quantizers"): FSQ (Mentzer et al. 2023; an implicit codebook of prod L_i codes, no parameters) and
+EMAVectorQuantizer (l2-normalised, as in ViT-VQGAN; EMA updates, restarts of unused entries). Both
+return the straight-through quantised latents, the integer codes and an auxiliary loss.
 """
 
 from __future__ import annotations
@@ -80,10 +74,8 @@ class EMAVectorQuantizer(nn.Module):
 
     def _nearest(self, flat: torch.Tensor) -> torch.Tensor:
         # flat (N, D) unit vectors -> (N,) codes; chunked to bound the (N, K) similarity matrix
-        out = []
-        for part in flat.split(max(1, (1 << 24) // self.codebook_size)):
-            out.append((part @ self.embed.t()).argmax(-1))
-        return torch.cat(out)
+        parts = flat.split(max(1, (1 << 24) // self.codebook_size))
+        return torch.cat([(part @ self.embed.t()).argmax(-1) for part in parts])
 
     def forward(self, z: torch.Tensor):
         # z (..., D) -> zq (..., D) unit vectors, codes (...) long, commitment loss (scalar)
@@ -131,10 +123,8 @@ def build_quantizer(cfg: VQConfig) -> nn.Module:
 
 
 def codebook_usage(codes: torch.Tensor, codebook_size: int) -> dict[str, float]:
-    """Fraction of the codebook used by `codes` and the perplexity exp(H) of their histogram.
-
-    Perplexity equals the number of codes when all are used equally often, 1 under collapse.
-    """
+    """Fraction of the codebook used by `codes` (and how many), and the perplexity exp(H) of their
+    histogram (the codebook size when all are used equally often, 1 under collapse)."""
     hist = torch.bincount(codes.reshape(-1).long().cpu(), minlength=codebook_size).double()
     p = hist / hist.sum().clamp_min(1)
     entropy = -(p[p > 0] * p[p > 0].log()).sum().item()

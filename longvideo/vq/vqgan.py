@@ -1,28 +1,10 @@
-"""LWM's VQGAN behind the project's video-tokenizer interface, on diffusers' VQModel.
+"""LWM's VQGAN behind the project's video-tokenizer interface, on diffusers' VQModel (docs/lwm.md).
 
-LWM's released checkpoints code frames with a taming-style VQGAN (lwm/vqgan.py of the LWM
-repository): 256 x 256 frames in [-1, 1], a convolutional encoder of `channel_mult` levels
-(1, 2, 2, 4, 6 x 128 channels, two residual blocks each, no attention), a 1x1 `quant_conv`, a
-nearest-neighbour codebook of 8192 x 64, a 1x1 `post_quant_conv` and the mirrored decoder; 16 x 16
-codes per frame. That is exactly the architecture of diffusers' `VQModel` (the aMUSEd VQ-GAN), so
-the weights are mapped onto it rather than re-implemented (`state_dict_from_flax`).
-
-`LWMVQGAN` offers what the codec and the chat path use of `longvideo.vq.VQModel` (`encode`,
-`decode`, `codes_to_latents`, `group_frame_index`, `cfg`, `save`; `load_vq` builds it when the
-saved config says `arch: lwm-vqgan`), with LWM's preprocessing: uint8 pixels / 127.5 - 1 (the
-codec's), and decoded pixels clipped to [-1, 1] as LWM's decode does. Inference only.
-
-The flax parameter tree (LWM's `VQGANModel`; flax names compact submodules by class and creation
-order, so the decoder's `UpsamplingBlock_0` is its *deepest* level, as diffusers' `up_blocks.0`):
-
-    encoder/Conv_0, encoder/DownsamplingBlock_{i}/ResnetBlock_{j}/{GroupNorm_0,Conv_0,GroupNorm_1,Conv_1,Conv_2?},
-    encoder/DownsamplingBlock_{i}/Downsample_0/Conv_0, encoder/MidBlock_0/ResnetBlock_{0,1},
-    encoder/GroupNorm_0, encoder/Conv_1, quant_conv, quantize/embeddings, post_quant_conv,
-    decoder/Conv_0, decoder/MidBlock_0/ResnetBlock_{0,1}, decoder/UpsamplingBlock_{k}/ResnetBlock_{j},
-    decoder/UpsamplingBlock_{k}/Upsample_0/Conv_0, decoder/GroupNorm_0, decoder/Conv_1
-
-Convolution kernels are (kh, kw, in, out) there and (out, in, kh, kw) here; GroupNorm's scale is
-torch's weight.
+LWM's taming-style VQGAN (lwm/vqgan.py of the LWM repository: no attention, a 1x1 quant_conv, a
+nearest-neighbour codebook, a 1x1 post_quant_conv, the mirrored decoder) is exactly diffusers'
+`VQModel` (the aMUSEd VQ-GAN), so the flax weights are mapped onto it (`state_dict_from_flax`, which
+names every flax path), not re-implemented. `LWMVQGAN` has the interface of `longvideo.vq.VQModel`
+with LWM's pixels: uint8 / 127.5 - 1 in, decoded pixels clipped to [-1, 1]. Inference only.
 """
 
 from __future__ import annotations
@@ -59,18 +41,14 @@ def diffusers_config(cfg: VQConfig) -> dict:
 
 
 class LWMVQGAN(nn.Module):
-    """LWM's VQGAN (a diffusers VQModel in `.net`) with the interface of longvideo.vq.VQModel.
-
-    Pixels enter and leave as floats in [-1, 1] laid out (B, 3, T, H, W); every frame is coded
-    alone (2d mode), so a code group is one frame.
-    """
+    """LWM's VQGAN (a diffusers VQModel in `.net`) with the interface of longvideo.vq.VQModel: pixels
+    in [-1, 1] laid out (B, 3, T, H, W), every frame coded alone (a code group is one frame)."""
 
     def __init__(self, cfg: VQConfig):
         super().__init__()
         if cfg.arch != "lwm-vqgan":
             raise ConfigError("arch", f"LWMVQGAN implements arch lwm-vqgan, got {cfg.arch!r}")
         from diffusers import VQModel as DiffusersVQModel  # a heavy import, needed only here
-
         self.cfg = cfg
         self.net = DiffusersVQModel(**diffusers_config(cfg))
 
@@ -78,12 +56,9 @@ class LWMVQGAN(nn.Module):
     def codebook(self) -> torch.Tensor:
         return self.net.quantize.embedding.weight
 
-    # --- tensors in [-1, 1] ---
     def encode(self, x: torch.Tensor, state: Optional[dict] = None):
-        """(B, 3, T, H, W) -> latents zq (B, D, T, h, w), codes (B, T, h, w), auxiliary loss (0).
-
-        Codes are the nearest codebook entries of the encoder's output (LWM's quantizer); zq are
-        those entries."""
+        """(B, 3, T, H, W) -> latents zq (B, D, T, h, w), codes (B, T, h, w), auxiliary loss (0): the
+        nearest codebook entries of the encoder's output, as LWM's quantizer picks them."""
         B, C, T, H, W = x.shape
         frames = x.movedim(2, 1).reshape(B * T, C, H, W).to(self.codebook.dtype)
         z = self.net.encode(frames).latents  # (B T, D, h, w): encoder, then quant_conv
@@ -112,18 +87,14 @@ class LWMVQGAN(nn.Module):
         zq, codes, aux = self.encode(x)
         return self.decode(zq), codes, aux
 
-    # --- layout ---
     def group_frame_index(self, num_frames: int) -> list[list[int]]:
         """The source frames each code group covers: one frame each."""
         return [[i] for i in range(num_frames)]
 
-    # --- files ---
     def save(self, out_dir: str | Path) -> None:
         """Write `model.safetensors` and `config.json` (arch lwm-vqgan) into out_dir."""
         save_vq(self, self.cfg, out_dir)
 
-
-# ----------------------------------------------------------------------------- flax parameters
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, np.ndarray]:
     """'a/b/c' -> array of a nested dict of arrays."""
@@ -136,8 +107,7 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, np.ndarray]:
 
 
 def _levels(flat: dict[str, np.ndarray], pattern: str) -> list[int]:
-    found = {int(m.group(1)) for k in flat for m in [re.match(pattern, k)] if m}
-    return sorted(found)
+    return sorted({int(m.group(1)) for k in flat if (m := re.match(pattern, k))})
 
 
 def vq_config_from_flax(params: dict, base: Optional[VQConfig] = None) -> VQConfig:
@@ -171,12 +141,14 @@ def vq_config_from_flax(params: dict, base: Optional[VQConfig] = None) -> VQConf
 
 
 def _conv(flat, src: str) -> dict[str, torch.Tensor]:
+    """A flax conv (kernel (kh, kw, in, out)) as torch's weight (out, in, kh, kw) and bias."""
     k = np.asarray(flat[f"{src}/kernel"])
     return {"weight": torch.from_numpy(np.ascontiguousarray(k.transpose(3, 2, 0, 1))),
             "bias": torch.from_numpy(np.asarray(flat[f"{src}/bias"]))}
 
 
 def _norm(flat, src: str) -> dict[str, torch.Tensor]:
+    """A flax GroupNorm (scale, bias) as torch's (weight, bias)."""
     return {"weight": torch.from_numpy(np.asarray(flat[f"{src}/scale"])),
             "bias": torch.from_numpy(np.asarray(flat[f"{src}/bias"]))}
 
@@ -196,40 +168,38 @@ def state_dict_from_flax(params: dict, cfg: VQConfig) -> dict[str, torch.Tensor]
     flat = flatten(params)
     n = len(cfg.channel_mult)
     parts: dict[str, dict[str, torch.Tensor]] = {}
-
-    def put(name: str, tensors: dict[str, torch.Tensor]):
-        parts[name] = tensors
-
     try:
-        put("encoder.conv_in", _conv(flat, "encoder/Conv_0"))
+        parts["encoder.conv_in"] = _conv(flat, "encoder/Conv_0")
         for i in range(n):
             for j in range(cfg.num_res_blocks):
                 for sub, t in _resnet(flat, f"encoder/DownsamplingBlock_{i}/ResnetBlock_{j}").items():
-                    put(f"encoder.down_blocks.{i}.resnets.{j}.{sub}", t)
+                    parts[f"encoder.down_blocks.{i}.resnets.{j}.{sub}"] = t
             if i < n - 1:
-                put(f"encoder.down_blocks.{i}.downsamplers.0.conv",
-                    _conv(flat, f"encoder/DownsamplingBlock_{i}/Downsample_0/Conv_0"))
+                parts[f"encoder.down_blocks.{i}.downsamplers.0.conv"] = _conv(
+                    flat, f"encoder/DownsamplingBlock_{i}/Downsample_0/Conv_0")
         for j in range(2):
             for sub, t in _resnet(flat, f"encoder/MidBlock_0/ResnetBlock_{j}").items():
-                put(f"encoder.mid_block.resnets.{j}.{sub}", t)
-        put("encoder.conv_norm_out", _norm(flat, "encoder/GroupNorm_0"))
-        put("encoder.conv_out", _conv(flat, "encoder/Conv_1"))
-        put("quant_conv", _conv(flat, "quant_conv"))
-        put("quantize.embedding", {"weight": torch.from_numpy(np.asarray(flat["quantize/embeddings"]))})
-        put("post_quant_conv", _conv(flat, "post_quant_conv"))
-        put("decoder.conv_in", _conv(flat, "decoder/Conv_0"))
+                parts[f"encoder.mid_block.resnets.{j}.{sub}"] = t
+        parts["encoder.conv_norm_out"] = _norm(flat, "encoder/GroupNorm_0")
+        parts["encoder.conv_out"] = _conv(flat, "encoder/Conv_1")
+        parts["quant_conv"] = _conv(flat, "quant_conv")
+        parts["quantize.embedding"] = {"weight": torch.from_numpy(np.asarray(flat["quantize/embeddings"]))}
+        parts["post_quant_conv"] = _conv(flat, "post_quant_conv")
+        parts["decoder.conv_in"] = _conv(flat, "decoder/Conv_0")
         for j in range(2):
             for sub, t in _resnet(flat, f"decoder/MidBlock_0/ResnetBlock_{j}").items():
-                put(f"decoder.mid_block.resnets.{j}.{sub}", t)
-        for k in range(n):  # UpsamplingBlock_k is created first for the deepest level, as up_blocks.k
+                parts[f"decoder.mid_block.resnets.{j}.{sub}"] = t
+        # flax names compact submodules by class and creation order: UpsamplingBlock_k is created
+        # first for the deepest level, as diffusers' up_blocks.k
+        for k in range(n):
             for j in range(cfg.num_res_blocks + 1):
                 for sub, t in _resnet(flat, f"decoder/UpsamplingBlock_{k}/ResnetBlock_{j}").items():
-                    put(f"decoder.up_blocks.{k}.resnets.{j}.{sub}", t)
+                    parts[f"decoder.up_blocks.{k}.resnets.{j}.{sub}"] = t
             if k < n - 1:
-                put(f"decoder.up_blocks.{k}.upsamplers.0.conv",
-                    _conv(flat, f"decoder/UpsamplingBlock_{k}/Upsample_0/Conv_0"))
-        put("decoder.conv_norm_out", _norm(flat, "decoder/GroupNorm_0"))
-        put("decoder.conv_out", _conv(flat, "decoder/Conv_1"))
+                parts[f"decoder.up_blocks.{k}.upsamplers.0.conv"] = _conv(
+                    flat, f"decoder/UpsamplingBlock_{k}/Upsample_0/Conv_0")
+        parts["decoder.conv_norm_out"] = _norm(flat, "decoder/GroupNorm_0")
+        parts["decoder.conv_out"] = _conv(flat, "decoder/Conv_1")
     except KeyError as e:
         raise LWMVQGANError(f"LWM VQGAN parameters: missing {e.args[0]}") from None
     sd = {f"net.{name}.{p}": t.float() for name, tensors in parts.items() for p, t in tensors.items()}
