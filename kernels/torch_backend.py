@@ -1,8 +1,6 @@
-"""The `torch` block backend: exact, tiled, pure PyTorch. Memory is O(tile^2) per (batch, head).
-
-It is the readable statement of the algorithm every other backend implements: an online softmax
-over key tiles in the forward, and the recomputation form of the backward
-(P = exp(S - lse), dS = P * (dP - rowsum(dO * O))). Tiles whose mask is all false are skipped.
+"""The `torch` block backend: exact, tiled, pure PyTorch (memory O(tile^2) per batch and head), the
+readable statement of the algorithm: an online softmax over key tiles, and the recomputation form
+of the backward (P = exp(S - lse), dS = P * (dP - rowsum(dO * O))). All-masked tiles are skipped.
 """
 
 from __future__ import annotations
@@ -71,8 +69,7 @@ class TorchBackend:
         G = Hq // Hkv
         cdt = accum_dtype(q.dtype)
         qh, kh, vh = _heads_first(q, k, v, cdt)
-        doh, oh, _ = _heads_first(dout, k, v, cdt)
-        oh = out.to(cdt).view(B, Sq, Hkv, G, D).permute(0, 2, 3, 1, 4)
+        doh, oh = (_heads_first(x, k, v, cdt)[0] for x in (dout, out))  # (B, Hkv, G, Sq, D)
         lse_h = lse.to(cdt).view(B, Hkv, G, Sq)
         delta = (doh * oh).sum(-1)  # (B, Hkv, G, Sq)
         dq = torch.zeros_like(qh)
