@@ -1,12 +1,9 @@
 """The DeepSpeed config a run uses: generated from TrainConfig, with optional tuning keys from JSON.
 
-TrainConfig is the single source of truth for what it owns (batch sizes, clipping, precision, ZeRO
-stage); a JSON file (configs/deepspeed/zero{1,2,3}.json or the user's) may add tuning keys such as
-bucket sizes, communication overlap or CPU offload. An owned key in the JSON must be absent, "auto",
-or equal to the generated value; anything else is a ConfigError rather than a silent override.
-
-All dp x sp ranks form DeepSpeed's data-parallel world (no `mpu`): their parameters are identical,
-and ZeRO partitions over all of them (docs/architecture.md, decision 6).
+TrainConfig owns batch sizes, clipping, precision and the ZeRO stage; a JSON file
+(configs/deepspeed/zero{1,2,3}.json or the user's) may add tuning keys (bucket sizes, overlap, CPU
+offload). An owned key in the JSON must be absent, "auto" or equal to the generated value, else a
+ConfigError. ZeRO partitions over all dp x sp ranks (docs/architecture.md, decision 6).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """Loss normalisation over the whole dp x sp batch (docs/architecture.md, decision 6).
 
-Each rank's model returns a weighted loss *sum* over its tokens and their weight total. The loss
-of the step is the sum over all ranks (and micro-batches) divided by the global weight total, so
-that sharding the sequence (sp) or the batch (dp) gives the gradients of one unsharded batch:
-
     scale, total = loss_scale(weight_of_all_my_micro_batches, mesh)   # one all-reduce per step
     for mb in micro_batches:
         (model(**mb)[0] * scale).backward()     # then gradients are reduced over all dp x sp ranks

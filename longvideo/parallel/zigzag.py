@@ -1,16 +1,13 @@
-"""The zigzag sequence layout of the ring, and the helpers that shard a batch with it.
+"""The zigzag sequence layout of the ring, and the helpers that shard a batch with it
+(docs/ring_attention.md, "The zigzag layout").
 
-A sequence of length S (padded to a multiple of 2W) is cut into 2W equal chunks; ring rank r holds
-chunks r and 2W-1-r, in that order:
+A sequence of length S (padded to a multiple of 2W, the padding marked with segment id -1) is cut
+into 2W equal chunks; ring rank r holds chunks r and 2W-1-r, in that order, which balances causal
+work exactly:
 
     W = 2, S = 8:   tokens  0 1 | 2 3 | 4 5 | 6 7
                     rank 0: chunks 0, 3 -> 0 1 6 7
                     rank 1: chunks 1, 2 -> 2 3 4 5
-
-Under causal masking chunk i attends to i+1 chunks, so every rank gets (r + 1) + (2W - r) = 2W + 1
-chunk pairs of work: the layout balances the ring exactly, where a contiguous split would leave the
-last rank with 2W - 1 times the work of the first. Padding appended to reach a multiple of 2W is
-marked with segment id -1 (`shard_batch` does this), which the mask rule makes invisible.
 """
 
 from __future__ import annotations
