@@ -1,13 +1,7 @@
-"""Masked flash attention with the Triton kernel: the raw ops, the functional API and the `triton`
-block backend (docs/kernels.md, "Using it").
-
-    out = flash_attn(q, k, v, q_pos, k_pos, q_seg, k_seg, causal=True)           # differentiable
-    out, lse = flash_attn(..., return_lse=True)
-
-The raw ops `torch.ops.longvideo.flash_attn_fwd` / `flash_attn_bwd` are custom ops with fake
-implementations, so torch.compile traces through them; `flash_attn` differentiates through them
-with interface.py's autograd.Function, as `block_attention(..., backend="triton")` does. Every entry
-point takes an optional `plan` (plans.py AttentionPlan); nothing on this path reads the device.
+"""Masked flash attention with the Triton kernel (docs/kernels.md, "Using it"): the raw custom ops
+`torch.ops.longvideo.flash_attn_fwd` / `flash_attn_bwd` (with fake implementations, so
+torch.compile traces through them), `flash_attn` (differentiated by interface.py's
+autograd.Function) and the `triton` block backend. Nothing on this path reads the device.
 """
 
 from __future__ import annotations
@@ -99,26 +93,6 @@ def _flash_attn_bwd_fake(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, sc
     return q.new_empty(q.shape, dtype=f32), k.new_empty(k.shape, dtype=f32), v.new_empty(v.shape, dtype=f32)
 
 
-def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan: Optional[AttentionPlan]):
-    """The forward op with its tile plan taken from (or built into) `plan`."""
-    tensor = None
-    if plan is not None and not _tk.uses_decode(q.shape[1]) and q.shape[1] and k.shape[1] and q.shape[-1]:
-        c = _tk.tile_config(q.shape[-1], q.dtype).fwd
-        tensor = _tk.kept_plan(plan, c, False, causal, q_pos, k_pos, q_seg, k_seg)
-    return torch.ops.longvideo.flash_attn_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, float(scale), bool(causal), tensor)
-
-
-def _backward(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan: Optional[AttentionPlan]):
-    """The backward op with its tile plans taken from (or built into) `plan`."""
-    cfg, kv_plan, q_plan = _tk.tile_config(q.shape[-1], q.dtype), None, None
-    if plan is not None and q.shape[1] and k.shape[1] and q.shape[-1]:
-        meta = (causal, q_pos, k_pos, q_seg, k_seg)
-        kv_plan = _tk.kept_plan(plan, cfg.bwd, True, *meta)
-        q_plan = _tk.kept_plan(plan, cfg.dq, False, *meta) if cfg.variant == "split" else None
-    return torch.ops.longvideo.flash_attn_bwd(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, float(scale),
-                                              bool(causal), kv_plan, q_plan, cfg.variant)
-
-
 def flash_attn(q: Tensor, k: Tensor, v: Tensor, q_pos: Optional[Tensor] = None,
                k_pos: Optional[Tensor] = None, q_seg: Optional[Tensor] = None,
                k_seg: Optional[Tensor] = None, *, causal: bool = True, softmax_scale: Optional[float] = None,
@@ -143,9 +117,22 @@ class TritonBackend:
     sync_free = True
 
     def forward(self, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
+        """The forward op with its tile plan taken from (or built into) `plan`."""
         _check_inputs(q, k, v, q_pos, k_pos, q_seg, k_seg)
-        return _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan)
+        tensor = None
+        if plan is not None and not _tk.uses_decode(q.shape[1]) and q.shape[1] and k.shape[1] and q.shape[-1]:
+            c = _tk.tile_config(q.shape[-1], q.dtype).fwd
+            tensor = _tk.kept_plan(plan, c, False, causal, q_pos, k_pos, q_seg, k_seg)
+        return torch.ops.longvideo.flash_attn_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, float(scale),
+                                                  bool(causal), tensor)
 
     def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
+        """The backward op with its tile plans taken from (or built into) `plan`."""
         _check_inputs(q, k, v, q_pos, k_pos, q_seg, k_seg)
-        return _backward(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan)
+        cfg, kv_plan, q_plan = _tk.tile_config(q.shape[-1], q.dtype), None, None
+        if plan is not None and q.shape[1] and k.shape[1] and q.shape[-1]:
+            meta = (causal, q_pos, k_pos, q_seg, k_seg)
+            kv_plan = _tk.kept_plan(plan, cfg.bwd, True, *meta)
+            q_plan = _tk.kept_plan(plan, cfg.dq, False, *meta) if cfg.variant == "split" else None
+        return torch.ops.longvideo.flash_attn_bwd(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg,
+                                                  float(scale), bool(causal), kv_plan, q_plan, cfg.variant)

@@ -1,9 +1,6 @@
-"""Differentiable single-device masked attention over a block backend.
+"""Differentiable single-device masked attention over a block backend (docs/kernels.md).
 
-    out = block_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, causal=True, backend="auto")
-
-plan: an optional AttentionPlan (plans.py) the caller keeps for every call with the same positions
-and segment ids (the layers of one model step); without one, each call and its backward share one.
+    out = block_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, causal=True, backend="auto", plan=None)
 """
 
 from __future__ import annotations

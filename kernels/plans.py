@@ -1,13 +1,7 @@
 """Tile plans built once and reused: the objects callers own and pass to the block backends
-(docs/kernels.md, "Who keeps the plans").
-
-    plan = AttentionPlan()                      # one per (query metadata, key metadata) pair
-    out, lse = backend.forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=plan)
-    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, ..., plan=plan)   # the same plan
-
-A plan builds on first use from that call's metadata, so a caller must never pass one object with
-different metadata. `PlanCache` finds such objects by the identity and version of the metadata
-tensors (never their contents, which would need a host sync). Nothing here is a module global.
+(docs/kernels.md, "Who keeps the plans"). A plan builds on first use from that call's metadata, so
+a caller must never pass one object with different metadata; `PlanCache` finds such objects by the
+identity and version of the metadata tensors, never by their contents (a host sync).
 """
 
 from __future__ import annotations

@@ -21,6 +21,12 @@ def _heads_first(q: Tensor, k: Tensor, v: Tensor, cdt: torch.dtype):
     return qh, kh, vh
 
 
+def _tile_vis(q_pos, k_pos, q_seg, k_seg, causal, i: int, j: int, T: int) -> Tensor:
+    """(B, 1, 1, tq, tk) visibility of query tile [i, i + T) against key tile [j, j + T)."""
+    vis = visibility(q_pos[:, i:i + T], k_pos[:, j:j + T], q_seg[:, i:i + T], k_seg[:, j:j + T], causal)
+    return vis[:, None, None]
+
+
 class TorchBackend:
     name = "torch"
     sync_free = False  # skips empty tiles with a host test
@@ -43,8 +49,7 @@ class TorchBackend:
             l = torch.zeros_like(m)  # running sum of exp(s - m)
             acc = torch.zeros_like(qi)
             for j in range(0, Sk, T):
-                vis = visibility(q_pos[:, i:i + T], k_pos[:, j:j + T], q_seg[:, i:i + T],
-                                 k_seg[:, j:j + T], causal)[:, None, None]  # (B, 1, 1, tq, tk)
+                vis = _tile_vis(q_pos, k_pos, q_seg, k_seg, causal, i, j, T)
                 if not bool(vis.any()):
                     continue  # the whole tile is masked: skip it
                 s = torch.matmul(qi, kh[:, :, :, j:j + T].transpose(-1, -2)) * scale
@@ -82,8 +87,7 @@ class TorchBackend:
             li = torch.where(torch.isinf(li), torch.full_like(li, float("inf")), li)  # empty rows: P = 0
             di = delta[:, :, :, i:i + T]
             for j in range(0, Sk, T):
-                vis = visibility(q_pos[:, i:i + T], k_pos[:, j:j + T], q_seg[:, i:i + T],
-                                 k_seg[:, j:j + T], causal)[:, None, None]
+                vis = _tile_vis(q_pos, k_pos, q_seg, k_seg, causal, i, j, T)
                 if not bool(vis.any()):
                     continue
                 kj, vj = kh[:, :, :, j:j + T], vh[:, :, :, j:j + T]

@@ -1,11 +1,8 @@
-"""The output projection with a chunked, weighted cross-entropy.
-
-The full (tokens x vocab) logits never exist: each chunk's gradients with respect to the hidden
-states and the weight are computed in the forward pass, and the backward only scales them. The
-loss is a weighted *sum*; the caller divides by the global batch's weight total, computed by the
-same rule (`token_weights`; docs/architecture.md, decision 6). Only tokens with a nonzero weight
-reach the projection (docs/training.md, "The output head sees only the tokens with a loss"), which
-reads their count on the host: one small synchronisation per forward on a GPU.
+"""The output projection with a chunked, weighted cross-entropy: each chunk's gradients are computed
+in the forward pass, so the (tokens x vocab) logits never exist. The loss is a weighted *sum*,
+normalised by the caller with the same rule (`token_weights`; docs/architecture.md, decision 6).
+Only weighted tokens reach the projection (docs/training.md, "The output head sees only the tokens
+with a loss"): reading their count is one small host synchronisation per forward on a GPU.
 """
 
 from __future__ import annotations

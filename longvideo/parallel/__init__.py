@@ -17,7 +17,7 @@ _EXPORTS = {name: module for module, names in {
     "deepspeed_config": ("build_deepspeed_config",),
     "zigzag": ("BATCH_PAD_VALUES", "layout_positions", "padded_length", "shard_batch", "shard_sequence",
                "unshard_sequence", "zigzag_indices"),
-    "loss": ("global_weight_total", "loss_scale", "normalized_loss"),
+    "loss": ("loss_scale", "normalized_loss"),
     "mesh": ("Mesh", "UlyssesGroups", "split_group"),
     "ulysses": ("head_split", "hybrid_attention"),
     "config": ("ParallelConfig", "RuntimeConfig"),

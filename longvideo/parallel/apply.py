@@ -1,17 +1,10 @@
-"""Everything distributed is applied to a built model here, in one place and a fixed order
-(docs/architecture.md, decision 5; docs/ring_attention.md, "Using it in the model"):
-
-    engine = parallelize(model, mesh, cfg, optimizer=opt)
-        1. the attention seam: ring (or with parallel.ulysses > 1 the hybrid) attention over
-           mesh.sp_group when sp > 1, else the single-device one, with cfg.parallel.backend
-        2. activation checkpointing (runtime.activation_checkpointing), every block wrapped
-        3. torch.compile of the blocks, the seam opaque (runtime.compile; off by default)
-        4. DeepSpeed ZeRO over all dp x sp ranks: the returned Engine
-
-Inputs must then be this rank's zigzag shard with explicit positions and segment ids
-(`shard_batch`). A model is parallelizable when it offers `set_attention(seam)` and either `layers`
-(the project's decoder) or `gradient_checkpointing_enable` (a transformers decoder behind
-longvideo.hf.HFCausalLM).
+"""Everything distributed is applied to a built model here, in one fixed order (docs/architecture.md,
+decision 5): `parallelize` sets the attention seam (ring or hybrid over mesh.sp_group when sp > 1,
+else single-device), wraps every block for activation checkpointing, compiles the blocks
+(runtime.compile) and returns the DeepSpeed ZeRO Engine. Inputs must then be this rank's zigzag
+shard with explicit positions and segment ids (`shard_batch`). A model is parallelizable when it
+offers `set_attention(seam)` and either `layers` (the project's decoder) or
+`gradient_checkpointing_enable` (a transformers decoder behind longvideo.hf.HFCausalLM).
 """
 
 from __future__ import annotations

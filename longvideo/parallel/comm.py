@@ -1,12 +1,6 @@
-"""Asynchronous point-to-point exchange around a ring of ranks, with reusable buffers.
-
-    ring = RingComm(group)
-    buf = DoubleBuffer([k_and_v, pos_and_seg])     # the current block + one receive set, made once
-    pending = ring.exchange(buf.current, buf.incoming)   # post: send current to next, receive from prev
-    ... compute on buf.current ...
-    pending.wait(); buf.swap()                     # received block becomes current; no new tensors
-
-Waiting time is recorded in `CommStats.exposed_s`: the communication the compute did not hide.
+"""Asynchronous point-to-point exchange around a ring of ranks, with buffers allocated once
+(docs/ring_attention.md, "Forward"): `RingComm.exchange` posts the sends and receives of a hop
+before the compute, `Pending.wait` after it; the wait is recorded in `CommStats.exposed_s`.
 """
 
 from __future__ import annotations

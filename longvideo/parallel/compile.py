@@ -1,13 +1,8 @@
 """torch.compile of the decoder's non-attention work, with the attention seam opaque (docs/kernels.md,
-"torch.compile of the blocks").
-
-    model = apply_compile(model)        # after the seam is final (parallelize calls it last)
-
-Every block is compiled in place (`nn.Module.compile`: parameter names do not change). The seam
-becomes `OpaqueSeam`, one custom op (`longvideo::seam_attention`, backward `seam_attention_bwd`)
-that Dynamo never traces into: the host-side planning, the dispatch's host read and the ring's
-communication stay outside the graphs, and the plans are still found by the identity of the
-metadata tensors, which compiled graphs pass through.
+"torch.compile of the blocks"): every block compiled in place (`nn.Module.compile`, parameter names
+unchanged), the seam made `OpaqueSeam`, one custom op (`longvideo::seam_attention`, backward
+`seam_attention_bwd`) that keeps the host-side planning, the dispatch's host read and the ring's
+communication out of the graphs.
 """
 
 from __future__ import annotations

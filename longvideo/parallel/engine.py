@@ -1,14 +1,6 @@
 """The engine a parallelized model trains in: DeepSpeed ZeRO over all dp x sp ranks (no `mpu`;
-docs/architecture.md, decision 6), behind a small interface (the one place besides `parallelize`
-that imports DeepSpeed).
-
-    engine = parallelize(model, mesh, cfg, optimizer=opt)    # an Engine
-    loss = engine(**batch)                                   # forward (ZeRO-3 gathers as it goes)
-    engine.backward(loss * scale)                            # gradients reduced over the world
-    engine.step()                                            # optimizer step at the step boundary
-    state = engine.full_state(keep=rank == 0)                # full fp32 weights (collective)
-
-States it returns or writes keep the model's own parameter names, checkpoint wrappers or not.
+docs/architecture.md, decision 6) behind a small interface, the one place besides `parallelize`
+that imports DeepSpeed. Every state it returns or writes keeps the model's own parameter names.
 """
 
 from __future__ import annotations

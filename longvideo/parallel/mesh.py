@@ -1,18 +1,16 @@
-"""The dp x sp mesh: which ranks share a sequence (sp axis) and which share nothing but weights (dp).
+"""The dp x sp mesh (docs/ring_attention.md, "Using it in the model"): ranks r = dp_rank * sp + sp_rank,
+so an sp group is `sp` neighbouring ranks and a dp group the ranks with the same sp_rank; with
+ulysses > 1 an sp group splits further (`UlyssesGroups`, docs/hybrid.md). Created once and passed
+to whatever needs process groups; nothing here is a module global.
 
     mesh = Mesh.build(dp=2, sp=4)            # world of 8: sp groups {0..3}, {4..7}
-    mesh = Mesh.build(dp=1, sp=8, ulysses=4) # 2 ring positions of 4 head-parallel ranks each
     mesh = Mesh.from_config(cfg.parallel)    # dp = -1 derives world // sp
-
-Ranks r = dp_rank * sp + sp_rank: an sp group is `sp` neighbouring ranks (which share a node's
-fastest links); a dp group holds the ranks with the same sp_rank. With ulysses = U > 1 an sp group
-splits further (`UlyssesGroups`, docs/hybrid.md). The object is created once and passed to
-whatever needs process groups; nothing here is a module global.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -40,7 +38,7 @@ def split_group(group, ulysses: int, timeout_s: Optional[float] = None) -> Optio
     ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
     if len(ranks) % ulysses:
         raise ConfigError("parallel.ulysses", f"ulysses={ulysses} does not divide sp={len(ranks)}")
-    kw = {} if timeout_s is None else {"timeout": _timedelta(timeout_s)}
+    kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     i = ranks.index(dist.get_rank())
     # every member makes its Ulysses group first, then its ring: no member waits on a later one
     heads = dist.new_group(ranks[i - i % ulysses:i - i % ulysses + ulysses], use_local_synchronization=True, **kw)
@@ -86,7 +84,7 @@ class Mesh:
             dp = world // sp
         if dp < 1 or dp * sp != world:
             raise ConfigError("parallel", f"dp={dp} x sp={sp} = {dp * sp} does not match the world size {world}")
-        kw = {} if timeout_s is None else {"timeout": _timedelta(timeout_s)}
+        kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         sp_group = dp_group = None
         # new_group is collective over the whole world: every rank creates every group, in order
         for i in range(dp):
@@ -114,9 +112,3 @@ class Mesh:
     def __repr__(self) -> str:
         return (f"Mesh(world={self.world_size}, rank={self.rank}, dp={self.dp}[{self.dp_rank}], "
                 f"sp={self.sp}[{self.sp_rank}]" + (f", ulysses={self.ulysses}" if self.ulysses > 1 else "") + ")")
-
-
-def _timedelta(seconds: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)

@@ -1,14 +1,10 @@
 """Ring attention (Liu et al., 2024): exact attention over a sequence sharded across a process group
-(docs/ring_attention.md).
+(docs/ring_attention.md: the forward, the backward's travelling dK/dV sums, block skipping).
 
     out = ring_attention(q, k, v, group=mesh.sp_group, causal=True, positions=pos, segment_ids=seg)
 
-Every rank keeps its queries while the key/value blocks travel around the ring with their
-positions and segment ids, and merges each block's (out, lse) in fp32; the backward sends the
-blocks round again with a travelling fp32 partial sum of their dK/dV. A host-planning backend
-(cpu, torch) skips provably empty blocks with a host test; a sync-free one (triton, auto) launches
-every block, whose plan then lists no tile. `RingPlans` keeps one tile plan per step for the
-forward, its backward and (through the seam) every layer of a model step.
+`RingPlans` keeps one tile plan per step for the forward, its backward and, through the seam,
+every layer of a model step.
 """
 
 from __future__ import annotations
@@ -31,11 +27,6 @@ def block_is_empty(q_pos: Tensor, q_seg: Tensor, k_pos: Tensor, k_seg: Tensor, c
     return bool((block_class(q_pos, k_pos, q_seg, k_seg, causal) == SKIP).all())
 
 
-def skips_on_host(backend) -> bool:
-    """Whether the ring tests blocks for emptiness on the host (not for sync-free backends)."""
-    return not getattr(backend, "sync_free", False)
-
-
 def _timed(stats: Optional[CommStats], fn, *args):
     t0 = time.perf_counter()
     result = fn(*args)
@@ -48,7 +39,7 @@ def _timed(stats: Optional[CommStats], fn, *args):
 def _counted(be, pos, seg, kp, ks, causal, stats: Optional[CommStats]) -> bool:
     """Whether the step computes its block (counted in `stats` as computed or skipped): not when a
     host-planning backend finds it provably empty; always for a sync-free one (no host sync)."""
-    skip = skips_on_host(be) and block_is_empty(pos, seg, kp, ks, causal)
+    skip = not getattr(be, "sync_free", False) and block_is_empty(pos, seg, kp, ks, causal)
     if stats is not None:
         stats.skipped += skip
         stats.blocks += not skip

@@ -1,14 +1,8 @@
 """Hybrid sequence parallelism: head-parallel all-to-all (DeepSpeed-Ulysses) inside groups of U
-neighbouring ranks, ring attention across the sp / U groups (docs/hybrid.md).
+neighbouring ranks, ring attention across the sp / U groups (docs/hybrid.md: why the ordinary
+zigzag shards work, the head split and padding, why not DeepSpeed's layer).
 
     out = hybrid_attention(q, k, v, groups=mesh.ulysses_groups, positions=pos, segment_ids=seg)
-
-Inputs are this rank's ordinary zigzag shard over the whole sp group, with all heads; after the
-all-to-all a Ulysses group holds two zigzag chunks of the layout over the ring, in member order,
-with its metadata gathered the same way ("Why the ordinary zigzag shards work"). Query heads are
-padded with zero heads to a multiple of U and key/value heads replicated where a member needs them
-("Heads"). The all-to-alls are all_to_all_single, pure data movement, exact in every dtype; their
-time counts as exposed communication.
 """
 
 from __future__ import annotations
