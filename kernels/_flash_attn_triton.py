@@ -246,9 +246,8 @@ def _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2_row, D
                BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
                FUSED_DQ: tl.constexpr, KV_SMEM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     """dK, dV of one key tile (and with FUSED_DQ the dQ share of each query tile) from the plan entries
-    [t_start, t_end) of the transposed plan. KV_SMEM False: scores kept transposed (BLOCK_N, BLOCK_M),
-    K and V the register operand of their dots; True: scores (BLOCK_M, BLOCK_N), K and V only ever the
-    column operand (which Hopper reads from shared memory), P and dS transposed for their dots."""
+    [t_start, t_end) of the transposed plan. KV_SMEM: scores (BLOCK_M, BLOCK_N), K and V only ever the
+    column operand of their dots (docs/kernels.md, "Backward"); else scores transposed."""
     mb_next = tl.load(COLS + t_start * 4, mask=t_start < t_end, other=0)
     for t in range(t_start, t_end):
         mb = mb_next
@@ -728,7 +727,6 @@ def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
                         causal: bool, kv_plan: Optional[Tensor] = None, q_plan: Optional[Tensor] = None,
                         variant: str = "") -> tuple[Tensor, Tensor, Tensor]:
     """dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D), all float32. `out`/`lse` may be global ones.
-
     kv_plan: the transposed plan of the bwd tiles; q_plan: the forward plan of the dq tiles (split
     variant only); built here when None. variant: "fused" / "split" / "" (the table's)."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)

@@ -145,14 +145,11 @@ class CpuBackend:
         return out.to(q.dtype), lse
 
     def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
-        B, Sq, Hq, D = q.shape
         cdt = accum_dtype(q.dtype)
         qc, kc, vc, doc, oc = (x.to(cdt).transpose(1, 2) for x in (q, k, v, dout, out))
         # Rows with no visible key anywhere (lse = -inf) get lse = +inf, so P = exp(S - lse) = 0.
         lse_c = lse.to(cdt).masked_fill(torch.isneginf(lse), float("inf"))
-        dq = torch.zeros(B, Sq, Hq, D, dtype=cdt)
-        dk = torch.zeros(k.shape, dtype=cdt)
-        dv = torch.zeros(v.shape, dtype=cdt)
+        dq, dk, dv = (torch.zeros(x.shape, dtype=cdt) for x in (q, k, v))
         for qt, pairs in self._plan(q_pos, k_pos, q_seg, k_seg, causal, plan):
             qs = slice(qt.start, qt.stop)
             for kt, kind, vis in pairs:
@@ -160,9 +157,6 @@ class CpuBackend:
                 mask = self._mask(vis, cdt) if kind == MASKED else None
                 g = _flash_bwd(doc[:, :, qs], qc[:, :, qs], kc[:, :, ks], vc[:, :, ks], oc[:, :, qs],
                                lse_c[:, :, qs], 0.0, kind == CAUSAL, attn_mask=mask, scale=scale)
-                dq[:, qs] += g[0].transpose(1, 2)
-                dk[:, ks] += g[1].transpose(1, 2)
-                dv[:, ks] += g[2].transpose(1, 2)
-        if cdt != torch.float64:
-            dq, dk, dv = dq.float(), dk.float(), dv.float()
-        return dq, dk, dv
+                for x, sl, gx in zip((dq, dk, dv), (qs, ks, ks), g):
+                    x[:, sl] += gx.transpose(1, 2)
+        return (dq, dk, dv) if cdt == torch.float64 else (dq.float(), dk.float(), dv.float())

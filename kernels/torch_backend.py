@@ -78,8 +78,7 @@ class TorchBackend:
         lse_h = lse.to(cdt).view(B, Hkv, G, Sq)
         delta = (doh * oh).sum(-1)  # (B, Hkv, G, Sq)
         dq = torch.zeros_like(qh)
-        dk = torch.zeros(B, Hkv, Sk, D, dtype=cdt, device=q.device)
-        dv = torch.zeros_like(dk)
+        dk, dv = (torch.zeros(B, Hkv, Sk, D, dtype=cdt, device=q.device) for _ in range(2))
         T = self.tile
         for i in range(0, Sq, T):
             qi, doi = qh[:, :, :, i:i + T], doh[:, :, :, i:i + T]
@@ -99,8 +98,5 @@ class TorchBackend:
                 dq[:, :, :, i:i + T] += torch.matmul(ds, kj) * scale
                 dk[:, :, j:j + T] += torch.matmul(ds.transpose(-1, -2), qi).sum(2) * scale
         dq = dq.permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D)
-        dk = dk.permute(0, 2, 1, 3)
-        dv = dv.permute(0, 2, 1, 3)
-        if cdt != torch.float64:
-            dq, dk, dv = dq.float(), dk.float(), dv.float()
-        return dq, dk, dv
+        dk, dv = dk.permute(0, 2, 1, 3), dv.permute(0, 2, 1, 3)
+        return (dq, dk, dv) if cdt == torch.float64 else (dq.float(), dk.float(), dv.float())

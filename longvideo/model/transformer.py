@@ -1,8 +1,6 @@
 """The LLaMA-style decoder: embeddings -> n x (RMSNorm, attention, RMSNorm, SwiGLU) -> RMSNorm -> head.
-
-Reads top to bottom; no distributed code lives here. How a built model runs is applied from outside
-(`longvideo.parallel.apply`): its attention seam (`set_attention`), activation checkpointing
-(each block wrapped), and the engine around it.
+No distributed code lives here: the seam, activation checkpointing and the engine are applied from
+outside (`longvideo.parallel.apply`; docs/architecture.md, decision 5).
 """
 
 from __future__ import annotations
@@ -105,9 +103,7 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.commit(S)
         hidden = self.norm(x)
-        if targets is None:
-            return hidden
-        return self.head(hidden, targets, loss_weights)
+        return hidden if targets is None else self.head(hidden, targets, loss_weights)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """(B, S, dim) -> (B, S, V). Only for short spans (generation); training uses `loss`."""
