@@ -27,36 +27,15 @@ else:
     from .attention_math import (FULL, PARTIAL, SKIP, TileStats, accum_dtype, block_class, classify_tiles,
                                  default_meta, fill_meta, lse_merge_, merge_partials, merge_stacked, tile_stats,
                                  transposed, visibility, visit_ranges)
-    from .backends import BlockBackend, available_backends, get_backend, register_backend, resolve_backend_name
+    from .backends import BlockBackend, available_backends, get_backend, resolve_backend_name
     from .interface import block_attention
     from .plans import AttentionPlan, PlanCache, RingPlans
     from .reference import flash_attn_ref
 
 __all__ = [
-    "AttentionPlan",
-    "BlockBackend",
-    "FULL",
-    "PARTIAL",
-    "SKIP",
-    "TileStats",
-    "accum_dtype",
-    "available_backends",
-    "block_attention",
-    "block_class",
-    "classify_tiles",
-    "default_meta",
-    "fill_meta",
-    "flash_attn_ref",
-    "get_backend",
-    "lse_merge_",
-    "merge_partials",
-    "merge_stacked",
-    "PlanCache",
-    "register_backend",
-    "resolve_backend_name",
-    "RingPlans",
-    "tile_stats",
-    "transposed",
-    "visibility",
-    "visit_ranges",
+    "accum_dtype", "AttentionPlan", "available_backends", "block_attention", "block_class",
+    "BlockBackend", "classify_tiles", "default_meta", "fill_meta", "flash_attn_ref", "FULL",
+    "get_backend", "lse_merge_", "merge_partials", "merge_stacked", "PARTIAL", "PlanCache",
+    "resolve_backend_name", "RingPlans", "SKIP", "tile_stats", "TileStats",
+    "transposed", "visibility", "visit_ranges",
 ]

@@ -1,20 +1,9 @@
-"""Raw Triton kernels of masked flash attention, their tile plans, launch shapes and launchers
-(docs/kernels.md, "How the kernel works").
+"""The Triton kernels of masked flash attention, their tile plans, launch shapes and launchers
+(docs/kernels.md, "How the kernel works" and "Launch shapes").
 
 Layouts: q, out, dout (B, Sq, Hq, D); k, v (B, Sk, Hkv, D), any strides with a unit last stride;
 positions and segment ids int32 (B, S); lse (B, Hq, Sq) float32. Any head dim 1..256: tiles are
-HEAD_DIM_PAD = max(16, next power of two) wide, loads masked past D, stores masked.
-
-Masks are never materialised. A tile plan (attention_math.visit_ranges, one int32 tensor
-(B, n_rows * 9 + 2 * n_cols * 4), built without a host sync and kept by the caller) gives per row
-tile the full key tiles [full_lo, full_hi) (no mask arithmetic) and the candidates for the partial
-ones [pure_lo, pure_hi), [mixed_lo, mixed_hi) (the mask from the position/segment vectors), as
-indices into a sorted list of (tile, seg_min, seg_max, pos_min) entries; every loop loads its next
-index one tile ahead. Kernels: `_fwd_kernel` (online softmax in base 2, per query tile and head),
-`_decode_kernel` (Sq <= DECODE_MAX_Q: split-K over the keys, the heads of a GQA group in one
-program, no plan), `_bwd_preprocess` (delta = rowsum(dO * O), lse in base 2 with -inf -> +inf),
-`_bwd_kernel` (per key tile: dK, dV, and with FUSED_DQ dQ by atomics: five matmuls), `_bwd_dq_kernel`
-(dQ in a second pass, the "split" variant: seven matmuls, no atomics).
+HEAD_DIM_PAD = max(16, next power of two) wide, loads and stores masked past D.
 """
 
 from __future__ import annotations
@@ -31,9 +20,8 @@ from torch import Tensor
 
 from .attention_math import merge_stacked, tile_stats, transposed, visit_ranges
 
-# Triton's interpreter computes tl.dot on bf16 operands wrongly; under it every dot upcasts its
-# operands to fp32 (values already rounded to the input dtype, so the result matches a GPU dot
-# with fp32 accumulation). Read once, at import, the moment triton.jit reads it too.
+# Triton's interpreter computes tl.dot on bf16 wrongly: under it every dot takes fp32 operands
+# (docs/kernels.md, "Under the interpreter"). Read at import, when triton.jit reads it too.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 LOG2E = 1.4426950408889634
@@ -50,10 +38,9 @@ def head_dim_pad(d: int) -> int:
 
 
 # ----------------------------------------------------------------------------- kernels
-# Every dot is tl.dot(a.to(DOT), b.to(DOT), input_precision=PREC). On a GPU, DOT is the input dtype
-# (the casts are no-ops); under the interpreter it is fp32 (see INTERPRET). PREC is "tf32x3" for
-# fp32 inputs on a GPU (three TF32 products: fp32-level error on tensor cores, where exact "ieee"
-# dots spill heavily), "ieee" under the interpreter, and "tf32" otherwise (unused by 16-bit dots).
+# Every dot is tl.dot(a.to(DOT), b.to(DOT), input_precision=PREC): DOT is the input dtype on a GPU
+# and fp32 under the interpreter; PREC is "tf32x3" for fp32 inputs on a GPU ("Precision"), "ieee"
+# under the interpreter, else "tf32" (which 16-bit dots ignore).
 
 
 @triton.jit
@@ -259,9 +246,8 @@ def _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2_row, D
                BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
                FUSED_DQ: tl.constexpr, KV_SMEM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     """dK, dV of one key tile (and with FUSED_DQ the dQ share of each query tile) from the plan entries
-    [t_start, t_end) of the transposed plan. KV_SMEM False: scores kept transposed (BLOCK_N, BLOCK_M),
-    K and V the register operand of their dots; True: scores (BLOCK_M, BLOCK_N), K and V only ever the
-    column operand (which Hopper reads from shared memory), P and dS transposed for their dots."""
+    [t_start, t_end) of the transposed plan. KV_SMEM: scores (BLOCK_M, BLOCK_N), K and V only ever the
+    column operand of their dots (docs/kernels.md, "Backward"); else scores transposed."""
     mb_next = tl.load(COLS + t_start * 4, mask=t_start < t_end, other=0)
     for t in range(t_start, t_end):
         mb = mb_next
@@ -546,15 +532,9 @@ class LaunchConfig:
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Tile shapes of every kernel for one (padded head dim, dtype kind).
-
-    bwd: block_m = query tile, block_n = key tile of `_bwd_kernel`; dq: the split variant's dQ
-    kernel; decode: block_n = key tile of `_decode_kernel`. variant: "fused" (dQ by atomics in the
-    dK/dV kernel) or "split" (a dQ pass, deterministic). per_head: GQA programs per query head
-    (dK/dV by atomics at the end of a program, never in its loop) instead of one per kv head
-    looping over its group. kv_smem: the dK/dV kernel's K/V tiles as the shared-memory operand of
-    their dots instead of registers (`_bwd_tiles`).
-    """
+    """Tile shapes of every kernel for one (padded head dim, dtype kind). bwd: (query tile, key
+    tile) of `_bwd_kernel`; dq: the split variant's dQ kernel; decode: block_n is its key tile.
+    variant, per_head, kv_smem: the backward's options (docs/kernels.md, "Backward")."""
 
     fwd: LaunchConfig
     bwd: LaunchConfig
@@ -565,17 +545,9 @@ class TileConfig:
     kv_smem: bool = False
 
 
-def _lc(bm, bn, w, s):
-    return LaunchConfig(bm, bn, w, s)
-
-
-# Hopper shapes, chosen from sm_90a ptxas reports (tests/ptxas_report.py, checked by tests/
-# test_flash_attn_triton.py): for 16-bit inputs every build fits shared memory and spills no
-# register. Head dims 64 and 128 take the split backward (no atomics in any loop) with 3-stage
-# dK/dV and dQ kernels at the largest spill-free tiles. No row is a GPU timing of these kernels:
-# `scripts/gpu_check.py --tune` times them beside other candidates at the shipped head counts
-# (docs/kernels.md, "Launch shapes"). fp32 is a correctness path (three TF32 dots each) whose
-# backward spills at any shape tried.
+_lc = LaunchConfig
+# Hopper shapes from sm_90a ptxas reports, not GPU timings (docs/kernels.md, "Launch shapes"):
+# every 16-bit build fits shared memory and spills nothing; fp32's backward spills at any shape.
 DEFAULT_TABLE: dict[tuple[int, str], TileConfig] = {
     (16, "16bit"): TileConfig(_lc(128, 64, 8, 3), _lc(64, 128, 8, 2), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3)),
     (32, "16bit"): TileConfig(_lc(128, 64, 8, 3), _lc(64, 128, 8, 2), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3)),
@@ -590,8 +562,7 @@ DEFAULT_TABLE: dict[tuple[int, str], TileConfig] = {
     (128, "fp32"): TileConfig(_lc(32, 32, 8, 2), _lc(16, 16, 4, 2), _lc(32, 32, 8, 2), _lc(16, 32, 4, 2)),
     (256, "fp32"): TileConfig(_lc(16, 32, 4, 1), _lc(16, 16, 4, 1), _lc(16, 32, 4, 1), _lc(16, 32, 4, 1)),
 }
-# Rows whose shapes are GPU timings (a `--tune` result copied into DEFAULT_TABLE) and may spill a
-# few registers for their speed; the ptxas check holds them to shared memory only.
+# Rows that are GPU timings (a `--tune` result), allowed to spill: the ptxas check tests only their smem.
 GPU_TIMED: frozenset[tuple[int, str]] = frozenset()
 _INTERPRET_CONFIG = TileConfig(_lc(16, 16, 4, 1), _lc(16, 16, 4, 1), _lc(16, 16, 4, 1), _lc(16, 16, 4, 1))
 _table: dict[tuple[int, str], TileConfig] = dict(DEFAULT_TABLE)
@@ -627,9 +598,8 @@ def set_tile_table(table: Optional[dict[tuple[int, str], TileConfig]] = None) ->
 def set_backward(variant: Optional[str] = None, per_head: Optional[bool] = None,
                  kv_smem: Optional[bool] = None) -> None:
     """Force a backward variant ("fused" / "split"), GQA program layout and K/V operand placement
-    for every shape (None: each table entry's own). "split" means every gradient is deterministic,
-    so it implies one program per kv head (per_head=False: no atomics into dK/dV) unless per_head
-    is given. `LONGVIDEO_FLASH_BWD=split` at import does the same."""
+    for every shape (None: each table entry's own). "split" implies per_head=False unless given, so
+    every gradient is deterministic. `LONGVIDEO_FLASH_BWD=split` at import does the same."""
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"backward variant must be one of {VARIANTS}, got {variant!r}")
     if variant == "split" and per_head is None:
@@ -647,8 +617,7 @@ if os.environ.get("LONGVIDEO_FLASH_BWD"):
 
 
 def tile_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
-    """The launch shapes for this head dim and dtype (16-wide tiles under the interpreter, so tiny
-    test shapes span several tiles)."""
+    """The launch shapes for this head dim and dtype (16-wide tiles under the interpreter)."""
     cfg = _INTERPRET_CONFIG if INTERPRET else _table[(head_dim_pad(head_dim), _kind(dtype))]
     return replace(cfg, **_override) if _override else cfg
 
@@ -682,22 +651,12 @@ def uses_decode(Sq: int) -> bool:
     return 0 < Sq <= DECODE_MAX_Q
 
 
-# plan keys inside an AttentionPlan: (what, block_m, block_n, causal)
-def forward_plan_key(head_dim: int, dtype: torch.dtype, causal: bool) -> tuple:
-    c = tile_config(head_dim, dtype).fwd
-    return ("triton-fwd", c.block_m, c.block_n, causal)
-
-
-def backward_plan_keys(head_dim: int, dtype: torch.dtype, causal: bool) -> tuple[tuple, Optional[tuple]]:
-    cfg = tile_config(head_dim, dtype)
-    kv = ("triton-bwd", cfg.bwd.block_m, cfg.bwd.block_n, causal)
-    dq = ("triton-fwd", cfg.dq.block_m, cfg.dq.block_n, causal) if cfg.variant == "split" else None
-    return kv, dq
-
-
-def plan_for_key(key: tuple, q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor) -> Tensor:
-    what, bm, bn, causal = key
-    return build_plan(q_pos, k_pos, q_seg, k_seg, causal, bm, bn, transpose=what == "triton-bwd")
+def kept_plan(plan, c: LaunchConfig, transpose: bool, causal: bool, q_pos: Tensor, k_pos: Tensor,
+              q_seg: Tensor, k_seg: Tensor) -> Tensor:
+    """The tile plan of launch shape `c` from the AttentionPlan `plan`, built there on first use:
+    per query tile (a forward or dQ kernel), or with `transpose` per key tile (the dK/dV kernel)."""
+    key = ("triton-bwd" if transpose else "triton-fwd", c.block_m, c.block_n, causal)
+    return plan.get(key, lambda: build_plan(q_pos, k_pos, q_seg, k_seg, causal, *key[1:3], transpose))
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -731,8 +690,7 @@ def flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Te
     cols_off = _plan_geometry(plan, B, n_m, n_n, "forward")
     _fwd_kernel[(n_m, B * Hq)](
         q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, plan, plan.stride(0), cols_off,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         Hq, Hq // Hkv, Sq, Sk, n_m, scale * LOG2E,
         HEAD_DIM=D, HEAD_DIM_PAD=pad, EVEN_D=D == pad, BLOCK_M=c.block_m, BLOCK_N=c.block_n, CAUSAL=causal,
         num_warps=c.num_warps, num_stages=c.num_stages, **flags)
@@ -756,15 +714,11 @@ def _decode(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, c: LaunchConfig,
     part_l = torch.empty(splits, B, Hq, Sq, dtype=torch.float32, device=q.device)
     _decode_kernel[(splits, B * Hkv * chunks)](
         q, k, v, part_o, part_l, q_pos, k_pos, q_seg, k_seg,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         B, Hq, Hkv, G, heads, chunks, Sq, Sk, per, n_n, scale * LOG2E,
         HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad(D), BLOCK_M=block_m, BLOCK_N=c.block_n, CAUSAL=causal,
         num_warps=c.num_warps, num_stages=c.num_stages, **flags)
-    if splits == 1:
-        out, lse = part_o[0], part_l[0]
-    else:
-        out, lse = merge_stacked(part_o, part_l)  # (B, Hq, Sq, D), (B, Hq, Sq)
+    out, lse = (part_o[0], part_l[0]) if splits == 1 else merge_stacked(part_o, part_l)  # (B, Hq, Sq, [D])
     return out.transpose(1, 2).to(q.dtype).contiguous(), lse.contiguous()
 
 
@@ -773,7 +727,6 @@ def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
                         causal: bool, kv_plan: Optional[Tensor] = None, q_plan: Optional[Tensor] = None,
                         variant: str = "") -> tuple[Tensor, Tensor, Tensor]:
     """dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D), all float32. `out`/`lse` may be global ones.
-
     kv_plan: the transposed plan of the bwd tiles; q_plan: the forward plan of the dq tiles (split
     variant only); built here when None. variant: "fused" / "split" / "" (the table's)."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
@@ -787,12 +740,10 @@ def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     variant = variant or cfg.variant
     if variant not in VARIANTS:
         raise ValueError(f"backward variant must be one of {VARIANTS}, got {variant!r}")
-    per_head = cfg.per_head and G > 1
-    atomic_kv = per_head
+    per_head = cfg.per_head and G > 1  # then the programs of a GQA group add into dK/dV with atomics
     f32 = dict(dtype=torch.float32, device=q.device)
-    dq = torch.zeros(B, Sq, Hq, D, **f32) if variant == "fused" else torch.empty(B, Sq, Hq, D, **f32)
-    dk = torch.zeros(B, Sk, Hkv, D, **f32) if atomic_kv else torch.empty(B, Sk, Hkv, D, **f32)
-    dv = torch.zeros(B, Sk, Hkv, D, **f32) if atomic_kv else torch.empty(B, Sk, Hkv, D, **f32)
+    dq = (torch.zeros if variant == "fused" else torch.empty)(B, Sq, Hq, D, **f32)
+    dk, dv = ((torch.zeros if per_head else torch.empty)(B, Sk, Hkv, D, **f32) for _ in range(2))
     if Sq == 0 or Sk == 0 or B * Hq == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     q_pos, k_pos, q_seg, k_seg = _meta(q_pos), _meta(k_pos), _meta(q_seg), _meta(k_seg)
@@ -805,8 +756,8 @@ def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     lse2 = torch.empty_like(delta)
     pre_m = 64 if not INTERPRET else 16
     _bwd_preprocess[(triton.cdiv(Sq, pre_m), B * Hq)](
-        out, dout, lse, delta, lse2, out.stride(0), out.stride(1), out.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2), Hq, Sq, HEAD_DIM=D, HEAD_DIM_PAD=pad, BLOCK_M=pre_m)
+        out, dout, lse, delta, lse2, *out.stride()[:3], *dout.stride()[:3], Hq, Sq,
+        HEAD_DIM=D, HEAD_DIM_PAD=pad, BLOCK_M=pre_m)
 
     dout = dout.to(q.dtype)
     c = cfg.bwd
@@ -816,11 +767,10 @@ def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     cols_off = _plan_geometry(kv_plan, B, n_n, n_m, "backward (dK/dV)")
     _bwd_kernel[(n_n, B * (Hq if per_head else Hkv))](
         q, k, v, dout, lse2, delta, dq, dk, dv, q_pos, k_pos, q_seg, k_seg, kv_plan, kv_plan.stride(0), cols_off,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
+        *dk.stride()[:3],
         Hq, Hkv, G, Sq, Sk, scale * LOG2E, scale, **shape,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, PER_HEAD=per_head, ATOMIC_KV=atomic_kv,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, PER_HEAD=per_head, ATOMIC_KV=per_head,
         FUSED_DQ=variant == "fused", KV_SMEM=cfg.kv_smem, CAUSAL=causal, num_warps=c.num_warps,
         num_stages=c.num_stages, **flags)
 
@@ -832,9 +782,7 @@ def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
         cols_off = _plan_geometry(q_plan, B, n_m, n_n, "backward (dQ)")
         _bwd_dq_kernel[(n_m, B * Hq)](
             q, k, v, dout, lse2, delta, dq, q_pos, k_pos, q_seg, k_seg, q_plan, q_plan.stride(0), cols_off,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-            dq.stride(0), dq.stride(1), dq.stride(2),
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
             Hq, G, Sq, Sk, n_m, scale * LOG2E, scale, **shape,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, CAUSAL=causal,
             num_warps=c.num_warps, num_stages=c.num_stages, **flags)

@@ -1,33 +1,16 @@
-"""The math every attention implementation shares: the mask rule, its tile bounds, the merge.
+"""The math every attention implementation shares: the mask rule and every restatement of it, so
+the backends, the ring and sequence-parallel inference cannot disagree (docs/kernels.md).
 
 Mask rule (the one rule of the project): key j is visible to query i iff
 
     q_seg[i] == k_seg[j]  and  k_seg[j] >= 0  and  (not causal or k_pos[j] <= q_pos[i]).
 
-Segment id -1 marks padding: such a token sees nothing and is seen by nothing. A query row with
-no visible key has out = 0 and lse = -inf.
-
-Everything that restates the rule in another form lives here too, so that the backends, the ring
-and sequence-parallel inference cannot disagree:
-
-* `visibility`: the rule as a boolean (B, Sq, Sk) mask (references and small masked tiles only);
-* `tile_stats` / `classify_tiles`: the rule as bounds. From per-tile min/max of positions and
-  segment ids over real tokens, a (query tile, key tile) pair is SKIP (provably nothing visible),
-  FULL (provably everything visible and every slot real) or PARTIAL (needs the mask). The
-  backends skip and fast-path tiles with it, the ring skips whole blocks with it;
-* `visit_ranges`: the same classes without the (query tiles x key tiles) table: key tiles sorted
-  by their bounds, and per query tile a few index ranges into that order found by binary search
-  (the FULL tiles exactly, and candidates for the PARTIAL ones). Cost O((n_q + n_k) log n_k);
-  the Triton kernels walk these ranges;
-* `lse_merge_` / `merge_partials`: combining attention over disjoint key sets exactly from their
-  (out, lse) pairs (online softmax across blocks, ring steps or ranks);
-* `dense_pieces`: the rule as a few rectangles visible everywhere or the aligned causal triangle,
-  what dense kernels (cuDNN, flash, the CPU flash op) compute exactly;
-* `accum_dtype`: merges, partial sums and gradients accumulate in fp32 (fp64 for fp64 inputs);
-* `fill_meta`: default positions (0..S-1) and segment ids (one segment).
-
-Nothing here synchronises with the device (tile statistics are reductions, classes are tensors),
-except `dense_pieces`, which works on host copies of the metadata.
+Segment id -1 marks padding: it sees nothing and is seen by nothing. A query row with no visible
+key has out = 0 and lse = -inf. Restated as a boolean mask (`visibility`), as tile bounds and
+classes (`tile_stats`, `classify_tiles`), as sorted visit ranges (`visit_ranges`, what the Triton
+kernels walk), as dense pieces (`dense_pieces`, what dense kernels compute exactly); plus the
+log-sum-exp merges, the accumulation dtype and the default metadata. Nothing here reads the
+device on the host except `dense_pieces`, which works on host copies.
 """
 
 from __future__ import annotations
@@ -37,6 +20,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 SKIP, PARTIAL, FULL = 0, 1, 2
@@ -63,12 +47,10 @@ def fill_meta(q: Tensor, k: Tensor, q_pos: Optional[Tensor], k_pos: Optional[Ten
     q (B, Sq, ...), k (B, Sk, ...)."""
     if q_pos is None or q_seg is None:
         dp, ds = default_meta(q.shape[0], q.shape[1], q.device)
-        q_pos = dp if q_pos is None else q_pos
-        q_seg = ds if q_seg is None else q_seg
+        q_pos, q_seg = dp if q_pos is None else q_pos, ds if q_seg is None else q_seg
     if k_pos is None or k_seg is None:
         dp, ds = default_meta(k.shape[0], k.shape[1], k.device)
-        k_pos = dp if k_pos is None else k_pos
-        k_seg = ds if k_seg is None else k_seg
+        k_pos, k_seg = dp if k_pos is None else k_pos, ds if k_seg is None else k_seg
     return q_pos, k_pos, q_seg, k_seg
 
 
@@ -85,11 +67,9 @@ def visibility(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causa
 
 @dataclass(frozen=True)
 class TileStats:
-    """Per tile, per batch row, statistics of the real (segment >= 0) tokens; each (B, n) int64.
-
-    An empty tile (padding only, or past the end) has min = +BIG and max = -BIG, so that it
-    overlaps nothing. `complete` is True when every slot of the tile is in range and real.
-    """
+    """Per tile, per batch row, statistics of the real (segment >= 0) tokens; each (B, n) int64. An
+    empty tile (padding only, or past the end) has min = +BIG and max = -BIG, so it overlaps nothing.
+    `complete`: every slot of the tile is in range and real."""
 
     pos_min: Tensor
     pos_max: Tensor
@@ -97,46 +77,25 @@ class TileStats:
     seg_max: Tensor
     complete: Tensor
 
-    @property
-    def num_tiles(self) -> int:
-        return self.pos_min.shape[1]
-
 
 def tile_stats(pos: Tensor, seg: Tensor, tile: int | Sequence[int]) -> TileStats:
-    """Statistics of (B, S) positions / segment ids cut into tiles.
-
-    tile: an int T (tiles [0, T), [T, 2T), ...; the last one may run past S) or the boundaries
-    [0, b1, ..., S] of tiles of any sizes.
-    """
+    """Statistics of (B, S) positions / segment ids cut into tiles: an int T (tiles [0, T), [T, 2T),
+    ...; the last one may run past S) or the boundaries [0, b1, ..., S] of tiles of any sizes."""
     B, S = pos.shape
     pos, seg = pos.long(), seg.long()
-    real = seg >= 0
-    lo_pos = pos.masked_fill(~real, _BIG)
-    hi_pos = pos.masked_fill(~real, -_BIG)
-    lo_seg = seg.masked_fill(~real, _BIG)
-    hi_seg = seg.masked_fill(~real, -_BIG)
-    if isinstance(tile, int):
+    if isinstance(tile, int):  # slots past the end are padding (segment -1): empty
         n = -(-S // tile)
-        pad = n * tile - S
-        if pad:  # slots past the end are empty
+        pos, seg = F.pad(pos, (0, n * tile - S)), F.pad(seg, (0, n * tile - S), value=-1)
+    real = seg >= 0
+    lo_pos, hi_pos = pos.masked_fill(~real, _BIG), pos.masked_fill(~real, -_BIG)
+    lo_seg, hi_seg = seg.masked_fill(~real, _BIG), seg.masked_fill(~real, -_BIG)
+    starts = None if isinstance(tile, int) else torch.tensor(list(tile)[:-1], device=pos.device)
 
-            def padded(x, fill):
-                return torch.cat([x, x.new_full((B, pad), fill)], 1)
-
-            lo_pos, hi_pos = padded(lo_pos, _BIG), padded(hi_pos, -_BIG)
-            lo_seg, hi_seg = padded(lo_seg, _BIG), padded(hi_seg, -_BIG)
-            real = torch.cat([real, real.new_zeros(B, pad)], 1)
-        shape = (B, n, tile)
-        return TileStats(lo_pos.view(shape).amin(-1), hi_pos.view(shape).amax(-1), lo_seg.view(shape).amin(-1),
-                         hi_seg.view(shape).amax(-1), real.view(shape).all(-1))
-    bounds = list(tile)
-    starts = torch.tensor(bounds[:-1], device=pos.device)
-
-    def reduce(x: Tensor, op: str) -> Tensor:  # amin / amax over each tile's range
-        return _segment(x, starts, S, op)
+    def reduce(x: Tensor, op: str) -> Tensor:  # amin / amax over each tile
+        return getattr(x.view(B, n, tile), op)(-1) if starts is None else _segment(x, starts, S, op)
 
     return TileStats(reduce(lo_pos, "amin"), reduce(hi_pos, "amax"), reduce(lo_seg, "amin"), reduce(hi_seg, "amax"),
-                     _segment(real.long(), starts, S, "amin").bool())
+                     reduce(real.long(), "amin").bool())
 
 
 def _segment(x: Tensor, starts: Tensor, S: int, op: str) -> Tensor:
@@ -153,12 +112,8 @@ def _segment(x: Tensor, starts: Tensor, S: int, op: str) -> Tensor:
 
 
 def classify_tiles(q: TileStats, k: TileStats, causal: bool) -> Tensor:
-    """(B, n_q, n_k) int8 classes SKIP / PARTIAL / FULL of every (query tile, key tile) pair.
-
-    SKIP: segment ranges disjoint (an empty tile overlaps nothing) or, causal, every key after
-    every query. FULL: both tiles complete, one segment on both sides, and (causal) every key at
-    or before every query. PARTIAL: anything else.
-    """
+    """(B, n_q, n_k) int8 classes SKIP / PARTIAL / FULL of every (query tile, key tile) pair
+    (docs/kernels.md, "The tile plan"). An empty tile overlaps nothing."""
     Q = lambda x: x[:, :, None]  # noqa: E731 - (B, n_q, 1)
     K = lambda x: x[:, None, :]  # noqa: E731 - (B, 1, n_k)
     visit = (Q(q.seg_min) <= K(k.seg_max)) & (K(k.seg_min) <= Q(q.seg_max))
@@ -217,13 +172,11 @@ def dense_pieces(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, cau
     """The block's visible pairs as at most `max_pieces` rectangles a dense kernel computes exactly,
     or None when the block needs the element mask. Host tensors (B, S); reads their values.
 
-    (q0, q1, k0, k1, False): every pair of the rectangle visible in every row; (q0, q1, k0, k1, True):
-    the aligned causal triangle (key j visible to query i iff j <= i, a dense kernel's is_causal).
-    Every visible pair lies in one piece, every query row of a piece sees a key there; [] means
-    nothing is visible. One causal piece covers a block whose queries and keys carry the same strictly
-    increasing positions and one real segment per row (the local block of the zigzag layout); else
-    both sides are cut into runs (`_runs`), run pairs are classified with the tile bounds and pieces
-    sharing a side are joined (a visiting zigzag block: one rectangle)."""
+    (q0, q1, k0, k1, False): every pair of the rectangle visible in every row; (..., True): the
+    aligned causal triangle (key j visible to query i iff j <= i, a dense kernel's is_causal). Every
+    visible pair lies in one piece, every query row of a piece sees a key there; [] means nothing is
+    visible. Both sides are cut into runs (`_runs`), run pairs classified with the tile bounds, and
+    pieces sharing a side joined (a visiting zigzag block: one rectangle)."""
     Sq, Sk = q_pos.shape[1], k_pos.shape[1]
     if Sq == 0 or Sk == 0:
         return []
@@ -270,38 +223,25 @@ def _key(seg: Tensor, pos: Tensor) -> Tensor:
 
 
 def transposed(stats: TileStats) -> TileStats:
-    """The stats with positions negated (min and max swapped). The rule 'k_pos <= q_pos' read from the
-    key side is '-q_pos <= -k_pos': `visit_ranges(transposed(k), transposed(q), causal)` lists, per
-    key tile, the query tiles to visit, with the same code as the forward direction."""
+    """The stats with positions negated (min and max swapped): 'k_pos <= q_pos' read from the key side
+    is '-q_pos <= -k_pos', so `visit_ranges(transposed(k), transposed(q), causal)` lists per key tile
+    the query tiles to visit."""
     return TileStats(-stats.pos_max, -stats.pos_min, stats.seg_min, stats.seg_max, stats.complete)
 
 
 def visit_ranges(rows: TileStats, cols: TileStats, causal: bool) -> tuple[Tensor, Tensor]:
-    """Per row tile, the column tiles to visit, as index ranges into one sorted column order.
+    """Per row tile, the column tiles to visit, as index ranges into one sorted column order: the
+    classes of `classify_tiles(rows, cols, causal)` without its (rows x cols) table, no host sync,
+    O((n_rows + n_cols) log n_cols) per batch row (docs/kernels.md, "The tile plan"). Positions and
+    segment ids must fit in int32 with |pos| < 2**31 - 1 (the kernels read them as int32).
 
-    Equivalent to `classify_tiles(rows, cols, causal)` without building it: no (rows x cols)
-    tensor, no host sync, cost O((n_rows + n_cols) log n_cols) per batch row. Positions and segment
-    ids must fit in int32 with |pos| < 2**31 - 1 (the kernels read them as int32).
-
-    Column tiles are split into *pure* ones (complete, one segment), sorted by (segment, pos_max),
-    and *mixed* ones (several segments, padding, or running past the end; empty tiles are
-    dropped), sorted by (seg_min, pos_min). `order` (B, 2 * n_cols, 4) lists the pure tiles, then
-    from index n_cols the mixed ones, each as (tile, seg_min, seg_max, pos_min); entries past the
-    last tile of each part are never in a range. `ranges` (B, n_rows, 9) holds per row tile:
-
-    * [full_lo, full_hi): exactly the FULL columns of the row (a pure row: the pure columns of its
-      segment with pos_max <= the row's pos_min, all of them when not causal);
-    * [pure_lo, pure_hi) and [mixed_lo, mixed_hi): candidates holding every PARTIAL column (and
-      no FULL one): pure columns of the row's segment range up to the causal frontier (found on
-      the suffix minimum of the sorted keys), mixed columns whose segment range can overlap
-      (the prefix maximum of seg_max) up to the frontier. A candidate is visited iff
-      seg_min <= seg_hi and seg_max >= seg_lo and (causal) pos_min <= pos_hi: the SKIP test of
-      `classify_tiles`, done per candidate by whoever walks the ranges;
-    * seg_lo, seg_hi, pos_hi: the row's bounds for that test.
-
-    For packed documents with nondecreasing segment ids (any positions: restarting, global, ring
-    chunks) the candidates are the PARTIAL tiles plus O(1) per row, so the walk is linear in the
-    number of tiles that hold visible pairs. All values are int64.
+    `order` (B, 2 * n_cols, 4): the pure column tiles (complete, one segment) sorted by (segment,
+    pos_max), then from index n_cols the mixed ones sorted by (seg_min, pos_min), each entry
+    COL_FIELDS; entries past the last tile of each part are never in a range. `ranges`
+    (B, n_rows, 9), ROW_FIELDS per row tile: [full_lo, full_hi) exactly its FULL columns;
+    [pure_lo, pure_hi) and [mixed_lo, mixed_hi) candidates holding every PARTIAL column and no
+    FULL one, a candidate being visited iff seg_min <= seg_hi, seg_max >= seg_lo and (causal)
+    pos_min <= pos_hi (the SKIP test of `classify_tiles`). All values int64.
     """
     B, n_c = cols.pos_min.shape
     c_real = cols.seg_min <= cols.seg_max  # empty tiles have min = +BIG > max = -BIG
@@ -373,12 +313,11 @@ def ranges_visit(ranges: Tensor, order: Tensor, causal: bool) -> list[list[list[
 
 
 def lse_merge_(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -> None:
-    """Merge a partial attention result into a running one, in place, without overflow.
+    """Merge a partial attention result into a running one, in place (docs/ring_attention.md, "Forward").
 
     out, blk_out (B, S, H, D); lse, blk_lse (B, H, S). out/lse are the accumulators (fp32 or fp64);
-    blk_out may be in any dtype. lse_new = logaddexp(lse, blk_lse) and
-    out_new = exp(lse - lse_new) * out + exp(blk_lse - lse_new) * blk_out; both weights are <= 1,
-    so nothing overflows, and rows where both sides are empty (-inf) stay out = 0, lse = -inf.
+    blk_out may be in any dtype. Both weights are <= 1, so nothing overflows, and rows where both
+    sides are empty (-inf) stay out = 0, lse = -inf.
     """
     blk_lse = blk_lse.to(lse.dtype)
     new = torch.logaddexp(lse, blk_lse)  # (B, H, S)
@@ -391,12 +330,9 @@ def lse_merge_(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -> No
 
 
 def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """Exact attention over the union of disjoint key sets from the partials of each set.
-
-    outs: tensors (B, S, H, D); lses: tensors (B, H, S), -inf where a set had no visible key.
-    Returns (out, lse) in the accumulation dtype; rows with no visible key anywhere are 0 / -inf.
-    The partials are merged in the order given, so equal inputs give bitwise equal results.
-    """
+    """Exact attention over the union of disjoint key sets from the partials of each set: outs
+    (B, S, H, D), lses (B, H, S), -inf where a set had no visible key. Returns (out, lse) in the
+    accumulation dtype, merged in the order given (equal inputs give bitwise equal results)."""
     acc = accum_dtype(lses[0].dtype)
     out = outs[0].to(acc).clone()
     lse = lses[0].to(acc).clone()

@@ -1,28 +1,8 @@
-"""Block-attention backends behind one interface (docs/architecture.md, decision 4).
-
-A backend computes masked attention of a query block against a key/value block:
-
-    forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None) -> (out, lse)
-        q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); q_pos, q_seg (B, Sq); k_pos, k_seg (B, Sk)
-        out (B, Sq, Hq, D) in q.dtype; lse (B, Hq, Sq) float32, -inf on rows with no visible key.
-
-    backward(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None) -> (dq, dk, dv)
-        dq, dk, dv in float32. `out` and `lse` may be the *global* output and log-sum-exp of a
-        larger attention this block is part of (ring attention): the result is then this block's
-        exact contribution to the global gradients, since P = exp(S - lse) and
-        D = rowsum(dout * out) only need the global values.
-
-    plan: an optional AttentionPlan (plans.py) shared by calls with the same positions and segment
-    ids; backends keep whatever they derive from the metadata in it (or ignore it).
-    sync_free: True when no call reads a device value on the host once its plan is built (triton
-    never does; auto reads a block's metadata when its plan is built). Callers then must not
-    either: the ring, for one, launches blocks it could have skipped on the host.
-
-Backends are chosen by name: "torch" (exact reference, chunked so memory is O(block^2)),
-"cpu" (fast CPU path), "triton" (fused kernel; CUDA, or CPU under TRITON_INTERPRET=1), and
-"auto" (dispatch.py, the default): per block, a dense kernel (cuDNN or SDPA flash on CUDA, the CPU
-flash op on CPU) where the block's mask is a dense rectangle or the aligned causal triangle, and
-triton on CUDA / cpu on CPU for every other block.
+"""Block-attention backends behind one interface, `BlockBackend` (docs/architecture.md, decision 4;
+docs/kernels.md). plan: an optional AttentionPlan (plans.py) shared by calls with the same
+metadata. sync_free: no call reads a device value on the host once its plan is built, so callers
+must not either. Names: "torch" (exact reference), "cpu", "triton" (CUDA, or CPU under
+TRITON_INTERPRET=1) and "auto" (dispatch.py, the default).
 """
 
 from __future__ import annotations
@@ -35,6 +15,11 @@ from torch import Tensor
 
 
 class BlockBackend(Protocol):
+    """q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); q_pos, q_seg (B, Sq); k_pos, k_seg (B, Sk). forward:
+    out (B, Sq, Hq, D) in q.dtype, lse (B, Hq, Sq) float32 (-inf on rows with no visible key).
+    backward: dq, dk, dv in float32; `out`/`lse` may be a ring's global ones, the result then this
+    block's exact share of the global gradients (P = exp(S - lse), D = rowsum(dout * out))."""
+
     name: str
     sync_free: bool
 
@@ -46,20 +31,13 @@ class BlockBackend(Protocol):
                  causal: bool, plan=None) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
-_REGISTRY: dict[str, str] = {  # module names relative to this package, or absolute ones
+_REGISTRY: dict[str, str] = {  # module:class, the module relative to this package
     "torch": ".torch_backend:TorchBackend",
     "cpu": ".cpu_backend:CpuBackend",
     "triton": ".flash_attn:TritonBackend",
     "auto": ".dispatch:DispatchBackend",
 }
 _INSTANCES: dict[str, BlockBackend] = {}
-
-
-def register_backend(name: str, target: str) -> None:
-    """Register 'module:Class' under `name` (the class is built lazily, with no arguments).
-    A module name starting with '.' is relative to this package."""
-    _REGISTRY[name] = target
-    _INSTANCES.pop(name, None)
 
 
 def available_backends() -> list[str]:

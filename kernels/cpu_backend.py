@@ -1,17 +1,12 @@
 """The `cpu` block backend: torch's fused flash-attention CPU op on tiles classified from metadata
-(the `auto` backend's route on CPU for every block that needs the element mask).
+(the `auto` backend's CPU route for blocks that need the element mask; docs/ring_attention.md,
+"Block backends").
 
-Both sequences are cut into tiles where positions stop being consecutive or the segment changes
-(and every `tile` tokens inside long runs; runs shorter than `min_tile` are pooled, so many tiny
-packed documents do not become many tiny calls). A (query tile, key tile) pair, classified from
-per-row min/max of positions and segments, is skipped (provably nothing visible), full (flash op),
-aligned-causal (the same run on both sides: flash op with is_causal, whose top-left triangle is
-then the rule) or masked (flash op with an additive -inf mask of this tile only, ~2x faster than
-the exact torch tiles on CPU; rows with no visible key are set to out = 0, lse = -inf).
-
-Tiles merge with the log-sum-exp rule in fp32 (fp64 for fp64 inputs); 16-bit inputs compute in
-fp32 (the op's bf16 backward is ~9x slower on CPUs without bf16 matrix units). GQA needs no
-repeated heads. The backward takes the global out/lse of a ring: each tile yields its exact share.
+Tiles follow runs of consecutive positions in one segment (cut every `tile` tokens, runs shorter
+than `min_tile` pooled); a (query tile, key tile) pair is skipped, full (the op), aligned-causal
+(the op's is_causal) or masked (the op with an additive -inf mask of this tile only). Tiles merge
+by log-sum-exp in fp32 (fp64 for fp64); 16-bit inputs compute in fp32 (the op's bf16 backward is
+~9x slower on CPUs without bf16 matrix units).
 """
 
 from __future__ import annotations
@@ -150,14 +145,11 @@ class CpuBackend:
         return out.to(q.dtype), lse
 
     def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
-        B, Sq, Hq, D = q.shape
         cdt = accum_dtype(q.dtype)
         qc, kc, vc, doc, oc = (x.to(cdt).transpose(1, 2) for x in (q, k, v, dout, out))
         # Rows with no visible key anywhere (lse = -inf) get lse = +inf, so P = exp(S - lse) = 0.
         lse_c = lse.to(cdt).masked_fill(torch.isneginf(lse), float("inf"))
-        dq = torch.zeros(B, Sq, Hq, D, dtype=cdt)
-        dk = torch.zeros(k.shape, dtype=cdt)
-        dv = torch.zeros(v.shape, dtype=cdt)
+        dq, dk, dv = (torch.zeros(x.shape, dtype=cdt) for x in (q, k, v))
         for qt, pairs in self._plan(q_pos, k_pos, q_seg, k_seg, causal, plan):
             qs = slice(qt.start, qt.stop)
             for kt, kind, vis in pairs:
@@ -165,9 +157,6 @@ class CpuBackend:
                 mask = self._mask(vis, cdt) if kind == MASKED else None
                 g = _flash_bwd(doc[:, :, qs], qc[:, :, qs], kc[:, :, ks], vc[:, :, ks], oc[:, :, qs],
                                lse_c[:, :, qs], 0.0, kind == CAUSAL, attn_mask=mask, scale=scale)
-                dq[:, qs] += g[0].transpose(1, 2)
-                dk[:, ks] += g[1].transpose(1, 2)
-                dv[:, ks] += g[2].transpose(1, 2)
-        if cdt != torch.float64:
-            dq, dk, dv = dq.float(), dk.float(), dv.float()
-        return dq, dk, dv
+                for x, sl, gx in zip((dq, dk, dv), (qs, ks, ks), g):
+                    x[:, sl] += gx.transpose(1, 2)
+        return (dq, dk, dv) if cdt == torch.float64 else (dq.float(), dk.float(), dv.float())

@@ -1,24 +1,11 @@
-"""The `auto` block backend: every block on the fastest exact kernel for its mask (docs/kernels.md).
+"""The `auto` block backend: every block on the fastest exact kernel for its mask (docs/kernels.md,
+"Per-block dispatch").
 
-Once per AttentionPlan (once per ring step and model step, not per layer) the block's metadata is
-copied to the host, the backend's one device read, and `attention_math.dense_pieces` decides:
-
-    dense    the visible pairs are a few rectangles visible everywhere or the aligned causal
-             triangle (one document, no padding cut by the block: every zigzag ring step is one
-             call). A dense kernel that returns the log-sum-exp and takes an external out/lse in its
-             backward runs them: on CUDA, for fp16/bf16 and more than DECODE_MAX_Q queries, cuDNN
-             (K/V heads repeated for GQA: its dense path takes one head count), then SDPA's flash
-             (GQA native); on CPU `_scaled_dot_product_flash_attention_for_cpu`, in fp32 for 16-bit
-             inputs as the `cpu` backend does. Pieces sharing query rows merge in fp32.
-    general  anything else, fp32 or decode on CUDA, and shapes a dense kernel refused (logged once,
-             never asked again): `triton` on CUDA, `cpu` on CPU, with the same plan.
-    skip     nothing visible: out = 0, lse = -inf, zero gradients, no kernel.
-
-Every route is exact: each kernel's backward recomputes P = exp(S - lse) and rowsum(dO * O) from the
-global out/lse the ring passes. `routes` counts which block kinds went where (logged once each).
-The flash-attn package is no route: its external-lse backward is private API, and
-`_scaled_dot_product_flash_attention` is its FlashAttention-2 kernel. sync_free: after a block's
-plan is built no call reads the device, so the ring launches every block.
+Once per AttentionPlan the block's metadata is copied to the host (the backend's one device read)
+and `attention_math.dense_pieces` decides: dense pieces go to cuDNN, then SDPA flash on CUDA
+(fp16/bf16, more than DECODE_MAX_Q queries) or to the CPU flash op; anything else, and shapes a
+dense kernel refused, to `triton` on CUDA / `cpu` on CPU with the same plan; an empty block to no
+kernel. Every route's backward takes the ring's global out/lse. `routes` counts where blocks went.
 """
 
 from __future__ import annotations
@@ -76,6 +63,11 @@ def _cudnn_bwd(dout, q, k, v, out, lse, scale, causal):
         _t(dout), _t(q), _t(_repeat(k, G)), _t(_repeat(v, G)), _t(out), lse.contiguous().unsqueeze(-1), seed, seed,
         None, None, None, q.shape[1], Sk, 0.0, causal, scale=scale)
     return (_t(dq), *(_t(x).float().reshape(B, Sk, Hkv, G, D).sum(3) for x in (dk, dv)))  # a kv head: its group's sum
+
+
+def _general(q: Tensor):
+    """The backend of blocks that need the element mask."""
+    return get_backend("triton" if q.device.type == "cuda" else "cpu", q.device)
 
 
 KERNELS = {"cudnn": (_cudnn_fwd, _cudnn_bwd), "flash": (_flash_fwd, _flash_bwd), "cpu-flash": (_cpu_fwd, _cpu_bwd)}
@@ -137,7 +129,7 @@ class DispatchBackend:
             B, Sq, Hq, _ = q.shape
             return q.new_zeros(q.shape), q.new_full((B, Hq, Sq), float("-inf"), dtype=accum_dtype(q.dtype))
         done = self._try(0, q, pieces, k, v, scale)
-        be = None if done else get_backend("triton" if q.device.type == "cuda" else "cpu", q.device)
+        be = None if done else _general(q)
         self._note(q, pieces, done[0] if done else be.name)
         return done[1] if done else be.forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=plan)
 
@@ -146,8 +138,8 @@ class DispatchBackend:
         if pieces == []:
             return tuple(torch.zeros(x.shape, dtype=accum_dtype(q.dtype), device=x.device) for x in (q, k, v))
         done = self._try(1, q, pieces, k, v, scale, dout, out, lse)
-        return done[1] if done else get_backend("triton" if q.device.type == "cuda" else "cpu", q.device).backward(
-            dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=plan)
+        return done[1] if done else _general(q).backward(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale,
+                                                         causal, plan=plan)
 
     @staticmethod
     def _dense(i: int, fn, q, pieces, k, v, scale, dout=None, out=None, lse=None):

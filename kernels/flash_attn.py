@@ -1,43 +1,21 @@
-"""Fused masked flash attention in Triton, in three layers, plus the `triton` block backend.
-
-    out = flash_attn(q, k, v, q_pos, k_pos, q_seg, k_seg, causal=True)           # differentiable
-    out, lse = flash_attn(..., return_lse=True)
-
-q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D) with Hq % Hkv == 0 (GQA: each query head reads kv head
-h // (Hq // Hkv); K/V are never repeated); positions and segment ids (B, S) integers.
-Mask rule (kernels/attention_math.py): key j is visible to query i iff q_seg[i] == k_seg[j], k_seg[j] >= 0
-and, when causal, k_pos[j] <= q_pos[i]. A row with no visible key gets out = 0 and lse = -inf.
-Inputs fp16, bf16 or fp32 with fp32 accumulation; any head dim up to 256; any lengths,
-Sq != Sk allowed.
-
-Layers (as in flash-attention's interface):
-1. raw ops `torch.ops.longvideo.flash_attn_fwd` / `flash_attn_bwd` (`torch.library.custom_op`
-   with fake implementations, so torch.compile can trace through them);
-2. `FlashAttnFunc`, the `autograd.Function` wiring them together;
-3. `flash_attn`, the functional API.
-`TritonBackend` serves the same ops to ring attention through the block-backend interface
-(backends.py); its backward accepts the global out/lse of a ring.
-
-Tile plans: every entry point takes an optional `plan` (kernels/plans.py AttentionPlan) kept by
-the caller for calls sharing positions and segment ids; without one each call builds its own (kept
-for its backward). Nothing on this path reads a device value on the host. `flash_attn_ref`
-(reference.py) is the materialised pure-PyTorch reference.
+"""Masked flash attention with the Triton kernel (docs/kernels.md, "Using it"): the raw custom ops
+`torch.ops.longvideo.flash_attn_fwd` / `flash_attn_bwd` (with fake implementations, so
+torch.compile traces through them), `flash_attn` (differentiated by interface.py's
+autograd.Function) and the `triton` block backend. Nothing on this path reads the device.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import _flash_attn_triton as _tk
-from .attention_math import fill_meta
+from .interface import attention
 from .plans import AttentionPlan
-from .reference import flash_attn_ref
 
-__all__ = ["FlashAttnFunc", "TritonBackend", "flash_attn", "flash_attn_bwd", "flash_attn_fwd", "flash_attn_ref"]
+__all__ = ["TritonBackend", "flash_attn", "flash_attn_bwd", "flash_attn_fwd"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -73,9 +51,6 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
     if q.device.type != "cuda" and not (_tk.INTERPRET and q.device.type == "cpu"):
         raise ValueError(f"the triton backend needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 "
                          f"set before import), got {q.device}")
-
-
-# ----------------------------------------------------------------------------- layer 1: raw ops
 
 
 @torch.library.custom_op("longvideo::flash_attn_fwd", mutates_args=())
@@ -118,101 +93,46 @@ def _flash_attn_bwd_fake(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, sc
     return q.new_empty(q.shape, dtype=f32), k.new_empty(k.shape, dtype=f32), v.new_empty(v.shape, dtype=f32)
 
 
-# ----------------------------------------------------------------------------- layer 2: autograd
-
-
-class FlashAttnFunc(torch.autograd.Function):
-    """(q, k, v, positions, segments, scale, causal, plan) -> (out, lse); gradients for q, k, v only.
-    plan: an AttentionPlan (or None: one is made for this call and its backward)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, causal: bool, plan=None):
-        plan = plan if plan is not None else AttentionPlan()
-        out, lse = _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan)
-        ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg)
-        ctx.scale, ctx.causal, ctx.plan = scale, causal, plan
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg = ctx.saved_tensors
-        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, ctx.scale,
-                               ctx.causal, ctx.plan)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
-
-
-def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan: Optional[AttentionPlan]):
-    """The forward op with its tile plan taken from (or built into) `plan`."""
-    tensor = None
-    if plan is not None and not _tk.uses_decode(q.shape[1]) and q.shape[1] and k.shape[1] and q.shape[-1]:
-        key = _tk.forward_plan_key(q.shape[-1], q.dtype, causal)
-        tensor = plan.get(key, lambda: _tk.plan_for_key(key, q_pos, k_pos, q_seg, k_seg))
-    return torch.ops.longvideo.flash_attn_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, float(scale), bool(causal), tensor)
-
-
-def _backward(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan: Optional[AttentionPlan]):
-    """The backward op with its tile plans taken from (or built into) `plan`."""
-    kv_plan = q_plan = None
-    if plan is not None and q.shape[1] and k.shape[1] and q.shape[-1]:
-        kv_key, q_key = _tk.backward_plan_keys(q.shape[-1], q.dtype, causal)
-        kv_plan = plan.get(kv_key, lambda: _tk.plan_for_key(kv_key, q_pos, k_pos, q_seg, k_seg))
-        if q_key is not None:
-            q_plan = plan.get(q_key, lambda: _tk.plan_for_key(q_key, q_pos, k_pos, q_seg, k_seg))
-    variant = _tk.tile_config(q.shape[-1], q.dtype).variant
-    return torch.ops.longvideo.flash_attn_bwd(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, float(scale),
-                                              bool(causal), kv_plan, q_plan, variant)
-
-
-# ----------------------------------------------------------------------------- layer 3: functional
-
-
-def flash_attn(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_pos: Optional[Tensor] = None,
-    k_pos: Optional[Tensor] = None,
-    q_seg: Optional[Tensor] = None,
-    k_seg: Optional[Tensor] = None,
-    *,
-    causal: bool = True,
-    softmax_scale: Optional[float] = None,
-    return_lse: bool = False,
-    plan: Optional[AttentionPlan] = None,
-):
-    """Masked flash attention with the Triton kernel.
+def flash_attn(q: Tensor, k: Tensor, v: Tensor, q_pos: Optional[Tensor] = None,
+               k_pos: Optional[Tensor] = None, q_seg: Optional[Tensor] = None,
+               k_seg: Optional[Tensor] = None, *, causal: bool = True, softmax_scale: Optional[float] = None,
+               return_lse: bool = False, plan: Optional[AttentionPlan] = None):
+    """Masked flash attention with the Triton kernel; differentiable in q, k, v.
 
     q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D), Hq % Hkv == 0; fp16, bf16 or fp32; D from 1 to 256.
     q_pos, q_seg: (B, Sq); k_pos, k_seg: (B, Sk) integers. Defaults: positions 0..S-1, one segment.
-    softmax_scale: default 1 / sqrt(D).
-    plan: an AttentionPlan to keep tile plans in across calls with the same metadata.
+    softmax_scale: default 1 / sqrt(D). plan: keeps the tile plans across calls with this metadata.
     Returns out (B, Sq, Hq, D) in q.dtype, and with return_lse also lse (B, Hq, Sq) float32
-    (-inf on rows with no visible key, whose out is 0). Differentiable in q, k, v.
+    (-inf on rows with no visible key, whose out is 0).
     """
-    q_pos, k_pos, q_seg, k_seg = fill_meta(q, k, q_pos, k_pos, q_seg, k_seg)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = FlashAttnFunc.apply(q, k, v, q_pos, k_pos, q_seg, k_seg, float(scale), bool(causal), plan)
+    out, lse = attention(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, softmax_scale, "triton", plan)
     return (out, lse) if return_lse else out
 
 
-# ----------------------------------------------------------------------------- block backend
-
-
 class TritonBackend:
-    """The `triton` block backend (backends.py): same ops, block-backend signatures."""
+    """The `triton` block backend (backends.py) on the same ops. sync_free: no call reads a device
+    value on the host, so callers must not either (the ring launches even an empty block)."""
 
     name = "triton"
     sync_free = True
-    """No call reads a device value on the host: callers must not either (the ring launches every
-    block, even one with nothing visible, instead of testing it on the host)."""
 
     def forward(self, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
+        """The forward op with its tile plan taken from (or built into) `plan`."""
         _check_inputs(q, k, v, q_pos, k_pos, q_seg, k_seg)
-        return _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan)
+        tensor = None
+        if plan is not None and not _tk.uses_decode(q.shape[1]) and q.shape[1] and k.shape[1] and q.shape[-1]:
+            c = _tk.tile_config(q.shape[-1], q.dtype).fwd
+            tensor = _tk.kept_plan(plan, c, False, causal, q_pos, k_pos, q_seg, k_seg)
+        return torch.ops.longvideo.flash_attn_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, float(scale),
+                                                  bool(causal), tensor)
 
     def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
-        # out/lse may be the global ring values: P = exp(S - lse_global) and rowsum(dO * O_global)
-        # then give this block's exact share of the global gradients.
+        """The backward op with its tile plans taken from (or built into) `plan`."""
         _check_inputs(q, k, v, q_pos, k_pos, q_seg, k_seg)
-        return _backward(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan)
+        cfg, kv_plan, q_plan = _tk.tile_config(q.shape[-1], q.dtype), None, None
+        if plan is not None and q.shape[1] and k.shape[1] and q.shape[-1]:
+            meta = (causal, q_pos, k_pos, q_seg, k_seg)
+            kv_plan = _tk.kept_plan(plan, cfg.bwd, True, *meta)
+            q_plan = _tk.kept_plan(plan, cfg.dq, False, *meta) if cfg.variant == "split" else None
+        return torch.ops.longvideo.flash_attn_bwd(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg,
+                                                  float(scale), bool(causal), kv_plan, q_plan, cfg.variant)

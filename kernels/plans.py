@@ -1,21 +1,7 @@
-"""Tile plans built once and reused: the objects callers own and pass to the block backends.
-
-A backend derives its tile plan (which key tiles each query tile visits, kernels/attention_math.py
-`visit_ranges`) from the positions and segment ids of a call. Every layer of a model step, every
-ring step visiting the same key block, and the backward of each, use the same metadata, so the
-plan is the same too. The caller that knows this owns the cache:
-
-    plan = AttentionPlan()                      # one per (query metadata, key metadata) pair
-    out, lse = backend.forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=plan)
-    ...                                         # later layers / the backward: same metadata, same plan
-    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, ..., plan=plan)
-
-`AttentionPlan` is a dict of built plans keyed by what they were built for (backend, tile shape,
-direction, causal); it builds on first use from the metadata of that call, so a caller must never
-pass one object with different metadata. `PlanCache` maps metadata tensors, by identity and
-version, to such objects: a model-level attention seam keeps one, so the layers of one step share
-a plan without anyone comparing tensor contents (which would need a host sync). Nothing here is a
-module global; a plan lives as long as its owner keeps it.
+"""Tile plans built once and reused: the objects callers own and pass to the block backends
+(docs/kernels.md, "Who keeps the plans"). A plan builds on first use from that call's metadata, so
+a caller must never pass one object with different metadata; `PlanCache` finds such objects by the
+identity and version of the metadata tensors, never by their contents (a host sync).
 """
 
 from __future__ import annotations
@@ -29,14 +15,14 @@ T = TypeVar("T")
 
 
 class AttentionPlan:
-    """The plans of one (query metadata, key metadata) pair, built on first use and kept."""
+    """The plans of one (query metadata, key metadata) pair, built on first use and kept; `builds`
+    counts the plans built (not found)."""
 
     __slots__ = ("_plans", "builds")
 
     def __init__(self):
         self._plans: dict = {}
         self.builds = 0
-        """How many plans were built (not found): for tests and benchmarks."""
 
     def get(self, key: Hashable, build: Callable[[], T]) -> T:
         plan = self._plans.get(key)
@@ -79,11 +65,9 @@ def _version(t: Tensor) -> Optional[int]:
 class PlanCache:
     """Plan objects keyed by the identity and version of metadata tensors; the `size` most recent.
 
-    `lookup(q_pos, k_pos, q_seg, k_seg)` returns the same object while it is called with the same
-    tensor objects, unmodified (a model passes one positions tensor to every layer). The entries
-    hold references to their tensors, so no other tensor can take their id while cached. Tensors
-    without a version counter (created under inference mode) are never matched: each lookup then
-    gets a fresh object, which is still correct.
+    `lookup(*tensors)` returns the same object while called with the same tensor objects, unmodified.
+    Entries hold their tensors, so no other tensor can take their id while cached. Tensors without a
+    version counter (inference mode) never match: each lookup gets a fresh object, still correct.
     """
 
     def __init__(self, size: int = 2, factory: Callable[[], object] = AttentionPlan):
@@ -104,6 +88,3 @@ class PlanCache:
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
         return plan
-
-    def clear(self) -> None:
-        self._entries.clear()

@@ -1,8 +1,5 @@
 """Pure-PyTorch attention with position/segment masks: the reference every backend is tested against.
-
-The mask rule is stated in kernels/attention_math.py; here it is applied by materialising the
-(B, Sq, Sk) mask and the full score matrix, which is only affordable at test sizes.
-"""
+It materialises the (B, Sq, Sk) mask and scores, affordable at test sizes only."""
 
 from __future__ import annotations
 
@@ -14,25 +11,14 @@ from torch import Tensor
 
 from .attention_math import accum_dtype, fill_meta, visibility
 
-def flash_attn_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_pos: Optional[Tensor] = None,
-    k_pos: Optional[Tensor] = None,
-    q_seg: Optional[Tensor] = None,
-    k_seg: Optional[Tensor] = None,
-    *,
-    causal: bool = True,
-    softmax_scale: Optional[float] = None,
-    upcast: bool = True,
-) -> tuple[Tensor, Tensor]:
-    """Materialised masked attention.
 
-    q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D) with Hq % Hkv == 0.
-    q_pos, q_seg: (B, Sq); k_pos, k_seg: (B, Sk). Defaults: positions 0..S-1, one segment.
-    upcast: compute in fp32 (fp64 stays fp64); otherwise in the input dtype, as a plain
-    same-dtype PyTorch computation would (used to measure the dtype's own error).
+def flash_attn_ref(q: Tensor, k: Tensor, v: Tensor, q_pos: Optional[Tensor] = None,
+                   k_pos: Optional[Tensor] = None, q_seg: Optional[Tensor] = None,
+                   k_seg: Optional[Tensor] = None, *, causal: bool = True,
+                   softmax_scale: Optional[float] = None, upcast: bool = True) -> tuple[Tensor, Tensor]:
+    """Materialised masked attention: q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D) with Hq % Hkv == 0;
+    metadata as for `block_attention`. upcast: compute in fp32 (fp64 stays fp64); else in the input
+    dtype, as a plain same-dtype PyTorch computation would (to measure that dtype's own error).
     Returns out (B, Sq, Hq, D) in q.dtype and lse (B, Hq, Sq) in the compute dtype (fp32 / fp64).
     """
     B, Sq, Hq, D = q.shape

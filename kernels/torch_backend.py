@@ -1,8 +1,6 @@
-"""The `torch` block backend: exact, tiled, pure PyTorch. Memory is O(tile^2) per (batch, head).
-
-It is the readable statement of the algorithm every other backend implements: an online softmax
-over key tiles in the forward, and the recomputation form of the backward
-(P = exp(S - lse), dS = P * (dP - rowsum(dO * O))). Tiles whose mask is all false are skipped.
+"""The `torch` block backend: exact, tiled, pure PyTorch (memory O(tile^2) per batch and head), the
+readable statement of the algorithm: an online softmax over key tiles, and the recomputation form
+of the backward (P = exp(S - lse), dS = P * (dP - rowsum(dO * O))). All-masked tiles are skipped.
 """
 
 from __future__ import annotations
@@ -21,6 +19,12 @@ def _heads_first(q: Tensor, k: Tensor, v: Tensor, cdt: torch.dtype):
     kh = k.to(cdt).permute(0, 2, 1, 3).unsqueeze(2)
     vh = v.to(cdt).permute(0, 2, 1, 3).unsqueeze(2)
     return qh, kh, vh
+
+
+def _tile_vis(q_pos, k_pos, q_seg, k_seg, causal, i: int, j: int, T: int) -> Tensor:
+    """(B, 1, 1, tq, tk) visibility of query tile [i, i + T) against key tile [j, j + T)."""
+    vis = visibility(q_pos[:, i:i + T], k_pos[:, j:j + T], q_seg[:, i:i + T], k_seg[:, j:j + T], causal)
+    return vis[:, None, None]
 
 
 class TorchBackend:
@@ -45,8 +49,7 @@ class TorchBackend:
             l = torch.zeros_like(m)  # running sum of exp(s - m)
             acc = torch.zeros_like(qi)
             for j in range(0, Sk, T):
-                vis = visibility(q_pos[:, i:i + T], k_pos[:, j:j + T], q_seg[:, i:i + T],
-                                 k_seg[:, j:j + T], causal)[:, None, None]  # (B, 1, 1, tq, tk)
+                vis = _tile_vis(q_pos, k_pos, q_seg, k_seg, causal, i, j, T)
                 if not bool(vis.any()):
                     continue  # the whole tile is masked: skip it
                 s = torch.matmul(qi, kh[:, :, :, j:j + T].transpose(-1, -2)) * scale
@@ -71,13 +74,11 @@ class TorchBackend:
         G = Hq // Hkv
         cdt = accum_dtype(q.dtype)
         qh, kh, vh = _heads_first(q, k, v, cdt)
-        doh, oh, _ = _heads_first(dout, k, v, cdt)
-        oh = out.to(cdt).view(B, Sq, Hkv, G, D).permute(0, 2, 3, 1, 4)
+        doh, oh = (_heads_first(x, k, v, cdt)[0] for x in (dout, out))  # (B, Hkv, G, Sq, D)
         lse_h = lse.to(cdt).view(B, Hkv, G, Sq)
         delta = (doh * oh).sum(-1)  # (B, Hkv, G, Sq)
         dq = torch.zeros_like(qh)
-        dk = torch.zeros(B, Hkv, Sk, D, dtype=cdt, device=q.device)
-        dv = torch.zeros_like(dk)
+        dk, dv = (torch.zeros(B, Hkv, Sk, D, dtype=cdt, device=q.device) for _ in range(2))
         T = self.tile
         for i in range(0, Sq, T):
             qi, doi = qh[:, :, :, i:i + T], doh[:, :, :, i:i + T]
@@ -85,8 +86,7 @@ class TorchBackend:
             li = torch.where(torch.isinf(li), torch.full_like(li, float("inf")), li)  # empty rows: P = 0
             di = delta[:, :, :, i:i + T]
             for j in range(0, Sk, T):
-                vis = visibility(q_pos[:, i:i + T], k_pos[:, j:j + T], q_seg[:, i:i + T],
-                                 k_seg[:, j:j + T], causal)[:, None, None]
+                vis = _tile_vis(q_pos, k_pos, q_seg, k_seg, causal, i, j, T)
                 if not bool(vis.any()):
                     continue
                 kj, vj = kh[:, :, :, j:j + T], vh[:, :, :, j:j + T]
@@ -98,8 +98,5 @@ class TorchBackend:
                 dq[:, :, :, i:i + T] += torch.matmul(ds, kj) * scale
                 dk[:, :, j:j + T] += torch.matmul(ds.transpose(-1, -2), qi).sum(2) * scale
         dq = dq.permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D)
-        dk = dk.permute(0, 2, 1, 3)
-        dv = dv.permute(0, 2, 1, 3)
-        if cdt != torch.float64:
-            dq, dk, dv = dq.float(), dk.float(), dv.float()
-        return dq, dk, dv
+        dk, dv = dk.permute(0, 2, 1, 3), dv.permute(0, 2, 1, 3)
+        return (dq, dk, dv) if cdt == torch.float64 else (dq.float(), dk.float(), dv.float())

@@ -2,15 +2,12 @@
 
 from longvideo._lazy import lazy_exports
 
-_EXPORTS = {
-    "AttentionFn": "attention",
-    "LocalAttention": "attention",
-    "local_attention": "attention",
-    "KVCache": "cache",
-    "ModelConfig": "config",
-    "chunked_cross_entropy": "head",
-    "token_weights": "head",
-    "Transformer": "transformer",
-}
+_EXPORTS = {name: module for module, names in {
+    "attention": ("AttentionFn", "LocalAttention", "local_attention"),
+    "cache": ("KVCache",),
+    "config": ("ModelConfig",),
+    "head": ("chunked_cross_entropy", "token_weights"),
+    "transformer": ("Transformer",),
+}.items() for name in names}
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)

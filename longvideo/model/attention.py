@@ -1,14 +1,11 @@
-"""Multi-head attention with GQA and RoPE, calling the attention seam.
-
-The seam is one function (docs/architecture.md, decision 2):
+"""Multi-head attention with GQA and RoPE, calling the attention seam (docs/architecture.md,
+decision 2):
 
     attention_fn(q, k, v, *, q_positions, k_positions, q_segment_ids, k_segment_ids, causal=True)
         q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); positions / segment ids (B, S) -> out (B, Sq, Hq, D)
 
-A key is visible to a query iff (k_pos <= q_pos) and (k_seg == q_seg) and k_seg >= 0; no S x S
-mask is ever built. `local_attention` is the single-device implementation (`LocalAttention` is the
-same with its tile plans kept across the layers of a step); sequence-parallel ring attention is
-another one, swapped in by `longvideo.parallel.apply`.
+`local_attention` is the single-device implementation (`LocalAttention` keeps its tile plans
+across the layers of a step); ring attention is another, swapped in by `longvideo.parallel.apply`.
 """
 
 from __future__ import annotations
@@ -33,13 +30,9 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_p
 
 
 class LocalAttention:
-    """`local_attention` as a seam object that keeps tile plans across calls.
-
-    Every layer of a model step gets the same positions and segment-id tensors, so the plan built
-    by the first layer (and the backward's, built by the first backward) serves all of them. Plans
-    are found by the identity and version of those tensors (kernels.PlanCache), never by comparing
-    their contents, which would wait for the device.
-    """
+    """`local_attention` as a seam object that keeps tile plans across calls: every layer of a step
+    gets the same metadata tensors, so the first layer's plan (and the first backward's) serves all
+    of them, found by identity and version (kernels.PlanCache), never by contents."""
 
     def __init__(self, backend: str = "auto"):
         self.backend = backend

@@ -1,9 +1,7 @@
-"""A preallocated key/value cache for generation.
-
-Per layer: K and V buffers (B, max_len, Hkv, D); shared by all layers: the positions and segment
-ids of the cached tokens (B, max_len), so masks stay position-based (docs/architecture.md, decision 2).
-Usage by the model: `cache.begin(positions, segment_ids)` before the layers, each layer calls
-`cache.layer(i).update(k, v)`, then `cache.commit(S)` after the layers.
+"""A preallocated key/value cache for generation: per layer K and V (B, max_len, Hkv, D), shared by
+all layers the cached tokens' positions and segment ids (B, max_len), so masks stay position-based.
+The model calls `cache.begin(positions, segment_ids)`, then `cache.layer(i).update(k, v)` in each
+layer, then `cache.commit(S)`.
 """
 
 from __future__ import annotations

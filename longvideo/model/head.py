@@ -1,21 +1,8 @@
-"""The output projection with a chunked, weighted cross-entropy.
-
-The full (tokens x vocab) logits never exist: tokens are processed in chunks, and each chunk's
-gradient with respect to the hidden states and the projection weight is computed right away in
-the forward pass (the logits of one chunk are the only vocab-sized tensor alive). The backward
-pass only scales the stored gradients by the incoming gradient.
-
-The loss is returned as a weighted *sum*; the caller divides by the weight total of the whole
-global batch (docs/architecture.md, decision 6), which `token_weights` computes by the same rule,
-so packed, sharded and gradient-accumulated batches all give the gradients of one unsharded batch.
-
-Only the tokens whose loss weight is not zero reach the projection: a row trained on its answers
-alone (the demos' QA rows, where the video is prompt) projects a few dozen of its 1,024 hidden
-states instead of all of them: the same sum (the skipped terms are zero), a zero gradient for the
-skipped hidden states, less time (docs/experiments.md, "the demo's 1K training step: the loader's
-shard indexes and the output head").
-Finding the kept tokens reads their count on the host: one small synchronisation per forward on
-a GPU.
+"""The output projection with a chunked, weighted cross-entropy: each chunk's gradients are computed
+in the forward pass, so the (tokens x vocab) logits never exist. The loss is a weighted *sum*,
+normalised by the caller with the same rule (`token_weights`; docs/architecture.md, decision 6).
+Only weighted tokens reach the projection (docs/training.md, "The output head sees only the tokens
+with a loss"): reading their count is one small host synchronisation per forward on a GPU.
 """
 
 from __future__ import annotations

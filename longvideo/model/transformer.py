@@ -1,8 +1,6 @@
 """The LLaMA-style decoder: embeddings -> n x (RMSNorm, attention, RMSNorm, SwiGLU) -> RMSNorm -> head.
-
-Reads top to bottom; no distributed code lives here. How a built model runs is applied from outside
-(`longvideo.parallel.apply`): its attention seam (`set_attention`), activation checkpointing
-(each block wrapped), and the engine around it.
+No distributed code lives here: the seam, activation checkpointing and the engine are applied from
+outside (`longvideo.parallel.apply`; docs/architecture.md, decision 5).
 """
 
 from __future__ import annotations
@@ -65,10 +63,9 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_code_embeddings(self, latents: Tensor, noise: float = 0.1) -> None:
         """Start the VQ codes' embedding rows from the tokenizer's geometry: code c gets
-        ``latents[c] @ R`` (R a random Gaussian projection drawn here, from the global RNG) scaled to
-        ``init_std``, plus ``noise`` times as much independent Gaussian noise. latents: (codebook_size, D),
-        e.g. `longvideo.vq.quantizer.fsq_codebook(levels)`. Codes whose latents are close start close,
-        so what the model learns about one code carries over to its neighbours from the first step."""
+        ``latents[c] @ R`` (R a random Gaussian projection from the global RNG) scaled to ``init_std``,
+        plus ``noise`` times as much Gaussian noise, so codes with close latents start close.
+        latents: (codebook_size, D), e.g. `longvideo.vq.quantizer.fsq_codebook(levels)`."""
         vocab = self.cfg.vocab
         if latents.ndim != 2 or latents.shape[0] != vocab.codebook_size:
             raise ValueError(f"latents must be ({vocab.codebook_size}, D), got {tuple(latents.shape)}")
@@ -82,20 +79,14 @@ class Transformer(nn.Module):
         """Swap the attention implementation (the seam); see longvideo.model.attention."""
         self.attention_fn = fn
 
-    def forward(
-        self,
-        input_ids: Tensor,
-        positions: Optional[Tensor] = None,
-        segment_ids: Optional[Tensor] = None,
-        targets: Optional[Tensor] = None,
-        loss_weights: Optional[Tensor] = None,
-        cache: Optional[KVCache] = None,
-        attention_fn: Optional[AttentionFn] = None,
-    ):
+    def forward(self, input_ids: Tensor, positions: Optional[Tensor] = None,
+                segment_ids: Optional[Tensor] = None, targets: Optional[Tensor] = None,
+                loss_weights: Optional[Tensor] = None, cache: Optional[KVCache] = None,
+                attention_fn: Optional[AttentionFn] = None):
         """input_ids (B, S). positions / segment_ids (B, S) default to 0..S-1 (after the cache) and
         one segment. Without targets: hidden states (B, S, dim) after the final norm. With targets
-        (B, S): the weighted loss sum (longvideo.model.head; its normaliser is `token_weights`). attention_fn: the seam
-        for this call only (default: the model's own, see set_attention)."""
+        (B, S): the weighted loss sum (longvideo.model.head; its normaliser is `token_weights`).
+        attention_fn: the seam for this call only (default: the model's own, see set_attention)."""
         B, S = input_ids.shape
         if positions is None:
             start = cache.next_position()[:, None] if cache is not None else 0
@@ -112,9 +103,7 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.commit(S)
         hidden = self.norm(x)
-        if targets is None:
-            return hidden
-        return self.head(hidden, targets, loss_weights)
+        return hidden if targets is None else self.head(hidden, targets, loss_weights)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """(B, S, dim) -> (B, S, V). Only for short spans (generation); training uses `loss`."""

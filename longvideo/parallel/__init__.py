@@ -11,36 +11,19 @@ See docs/ring_attention.md. Names load lazily (longvideo._lazy).
 
 from longvideo._lazy import lazy_exports
 
-_EXPORTS = {
-    "CommStats": "comm",
-    "DoubleBuffer": "comm",
-    "RingComm": "comm",
-    "Engine": "engine",
-    "consolidate_zero_checkpoint": "engine",
-    "build_deepspeed_config": "deepspeed_config",
-    "BATCH_PAD_VALUES": "zigzag",
-    "layout_positions": "zigzag",
-    "padded_length": "zigzag",
-    "shard_batch": "zigzag",
-    "shard_sequence": "zigzag",
-    "unshard_sequence": "zigzag",
-    "zigzag_indices": "zigzag",
-    "global_weight_total": "loss",
-    "loss_scale": "loss",
-    "normalized_loss": "loss",
-    "Mesh": "mesh",
-    "UlyssesGroups": "mesh",
-    "split_group": "mesh",
-    "head_split": "ulysses",
-    "hybrid_attention": "ulysses",
-    "ParallelConfig": "config",
-    "RuntimeConfig": "config",
-    "RingAttentionSeam": "seam",
-    "apply_activation_checkpointing": "apply",
-    "apply_attention": "apply",
-    "parallelize": "apply",
-    "block_is_empty": "ring",
-    "ring_attention": "ring",
-}
+_EXPORTS = {name: module for module, names in {
+    "comm": ("CommStats", "DoubleBuffer", "RingComm"),
+    "engine": ("Engine", "consolidate_zero_checkpoint"),
+    "deepspeed_config": ("build_deepspeed_config",),
+    "zigzag": ("BATCH_PAD_VALUES", "layout_positions", "padded_length", "shard_batch", "shard_sequence",
+               "unshard_sequence", "zigzag_indices"),
+    "loss": ("loss_scale", "normalized_loss"),
+    "mesh": ("Mesh", "UlyssesGroups", "split_group"),
+    "ulysses": ("head_split", "hybrid_attention"),
+    "config": ("ParallelConfig", "RuntimeConfig"),
+    "seam": ("RingAttentionSeam",),
+    "apply": ("apply_activation_checkpointing", "apply_attention", "parallelize"),
+    "ring": ("block_is_empty", "ring_attention"),
+}.items() for name in names}
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)

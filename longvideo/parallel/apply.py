@@ -1,21 +1,10 @@
-"""Everything distributed is applied to a built model here, in one place and a fixed order
-(docs/architecture.md, decision 5):
-
-    mesh = Mesh.from_config(cfg.parallel)
-    engine = parallelize(model, mesh, cfg, optimizer=opt)
-        1. the attention seam: ring attention over mesh.sp_group when sp > 1 (with parallel.ulysses
-           > 1 the hybrid: heads all-to-all inside groups of that many ranks, the ring across
-           them), else the single-device one, all with cfg.parallel.backend
-        2. activation checkpointing (cfg.runtime.activation_checkpointing): every decoder block
-           wrapped from outside, so the model's code holds none
-        3. torch.compile of the blocks, the seam opaque (cfg.runtime.compile; off by default)
-        4. DeepSpeed ZeRO over all dp x sp ranks: the returned Engine (longvideo.parallel.engine)
-
-The model keeps its code and its parameter names. Inputs must then be this rank's zigzag shard with
-explicit positions and segment ids (`shard_batch`), since a shard's tokens are not at positions
-0..S/W-1. A model is parallelizable when it offers `set_attention(seam)` and either `layers` (a
-ModuleList of blocks: the project's decoder) or `gradient_checkpointing_enable` (a transformers
-decoder behind longvideo.hf.HFCausalLM, which checkpoints its own layers).
+"""Everything distributed is applied to a built model here, in one fixed order (docs/architecture.md,
+decision 5): `parallelize` sets the attention seam (ring or hybrid over mesh.sp_group when sp > 1,
+else single-device), wraps every block for activation checkpointing, compiles the blocks
+(runtime.compile) and returns the DeepSpeed ZeRO Engine. Inputs must then be this rank's zigzag
+shard with explicit positions and segment ids (`shard_batch`). A model is parallelizable when it
+offers `set_attention(seam)` and either `layers` (the project's decoder) or
+`gradient_checkpointing_enable` (a transformers decoder behind longvideo.hf.HFCausalLM).
 """
 
 from __future__ import annotations
@@ -53,9 +42,9 @@ def apply_attention(model: nn.Module, mesh: Mesh, backend: str = "auto") -> None
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute every decoder block in the backward pass. The project's blocks are wrapped with
-    torch's non-reentrant checkpoint_wrapper (state dicts keep the blocks' own names; the engine
-    strips the wrapper from parameter names); a transformers decoder uses its own switch."""
+    """Recompute every decoder block in the backward pass: the project's blocks wrapped with torch's
+    non-reentrant checkpoint_wrapper (the engine strips it from parameter names), a transformers
+    decoder by its own switch."""
     if hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return
@@ -69,12 +58,12 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 def parallelize(model: nn.Module, mesh: Mesh, cfg, *, optimizer, ds_config: Optional[dict] = None,
                 bf16: bool = False) -> Engine:
-    """Apply the seam, activation checkpointing, torch.compile (runtime.compile) and ZeRO to `model`
-    (in that order) and return the engine that trains it (collective: every rank of the world calls it with the same config).
+    """Apply the seam, activation checkpointing, torch.compile and ZeRO to `model` (module docstring)
+    and return the engine that trains it (collective: every rank calls it with the same config).
 
-    cfg: the root Config (its parallel, runtime and train sections are read). optimizer: built over
-    the model's parameters. ds_config: the DeepSpeed config when the caller built (and so checked)
-    it already, else built here from cfg.train for the mesh's world at `bf16`."""
+    cfg: the root Config (its parallel, runtime and train sections). optimizer: over the model's
+    parameters. ds_config: the DeepSpeed config when the caller built (and checked) it, else built
+    here from cfg.train for the mesh's world at `bf16`."""
     apply_attention(model, mesh, cfg.parallel.backend)
     if cfg.runtime.activation_checkpointing:
         apply_activation_checkpointing(model)

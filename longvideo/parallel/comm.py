@@ -1,14 +1,6 @@
-"""Asynchronous point-to-point exchange around a ring of ranks, with reusable buffers.
-
-    ring = RingComm(group)
-    buf = DoubleBuffer([k_and_v, pos_and_seg])     # the current block + one receive set, made once
-    pending = ring.exchange(buf.current, buf.incoming)   # post: send current to next, receive from prev
-    ... compute on buf.current ...
-    pending.wait(); buf.swap()                     # received block becomes current; no new tensors
-
-Every hop posts its sends and receives before the compute on the current block and waits after it,
-so the transfer hides behind the compute (the Ring Attention overlap). Waiting time is recorded in
-`CommStats.exposed_s`: it is the communication the compute did not hide.
+"""Asynchronous point-to-point exchange around a ring of ranks, with buffers allocated once
+(docs/ring_attention.md, "Forward"): `RingComm.exchange` posts the sends and receives of a hop
+before the compute, `Pending.wait` after it; the wait is recorded in `CommStats.exposed_s`.
 """
 
 from __future__ import annotations
@@ -28,22 +20,16 @@ from longvideo.parallel.zigzag import group_size_rank
 class CommStats:
     """Per-rank accounting of ring calls (accumulates until reset)."""
 
-    exposed_s: float = 0.0
-    """Seconds spent blocked waiting for transfers (communication not hidden by compute)."""
-    compute_s: float = 0.0
-    """Seconds spent in block-attention compute and merges."""
+    exposed_s: float = 0.0  # seconds blocked waiting for transfers: communication compute did not hide
+    compute_s: float = 0.0  # seconds in block-attention compute and merges
     bytes_sent: int = 0
-    """Bytes this rank sent."""
-    hops: int = 0
-    """Exchanges posted."""
-    blocks: int = 0
-    """Blocks computed."""
-    skipped: int = 0
-    """Blocks skipped because their mask was entirely false."""
+    hops: int = 0  # exchanges posted
+    blocks: int = 0  # blocks computed
+    skipped: int = 0  # blocks skipped as provably empty
     timeline: Optional[list] = field(default=None)
-    """Set to a list to record (posted, wait started, wait ended) perf_counter times per exchange, in
-    order; every rank of a ring makes the same exchanges in the same order, so the lists of
-    neighbours can be matched (benchmarks use this to tell transfer time from a late neighbour)."""
+    """Set to a list to record (posted, wait started, wait ended) perf_counter times per exchange;
+    every rank makes the same exchanges in the same order, so neighbours' lists match (the ring
+    benchmark tells transfer time from a late neighbour with it)."""
 
     def reset(self) -> None:
         self.exposed_s = self.compute_s = 0.0
@@ -78,10 +64,8 @@ class RingComm:
         self.group = group
         self.size, self.rank = group_size_rank(group)
         if self.size > 1:
-            self.next = dist.get_global_rank(group, (self.rank + 1) % self.size) if group is not None \
-                else (self.rank + 1) % self.size
-            self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size) if group is not None \
-                else (self.rank - 1) % self.size
+            rank = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+            self.next, self.prev = rank((self.rank + 1) % self.size), rank((self.rank - 1) % self.size)
 
     def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], stats: Optional[CommStats] = None,
                  tag: int = 0) -> Pending:
@@ -101,10 +85,8 @@ class RingComm:
 
 class DoubleBuffer:
     """A set of tensors being computed on / sent (`current`) and a same-shaped set being received
-    into (`incoming`). Both are allocated once; `swap` only exchanges the roles.
-
-    The buffer owns the tensors it is given: they are received into after the first swap, so pass
-    fresh ones (not a caller's inputs)."""
+    into (`incoming`), both allocated once; `swap` exchanges the roles. The buffer owns the tensors
+    it is given (they are received into after the first swap): pass fresh ones."""
 
     def __init__(self, current: Sequence[Tensor]):
         if not all(t.is_contiguous() for t in current):

@@ -1,16 +1,8 @@
-"""torch.compile of the decoder's non-attention work, with the attention seam opaque.
-
-    model = apply_compile(model)        # after the seam is final (parallelize calls it last)
-
-Every block is compiled in place (`nn.Module.compile`: parameter names do not change): RMSNorms,
-projections, RoPE, SwiGLU and residual adds become fused kernels. The model's seam (LocalAttention
-or RingAttentionSeam) is wrapped in `OpaqueSeam`, one custom op (`longvideo::seam_attention`, its
-backward `seam_attention_bwd`), so Dynamo and AOTAutograd never trace the host-side planning, the
-dispatch's host read or the ring's communication: one graph per block, no graph break (checked
-with `torch._dynamo.explain` in tests/test_compile.py). The ops run the seam's forward (out, lse)
-and its backward from the saved out/lse and find its plans by the identity of the metadata
-tensors, which compiled graphs pass through: the layers of a step still share one plan. Off by
-default (`runtime.compile`), until `scripts/gpu_check.py` measures it faster on a GPU.
+"""torch.compile of the decoder's non-attention work, with the attention seam opaque (docs/kernels.md,
+"torch.compile of the blocks"): every block compiled in place (`nn.Module.compile`, parameter names
+unchanged), the seam made `OpaqueSeam`, one custom op (`longvideo::seam_attention`, backward
+`seam_attention_bwd`) that keeps the host-side planning, the dispatch's host read and the ring's
+communication out of the graphs.
 """
 
 from __future__ import annotations

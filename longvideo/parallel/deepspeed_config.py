@@ -1,39 +1,27 @@
-"""The DeepSpeed config a run uses: generated from TrainConfig, with optional tuning keys from JSON.
-
-TrainConfig is the single source of truth for what it owns (batch sizes, clipping, precision, ZeRO
-stage); a JSON file (configs/deepspeed/zero{1,2,3}.json or the user's) may add tuning keys such as
-bucket sizes, communication overlap or CPU offload. An owned key in the JSON must be absent, "auto",
-or equal to the generated value; anything else is a ConfigError rather than a silent override.
-
-All dp x sp ranks form DeepSpeed's data-parallel world (no `mpu`): their parameters are identical,
-and ZeRO partitions over all of them (docs/architecture.md, decision 6).
+"""The DeepSpeed config a run uses (docs/training.md): generated from TrainConfig, which owns batch
+sizes, clipping, precision and the ZeRO stage, plus tuning keys from an optional JSON, where an
+owned key must be absent, "auto" or equal to the generated value (else a ConfigError).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 from typing import Any, Optional
 
 from longvideo.configtools import ConfigError, resolve_config_path
 from longvideo.train.config import TrainConfig
 
 
-def resolve_json(path: str) -> Path:
-    """A path as given, else relative to the shipped configs (e.g. 'deepspeed/zero3.json')."""
-    try:
-        return resolve_config_path(path, suffixes=(".json",))
-    except FileNotFoundError as e:
-        raise ConfigError("train.deepspeed_config", str(e)) from None
-
-
 def load_base(path: str) -> dict:
+    """The JSON at `path` as given, else relative to the shipped configs ('deepspeed/zero3.json')."""
     if not path:
         return {}
-    file = resolve_json(path)
     try:
+        file = resolve_config_path(path, suffixes=(".json",))
         data = json.loads(file.read_text())
+    except FileNotFoundError as e:
+        raise ConfigError("train.deepspeed_config", str(e)) from None
     except json.JSONDecodeError as e:
         raise ConfigError("train.deepspeed_config", f"{file} is not valid JSON: {e}") from None
     if not isinstance(data, dict):

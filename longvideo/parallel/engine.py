@@ -1,16 +1,6 @@
-"""The engine a parallelized model trains in: DeepSpeed ZeRO over all dp x sp ranks, behind a
-small interface (the one place besides `parallelize` that imports DeepSpeed).
-
-    engine = parallelize(model, mesh, cfg, optimizer=opt)    # an Engine
-    loss = engine(**batch)                                   # forward (ZeRO-3 gathers as it goes)
-    engine.backward(loss * scale)                            # gradients reduced over the world
-    engine.step()                                            # optimizer step at the step boundary
-    state = engine.full_state(keep=rank == 0)                # full fp32 weights (collective)
-
-DeepSpeed's data-parallel world is every dp x sp rank (no `mpu`): their parameters are identical,
-so ZeRO partitions over all of them (docs/architecture.md, decision 6). A model whose blocks are
-wrapped for activation checkpointing keeps its own parameter names in every state this engine
-returns or writes.
+"""The engine a parallelized model trains in: DeepSpeed ZeRO over all dp x sp ranks (no `mpu`;
+docs/architecture.md, decision 6) behind a small interface, the one place besides `parallelize`
+that imports DeepSpeed. Every state it returns or writes keeps the model's own parameter names.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""Loss normalisation over the whole dp x sp batch (docs/architecture.md, decision 6).
-
-Each rank's model returns a weighted loss *sum* over its tokens and their weight total. The loss
-of the step is the sum over all ranks (and micro-batches) divided by the global weight total, so
-that sharding the sequence (sp) or the batch (dp) gives the gradients of one unsharded batch:
-
-    scale, total = loss_scale(weight_of_all_my_micro_batches, mesh)   # one all-reduce per step
-    for mb in micro_batches:
-        (model(**mb)[0] * scale).backward()     # then gradients are reduced over all dp x sp ranks
-
-`grad_reduction` says how the gradients will be reduced across the world: "mean" (DeepSpeed and
-DDP average) multiplies by the world size to undo the average; "sum" leaves it.
+"""Loss normalisation over the whole dp x sp batch (docs/architecture.md, decision 6): every loss
+sum a rank back-propagates in a step is scaled by `loss_scale` (one all-reduce per step).
+`grad_reduction`: "mean" (DeepSpeed and DDP average the gradients over the world) multiplies by the
+world size to undo the average; "sum" leaves it.
 """
 
 from __future__ import annotations
@@ -21,22 +13,16 @@ from torch import Tensor
 from longvideo.parallel.mesh import Mesh
 
 
-def global_weight_total(weight_sum: Tensor, mesh: Mesh) -> Tensor:
-    """The weight total over every dp x sp rank (collective; detached, float64)."""
-    total = weight_sum.detach().to(torch.float64).reshape(())
-    if mesh.world_size > 1:
-        total = total.clone()
-        dist.all_reduce(total, group=mesh.world_group)
-    return total
-
-
 def loss_scale(weight_sum: Tensor, mesh: Mesh, *, grad_reduction: str = "mean") -> tuple[float, float]:
     """(factor, global weight total): multiply every loss sum this rank back-propagates in the step
     by `factor`. `weight_sum` is this rank's weight total over all of the step's micro-batches
     (collective: one all-reduce)."""
     if grad_reduction not in ("mean", "sum"):
         raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
-    total = float(global_weight_total(weight_sum, mesh))
+    total = weight_sum.detach().to(torch.float64).reshape(()).clone()  # over every dp x sp rank
+    if mesh.world_size > 1:
+        dist.all_reduce(total, group=mesh.world_group)
+    total = float(total)
     ranks = mesh.world_size if grad_reduction == "mean" else 1
     return ranks / max(total, 1e-12), total
 

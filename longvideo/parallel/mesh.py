@@ -1,20 +1,16 @@
-"""The dp x sp mesh: which ranks share a sequence (sp axis) and which share nothing but weights (dp).
+"""The dp x sp mesh (docs/ring_attention.md, "Using it in the model"): ranks r = dp_rank * sp + sp_rank,
+so an sp group is `sp` neighbouring ranks and a dp group the ranks with the same sp_rank; with
+ulysses > 1 an sp group splits further (`UlyssesGroups`, docs/hybrid.md). Created once and passed
+to whatever needs process groups; nothing here is a module global.
 
     mesh = Mesh.build(dp=2, sp=4)            # world of 8: sp groups {0..3}, {4..7}
-    mesh = Mesh.build(dp=1, sp=8, ulysses=4) # 2 ring positions of 4 head-parallel ranks each
     mesh = Mesh.from_config(cfg.parallel)    # dp = -1 derives world // sp
-
-Ranks r = dp_rank * sp + sp_rank: a sequence-parallel group is `sp` neighbouring ranks (on a node
-these share the fastest links, which the ring uses every step); a data-parallel group holds the
-ranks with the same sp_rank in every sp group. With ulysses = U > 1 an sp group is split further
-(`UlyssesGroups`): sp rank g * U + u is member u of Ulysses group g (U neighbours: one all-to-all)
-and position g of ring u (the ranks with the same u). The object is created once and passed to
-whatever needs process groups; nothing here is stored in module globals.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -26,27 +22,23 @@ from longvideo.configtools import ConfigError
 class UlyssesGroups:
     """How one sequence-parallel group splits for hybrid attention (longvideo.parallel.ulysses)."""
 
-    size: int
-    """U: ranks of one Ulysses group (query heads are split U ways among them)."""
-    group: Any
-    """The U neighbouring ranks this rank exchanges heads with (all-to-all)."""
-    ring: Any
-    """The sp / U ranks at this rank's place in every Ulysses group: the ring across them."""
+    size: int  # U: ranks of one Ulysses group (query heads are split U ways among them)
+    group: Any  # the U neighbouring ranks this rank exchanges heads with (all-to-all)
+    ring: Any  # the sp / U ranks at this rank's place in every Ulysses group: the ring across them
 
 
 def split_group(group, ulysses: int, timeout_s: Optional[float] = None) -> Optional[UlyssesGroups]:
     """This rank's UlyssesGroups of its sp `group` (None: the world), or None for ulysses = 1.
 
-    Every rank of the world calls it, each with its own sp group of the same size (the groups are
-    made with local synchronisation, which only keeps torch's group names in step across the world
-    while every rank makes the same number of groups). Group rank i is member i % U of Ulysses
-    group i // U and position i // U of ring i % U."""
+    Every rank of the world calls it, each with its own sp group of the same size (groups made with
+    local synchronisation keep torch's group names in step only while every rank makes as many).
+    Group rank i is member i % U of Ulysses group i // U and position i // U of ring i % U."""
     if ulysses == 1:
         return None
     ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
     if len(ranks) % ulysses:
         raise ConfigError("parallel.ulysses", f"ulysses={ulysses} does not divide sp={len(ranks)}")
-    kw = {} if timeout_s is None else {"timeout": _timedelta(timeout_s)}
+    kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     i = ranks.index(dist.get_rank())
     # every member makes its Ulysses group first, then its ring: no member waits on a later one
     heads = dist.new_group(ranks[i - i % ulysses:i - i % ulysses + ulysses], use_local_synchronization=True, **kw)
@@ -56,30 +48,18 @@ def split_group(group, ulysses: int, timeout_s: Optional[float] = None) -> Optio
 
 @dataclass(frozen=True)
 class Mesh:
-    world_size: int
-    """Ranks in the job (dp * sp)."""
-    rank: int
-    """This process's global rank."""
+    world_size: int  # dp * sp
+    rank: int  # this process's global rank
     dp: int
-    """Size of the data-parallel axis."""
     sp: int
-    """Size of the sequence-parallel (ring) axis."""
-    dp_rank: int
-    """Index of this rank's sp group (which slice of the batch it reads)."""
-    sp_rank: int
-    """Position of this rank in its sp group (which zigzag chunks it holds)."""
-    ulysses: int = 1
-    """Head-parallel size inside the sp group (1: one ring over the sp group)."""
-    ulysses_groups: Optional[UlyssesGroups] = None
-    """This rank's Ulysses group and ring when ulysses > 1."""
-    sp_group: Any = None
-    """Process group of this rank's ring (None when the world is a single process)."""
-    dp_group: Any = None
-    """Process group of the ranks holding the same sequence chunks in other sp groups."""
-    world_group: Any = None
-    """All dp x sp ranks: the loss normaliser and ZeRO partition over it (docs/architecture.md, decision 6)."""
-    config: Any = None
-    """The ParallelConfig the mesh was built from (its `backend` is the ring's block backend)."""
+    dp_rank: int  # index of this rank's sp group (which slice of the batch it reads)
+    sp_rank: int  # position of this rank in its sp group (which zigzag chunks it holds)
+    ulysses: int = 1  # head-parallel size inside the sp group (1: one ring over the sp group)
+    ulysses_groups: Optional[UlyssesGroups] = None  # this rank's Ulysses group and ring when ulysses > 1
+    sp_group: Any = None  # this rank's ring (None when the world is a single process)
+    dp_group: Any = None  # the ranks holding the same sequence chunks in other sp groups
+    world_group: Any = None  # all dp x sp ranks: the loss normaliser and ZeRO partition over it
+    config: Any = None  # the ParallelConfig the mesh was built from
 
     @classmethod
     def build(cls, dp: int = -1, sp: int = 1, timeout_s: Optional[float] = None, config: Any = None,
@@ -104,7 +84,7 @@ class Mesh:
             dp = world // sp
         if dp < 1 or dp * sp != world:
             raise ConfigError("parallel", f"dp={dp} x sp={sp} = {dp * sp} does not match the world size {world}")
-        kw = {} if timeout_s is None else {"timeout": _timedelta(timeout_s)}
+        kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         sp_group = dp_group = None
         # new_group is collective over the whole world: every rank creates every group, in order
         for i in range(dp):
@@ -132,9 +112,3 @@ class Mesh:
     def __repr__(self) -> str:
         return (f"Mesh(world={self.world_size}, rank={self.rank}, dp={self.dp}[{self.dp_rank}], "
                 f"sp={self.sp}[{self.sp_rank}]" + (f", ulysses={self.ulysses}" if self.ulysses > 1 else "") + ")")
-
-
-def _timedelta(seconds: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)

@@ -1,34 +1,10 @@
-"""Ring attention (Liu et al., 2024): exact attention over a sequence sharded across a process group.
+"""Ring attention (Liu et al., 2024): exact attention over a sequence sharded across a process group
+(docs/ring_attention.md: the forward, the backward's travelling dK/dV sums, block skipping).
 
     out = ring_attention(q, k, v, group=mesh.sp_group, causal=True, positions=pos, segment_ids=seg)
 
-q (B, S_local, Hq, D); k, v (B, S_local, Hkv, D) with Hq % Hkv == 0; positions and segment ids
-(B, S_local). Every rank holds its shard of the same sequence, normally in the zigzag layout of
-`shard_sequence` (positions default to that layout's global positions, segments to one segment).
-
-Forward, on each of the W ranks: keep the local queries; for W steps, post the send of the current
-key/value block (with its positions and segment ids) to the next rank and the receive of the next
-block from the previous rank, compute the local queries against the current block with a block
-backend (-> out, lse), merge into the running result in fp32 with the log-sum-exp rule, then wait
-for the transfer.
-
-Empty blocks and host syncs: with a host-planning backend (cpu, torch) a block whose mask is
-provably all false is not computed (it still travels); that test reads a device value. With a
-sync-free backend (triton, `backend.sync_free`) every block is launched: its tile plan then lists
-no tile, the kernel writes lse = -inf, and the merge adds exactly nothing. Nothing in a ring step
-then waits for the device, so steps queue up on the GPU behind the transfers.
-
-Tile plans: one `AttentionPlan` per step (per visiting key block, `RingPlans`), built by the first
-call that needs it and reused by the backward (which sees the same blocks in the same order) and,
-when the caller passes the same `plans` object, by every layer of a model step
-(`longvideo.parallel.apply.RingAttentionSeam` keeps one per positions / segment ids).
-
-Backward (a custom autograd.Function): the key/value blocks travel the ring again; each step adds
-this rank's share of dK/dV for the visiting block to a partial sum that travels with it, in fp32,
-and after the last hop every partial sum arrives at the rank that owns the block. dQ accumulates
-locally in fp32. Block gradients come from the global out and lse saved by the forward
-(P = exp(S - lse)), so no per-step state is kept. Gradients are returned in the inputs' dtypes.
-With GQA only the Hkv heads travel.
+`RingPlans` keeps one tile plan per step for the forward, its backward and, through the seam,
+every layer of a model step.
 """
 
 from __future__ import annotations
@@ -46,15 +22,9 @@ from longvideo.parallel.zigzag import layout_positions
 
 
 def block_is_empty(q_pos: Tensor, q_seg: Tensor, k_pos: Tensor, k_seg: Tensor, causal: bool) -> bool:
-    """True when no key of the block can be visible to any query: the block's tile class
-    (longvideo.kernels.block_class, the bounds every backend uses) is SKIP in every batch row.
-    Never True when some pair is visible; the backends skip finer tiles."""
+    """True when no key of the block can be visible to any query: its tile class (kernels.block_class,
+    the bounds every backend uses) is SKIP in every batch row. Never True when some pair is visible."""
     return bool((block_class(q_pos, k_pos, q_seg, k_seg, causal) == SKIP).all())
-
-
-def skips_on_host(backend) -> bool:
-    """Whether the ring tests blocks for emptiness on the host (not for sync-free backends)."""
-    return not getattr(backend, "sync_free", False)
 
 
 def _timed(stats: Optional[CommStats], fn, *args):
@@ -66,32 +36,30 @@ def _timed(stats: Optional[CommStats], fn, *args):
     return result
 
 
+def _counted(be, pos, seg, kp, ks, causal, stats: Optional[CommStats]) -> bool:
+    """Whether the step computes its block (counted in `stats` as computed or skipped): not when a
+    host-planning backend finds it provably empty; always for a sync-free one (no host sync)."""
+    skip = not getattr(be, "sync_free", False) and block_is_empty(pos, seg, kp, ks, causal)
+    if stats is not None:
+        stats.skipped += skip
+        stats.blocks += not skip
+    return not skip
+
+
 def forward_step(be, q, kk, vv, pos, kp, seg, ks, causal, scale, plan, out, lse, stats: Optional[CommStats] = None):
     """One ring step of the forward: attention of the local queries to one key block, merged into
-    (out, lse) in place. A host-planning backend skips a provably empty block; a sync-free one
-    always launches (no host sync: an empty block's lse is -inf and the merge is exact)."""
-    if skips_on_host(be) and block_is_empty(pos, seg, kp, ks, causal):
-        if stats is not None:
-            stats.skipped += 1
-        return
-    o, l = be.forward(q, kk, vv, pos, kp, seg, ks, scale, causal, plan=plan)  # (B, S, Hq, D), (B, Hq, S)
-    lse_merge_(out, lse, o, l)
-    if stats is not None:
-        stats.blocks += 1
+    (out, lse) in place (unless skipped)."""
+    if _counted(be, pos, seg, kp, ks, causal, stats):
+        o, l = be.forward(q, kk, vv, pos, kp, seg, ks, scale, causal, plan=plan)  # (B, S, Hq, D), (B, Hq, S)
+        lse_merge_(out, lse, o, l)
 
 
 def backward_step(be, dout, q, kk, vv, out, lse, pos, kp, seg, ks, causal, scale, plan,
                   stats: Optional[CommStats] = None):
-    """One ring step of the backward: (dq, dk, dv) shares of one key block, or None when a
-    host-planning backend skipped it as empty."""
-    if skips_on_host(be) and block_is_empty(pos, seg, kp, ks, causal):
-        if stats is not None:
-            stats.skipped += 1
-        return None
-    grads = be.backward(dout, q, kk, vv, out, lse, pos, kp, seg, ks, scale, causal, plan=plan)
-    if stats is not None:
-        stats.blocks += 1
-    return grads
+    """One ring step of the backward: (dq, dk, dv) shares of one key block, or None when skipped."""
+    if _counted(be, pos, seg, kp, ks, causal, stats):
+        return be.backward(dout, q, kk, vv, out, lse, pos, kp, seg, ks, scale, causal, plan=plan)
+    return None
 
 
 def ring_forward(q, k, v, pos, seg, group, causal, scale, backend, stats: Optional[CommStats] = None,
@@ -152,14 +120,12 @@ def ring_backward(dout, q, k, v, out, lse, pos, seg, group, causal, scale, backe
         if grads is not None:
             dkv.current[0][0] += grads[1]
             dkv.current[0][1] += grads[2]
-        if ring.size > 1:  # W hops in all: the last one brings every partial sum home
-            dkv_pending = ring.exchange(dkv.current, dkv.incoming, stats, tag=2)
+        dkv_pending = ring.exchange(dkv.current, dkv.incoming, stats, tag=2)  # the W-th hop brings it home
         if kv_pending is not None:
             kv_pending.wait()
             kv.swap()
-    if dkv_pending is not None:
-        dkv_pending.wait()
-        dkv.swap()
+    dkv_pending.wait()
+    dkv.swap()
     dk, dv = dkv.current[0]
     return dq, dk, dv
 
@@ -170,15 +136,13 @@ class _RingAttention(torch.autograd.Function):
         plans = plans if plans is not None else RingPlans()  # this call's, kept for its backward
         out, lse = ring_forward(q, k, v, pos, seg, group, causal, scale, backend, stats, plans)
         ctx.save_for_backward(q, k, v, out, lse, pos, seg)
-        ctx.group, ctx.causal, ctx.scale, ctx.backend, ctx.stats = group, causal, scale, backend, stats
-        ctx.plans = plans
+        ctx.args = (group, causal, scale, backend, stats, plans)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, pos, seg = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, pos, seg, ctx.group, ctx.causal,
-                                   ctx.scale, ctx.backend, ctx.stats, ctx.plans)
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, pos, seg, *ctx.args)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 
 
@@ -198,14 +162,11 @@ def ring_attention(
 ) -> Tensor:
     """Exact masked attention of a sequence sharded over `group` (collective: every rank calls it).
 
-    q (B, S, Hq, D); k, v (B, S, Hkv, D), Hq % Hkv == 0, S the same on every rank.
-    positions, segment_ids (B, S): default to the global positions of the zigzag layout and a
-    single segment. Segment id -1 marks padding (sees nothing, is seen by nothing).
-    backend: "auto" | "torch" | "cpu" | "triton" (longvideo.kernels.get_backend).
-    comm_stats: optional CommStats that accumulates exposed communication and compute time.
-    plans: optional RingPlans to keep the tile plans in across calls with the same positions and
-    segment ids (every layer of a model step); without it each call (and its backward) has its own.
-    Returns out (B, S, Hq, D) in q.dtype; differentiable in q, k, v.
+    q (B, S, Hq, D); k, v (B, S, Hkv, D), Hq % Hkv == 0, S the same on every rank. positions,
+    segment_ids (B, S): default to the zigzag layout's global positions and one segment (-1 marks
+    padding). backend: a longvideo.kernels.get_backend name. comm_stats: a CommStats to accumulate
+    into. plans: a RingPlans kept across calls with the same metadata (else one per call and its
+    backward). Returns out (B, S, Hq, D) in q.dtype; differentiable in q, k, v.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be (B, S, H, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")

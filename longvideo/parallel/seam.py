@@ -1,6 +1,5 @@
-"""The sequence-parallel attention seam a model is given by `apply_attention` (and that
-longvideo.hf and longvideo.infer.sp reuse): ring attention over one process group, or the
-Ulysses x ring hybrid."""
+"""The sequence-parallel attention seam `apply_attention` gives a model (longvideo.hf and
+longvideo.infer.sp reuse it)."""
 
 from __future__ import annotations
 
@@ -15,16 +14,11 @@ from longvideo.parallel.ulysses import gather_metadata, hybrid_attention
 
 
 class RingAttentionSeam:
-    """The model's attention seam implemented by ring attention over one process group, or by the
-    hybrid of longvideo.parallel.ulysses when `ulysses` splits that group (sp / U rings of U).
-
-    Called as fn(q, k, v, *, q_positions, k_positions, q_segment_ids, k_segment_ids, causal) with
-    q (B, S, Hq, D) and k, v (B, S, Hkv, D) of the same local shard (training: no KV cache).
-
-    The tile plans of every ring step are kept per (positions, segment ids) tensors, by identity
-    (kernels.PlanCache): the layers of one model step, which all get the same tensors, and their
-    backward share one set of plans (and, for the hybrid, one gather of the Ulysses group's metadata).
-    """
+    """The model's attention seam as ring attention over one process group, or the hybrid of
+    longvideo.parallel.ulysses when `ulysses` splits that group; q, k, v of the same local shard
+    (training: no KV cache). The ring's plans (and the hybrid's gathered metadata) are kept per
+    positions / segment-id tensors by identity (kernels.PlanCache), so the layers of a step and
+    their backward share them."""
 
     def __init__(self, group, backend: str = "auto", ulysses: Optional[UlyssesGroups] = None):
         self.group, self.backend, self.ulysses = group, backend, ulysses

@@ -1,27 +1,8 @@
 """Hybrid sequence parallelism: head-parallel all-to-all (DeepSpeed-Ulysses) inside groups of U
-neighbouring ranks, ring attention across the sp / U groups (docs/hybrid.md).
+neighbouring ranks, ring attention across the sp / U groups (docs/hybrid.md: why the ordinary
+zigzag shards work, the head split and padding, why not DeepSpeed's layer).
 
     out = hybrid_attention(q, k, v, groups=mesh.ulysses_groups, positions=pos, segment_ids=seg)
-
-Inputs are this rank's shard of the sequence with all heads, in the ordinary zigzag layout over the
-whole sp group of W = U x R ranks: sp rank g * U + u holds chunks gU + u and 2W - 1 - gU - u of 2W.
-An all-to-all inside Ulysses group g hands every member the group's U shards for 1/U of the heads:
-the group then holds chunks gU .. gU + U - 1 and 2W - gU - U .. 2W - 1 - gU, which are exactly
-chunks g and 2R - 1 - g of the zigzag layout over R (so the ring across groups stays balanced),
-in member order. Positions and segment ids are gathered the same way and travel around the ring
-as always, so any layout, packed documents and padding stay exact. The reverse all-to-all gives
-every rank its own tokens with all heads again. Sharding, the loader and the loss normalisation are
-therefore the ring's, unchanged, for any (U, R) split.
-
-Heads: query heads are padded with zero heads up to a multiple of U (9 heads over U = 2 compute 10;
-a zero query's output is dropped and its gradients are exactly zero). Each member gets the key/value
-heads its query heads read, replicated where fewer than U (LoongTrain's rule): with d = gcd(query
-heads per member, Hq / Hkv), a member holds Qu / d key/value heads, each read by d of its queries.
-
-The all-to-alls are torch.distributed.all_to_all_single on one contiguous buffer per tensor, not
-DeepSpeed's `deepspeed.sequence.layer`: that one reads its rank from a process-global sequence
-group, refuses fewer key/value heads than ranks, and would import DeepSpeed below the engine. Pure
-data movement, so it is exact in every dtype; its time counts as exposed communication.
 """
 
 from __future__ import annotations
@@ -91,11 +72,9 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _HeadsRing(torch.autograd.Function):
-    """Ring attention over the head-split tensors, returning the output in the sequence layout.
-
-    It saves that output (which the caller's output projection keeps anyway) rather than the ring's
-    head-layout copy, and re-forms the latter in the backward with one more all-to-all: the saved
-    activations are then the ring's (q, k, v, out, lse), not one output more (scripts/bench_hybrid.py)."""
+    """Ring attention over the head-split tensors, returning the output in the sequence layout. It
+    saves that output (which the output projection keeps anyway), not the ring's head-layout copy,
+    and re-forms the latter in the backward with one more all-to-all (scripts/bench_hybrid.py)."""
 
     @staticmethod
     def forward(ctx, q, k, v, pos, seg, groups, causal, backend, stats, plans):

@@ -1,16 +1,6 @@
-"""The zigzag sequence layout of the ring, and the helpers that shard a batch with it.
-
-A sequence of length S (padded to a multiple of 2W) is cut into 2W equal chunks; ring rank r holds
-chunks r and 2W-1-r, in that order:
-
-    W = 2, S = 8:   tokens  0 1 | 2 3 | 4 5 | 6 7
-                    rank 0: chunks 0, 3 -> 0 1 6 7
-                    rank 1: chunks 1, 2 -> 2 3 4 5
-
-Under causal masking chunk i attends to i+1 chunks, so every rank gets (r + 1) + (2W - r) = 2W + 1
-chunk pairs of work: the layout balances the ring exactly, where a contiguous split would leave the
-last rank with 2W - 1 times the work of the first. Padding appended to reach a multiple of 2W is
-marked with segment id -1 (`shard_batch` does this), which the mask rule makes invisible.
+"""The zigzag sequence layout of the ring and the helpers that shard a batch with it
+(docs/ring_attention.md, "The zigzag layout"): a sequence padded to a multiple of 2W (padding
+marked with segment id -1) is cut into 2W chunks, rank r holding chunks r and 2W-1-r.
 """
 
 from __future__ import annotations
@@ -73,8 +63,7 @@ def shard_sequence(x: Tensor, group, dim: int = 1, pad_value: Optional[float] = 
         pad_shape = list(x.shape)
         pad_shape[dim] = P - S
         x = torch.cat([x, x.new_full(pad_shape, pad_value)], dim=dim)
-    c = P // (2 * W)
-    return torch.cat([x.narrow(dim, r * c, c), x.narrow(dim, (2 * W - 1 - r) * c, c)], dim=dim)
+    return x.index_select(dim, zigzag_indices(P, W, r, device=x.device))
 
 
 def unshard_sequence(x: Tensor, group, dim: int = 1, length: Optional[int] = None) -> Tensor:
@@ -90,11 +79,8 @@ def unshard_sequence(x: Tensor, group, dim: int = 1, length: Optional[int] = Non
             raise ValueError(f"a zigzag shard holds two equal chunks, but its length is {x.shape[dim]} (odd)")
         parts = [torch.empty_like(x) for _ in range(W)]
         dist.all_gather(parts, x.contiguous(), group=group)
-        c = x.shape[dim] // 2
-        chunks = [None] * (2 * W)
-        for r, p in enumerate(parts):
-            chunks[r], chunks[2 * W - 1 - r] = p.narrow(dim, 0, c), p.narrow(dim, c, c)
-        full = torch.cat(chunks, dim=dim)
+        order = torch.cat([zigzag_indices(x.shape[dim] * W, W, r, device=x.device) for r in range(W)])
+        full = torch.cat(parts, dim=dim).index_select(dim, order.argsort())  # every token at its index
     return full if length is None else full.narrow(dim, 0, length)
 
 
