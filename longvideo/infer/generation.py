@@ -1,27 +1,19 @@
 """Generation with a KV cache: chunked prefill, nucleus sampling, the decoding loop, and engines.
 
     out = generate(model, prompt_ids, max_new_tokens=32, stop_ids=[tok.eos_id], prefill_chunk=2048)
-    out.tokens      # (B, n) generated ids (a finished row repeats its stop id)
-    out.ttft_s      # prefill + first token, seconds
-
     engine = LocalEngine(model, prefill_chunk=2048)   # many questions against one long prefix
     engine.set_prefix(video_ids)                      # (B, P): prefilled once, its KV cache kept
     out = engine.generate(question_ids, max_new_tokens=32, stop_ids=[eos])
 
-Prefill runs the prompt through the model in chunks of `prefill_chunk` tokens that all append to
-one KV cache: each chunk attends to everything cached before it plus itself (the kernels compute
-that blockwise, the feed-forward is blockwise in the model), so peak memory is the cache plus one
-chunk's activations instead of the whole prompt's. Decoding then feeds one token per step.
-
-An *engine* answers many questions against one long prefix: `set_prefix` prefills it once, and
-each `generate` crops the cache back to the prefix, prefills the question and decodes. `generate`
-above is a `LocalEngine` with an empty prefix. The decoding loop is written against two
-callables, `step(token) -> logits` and `pick(logits) -> token`, so the sequence-parallel engine
-(longvideo.infer.sp), whose prefix is sharded over ranks, reuses it unchanged.
+Prefill appends chunks of `prefill_chunk` tokens to one KV cache, so the peak is the cache plus one
+chunk's activations (docs/inference.md, "Chunked prefill"). The decoding loop is written against
+`step(token) -> logits` and `pick(logits) -> token`, so the sequence-parallel engine
+(longvideo.infer.sp) reuses it unchanged.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
@@ -113,12 +105,7 @@ def decode_loop(step: Callable[[Tensor], Tensor], first_logits: Tensor, *, max_n
 
 def trim_at_stop(tokens: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
     """Tokens before the first stop id."""
-    out = []
-    for t in tokens:
-        if t in stop_ids:
-            break
-        out.append(int(t))
-    return out
+    return [int(t) for t in itertools.takewhile(lambda t: t not in stop_ids, tokens)]
 
 
 @dataclass
@@ -162,16 +149,14 @@ def limit_vocab(logits: Tensor, vocab_limit: Optional[int]) -> Tensor:
     return logits if vocab_limit is None else logits[..., :vocab_limit]
 
 
-def copy_cache(src: KVCache, dst: KVCache) -> KVCache:
-    """Copy the cached tokens of `src` into the (larger, empty) cache `dst`; return dst."""
-    n = src.length
-    if n > dst.max_len:
-        raise ValueError(f"cannot copy {n} cached tokens into a cache of {dst.max_len}")
-    for i in range(len(src.k)):
-        dst.k[i][:, :n] = src.k[i][:, :n]
-        dst.v[i][:, :n] = src.v[i][:, :n]
-    dst.positions[:, :n] = src.positions[:, :n]
-    dst.segment_ids[:, :n] = src.segment_ids[:, :n]
+def grown(model: Transformer, cache: KVCache, need: int, spare: int) -> KVCache:
+    """`cache` when it holds `need` tokens, else a copy of its tokens in a new one of need + spare."""
+    if need <= cache.max_len:
+        return cache
+    dst, n = new_cache(model, cache.positions.shape[0], need + spare), cache.length
+    for src_t, dst_t in zip([*cache.k, *cache.v, cache.positions, cache.segment_ids],
+                            [*dst.k, *dst.v, dst.positions, dst.segment_ids]):
+        dst_t[:, :n] = src_t[:, :n]
     dst.length = n
     return dst
 
@@ -217,9 +202,8 @@ class LocalEngine:
             raise RuntimeError("set_prefix must be called before generate")
         self.cache.crop(self.prefix_len)  # forget the previous question and answer
         need = self.prefix_len + ids.shape[1] + max_new_tokens
-        if need > self.cache.max_len:
-            self.cache = copy_cache(self.cache, new_cache(self.model, ids.shape[0], need + self.spare))
-        model, cache = self.model, self.cache
+        model = self.model
+        cache = self.cache = grown(model, self.cache, need, self.spare)
         t0 = time.perf_counter()
         first = logits_of(model, prefill(model, ids, cache, chunk=self.prefill_chunk))
         ttft = time.perf_counter() - t0
@@ -241,9 +225,7 @@ class LocalEngine:
         if self.cache is None:
             raise RuntimeError("set_prefix must be called before extend")
         self.cache.crop(self.prefix_len + keep)
-        if self.cache.length + ids.shape[1] > self.cache.max_len:
-            self.cache = copy_cache(self.cache, new_cache(self.model, ids.shape[0],
-                                                          self.cache.length + ids.shape[1] + self.spare))
+        self.cache = grown(self.model, self.cache, self.cache.length + ids.shape[1], self.spare)
         return self.model(ids, cache=self.cache)
 
 
