@@ -26,11 +26,8 @@ from longvideo.model import KVCache, Transformer
 
 def sample_token(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0,
                  generator: Optional[torch.Generator] = None) -> Tensor:
-    """Pick one token per row of logits (B, V) -> (B,) long.
-
-    temperature 0 is greedy (argmax). Otherwise softmax(logits / temperature) restricted to the
-    smallest set of most likely tokens whose mass reaches top_p (nucleus sampling).
-    """
+    """One token per row of logits (B, V) -> (B,) long: the argmax at temperature 0, else a sample of
+    softmax(logits / temperature) over the smallest set of most likely tokens whose mass reaches top_p."""
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
     if temperature == 0:
@@ -56,9 +53,7 @@ def new_cache(model: Transformer, batch: int, max_len: int) -> KVCache:
 def prefill(model: Transformer, ids: Tensor, cache: KVCache, *, chunk: int,
             positions: Optional[Tensor] = None, segment_ids: Optional[Tensor] = None) -> Tensor:
     """Append ids (B, S) to `cache`, `chunk` tokens per forward; return the last hidden (B, 1, dim).
-
-    positions / segment_ids (B, S) default to continuing after the cache, and one segment.
-    """
+    positions / segment_ids (B, S) default to continuing after the cache, and one segment."""
     B, S = ids.shape
     if S == 0:
         raise ValueError("prefill needs at least one token")
@@ -144,9 +139,11 @@ class Engine(Protocol):
     def extend(self, ids: Tensor, *, keep: int = 0) -> Tensor: ...
 
 
-def limit_vocab(logits: Tensor, vocab_limit: Optional[int]) -> Tensor:
-    """The logits of ids below `vocab_limit` only (all when None): sampling then picks among them."""
-    return logits if vocab_limit is None else logits[..., :vocab_limit]
+def picker(temperature: float, top_p: float, generator: Optional[torch.Generator],
+           vocab_limit: Optional[int]) -> Callable[[Tensor], Tensor]:
+    """decode_loop's `pick`: sample_token among the ids below `vocab_limit` (all when None)."""
+    return lambda logits: sample_token(logits if vocab_limit is None else logits[..., :vocab_limit], temperature,
+                                       top_p, generator)
 
 
 def grown(model: Transformer, cache: KVCache, need: int, spare: int) -> KVCache:
@@ -162,10 +159,8 @@ def grown(model: Transformer, cache: KVCache, need: int, spare: int) -> KVCache:
 
 
 class LocalEngine:
-    """Single-process engine: chunked prefill of the prefix into one KV cache.
-
-    cache: start from an existing cache (its tokens are the prefix) instead of calling set_prefix.
-    """
+    """Single-process engine: chunked prefill of the prefix into one KV cache. cache: start from an
+    existing cache (its tokens are the prefix) instead of calling set_prefix."""
 
     def __init__(self, model: Transformer, *, prefill_chunk: int = 4096, spare: int = 256,
                  cache: Optional[KVCache] = None):
@@ -202,8 +197,8 @@ class LocalEngine:
             raise RuntimeError("set_prefix must be called before generate")
         self.cache.crop(self.prefix_len)  # forget the previous question and answer
         need = self.prefix_len + ids.shape[1] + max_new_tokens
-        model = self.model
-        cache = self.cache = grown(model, self.cache, need, self.spare)
+        model, cache = self.model, grown(self.model, self.cache, need, self.spare)
+        self.cache = cache
         t0 = time.perf_counter()
         first = logits_of(model, prefill(model, ids, cache, chunk=self.prefill_chunk))
         ttft = time.perf_counter() - t0
@@ -211,10 +206,8 @@ class LocalEngine:
         def step(tok: Tensor) -> Tensor:
             return logits_of(model, model(tok[:, None], cache=cache))
 
-        def pick(logits: Tensor) -> Tensor:
-            return sample_token(limit_vocab(logits, vocab_limit), temperature, top_p, generator)
-
-        tokens = decode_loop(step, first, max_new_tokens=max_new_tokens, pick=pick, stop_ids=stop_ids)
+        tokens = decode_loop(step, first, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                             pick=picker(temperature, top_p, generator, vocab_limit))
         return Generation(tokens=tokens, prompt_len=self.prefix_len + ids.shape[1], ttft_s=ttft,
                           total_s=time.perf_counter() - t0)
 
@@ -234,11 +227,8 @@ def generate(model: Transformer, ids: Tensor, *, max_new_tokens: int = 64, tempe
              top_p: float = 1.0, stop_ids: Sequence[int] = (), prefill_chunk: int = 4096,
              generator: Optional[torch.Generator] = None, cache: Optional[KVCache] = None,
              vocab_limit: Optional[int] = None) -> Generation:
-    """Prefill ids (B, S) in chunks into a KV cache, then decode with the cache.
-
-    `cache`: continue an existing cache (its tokens precede ids); by default a fresh one sized
-    S + max_new_tokens. `vocab_limit`: sample only ids below it.
-    """
+    """Prefill ids (B, S) in chunks into a KV cache, then decode with the cache. `cache`: continue an
+    existing cache (its tokens precede ids); by default a fresh one of S + max_new_tokens."""
     B, S = ids.shape
     engine = LocalEngine(model, prefill_chunk=prefill_chunk, spare=0,
                          cache=cache if cache is not None else new_cache(model, B, S + max_new_tokens))

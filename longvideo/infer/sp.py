@@ -10,6 +10,7 @@ sampled token is broadcast. The answer is the single-process one up to the merge
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -22,8 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longvideo.data.ranks import comm_device  # noqa: F401 (re-exported: where collectives' tensors live)
-from longvideo.infer.generation import (Generation, decode_loop, grown, limit_vocab, logits_of, new_cache,
-                                        sample_token)
+from longvideo.infer.generation import Generation, decode_loop, grown, logits_of, new_cache, picker
 from longvideo.kernels import get_backend, merge_partials
 from longvideo.model import KVCache, Transformer
 from longvideo.parallel import RingAttentionSeam, UlyssesGroups, shard_sequence
@@ -55,26 +55,20 @@ class MergedAttentionSeam:
 
 
 class SequenceParallelEngine:
-    """The `Engine` interface (longvideo.infer.generation) over a sequence-parallel group.
-
-    Call collectively: every rank of `group` calls the same methods with the same ids.
-    ulysses: the group's split (longvideo.parallel.split_group, made once and shared by every
-    engine) to prefill with the Ulysses x ring hybrid; None: one ring.
-    """
+    """The `Engine` interface over a sequence-parallel group; collective: every rank of `group` calls
+    the same methods with the same ids. ulysses: the group's split (longvideo.parallel.split_group,
+    made once and shared by every engine) to prefill with the Ulysses x ring hybrid; None: one ring."""
 
     def __init__(self, model: Transformer, group=None, *, backend: str = "auto", spare: int = 256,
                  ulysses: Optional[UlyssesGroups] = None):
         self.model, self.group, self.spare = model, group, spare
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.owner = self.world - 1  # holds the keys of the replicated tokens
         self.ring = RingAttentionSeam(group, backend, ulysses)
         self.merged: Optional[MergedAttentionSeam] = None  # built for each prefix (it knows its length)
         self.backend = backend
         self.cache: Optional[KVCache] = None
-        self.prefix_len = 0
-        self.local_prefix_len = 0
-        self.prefix_s = 0.0
+        self.prefix_len, self.local_prefix_len, self.prefix_s = 0, 0, 0.0
 
     @torch.no_grad()
     def set_prefix(self, ids: Tensor) -> None:
@@ -134,8 +128,7 @@ class SequenceParallelEngine:
     def generate(self, ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None,
                  vocab_limit: Optional[int] = None) -> Generation:
-        """Prefill the replicated ids (B, Q >= 1) after the prefix, then decode; collective.
-        vocab_limit: sample only ids below it."""
+        """Prefill the replicated ids (B, Q >= 1) after the prefix, then decode; collective."""
         if self.cache is None:
             raise RuntimeError("set_prefix must be called before generate")
         B, Q = ids.shape
@@ -144,22 +137,16 @@ class SequenceParallelEngine:
         self.cache.crop(self.local_prefix_len)
         self.cache = grown(self.model, self.cache, self.local_prefix_len + Q + max_new_tokens, self.spare)
         t0 = time.perf_counter()
-        start = self.prefix_len
-        pos = start + torch.arange(Q, device=ids.device)[None].expand(B, Q)
-        first = self._replicated(ids, pos)
+        first = self._replicated(ids, self.prefix_len + torch.arange(Q, device=ids.device)[None].expand(B, Q))
         ttft = time.perf_counter() - t0
-        next_pos = [start + Q]
+        positions, sample = itertools.count(self.prefix_len + Q), picker(temperature, top_p, generator, vocab_limit)
 
         def step(tok: Tensor) -> Tensor:
-            p = torch.full((B, 1), next_pos[0], dtype=torch.long, device=tok.device)
-            next_pos[0] += 1
-            return self._replicated(tok[:, None], p)
+            pos = torch.full((B, 1), next(positions), dtype=torch.long, device=tok.device)
+            return self._replicated(tok[:, None], pos)
 
-        def pick(logits: Tensor) -> Tensor:
-            return self._broadcast(sample_token(limit_vocab(logits, vocab_limit), temperature, top_p,
-                                                generator).contiguous())
-
-        tokens = decode_loop(step, first, max_new_tokens=max_new_tokens, pick=pick, stop_ids=stop_ids)
+        tokens = decode_loop(step, first, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                             pick=lambda logits: self._broadcast(sample(logits).contiguous()))
         return Generation(tokens=tokens, prompt_len=self.prefix_len + Q, ttft_s=ttft,
                           total_s=time.perf_counter() - t0)
 
@@ -170,10 +157,7 @@ def sp_generate(model: Transformer, ids: Tensor, group=None, *, max_new_tokens: 
                 generator: Optional[torch.Generator] = None, tail: int = 1,
                 backend: str = "auto", ulysses: Optional[UlyssesGroups] = None) -> Generation:
     """Sequence-parallel `generate`: ring prefill of ids[:, :S-tail], replicated rest, sharded decoding.
-
-    Collective over `group` (default: the world); every rank passes the same ids (B, S).
-    ttft_s covers the prefix prefill too.
-    """
+    Collective over `group` (default: the world) with the same ids (B, S); ttft_s includes the prefix."""
     S = ids.shape[1]
     tail = max(1, min(tail, S))
     engine = SequenceParallelEngine(model, group, backend=backend, ulysses=ulysses)
