@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Callable
 
 from longvideo.checkpoint import CheckpointError
 from longvideo.export.hf import export_hf, import_hf
@@ -13,67 +15,63 @@ from longvideo.safepickle import UnsafePickleError
 from longvideo.tokenizer import TokenizerError
 from longvideo.vq.vqgan import LWMVQGANError
 
+ERRORS = (CheckpointError, FileNotFoundError, ValueError)
+
+
+def _parser(prog: str, description: str, out: str = "project checkpoint directory to write"):
+    p = argparse.ArgumentParser(prog=f"longvideo {prog}", description=description)
+    p.add_argument("--out", required=True, help=out)
+    return p
+
+
+def _run(prog: str, convert: Callable[[], Path], errors: tuple = ERRORS, done: str = "wrote project checkpoint"):
+    """convert(), then "{done} OUT"; an error of `errors` is one line and exit status 1."""
+    try:
+        out = convert()
+    except errors as e:
+        print(f"longvideo {prog}: error: {e}", file=sys.stderr)
+        return 1
+    print(f"{done} {out}")
+    return 0
+
 
 def import_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="longvideo import-hf",
-                                description="Read a local Hugging Face LlamaForCausalLM into a project checkpoint, "
-                                            "extending its vocabulary with the vision tokens and VQ codes.")
+    p = _parser("import-hf", "Read a local Hugging Face LlamaForCausalLM into a project checkpoint, extending "
+                "its vocabulary with the vision tokens and VQ codes.")
     p.add_argument("--hf", required=True, help="local Hugging Face model directory (safetensors)")
-    p.add_argument("--out", required=True, help="project checkpoint directory to write")
     p.add_argument("--config", default=None, help="root config to take the non-model sections from")
     p.add_argument("--codebook-size", type=int, default=None, help="VQ codebook size (default: the config's)")
     a = p.parse_args(argv)
-    try:
-        out = import_hf(a.hf, a.out, base_config=a.config, codebook_size=a.codebook_size)
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"longvideo import-hf: error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote project checkpoint {out}")
-    return 0
+    return _run("import-hf", lambda: import_hf(a.hf, a.out, base_config=a.config, codebook_size=a.codebook_size))
 
 
 def import_lwm_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="longvideo import-lwm",
-        description="Convert LWM's released JAX checkpoints (LWM-Chat-32K/128K/1M: params, vqgan, tokenizer) "
-                    "into a project checkpoint for `longvideo chat` and `longvideo export`. See docs/lwm.md.")
+    p = _parser("import-lwm", "Convert LWM's released JAX checkpoints (LWM-Chat-32K/128K/1M: params, "
+                "vqgan, tokenizer) into a project checkpoint for `longvideo chat` and `longvideo export`. "
+                "See docs/lwm.md.")
     p.add_argument("--params", required=True, help="LWM's params file (tux streaming checkpoint)")
     p.add_argument("--vqgan", required=True, help="LWM's vqgan file (pickled flax parameters; read without "
-                                                  "running anything it names)")
+                   "running anything it names)")
     p.add_argument("--tokenizer", required=True, help="directory with LWM's tokenizer.model (LLaMA), or a "
-                                                      "Hugging Face tokenizer directory")
-    p.add_argument("--config", default="lwm-chat-1m",
-                   help="what the files do not hold (RoPE theta, context): lwm-chat-32k, lwm-chat-128k, "
-                        "lwm-chat-1m (default) or a YAML path")
-    p.add_argument("--out", required=True, help="project checkpoint directory to write")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. "
-                                                                      "model.max_seq_len=65536")
+                   "Hugging Face tokenizer directory")
+    p.add_argument("--config", default="lwm-chat-1m", help="what the files do not hold (RoPE theta, context): "
+                   "lwm-chat-32k, lwm-chat-128k, lwm-chat-1m (default) or a YAML path")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted config overrides, e.g. model.max_seq_len=65536")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     a = p.parse_intermixed_args(argv)
     say = None if a.quiet else (lambda msg: print(f"import-lwm: {msg}", file=sys.stderr, flush=True))
-    try:
-        out = import_lwm(a.params, a.vqgan, a.tokenizer, a.out, config=a.config, overrides=a.overrides,
-                         progress=say)
-    except (CheckpointError, FileNotFoundError, ValueError, TuxFormatError, UnsafePickleError,
-            TokenizerError, LWMVQGANError) as e:
-        print(f"longvideo import-lwm: error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote project checkpoint {out}")
-    return 0
+    return _run("import-lwm", lambda: import_lwm(a.params, a.vqgan, a.tokenizer, a.out, config=a.config,
+                                                 overrides=a.overrides, progress=say),
+                ERRORS + (TuxFormatError, UnsafePickleError, TokenizerError, LWMVQGANError))
 
 
 def export_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="longvideo export",
-                                description="Write a Hugging Face directory that transformers loads with no custom code.")
+    p = _parser("export", "Write a Hugging Face directory that transformers loads with no custom code.",
+                "output directory")
     p.add_argument("--ckpt", required=True, help="project checkpoint, training run directory or ZeRO checkpoint")
-    p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: CKPT/tokenizer)")
     p.add_argument("--vq", default=None, help="VQ tokenizer directory (default: CKPT/vq if present)")
     a = p.parse_args(argv)
-    try:
-        out = export_hf(a.ckpt, a.out, tokenizer_dir=a.tokenizer, vq_dir=a.vq)
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"longvideo export: error: {e}", file=sys.stderr)
-        return 1
-    print(f"exported {out}")
-    return 0
+    return _run("export", lambda: export_hf(a.ckpt, a.out, tokenizer_dir=a.tokenizer, vq_dir=a.vq),
+                done="exported")

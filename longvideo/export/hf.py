@@ -1,10 +1,7 @@
 """Hugging Face Llama <-> project checkpoints: `longvideo import-hf` and `longvideo export`.
 
-The formats themselves (project checkpoints, exported directories, the name mapping) are defined
-in longvideo.checkpoint; this module converts between them: it reads a transformers LlamaForCausalLM
-directory into a project checkpoint (extending the vocabulary by the vision tokens and the VQ
-codes) and writes a project checkpoint as an exported directory that transformers loads with no
-custom code, with the processor that turns a video and a question into its input ids.
+The formats (project checkpoints, exported directories, the name mapping) are longvideo.checkpoint's;
+this module converts between them. docs/export.md.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from longvideo.vocab import SPECIAL_TOKENS
 from longvideo.vq import load_vq
 
 
-# ---- reading transformers' config.json ------------------------------------------------------------
+# ----------------------------------------------------------------------------- transformers' config.json
 
 def rope_theta_of(hf_cfg: dict) -> float:
     """Read RoPE theta from either spelling transformers writes (rope_theta or rope_parameters)."""
@@ -77,27 +74,13 @@ def hf_config_dict(cfg: ModelConfig, tokenizer=None) -> dict:
     whose queries scale with the context is a LongVideoLlamaForCausalLM (modeling_longvideo.py,
     which the export copies beside it): Llama's weights, its own model_type, so that transformers
     loads it only with trust_remote_code and never as a plain Llama that answers differently."""
-    d = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "max_position_embeddings": cfg.max_seq_len,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": "float32",
-        "dtype": "float32",
-    }
+    d = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=cfg.vocab_size,
+             hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
+             num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+             hidden_act="silu", rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+             max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
+             attention_bias=False, mlp_bias=False, torch_dtype="float32", dtype="float32")
     if cfg.attn_logn_base:
         d.update(architectures=[LOGN_ARCH], model_type=LOGN_MODEL_TYPE, attn_logn_base=cfg.attn_logn_base,
                  auto_map={"AutoConfig": f"{LOGN_MODULE}.LongVideoLlamaConfig",
@@ -118,15 +101,7 @@ def generation_config(cfg: ModelConfig, tokenizer) -> dict:
     return gen
 
 
-# ---- import / export ----------------------------------------------------------------------------
-
-def _vq_in(path: Path):
-    return load_vq(path / VQ_DIR) if (path / VQ_DIR).is_dir() else None
-
-
-def _has_tokenizer(path: Path) -> bool:
-    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
-
+# ----------------------------------------------------------------------------- import / export
 
 def import_hf(hf_dir: str | Path, out_dir: str | Path, base_config: Optional[str] = None,
               codebook_size: Optional[int] = None) -> Path:
@@ -142,7 +117,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, base_config: Optional[str
         root = load_config(hf_dir / EXPORT_CONFIG)
         return save_project_checkpoint(out_dir, from_hf_names(read_safetensors_dir(hf_dir), root.model), root,
                                        tokenizer=TextTokenizer.from_dir(hf_dir, root.model.vocab_layout),
-                                       vq=_vq_in(hf_dir))
+                                       vq=load_vq(hf_dir / VQ_DIR) if (hf_dir / VQ_DIR).is_dir() else None)
     K = codebook_size or root.vq.codebook_size
     sd_hf = read_safetensors_dir(hf_dir)
     emb_key = "model.embed_tokens.weight"
@@ -150,7 +125,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, base_config: Optional[str
         raise CheckpointError(f"{hf_dir}: no tensor '{emb_key}'")
     v0 = sd_hf[emb_key].shape[0]
     tokenizer = None
-    if _has_tokenizer(hf_dir):
+    if any((hf_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         hf_tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True, use_fast=True)
         has_vision = SPECIAL_TOKENS[0] in hf_tok.get_vocab()
         if not has_vision and len(hf_tok) < v0:

@@ -3,41 +3,20 @@
     import_lwm("LWM-Chat-1M-Jax/params", "LWM-Chat-1M-Jax/vqgan", "LWM-Chat-1M-Jax/", "ckpts/lwm-chat-1m",
                config="lwm-chat-1m")
 
-Inputs, as LWM publishes them:
-
-* `params`: the language model, a tux streaming checkpoint (longvideo.export.tux) of LWM's
-  `FlaxVideoLLaMAForCausalLM` parameters: `transformer/wte/embedding` (text vocabulary),
-  `transformer/vte/embedding` (vision vocabulary: 8192 codes + 256), the LLaMA blocks under
-  `transformer/h/<i>/` or stacked along a leading layer axis under `transformer/h/scan_decoder/`
-  (scan_layers), `transformer/ln_f/kernel`, `lm_head/kernel` and `vision_head/kernel`.
-* `vqgan`: LWM's VQGAN, a pickle of flax parameters (numpy arrays), read by the restricted
-  unpickler of longvideo.safepickle and mapped onto diffusers' VQModel (longvideo.vq.vqgan).
-* the LLaMA tokenizer (a `tokenizer.model`, or any local Hugging Face tokenizer directory).
-
-The result uses the `lwm` vocabulary layout (longvideo/vocab.py): the embedding is LWM's text table
-followed by its vision table, the output projection its text head followed by its vision head, so
-the model's logits are LWM's text logits followed by its vision logits. Per layer:
-
-    attention/wq|wk/kernel (in, out)  -> attn.wq|wk.weight, transposed, rows permuted per head from
-                                         LWM's interleaved RoPE pairs (x[2i], x[2i+1]) to the
-                                         half-split pairs (x[i], x[i + D/2]) this model rotates
-    attention/wv|wo/kernel            -> attn.wv|wo.weight, transposed
-    feed_forward/w1|w3|w2/kernel      -> ffn.w_gate|w_up|w_down.weight, transposed
-    attention_norm/kernel, ffn_norm/kernel -> attn_norm.weight, ffn_norm.weight
-
-The weights are streamed: the params file is indexed without reading it, then each array (each
-layer's slice of a stacked one) is read, converted and written into its place in the output
-safetensors file (longvideo.checkpoint.StreamingWeights), in its own dtype (bf16 stays bf16). Peak
-memory is about twice the largest single array (the 262 MB text head of a 7B model), not the model.
-
-Model shapes come from the files; the config (configs/lwm-chat-*.yaml plus dotted overrides)
-supplies what they do not hold: RoPE theta, the context length, RMSNorm epsilon, the number of
-heads (else LWM's standard configs' value for the width, or width / 128), the frame resolution.
+`params` is a tux streaming checkpoint (longvideo.export.tux) of LWM's FlaxVideoLLaMAForCausalLM:
+`transformer/{wte,vte}/embedding`, the LLaMA blocks under `transformer/h/<i>/` or stacked along a
+leading layer axis under `transformer/h/scan_decoder/`, `transformer/ln_f/kernel`, `lm_head/kernel`,
+`vision_head/kernel`. `vqgan` is a pickle of flax arrays (longvideo.safepickle, longvideo.vq.vqgan).
+The result uses the `lwm` vocabulary layout: text table then vision table, text head then vision
+head. The arrays are streamed one at a time (a layer's slice of a stacked one) into the output
+file in their own dtype; shapes come from the files, the rest from the config. docs/lwm.md, "What
+the conversion does" and "Memory".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 from pathlib import Path
@@ -205,25 +184,19 @@ def _plan(tree: LWMTree, cfg: ModelConfig) -> dict[str, tuple[torch.dtype, tuple
     return specs
 
 
-def _copy_rows(f, w, rec: ArrayRecord, name: str, row0: int, dtype: torch.dtype) -> None:
-    """An embedding table (rows, dim) into rows row0.. of `name`, a block of rows at a time."""
-    rows, dim = rec.shape
+def _copy_table(f, w, rec: ArrayRecord, name: str, row0: int, dtype: torch.dtype, kernel: bool) -> None:
+    """An embedding table (rows, dim), or a head kernel (dim, rows) transposed, into rows row0.. of
+    `name` (rows, dim), BLOCK_BYTES of rows at a time: a kernel's block is `dim` short reads of its
+    columns, so the peak stays one block, never the whole array."""
+    dim, rows = rec.shape if kernel else rec.shape[::-1]
     step = max(1, BLOCK_BYTES // max(1, dim * rec.itemsize))
     for r in range(0, rows, step):
         n = min(step, rows - r)
-        w.write(name, read_elements(f, rec, r * dim, n * dim).to(dtype), at=(row0 + r) * dim)
-
-
-def _copy_transposed(f, w, rec: ArrayRecord, name: str, row0: int, dtype: torch.dtype) -> None:
-    """A head kernel (dim, vocab) into rows row0.. of `name` (vocab, dim), transposed a block of
-    kernel columns at a time: each block is `dim` short reads, so the peak stays one block, never
-    the whole kernel."""
-    dim, vocab = rec.shape
-    step = max(1, BLOCK_BYTES // max(1, dim * rec.itemsize))
-    for c in range(0, vocab, step):
-        n = min(step, vocab - c)
-        block = torch.stack([read_elements(f, rec, d * vocab + c, n) for d in range(dim)])  # (dim, n)
-        w.write(name, block.t().contiguous().to(dtype), at=(row0 + c) * dim)
+        if kernel:
+            block = torch.stack([read_elements(f, rec, d * rows + r, n) for d in range(dim)]).t()  # (n, dim)
+        else:
+            block = read_elements(f, rec, r * dim, n * dim)
+        w.write(name, block.contiguous().to(dtype), at=(row0 + r) * dim)
 
 
 def _convert(kind: str, t: torch.Tensor, shape: tuple[int, ...], cfg: ModelConfig, param: str) -> torch.Tensor:
@@ -243,28 +216,21 @@ def write_weights(tree: LWMTree, cfg: ModelConfig, out_file: Path,
     v_text = cfg.text_vocab_size
     with streaming_weights(out_file, specs, metadata={"format": "pt", "source": "lwm"}) as w, \
             open(tree.path, "rb") as f:
-        emb_dt, head_dt = specs["tok_embeddings.weight"][0], specs["head.weight"][0]
-        _copy_rows(f, w, tree.get("transformer/wte/embedding"), "tok_embeddings.weight", 0, emb_dt)
-        _copy_rows(f, w, tree.get("transformer/vte/embedding"), "tok_embeddings.weight", v_text, emb_dt)
-        _copy_transposed(f, w, tree.get("lm_head/kernel"), "head.weight", 0, head_dt)
-        _copy_transposed(f, w, tree.get("vision_head/kernel"), "head.weight", v_text, head_dt)
+        for src, name, row0 in (("transformer/wte/embedding", "tok_embeddings.weight", 0),
+                                ("transformer/vte/embedding", "tok_embeddings.weight", v_text),
+                                ("lm_head/kernel", "head.weight", 0), ("vision_head/kernel", "head.weight", v_text)):
+            _copy_table(f, w, tree.get(src), name, row0, specs[name][0], kernel=src.endswith("/kernel"))
         w.write("norm.weight", read_elements(f, tree.get("transformer/ln_f/kernel")))
         for i in range(cfg.n_layers):
             for param, (ours, kind) in LAYER_PARAMS.items():
                 rec, start, shape = tree.layer(param, i)
-                n = 1
-                for d in shape:
-                    n *= d
-                w.write(f"layers.{i}.{ours}", _convert(kind, read_elements(f, rec, start, n), shape, cfg, param))
+                t = read_elements(f, rec, start, math.prod(shape))
+                w.write(f"layers.{i}.{ours}", _convert(kind, t, shape, cfg, param))
             if progress:
                 progress(f"layer {i + 1}/{cfg.n_layers}")
 
 
 # ----------------------------------------------------------------------------- the command
-
-def _explicit_heads(overrides: Sequence[str]) -> bool:
-    return any(o.split("=", 1)[0].strip() == "model.n_heads" for o in overrides)
-
 
 def import_lwm(params: str | Path, vqgan: str | Path, tokenizer: str | Path, out_dir: str | Path,
                config: str | Path = "lwm-chat-1m", overrides: Sequence[str] = (),
@@ -278,7 +244,8 @@ def import_lwm(params: str | Path, vqgan: str | Path, tokenizer: str | Path, out
     tok = TextTokenizer.from_dir(tokenizer, layout="lwm")  # the cheap checks first
     tree = read_tree(params)
     vq = vqgan_from_flax(load_array_pickle(vqgan), base=root.vq)
-    n_heads = root.model.n_heads if _explicit_heads(overrides) else None
+    explicit_heads = any(o.split("=", 1)[0].strip() == "model.n_heads" for o in overrides)
+    n_heads = root.model.n_heads if explicit_heads else None
     mcfg = model_config_from_tree(tree, root.model, vq.cfg.codebook_size, n_heads)
     cfg: Config = dataclasses.replace(root, model=mcfg, vq=vq.cfg,
                                       data=dataclasses.replace(root.data, prompt_template="lwm"))

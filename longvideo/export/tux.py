@@ -9,14 +9,14 @@ tree: the key path a list of strings (`["transformer", "wte", "embedding"]`), th
 * an array of more than 2**30 bytes: a map `{"__msgpack_chunked_array__": True, "shape": {"0": d0,
   ...}, "chunks": {"0": array, ...}}` of flat pieces, in order.
 
-`scan_params` reads only the headers and remembers where each array's bytes are (seeking past
-them), so a 13.6 GB file is indexed without reading it; `read_elements` then reads any element
-range of one array straight into a fresh buffer. Nothing is unpickled or evaluated: the reader
-understands exactly the msgpack types above and fails with TuxFormatError on anything else.
+`scan_params` reads only the headers and seeks past the bytes, so a file is indexed without being
+read; `read_elements` then reads any element range of one array. Nothing is unpickled or evaluated:
+exactly the msgpack types above are understood, anything else is a TuxFormatError.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -72,11 +72,11 @@ class ArrayRecord:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -128,8 +128,7 @@ class _Reader:
         if b in (0xC4, 0xC5, 0xC6):  # bin 8/16/32
             return self._bytes(self._uint(1 << (b - 0xC4)), small)
         if b in (0xC7, 0xC8, 0xC9):  # ext 8/16/32
-            n = self._uint(1 << (b - 0xC7))
-            return self._ext(n)
+            return self._ext(self._uint(1 << (b - 0xC7)))
         if b == 0xCA:
             return struct.unpack(">f", self._read(4))[0]
         if b == 0xCB:
@@ -137,8 +136,7 @@ class _Reader:
         if 0xCC <= b <= 0xCF:  # uint 8..64
             return self._uint(1 << (b - 0xCC))
         if 0xD0 <= b <= 0xD3:  # int 8..64
-            n = 1 << (b - 0xD0)
-            return int.from_bytes(self._read(n), "big", signed=True)
+            return int.from_bytes(self._read(1 << (b - 0xD0)), "big", signed=True)
         if 0xD4 <= b <= 0xD8:  # fixext 1..16
             return self._ext(1 << (b - 0xD4))
         if b in (0xD9, 0xDA, 0xDB):  # str 8/16/32
@@ -194,26 +192,25 @@ class _Reader:
 
 
 def _record(key: tuple[str, ...], value: Any, reader: _Reader) -> ArrayRecord:
-    if isinstance(value, _Array):
-        if value.dtype not in TORCH_DTYPES:
-            reader._fail(f"array '{'/'.join(key)}' has dtype {value.dtype}, not one of {sorted(TORCH_DTYPES)}")
-        rec = ArrayRecord(key, value.dtype, value.shape, [(value.data.offset, value.data.size)])
-    elif isinstance(value, dict) and value.get(CHUNKED):
+    name = "/".join(key)
+    if isinstance(value, dict) and value.get(CHUNKED):
         shape_map, chunk_map = value.get("shape", {}), value.get("chunks", {})
         try:
             shape = tuple(int(shape_map[str(i)]) for i in range(len(shape_map)))
             chunks = [chunk_map[str(i)] for i in range(len(chunk_map))]
         except KeyError:
-            reader._fail(f"chunked array '{'/'.join(key)}' with a gap in its shape or chunks")
+            reader._fail(f"chunked array '{name}' with a gap in its shape or chunks")
         if not chunks or not all(isinstance(c, _Array) for c in chunks) or len({c.dtype for c in chunks}) != 1:
-            reader._fail(f"chunked array '{'/'.join(key)}' without uniform array chunks")
-        if chunks[0].dtype not in TORCH_DTYPES:
-            reader._fail(f"array '{'/'.join(key)}' has dtype {chunks[0].dtype}")
-        rec = ArrayRecord(key, chunks[0].dtype, shape, [(c.data.offset, c.data.size) for c in chunks])
+            reader._fail(f"chunked array '{name}' without uniform array chunks")
+    elif isinstance(value, _Array):
+        shape, chunks = value.shape, [value]
     else:
-        reader._fail(f"record '{'/'.join(key)}' is not an array ({type(value).__name__})")
+        reader._fail(f"record '{name}' is not an array ({type(value).__name__})")
+    if chunks[0].dtype not in TORCH_DTYPES:
+        reader._fail(f"array '{name}' has dtype {chunks[0].dtype}, not one of {sorted(TORCH_DTYPES)}")
+    rec = ArrayRecord(key, chunks[0].dtype, shape, [(c.data.offset, c.data.size) for c in chunks])
     if sum(n for _, n in rec.spans) != rec.nbytes:
-        reader._fail(f"array '{rec.name}' of shape {rec.shape} {rec.dtype} holds "
+        reader._fail(f"array '{name}' of shape {rec.shape} {rec.dtype} holds "
                      f"{sum(n for _, n in rec.spans)} bytes, expected {rec.nbytes}")
     return rec
 

@@ -1,24 +1,18 @@
 """Answering questions about a video: read -> VQ-encode (streaming) -> prompt -> prefill -> generate.
 
-    from longvideo.infer import answer, ChatSession
     print(answer("exported_dir", "clip.mp4", "What colour was the flash frame?"))
-
     session = ChatSession.from_video(load_model("exported_dir"), "clip.mp4")
     session.ask("What shape came first?")          # encodes once, prefills the video once
     session.ask("What colour was the last shape?")  # reuses the video's KV cache
 
-The video is decoded at the requested fps and VQ-encoded in batches of `encode_batch_frames`
-frames as it streams in (longvideo.data.codes; a progress bar counts frames), laid out with the QA
-training template (`longvideo.data.templates.build_prompt`), and the video part of the prompt is
-prefilled once into a KV cache; each question is prefilled after it and answered.
-
-A video whose tokens would not fit the model's context (`model.max_seq_len`, less room for the
-question and the answer) is sampled with fewer frames spread over its whole length; a warning
-states the effective fps.
+The prompt is the QA training template (longvideo.data.templates.build_prompt). A video too long
+for the context is sampled with fewer frames spread over its whole length, with a ContextWarning
+(docs/inference.md, "Chat").
 """
 
 from __future__ import annotations
 
+import bisect
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,13 +20,15 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from longvideo.checkpoint import Pretrained, load_pretrained
 from longvideo.data.codes import video_to_codes
 from longvideo.data.templates import Prompt, PromptOptions, build_prompt, uniform_keep
 from longvideo.data.video import EmptyVideoError, probe_video, sample_indices
 from longvideo.infer.config import InferConfig
-from longvideo.infer.generation import Engine, LocalEngine, trim_at_stop
+from longvideo.infer.generation import Engine, Generation, LocalEngine, trim_at_stop
+from longvideo.infer.sp import broadcast_array
 
 QUESTION_RESERVE = 64
 """Tokens kept free for a question when the video is fitted to the context before one is known."""
@@ -87,20 +83,9 @@ def prompt_of(pretrained, codes: np.ndarray, timestamps: np.ndarray, question: s
 
 def groups_that_fit(length_of: Callable[[int], int], num_groups: int, budget: int) -> int:
     """Largest g <= num_groups with length_of(g) <= budget (length_of increases with g); 0 if none."""
-    if length_of(num_groups) <= budget:
+    if length_of(num_groups) <= budget:  # the common case: one prompt built, not log2(G)
         return num_groups
-    lo, hi = 0, num_groups  # length_of(lo) fits or lo == 0; length_of(hi) does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if length_of(mid) <= budget:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def context_budget(pretrained, max_new_tokens: int) -> int:
-    return pretrained.model.cfg.max_seq_len - max_new_tokens
+    return max(0, bisect.bisect_right(range(num_groups), budget, key=length_of) - 1)
 
 
 def fit_frames(pretrained, num_frames: int, question: Optional[str], max_new_tokens: int,
@@ -117,7 +102,7 @@ def fit_frames(pretrained, num_frames: int, question: Optional[str], max_new_tok
         times = np.linspace(0.0, max(duration, float(g)), g, endpoint=False)  # timestamp text grows with t
         return len(prompt_of(pretrained, dummy, times, question or "", history).ids) + reserve
 
-    return groups_that_fit(length, num_frames, context_budget(pretrained, max_new_tokens))
+    return groups_that_fit(length, num_frames, pretrained.model.cfg.max_seq_len - max_new_tokens)
 
 
 def fit_codes(pretrained, codes: np.ndarray, timestamps: np.ndarray, question: str,
@@ -130,7 +115,7 @@ def fit_codes(pretrained, codes: np.ndarray, timestamps: np.ndarray, question: s
         keep = uniform_keep(G, g)
         return len(prompt_of(pretrained, codes[keep], timestamps[keep], question).ids)
 
-    g = groups_that_fit(length, G, context_budget(pretrained, max_new_tokens))
+    g = groups_that_fit(length, G, pretrained.model.cfg.max_seq_len - max_new_tokens)
     if g == 0:
         raise ValueError(f"the question alone does not fit the context of {pretrained.model.cfg.max_seq_len} tokens")
     keep = uniform_keep(G, g)
@@ -176,24 +161,45 @@ def encode_video_file(pretrained, video, *, fps: float = 1.0, max_frames: Option
 
 # ----------------------------------------------------------------------------- answering
 
-class ChatSession:
-    """Questions about one encoded video; the video's KV cache is kept between questions.
+def share_video(video: Optional[EncodedVideo], group=None) -> EncodedVideo:
+    """The encoded video of `group`'s rank 0 on every rank of it (tensors, no pickling); collective."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    parts = (None,) * 3 if video is None else \
+        (video.codes, video.timestamps, np.asarray([video.num_frames, video.duration, video.fps]))
+    codes, stamps, meta = (broadcast_array(x, src=src, group=group) for x in parts)
+    return EncodedVideo(codes=codes, timestamps=stamps, num_frames=int(meta[0]), duration=float(meta[1]),
+                        fps=float(meta[2]))
 
-    `engine` is a `LocalEngine` by default; a `longvideo.infer.sp.SequenceParallelEngine` serves
-    the same session over a sequence-parallel group (every rank then asks the same questions).
-    """
+
+def generate_answer(pretrained, engine: Engine, ids: Sequence[int], infer: InferConfig,
+                    generator: Optional[torch.Generator] = None) -> tuple[str, Generation]:
+    """Generate after the engine's prefix and `ids` up to the end of sequence; the answer's text.
+    Only LWM's layout restricts the answer's ids (Vocab.answer_limit), so engines that do not know
+    the option still serve the others."""
+    tok, limit = _require(pretrained, "tokenizer"), pretrained.model.cfg.vocab.answer_limit
+    stop = [tok.eos_id] if tok.eos_id is not None else []
+    device = next(pretrained.model.parameters()).device
+    gen = engine.generate(torch.tensor([list(ids)], dtype=torch.long, device=device),
+                          max_new_tokens=infer.max_new_tokens, temperature=infer.temperature, top_p=infer.top_p,
+                          stop_ids=stop, generator=generator, **({} if limit is None else {"vocab_limit": limit}))
+    return tok.decode(trim_at_stop(gen.tokens[0].tolist(), stop)).strip(), gen
+
+
+class ChatSession:
+    """Questions about one encoded video; the video's KV cache is kept between questions. `engine`:
+    a LocalEngine by default, or a SequenceParallelEngine (every rank then asks the same questions)."""
 
     def __init__(self, pretrained, video: EncodedVideo, *, infer: Optional[InferConfig] = None,
                  engine: Optional[Engine] = None):
-        self.pretrained = pretrained
-        self.video = video
+        self.pretrained, self.video = pretrained, video
         self.infer = infer or pretrained.config.infer
         self.tokenizer = _require(pretrained, "tokenizer")
+        self.device = next(pretrained.model.parameters()).device
         self.engine = engine or LocalEngine(pretrained.model, prefill_chunk=self.infer.prefill_chunk)
-        self.generator = torch.Generator(device=next(pretrained.model.parameters()).device)
+        self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(self.infer.seed)
         self._prefix: Optional[list[int]] = None
-        self.last = None  # the last Generation, for timings
+        self.last: Optional[Generation] = None  # the last answer's, for timings
 
     @classmethod
     def from_video(cls, pretrained, video, *, fps: float = 1.0, max_frames: Optional[int] = None,
@@ -209,15 +215,13 @@ class ChatSession:
         return prompt_of(self.pretrained, self.video.codes, self.video.timestamps, question)
 
     def _after_video(self, prompt: Prompt) -> list[int]:
-        """Prefill the prompt's part up to the video's end unless it is cached; return the ids after it."""
-        ids = prompt.ids
-        # the part up to the video's end is the same for every question: prefilled once, cached
-        cut = min(prompt.video_end, len(ids) - 1)
-        if ids[:cut] != self._prefix:  # first question, or a template that puts the question first
-            device = next(self.pretrained.model.parameters()).device
-            self.engine.set_prefix(torch.tensor([ids[:cut]], dtype=torch.long, device=device))
-            self._prefix = ids[:cut]
-        return ids[cut:]
+        """Prefill the prompt up to the video's end (the same for every question) unless it is
+        cached; the ids after it. A template that puts the question first prefills it each time."""
+        cut = min(prompt.video_end, len(prompt.ids) - 1)
+        if prompt.ids[:cut] != self._prefix:
+            self.engine.set_prefix(torch.tensor([prompt.ids[:cut]], dtype=torch.long, device=self.device))
+            self._prefix = prompt.ids[:cut]
+        return prompt.ids[cut:]
 
     @torch.no_grad()
     def score(self, question: str, continuations: Sequence[Sequence[int]]) -> list[tuple[float, int, bool]]:
@@ -225,8 +229,8 @@ class ChatSession:
         whether greedy decoding gives exactly it; over the ids an answer may use, as in `ask`. The
         question is fed once after the cached video, each continuation (but its last id) after it."""
         rest = self._after_video(self.prompt(question))
-        device = next(self.pretrained.model.parameters()).device
-        model, limit = self.pretrained.model, self.pretrained.model.cfg.vocab.answer_limit
+        model, device = self.pretrained.model, self.device
+        limit = model.cfg.vocab.answer_limit
         last = self.engine.extend(torch.tensor([rest], device=device))[:, -1:]  # (1, 1, dim)
         out = []
         for cont in continuations:
@@ -241,26 +245,17 @@ class ChatSession:
         return out
 
     def ask(self, question: str) -> str:
-        """The model's answer to `question` about the video (text up to the end-of-sequence token;
-        sampled from the text ids alone where the vocabulary says so, as LWM does)."""
+        """The model's answer to `question` about the video (text up to the end of sequence)."""
         if not question.strip():
             raise ValueError("the question is empty")
         prompt = self.prompt(question)
-        ids = prompt.ids
-        limit = self.pretrained.model.cfg.max_seq_len
-        if len(ids) + self.infer.max_new_tokens > limit:
-            warnings.warn(f"prompt of {len(ids)} tokens plus {self.infer.max_new_tokens} answer tokens exceeds "
+        n, limit = len(prompt.ids), self.pretrained.model.cfg.max_seq_len
+        if n + self.infer.max_new_tokens > limit:
+            warnings.warn(f"prompt of {n} tokens plus {self.infer.max_new_tokens} answer tokens exceeds "
                           f"the model's context of {limit}", ContextWarning, stacklevel=2)
-        vocab = self.pretrained.model.cfg.vocab
-        rest, device = self._after_video(prompt), next(self.pretrained.model.parameters()).device
-        stop = [self.tokenizer.eos_id] if self.tokenizer.eos_id is not None else []
-        # only LWM's layout restricts the answer's ids; engines need not know the option otherwise
-        limit = {} if vocab.answer_limit is None else {"vocab_limit": vocab.answer_limit}
-        gen = self.engine.generate(torch.tensor([rest], dtype=torch.long, device=device),
-                                   max_new_tokens=self.infer.max_new_tokens, temperature=self.infer.temperature,
-                                   top_p=self.infer.top_p, stop_ids=stop, generator=self.generator, **limit)
-        self.last = gen
-        return self.tokenizer.decode(trim_at_stop(gen.tokens[0].tolist(), stop)).strip()
+        text, self.last = generate_answer(self.pretrained, self.engine, self._after_video(prompt), self.infer,
+                                          self.generator)
+        return text
 
 
 def infer_config(pretrained, **overrides) -> InferConfig:
@@ -273,12 +268,8 @@ def answer(model, video, question: str, *, fps: float = 1.0, max_frames: Optiona
            max_new_tokens: Optional[int] = None, temperature: Optional[float] = None,
            top_p: Optional[float] = None, prefill_chunk: Optional[int] = None, seed: Optional[int] = None,
            device: str | torch.device = "cpu", progress: bool = False) -> str:
-    """Answer one question about one video.
-
-    model: a `Pretrained` (longvideo.checkpoint.load_pretrained) or a directory (exported Hugging
-    Face or project checkpoint); video: a path or the file's bytes. Generation settings default to the
-    model's `infer` config.
-    """
+    """Answer one question about one video. model: a `Pretrained` or a directory (load_model);
+    video: a path or the file's bytes; generation settings default to the model's `infer` config."""
     pretrained = load_model(model, device)
     cfg = infer_config(pretrained, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                        prefill_chunk=prefill_chunk, seed=seed)

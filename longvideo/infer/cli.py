@@ -8,9 +8,8 @@
     longvideo eval video-niah --model DIR --lengths 16,32 --out eval/
     longvideo eval mcq --benchmark videomme --data Video-MME/ --model DIR --out eval/videomme
 
-Under torchrun (WORLD_SIZE > 1) chat serves sequence-parallel: rank 0 reads and encodes the video
-and the questions, every rank holds its shard of the video's KV cache (longvideo.infer.sp), and
-rank 0 prints the answers.
+Under torchrun (WORLD_SIZE > 1) both run sequence-parallel (longvideo.infer.sp): rank 0 reads the
+video and the questions, and prints and writes the results.
 """
 
 from __future__ import annotations
@@ -24,20 +23,20 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Iterator, Optional
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
 from longvideo.data.ranks import fail_together
 from longvideo.data.video import VIDEO_EXTS, VideoError
 from longvideo.infer import evals, mcq
 from longvideo.infer.benchmarks import BENCHMARKS
-from longvideo.infer.chat import ChatSession, EncodedVideo, encode_video_file, infer_config, load_model
-from longvideo.infer.sp import SequenceParallelEngine, broadcast_array, broadcast_text
+from longvideo.infer.chat import ChatSession, encode_video_file, infer_config, load_model, share_video
+from longvideo.infer.sp import SequenceParallelEngine, broadcast_text, join_world, local_device
 from longvideo.parallel import split_group
 from longvideo.vq import load_vq
 
 EXIT_ERROR = 2
+KNOWN_ERRORS = (VideoError, FileNotFoundError, ValueError, RuntimeError)
+"""What a command reports as one 'error:' line (and EXIT_ERROR); anything else is a bug: a traceback."""
 
 
 def _error(prog: str, err: BaseException) -> int:
@@ -45,19 +44,11 @@ def _error(prog: str, err: BaseException) -> int:
     return EXIT_ERROR
 
 
-def _known_errors() -> tuple[type, ...]:
-    return (VideoError, FileNotFoundError, ValueError, RuntimeError)
-
-
-def _warning_line(message, category, filename, lineno, file=None, line=None) -> str:
-    return f"warning: {message}\n"
-
-
 @contextlib.contextmanager
 def _plain_warnings():
     """Warnings as one 'warning: ...' line for a person at a terminal, restored afterwards."""
     saved = warnings.formatwarning
-    warnings.formatwarning = _warning_line
+    warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
     try:
         yield
     finally:
@@ -66,34 +57,32 @@ def _plain_warnings():
 
 # ----------------------------------------------------------------------------- chat
 
-def chat_parser() -> argparse.ArgumentParser:
-
-    p = argparse.ArgumentParser(prog="longvideo chat", description="Answer questions about a video.")
+def _shared_args(p: argparse.ArgumentParser, max_new_tokens: Optional[int], help_tokens: str) -> None:
+    """The flags chat and every eval task share."""
     p.add_argument("--model", required=True, help="exported Hugging Face directory or project checkpoint")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=help_tokens)
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--backend", default="auto", help="block-attention backend of sequence-parallel prefill")
+    p.add_argument("--ulysses", type=int, default=1, help="torchrun: head-parallel prefill in groups of this "
+                   "many ranks, a ring across them (docs/hybrid.md)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def chat_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="longvideo chat", description="Answer questions about a video.")
+    _shared_args(p, None, "most answer tokens (default: model config)")
     p.add_argument("--video", required=True, help=f"video file ({', '.join(VIDEO_EXTS)})")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--question", help="one question; the answer is printed")
-    g.add_argument("--interactive", action="store_true",
-                   help="read questions from stdin until an empty line; the video is encoded and prefilled once")
+    g.add_argument("--interactive", action="store_true", help="read questions from stdin until an empty "
+                   "line; the video is encoded and prefilled once")
     p.add_argument("--fps", type=float, default=1.0, help="frames per second read from the video (default 1)")
     p.add_argument("--max-frames", type=int, default=None, help="most frames read (uniform over the video)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="most answer tokens (default: model config)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: model config)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
     p.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill chunk (single process)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--backend", default="auto", help="block-attention backend for sequence-parallel serving")
-    p.add_argument("--ulysses", type=int, default=1, help="torchrun: head-parallel prefill in groups of this many "
-                   "ranks, a ring across them (docs/hybrid.md)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
-
-
-def _device(arg: Optional[str], local_rank: int = 0) -> torch.device:
-    if arg is not None:
-        return torch.device(arg)
-    return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _questions(args) -> Iterator[str]:
@@ -121,29 +110,22 @@ def _chat(args) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _chat_sequence_parallel(args)
     try:
-        pretrained = load_model(args.model, _device(args.device))
+        pretrained = load_model(args.model, local_device(args.device))
         cfg = infer_config(pretrained, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_p=args.top_p, prefill_chunk=args.prefill_chunk, seed=args.seed)
         session = ChatSession.from_video(pretrained, args.video, fps=args.fps, max_frames=args.max_frames,
                                          question=args.question, infer=cfg, progress=not args.quiet)
         for q in _questions(args):
             print(session.ask(q), flush=True)
-    except _known_errors() as e:
+    except KNOWN_ERRORS as e:
         return _error("longvideo chat", e)
     return 0
 
 
 def _chat_sequence_parallel(args) -> int:
     """Every rank runs this; rank 0 reads the video and the questions and prints the answers."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = _device(args.device, local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    owns_group = not dist.is_initialized()  # a caller may have set up the world already
-    if owns_group:
-        # the other ranks wait in a broadcast while a person types the next question
-        wait = timedelta(days=1) if args.interactive else timedelta(minutes=30)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=wait)
+    device = local_device(args.device)
+    owns_group = join_world(device, timedelta(days=1) if args.interactive else timedelta(minutes=30))
     rank = dist.get_rank()
     try:
         error, pretrained = None, None
@@ -157,17 +139,11 @@ def _chat_sequence_parallel(args) -> int:
                 enc = encode_video_file(pretrained, args.video, fps=args.fps, max_frames=args.max_frames,
                                         question=args.question, max_new_tokens=cfg.max_new_tokens,
                                         batch_frames=cfg.encode_batch_frames, progress=not args.quiet)
-        except _known_errors() as e:
+        except KNOWN_ERRORS as e:
             error = e
-        # every rank learns whether any rank failed (and its error) before the collectives start
-        fail_together(error)
-        codes = broadcast_array(enc.codes if rank == 0 else None, src=0)
-        stamps = broadcast_array(enc.timestamps if rank == 0 else None, src=0)
-        meta = broadcast_array(np.asarray([enc.num_frames, enc.duration, enc.fps]) if rank == 0 else None, src=0)
-        video = EncodedVideo(codes=codes, timestamps=stamps, num_frames=int(meta[0]), duration=float(meta[1]),
-                             fps=float(meta[2]))
+        fail_together(error)  # every rank learns of any rank's error before the collectives start
         engine = SequenceParallelEngine(pretrained.model, backend=args.backend, ulysses=heads)
-        session = ChatSession(pretrained, video, infer=cfg, engine=engine)
+        session = ChatSession(pretrained, share_video(enc), infer=cfg, engine=engine)
         questions = _questions(args) if rank == 0 else None
         while True:
             q, error = "", None
@@ -184,7 +160,7 @@ def _chat_sequence_parallel(args) -> int:
             if rank == 0:
                 print(out, flush=True)
         return 0
-    except _known_errors() as e:
+    except KNOWN_ERRORS as e:
         print(f"longvideo chat: error (rank {rank}): {e}", file=sys.stderr)
         return EXIT_ERROR
     finally:
@@ -207,54 +183,48 @@ def eval_parser() -> argparse.ArgumentParser:
                                 "evaluations; each writes NAME.json and a heatmap NAME.png into --out.")
     sub = p.add_subparsers(dest="task", required=True)
 
-    def common(sp):
-        sp.add_argument("--model", required=True, help="exported Hugging Face directory or project checkpoint")
+    def task(name: str, help: str, lengths: Optional[list[int]] = None, unit: str = "") -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help)
+        _shared_args(sp, 16, "most answer tokens (default 16)")
         sp.add_argument("--out", required=True, help="output directory for the JSON and the PNG")
-        sp.add_argument("--max-new-tokens", type=int, default=16)
-        sp.add_argument("--device", default=None)
-        sp.add_argument("--quiet", action="store_true", help="no progress bar")
-        sp.add_argument("--backend", default="auto", help="block-attention backend of sequence-parallel prefill")
-        sp.add_argument("--ulysses", type=int, default=1, help="torchrun: head-parallel prefill in groups of this "
-                        "many ranks, a ring across them (docs/hybrid.md)")
+        if lengths:  # a needle grid
+            sp.add_argument("--lengths", type=_ints, default=lengths, help=f"{unit}, comma separated")
+            sp.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                            help="needle depths in [0, 1]")
+            sp.add_argument("--seed", type=int, default=0)
+        return sp
 
-    qa = sub.add_parser("qa", help="accuracy on the questions of QA shards (token or raw)")
-    common(qa)
+    qa = task("qa", "accuracy on the questions of QA shards (token or raw)")
     qa.add_argument("--shards", required=True, help="directory, glob or brace pattern of shards")
     qa.add_argument("--max-samples", type=int, default=None)
     qa.add_argument("--fps", type=float, default=1.0, help="raw shards: frames per second read")
-    tn = sub.add_parser("text-niah", help="text needle in a haystack (LWM's protocol)")
-    common(tn)
-    tn.add_argument("--lengths", type=_ints, default=[256, 512, 1024], help="context lengths in tokens, comma separated")
-    tn.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
+    tn = task("text-niah", "text needle in a haystack (LWM's protocol)", [256, 512, 1024], "context lengths in tokens")
     tn.add_argument("--rounds", type=int, default=2, help="needles per cell")
-    tn.add_argument("--seed", type=int, default=0)
-    vn = sub.add_parser("video-niah", help="video needle in a haystack (needle frame at a depth)")
-    common(vn)
-    vn.add_argument("--lengths", type=_ints, default=[16, 32, 64], help="video lengths in frames (1 fps)")
-    vn.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
+    vn = task("video-niah", "video needle in a haystack (needle frame at a depth)", [16, 32, 64],
+              "video lengths in frames (1 fps)")
     vn.add_argument("--colours", default=None, help="needle colours, comma separated (default: all)")
-    vn.add_argument("--source-fps", type=int, default=8,
-                    help="frame rate the backgrounds are rendered at before 1 fps sampling (as the training videos)")
+    vn.add_argument("--source-fps", type=int, default=8, help="frame rate the backgrounds are rendered at "
+                    "before 1 fps sampling (as the training videos)")
     vn.add_argument("--trials", type=_ints, default=None,
                     help="trials per cell: one number, or one per length (default: one per colour)")
-    vn.add_argument("--seed", type=int, default=0)
     vn.add_argument("--haystack", default=None, help="a video to cut the backgrounds from (read at 1 fps)")
     vn.add_argument("--needle", default=None, help="an image inserted instead of the colour flashes "
                     "(needs --question and --answer)")
     vn.add_argument("--question", default=None, help="the question about the needle image")
     vn.add_argument("--answer", default=None, help="its answer (exact match)")
-    mc = sub.add_parser("mcq", help="multiple-choice benchmarks in their release layout (docs/evaluation.md); "
-                        "writes predictions.jsonl, summary.json and summary.png; resumable")
-    common(mc)
+    mc = task("mcq", "multiple-choice benchmarks in their release layout (docs/evaluation.md); "
+              "writes predictions.jsonl, summary.json and summary.png; resumable")
     mc.add_argument("--benchmark", required=True, choices=BENCHMARKS)
     mc.add_argument("--data", required=True, help="the benchmark's folder as released (or generic: a .jsonl)")
     mc.add_argument("--mode", choices=mcq.MODES, default="likelihood",
                     help="likelihood: score each option's text; generate: parse the letter the model writes")
-    mc.add_argument("--subtitles", action="store_true", help="the subtitles at the sampled frames before the question")
+    mc.add_argument("--subtitles", action="store_true",
+                    help="the subtitles at the sampled frames before the question")
     mc.add_argument("--fps", type=float, default=1.0, help="frames per second read (default 1)")
     mc.add_argument("--max-frames", type=int, default=None, help="most frames a video, spread over all of it")
     mc.add_argument("--limit", type=int, default=None, help="the first N questions only")
-    vq = sub.add_parser("vq-needle", help="does a one-frame flash survive the video tokenizer (per offset in a group)")
+    vq = sub.add_parser("vq-needle", help="does a one-frame flash survive the video tokenizer (per offset "
+                        "in a group)")
     vq.add_argument("--model", required=True, help="a model directory with vq/, or a VQ directory")
     vq.add_argument("--out", required=True, help="output directory for the JSON and the PNG")
     vq.add_argument("--frames", type=int, default=120, help="video length in frames (1 fps)")
@@ -273,75 +243,69 @@ def eval_main(argv: list[str]) -> int:
 
 def _eval(args) -> int:
     """One process, or every rank of a torchrun world: then each rank runs the same evaluation with
-    the prompts' video prefilled by ring attention over all ranks (sp = world size) and decoding
-    over the sharded KV cache; rank 0 writes the results."""
+    the prompts' video ring-prefilled over all ranks and decoding over the sharded KV cache; rank 0
+    writes the results."""
     if args.task == "vq-needle":
+        model = Path(args.model)
         try:
-            vq = load_vq(args.model) if (Path(args.model) / "config.json").is_file() and \
-                (Path(args.model) / "model.safetensors").is_file() and not (Path(args.model) / "vq").is_dir() \
-                else args.model
+            vq = load_vq(model) if (model / "config.json").is_file() and (model / "model.safetensors").is_file() \
+                and not (model / "vq").is_dir() else args.model
             res = evals.evaluate_vq_needle(vq, num_frames=args.frames, trials=args.trials, seed=args.seed,
                                            source_fps=args.source_fps, out_dir=args.out, progress=not args.quiet)
-        except _known_errors() as e:
+        except KNOWN_ERRORS as e:
             return _error("longvideo eval", e)
         print(f"flash colour after the tokenizer: {res['rate']:.1%} of {res['trials']} "
               f"(by position in the group: {res['rate_by_offset']})")
         print(f"wrote {res['json']} and {res['png']}")
         return 0
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if distributed and not dist.is_initialized():
-        device = _device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
-    rank = dist.get_rank() if distributed else 0
+    device = local_device(args.device)
+    if distributed:
+        join_world(device, timedelta(minutes=30))
+    rank, group = (dist.get_rank(), dist.group.WORLD) if distributed else (0, None)
     try:
-        pretrained = load_model(args.model, _device(args.device, int(os.environ.get("LOCAL_RANK", "0"))))
-        progress = not args.quiet and rank == 0
-        out = args.out if rank == 0 else None
+        pretrained = load_model(args.model, device)
         heads = split_group(None, args.ulysses) if distributed else None
-        factory = (lambda p: SequenceParallelEngine(p.model, backend=args.backend, ulysses=heads)) if distributed else None
+        run = dict(max_new_tokens=args.max_new_tokens, progress=not args.quiet and rank == 0,
+                   engine_factory=(lambda p: SequenceParallelEngine(p.model, backend=args.backend, ulysses=heads))
+                   if distributed else None)
+        out = args.out if rank == 0 else None
         if args.task == "mcq":
             res = mcq.evaluate_mcq(pretrained, args.benchmark, args.data, args.out, mode=args.mode,
                                    subtitles=args.subtitles, fps=args.fps, max_frames=args.max_frames,
-                                   max_new_tokens=args.max_new_tokens, limit=args.limit, engine_factory=factory,
-                                   group=dist.group.WORLD if distributed else None, progress=progress)
+                                   limit=args.limit, group=group, **run)
             skipped = sum(v["count"] for v in res.get("skipped", {}).values())
-            line = res and (f"{args.benchmark} accuracy {res['accuracy']:.3f} (95 % interval {res['ci95'][0]:.3f}-"
-                            f"{res['ci95'][1]:.3f}; chance {res['chance']:.3f}) over {res['questions']} questions, "
-                            f"{skipped} skipped" + (f", {res['unparseable']} unparseable" if args.mode == "generate"
-                                                     else ""))
+            unparseable = f", {res['unparseable']} unparseable" if args.mode == "generate" else ""
+            line = res and (f"{args.benchmark} accuracy {res['accuracy']:.3f} (95 % interval "
+                            f"{res['ci95'][0]:.3f}-{res['ci95'][1]:.3f}; chance {res['chance']:.3f}) over "
+                            f"{res['questions']} questions, {skipped} skipped{unparseable}")
         elif args.task == "qa":
             res = evals.evaluate_qa(pretrained, args.shards, out_dir=out, max_samples=args.max_samples,
-                                    max_new_tokens=args.max_new_tokens, fps=args.fps, engine_factory=factory,
-                                    progress=progress, encode_group=dist.group.WORLD if distributed else None)
+                                    fps=args.fps, encode_group=group, **run)
             line = (f"QA accuracy {res['accuracy']:.3f} (chance {res['chance'] or float('nan'):.3f}; "
                     f"substring {res['substring_accuracy']:.3f}) over {res['questions']} questions "
                     f"of {res['samples']} videos")
         elif args.task == "text-niah":
             res = evals.evaluate_text_needle(pretrained, lengths=args.lengths, depths=args.depths,
-                                             rounds=args.rounds, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                                             out_dir=out, engine_factory=factory, progress=progress)
+                                             rounds=args.rounds, seed=args.seed, out_dir=out, **run)
             line = f"text needle accuracy {res['accuracy']:.3f} over {len(res['cells'])} needles"
         else:
             colours = [c.strip() for c in args.colours.split(",")] if args.colours else None
             trials = None if args.trials is None else (args.trials[0] if len(args.trials) == 1 else args.trials)
             res = evals.evaluate_video_needle(pretrained, lengths=args.lengths, depths=args.depths, colours=colours,
                                               trials=trials, seed=args.seed, source_fps=args.source_fps,
-                                              max_new_tokens=args.max_new_tokens,
-                                              out_dir=out, engine_factory=factory, progress=progress,
-                                              encode_group=dist.group.WORLD if distributed else None,
-                                              haystack=args.haystack, needle=args.needle, question=args.question,
-                                              answer=args.answer)
+                                              out_dir=out, encode_group=group, haystack=args.haystack,
+                                              needle=args.needle, question=args.question, answer=args.answer, **run)
             line = (f"video needle accuracy {res['accuracy']:.3f} (chance {res['chance']:.3f}) "
                     f"over {len(res['cells'])} needles")
             if res["needles_dropped"]:
-                line += (f"\nwarning: {res['needles_dropped']} of {len(res['cells'])} needles were dropped to fit the "
-                         f"model's context of {res['context']} tokens; those trials are guesses (cells: needle_kept)")
+                line += (f"\nwarning: {res['needles_dropped']} of {len(res['cells'])} needles were dropped to "
+                         f"fit the model's context of {res['context']} tokens; those trials are guesses "
+                         f"(cells: needle_kept)")
         if rank == 0:
             print(line + (f" (sequence-parallel over {dist.get_world_size()} ranks)" if distributed else ""))
             print(f"wrote {res['json']} and {res['png']}")
-    except _known_errors() as e:
+    except KNOWN_ERRORS as e:
         return _error("longvideo eval", e)
     finally:
         if distributed and dist.is_initialized():

@@ -1,30 +1,12 @@
 """Evaluations: QA accuracy on shards, text needle-in-a-haystack, video needle-in-a-haystack.
 
-    from longvideo.infer.evals import evaluate_qa, evaluate_text_needle, evaluate_video_needle
     res = evaluate_qa(pretrained, "heldout/*.tar", out_dir="eval/qa")    # token or raw shards
     print(res["accuracy"], res["chance"])
 
-Each returns a dict (also written as JSON when `out_dir` is given, with a heatmap PNG beside it).
-Answers are scored against the reference by exact match of the parsed answer (first line, no
-final period, case-insensitive) and, reported beside it, by substring match.
-
-* QA: every question of every sample, prompted with the QA training template; the chance level
-  is the mean of 1 / len(choices) over the questions that list their choices. Heatmap: accuracy
-  per question x video-length bin.
-* Text needle (LWM's protocol): a haystack of filler text of a given context length in tokens,
-  with "The special magic {city} number is: {number}." inserted at a given depth (at a sentence
-  boundary), then "What is the special magic {city} number?"; correct when the number appears in
-  the answer. Grid: context length x depth, `rounds` needles per cell. The haystack here is
-  generated filler (no essays are downloaded), deterministic in the seed.
-* Video needle (V-NIAH style): a long generated video (moving shapes) with one frame replaced by
-  a full-frame solid colour at a given depth, asked "What colour was the flash frame?"; chance is
-  1 / number of colours. Grid: video length in frames x depth, `trials` backgrounds per length.
-  Each background is encoded once and the flash spliced in at every depth (exactly: causal-3D
-  codes after the flash are re-encoded as far as its temporal context reaches); under
-  sequence-parallel prefill the ranks share the encoding. Any haystack video and needle image can
-  stand in for the generated ones (`haystack=`, `needle=` with its question and answer): trial t of
-  length T takes T frames of the haystack read at 1 fps, its windows spread over the video, and the
-  exact frames inserted are written as PNGs beside the grid, so anyone can repeat the run.
+Each returns a dict, also written as OUT/NAME.json with a heatmap OUT/NAME.png when `out_dir` is
+given. Answers are scored by exact match of the parsed answer, substring match reported beside it.
+The protocols, grids and chance levels: docs/inference.md, "Evaluations"; a haystack video and
+needle image of one's own: docs/evaluation.md, "The video needle on your own media".
 """
 
 from __future__ import annotations
@@ -38,6 +20,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from PIL import Image
 from tqdm.auto import tqdm
 
 from longvideo.data.codes import video_to_codes
@@ -47,8 +30,8 @@ from longvideo.data.shards import index_tar, iter_raw_samples, iter_token_sample
 from longvideo.data.streams import ShardError, SkipStats, expand_shards
 from longvideo.data.synthetic import COLOURS, NEEDLE_CHOICES, NEEDLE_QUESTION, SyntheticSpec, make_sample
 from longvideo.data.video import VideoError, read_video, resize_crop
-from longvideo.infer.chat import ChatSession, EncodedVideo, fit_codes, infer_config, load_model
-from longvideo.infer.generation import Engine, LocalEngine, trim_at_stop
+from longvideo.infer.chat import ChatSession, EncodedVideo, fit_codes, generate_answer, infer_config, load_model
+from longvideo.infer.generation import Engine, LocalEngine
 from longvideo.infer.sp import broadcast_array
 from longvideo.vq.codec import SplicingEncoder, decode_codes, encode_video
 
@@ -75,26 +58,29 @@ def substring_match(prediction: str, reference: str) -> bool:
 
 # ----------------------------------------------------------------------------- output
 
-def save_heatmap(values: np.ndarray, xlabels: Sequence, ylabels: Sequence, path: str | Path, *, title: str,
-                 xlabel: str, ylabel: str) -> None:
-    """values (len(ylabels), len(xlabels)) in [0, 1] as a red-to-green grid with the numbers written in."""
+def pyplot():
+    """matplotlib.pyplot drawing into files (the Agg backend: no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_heatmap(values: np.ndarray, xlabels: Sequence, ylabels: Sequence, path: str | Path, *, title: str,
+                 xlabel: str, ylabel: str) -> None:
+    """values (len(ylabels), len(xlabels)) in [0, 1] as a red-to-green grid with the numbers written in."""
+    plt = pyplot()
     values = np.asarray(values, dtype=float)
     fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(xlabels), 1.2 + 0.55 * len(ylabels)))
     im = ax.imshow(values, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(xlabels)), [str(x) for x in xlabels])
     ax.set_yticks(range(len(ylabels)), [str(y) for y in ylabels])
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    for i in range(values.shape[0]):
-        for j in range(values.shape[1]):
-            if np.isfinite(values[i, j]):
-                ax.text(j, i, f"{values[i, j]:.2f}", ha="center", va="center", fontsize=8)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    for (i, j), v in np.ndenumerate(values):
+        if np.isfinite(v):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.savefig(path, dpi=120, bbox_inches="tight")  # long question labels: grow the canvas, not squeeze
     plt.close(fig)
@@ -105,14 +91,24 @@ def _write(result: dict, out_dir: Optional[str | Path], name: str, heatmap: Call
         return result
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result["json"] = str(out / f"{name}.json")
-    result["png"] = str(out / f"{name}.png")
+    result["json"], result["png"] = str(out / f"{name}.json"), str(out / f"{name}.png")
     heatmap(out / f"{name}.png")
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
-def _session(pretrained, video: EncodedVideo, infer, engine_factory: Optional[EngineFactory]) -> ChatSession:
+def greedy(model, max_new_tokens: int, needs: Sequence[str] = (), what: str = ""):
+    """The loaded model and its greedy InferConfig; ValueError "{what} needs the model's ..." when
+    it lacks one of `needs` ("vq", "tokenizer")."""
+    pretrained = load_model(model)
+    if any(getattr(pretrained, n) is None for n in needs):
+        parts = {"vq": "VQ", "tokenizer": "text tokenizer"}
+        raise ValueError(f"{what} needs the model's {' and '.join(parts[n] for n in needs)}")
+    return pretrained, infer_config(pretrained, max_new_tokens=max_new_tokens, temperature=0.0)
+
+
+def open_session(pretrained, video: EncodedVideo, infer, engine_factory: Optional[EngineFactory]) -> ChatSession:
+    """A ChatSession on the factory's engine (default: the session's LocalEngine)."""
     engine = engine_factory(pretrained) if engine_factory is not None else None
     return ChatSession(pretrained, video, infer=infer, engine=engine)
 
@@ -156,8 +152,7 @@ def evaluate_qa(model, shards, *, out_dir: Optional[str | Path] = None, max_samp
     model's VQ encodes). Returns accuracy (exact), substring accuracy, chance, per-question results.
     encode_group: the ranks of a sequence-parallel prefill, which read the samples each and agree
     after every one (longvideo.data.ranks.together), so that no rank waits on one that failed."""
-    pretrained = load_model(model)
-    infer = infer_config(pretrained, max_new_tokens=max_new_tokens, temperature=0.0)
+    pretrained, infer = greedy(model, max_new_tokens)
     stats = SkipStats()
     records = []
     t0 = time.time()
@@ -176,50 +171,41 @@ def evaluate_qa(model, shards, *, out_dir: Optional[str | Path] = None, max_samp
         fc, ft, _ = fit_codes(pretrained, codes, stamps, longest, infer.max_new_tokens)
         video = EncodedVideo(codes=fc, timestamps=ft, num_frames=len(ft), duration=duration,
                              fps=len(ft) / max(duration, 1e-9))
-        session = _session(pretrained, video, infer, engine_factory)  # the video is prefilled once
+        session = open_session(pretrained, video, infer, engine_factory)  # the video is prefilled once
         for x in qa:
             pred = session.ask(x["question"])
             choices = x.get("choices")
             records.append({"key": key, "question": x["question"], "answer": str(x["answer"]),
                             "prediction": pred, "exact": exact_match(pred, str(x["answer"])),
                             "substring": substring_match(pred, str(x["answer"])),
-                            "chance": 1.0 / len(choices) if choices else None,
-                            "duration": duration, "groups": int(fc.shape[0]), "groups_dropped": int(codes.shape[0] - fc.shape[0])})
+                            "chance": 1.0 / len(choices) if choices else None, "duration": duration,
+                            "groups": int(fc.shape[0]), "groups_dropped": int(codes.shape[0] - fc.shape[0])})
         bar.update(1)
     bar.close()
     if not records:
         raise ValueError(f"no QA samples found in {shards!r} (skipped: {dict(stats)})")
     chances = [r["chance"] for r in records if r["chance"] is not None]
-    questions = sorted({r["question"] for r in records})
+    by_question = {q: [r for r in records if r["question"] == q] for q in sorted({r["question"] for r in records})}
+    questions = list(by_question)
     durations = np.array([r["duration"] for r in records])
     edges = np.unique(np.quantile(durations, [0, 1 / 3, 2 / 3, 1])) if len(records) > 1 else durations[:1]
     bins = [(float(a), float(b)) for a, b in zip(edges[:-1], edges[1:])] or [(float(durations[0]),) * 2]
     grid = np.full((len(questions), len(bins)), np.nan)
-    for i, q in enumerate(questions):
-        for j, (a, b) in enumerate(bins):
-            hits = [r["exact"] for r in records if r["question"] == q
-                    and (a <= r["duration"] <= b if j == len(bins) - 1 else a <= r["duration"] < b)]
+    for i, rs in enumerate(by_question.values()):
+        for j, (a, b) in enumerate(bins):  # the last bin holds its upper edge
+            hits = [r["exact"] for r in rs if a <= r["duration"] < b or (j == len(bins) - 1 and r["duration"] == b)]
             if hits:
                 grid[i, j] = float(np.mean(hits))
-    per_question = {q: {"accuracy": float(np.mean([r["exact"] for r in records if r["question"] == q])),
-                        "count": sum(r["question"] == q for r in records),
-                        "chance": (float(np.mean(c)) if (c := [r["chance"] for r in records
-                                                               if r["question"] == q and r["chance"]]) else None)}
-                    for q in questions}
-    result = {
-        "task": "qa",
-        "accuracy": float(np.mean([r["exact"] for r in records])),
-        "substring_accuracy": float(np.mean([r["substring"] for r in records])),
-        "chance": float(np.mean(chances)) if chances else None,
-        "questions": len(records),
-        "samples": len({r["key"] for r in records}),
-        "per_question": per_question,
-        "duration_bins": bins,
-        "grid": [[None if not np.isfinite(v) else float(v) for v in row] for row in grid],
-        "skipped": {k: v for k, v in stats.items() if k != "ok"},
-        "seconds": round(time.time() - t0, 2),
-        "records": records,
-    }
+    per_question = {q: {"accuracy": float(np.mean([r["exact"] for r in rs])), "count": len(rs),
+                        "chance": float(np.mean(c)) if (c := [r["chance"] for r in rs if r["chance"]]) else None}
+                    for q, rs in by_question.items()}
+    result = {"task": "qa", "accuracy": float(np.mean([r["exact"] for r in records])),
+              "substring_accuracy": float(np.mean([r["substring"] for r in records])),
+              "chance": float(np.mean(chances)) if chances else None, "questions": len(records),
+              "samples": len({r["key"] for r in records}), "per_question": per_question, "duration_bins": bins,
+              "grid": [[None if not np.isfinite(v) else float(v) for v in row] for row in grid],
+              "skipped": {k: v for k, v in stats.items() if k != "ok"}, "seconds": round(time.time() - t0, 2),
+              "records": records}
     xl = [f"{a:.0f}-{b:.0f}s" for a, b in bins]
     return _write(result, out_dir, "qa", lambda p: save_heatmap(
         grid, xl, questions, p, title=f"QA accuracy (chance {result['chance'] or float('nan'):.2f})",
@@ -284,12 +270,7 @@ def evaluate_text_needle(model, *, lengths: Sequence[int] = (256, 512, 1024),
                          engine_factory: Optional[EngineFactory] = None, progress: bool = True) -> dict:
     """LWM's needle retrieval over a context-length x depth grid; a cell's score is the fraction of
     its `rounds` needles whose number appears in the answer."""
-    pretrained = load_model(model)
-    if pretrained.tokenizer is None:
-        raise ValueError("the text needle evaluation needs the model's text tokenizer")
-    infer = infer_config(pretrained, max_new_tokens=max_new_tokens, temperature=0.0)
-    tok = pretrained.tokenizer
-    stop = [tok.eos_id] if tok.eos_id is not None else []
+    pretrained, infer = greedy(model, max_new_tokens, ("tokenizer",), "the text needle evaluation")
     rng = np.random.default_rng(seed)
     device = next(pretrained.model.parameters()).device
     grid = np.zeros((len(depths), len(lengths)))
@@ -305,15 +286,13 @@ def evaluate_text_needle(model, *, lengths: Sequence[int] = (256, 512, 1024),
                 engine = engine_factory(pretrained) if engine_factory else LocalEngine(
                     pretrained.model, prefill_chunk=infer.prefill_chunk)
                 engine.set_prefix(torch.tensor([ids[:-1]], device=device))
-                limit = pretrained.model.cfg.vocab.answer_limit  # LWM's layout: text answers only
-                gen = engine.generate(torch.tensor([ids[-1:]], device=device), max_new_tokens=infer.max_new_tokens,
-                                      stop_ids=stop, **({} if limit is None else {"vocab_limit": limit}))
-                pred = tok.decode(trim_at_stop(gen.tokens[0].tolist(), stop)).strip()
+                pred, gen = generate_answer(pretrained, engine, ids[-1:], infer)
                 ok = str(number) in pred
                 hits.append(ok)
                 cells.append({"context": L, "depth": float(d), "round": r, "number": number, "city": city,
                               "prediction": pred, "correct": ok, "tokens": facts["tokens"],
-                              "needle_depth": facts["needle_depth"], "ttft_s": round(engine.prefix_s + gen.ttft_s, 4)})
+                              "needle_depth": facts["needle_depth"],
+                              "ttft_s": round(engine.prefix_s + gen.ttft_s, 4)})
                 bar.update(1)
             grid[i, j] = float(np.mean(hits))
     bar.close()
@@ -328,11 +307,8 @@ def evaluate_text_needle(model, *, lengths: Sequence[int] = (256, 512, 1024),
 # ----------------------------------------------------------------------------- video needle
 
 def haystack_frames(num_frames: int, size: int, seed: int, source_fps: int = 8) -> np.ndarray:
-    """A moving-shapes video of `num_frames` seconds sampled at 1 fps (uint8 (T, size, size, 3)).
-
-    Rendered at `source_fps` like the synthetic training videos and sampled at 1 fps the way the
-    reader samples them, so shapes move between frames as they do in training; only the sampled
-    frames are rendered, so an hour costs 3600 frames."""
+    """A moving-shapes video of `num_frames` seconds sampled at 1 fps (uint8 (T, size, size, 3)),
+    rendered at `source_fps` as the training videos are; only the sampled frames are rendered."""
     spec = SyntheticSpec(size=size, fps=source_fps, min_seconds=num_frames, max_seconds=num_frames,
                          long_fraction=0.0, needle_fraction=0.0)
     return make_sample(seed, 0, spec).frames_at(np.arange(num_frames) * source_fps)
@@ -362,39 +338,29 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                           engine_factory: Optional[EngineFactory] = None, progress: bool = True,
                           encode_group=None, haystack=None, needle=None, question: Optional[str] = None,
                           answer: Optional[str] = None) -> dict:
-    """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid.
+    """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid; a cell's score is the
+    fraction of its trials whose needle is named (exact match).
 
-    A trial is one background video (its own seed) with a needle colour (colours taken in turn);
-    it is encoded once, and for each depth the flash frame is spliced in exactly
-    (`vq.codec.SplicingEncoder`: the codes equal those of encoding the edited video). A cell's
-    score is the fraction of its trials whose colour is named correctly (exact match); chance is
-    1 / len(colours). trials: per length (an int, or one per length; default len(colours)).
-    source_fps: the frame rate the backgrounds are rendered at before 1 fps sampling (match the
-    training videos': shapes move source_fps frames' worth between samples).
-    encode_group: a process group whose ranks all run this evaluation (sequence-parallel prefill):
-    they share the encoding instead of each doing all of it. Trial t's background is rendered and
-    encoded, and its flash spliced in at every depth, on rank t mod world, for a length's trials at
-    once; the codes then reach the other ranks by broadcast (integers: the prompts are identical).
-    haystack: a video file the backgrounds are cut from (instead of generated ones); needle: an
-    image file inserted instead of the colour flashes, asked about with `question`, scored
-    against `answer` (exact match); the inserted frames go to OUT/video_needle_frames/.
+    A trial is one background (its own seed, rendered at `source_fps` and sampled at 1 fps as the
+    training videos are) with one needle colour, taken in turn; it is encoded once and the flash
+    spliced in at every depth (vq.codec.SplicingEncoder: exactly the codes of the edited video).
+    trials: an int, or one per length (default len(colours)). encode_group: the ranks that all run
+    this (sequence-parallel prefill) share the encoding: trial t on rank t mod world, its codes then
+    broadcast. haystack: a video the backgrounds are cut from; needle: an image inserted instead of
+    the flashes, asked with `question`, scored against `answer`; the inserted frames are written to
+    OUT/video_needle_frames/.
     """
-    pretrained = load_model(model)
-    if pretrained.vq is None or pretrained.tokenizer is None:
-        raise ValueError("the video needle evaluation needs the model's VQ and text tokenizer")
+    pretrained, infer = greedy(model, max_new_tokens, ("vq", "tokenizer"), "the video needle evaluation")
     vq = pretrained.vq
     colours = list(colours or NEEDLE_CHOICES)
     unknown = [c for c in colours if c not in COLOURS]
     if unknown:
         raise ValueError(f"unknown needle colours {unknown}; choose from {list(COLOURS)}")
     per_length = trials_per_length(lengths, len(colours) if trials is None else trials)
-    infer = infer_config(pretrained, max_new_tokens=max_new_tokens, temperature=0.0)
     size = vq.cfg.resolution
     if (needle is None) != (question is None) or (needle is None) != (answer is None):
         raise ValueError("a needle image needs its question and answer (needle=, question=, answer=)")
     if needle is not None:
-        from PIL import Image
-
         img = torch.from_numpy(np.asarray(Image.open(needle).convert("RGB")).copy())
         needles = [(answer, resize_crop(img[None], size)[0])]
     else:
@@ -402,18 +368,17 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                    for c in colours]
     hay = read_video(str(haystack), fps=1.0, size=size).frames.numpy() if haystack is not None else None
     if hay is not None and max(lengths) > len(hay):
-        raise ValueError(f"{haystack} gives {len(hay)} frames at 1 fps, fewer than the longest length {max(lengths)}")
+        raise ValueError(f"{haystack} gives {len(hay)} frames at 1 fps, fewer than the longest length "
+                         f"{max(lengths)}")
     question = question or NEEDLE_QUESTION
     hits = np.zeros((len(depths), len(lengths)))
     cells = []
-    world, rank = 1, 0
-    if encode_group is not None:
-        world, rank = dist.get_world_size(encode_group), dist.get_rank(encode_group)
+    world, rank = (1, 0) if encode_group is None else (dist.get_world_size(encode_group),
+                                                       dist.get_rank(encode_group))
     bar = tqdm(total=len(depths) * sum(per_length), desc="video needle", disable=not progress)
     for j, (T, n_trials) in enumerate(zip(lengths, per_length)):
-        times = np.arange(T, dtype=np.float64)
         groups = vq.group_frame_index(T)
-        stamps_all = np.asarray([times[g[0]] for g in groups])
+        stamps_all = np.asarray([float(g[0]) for g in groups])  # 1 fps: a group's first frame's second
 
         def depth_codes(trial: int) -> np.ndarray:
             """(depths, G, h, w) codes of the trial's background with its flash at each depth."""
@@ -424,8 +389,7 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
             return np.stack([background.codes_with({needle_index(T, d): frame}).numpy().astype(np.int64)
                              for d in depths])
 
-        # shared: every rank encodes its trials of this length first, in parallel with the others,
-        # and all learn whether any failed before the broadcasts
+        # every rank encodes its trials of this length at once, and all learn of any failure first
         mine, error = {}, None
         if world > 1:
             try:
@@ -442,10 +406,9 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                 trial_codes = depth_codes(trial)
             for i, d in enumerate(depths):
                 k = needle_index(T, d)
-                codes = trial_codes[i]
-                kept_codes, stamps, keep = fit_codes(pretrained, codes, stamps_all, question, infer.max_new_tokens)
-                video = EncodedVideo(codes=kept_codes, timestamps=stamps, num_frames=T, duration=float(T), fps=1.0)
-                session = _session(pretrained, video, infer, engine_factory)
+                kept, stamps, keep = fit_codes(pretrained, trial_codes[i], stamps_all, question, infer.max_new_tokens)
+                video = EncodedVideo(codes=kept, timestamps=stamps, num_frames=T, duration=float(T), fps=1.0)
+                session = open_session(pretrained, video, infer, engine_factory)
                 pred = session.ask(question)
                 ok = exact_match(pred, c)
                 hits[i, j] += ok
@@ -453,8 +416,8 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                 cells.append({"frames": T, "depth": float(d), "trial": trial, "needle_frame": k,
                               "needle_group": group, "frame_in_group": groups[group].index(k), "colour": c,
                               "prediction": pred, "correct": ok, "substring": substring_match(pred, c),
-                              "groups": int(kept_codes.shape[0]), "needle_kept": group in set(keep),
-                              "window_start": window_start(len(hay), T, trial, n_trials) if hay is not None else 0,
+                              "groups": int(kept.shape[0]), "needle_kept": group in set(keep),
+                              "window_start": 0 if hay is None else window_start(len(hay), T, trial, n_trials),
                               "tokens": session.last.prompt_len})
                 bar.update(1)
     bar.close()
@@ -464,17 +427,15 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
     result = {"task": "video_needle", "lengths": list(lengths), "depths": [float(d) for d in depths],
               "colours": [a for a, _ in needles], "trials": per_length,
               "accuracy": float(hits.sum() / (len(depths) * sum(per_length))),
-              "chance": 1.0 / len(colours) if needle is None else 0.0, "grid": grid.tolist(), "needles_dropped": dropped,
-              "context": pretrained.model.cfg.max_seq_len, "cells": cells, "vq_mode": vq.cfg.mode,
-              "question": question, "haystack": str(haystack) if haystack is not None else None,
-              "haystack_frames": len(hay) if hay is not None else None}
+              "chance": 1.0 / len(colours) if needle is None else 0.0, "grid": grid.tolist(),
+              "needles_dropped": dropped, "context": pretrained.model.cfg.max_seq_len, "cells": cells,
+              "vq_mode": vq.cfg.mode, "question": question, "haystack": None if haystack is None else str(haystack),
+              "haystack_frames": None if hay is None else len(hay)}
     if out_dir is not None:  # the exact frames inserted, at the tokenizer's resolution
-        from PIL import Image
-
-        (Path(out_dir) / "video_needle_frames").mkdir(parents=True, exist_ok=True)
-        result["needle_frames"] = {a: str(Path(out_dir) / "video_needle_frames" / f"needle_{k}.png")
-                                   for k, (a, _) in enumerate(needles)}
-        for k, (a, frame) in enumerate(needles):
+        frames_dir = Path(out_dir) / "video_needle_frames"
+        frames_dir.mkdir(parents=True, exist_ok=True)
+        result["needle_frames"] = {a: str(frames_dir / f"needle_{k}.png") for k, (a, _) in enumerate(needles)}
+        for a, frame in needles:
             Image.fromarray(frame.numpy()).save(result["needle_frames"][a])
     return _write(result, out_dir, "video_needle", lambda p: save_heatmap(
         grid, list(lengths), [f"{d:.2f}" for d in depths], p,

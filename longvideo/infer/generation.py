@@ -1,27 +1,19 @@
 """Generation with a KV cache: chunked prefill, nucleus sampling, the decoding loop, and engines.
 
     out = generate(model, prompt_ids, max_new_tokens=32, stop_ids=[tok.eos_id], prefill_chunk=2048)
-    out.tokens      # (B, n) generated ids (a finished row repeats its stop id)
-    out.ttft_s      # prefill + first token, seconds
-
     engine = LocalEngine(model, prefill_chunk=2048)   # many questions against one long prefix
     engine.set_prefix(video_ids)                      # (B, P): prefilled once, its KV cache kept
     out = engine.generate(question_ids, max_new_tokens=32, stop_ids=[eos])
 
-Prefill runs the prompt through the model in chunks of `prefill_chunk` tokens that all append to
-one KV cache: each chunk attends to everything cached before it plus itself (the kernels compute
-that blockwise, the feed-forward is blockwise in the model), so peak memory is the cache plus one
-chunk's activations instead of the whole prompt's. Decoding then feeds one token per step.
-
-An *engine* answers many questions against one long prefix: `set_prefix` prefills it once, and
-each `generate` crops the cache back to the prefix, prefills the question and decodes. `generate`
-above is a `LocalEngine` with an empty prefix. The decoding loop is written against two
-callables, `step(token) -> logits` and `pick(logits) -> token`, so the sequence-parallel engine
-(longvideo.infer.sp), whose prefix is sharded over ranks, reuses it unchanged.
+Prefill appends chunks of `prefill_chunk` tokens to one KV cache, so the peak is the cache plus one
+chunk's activations (docs/inference.md, "Chunked prefill"). The decoding loop is written against
+`step(token) -> logits` and `pick(logits) -> token`, so the sequence-parallel engine
+(longvideo.infer.sp) reuses it unchanged.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
@@ -34,11 +26,8 @@ from longvideo.model import KVCache, Transformer
 
 def sample_token(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0,
                  generator: Optional[torch.Generator] = None) -> Tensor:
-    """Pick one token per row of logits (B, V) -> (B,) long.
-
-    temperature 0 is greedy (argmax). Otherwise softmax(logits / temperature) restricted to the
-    smallest set of most likely tokens whose mass reaches top_p (nucleus sampling).
-    """
+    """One token per row of logits (B, V) -> (B,) long: the argmax at temperature 0, else a sample of
+    softmax(logits / temperature) over the smallest set of most likely tokens whose mass reaches top_p."""
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
     if temperature == 0:
@@ -64,9 +53,7 @@ def new_cache(model: Transformer, batch: int, max_len: int) -> KVCache:
 def prefill(model: Transformer, ids: Tensor, cache: KVCache, *, chunk: int,
             positions: Optional[Tensor] = None, segment_ids: Optional[Tensor] = None) -> Tensor:
     """Append ids (B, S) to `cache`, `chunk` tokens per forward; return the last hidden (B, 1, dim).
-
-    positions / segment_ids (B, S) default to continuing after the cache, and one segment.
-    """
+    positions / segment_ids (B, S) default to continuing after the cache, and one segment."""
     B, S = ids.shape
     if S == 0:
         raise ValueError("prefill needs at least one token")
@@ -113,12 +100,7 @@ def decode_loop(step: Callable[[Tensor], Tensor], first_logits: Tensor, *, max_n
 
 def trim_at_stop(tokens: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
     """Tokens before the first stop id."""
-    out = []
-    for t in tokens:
-        if t in stop_ids:
-            break
-        out.append(int(t))
-    return out
+    return [int(t) for t in itertools.takewhile(lambda t: t not in stop_ids, tokens)]
 
 
 @dataclass
@@ -157,30 +139,28 @@ class Engine(Protocol):
     def extend(self, ids: Tensor, *, keep: int = 0) -> Tensor: ...
 
 
-def limit_vocab(logits: Tensor, vocab_limit: Optional[int]) -> Tensor:
-    """The logits of ids below `vocab_limit` only (all when None): sampling then picks among them."""
-    return logits if vocab_limit is None else logits[..., :vocab_limit]
+def picker(temperature: float, top_p: float, generator: Optional[torch.Generator],
+           vocab_limit: Optional[int]) -> Callable[[Tensor], Tensor]:
+    """decode_loop's `pick`: sample_token among the ids below `vocab_limit` (all when None)."""
+    return lambda logits: sample_token(logits if vocab_limit is None else logits[..., :vocab_limit], temperature,
+                                       top_p, generator)
 
 
-def copy_cache(src: KVCache, dst: KVCache) -> KVCache:
-    """Copy the cached tokens of `src` into the (larger, empty) cache `dst`; return dst."""
-    n = src.length
-    if n > dst.max_len:
-        raise ValueError(f"cannot copy {n} cached tokens into a cache of {dst.max_len}")
-    for i in range(len(src.k)):
-        dst.k[i][:, :n] = src.k[i][:, :n]
-        dst.v[i][:, :n] = src.v[i][:, :n]
-    dst.positions[:, :n] = src.positions[:, :n]
-    dst.segment_ids[:, :n] = src.segment_ids[:, :n]
+def grown(model: Transformer, cache: KVCache, need: int, spare: int) -> KVCache:
+    """`cache` when it holds `need` tokens, else a copy of its tokens in a new one of need + spare."""
+    if need <= cache.max_len:
+        return cache
+    dst, n = new_cache(model, cache.positions.shape[0], need + spare), cache.length
+    for src_t, dst_t in zip([*cache.k, *cache.v, cache.positions, cache.segment_ids],
+                            [*dst.k, *dst.v, dst.positions, dst.segment_ids]):
+        dst_t[:, :n] = src_t[:, :n]
     dst.length = n
     return dst
 
 
 class LocalEngine:
-    """Single-process engine: chunked prefill of the prefix into one KV cache.
-
-    cache: start from an existing cache (its tokens are the prefix) instead of calling set_prefix.
-    """
+    """Single-process engine: chunked prefill of the prefix into one KV cache. cache: start from an
+    existing cache (its tokens are the prefix) instead of calling set_prefix."""
 
     def __init__(self, model: Transformer, *, prefill_chunk: int = 4096, spare: int = 256,
                  cache: Optional[KVCache] = None):
@@ -217,9 +197,8 @@ class LocalEngine:
             raise RuntimeError("set_prefix must be called before generate")
         self.cache.crop(self.prefix_len)  # forget the previous question and answer
         need = self.prefix_len + ids.shape[1] + max_new_tokens
-        if need > self.cache.max_len:
-            self.cache = copy_cache(self.cache, new_cache(self.model, ids.shape[0], need + self.spare))
-        model, cache = self.model, self.cache
+        model, cache = self.model, grown(self.model, self.cache, need, self.spare)
+        self.cache = cache
         t0 = time.perf_counter()
         first = logits_of(model, prefill(model, ids, cache, chunk=self.prefill_chunk))
         ttft = time.perf_counter() - t0
@@ -227,10 +206,8 @@ class LocalEngine:
         def step(tok: Tensor) -> Tensor:
             return logits_of(model, model(tok[:, None], cache=cache))
 
-        def pick(logits: Tensor) -> Tensor:
-            return sample_token(limit_vocab(logits, vocab_limit), temperature, top_p, generator)
-
-        tokens = decode_loop(step, first, max_new_tokens=max_new_tokens, pick=pick, stop_ids=stop_ids)
+        tokens = decode_loop(step, first, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                             pick=picker(temperature, top_p, generator, vocab_limit))
         return Generation(tokens=tokens, prompt_len=self.prefix_len + ids.shape[1], ttft_s=ttft,
                           total_s=time.perf_counter() - t0)
 
@@ -241,9 +218,7 @@ class LocalEngine:
         if self.cache is None:
             raise RuntimeError("set_prefix must be called before extend")
         self.cache.crop(self.prefix_len + keep)
-        if self.cache.length + ids.shape[1] > self.cache.max_len:
-            self.cache = copy_cache(self.cache, new_cache(self.model, ids.shape[0],
-                                                          self.cache.length + ids.shape[1] + self.spare))
+        self.cache = grown(self.model, self.cache, self.cache.length + ids.shape[1], self.spare)
         return self.model(ids, cache=self.cache)
 
 
@@ -252,11 +227,8 @@ def generate(model: Transformer, ids: Tensor, *, max_new_tokens: int = 64, tempe
              top_p: float = 1.0, stop_ids: Sequence[int] = (), prefill_chunk: int = 4096,
              generator: Optional[torch.Generator] = None, cache: Optional[KVCache] = None,
              vocab_limit: Optional[int] = None) -> Generation:
-    """Prefill ids (B, S) in chunks into a KV cache, then decode with the cache.
-
-    `cache`: continue an existing cache (its tokens precede ids); by default a fresh one sized
-    S + max_new_tokens. `vocab_limit`: sample only ids below it.
-    """
+    """Prefill ids (B, S) in chunks into a KV cache, then decode with the cache. `cache`: continue an
+    existing cache (its tokens precede ids); by default a fresh one of S + max_new_tokens."""
     B, S = ids.shape
     engine = LocalEngine(model, prefill_chunk=prefill_chunk, spare=0,
                          cache=cache if cache is not None else new_cache(model, B, S + max_new_tokens))

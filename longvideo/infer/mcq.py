@@ -3,17 +3,11 @@
     res = evaluate_mcq("exported/", "videomme", "data/Video-MME", "eval/videomme", mode="likelihood")
     res["accuracy"], res["ci95"], res["breakdowns"]["duration"]
 
-Each video is read at `fps` (at most `max_frames`), fitted to the longest prompt of all its
-questions, encoded and prefilled once; its questions reuse that KV cache. ``likelihood`` scores
-each option's text as the template's answer by its log-likelihood per character (lm-eval's
-``acc_norm``; per token favours options whose later tokens are near certain, measured in
-docs/evaluation.md, "Why per character"); ``generate`` asks with lettered options and parses the
-letter. Under sequence-parallel prefill (`group`) rank 0 encodes and
-broadcasts each video, and writes. OUT/predictions.jsonl is appended one fsynced line per question
-(a killed run leaves at most a torn last line; a new run with the same settings drops it and asks
-the rest); skipped questions are counted by reason in OUT/summary.json, with the accuracy, its
-video-bootstrap 95 % interval and the breakdowns; OUT/summary.png charts them. docs/evaluation.md
-gives the exact protocol (prompts, letter parsing, subtitles, the bootstrap).
+Each video is encoded and prefilled once, fitted to the longest prompt of its questions.
+``likelihood`` scores each option's text by its log-likelihood per character; ``generate`` asks
+with lettered options and parses the letter. OUT/predictions.jsonl gets one fsynced line per
+question, so a killed run resumes; OUT/summary.json and OUT/summary.png hold the scores. The
+protocol, the files and the bootstrap: docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -33,8 +27,9 @@ from longvideo.atomic import write_json_atomic
 from longvideo.data.templates import ANSWER_TEXT, parse_answer
 from longvideo.data.video import VideoError, probe_video, sample_indices
 from longvideo.infer.benchmarks import LETTERS, Question, read_benchmark, read_subtitles, subtitles_at
-from longvideo.infer.chat import ChatSession, EncodedVideo, encode_video_file, infer_config, load_model
-from longvideo.infer.sp import broadcast_array, broadcast_text
+from longvideo.infer.chat import encode_video_file, share_video
+from longvideo.infer.evals import greedy, open_session, pyplot
+from longvideo.infer.sp import broadcast_text
 
 MODES: tuple[str, ...] = ("likelihood", "generate")
 LETTER_PROMPT = "Answer with the option's letter from the given choices directly."
@@ -111,11 +106,7 @@ def summarise(records: list[dict]) -> dict:
 
 def save_bars(summary: dict, path: str | Path, title: str) -> None:
     """Accuracy with its 95 % interval: overall, then one panel per breakdown; chance dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     panels = [("overall", {"all": summary})] + [(k, b["labels"]) for k, b in summary["breakdowns"].items()]
     fig, axes = plt.subplots(1, len(panels), sharey=True, squeeze=False,
                              figsize=(2 + 0.45 * sum(len(g) for _, g in panels), 4),
@@ -177,19 +168,6 @@ def fit_and_encode(pretrained, video, texts: list[str], room: int, fps: float, m
                              max_new_tokens=room, batch_frames=batch, progress=False)
 
 
-def _shared(enc: Optional[EncodedVideo], error: str, group) -> tuple[Optional[EncodedVideo], str]:
-    """Rank 0's encoding (or its error) on every rank of `group`."""
-    error = broadcast_text(error, src=dist.get_global_rank(group, 0), group=group)
-    if error:
-        return None, error
-    src = dist.get_global_rank(group, 0)
-    codes = broadcast_array(enc.codes if enc else None, src=src, group=group)
-    stamps = broadcast_array(enc.timestamps if enc else None, src=src, group=group)
-    meta = broadcast_array(np.asarray([enc.num_frames, enc.duration, enc.fps]) if enc else None, src=src, group=group)
-    return EncodedVideo(codes=codes, timestamps=stamps, num_frames=int(meta[0]), duration=float(meta[1]),
-                        fps=float(meta[2])), ""
-
-
 def _subtitles(q: Question, fps: float, max_frames) -> str:
     """The subtitle lines at the frames `fps` / `max_frames` sample ("" without a subtitle file)."""
     if not q.subtitles or not Path(q.subtitles).is_file():
@@ -210,12 +188,10 @@ def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihoo
     that builds a SequenceParallelEngine); None: one process."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    pretrained = load_model(model)
-    if pretrained.vq is None or pretrained.tokenizer is None:
-        raise ValueError("multiple-choice evaluation needs the model's VQ and text tokenizer")
+    pretrained, infer = greedy(model, max_new_tokens, ("vq", "tokenizer"), "multiple-choice evaluation")
     tok, t0 = pretrained.tokenizer, time.time()
-    infer = infer_config(pretrained, max_new_tokens=max_new_tokens, temperature=0.0)
     rank = dist.get_rank(group) if group is not None else 0
+    src = dist.get_global_rank(group, 0) if group is not None else 0
     questions = read_benchmark(benchmark, data)[:limit]
     out = Path(out_dir)
     settings = {"benchmark": benchmark, "mode": mode, "subtitles": subtitles, "fps": fps, "max_frames": max_frames,
@@ -227,7 +203,7 @@ def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihoo
         done = {r["question_id"] for r in read_predictions(out / "predictions.jsonl")}
         pending = json.dumps([q.qid for q in questions if q.qid not in done])
     if group is not None:
-        pending = broadcast_text(pending, src=dist.get_global_rank(group, 0), group=group)
+        pending = broadcast_text(pending, src=src, group=group)
     todo, skipped, encoded = set(json.loads(pending)), {}, 0
 
     def skip(q: Question, reason: str, detail: str) -> None:
@@ -261,16 +237,16 @@ def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihoo
                 error = f"unreadable_video\t{e.reason}: {e}"
             except ValueError as e:  # not one frame fits the context with the question
                 error = f"does_not_fit\t{e}"
-        if group is not None:
-            enc, error = _shared(enc, error, group)
-            subs = json.loads(broadcast_text(json.dumps(subs), src=dist.get_global_rank(group, 0), group=group))
+        if group is not None:  # rank 0's encoding, or its error, on every rank
+            error = broadcast_text(error, src=src, group=group)
+            enc = None if error else share_video(enc, group)
+            subs = json.loads(broadcast_text(json.dumps(subs), src=src, group=group))
         if error:
             for q in ask:
                 skip(q, *error.split("\t", 1))
             bar.update(len(ask))
             continue
-        session = ChatSession(pretrained, enc, infer=infer,
-                              engine=engine_factory(pretrained) if engine_factory is not None else None)
+        session = open_session(pretrained, enc, infer, engine_factory)
         for q in ask:
             text = question_text(q, mode, subs.get(q.qid, ""))
             rec = {"question_id": q.qid, "answer": q.answer, "options": len(q.options), "video": video,

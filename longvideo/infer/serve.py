@@ -3,23 +3,12 @@
     longvideo serve --model DIR [--host 127.0.0.1 --port 8000] [--media-dir DIR] [--allow-remote-media]
     torchrun --nproc-per-node 2 -m longvideo serve --model DIR    # sequence-parallel; rank 0 holds HTTP
 
-POST /v1/chat/completions (whole or as server-sent events), GET /v1/models, GET /health, GET / (the
-page), GET /v1/videos/<id>/frames.jpg (the frames the model was given). docs/serving.md.
-
-* HTTP threads (the standard library's ThreadingHTTPServer: nothing here needs more) check a request
-  (longvideo.infer.api), fetch its video and queue a job; the queue is bounded (--max-queue, then 429)
-  and a job whose client left frees its place. One worker answers in arrival order: one model.
-* A video is encoded once per (sha256 of its bytes, fps, max_frames), fitted to the context with the
-  conversation that brought it as `longvideo chat` fits a video to its question; codes and
-  thumbnails are kept.
-* Each video keeps one KV state, an engine's cache and the ids it holds. A prompt (the QA template
-  continued over the conversation) is compared with them, the cache is cut back to the common prefix
-  and only the rest is prefilled: a follow-up prefills its new turn. A new state prefills the video
-  part first, as `ChatSession.ask` does, so a first answer is `longvideo chat`'s. Both caches are LRU.
-* Tokens come from `Engine.generate` one call at a time (a call with one token is the decoding
-  step), so streaming, stop strings and a client that left are handled here, between tokens.
-* Under torchrun every rank runs the worker: rank 0 reads the videos, sends each job's prompt ids to
-  the others (tensors, no pickle) and after every token whether to go on.
+HTTP threads check a request (longvideo.infer.api), fetch its video and queue a job (bounded: 429);
+one worker answers in arrival order. A video is encoded once per (sha256, fps, max_frames) and keeps
+one KV state: a prompt is compared with the ids the cache holds and only the rest is prefilled.
+Tokens come from `Engine.generate` one at a time, so streaming, stop strings and a client that left
+are handled between tokens; under torchrun rank 0 sends the other ranks each job's prompt ids and,
+after every token, whether to go on. docs/serving.md.
 """
 
 from __future__ import annotations
@@ -57,7 +46,8 @@ from longvideo.data.video import VideoError
 from longvideo.infer.api import ApiError, ChatRequest, MediaPolicy, load_video, parse_request
 from longvideo.infer.chat import EncodedVideo, encode_video_file, fit_frames, load_model, prompt_of
 from longvideo.infer.generation import Engine, LocalEngine
-from longvideo.infer.sp import SequenceParallelEngine, broadcast_array, broadcast_text, comm_device
+from longvideo.infer.sp import (SequenceParallelEngine, broadcast_array, broadcast_text, comm_device, join_world,
+                                local_device)
 
 THUMB, MAX_THUMBS = 48, 512
 """Thumbnail side (pixels); most thumbnails in a strip (spread evenly over the frames)."""
@@ -333,13 +323,12 @@ class Service:
             self.states[key] = state = KVState(engine, ids[:base], base)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
-        limit = self.pre.model.cfg.vocab.answer_limit
         rest, engine = ids[len(state.ids):], state.engine
         try:
             while True:
                 out = engine.generate(torch.tensor([rest], dtype=torch.long, device=self.device), max_new_tokens=1,
                                       temperature=temperature, top_p=top_p, generator=gen,
-                                      **({} if limit is None else {"vocab_limit": limit}))
+                                      vocab_limit=self.pre.model.cfg.vocab.answer_limit)
                 state.ids, tok = state.ids + rest, int(out.tokens[0, 0])
                 if not self._go(on_token(tok) if on_token else True):
                     break
@@ -501,12 +490,9 @@ def main(argv: list[str]) -> int:
         print("longvideo serve: error: need --max-queue >= 1, --cache-gb >= 0, --max-upload-mb > 0, --fps > 0",
               file=sys.stderr)
         return 2
-    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(args.device or (f"cuda:{local}" if torch.cuda.is_available() else "cpu"))
+    world, device = int(os.environ.get("WORLD_SIZE", "1")), local_device(args.device)
     if world > 1:  # the other ranks wait for rank 0's next job in a broadcast: a long timeout
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(days=365))
+        join_world(device, timedelta(days=365))
     rank, status = dist.get_rank() if world > 1 else 0, ""
     try:
         try:

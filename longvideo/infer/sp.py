@@ -1,30 +1,20 @@
 """Sequence-parallel serving: ring prefill of a long prefix, then decoding over the sharded KV cache.
 
-Under torchrun with W ranks in a sequence-parallel group:
-
-1. The prefix (the video part of the prompt, which is what makes the context long) is sharded with
-   the ring's zigzag layout (`longvideo.parallel.shard_sequence`, padded with segment id -1) and
-   prefilled with ring attention. Each rank keeps only the KV cache of its shard: S/W tokens.
-2. Everything after the prefix (the question, then each generated token) is *replicated*: every
-   rank runs the same tokens. Its queries attend to the rank's local cache with a block backend,
-   which returns the partial (out, lse) of that shard; the partials of all ranks are gathered and
-   merged exactly with the log-sum-exp rule (`merge_partials`), so each rank gets the attention
-   over the whole context. The keys of a replicated token are visible on one rank only (the
-   owner; masked with segment id -1 elsewhere), so every key is counted once.
-3. The sampled token is broadcast from rank 0, so all ranks always feed the same token.
-
-With `ulysses` = U > 1 the prefill runs the Ulysses x ring hybrid (longvideo.parallel.ulysses) on
-the same zigzag shards, so the cache and the decoding are as above.
-
-The answer equals the single-process answer up to float rounding of the merge (the same tokens
-under greedy decoding). Memory per rank: the KV cache of S/W prefix tokens plus the replicated
-tail, and one ring block's activations during prefill.
+The prefix (the video part, which makes the context long) is sharded with the ring's zigzag layout
+and ring-prefilled (with `ulysses`, the Ulysses x ring hybrid on the same shards): each rank keeps
+the KV cache of its S/W tokens. Everything after it (the question, each generated token) is
+replicated, attends to every rank's shard and is merged exactly (`MergedAttentionSeam`); rank 0's
+sampled token is broadcast. The answer is the single-process one up to the merge's rounding
+(docs/inference.md, "Sequence-parallel serving").
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import time
+from datetime import timedelta
 from typing import Optional, Sequence
 
 import numpy as np
@@ -33,22 +23,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longvideo.data.ranks import comm_device  # noqa: F401 (re-exported: where collectives' tensors live)
-from longvideo.infer.generation import (Generation, copy_cache, decode_loop, limit_vocab, logits_of,
-                                        sample_token)
+from longvideo.infer.generation import Generation, decode_loop, grown, logits_of, new_cache, picker
 from longvideo.kernels import get_backend, merge_partials
 from longvideo.model import KVCache, Transformer
 from longvideo.parallel import RingAttentionSeam, UlyssesGroups, shard_sequence
 
 
 class MergedAttentionSeam:
-    """The attention seam for tokens every rank holds (the question, then each generated token).
-
-    The queries attend to this rank's part of the KV cache with a block backend, which returns the
-    partial (out, lse) over those keys; the partials of all ranks are gathered and merged exactly
-    (longvideo.kernels.merge_partials), in rank order, so every rank gets bitwise the same result.
-    The keys of the replicated tokens themselves (positions >= `shared_from`) are cached on every
-    rank but count on the `owner` rank only, so that every key is counted once.
-    """
+    """The attention seam for tokens every rank holds: the partial (out, lse) over this rank's part
+    of the cache, gathered and merged in rank order (bitwise the same on every rank). The keys of the
+    replicated tokens (positions >= `shared_from`) count on the `owner` rank only: each key once."""
 
     def __init__(self, group, backend: str, *, shared_from: int, owner: bool):
         self.group, self.backend, self.shared_from, self.owner = group, backend, shared_from, owner
@@ -71,30 +55,20 @@ class MergedAttentionSeam:
 
 
 class SequenceParallelEngine:
-    """The `Engine` interface (longvideo.infer.generation) over a sequence-parallel group.
-
-    Call collectively: every rank of `group` calls the same methods with the same ids.
-    ulysses: the group's split (longvideo.parallel.split_group, made once and shared by every
-    engine) to prefill with the Ulysses x ring hybrid; None: one ring.
-    """
+    """The `Engine` interface over a sequence-parallel group; collective: every rank of `group` calls
+    the same methods with the same ids. ulysses: the group's split (longvideo.parallel.split_group,
+    made once and shared by every engine) to prefill with the Ulysses x ring hybrid; None: one ring."""
 
     def __init__(self, model: Transformer, group=None, *, backend: str = "auto", spare: int = 256,
                  ulysses: Optional[UlyssesGroups] = None):
         self.model, self.group, self.spare = model, group, spare
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.owner = self.world - 1  # holds the keys of the replicated tokens
         self.ring = RingAttentionSeam(group, backend, ulysses)
         self.merged: Optional[MergedAttentionSeam] = None  # built for each prefix (it knows its length)
         self.backend = backend
         self.cache: Optional[KVCache] = None
-        self.prefix_len = 0
-        self.local_prefix_len = 0
-        self.prefix_s = 0.0
-
-    def _new_cache(self, batch: int, max_len: int) -> KVCache:
-        p = next(self.model.parameters())
-        return KVCache(self.model.cfg, batch, max_len, dtype=p.dtype, device=p.device)
+        self.prefix_len, self.local_prefix_len, self.prefix_s = 0, 0, 0.0
 
     @torch.no_grad()
     def set_prefix(self, ids: Tensor) -> None:
@@ -103,13 +77,13 @@ class SequenceParallelEngine:
         t0 = time.perf_counter()
         pos = torch.arange(P, device=ids.device)[None].expand(B, P)
         seg = torch.zeros(B, P, dtype=torch.long, device=ids.device)
-        local_ids = shard_sequence(ids, self.group, dim=1, pad_value=0) if P else ids
-        local_pos = shard_sequence(pos, self.group, dim=1, pad_value=0) if P else pos
-        local_seg = shard_sequence(seg, self.group, dim=1, pad_value=-1) if P else seg
-        n = local_ids.shape[1]
-        self.cache = self._new_cache(B, n + self.spare)
+        if P:
+            ids, pos = (shard_sequence(t, self.group, dim=1, pad_value=0) for t in (ids, pos))
+            seg = shard_sequence(seg, self.group, dim=1, pad_value=-1)
+        n = ids.shape[1]
+        self.cache = new_cache(self.model, B, n + self.spare)
         if n:  # the cache is empty: queries and keys are this rank's shard, as the ring needs
-            self.model(local_ids, local_pos, local_seg, cache=self.cache, attention_fn=self.ring)
+            self.model(ids, pos, seg, cache=self.cache, attention_fn=self.ring)
         self.prefix_len, self.local_prefix_len = P, n
         self.merged = MergedAttentionSeam(self.group, self.backend, shared_from=P, owner=self.rank == self.owner)
         self.prefix_s = time.perf_counter() - t0
@@ -146,8 +120,7 @@ class SequenceParallelEngine:
             raise RuntimeError("set_prefix must be called before extend")
         B, n = ids.shape
         self.cache.crop(self.local_prefix_len + keep)
-        if self.cache.length + n > self.cache.max_len:
-            self.cache = copy_cache(self.cache, self._new_cache(B, self.cache.length + n + self.spare))
+        self.cache = grown(self.model, self.cache, self.cache.length + n, self.spare)
         pos = self.prefix_len + keep + torch.arange(n, device=ids.device)[None].expand(B, n)
         return self.model(ids, pos, torch.zeros_like(ids), cache=self.cache, attention_fn=self.merged)
 
@@ -155,34 +128,25 @@ class SequenceParallelEngine:
     def generate(self, ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None,
                  vocab_limit: Optional[int] = None) -> Generation:
-        """Prefill the replicated ids (B, Q >= 1) after the prefix, then decode; collective.
-        vocab_limit: sample only ids below it."""
+        """Prefill the replicated ids (B, Q >= 1) after the prefix, then decode; collective."""
         if self.cache is None:
             raise RuntimeError("set_prefix must be called before generate")
         B, Q = ids.shape
         if Q < 1:
             raise ValueError("generate needs at least one token after the prefix")
         self.cache.crop(self.local_prefix_len)
-        need = self.local_prefix_len + Q + max_new_tokens
-        if need > self.cache.max_len:
-            self.cache = copy_cache(self.cache, self._new_cache(B, need + self.spare))
+        self.cache = grown(self.model, self.cache, self.local_prefix_len + Q + max_new_tokens, self.spare)
         t0 = time.perf_counter()
-        start = self.prefix_len
-        pos = start + torch.arange(Q, device=ids.device)[None].expand(B, Q)
-        first = self._replicated(ids, pos)
+        first = self._replicated(ids, self.prefix_len + torch.arange(Q, device=ids.device)[None].expand(B, Q))
         ttft = time.perf_counter() - t0
-        next_pos = [start + Q]
+        positions, sample = itertools.count(self.prefix_len + Q), picker(temperature, top_p, generator, vocab_limit)
 
         def step(tok: Tensor) -> Tensor:
-            p = torch.full((B, 1), next_pos[0], dtype=torch.long, device=tok.device)
-            next_pos[0] += 1
-            return self._replicated(tok[:, None], p)
+            pos = torch.full((B, 1), next(positions), dtype=torch.long, device=tok.device)
+            return self._replicated(tok[:, None], pos)
 
-        def pick(logits: Tensor) -> Tensor:
-            return self._broadcast(sample_token(limit_vocab(logits, vocab_limit), temperature, top_p,
-                                                generator).contiguous())
-
-        tokens = decode_loop(step, first, max_new_tokens=max_new_tokens, pick=pick, stop_ids=stop_ids)
+        tokens = decode_loop(step, first, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                             pick=lambda logits: self._broadcast(sample(logits).contiguous()))
         return Generation(tokens=tokens, prompt_len=self.prefix_len + Q, ttft_s=ttft,
                           total_s=time.perf_counter() - t0)
 
@@ -193,10 +157,7 @@ def sp_generate(model: Transformer, ids: Tensor, group=None, *, max_new_tokens: 
                 generator: Optional[torch.Generator] = None, tail: int = 1,
                 backend: str = "auto", ulysses: Optional[UlyssesGroups] = None) -> Generation:
     """Sequence-parallel `generate`: ring prefill of ids[:, :S-tail], replicated rest, sharded decoding.
-
-    Collective over `group` (default: the world); every rank passes the same ids (B, S).
-    ttft_s covers the prefix prefill too.
-    """
+    Collective over `group` (default: the world) with the same ids (B, S); ttft_s includes the prefix."""
     S = ids.shape[1]
     tail = max(1, min(tail, S))
     engine = SequenceParallelEngine(model, group, backend=backend, ulysses=ulysses)
@@ -208,7 +169,25 @@ def sp_generate(model: Transformer, ids: Tensor, group=None, *, max_new_tokens: 
     return out
 
 
-# ----------------------------------------------------------------------------- sharing inputs
+# ----------------------------------------------------------------------------- the world and its inputs
+
+def local_device(arg: Optional[str] = None) -> torch.device:
+    """`arg`, else this rank's GPU (LOCAL_RANK) when there is one, else the CPU."""
+    if arg is not None:
+        return torch.device(arg)
+    return torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+
+
+def join_world(device: torch.device, timeout: timedelta) -> bool:
+    """Join torchrun's world (nccl on a GPU, else gloo) unless the caller has; True when this call did.
+    `timeout` bounds a collective: the other ranks wait in one while rank 0 reads the next input."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return False
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    return True
+
 
 _MAX_DIMS = 6
 
