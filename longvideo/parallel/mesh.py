@@ -85,16 +85,10 @@ class Mesh:
         if dp < 1 or dp * sp != world:
             raise ConfigError("parallel", f"dp={dp} x sp={sp} = {dp * sp} does not match the world size {world}")
         kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-        sp_group = dp_group = None
         # new_group is collective over the whole world: every rank creates every group, in order
-        for i in range(dp):
-            g = dist.new_group(list(range(i * sp, (i + 1) * sp)), **kw)
-            if i == rank // sp:
-                sp_group = g
-        for j in range(sp):
-            g = dist.new_group(list(range(j, world, sp)), **kw)
-            if j == rank % sp:
-                dp_group = g
+        sp_groups = [dist.new_group(list(range(i * sp, (i + 1) * sp)), **kw) for i in range(dp)]
+        dp_groups = [dist.new_group(list(range(j, world, sp)), **kw) for j in range(sp)]
+        sp_group, dp_group = sp_groups[rank // sp], dp_groups[rank % sp]
         split = split_group(sp_group, ulysses, timeout_s)
         return cls(world_size=world, rank=rank, dp=dp, sp=sp, dp_rank=rank // sp, sp_rank=rank % sp,
                    ulysses=ulysses, ulysses_groups=split, sp_group=sp_group, dp_group=dp_group,
