@@ -1,12 +1,8 @@
 """The `cpu` block backend: torch's fused flash-attention CPU op on tiles classified from metadata
-(the `auto` backend's CPU route for blocks that need the element mask; docs/ring_attention.md,
-"Block backends").
-
-Tiles follow runs of consecutive positions in one segment (cut every `tile` tokens, runs shorter
-than `min_tile` pooled); a (query tile, key tile) pair is skipped, full (the op), aligned-causal
-(the op's is_causal) or masked (the op with an additive -inf mask of this tile only). Tiles merge
-by log-sum-exp in fp32 (fp64 for fp64); 16-bit inputs compute in fp32 (the op's bf16 backward is
-~9x slower on CPUs without bf16 matrix units).
+(docs/ring_attention.md, "Block backends"): tiles follow runs of consecutive positions in one
+segment (cut every `tile` tokens, runs shorter than `min_tile` pooled), each tile pair skipped,
+full, aligned-causal or masked. 16-bit inputs compute in fp32 (the op's bf16 backward is ~9x
+slower on CPUs without bf16 matrix units).
 """
 
 from __future__ import annotations

@@ -28,9 +28,8 @@ class UlyssesGroups:
 
 
 def split_group(group, ulysses: int, timeout_s: Optional[float] = None) -> Optional[UlyssesGroups]:
-    """This rank's UlyssesGroups of its sp `group` (None: the world), or None for ulysses = 1.
-
-    Every rank of the world calls it, each with its own sp group of the same size (groups made with
+    """This rank's UlyssesGroups of its sp `group` (None: the world), or None for ulysses = 1. Every
+    rank of the world calls it, each with its own sp group of the same size (groups made with
     local synchronisation keep torch's group names in step only while every rank makes as many).
     Group rank i is member i % U of Ulysses group i // U and position i // U of ring i % U."""
     if ulysses == 1:
@@ -64,9 +63,8 @@ class Mesh:
     @classmethod
     def build(cls, dp: int = -1, sp: int = 1, timeout_s: Optional[float] = None, config: Any = None,
               ulysses: int = 1) -> "Mesh":
-        """Create the groups (collective: every rank calls it with the same arguments).
-
-        Without an initialised process group only dp * sp == 1 is allowed (a single process)."""
+        """Create the groups (collective: every rank calls it with the same arguments). Without an
+        initialised process group only dp * sp == 1 is allowed (a single process)."""
         if sp < 1:
             raise ConfigError("parallel.sp", f"must be >= 1, got {sp}")
         if ulysses < 1 or sp % ulysses:
