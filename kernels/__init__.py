@@ -1,7 +1,5 @@
-"""Attention kernels: block-attention backends (torch, cpu, triton), their shared math and the
+"""Attention kernels (docs/kernels.md): block-attention backends, their shared math and the
 pure-PyTorch reference. Installed as `longvideo.kernels`; imports nothing else of the project.
-
-    from longvideo.kernels import block_attention, flash_attn_ref, get_backend
 """
 
 import os as _os

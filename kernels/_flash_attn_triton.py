@@ -569,10 +569,6 @@ _table: dict[tuple[int, str], TileConfig] = dict(DEFAULT_TABLE)
 _override: dict = {}
 
 
-def _kind(dtype: torch.dtype) -> str:
-    return "fp32" if dtype == torch.float32 else "16bit"
-
-
 def table_to_json(table: dict[tuple[int, str], TileConfig]) -> list[dict]:
     return [dict(head_dim_pad=d, kind=k, **asdict(c)) for (d, k), c in sorted(table.items())]
 
@@ -618,7 +614,8 @@ if os.environ.get("LONGVIDEO_FLASH_BWD"):
 
 def tile_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
     """The launch shapes for this head dim and dtype (16-wide tiles under the interpreter)."""
-    cfg = _INTERPRET_CONFIG if INTERPRET else _table[(head_dim_pad(head_dim), _kind(dtype))]
+    kind = "fp32" if dtype == torch.float32 else "16bit"
+    cfg = _INTERPRET_CONFIG if INTERPRET else _table[(head_dim_pad(head_dim), kind)]
     return replace(cfg, **_override) if _override else cfg
 
 

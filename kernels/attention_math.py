@@ -136,34 +136,33 @@ Piece = tuple[int, int, int, int, bool]
 """(q_start, q_stop, k_start, k_stop, causal) of `dense_pieces`."""
 
 
-def _runs(pos: Tensor, seg: Tensor, causal: bool) -> list[tuple[int, int]]:
-    """Maximal [start, stop) where, in every row, the segment is constant and (causal, real tokens)
-    positions step by +1. A run of padding is one run whatever its positions."""
+def runs(pos: Tensor, seg: Tensor, causal: bool, real_only: bool = True) -> list[tuple[int, int]]:
+    """Maximal [start, stop) where, in every row, the segment is constant and (causal) positions step
+    by +1: over real tokens only (a run of padding is one run whatever its positions), or with
+    real_only=False over every token. Host tensors (B, S)."""
     S = pos.shape[1]
+    if S == 0:
+        return []
     brk = seg[:, 1:] != seg[:, :-1]
     if causal:
-        brk = brk | ((seg[:, 1:] >= 0) & (pos[:, 1:] != pos[:, :-1] + 1))
+        step = pos[:, 1:] != pos[:, :-1] + 1
+        brk = brk | ((seg[:, 1:] >= 0) & step if real_only else step)
     cuts = [0] + (brk.any(0).nonzero().flatten() + 1).tolist() + [S]
     return list(zip(cuts[:-1], cuts[1:]))
 
 
 def _merge_pieces(pieces: list[Piece]) -> list[Piece]:
     """Join full pieces that share one side and touch on the other (fewer, larger kernel calls)."""
-    merged = True
-    while merged:
-        merged = False
-        for a, b in itertools.permutations(pieces, 2):
-            if a[4] or b[4]:
-                continue
-            if a[2:4] == b[2:4] and a[1] == b[0]:  # the same keys, the queries continue
-                new = (a[0], b[1], a[2], a[3], False)
-            elif a[:2] == b[:2] and a[3] == b[2]:  # the same queries, the keys continue
-                new = (a[0], a[1], a[2], b[3], False)
-            else:
-                continue
-            pieces = [p for p in pieces if p != a and p != b] + [new]
-            merged = True
-            break
+    for a, b in itertools.permutations(pieces, 2):
+        if a[4] or b[4]:
+            continue
+        if a[2:4] == b[2:4] and a[1] == b[0]:  # the same keys, the queries continue
+            new = (a[0], b[1], a[2], a[3], False)
+        elif a[:2] == b[:2] and a[3] == b[2]:  # the same queries, the keys continue
+            new = (a[0], a[1], a[2], b[3], False)
+        else:
+            continue
+        return _merge_pieces([p for p in pieces if p != a and p != b] + [new])
     return sorted(pieces)
 
 
@@ -175,7 +174,7 @@ def dense_pieces(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, cau
     (q0, q1, k0, k1, False): every pair of the rectangle visible in every row; (..., True): the
     aligned causal triangle (key j visible to query i iff j <= i, a dense kernel's is_causal). Every
     visible pair lies in one piece, every query row of a piece sees a key there; [] means nothing is
-    visible. Both sides are cut into runs (`_runs`), run pairs classified with the tile bounds, and
+    visible. Both sides are cut into `runs`, run pairs classified with the tile bounds, and
     pieces sharing a side joined (a visiting zigzag block: one rectangle)."""
     Sq, Sk = q_pos.shape[1], k_pos.shape[1]
     if Sq == 0 or Sk == 0:
@@ -184,7 +183,7 @@ def dense_pieces(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, cau
     if causal and Sq == Sk and one_seg and torch.equal(q_pos, k_pos) and torch.equal(q_seg, k_seg) \
             and bool((q_pos[:, 1:] > q_pos[:, :-1]).all()):
         return [(0, Sq, 0, Sk, True)]
-    qr, kr = _runs(q_pos, q_seg, causal), _runs(k_pos, k_seg, causal)
+    qr, kr = runs(q_pos, q_seg, causal), runs(k_pos, k_seg, causal)
     if len(qr) * len(kr) > 4 * max_pieces ** 2:
         return None
     qs = tile_stats(q_pos, q_seg, [a for a, _ in qr] + [Sq])
@@ -231,17 +230,13 @@ def transposed(stats: TileStats) -> TileStats:
 
 def visit_ranges(rows: TileStats, cols: TileStats, causal: bool) -> tuple[Tensor, Tensor]:
     """Per row tile, the column tiles to visit, as index ranges into one sorted column order: the
-    classes of `classify_tiles(rows, cols, causal)` without its (rows x cols) table, no host sync,
-    O((n_rows + n_cols) log n_cols) per batch row (docs/kernels.md, "The tile plan"). Positions and
-    segment ids must fit in int32 with |pos| < 2**31 - 1 (the kernels read them as int32).
+    classes of `classify_tiles(rows, cols, causal)` without its (rows x cols) table, no host sync
+    (docs/kernels.md, "The tile plan"). Positions and segment ids must fit in int32, |pos| < 2**31 - 1.
 
-    `order` (B, 2 * n_cols, 4): the pure column tiles (complete, one segment) sorted by (segment,
-    pos_max), then from index n_cols the mixed ones sorted by (seg_min, pos_min), each entry
-    COL_FIELDS; entries past the last tile of each part are never in a range. `ranges`
-    (B, n_rows, 9), ROW_FIELDS per row tile: [full_lo, full_hi) exactly its FULL columns;
-    [pure_lo, pure_hi) and [mixed_lo, mixed_hi) candidates holding every PARTIAL column and no
-    FULL one, a candidate being visited iff seg_min <= seg_hi, seg_max >= seg_lo and (causal)
-    pos_min <= pos_hi (the SKIP test of `classify_tiles`). All values int64.
+    Returns int64 `ranges` (B, n_rows, 9) of ROW_FIELDS and `order` (B, 2 * n_cols, 4) of
+    COL_FIELDS: the pure column tiles, then from index n_cols the mixed ones. A candidate of the
+    pure and mixed ranges is visited iff seg_min <= seg_hi, seg_max >= seg_lo and (causal)
+    pos_min <= pos_hi (the SKIP test of `classify_tiles`).
     """
     B, n_c = cols.pos_min.shape
     c_real = cols.seg_min <= cols.seg_max  # empty tiles have min = +BIG > max = -BIG
@@ -313,12 +308,9 @@ def ranges_visit(ranges: Tensor, order: Tensor, causal: bool) -> list[list[list[
 
 
 def lse_merge_(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -> None:
-    """Merge a partial attention result into a running one, in place (docs/ring_attention.md, "Forward").
-
-    out, blk_out (B, S, H, D); lse, blk_lse (B, H, S). out/lse are the accumulators (fp32 or fp64);
-    blk_out may be in any dtype. Both weights are <= 1, so nothing overflows, and rows where both
-    sides are empty (-inf) stay out = 0, lse = -inf.
-    """
+    """Merge a partial attention result into a running one, in place, without overflow
+    (docs/ring_attention.md, "Forward"): out, blk_out (B, S, H, D); lse, blk_lse (B, H, S); out/lse
+    the fp32 or fp64 accumulators. Rows empty on both sides stay out = 0, lse = -inf."""
     blk_lse = blk_lse.to(lse.dtype)
     new = torch.logaddexp(lse, blk_lse)  # (B, H, S)
     empty = torch.isneginf(new)

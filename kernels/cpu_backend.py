@@ -1,12 +1,8 @@
 """The `cpu` block backend: torch's fused flash-attention CPU op on tiles classified from metadata
-(the `auto` backend's CPU route for blocks that need the element mask; docs/ring_attention.md,
-"Block backends").
-
-Tiles follow runs of consecutive positions in one segment (cut every `tile` tokens, runs shorter
-than `min_tile` pooled); a (query tile, key tile) pair is skipped, full (the op), aligned-causal
-(the op's is_causal) or masked (the op with an additive -inf mask of this tile only). Tiles merge
-by log-sum-exp in fp32 (fp64 for fp64); 16-bit inputs compute in fp32 (the op's bf16 backward is
-~9x slower on CPUs without bf16 matrix units).
+(docs/ring_attention.md, "Block backends"): tiles follow runs of consecutive positions in one
+segment (cut every `tile` tokens, runs shorter than `min_tile` pooled), each tile pair skipped,
+full, aligned-causal or masked. 16-bit inputs compute in fp32 (the op's bf16 backward is ~9x
+slower on CPUs without bf16 matrix units).
 """
 
 from __future__ import annotations
@@ -16,7 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .attention_math import FULL as _FULL, SKIP as _SKIP, accum_dtype, classify_tiles, lse_merge_, tile_stats, visibility
+from .attention_math import (FULL as _FULL, SKIP as _SKIP, accum_dtype, classify_tiles, lse_merge_, runs,
+                             tile_stats, visibility)
 
 _flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -34,20 +31,10 @@ class Tile:
     """One segment and consecutive positions in every batch row (a single run)."""
 
 
-def _runs(pos: Tensor, seg: Tensor) -> list[tuple[int, int]]:
-    """Maximal ranges where, in every batch row, the segment is constant and positions step by +1."""
-    S = pos.shape[1]
-    if S == 0:
-        return []
-    brk = ((pos[:, 1:] != pos[:, :-1] + 1) | (seg[:, 1:] != seg[:, :-1])).any(0)  # (S-1,)
-    cuts = [0] + (brk.nonzero().flatten() + 1).tolist() + [S]
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
 def make_tiles(pos: Tensor, seg: Tensor, tile: int, min_tile: int) -> list[Tile]:
     """Cut (B, S) metadata into tiles of at most `tile` tokens (see the module docstring)."""
     pieces: list[tuple[int, int, bool]] = []  # (start, stop, pure)
-    for a, b in _runs(pos, seg):
+    for a, b in runs(pos, seg, True, real_only=False):
         n = -(-(b - a) // tile)  # equal pieces of at most `tile` tokens
         edges = [a + (b - a) * i // n for i in range(n + 1)]
         pieces += [(edges[i], edges[i + 1], True) for i in range(n)]

@@ -1,11 +1,7 @@
 """The `auto` block backend: every block on the fastest exact kernel for its mask (docs/kernels.md,
-"Per-block dispatch").
-
-Once per AttentionPlan the block's metadata is copied to the host (the backend's one device read)
-and `attention_math.dense_pieces` decides: dense pieces go to cuDNN, then SDPA flash on CUDA
-(fp16/bf16, more than DECODE_MAX_Q queries) or to the CPU flash op; anything else, and shapes a
-dense kernel refused, to `triton` on CUDA / `cpu` on CPU with the same plan; an empty block to no
-kernel. Every route's backward takes the ring's global out/lse. `routes` counts where blocks went.
+"Per-block dispatch"). Once per AttentionPlan the block's metadata is read on the host and
+`attention_math.dense_pieces` decides: dense pieces to cuDNN, then SDPA flash (CUDA) or the CPU
+flash op; the rest to `triton` (CUDA) / `cpu` with the same plan; an empty block to no kernel.
 """
 
 from __future__ import annotations

@@ -97,14 +97,10 @@ def flash_attn(q: Tensor, k: Tensor, v: Tensor, q_pos: Optional[Tensor] = None,
                k_pos: Optional[Tensor] = None, q_seg: Optional[Tensor] = None,
                k_seg: Optional[Tensor] = None, *, causal: bool = True, softmax_scale: Optional[float] = None,
                return_lse: bool = False, plan: Optional[AttentionPlan] = None):
-    """Masked flash attention with the Triton kernel; differentiable in q, k, v.
-
-    q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D), Hq % Hkv == 0; fp16, bf16 or fp32; D from 1 to 256.
-    q_pos, q_seg: (B, Sq); k_pos, k_seg: (B, Sk) integers. Defaults: positions 0..S-1, one segment.
-    softmax_scale: default 1 / sqrt(D). plan: keeps the tile plans across calls with this metadata.
-    Returns out (B, Sq, Hq, D) in q.dtype, and with return_lse also lse (B, Hq, Sq) float32
-    (-inf on rows with no visible key, whose out is 0).
-    """
+    """Masked flash attention with the Triton kernel; differentiable in q, k, v. q: (B, Sq, Hq, D);
+    k, v: (B, Sk, Hkv, D), Hq % Hkv == 0; fp16, bf16 or fp32; D from 1 to 256; metadata as for
+    `block_attention`. Returns out (B, Sq, Hq, D) in q.dtype, and with return_lse also lse
+    (B, Hq, Sq) float32 (-inf on rows with no visible key, whose out is 0)."""
     out, lse = attention(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, softmax_scale, "triton", plan)
     return (out, lse) if return_lse else out
 

@@ -63,12 +63,9 @@ def _version(t: Tensor) -> Optional[int]:
 
 
 class PlanCache:
-    """Plan objects keyed by the identity and version of metadata tensors; the `size` most recent.
-
-    `lookup(*tensors)` returns the same object while called with the same tensor objects, unmodified.
-    Entries hold their tensors, so no other tensor can take their id while cached. Tensors without a
-    version counter (inference mode) never match: each lookup gets a fresh object, still correct.
-    """
+    """Plan objects keyed by the identity and version of metadata tensors, the `size` most recent:
+    `lookup(*tensors)` returns the same object while called with the same tensors, unmodified (held,
+    so no other tensor can take their id). Inference tensors (no version) get a fresh object."""
 
     def __init__(self, size: int = 2, factory: Callable[[], object] = AttentionPlan):
         self.size, self.factory = size, factory

@@ -22,7 +22,7 @@ def flash_attn_ref(q: Tensor, k: Tensor, v: Tensor, q_pos: Optional[Tensor] = No
     Returns out (B, Sq, Hq, D) in q.dtype and lse (B, Hq, Sq) in the compute dtype (fp32 / fp64).
     """
     B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
+    Hkv = k.shape[2]
     if Hq % Hkv:
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
     q_pos, k_pos, q_seg, k_seg = fill_meta(q, k, q_pos, k_pos, q_seg, k_seg)

@@ -1,11 +1,8 @@
 """Multi-head attention with GQA and RoPE, calling the attention seam (docs/architecture.md,
-decision 2):
-
-    attention_fn(q, k, v, *, q_positions, k_positions, q_segment_ids, k_segment_ids, causal=True)
-        q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); positions / segment ids (B, S) -> out (B, Sq, Hq, D)
-
-`local_attention` is the single-device implementation (`LocalAttention` keeps its tile plans
-across the layers of a step); ring attention is another, swapped in by `longvideo.parallel.apply`.
+decision 2): `attention_fn(q, k, v, *, q_positions, k_positions, q_segment_ids, k_segment_ids,
+causal=True)`, q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), metadata (B, S) -> out (B, Sq, Hq, D).
+`local_attention` is the single-device implementation; ring attention is swapped in by
+`longvideo.parallel.apply`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""A preallocated key/value cache for generation: per layer K and V (B, max_len, Hkv, D), shared by
-all layers the cached tokens' positions and segment ids (B, max_len), so masks stay position-based.
-The model calls `cache.begin(positions, segment_ids)`, then `cache.layer(i).update(k, v)` in each
-layer, then `cache.commit(S)`.
+"""A preallocated key/value cache for generation: per layer K and V (B, max_len, Hkv, D), for all
+layers the cached tokens' positions and segment ids (B, max_len). The model calls `begin`, then
+`layer(i).update(k, v)` in each layer, then `commit(S)`.
 """
 
 from __future__ import annotations

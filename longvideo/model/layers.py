@@ -24,11 +24,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin of shape (B, S, 1, head_dim) for integer positions (B, S).
-
-    Positions are explicit (not 0..S-1) so that packed documents restart at 0 and sequence shards
-    carry their global positions.
-    """
+    """cos, sin of shape (B, S, 1, head_dim) for integer positions (B, S): explicit, so that packed
+    documents restart at 0 and sequence shards carry their global positions."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     freqs = positions.float()[..., None] * inv_freq  # (B, S, head_dim/2)
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # (B, S, 1, head_dim)
@@ -48,12 +45,9 @@ def logn_scale(positions: Tensor, base: int, dtype: torch.dtype) -> Tensor:
 
 
 class FeedForward(nn.Module):
-    """SwiGLU, applied blockwise over the sequence.
-
-    With `chunk` > 0 and gradients enabled, each chunk of `chunk` tokens is recomputed in the
-    backward pass, so the (tokens x ffn_dim) intermediates of only one chunk ever exist: the
-    feed-forward half of Blockwise Parallel Transformers.
-    """
+    """SwiGLU, applied blockwise over the sequence: with `chunk` > 0 and gradients enabled, each chunk
+    is recomputed in the backward pass, so the (tokens x ffn_dim) intermediates of only one chunk
+    ever exist (the feed-forward half of Blockwise Parallel Transformers)."""
 
     def __init__(self, dim: int, hidden: int, chunk: int):
         super().__init__()
@@ -69,10 +63,6 @@ class FeedForward(nn.Module):
         S = x.shape[1]
         if self.chunk <= 0 or S <= self.chunk:
             return self._ffn(x)
-        outs = []
-        for xc in x.split(self.chunk, dim=1):
-            if torch.is_grad_enabled() and xc.requires_grad:
-                outs.append(checkpoint(self._ffn, xc, use_reentrant=False))
-            else:
-                outs.append(self._ffn(xc))
-        return torch.cat(outs, dim=1)
+        recompute = torch.is_grad_enabled() and x.requires_grad
+        return torch.cat([checkpoint(self._ffn, xc, use_reentrant=False) if recompute else self._ffn(xc)
+                          for xc in x.split(self.chunk, dim=1)], dim=1)

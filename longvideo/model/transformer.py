@@ -32,10 +32,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The decoder of `cfg`. ffn_chunk: tokens per feed-forward block (0: the whole sequence at
-    once); loss_chunk: tokens per cross-entropy chunk (longvideo.model.head); backend: the block
-    attention backend of the default single-device seam. A run sets all three from its
-    RuntimeConfig / ParallelConfig (longvideo.checkpoint.build_model)."""
+    """The decoder of `cfg`. ffn_chunk: tokens per feed-forward block (0: all at once); loss_chunk:
+    tokens per cross-entropy chunk; backend: the default single-device seam's block backend (a run
+    sets all three from its RuntimeConfig / ParallelConfig, longvideo.checkpoint.build_model)."""
 
     def __init__(self, cfg: ModelConfig, *, ffn_chunk: int = 0, loss_chunk: int = 4096, backend: str = "auto"):
         super().__init__()

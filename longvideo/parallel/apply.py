@@ -1,10 +1,8 @@
 """Everything distributed is applied to a built model here, in one fixed order (docs/architecture.md,
-decision 5): `parallelize` sets the attention seam (ring or hybrid over mesh.sp_group when sp > 1,
-else single-device), wraps every block for activation checkpointing, compiles the blocks
-(runtime.compile) and returns the DeepSpeed ZeRO Engine. Inputs must then be this rank's zigzag
-shard with explicit positions and segment ids (`shard_batch`). A model is parallelizable when it
-offers `set_attention(seam)` and either `layers` (the project's decoder) or
-`gradient_checkpointing_enable` (a transformers decoder behind longvideo.hf.HFCausalLM).
+decision 5). Inputs must then be this rank's zigzag shard with explicit positions and segment ids
+(`shard_batch`). A model is parallelizable when it offers `set_attention(seam)` and either `layers`
+(the project's decoder) or `gradient_checkpointing_enable` (a transformers decoder behind
+longvideo.hf.HFCausalLM).
 """
 
 from __future__ import annotations
@@ -60,7 +58,6 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg, *, optimizer, ds_config: Opti
                 bf16: bool = False) -> Engine:
     """Apply the seam, activation checkpointing, torch.compile and ZeRO to `model` (module docstring)
     and return the engine that trains it (collective: every rank calls it with the same config).
-
     cfg: the root Config (its parallel, runtime and train sections). optimizer: over the model's
     parameters. ds_config: the DeepSpeed config when the caller built (and checked) it, else built
     here from cfg.train for the mesh's world at `bf16`."""

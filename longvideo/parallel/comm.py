@@ -27,9 +27,8 @@ class CommStats:
     blocks: int = 0  # blocks computed
     skipped: int = 0  # blocks skipped as provably empty
     timeline: Optional[list] = field(default=None)
-    """Set to a list to record (posted, wait started, wait ended) perf_counter times per exchange;
-    every rank makes the same exchanges in the same order, so neighbours' lists match (the ring
-    benchmark tells transfer time from a late neighbour with it)."""
+    """Set to a list to record (posted, wait started, wait ended) perf_counter times per exchange, in
+    the same order on every rank (the ring benchmark tells transfer time from a late neighbour)."""
 
     def reset(self) -> None:
         self.exposed_s = self.compute_s = 0.0

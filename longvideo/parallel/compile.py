@@ -113,10 +113,9 @@ seam_attention.register_autograd(_backward, setup_context=_setup)
 
 
 def apply_compile(model: nn.Module, *, mode: str | None = None, backend: str = "inductor") -> nn.Module:
-    """Compile every block of `model` (a Transformer) in place with its attention seam made opaque
-    (module docstring). Returns the same model. Call it once the seam is final: a seam set
-    afterwards (or passed to one forward call) is traced, not opaque, and breaks `fullgraph`.
-    mode / backend: torch.compile's (e.g. mode="max-autotune", backend="aot_eager" for tests)."""
+    """Compile every block of `model` (a Transformer) in place, its seam made opaque; returns it. Call
+    it once the seam is final: a seam set afterwards (or passed to one forward) is traced and breaks
+    `fullgraph`. mode / backend: torch.compile's (e.g. backend="aot_eager" for tests)."""
     if not hasattr(model, "set_attention") or not hasattr(model, "layers"):
         raise TypeError(f"{type(model).__name__} has no attention seam (set_attention) and layers to compile")
     if not isinstance(model.attention_fn, OpaqueSeam):

@@ -68,10 +68,9 @@ class Engine:
         return float(norm) if norm is not None else float("nan")
 
     def full_state(self, keep: bool) -> dict[str, torch.Tensor]:
-        """Full fp32 weights under the model's own names, from the fp32 master copy when ZeRO holds
-        one. A collective under ZeRO: every rank calls it, parameter by parameter (at most one full
-        parameter gathered at a time); only ranks with `keep` collect tensors on the CPU. Tied
-        parameters appear once, under their first name (as in `named_parameters`)."""
+        """Full fp32 weights under the model's own names, from ZeRO's fp32 master copy when it holds
+        one. Collective under ZeRO: one full parameter gathered at a time; only ranks with `keep`
+        collect them on the CPU. Tied parameters appear once, under their first name."""
         from deepspeed.utils import safe_get_full_fp32_param
 
         module, out = self.module, {}

@@ -29,9 +29,7 @@ def loss_scale(weight_sum: Tensor, mesh: Mesh, *, grad_reduction: str = "mean") 
 
 def normalized_loss(loss_sum: Tensor, weight_sum: Tensor, mesh: Mesh, *,
                     grad_reduction: str = "mean") -> tuple[Tensor, float]:
-    """(this rank's loss to back-propagate, global weight total) for a step of one micro-batch.
-
-    The values of the returned losses summed over all ranks (divided by world size for "mean")
-    equal the global loss."""
+    """(this rank's loss to back-propagate, global weight total) for a step of one micro-batch; the
+    losses summed over all ranks (divided by world size for "mean") equal the global loss."""
     factor, total = loss_scale(weight_sum, mesh, grad_reduction=grad_reduction)
     return loss_sum * factor, total

@@ -28,9 +28,8 @@ class UlyssesGroups:
 
 
 def split_group(group, ulysses: int, timeout_s: Optional[float] = None) -> Optional[UlyssesGroups]:
-    """This rank's UlyssesGroups of its sp `group` (None: the world), or None for ulysses = 1.
-
-    Every rank of the world calls it, each with its own sp group of the same size (groups made with
+    """This rank's UlyssesGroups of its sp `group` (None: the world), or None for ulysses = 1. Every
+    rank of the world calls it, each with its own sp group of the same size (groups made with
     local synchronisation keep torch's group names in step only while every rank makes as many).
     Group rank i is member i % U of Ulysses group i // U and position i // U of ring i % U."""
     if ulysses == 1:
@@ -64,9 +63,8 @@ class Mesh:
     @classmethod
     def build(cls, dp: int = -1, sp: int = 1, timeout_s: Optional[float] = None, config: Any = None,
               ulysses: int = 1) -> "Mesh":
-        """Create the groups (collective: every rank calls it with the same arguments).
-
-        Without an initialised process group only dp * sp == 1 is allowed (a single process)."""
+        """Create the groups (collective: every rank calls it with the same arguments). Without an
+        initialised process group only dp * sp == 1 is allowed (a single process)."""
         if sp < 1:
             raise ConfigError("parallel.sp", f"must be >= 1, got {sp}")
         if ulysses < 1 or sp % ulysses:
@@ -85,16 +83,10 @@ class Mesh:
         if dp < 1 or dp * sp != world:
             raise ConfigError("parallel", f"dp={dp} x sp={sp} = {dp * sp} does not match the world size {world}")
         kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-        sp_group = dp_group = None
         # new_group is collective over the whole world: every rank creates every group, in order
-        for i in range(dp):
-            g = dist.new_group(list(range(i * sp, (i + 1) * sp)), **kw)
-            if i == rank // sp:
-                sp_group = g
-        for j in range(sp):
-            g = dist.new_group(list(range(j, world, sp)), **kw)
-            if j == rank % sp:
-                dp_group = g
+        sp_groups = [dist.new_group(list(range(i * sp, (i + 1) * sp)), **kw) for i in range(dp)]
+        dp_groups = [dist.new_group(list(range(j, world, sp)), **kw) for j in range(sp)]
+        sp_group, dp_group = sp_groups[rank // sp], dp_groups[rank % sp]
         split = split_group(sp_group, ulysses, timeout_s)
         return cls(world_size=world, rank=rank, dp=dp, sp=sp, dp_rank=rank // sp, sp_rank=rank % sp,
                    ulysses=ulysses, ulysses_groups=split, sp_group=sp_group, dp_group=dp_group,

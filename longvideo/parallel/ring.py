@@ -1,8 +1,5 @@
 """Ring attention (Liu et al., 2024): exact attention over a sequence sharded across a process group
 (docs/ring_attention.md: the forward, the backward's travelling dK/dV sums, block skipping).
-
-    out = ring_attention(q, k, v, group=mesh.sp_group, causal=True, positions=pos, segment_ids=seg)
-
 `RingPlans` keeps one tile plan per step for the forward, its backward and, through the seam,
 every layer of a model step.
 """
@@ -160,14 +157,10 @@ def ring_attention(
     comm_stats: Optional[CommStats] = None,
     plans: Optional[RingPlans] = None,
 ) -> Tensor:
-    """Exact masked attention of a sequence sharded over `group` (collective: every rank calls it).
-
-    q (B, S, Hq, D); k, v (B, S, Hkv, D), Hq % Hkv == 0, S the same on every rank. positions,
-    segment_ids (B, S): default to the zigzag layout's global positions and one segment (-1 marks
-    padding). backend: a longvideo.kernels.get_backend name. comm_stats: a CommStats to accumulate
-    into. plans: a RingPlans kept across calls with the same metadata (else one per call and its
-    backward). Returns out (B, S, Hq, D) in q.dtype; differentiable in q, k, v.
-    """
+    """Exact masked attention of a sequence sharded over `group` (collective: every rank calls it);
+    the arguments as in docs/ring_attention.md. q (B, S, Hq, D); k, v (B, S, Hkv, D), S the same on
+    every rank. plans: a RingPlans kept across calls with the same metadata (else one per call and
+    its backward). Returns out (B, S, Hq, D) in q.dtype; differentiable in q, k, v."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be (B, S, H, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     B, S, Hq, D = q.shape

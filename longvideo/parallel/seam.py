@@ -14,11 +14,9 @@ from longvideo.parallel.ulysses import gather_metadata, hybrid_attention
 
 
 class RingAttentionSeam:
-    """The model's attention seam as ring attention over one process group, or the hybrid of
-    longvideo.parallel.ulysses when `ulysses` splits that group; q, k, v of the same local shard
-    (training: no KV cache). The ring's plans (and the hybrid's gathered metadata) are kept per
-    positions / segment-id tensors by identity (kernels.PlanCache), so the layers of a step and
-    their backward share them."""
+    """Ring attention over one process group, or the hybrid when `ulysses` splits it; q, k, v of the
+    same local shard (training: no KV cache). Plans and the hybrid's gathered metadata are kept per
+    metadata tensors (kernels.PlanCache), so the layers of a step and their backward share them."""
 
     def __init__(self, group, backend: str = "auto", ulysses: Optional[UlyssesGroups] = None):
         self.group, self.backend, self.ulysses = group, backend, ulysses

@@ -24,7 +24,6 @@ from longvideo.parallel.ring import ring_backward, ring_forward
 
 def head_split(hq: int, hkv: int, ulysses: int, sp: Optional[int] = None) -> tuple[int, Tensor]:
     """(query heads per member Qu, the key/value head index (U * Hkv',) each member's slot reads).
-
     Query heads are padded to U * Qu; member u's query heads u * Qu .. read its key/value slots
     u * Hkv' .. in groups of Qu / Hkv'. Raises ValueError when U > Hq (a member without a head)."""
     if ulysses > hq:
@@ -112,7 +111,6 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, groups: UlyssesGroups, 
                      comm_stats: Optional[CommStats] = None, plans: Optional[RingPlans] = None,
                      group_meta: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
     """Exact attention of a sequence sharded over a Ulysses x ring split (collective over the sp group).
-
     q (B, S, Hq, D); k, v (B, S, Hkv, D); positions, segment_ids (B, S): this rank's shard, as for
     ring_attention. group_meta: gather_metadata's result when the caller keeps it across layers.
     plans: RingPlans for the ring over the group's metadata. Returns out (B, S, Hq, D) in q.dtype."""

@@ -48,10 +48,8 @@ def layout_positions(local_len: int, group, device=None) -> Tensor:
 
 
 def shard_sequence(x: Tensor, group, dim: int = 1, pad_value: Optional[float] = None) -> Tensor:
-    """This rank's zigzag shard of x along `dim` (length S -> padded_length(S, W) / W).
-
-    Without pad_value S must be a multiple of 2W; with it, x is first padded at the end along dim.
-    Differentiable (it is a gather of slices)."""
+    """This rank's zigzag shard of x along `dim` (length S -> padded_length(S, W) / W), differentiable.
+    Without pad_value S must be a multiple of 2W; with it, x is first padded at the end along dim."""
     W, r = group_size_rank(group)
     dim = dim % x.dim()
     S = x.shape[dim]
@@ -68,7 +66,6 @@ def shard_sequence(x: Tensor, group, dim: int = 1, pad_value: Optional[float] = 
 
 def unshard_sequence(x: Tensor, group, dim: int = 1, length: Optional[int] = None) -> Tensor:
     """The whole sequence from every rank's shard (collective over `group`; not differentiable).
-
     length: drop padding beyond it (the S given to shard_sequence)."""
     W, _ = group_size_rank(group)
     dim = dim % x.dim()
@@ -85,12 +82,9 @@ def unshard_sequence(x: Tensor, group, dim: int = 1, length: Optional[int] = Non
 
 
 def shard_batch(batch: dict[str, Tensor], group, pad_values: Optional[dict[str, float]] = None) -> dict[str, Tensor]:
-    """Shard every (B, S, ...) tensor of a training batch along dim 1 with the zigzag layout.
-
-    Pad values by key (BATCH_PAD_VALUES, updated by pad_values): ids 0, loss weights 0,
-    positions 0, segment ids -1. Positions (0..S-1) and segment ids (one segment) are added when
-    missing: a shard's tokens are not at positions 0..S/W-1, so the model must be told where they are.
-    """
+    """Shard every (B, S, ...) tensor of a training batch along dim 1 with the zigzag layout, padded
+    by key (BATCH_PAD_VALUES, updated by pad_values). Positions (0..S-1) and one segment are added
+    when missing: a shard's tokens are not at positions 0..S/W-1, so the model must be told."""
     pads = {**BATCH_PAD_VALUES, **(pad_values or {})}
     if not batch:
         raise ValueError("shard_batch got an empty batch")
