@@ -2,12 +2,9 @@
 
     questions = read_benchmark("videomme", "data/Video-MME")      # list[Question]
 
-One reader per benchmark (videomme, mlvu, longvideobench, egoschema, lvbench, and a documented
-generic JSONL) finds the question files and the videos (and subtitles) where the release puts them
-and keeps the benchmark's own breakdown labels; docs/evaluation.md lists each layout. A question
-whose options or answer cannot be read comes back with `problem` set (the caller files it under
-"malformed_options") instead of stopping the reader; missing question files raise
-FileNotFoundError naming what was looked for.
+One reader per benchmark (docs/evaluation.md, "The benchmarks", lists each layout) keeps the
+benchmark's own breakdown labels. A question whose options or answer cannot be read comes back with
+`problem` set instead of stopping the reader; missing question files raise FileNotFoundError.
 """
 
 from __future__ import annotations
