@@ -62,8 +62,8 @@ def _require(pretrained, what: str):
     obj = getattr(pretrained, what, None)
     if obj is None:
         name = "VQ video tokenizer (vq/)" if what == "vq" else "text tokenizer"
-        raise ValueError(f"{getattr(pretrained, 'path', None) or 'the model'} has no {name}; it cannot answer "
-                         f"questions about videos")
+        where = getattr(pretrained, "path", None) or "the model"
+        raise ValueError(f"{where} has no {name}; it cannot answer questions about videos")
     return obj
 
 

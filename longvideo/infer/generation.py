@@ -141,8 +141,8 @@ class Engine(Protocol):
 def picker(temperature: float, top_p: float, generator: Optional[torch.Generator],
            vocab_limit: Optional[int]) -> Callable[[Tensor], Tensor]:
     """decode_loop's `pick`: sample_token among the ids below `vocab_limit` (all when None)."""
-    return lambda logits: sample_token(logits if vocab_limit is None else logits[..., :vocab_limit], temperature,
-                                       top_p, generator)
+    return lambda logits: sample_token(logits if vocab_limit is None else logits[..., :vocab_limit],
+                                       temperature, top_p, generator)
 
 
 def grown(model: Transformer, cache: KVCache, need: int, spare: int) -> KVCache:

@@ -82,7 +82,8 @@ class SequenceParallelEngine(CachedEngine):
         if n:  # the cache is empty: queries and keys are this rank's shard, as the ring needs
             self.model(ids, pos, seg, cache=self.cache, attention_fn=self.ring)
         self.prefix_len, self.local_prefix_len, self.sharded = P, n, P
-        self.merged = MergedAttentionSeam(self.group, self.backend, shared_from=P, owner=self.rank == self.owner)
+        self.merged = MergedAttentionSeam(self.group, self.backend, shared_from=P,
+                                          owner=self.rank == self.owner)
         self.prefix_s = time.perf_counter() - t0
 
     def _replicated(self, ids: Tensor, positions: Tensor) -> Tensor:
@@ -93,7 +94,7 @@ class SequenceParallelEngine(CachedEngine):
     def _logits(self, ids: Tensor, start: int, prompt: bool) -> Tensor:
         if ids.shape[1] < 1:
             raise ValueError("generate needs at least one token after the prefix")
-        return self._replicated(ids, start + torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape))
+        return self._replicated(ids, start + torch.arange(ids.shape[1], device=ids.device).expand(ids.shape))
 
     def _pick(self, tok: Tensor) -> Tensor:
         tok = tok.contiguous()
@@ -167,7 +168,7 @@ def broadcast_array(arr: Optional[np.ndarray], src: int = 0, group=None) -> np.n
     dtype = torch.float64 if int(header[0]) else torch.long
     shape = tuple(int(x) for x in header[2:2 + int(header[1])])
     if dist.get_rank() == src:
-        data = torch.from_numpy(np.ascontiguousarray(arr).astype(np.float64 if dtype == torch.float64 else np.int64))
+        data = torch.from_numpy(np.ascontiguousarray(arr, np.float64 if dtype == torch.float64 else np.int64))
         data = data.to(dev)
     else:
         data = torch.empty(shape, dtype=dtype, device=dev)
@@ -177,5 +178,5 @@ def broadcast_array(arr: Optional[np.ndarray], src: int = 0, group=None) -> np.n
 
 def broadcast_text(text: Optional[str], src: int = 0, group=None) -> str:
     """Rank `src`'s string on every rank."""
-    raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64) if dist.get_rank() == src else None
+    raw = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64) if dist.get_rank() == src else None
     return bytes(broadcast_array(raw, src, group).astype(np.uint8).tolist()).decode("utf-8")
