@@ -19,7 +19,7 @@ from longvideo.checkpoint import (EXPORT_CONFIG, TOKENIZER_DIR, VQ_DIR, WEIGHTS_
                                   check_shapes, from_hf_names, load_project_state, read_safetensors_dir,
                                   save_project_checkpoint, streaming_weights, tie, to_hf_names)
 from longvideo.config import Config, load_config, save_config
-from longvideo.export.processor import LongVideoProcessor
+from longvideo.export.processor import LongVideoProcessor, ProcessorSettings
 from longvideo.model import ModelConfig
 from longvideo.tokenizer import TextTokenizer
 from longvideo.vocab import SPECIAL_TOKENS
@@ -184,5 +184,6 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: Optional[str
     save_config(cfg, out / EXPORT_CONFIG)
     vq_src = Path(vq_dir) if vq_dir else ckpt / VQ_DIR
     if vq_src.is_dir():  # with a video tokenizer the directory also serves LongVideoProcessor
-        LongVideoProcessor.from_config(cfg, tokenizer, load_vq(vq_src)).save_pretrained(out)
+        processor = LongVideoProcessor(tokenizer, load_vq(vq_src), ProcessorSettings.from_config(cfg))
+        processor.save_pretrained(out)
     return out

@@ -79,11 +79,6 @@ class LongVideoProcessor:
         self.vocab = tokenizer.vocab(vq.cfg.codebook_size, settings.vision_vocab_size)
 
     @classmethod
-    def from_config(cls, cfg: Config, tokenizer: TextTokenizer, vq: VQModel) -> "LongVideoProcessor":
-        """Settings from a root Config (what the model was trained with)."""
-        return cls(tokenizer, vq, ProcessorSettings.from_config(cfg))
-
-    @classmethod
     def from_pretrained(cls, path: str | Path) -> "LongVideoProcessor":
         path = Path(path)
         cfg_file = path / PROCESSOR_CONFIG

@@ -1,10 +1,5 @@
 """Serving: KV-cache generation with chunked prefill, sequence-parallel prefill and decoding, chat
-about a video, and the evaluations (QA accuracy, text and video needle in a haystack).
-
-    from longvideo.infer import answer, ChatSession, generate
-    answer("exported_dir", "clip.mp4", "What colour was the flash frame?")
-
-See docs/inference.md. Names load lazily (longvideo._lazy).
+about a video, and the evaluations. See docs/inference.md. Names load lazily (longvideo._lazy).
 """
 
 from longvideo._lazy import lazy_exports

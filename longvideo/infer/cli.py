@@ -1,12 +1,4 @@
-"""`longvideo chat` and `longvideo eval`.
-
-    longvideo chat --model DIR --video clip.mp4 --question "What colour was the flash frame?"
-    longvideo chat --model DIR --video clip.mp4 --interactive          # follow-ups reuse the KV cache
-    torchrun --nproc-per-node 2 -m longvideo chat --model DIR --video long.mp4 --question "..."
-    longvideo eval qa --model DIR --shards 'heldout/*.tar' --out eval/
-    longvideo eval text-niah --model DIR --lengths 512,1024 --depths 0,0.5,1 --out eval/
-    longvideo eval video-niah --model DIR --lengths 16,32 --out eval/
-    longvideo eval mcq --benchmark videomme --data Video-MME/ --model DIR --out eval/videomme
+"""`longvideo chat` and `longvideo eval` (docs/inference.md, docs/evaluation.md).
 
 Under torchrun (WORLD_SIZE > 1) both run sequence-parallel (longvideo.infer.sp): rank 0 reads the
 video and the questions, and prints and writes the results.
