@@ -1,9 +1,5 @@
-"""Hugging Face interoperability: `import-hf`, `export`, and the processor of exported models.
-
-    from longvideo.export import export_hf, import_hf, LongVideoProcessor
-
-The checkpoint formats themselves live in longvideo.checkpoint (also `load_pretrained`).
-See docs/export.md.
+"""Hugging Face interoperability: `import-hf`, `export`, and the processor of exported models. The
+checkpoint formats themselves live in longvideo.checkpoint (also `load_pretrained`). docs/export.md.
 """
 
 from longvideo._lazy import lazy_exports

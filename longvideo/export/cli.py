@@ -24,7 +24,8 @@ def _parser(prog: str, description: str, out: str = "project checkpoint director
     return p
 
 
-def _run(prog: str, convert: Callable[[], Path], errors: tuple = ERRORS, done: str = "wrote project checkpoint"):
+def _run(prog: str, convert: Callable[[], Path], errors: tuple = ERRORS,
+         done: str = "wrote project checkpoint") -> int:
     """convert(), then "{done} OUT"; an error of `errors` is one line and exit status 1."""
     try:
         out = convert()
@@ -36,13 +37,14 @@ def _run(prog: str, convert: Callable[[], Path], errors: tuple = ERRORS, done: s
 
 
 def import_main(argv: list[str]) -> int:
-    p = _parser("import-hf", "Read a local Hugging Face LlamaForCausalLM into a project checkpoint, extending "
-                "its vocabulary with the vision tokens and VQ codes.")
+    p = _parser("import-hf", "Read a local Hugging Face LlamaForCausalLM into a project checkpoint, "
+                "extending its vocabulary with the vision tokens and VQ codes.")
     p.add_argument("--hf", required=True, help="local Hugging Face model directory (safetensors)")
     p.add_argument("--config", default=None, help="root config to take the non-model sections from")
     p.add_argument("--codebook-size", type=int, default=None, help="VQ codebook size (default: the config's)")
     a = p.parse_args(argv)
-    return _run("import-hf", lambda: import_hf(a.hf, a.out, base_config=a.config, codebook_size=a.codebook_size))
+    return _run("import-hf", lambda: import_hf(a.hf, a.out, base_config=a.config,
+                                               codebook_size=a.codebook_size))
 
 
 def import_lwm_main(argv: list[str]) -> int:
@@ -54,8 +56,8 @@ def import_lwm_main(argv: list[str]) -> int:
                    "running anything it names)")
     p.add_argument("--tokenizer", required=True, help="directory with LWM's tokenizer.model (LLaMA), or a "
                    "Hugging Face tokenizer directory")
-    p.add_argument("--config", default="lwm-chat-1m", help="what the files do not hold (RoPE theta, context): "
-                   "lwm-chat-32k, lwm-chat-128k, lwm-chat-1m (default) or a YAML path")
+    p.add_argument("--config", default="lwm-chat-1m", help="what the files do not hold (RoPE theta, "
+                   "context): lwm-chat-32k, lwm-chat-128k, lwm-chat-1m (default) or a YAML path")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted config overrides, e.g. model.max_seq_len=65536")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -69,7 +71,8 @@ def import_lwm_main(argv: list[str]) -> int:
 def export_main(argv: list[str]) -> int:
     p = _parser("export", "Write a Hugging Face directory that transformers loads with no custom code.",
                 "output directory")
-    p.add_argument("--ckpt", required=True, help="project checkpoint, training run directory or ZeRO checkpoint")
+    p.add_argument("--ckpt", required=True,
+                   help="project checkpoint, training run directory or ZeRO checkpoint")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: CKPT/tokenizer)")
     p.add_argument("--vq", default=None, help="VQ tokenizer directory (default: CKPT/vq if present)")
     a = p.parse_args(argv)

@@ -19,7 +19,7 @@ from longvideo.checkpoint import (EXPORT_CONFIG, TOKENIZER_DIR, VQ_DIR, WEIGHTS_
                                   check_shapes, from_hf_names, load_project_state, read_safetensors_dir,
                                   save_project_checkpoint, streaming_weights, tie, to_hf_names)
 from longvideo.config import Config, load_config, save_config
-from longvideo.export.processor import LongVideoProcessor
+from longvideo.export.processor import LongVideoProcessor, ProcessorSettings
 from longvideo.model import ModelConfig
 from longvideo.tokenizer import TextTokenizer
 from longvideo.vocab import SPECIAL_TOKENS
@@ -34,7 +34,8 @@ def rope_theta_of(hf_cfg: dict) -> float:
     if isinstance(params, dict):
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in (None, "default"):
-            raise CheckpointError(f"config.json: rope type '{rope_type}' is not supported (only default RoPE)")
+            raise CheckpointError(f"config.json: rope type '{rope_type}' is not supported (only default "
+                                  f"RoPE)")
         if "rope_theta" in params:
             return float(params["rope_theta"])
     if "rope_theta" in hf_cfg:
@@ -55,7 +56,8 @@ def model_config_from_hf(hf_cfg: dict, text_vocab_size: int, codebook_size: int)
                               f"model_type={hf_cfg.get('model_type')!r} architectures={archs}")
     dim, heads = hf_cfg["hidden_size"], hf_cfg["num_attention_heads"]
     if hf_cfg.get("head_dim") not in (None, dim // heads):
-        raise CheckpointError(f"config.json: head_dim {hf_cfg['head_dim']} != hidden_size/num_attention_heads")
+        raise CheckpointError(f"config.json: head_dim {hf_cfg['head_dim']} != "
+                              f"hidden_size/num_attention_heads")
     if hf_cfg.get("attention_bias") or hf_cfg.get("mlp_bias"):
         raise CheckpointError("config.json: attention or MLP biases are not supported")
     return ModelConfig(
@@ -140,8 +142,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, base_config: Optional[str
         "text_vocab_size", "codebook_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
         "norm_eps", "rope_theta", "max_seq_len", "tie_embeddings", "attn_logn_base")})
     root = replace(root, model=mcfg, vq=replace(root.vq, codebook_size=K))
-    sd = from_hf_names({k: v for k, v in sd_hf.items() if not (mcfg.tie_embeddings and k == "lm_head.weight")},
-                       mcfg)
+    if mcfg.tie_embeddings:
+        sd_hf.pop("lm_head.weight", None)
+    sd = from_hf_names(sd_hf, mcfg)
     extra = mcfg.vocab_size - v0
     for key in ("tok_embeddings.weight",) + (() if mcfg.tie_embeddings else ("head.weight",)):
         w = sd[key]
@@ -181,5 +184,6 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: Optional[str
     save_config(cfg, out / EXPORT_CONFIG)
     vq_src = Path(vq_dir) if vq_dir else ckpt / VQ_DIR
     if vq_src.is_dir():  # with a video tokenizer the directory also serves LongVideoProcessor
-        LongVideoProcessor.from_config(cfg, tokenizer, load_vq(vq_src)).save_pretrained(out)
+        processor = LongVideoProcessor(tokenizer, load_vq(vq_src), ProcessorSettings.from_config(cfg))
+        processor.save_pretrained(out)
     return out

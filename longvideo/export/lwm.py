@@ -24,7 +24,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from longvideo.checkpoint import CONFIG_FILE, TOKENIZER_DIR, VQ_DIR, WEIGHTS_FILE, CheckpointError, streaming_weights
+from longvideo.checkpoint import (CONFIG_FILE, TOKENIZER_DIR, VQ_DIR, WEIGHTS_FILE, CheckpointError,
+                                  streaming_weights)
 from longvideo.config import Config, load_config, save_config
 from longvideo.export.tux import ArrayRecord, read_elements, scan_params
 from longvideo.model import ModelConfig
@@ -122,7 +123,8 @@ def read_tree(path: str | Path) -> LWMTree:
         expected = set(TOP_PARAMS) | {f"transformer/h/{i}/{p}" for i in found for p in LAYER_PARAMS}
     missing, extra = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
     if missing:
-        raise LWMImportError(f"{path}: missing arrays {missing[:5]} (tied or other heads are not supported)")
+        raise LWMImportError(f"{path}: missing arrays {missing[:5]} (tied or other heads are not "
+                             f"supported)")
     if extra:
         raise LWMImportError(f"{path}: unexpected arrays {extra[:5]}")
     if scan:
@@ -152,21 +154,24 @@ def model_config_from_tree(tree: LWMTree, base: ModelConfig, codebook_size: int,
         if tuple(got) != want or dim_v != dim:
             raise LWMImportError(f"{tree.path}: '{name}' has shape {tuple(got)}, expected {want} "
                                  f"(text vocabulary {v_text}, vision vocabulary {v_vis}, width {dim})")
-    if n_heads is None:
-        n_heads = base.n_heads if base.dim == dim else LWM_HEADS.get(dim, dim // 128 if dim % 128 == 0 else 0)
+    if n_heads is None and base.dim == dim:
+        n_heads = base.n_heads
+    elif n_heads is None:
+        n_heads = LWM_HEADS.get(dim, dim // 128 if dim % 128 == 0 else 0)
     if not n_heads or dim % n_heads:
         raise LWMImportError(f"width {dim} is not one of LWM's standard configs; give the number of heads "
                              f"(model.n_heads=...)")
     head_dim = dim // n_heads
     if k_shape[1] % head_dim:
-        raise LWMImportError(f"{tree.path}: wk has {k_shape[1]} outputs, not a multiple of head_dim {head_dim}")
+        raise LWMImportError(f"{tree.path}: wk has {k_shape[1]} outputs, not a multiple of head_dim "
+                             f"{head_dim}")
     if v_vis < codebook_size + 2:
         raise LWMImportError(f"{tree.path}: the vision vocabulary has {v_vis} ids, fewer than the VQGAN's "
                              f"{codebook_size} codes + <eof> + <eov>")
     return dataclasses.replace(
-        base, vocab_layout="lwm", text_vocab_size=v_text, vision_vocab_size=v_vis, codebook_size=codebook_size,
-        dim=dim, n_layers=tree.n_layers, n_heads=n_heads, n_kv_heads=k_shape[1] // head_dim, ffn_dim=f_shape[1],
-        tie_embeddings=False)
+        base, vocab_layout="lwm", text_vocab_size=v_text, vision_vocab_size=v_vis,
+        codebook_size=codebook_size, dim=dim, n_layers=tree.n_layers, n_heads=n_heads,
+        n_kv_heads=k_shape[1] // head_dim, ffn_dim=f_shape[1], tie_embeddings=False)
 
 
 # ----------------------------------------------------------------------------- writing the weights
@@ -180,7 +185,7 @@ def _plan(tree: LWMTree, cfg: ModelConfig) -> dict[str, tuple[torch.dtype, tuple
     for i in range(cfg.n_layers):
         for param, (ours, kind) in LAYER_PARAMS.items():
             rec, _, shape = tree.layer(param, i)
-            specs[f"layers.{i}.{ours}"] = (rec.torch_dtype, shape if kind == "vector" else (shape[1], shape[0]))
+            specs[f"layers.{i}.{ours}"] = (rec.torch_dtype, shape if kind == "vector" else shape[::-1])
     return specs
 
 
@@ -199,7 +204,7 @@ def _copy_table(f, w, rec: ArrayRecord, name: str, row0: int, dtype: torch.dtype
         w.write(name, block.contiguous().to(dtype), at=(row0 + r) * dim)
 
 
-def _convert(kind: str, t: torch.Tensor, shape: tuple[int, ...], cfg: ModelConfig, param: str) -> torch.Tensor:
+def _convert(kind: str, t: torch.Tensor, shape: tuple[int, ...], cfg: ModelConfig, param: str):
     if kind == "vector":
         return t.view(shape)
     w = t.view(shape).t()  # (in, out) -> (out, in)
@@ -218,7 +223,8 @@ def write_weights(tree: LWMTree, cfg: ModelConfig, out_file: Path,
             open(tree.path, "rb") as f:
         for src, name, row0 in (("transformer/wte/embedding", "tok_embeddings.weight", 0),
                                 ("transformer/vte/embedding", "tok_embeddings.weight", v_text),
-                                ("lm_head/kernel", "head.weight", 0), ("vision_head/kernel", "head.weight", v_text)):
+                                ("lm_head/kernel", "head.weight", 0),
+                                ("vision_head/kernel", "head.weight", v_text)):
             _copy_table(f, w, tree.get(src), name, row0, specs[name][0], kernel=src.endswith("/kernel"))
         w.write("norm.weight", read_elements(f, tree.get("transformer/ln_f/kernel")))
         for i in range(cfg.n_layers):

@@ -1,20 +1,12 @@
 """transformers code for an exported longvideo model whose attention scales its queries with the
 context (`model.attn_logn_base` > 0): Llama, plus one multiplication.
 
-`longvideo export` copies this file into the Hugging Face directory of such a model and points
-config.json's `auto_map` at it, so that
-
-    AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
-
-computes what the project's decoder computes. Its `model_type` is not "llama": without
-trust_remote_code, transformers refuses the directory instead of loading a plain Llama that would
-answer differently past `attn_logn_base` tokens. The file imports only torch and transformers.
-
-The scaling: the query at position p (position_ids, so packed documents restart at 0) is
-multiplied by max(1, ln(p + 1) / ln(attn_logn_base)). RoPE is a rotation, so scaling q_proj's
-output before it is the same as scaling the rotated query. Two hooks do it, with any attention
-implementation: one on the rotary embedding reads each forward's position_ids, one on every
-q_proj applies the scale.
+`longvideo export` copies this file beside such a model (config.json's `auto_map` points at it), so
+that `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` computes what the
+project's decoder computes; it imports only torch and transformers. The query at position p
+(position_ids) is multiplied by max(1, ln(p + 1) / ln(attn_logn_base)); RoPE is a rotation, so
+scaling q_proj's output is the same, and two hooks do it with any attention implementation.
+longvideo's docs/export.md, "Models whose queries scale with the context".
 """
 
 import math

@@ -9,10 +9,8 @@
     out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     print(proc.decode(out[0], prompt_length=inputs["input_ids"].shape[1]))
 
-The prompt is built by the same template the model was trained with (longvideo.data.templates), so
-the exported model needs no custom code: positions are 0..L-1 and there is one segment. For an
-imported LWM model it is LWM's vision-chat prompt, and the exported generation_config.json
-suppresses the vision ids, so `generate` answers with text as LWM does.
+The prompt is the template the model was trained with (longvideo.data.templates; LWM's vision-chat
+prompt for an imported LWM model), with positions 0..L-1 and one segment: no custom code is needed.
 """
 
 from __future__ import annotations
@@ -72,19 +70,13 @@ class ProcessorSettings:
 
 
 class LongVideoProcessor:
-    def __init__(self, tokenizer: TextTokenizer, vq: VQModel, settings: ProcessorSettings = ProcessorSettings()):
-        self.tokenizer = tokenizer
-        self.vq = vq
-        self.settings = settings
+    def __init__(self, tokenizer: TextTokenizer, vq: VQModel,
+                 settings: ProcessorSettings = ProcessorSettings()):
+        self.tokenizer, self.vq, self.settings = tokenizer, vq, settings
         if tokenizer.layout != settings.vocab_layout:
             raise ValueError(f"the tokenizer is of the {tokenizer.layout} layout, the settings say "
                              f"{settings.vocab_layout}")
         self.vocab = tokenizer.vocab(vq.cfg.codebook_size, settings.vision_vocab_size)
-
-    @classmethod
-    def from_config(cls, cfg: Config, tokenizer: TextTokenizer, vq: VQModel) -> "LongVideoProcessor":
-        """Settings from a root Config (what the model was trained with)."""
-        return cls(tokenizer, vq, ProcessorSettings.from_config(cfg))
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "LongVideoProcessor":
@@ -139,6 +131,3 @@ class LongVideoProcessor:
             ids = ids[: ids.index(self.tokenizer.eos_id)]
         text = self.tokenizer.decode(ids)
         return text.strip() if self.settings.prompt_template == "lwm" else parse_answer(text)
-
-    def batch_decode(self, batch, prompt_length: int = 0) -> list[str]:
-        return [self.decode(row, prompt_length) for row in batch]

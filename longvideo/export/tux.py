@@ -21,7 +21,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -38,16 +38,13 @@ class TuxFormatError(ValueError):
     """The file is not a tux streaming checkpoint of arrays (or is truncated); names the position."""
 
 
-@dataclass
-class _Span:
+class _Span(NamedTuple):
     """Bytes of a msgpack bin/str left in the file: `size` bytes at `offset`."""
-
     offset: int
     size: int
 
 
-@dataclass
-class _Array:
+class _Array(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
     data: _Span
@@ -152,11 +149,8 @@ class _Reader:
         return got.decode("utf-8", errors="replace") if isinstance(got, bytes) else got
 
     def _map(self, n: int, small: int) -> dict:
-        out = {}
-        for _ in range(n):
-            k = self.value(small)
-            out[k.decode() if isinstance(k, bytes) else k] = self.value(small)
-        return out
+        pairs = [(self.value(small), self.value(small)) for _ in range(n)]
+        return {k.decode() if isinstance(k, bytes) else k: v for k, v in pairs}
 
     def _ext(self, n: int) -> Any:
         code = int.from_bytes(self._read(1), "big", signed=True)
@@ -176,7 +170,7 @@ class _Reader:
             self._fail("array extension with a bad shape or data")
         return _Array(tuple(int(d) for d in shape), str(dtype), data)
 
-    def payload(self, small: int = 0) -> tuple[int, int]:
+    def payload(self) -> tuple[int, int]:
         """The (offset, size) of the bin (or str, from msgpack writers without a bin type) that
         holds one record's serialized value; the file is left at its start."""
         b = self._read(1)[0]
@@ -200,7 +194,7 @@ def _record(key: tuple[str, ...], value: Any, reader: _Reader) -> ArrayRecord:
             chunks = [chunk_map[str(i)] for i in range(len(chunk_map))]
         except KeyError:
             reader._fail(f"chunked array '{name}' with a gap in its shape or chunks")
-        if not chunks or not all(isinstance(c, _Array) for c in chunks) or len({c.dtype for c in chunks}) != 1:
+        if not chunks or not all(isinstance(c, _Array) for c in chunks) or len({c.dtype for c in chunks}) > 1:
             reader._fail(f"chunked array '{name}' without uniform array chunks")
     elif isinstance(value, _Array):
         shape, chunks = value.shape, [value]

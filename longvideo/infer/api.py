@@ -1,10 +1,7 @@
 """The OpenAI chat-completions request as `longvideo serve` reads it, and the video it names.
 
-Messages alternate user / assistant, ending with the user's; a content is a string or a list of
-`{"type": "text", ...}` and `{"type": "video_url", "video_url": {"url": ...}}` parts, as vLLM and SGLang
-take them. The one video is in the first user message: a `data:video/...;base64,` URL, a `file://`
-path inside the media directory, or an `http(s)` URL when remote media are allowed. Every refusal is
-an `ApiError` with its HTTP status and the field it is about (`messages[0].content[1].video_url.url`).
+Every refusal is an `ApiError` with its HTTP status and the field it is about
+(`messages[0].content[1].video_url.url`). The messages, URLs and statuses: docs/serving.md.
 """
 
 from __future__ import annotations
@@ -23,7 +20,8 @@ from typing import Optional
 class ApiError(Exception):
     """A refused request: HTTP `status`, the message, the request field it is about."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None, headers: Optional[dict] = None):
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 headers: Optional[dict] = None):
         super().__init__(f"{param}: {message}" if param else message)
         self.status, self.param, self.headers = status, param, headers or {}
 
@@ -56,12 +54,15 @@ def _check(ok: bool, param: str, message: str) -> None:
         raise ApiError(400, message, param)
 
 
-def _number(body: dict, key: str, integer: bool = False, low: float = None, high: float = None, open_low=False):
+def _number(body: dict, key: str, integer: bool = False, low: Optional[float] = None,
+            high: Optional[float] = None, open_low: bool = False):
+    """body[key] (None when absent), checked to be a number (an integer) in range."""
     v = body.get(key)
     if v is not None:
         _check(isinstance(v, int if integer else (int, float)) and not isinstance(v, bool), key,
                f"must be {'an integer' if integer else 'a number'}")
-        _check(low is None or (v > low if open_low else v >= low), key, f"must be {'>' if open_low else '>='} {low}")
+        _check(low is None or (v > low if open_low else v >= low), key,
+               f"must be {'>' if open_low else '>='} {low}")
         _check(high is None or v <= high, key, f"must be <= {high}")
     return v
 
@@ -83,7 +84,8 @@ def _content(content, where: str, user: bool) -> tuple[str, list[tuple[str, str]
             _check(isinstance(url, str) and bool(url), f"{at}.video_url.url", "must be a non-empty string")
             videos.append((url, f"{at}.video_url.url"))
         else:
-            _check(False, f"{at}.type", f"{kind!r} is not supported here ({'text and video_url' if user else 'text'} parts)")
+            allowed = "text and video_url" if user else "text"
+            _check(False, f"{at}.type", f"{kind!r} is not supported here ({allowed} parts)")
     return "\n".join(t for t in texts if t), videos
 
 
@@ -101,10 +103,12 @@ def parse_request(raw: bytes) -> ChatRequest:
         role, want = m.get("role") if isinstance(m, dict) else None, "assistant" if i % 2 else "user"
         _check(role not in ("system", "developer"), f"messages[{i}].role",
                f"{role!r} messages are not supported: the model's prompt template has no place for them")
-        _check(role == want, f"messages[{i}].role", f"must be {want!r}: messages alternate user and assistant")
+        _check(role == want, f"messages[{i}].role",
+               f"must be {want!r}: messages alternate user and assistant")
         text, found = _content(m.get("content"), f"messages[{i}].content", role == "user")
         if found:
-            _check(i == 0 and len(found) == 1, found[-1][1], "one video per conversation, in the first user message")
+            _check(i == 0 and len(found) == 1, found[-1][1],
+                   "one video per conversation, in the first user message")
             videos = found
         if role == "user":
             _check(bool(text), f"messages[{i}].content", "has no text: ask a question")
@@ -112,7 +116,8 @@ def parse_request(raw: bytes) -> ChatRequest:
         else:
             turns[-1] = (turns[-1][0], text)
     _check(len(msgs) % 2 == 1, f"messages[{len(msgs) - 1}].role", "the last message must be the user's")
-    _check(bool(videos), "messages[0].content", "has no video_url part: the model answers questions about a video")
+    _check(bool(videos), "messages[0].content",
+           "has no video_url part: the model answers questions about a video")
     _check(body.get("n", 1) == 1, "n", "only 1 is supported")
     _check(isinstance(body.get("model", ""), str), "model", "must be a string")
     _check(isinstance(body.get("stream", False), bool), "stream", "must be true or false")
@@ -123,9 +128,11 @@ def parse_request(raw: bytes) -> ChatRequest:
     _check(isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop), "stop",
            "must be a non-empty string or a list of up to 4 of them")
     max_tokens = _number(body, "max_completion_tokens", True, 1)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", True, 1)
     return ChatRequest(
-        turns, videos[0][0], videos[0][1], body.get("model"), body.get("stream", False), bool(opts.get("include_usage")),
-        max_tokens if max_tokens is not None else _number(body, "max_tokens", True, 1), _number(body, "temperature", low=0),
+        turns, videos[0][0], videos[0][1], body.get("model"), body.get("stream", False),
+        bool(opts.get("include_usage")), max_tokens, _number(body, "temperature", low=0),
         _number(body, "top_p", low=0, high=1, open_low=True), _number(body, "seed", True), stop,
         _number(body, "fps", low=0, open_low=True), _number(body, "max_frames", True, 1))
 
@@ -165,7 +172,8 @@ def _fetch(url: str, where: str, policy: MediaPolicy) -> bytes:
     if scheme == "data":
         head, _, payload = url.partition(",")
         _check(head.lower().endswith(";base64"), where, "a data URL must be data:video/...;base64,...")
-        _check(head[5:].lower().startswith("video/"), where, f"a data URL must hold a video, not {head[5:].split(';')[0]!r}")
+        _check(head[5:].lower().startswith("video/"), where,
+               f"a data URL must hold a video, not {head[5:].split(';')[0]!r}")
         size_ok(len(payload) * 3 // 4)
         try:
             return base64.b64decode(payload, validate=True)
@@ -175,7 +183,8 @@ def _fetch(url: str, where: str, policy: MediaPolicy) -> bytes:
         if policy.media_dir is None:
             raise ApiError(403, "file:// URLs are refused: the server was started without --media-dir", where)
         rest = url[5:].split("?", 1)[0].split("#", 1)[0]
-        path = Path(urllib.parse.unquote(rest[2:] if rest.startswith("//") else rest))  # file:///abs, file://rel
+        rest = rest[2:] if rest.startswith("//") else rest  # file:///abs, file://rel
+        path = Path(urllib.parse.unquote(rest))
         root = policy.media_dir.resolve()
         full = (root / path).resolve()  # an absolute path replaces the root
         if ".." in path.parts or not full.is_relative_to(root):

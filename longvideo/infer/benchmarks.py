@@ -2,12 +2,9 @@
 
     questions = read_benchmark("videomme", "data/Video-MME")      # list[Question]
 
-One reader per benchmark (videomme, mlvu, longvideobench, egoschema, lvbench, and a documented
-generic JSONL) finds the question files and the videos (and subtitles) where the release puts them
-and keeps the benchmark's own breakdown labels; docs/evaluation.md lists each layout. A question
-whose options or answer cannot be read comes back with `problem` set (the caller files it under
-"malformed_options") instead of stopping the reader; missing question files raise
-FileNotFoundError naming what was looked for.
+One reader per benchmark (docs/evaluation.md, "The benchmarks", lists each layout) keeps the
+benchmark's own breakdown labels. A question whose options or answer cannot be read comes back with
+`problem` set instead of stopping the reader; missing question files raise FileNotFoundError.
 """
 
 from __future__ import annotations
@@ -132,7 +129,8 @@ def _videomme(root: Path) -> list[Question]:
 
     files = sorted(root.glob("**/*.parquet"))
     if not files:
-        raise FileNotFoundError(f"no Video-MME parquet under {root} (the release: videomme/test-00000-of-00001.parquet)")
+        raise FileNotFoundError(f"no Video-MME parquet under {root} (the release: "
+                                f"videomme/test-00000-of-00001.parquet)")
 
     def one(r):
         vid = r["videoID"]
@@ -177,9 +175,9 @@ def _egoschema(root: Path) -> list[Question]:
     rows = json.loads(_need(root / "questions.json", "EgoSchema's questions").read_text())
     answers = json.loads(_need(root / "subset_answers.json", "EgoSchema's published answers").read_text())
     rows = [r for r in rows if isinstance(r, dict) and r.get("q_uid") in answers]
-    return _each(rows, lambda r: make_question(r["q_uid"], _video(root, ("videos",), r["q_uid"]), r["question"],
-                                               [r[f"option {i}"] for i in range(5)], answers[r["q_uid"]]),
-                 lambda r: r["q_uid"])
+    return _each(rows, lambda r: make_question(r["q_uid"], _video(root, ("videos",), r["q_uid"]),
+                                               r["question"], [r[f"option {i}"] for i in range(5)],
+                                               answers[r["q_uid"]]), lambda r: r["q_uid"])
 
 
 def _lvbench(root: Path) -> list[Question]:
@@ -191,9 +189,10 @@ def _lvbench(root: Path) -> list[Question]:
         def one(qa, v=v):
             stem, opts = split_inline(qa["question"])
             types = qa["question_type"]
+            groups = {"question_type": list(types) if isinstance(types, list) else [types],
+                      "type": v.get("type", "")}
             return make_question(qa["uid"], _video(root, ("videos", "all_videos", "."), v["key"]), stem, opts,
-                                 qa["answer"], {"question_type": list(types) if isinstance(types, list) else [types],
-                                                "type": v.get("type", "")})
+                                 qa["answer"], groups)
 
         out += _each(v.get("qa", []), one, lambda qa: qa["uid"])
     return out

@@ -40,18 +40,15 @@ class ContextWarning(UserWarning):
 
 @dataclass
 class EncodedVideo:
-    """A video as the language model sees it: VQ code groups and the time of each."""
+    """A video as the language model sees it: codes int64 (G, h, w), timestamps float64 (G,) (the
+    seconds of each group's first frame), the frames read, the video's duration in seconds, and the
+    fps actually sampled (lower than asked when the context forced it)."""
 
     codes: np.ndarray
-    """int64 (G, h, w)."""
     timestamps: np.ndarray
-    """float64 (G,), seconds of each group's first frame."""
     num_frames: int
-    """Frames read from the video."""
     duration: float
-    """Length of the video in seconds."""
     fps: float
-    """Frames per second actually sampled (lower than asked when the context forced it)."""
 
 
 def load_model(model, device: str | torch.device = "cpu") -> Pretrained:
@@ -64,9 +61,9 @@ def load_model(model, device: str | torch.device = "cpu") -> Pretrained:
 def _require(pretrained, what: str):
     obj = getattr(pretrained, what, None)
     if obj is None:
+        name = "VQ video tokenizer (vq/)" if what == "vq" else "text tokenizer"
         where = getattr(pretrained, "path", None) or "the model"
-        raise ValueError(f"{where} has no {'VQ video tokenizer (vq/)' if what == 'vq' else 'text tokenizer'}; "
-                         f"it cannot answer questions about videos")
+        raise ValueError(f"{where} has no {name}; it cannot answer questions about videos")
     return obj
 
 
@@ -117,7 +114,8 @@ def fit_codes(pretrained, codes: np.ndarray, timestamps: np.ndarray, question: s
 
     g = groups_that_fit(length, G, pretrained.model.cfg.max_seq_len - max_new_tokens)
     if g == 0:
-        raise ValueError(f"the question alone does not fit the context of {pretrained.model.cfg.max_seq_len} tokens")
+        raise ValueError(f"the question alone does not fit the context of {pretrained.model.cfg.max_seq_len} "
+                         f"tokens")
     keep = uniform_keep(G, g)
     return codes[keep], timestamps[keep], keep
 
@@ -137,7 +135,8 @@ def encode_video_file(pretrained, video, *, fps: float = 1.0, max_frames: Option
     info = probe_video(video)
     wanted = len(sample_indices(info.num_frames, info.fps, fps, max_frames))
     if wanted == 0:
-        raise EmptyVideoError("no frames to read", str(video) if not isinstance(video, (bytes, bytearray)) else "<bytes>")
+        where = "<bytes>" if isinstance(video, (bytes, bytearray)) else str(video)
+        raise EmptyVideoError("no frames to read", where)
     duration = info.duration if info.duration > 0 else info.num_frames / max(info.fps, 1e-9)
     n = fit_frames(pretrained, wanted, question, max_new_tokens, duration, history)
     if n == 0:
@@ -153,8 +152,8 @@ def encode_video_file(pretrained, video, *, fps: float = 1.0, max_frames: Option
     vc = video_to_codes(vq, video, fps=fps, max_frames=n, batch_frames=batch_frames, progress=progress,
                         total_frames=n, on_frames=on_frames)
     if vc.report.describe():
-        warnings.warn(f"the video is partly unreadable ({vc.report.describe()}); answering about what was read",
-                      stacklevel=2)
+        warnings.warn(f"the video is partly unreadable ({vc.report.describe()}); answering about what was "
+                      f"read", stacklevel=2)
     return EncodedVideo(codes=vc.codes, timestamps=vc.timestamps, num_frames=vc.num_frames,
                         duration=float(duration), fps=float(effective))
 
@@ -174,14 +173,14 @@ def share_video(video: Optional[EncodedVideo], group=None) -> EncodedVideo:
 def generate_answer(pretrained, engine: Engine, ids: Sequence[int], infer: InferConfig,
                     generator: Optional[torch.Generator] = None) -> tuple[str, Generation]:
     """Generate after the engine's prefix and `ids` up to the end of sequence; the answer's text.
-    Only LWM's layout restricts the answer's ids (Vocab.answer_limit), so engines that do not know
-    the option still serve the others."""
+    Only LWM's layout restricts the answer's ids (Vocab.answer_limit): other engines need not know it."""
     tok, limit = _require(pretrained, "tokenizer"), pretrained.model.cfg.vocab.answer_limit
     stop = [tok.eos_id] if tok.eos_id is not None else []
     device = next(pretrained.model.parameters()).device
     gen = engine.generate(torch.tensor([list(ids)], dtype=torch.long, device=device),
-                          max_new_tokens=infer.max_new_tokens, temperature=infer.temperature, top_p=infer.top_p,
-                          stop_ids=stop, generator=generator, **({} if limit is None else {"vocab_limit": limit}))
+                          max_new_tokens=infer.max_new_tokens, temperature=infer.temperature,
+                          top_p=infer.top_p, stop_ids=stop, generator=generator,
+                          **({} if limit is None else {"vocab_limit": limit}))
     return tok.decode(trim_at_stop(gen.tokens[0].tolist(), stop)).strip(), gen
 
 

@@ -1,12 +1,4 @@
-"""`longvideo chat` and `longvideo eval`.
-
-    longvideo chat --model DIR --video clip.mp4 --question "What colour was the flash frame?"
-    longvideo chat --model DIR --video clip.mp4 --interactive          # follow-ups reuse the KV cache
-    torchrun --nproc-per-node 2 -m longvideo chat --model DIR --video long.mp4 --question "..."
-    longvideo eval qa --model DIR --shards 'heldout/*.tar' --out eval/
-    longvideo eval text-niah --model DIR --lengths 512,1024 --depths 0,0.5,1 --out eval/
-    longvideo eval video-niah --model DIR --lengths 16,32 --out eval/
-    longvideo eval mcq --benchmark videomme --data Video-MME/ --model DIR --out eval/videomme
+"""`longvideo chat` and `longvideo eval` (docs/inference.md, docs/evaluation.md).
 
 Under torchrun (WORLD_SIZE > 1) both run sequence-parallel (longvideo.infer.sp): rank 0 reads the
 video and the questions, and prints and writes the results.
@@ -80,7 +72,8 @@ def chat_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-frames", type=int, default=None, help="most frames read (uniform over the video)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: model config)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
-    p.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill chunk (single process)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="tokens per prefill chunk (single process)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     return p
 
@@ -183,7 +176,7 @@ def eval_parser() -> argparse.ArgumentParser:
                                 "evaluations; each writes NAME.json and a heatmap NAME.png into --out.")
     sub = p.add_subparsers(dest="task", required=True)
 
-    def task(name: str, help: str, lengths: Optional[list[int]] = None, unit: str = "") -> argparse.ArgumentParser:
+    def task(name: str, help: str, lengths: Optional[list[int]] = None, unit: str = ""):
         sp = sub.add_parser(name, help=help)
         _shared_args(sp, 16, "most answer tokens (default 16)")
         sp.add_argument("--out", required=True, help="output directory for the JSON and the PNG")
@@ -198,7 +191,8 @@ def eval_parser() -> argparse.ArgumentParser:
     qa.add_argument("--shards", required=True, help="directory, glob or brace pattern of shards")
     qa.add_argument("--max-samples", type=int, default=None)
     qa.add_argument("--fps", type=float, default=1.0, help="raw shards: frames per second read")
-    tn = task("text-niah", "text needle in a haystack (LWM's protocol)", [256, 512, 1024], "context lengths in tokens")
+    tn = task("text-niah", "text needle in a haystack (LWM's protocol)", [256, 512, 1024],
+              "context lengths in tokens")
     tn.add_argument("--rounds", type=int, default=2, help="needles per cell")
     vn = task("video-niah", "video needle in a haystack (needle frame at a depth)", [16, 32, 64],
               "video lengths in frames (1 fps)")
@@ -247,11 +241,12 @@ def _eval(args) -> int:
     writes the results."""
     if args.task == "vq-needle":
         model = Path(args.model)
+        vq_dir = (model / "config.json").is_file() and (model / "model.safetensors").is_file() \
+            and not (model / "vq").is_dir()  # a VQ directory, not a model's
         try:
-            vq = load_vq(model) if (model / "config.json").is_file() and (model / "model.safetensors").is_file() \
-                and not (model / "vq").is_dir() else args.model
-            res = evals.evaluate_vq_needle(vq, num_frames=args.frames, trials=args.trials, seed=args.seed,
-                                           source_fps=args.source_fps, out_dir=args.out, progress=not args.quiet)
+            res = evals.evaluate_vq_needle(load_vq(model) if vq_dir else args.model, num_frames=args.frames,
+                                           trials=args.trials, seed=args.seed, source_fps=args.source_fps,
+                                           out_dir=args.out, progress=not args.quiet)
         except KNOWN_ERRORS as e:
             return _error("longvideo eval", e)
         print(f"flash colour after the tokenizer: {res['rate']:.1%} of {res['trials']} "
@@ -266,9 +261,9 @@ def _eval(args) -> int:
     try:
         pretrained = load_model(args.model, device)
         heads = split_group(None, args.ulysses) if distributed else None
+        factory = lambda p: SequenceParallelEngine(p.model, backend=args.backend, ulysses=heads)  # noqa: E731
         run = dict(max_new_tokens=args.max_new_tokens, progress=not args.quiet and rank == 0,
-                   engine_factory=(lambda p: SequenceParallelEngine(p.model, backend=args.backend, ulysses=heads))
-                   if distributed else None)
+                   engine_factory=factory if distributed else None)
         out = args.out if rank == 0 else None
         if args.task == "mcq":
             res = mcq.evaluate_mcq(pretrained, args.benchmark, args.data, args.out, mode=args.mode,
@@ -287,20 +282,22 @@ def _eval(args) -> int:
                     f"of {res['samples']} videos")
         elif args.task == "text-niah":
             res = evals.evaluate_text_needle(pretrained, lengths=args.lengths, depths=args.depths,
-                                             rounds=args.rounds, seed=args.seed, out_dir=out, **run)
+                                             seed=args.seed, rounds=args.rounds, out_dir=out, **run)
             line = f"text needle accuracy {res['accuracy']:.3f} over {len(res['cells'])} needles"
         else:
             colours = [c.strip() for c in args.colours.split(",")] if args.colours else None
-            trials = None if args.trials is None else (args.trials[0] if len(args.trials) == 1 else args.trials)
-            res = evals.evaluate_video_needle(pretrained, lengths=args.lengths, depths=args.depths, colours=colours,
-                                              trials=trials, seed=args.seed, source_fps=args.source_fps,
+            trials = args.trials[0] if args.trials and len(args.trials) == 1 else args.trials
+            res = evals.evaluate_video_needle(pretrained, lengths=args.lengths, depths=args.depths,
+                                              seed=args.seed, colours=colours, trials=trials,
+                                              source_fps=args.source_fps,
                                               out_dir=out, encode_group=group, haystack=args.haystack,
-                                              needle=args.needle, question=args.question, answer=args.answer, **run)
+                                              needle=args.needle, question=args.question, answer=args.answer,
+                                              **run)
             line = (f"video needle accuracy {res['accuracy']:.3f} (chance {res['chance']:.3f}) "
                     f"over {len(res['cells'])} needles")
             if res["needles_dropped"]:
-                line += (f"\nwarning: {res['needles_dropped']} of {len(res['cells'])} needles were dropped to "
-                         f"fit the model's context of {res['context']} tokens; those trials are guesses "
+                line += (f"\nwarning: {res['needles_dropped']} of {len(res['cells'])} needles were dropped "
+                         f"to fit the model's context of {res['context']} tokens; those trials are guesses "
                          f"(cells: needle_kept)")
         if rank == 0:
             print(line + (f" (sequence-parallel over {dist.get_world_size()} ranks)" if distributed else ""))

@@ -30,7 +30,8 @@ from longvideo.data.shards import index_tar, iter_raw_samples, iter_token_sample
 from longvideo.data.streams import ShardError, SkipStats, expand_shards
 from longvideo.data.synthetic import COLOURS, NEEDLE_CHOICES, NEEDLE_QUESTION, SyntheticSpec, make_sample
 from longvideo.data.video import VideoError, read_video, resize_crop
-from longvideo.infer.chat import ChatSession, EncodedVideo, fit_codes, generate_answer, infer_config, load_model
+from longvideo.infer.chat import (ChatSession, EncodedVideo, fit_codes, generate_answer, infer_config,
+                                  load_model)
 from longvideo.infer.generation import Engine, LocalEngine
 from longvideo.infer.sp import broadcast_array
 from longvideo.vq.codec import SplicingEncoder, decode_codes, encode_video
@@ -107,7 +108,7 @@ def greedy(model, max_new_tokens: int, needs: Sequence[str] = (), what: str = ""
     return pretrained, infer_config(pretrained, max_new_tokens=max_new_tokens, temperature=0.0)
 
 
-def open_session(pretrained, video: EncodedVideo, infer, engine_factory: Optional[EngineFactory]) -> ChatSession:
+def open_session(pretrained, video: EncodedVideo, infer, engine_factory: Optional[EngineFactory]):
     """A ChatSession on the factory's engine (default: the session's LocalEngine)."""
     engine = engine_factory(pretrained) if engine_factory is not None else None
     return ChatSession(pretrained, video, infer=infer, engine=engine)
@@ -185,24 +186,29 @@ def evaluate_qa(model, shards, *, out_dir: Optional[str | Path] = None, max_samp
     if not records:
         raise ValueError(f"no QA samples found in {shards!r} (skipped: {dict(stats)})")
     chances = [r["chance"] for r in records if r["chance"] is not None]
-    by_question = {q: [r for r in records if r["question"] == q] for q in sorted({r["question"] for r in records})}
+    by_question = {q: [r for r in records if r["question"] == q]
+                   for q in sorted({r["question"] for r in records})}
     questions = list(by_question)
     durations = np.array([r["duration"] for r in records])
     edges = np.unique(np.quantile(durations, [0, 1 / 3, 2 / 3, 1])) if len(records) > 1 else durations[:1]
     bins = [(float(a), float(b)) for a, b in zip(edges[:-1], edges[1:])] or [(float(durations[0]),) * 2]
     grid = np.full((len(questions), len(bins)), np.nan)
     for i, rs in enumerate(by_question.values()):
-        for j, (a, b) in enumerate(bins):  # the last bin holds its upper edge
-            hits = [r["exact"] for r in rs if a <= r["duration"] < b or (j == len(bins) - 1 and r["duration"] == b)]
+        for j, (a, b) in enumerate(bins):
+            last = j == len(bins) - 1  # the last bin holds its upper edge
+            hits = [r["exact"] for r in rs if a <= r["duration"] < b or (last and r["duration"] == b)]
             if hits:
                 grid[i, j] = float(np.mean(hits))
-    per_question = {q: {"accuracy": float(np.mean([r["exact"] for r in rs])), "count": len(rs),
-                        "chance": float(np.mean(c)) if (c := [r["chance"] for r in rs if r["chance"]]) else None}
-                    for q, rs in by_question.items()}
+    per_question = {}
+    for q, rs in by_question.items():
+        c = [r["chance"] for r in rs if r["chance"]]
+        per_question[q] = {"accuracy": float(np.mean([r["exact"] for r in rs])), "count": len(rs),
+                           "chance": float(np.mean(c)) if c else None}
     result = {"task": "qa", "accuracy": float(np.mean([r["exact"] for r in records])),
               "substring_accuracy": float(np.mean([r["substring"] for r in records])),
               "chance": float(np.mean(chances)) if chances else None, "questions": len(records),
-              "samples": len({r["key"] for r in records}), "per_question": per_question, "duration_bins": bins,
+              "samples": len({r["key"] for r in records}), "per_question": per_question,
+              "duration_bins": bins,
               "grid": [[None if not np.isfinite(v) else float(v) for v in row] for row in grid],
               "skipped": {k: v for k, v in stats.items() if k != "ok"}, "seconds": round(time.time() - t0, 2),
               "records": records}
@@ -261,7 +267,8 @@ def text_needle_prompt(pretrained, context_len: int, depth: float, city: str, nu
     at = int(np.argmin(np.abs(offsets - depth * offsets[-1])))
     ids = render(hay[:at] + [needle] + hay[at:])
     return ids, {"tokens": len(ids), "needle_sentence": at, "haystack_sentences": len(hay),
-                 "needle_depth": float(offsets[at] / max(offsets[-1], 1)), "needle": needle, "question": question}
+                 "needle_depth": float(offsets[at] / max(offsets[-1], 1)), "needle": needle,
+                 "question": question}
 
 
 def evaluate_text_needle(model, *, lengths: Sequence[int] = (256, 512, 1024),
@@ -364,7 +371,7 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
         img = torch.from_numpy(np.asarray(Image.open(needle).convert("RGB")).copy())
         needles = [(answer, resize_crop(img[None], size)[0])]
     else:
-        needles = [(c, torch.from_numpy(np.broadcast_to(np.asarray(COLOURS[c], np.uint8), (size, size, 3)).copy()))
+        needles = [(c, torch.tensor(COLOURS[c], dtype=torch.uint8).expand(size, size, 3).clone())
                    for c in colours]
     hay = read_video(str(haystack), fps=1.0, size=size).frames.numpy() if haystack is not None else None
     if hay is not None and max(lengths) > len(hay):
@@ -399,6 +406,7 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
             fail_together(error, encode_group)
         for trial in range(n_trials):
             c = needles[trial % len(needles)][0]
+            start = 0 if hay is None else window_start(len(hay), T, trial, n_trials)
             if world > 1:
                 src = dist.get_global_rank(encode_group, trial % world)
                 trial_codes = broadcast_array(mine.pop(trial, None), src=src, group=encode_group)
@@ -406,7 +414,8 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                 trial_codes = depth_codes(trial)
             for i, d in enumerate(depths):
                 k = needle_index(T, d)
-                kept, stamps, keep = fit_codes(pretrained, trial_codes[i], stamps_all, question, infer.max_new_tokens)
+                kept, stamps, keep = fit_codes(pretrained, trial_codes[i], stamps_all, question,
+                                               infer.max_new_tokens)
                 video = EncodedVideo(codes=kept, timestamps=stamps, num_frames=T, duration=float(T), fps=1.0)
                 session = open_session(pretrained, video, infer, engine_factory)
                 pred = session.ask(question)
@@ -417,7 +426,7 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                               "needle_group": group, "frame_in_group": groups[group].index(k), "colour": c,
                               "prediction": pred, "correct": ok, "substring": substring_match(pred, c),
                               "groups": int(kept.shape[0]), "needle_kept": group in set(keep),
-                              "window_start": 0 if hay is None else window_start(len(hay), T, trial, n_trials),
+                              "window_start": start,
                               "tokens": session.last.prompt_len})
                 bar.update(1)
     bar.close()
@@ -429,7 +438,8 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
               "accuracy": float(hits.sum() / (len(depths) * sum(per_length))),
               "chance": 1.0 / len(colours) if needle is None else 0.0, "grid": grid.tolist(),
               "needles_dropped": dropped, "context": pretrained.model.cfg.max_seq_len, "cells": cells,
-              "vq_mode": vq.cfg.mode, "question": question, "haystack": None if haystack is None else str(haystack),
+              "vq_mode": vq.cfg.mode, "question": question,
+              "haystack": None if haystack is None else str(haystack),
               "haystack_frames": None if hay is None else len(hay)}
     if out_dir is not None:  # the exact frames inserted, at the tokenizer's resolution
         frames_dir = Path(out_dir) / "video_needle_frames"
@@ -439,11 +449,11 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
             Image.fromarray(frame.numpy()).save(result["needle_frames"][a])
     return _write(result, out_dir, "video_needle", lambda p: save_heatmap(
         grid, list(lengths), [f"{d:.2f}" for d in depths], p,
-        title=f"Video needle retrieval (chance {result['chance']:.2f})", xlabel="video length (frames at 1 fps)",
-        ylabel="needle depth"))
+        title=f"Video needle retrieval (chance {result['chance']:.2f})",
+        xlabel="video length (frames at 1 fps)", ylabel="needle depth"))
 
 
-# ----------------------------------------------------------------------------- the needle through the tokenizer
+# ----------------------------------------------------------------------------- a flash through the tokenizer
 
 def nearest_colour(frame: np.ndarray, colours: Sequence[str]) -> str:
     """The needle colour closest (RGB distance) to a frame's mean colour."""
@@ -477,12 +487,13 @@ def evaluate_vq_needle(vq, *, num_frames: int = 120, trials: int = 32, seed: int
         codes = encode_video(vq, torch.from_numpy(frames), batch_frames=batch_frames)
         decoded = decode_codes(vq, codes)[:num_frames].numpy()
         got = nearest_colour(decoded[k], colours)
-        cells.append({"trial": trial, "frame": k, "offset_in_group": offset_of[k], "colour": c, "decoded": got,
-                      "correct": got == c})
+        cells.append({"trial": trial, "frame": k, "offset_in_group": offset_of[k], "colour": c,
+                      "decoded": got, "correct": got == c})
     offsets = sorted({x["offset_in_group"] for x in cells})
     per = {o: float(np.mean([x["correct"] for x in cells if x["offset_in_group"] == o])) for o in offsets}
     result = {"task": "vq_needle", "frames": num_frames, "trials": trials, "vq_mode": vq.cfg.mode,
-              "frames_per_group": vq.cfg.frames_per_group, "rate": float(np.mean([x["correct"] for x in cells])),
+              "frames_per_group": vq.cfg.frames_per_group,
+              "rate": float(np.mean([x["correct"] for x in cells])),
               "rate_by_offset": {str(o): r for o, r in per.items()}, "cells": cells}
     return _write(result, out_dir, "vq_needle", lambda p: save_heatmap(
         np.asarray([[per[o] for o in offsets]]), [str(o) for o in offsets], ["decoded"], p,

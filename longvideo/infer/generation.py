@@ -105,14 +105,13 @@ def trim_at_stop(tokens: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
 
 @dataclass
 class Generation:
+    """tokens (B, n): the generated ids (a row that stopped repeats its stop id); prompt_len: the
+    tokens prefilled; ttft_s: seconds from the start of prefill to the first token; total_s: to the last."""
+
     tokens: Tensor
-    """(B, n) generated ids; a row that stopped repeats its stop id."""
     prompt_len: int
-    """Tokens prefilled."""
     ttft_s: float
-    """Seconds from the start of prefill to the first token."""
     total_s: float
-    """Seconds for prefill and all decoding."""
 
 
 def logits_of(model: Transformer, hidden: Tensor) -> Tensor:
@@ -142,8 +141,8 @@ class Engine(Protocol):
 def picker(temperature: float, top_p: float, generator: Optional[torch.Generator],
            vocab_limit: Optional[int]) -> Callable[[Tensor], Tensor]:
     """decode_loop's `pick`: sample_token among the ids below `vocab_limit` (all when None)."""
-    return lambda logits: sample_token(logits if vocab_limit is None else logits[..., :vocab_limit], temperature,
-                                       top_p, generator)
+    return lambda logits: sample_token(logits if vocab_limit is None else logits[..., :vocab_limit],
+                                       temperature, top_p, generator)
 
 
 def grown(model: Transformer, cache: KVCache, need: int, spare: int) -> KVCache:
@@ -158,16 +157,70 @@ def grown(model: Transformer, cache: KVCache, need: int, spare: int) -> KVCache:
     return dst
 
 
-class LocalEngine:
+class CachedEngine:
+    """What both engines share: a KV cache that holds the prefix (its first `local_prefix_len` slots
+    on this process), grown on demand, and one generate path. A subclass sets `model`, `spare` and
+    `cache` and gives `_logits(ids, start, prompt)`: feed ids (B, n) at positions start.. after the
+    cache's tokens (the prompt, or one decoding step), return the last logits (B, V); and `_pick`:
+    the token every process takes."""
+
+    prefix_len = local_prefix_len = 0
+    prefix_s = 0.0
+    sharded: Optional[int] = None
+    """The first held tokens `keep` may not drop (the sequence-parallel engine's ring-sharded prefix)."""
+
+    @property
+    def held(self) -> int:
+        return self.prefix_len + self.cache.length - self.local_prefix_len if self.cache is not None else 0
+
+    def keep(self, n: int) -> None:
+        if self.sharded is not None and not self.sharded <= n <= self.held:
+            raise ValueError(f"can keep {self.sharded} to {self.held} tokens, not {n}: the first "
+                             f"{self.sharded} are sharded")
+        local = self.local_prefix_len + n - self.prefix_len
+        self.cache.crop(local)
+        self.prefix_len, self.local_prefix_len = n, local
+
+    def _pick(self, tokens: Tensor) -> Tensor:
+        return tokens
+
+    @torch.no_grad()
+    def generate(self, ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None,
+                 vocab_limit: Optional[int] = None) -> Generation:
+        """Prefill ids (B, Q >= 1) after the prefix and decode (collective for the sequence-parallel
+        engine); the cache returns to the prefix after. vocab_limit: sample only ids below it."""
+        if self.cache is None:
+            raise RuntimeError("set_prefix must be called before generate")
+        Q = ids.shape[1]
+        self.cache.crop(self.local_prefix_len)  # forget the previous question and answer
+        self.cache = grown(self.model, self.cache, self.local_prefix_len + Q + max_new_tokens, self.spare)
+        t0 = time.perf_counter()
+        first = self._logits(ids, self.prefix_len, prompt=True)
+        ttft = time.perf_counter() - t0
+        positions = itertools.count(self.prefix_len + Q)
+        sample = picker(temperature, top_p, generator, vocab_limit)
+        tokens = decode_loop(lambda tok: self._logits(tok[:, None], next(positions), prompt=False), first,
+                             max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                             pick=lambda logits: self._pick(sample(logits)))
+        return Generation(tokens=tokens, prompt_len=self.prefix_len + Q, ttft_s=ttft,
+                          total_s=time.perf_counter() - t0)
+
+    def _extend(self, keep: int, n: int) -> None:
+        if self.cache is None:
+            raise RuntimeError("set_prefix must be called before extend")
+        self.cache.crop(self.local_prefix_len + keep)
+        self.cache = grown(self.model, self.cache, self.cache.length + n, self.spare)
+
+
+class LocalEngine(CachedEngine):
     """Single-process engine: chunked prefill of the prefix into one KV cache. cache: start from an
     existing cache (its tokens are the prefix) instead of calling set_prefix."""
 
     def __init__(self, model: Transformer, *, prefill_chunk: int = 4096, spare: int = 256,
                  cache: Optional[KVCache] = None):
-        self.model, self.prefill_chunk, self.spare = model, prefill_chunk, spare
-        self.cache = cache
-        self.prefix_len = cache.length if cache is not None else 0
-        self.prefix_s = 0.0
+        self.model, self.prefill_chunk, self.spare, self.cache = model, prefill_chunk, spare, cache
+        self.prefix_len = self.local_prefix_len = cache.length if cache is not None else 0
 
     @torch.no_grad()
     def set_prefix(self, ids: Tensor) -> None:
@@ -177,48 +230,20 @@ class LocalEngine:
         self.cache = new_cache(self.model, B, P + self.spare)
         if P:
             prefill(self.model, ids, self.cache, chunk=self.prefill_chunk)
-        self.prefix_len, self.prefix_s = P, time.perf_counter() - t0
+        self.prefix_len = self.local_prefix_len = P
+        self.prefix_s = time.perf_counter() - t0
 
-    @property
-    def held(self) -> int:
-        return self.cache.length if self.cache is not None else 0
-
-    def keep(self, n: int) -> None:
-        self.cache.crop(n)
-        self.prefix_len = n
-
-    @torch.no_grad()
-    def generate(self, ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None,
-                 vocab_limit: Optional[int] = None) -> Generation:
-        """Prefill ids (B, Q >= 1) after the prefix and decode; the cache returns to the prefix after.
-        vocab_limit: sample only ids below it (LWM's text-only answers)."""
-        if self.cache is None:
-            raise RuntimeError("set_prefix must be called before generate")
-        self.cache.crop(self.prefix_len)  # forget the previous question and answer
-        need = self.prefix_len + ids.shape[1] + max_new_tokens
-        model, cache = self.model, grown(self.model, self.cache, need, self.spare)
-        self.cache = cache
-        t0 = time.perf_counter()
-        first = logits_of(model, prefill(model, ids, cache, chunk=self.prefill_chunk))
-        ttft = time.perf_counter() - t0
-
-        def step(tok: Tensor) -> Tensor:
-            return logits_of(model, model(tok[:, None], cache=cache))
-
-        tokens = decode_loop(step, first, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                             pick=picker(temperature, top_p, generator, vocab_limit))
-        return Generation(tokens=tokens, prompt_len=self.prefix_len + ids.shape[1], ttft_s=ttft,
-                          total_s=time.perf_counter() - t0)
+    def _logits(self, ids: Tensor, start: int, prompt: bool) -> Tensor:
+        """The positions continue after the cache's tokens, which is `start` here."""
+        if prompt:
+            return logits_of(self.model, prefill(self.model, ids, self.cache, chunk=self.prefill_chunk))
+        return logits_of(self.model, self.model(ids, cache=self.cache))
 
     @torch.no_grad()
     def extend(self, ids: Tensor, *, keep: int = 0) -> Tensor:
         """Feed ids (B, n) after the prefix and the first `keep` tokens cached after it (the rest of
         the cache is dropped); return their hidden states (B, n, dim), e.g. to score a continuation."""
-        if self.cache is None:
-            raise RuntimeError("set_prefix must be called before extend")
-        self.cache.crop(self.prefix_len + keep)
-        self.cache = grown(self.model, self.cache, self.cache.length + ids.shape[1], self.spare)
+        self._extend(keep, ids.shape[1])
         return self.model(ids, cache=self.cache)
 
 

@@ -2,16 +2,11 @@
 
     lmms-eval --model longvideo --model_args pretrained=exported/,fps=1 --tasks ...   # the eval extra
 
-Registered in lmms-eval's entry-point group ``lmms_eval.models`` (pyproject.toml: `manifest`). A
-request's visual is one video path; its context is asked as the QA template's question, as `eval
-mcq` asks it. ``loglikelihood`` returns the continuation's negative log-likelihood (lmms-eval's
-scorers pick the smallest value a model returns) and whether greedy decoding gives it, so a
-multiple-choice task's ``acc_norm`` (per character) picks what `eval mcq` picks; ``generate_until`` answers greedily, cut at the ``until`` strings. Requests are
-grouped by video: each is encoded (fitted as `eval mcq` fits it) and prefilled once.
-
-Pinned to lmms-eval 0.7.3: its evaluator turns every response that is not a string into
-``str(response)``, breaking log-likelihood tasks; a ``GenerationResult`` passes through unchanged,
-so the (loss, greedy) pair travels in one.
+Registered in the entry-point group ``lmms_eval.models`` (pyproject.toml: `manifest`). A request
+is asked about its one video as `eval mcq` asks; requests are grouped by video (encoded and
+prefilled once). ``loglikelihood`` returns (negative log-likelihood, greedy) in a
+``GenerationResult``, which lmms-eval 0.7.3 passes through where it turns other non-strings into
+str(). docs/evaluation.md, "lmms-eval".
 """
 
 from __future__ import annotations

@@ -194,8 +194,9 @@ def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihoo
     src = dist.get_global_rank(group, 0) if group is not None else 0
     questions = read_benchmark(benchmark, data)[:limit]
     out = Path(out_dir)
-    settings = {"benchmark": benchmark, "mode": mode, "subtitles": subtitles, "fps": fps, "max_frames": max_frames,
-                "model": str(model if isinstance(model, (str, Path)) else pretrained.path or ""), "data": str(data)}
+    name = model if isinstance(model, (str, Path)) else pretrained.path or ""
+    settings = {"benchmark": benchmark, "mode": mode, "subtitles": subtitles, "fps": fps,
+                "max_frames": max_frames, "model": str(name), "data": str(data)}
     pending = ""
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -215,7 +216,8 @@ def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihoo
             skip(q, "malformed_options", q.problem)
         elif not q.problem:
             by_video.setdefault(q.video, []).append(q)
-    bar = tqdm(total=len(todo), desc=f"{benchmark} ({mode})", unit="question", disable=not progress or rank != 0)
+    bar = tqdm(total=len(todo), desc=f"{benchmark} ({mode})", unit="question",
+               disable=not progress or rank != 0)
     for video, qs in by_video.items():
         ask = [q for q in qs if q.qid in todo]
         if not ask:
@@ -229,7 +231,8 @@ def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihoo
                 texts = [question_text(q, mode, subs.get(q.qid, "")) for q in qs]
                 room = infer.max_new_tokens if mode == "generate" else \
                     max(len(option_ids(tok, o)) for q in qs for o in q.options)
-                enc = fit_and_encode(pretrained, video, texts, room, fps, max_frames, infer.encode_batch_frames)
+                enc = fit_and_encode(pretrained, video, texts, room, fps, max_frames,
+                                     infer.encode_batch_frames)
                 encoded += 1
             except FileNotFoundError:
                 error = f"missing_video\tno such file: {video}"

@@ -46,8 +46,8 @@ from longvideo.data.video import VideoError
 from longvideo.infer.api import ApiError, ChatRequest, MediaPolicy, load_video, parse_request
 from longvideo.infer.chat import EncodedVideo, encode_video_file, fit_frames, load_model, prompt_of
 from longvideo.infer.generation import Engine, LocalEngine
-from longvideo.infer.sp import (SequenceParallelEngine, broadcast_array, broadcast_text, comm_device, join_world,
-                                local_device)
+from longvideo.infer.sp import (SequenceParallelEngine, broadcast_array, broadcast_text, comm_device,
+                                join_world, local_device)
 
 THUMB, MAX_THUMBS = 48, 512
 """Thumbnail side (pixels); most thumbnails in a strip (spread evenly over the frames)."""
@@ -109,9 +109,10 @@ class LRU(OrderedDict):
 def thumbnail_strip(chunks: list[torch.Tensor]) -> tuple[bytes, np.ndarray]:
     """Chunks of frames uint8 (t, H, W, 3) -> one JPEG with up to MAX_THUMBS of them side by side,
     and the indices of those frames."""
-    x = torch.cat([F.interpolate(c.permute(0, 3, 1, 2).float(), size=(THUMB, THUMB), mode="area") for c in chunks])
+    x = torch.cat([F.interpolate(c.permute(0, 3, 1, 2).float(), size=(THUMB, THUMB), mode="area")
+                   for c in chunks])
     pick = np.linspace(0, len(x) - 1, min(len(x), MAX_THUMBS)).round().astype(int)
-    strip = x[pick].round().clamp(0, 255).to(torch.uint8).permute(2, 0, 3, 1).reshape(THUMB, -1, 3)  # (h, T*w, 3)
+    strip = x[pick].round().clamp(0, 255).to(torch.uint8).permute(2, 0, 3, 1).reshape(THUMB, -1, 3)  # h, T*w
     out = io.BytesIO()
     Image.fromarray(strip.numpy()).save(out, "JPEG", quality=85)
     return out.getvalue(), pick
@@ -137,7 +138,9 @@ class Answer:
         """Take a generated token (not the end of sequence); the text to send now."""
         self.ids.append(tok)
         show = self.text()
-        return self.flush(show if self.finish else show[:max(0, len(show) - self.hold)].rstrip().rstrip("\ufffd").rstrip())
+        if self.finish is None:
+            show = show[:max(0, len(show) - self.hold)].rstrip().rstrip("\ufffd").rstrip()
+        return self.flush(show)
 
     def flush(self, show: Optional[str] = None) -> str:
         show = self.text() if show is None else show
@@ -165,8 +168,8 @@ class Service:
 
     def health(self) -> dict:
         return dict(status="ok", model=self.name, queued=len(self._live()), max_queue=self.args.max_queue,
-                    busy=self.busy, world_size=self.world, cache_bytes=self.videos.nbytes() + self.states.nbytes(),
-                    max_upload_mb=self.args.max_upload_mb, **self.stats)
+                    busy=self.busy, world_size=self.world, max_upload_mb=self.args.max_upload_mb,
+                    cache_bytes=self.videos.nbytes() + self.states.nbytes(), **self.stats)
 
     def _live(self) -> list[Job]:
         with self.cond:
@@ -215,16 +218,18 @@ class Service:
             enc = encode_video_file(self.pre, job.data, fps=req.fps or self.args.fps, progress=False,
                                     max_frames=req.max_frames or self.args.max_frames, question=question,
                                     max_new_tokens=max_tokens, batch_frames=self.infer.encode_batch_frames,
-                                    history=history, on_frames=lambda f, t: (chunks.append(f), times.extend(t.tolist())))
+                                    history=history,
+                                    on_frames=lambda f, t: (chunks.append(f), times.extend(t.tolist())))
         except VideoError as e:
-            raise ApiError(400, f"not a readable video ({len(job.data)} bytes): {str(e).removeprefix('<bytes>: ')}",
-                           req.video_field) from None
+            raise ApiError(400, f"not a readable video ({len(job.data)} bytes): "
+                           f"{str(e).removeprefix('<bytes>: ')}", req.video_field) from None
         except ValueError as e:  # not one frame fits: say what does not
             side = self.pre.vq.cfg.resolution // self.pre.vq.cfg.downsample
             text = prompt_of(self.pre, np.zeros((0, side, side), np.int64), np.zeros(0), question, history)
-            raise ApiError(400, f"the conversation is {len(text.ids)} tokens without the video and max_tokens is "
-                           f"{max_tokens}: not one frame fits in the model's context of {self.pre.model.cfg.max_seq_len}"
-                           f" tokens ({e}); shorten the conversation or lower max_tokens", "messages") from None
+            raise ApiError(400, f"the conversation is {len(text.ids)} tokens without the video and "
+                           f"max_tokens is {max_tokens}: not one frame fits in the model's context of "
+                           f"{self.pre.model.cfg.max_seq_len} tokens ({e}); shorten the conversation or "
+                           f"lower max_tokens", "messages") from None
         jpeg, pick = thumbnail_strip(chunks)
         self.videos[job.key] = entry = VideoEntry(enc, [times[i] for i in pick], jpeg)
         self.stats["videos_encoded"] += 1
@@ -244,8 +249,8 @@ class Service:
             hint = (f"a frame budget of {k} frames would fit (the request's max_frames, or --max-frames)" if k
                     else "no frame budget fits: shorten the conversation or lower max_tokens")
             raise ApiError(400, f"the prompt is {n} tokens ({prompt.video_end} up to the end of the video's "
-                           f"{v.num_frames} frames) and max_tokens is {max_tokens}: {n + max_tokens} tokens, more "
-                           f"than the model's context of {limit}; {hint}", "messages")
+                           f"{v.num_frames} frames) and max_tokens is {max_tokens}: {n + max_tokens} tokens, "
+                           f"more than the model's context of {limit}; {hint}", "messages")
         return entry, prompt
 
     def _answer(self, job: Job) -> None:
@@ -257,8 +262,9 @@ class Service:
             self.stats["errors"] += 1
             return emit(("error", e))
         v = entry.video
-        emit(("start", dict(id=job.key, frames=v.num_frames, fps=v.fps, duration=v.duration, timestamps=entry.times,
-                            thumbnails=f"/v1/videos/{job.key}/frames.jpg", thumb_size=THUMB)))
+        emit(("start", dict(id=job.key, frames=v.num_frames, fps=v.fps, duration=v.duration,
+                            timestamps=entry.times, thumbnails=f"/v1/videos/{job.key}/frames.jpg",
+                            thumb_size=THUMB)))
         seed = infer.seed if req.seed is None else req.seed
         sampling = (infer.temperature if req.temperature is None else req.temperature,
                     infer.top_p if req.top_p is None else req.top_p)
@@ -294,7 +300,8 @@ class Service:
         while int((head := broadcast_array(None, src=0))[0]):
             ids = broadcast_array(None, src=0).tolist()
             temperature, top_p = broadcast_array(None, src=0).tolist()
-            self._generate(broadcast_text(None, src=0), ids, int(head[1]), int(head[2]), temperature, top_p, None)
+            key = broadcast_text(None, src=0)
+            self._generate(key, ids, int(head[1]), int(head[2]), temperature, top_p, None)
 
     def _go(self, go: bool) -> bool:
         if self.world > 1:
@@ -317,8 +324,8 @@ class Service:
             state.ids = state.ids[:cached]
         else:  # the video part first, as ChatSession.ask prefills it
             base = min(video_end, len(ids) - 1)
-            engine = SequenceParallelEngine(self.pre.model, backend=self.args.backend) if self.world > 1 else \
-                LocalEngine(self.pre.model, prefill_chunk=self.infer.prefill_chunk)
+            engine = SequenceParallelEngine(self.pre.model, backend=self.args.backend) if self.world > 1 \
+                else LocalEngine(self.pre.model, prefill_chunk=self.infer.prefill_chunk)
             engine.set_prefix(torch.tensor([ids[:base]], dtype=torch.long, device=self.device))
             self.states[key] = state = KVState(engine, ids[:base], base)
         gen = torch.Generator(device=self.device)
@@ -326,8 +333,8 @@ class Service:
         rest, engine = ids[len(state.ids):], state.engine
         try:
             while True:
-                out = engine.generate(torch.tensor([rest], dtype=torch.long, device=self.device), max_new_tokens=1,
-                                      temperature=temperature, top_p=top_p, generator=gen,
+                out = engine.generate(torch.tensor([rest], dtype=torch.long, device=self.device),
+                                      max_new_tokens=1, temperature=temperature, top_p=top_p, generator=gen,
                                       vocab_limit=self.pre.model.cfg.vocab.answer_limit)
                 state.ids, tok = state.ids + rest, int(out.tokens[0, 0])
                 if not self._go(on_token(tok) if on_token else True):
@@ -370,12 +377,14 @@ class Handler(BaseHTTPRequestHandler):
         elif path == "/health":
             self._send(200, svc.health())
         elif path == "/v1/models":
-            self._send(200, dict(object="list", data=[dict(id=svc.name, object="model", created=0, owned_by="longvideo")]))
+            model = dict(id=svc.name, object="model", created=0, owned_by="longvideo")
+            self._send(200, dict(object="list", data=[model]))
         elif len(parts) == 4 and parts[:2] == ["v1", "videos"] and parts[3] == "frames.jpg" and \
                 (entry := svc.videos.get(parts[2])) is not None:
             self._send(200, entry.jpeg, "image/jpeg")
         else:
-            self._error(ApiError(404, f"nothing at GET {path} (a video's frames are kept while it is cached)"))
+            self._error(ApiError(404, f"nothing at GET {path} (a video's frames are kept while it is "
+                                      f"cached)"))
 
     def do_POST(self) -> None:
         path, svc = urlsplit(self.path).path, self.server.service
@@ -388,8 +397,9 @@ class Handler(BaseHTTPRequestHandler):
             if not size.isdigit():
                 raise ApiError(411, "a Content-Length header is required")
             if int(size) > svc.max_body:
-                raise ApiError(413, f"the request body is {int(size) / 2**20:.1f} MiB, over the {svc.max_body / 2**20:.1f}"
-                               f" MiB of a video of --max-upload-mb {svc.args.max_upload_mb:g} sent as base64")
+                raise ApiError(413, f"the request body is {int(size) / 2**20:.1f} MiB, over the "
+                               f"{svc.max_body / 2**20:.1f} MiB of a video of --max-upload-mb "
+                               f"{svc.args.max_upload_mb:g} sent as base64")
             req = parse_request(self.rfile.read(int(size)))
             if req.model not in (None, svc.name):
                 raise ApiError(404, f"the model {req.model!r} is not served here (GET /v1/models)", "model")
@@ -421,7 +431,8 @@ class Handler(BaseHTTPRequestHandler):
             self._error(first[1])
         if first is None or first[0] == "error":
             return
-        head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.server.service.name)
+        head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
+                    model=self.server.service.name)
         if not job.req.stream:
             while (ev := self._next(job)) is not None and ev[0] == "delta":
                 pass
@@ -435,15 +446,16 @@ class Handler(BaseHTTPRequestHandler):
             return
 
         def chunk(delta: Optional[dict], finish=None, **extra) -> None:
-            choices = [] if delta is None else [dict(index=0, delta=delta, finish_reason=finish, logprobs=None)]
-            self.wfile.write(f"data: {json.dumps(dict(head, object='chat.completion.chunk', choices=choices, **extra))}"
-                             "\n\n".encode())
+            choices = [] if delta is None else [dict(index=0, delta=delta, finish_reason=finish,
+                                                     logprobs=None)]
+            body = dict(head, object="chat.completion.chunk", choices=choices, **extra)
+            self.wfile.write(f"data: {json.dumps(body)}\n\n".encode())
             self.wfile.flush()
 
         self.close_connection = True
         self.send_response(200)
-        for k, v in (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"), ("Connection", "close"),
-                     ("X-Accel-Buffering", "no")):
+        for k, v in (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
+                     ("Connection", "close"), ("X-Accel-Buffering", "no")):
             self.send_header(k, v)
         self.end_headers()
         try:
@@ -469,7 +481,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="exported Hugging Face directory or project checkpoint")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--served-model-name", default=None, help="the model's id in the API (default: its directory's name)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's id in the API (default: its directory's name)")
     p.add_argument("--fps", type=float, default=1.0, help="frames per second read from a video (default 1)")
     p.add_argument("--max-frames", type=int, default=None, help="most frames read (uniform over the video)")
     p.add_argument("--media-dir", default=None, help="serve file:// video URLs from inside this directory")
@@ -487,8 +500,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if args.max_queue < 1 or args.cache_gb < 0 or args.max_upload_mb <= 0 or args.fps <= 0:
-        print("longvideo serve: error: need --max-queue >= 1, --cache-gb >= 0, --max-upload-mb > 0, --fps > 0",
-              file=sys.stderr)
+        print("longvideo serve: error: need --max-queue >= 1, --cache-gb >= 0, --max-upload-mb > 0, "
+              "--fps > 0", file=sys.stderr)
         return 2
     world, device = int(os.environ.get("WORLD_SIZE", "1")), local_device(args.device)
     if world > 1:  # the other ranks wait for rank 0's next job in a broadcast: a long timeout

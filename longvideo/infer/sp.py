@@ -10,7 +10,6 @@ sampled token is broadcast. The answer is the single-process one up to the merge
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import time
@@ -23,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longvideo.data.ranks import comm_device  # noqa: F401 (re-exported: where collectives' tensors live)
-from longvideo.infer.generation import Generation, decode_loop, grown, logits_of, new_cache, picker
+from longvideo.infer.generation import CachedEngine, Generation, logits_of, new_cache
 from longvideo.kernels import get_backend, merge_partials
 from longvideo.model import KVCache, Transformer
 from longvideo.parallel import RingAttentionSeam, UlyssesGroups, shard_sequence
@@ -54,21 +53,19 @@ class MergedAttentionSeam:
         return merge_partials(outs, lses)[0].to(q.dtype)
 
 
-class SequenceParallelEngine:
+class SequenceParallelEngine(CachedEngine):
     """The `Engine` interface over a sequence-parallel group; collective: every rank of `group` calls
     the same methods with the same ids. ulysses: the group's split (longvideo.parallel.split_group,
     made once and shared by every engine) to prefill with the Ulysses x ring hybrid; None: one ring."""
 
     def __init__(self, model: Transformer, group=None, *, backend: str = "auto", spare: int = 256,
                  ulysses: Optional[UlyssesGroups] = None):
-        self.model, self.group, self.spare = model, group, spare
+        self.model, self.group, self.spare, self.backend = model, group, spare, backend
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.owner = self.world - 1  # holds the keys of the replicated tokens
         self.ring = RingAttentionSeam(group, backend, ulysses)
         self.merged: Optional[MergedAttentionSeam] = None  # built for each prefix (it knows its length)
-        self.backend = backend
         self.cache: Optional[KVCache] = None
-        self.prefix_len, self.local_prefix_len, self.prefix_s = 0, 0, 0.0
 
     @torch.no_grad()
     def set_prefix(self, ids: Tensor) -> None:
@@ -84,29 +81,23 @@ class SequenceParallelEngine:
         self.cache = new_cache(self.model, B, n + self.spare)
         if n:  # the cache is empty: queries and keys are this rank's shard, as the ring needs
             self.model(ids, pos, seg, cache=self.cache, attention_fn=self.ring)
-        self.prefix_len, self.local_prefix_len = P, n
-        self.merged = MergedAttentionSeam(self.group, self.backend, shared_from=P, owner=self.rank == self.owner)
+        self.prefix_len, self.local_prefix_len, self.sharded = P, n, P
+        self.merged = MergedAttentionSeam(self.group, self.backend, shared_from=P,
+                                          owner=self.rank == self.owner)
         self.prefix_s = time.perf_counter() - t0
-
-    @property
-    def held(self) -> int:
-        return self.prefix_len + self.cache.length - self.local_prefix_len if self.cache is not None else 0
-
-    def keep(self, n: int) -> None:
-        """Keep n held tokens as the prefix (Engine.keep); the ring-sharded part stays whole."""
-        ring = self.merged.shared_from
-        if not ring <= n <= self.held:
-            raise ValueError(f"can keep {ring} to {self.held} tokens, not {n}: the first {ring} are sharded")
-        local = self.local_prefix_len + n - self.prefix_len
-        self.cache.crop(local)
-        self.prefix_len, self.local_prefix_len = n, local
 
     def _replicated(self, ids: Tensor, positions: Tensor) -> Tensor:
         """Feed tokens every rank holds; return the last logits (B, V)."""
         hidden = self.model(ids, positions, torch.zeros_like(ids), cache=self.cache, attention_fn=self.merged)
         return logits_of(self.model, hidden)
 
-    def _broadcast(self, tok: Tensor) -> Tensor:
+    def _logits(self, ids: Tensor, start: int, prompt: bool) -> Tensor:
+        if ids.shape[1] < 1:
+            raise ValueError("generate needs at least one token after the prefix")
+        return self._replicated(ids, start + torch.arange(ids.shape[1], device=ids.device).expand(ids.shape))
+
+    def _pick(self, tok: Tensor) -> Tensor:
+        tok = tok.contiguous()
         if self.world > 1:
             dist.broadcast(tok, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
                            group=self.group)
@@ -116,39 +107,9 @@ class SequenceParallelEngine:
     def extend(self, ids: Tensor, *, keep: int = 0) -> Tensor:
         """Feed replicated ids (B, n) after the prefix and the first `keep` tokens cached after it;
         return their hidden states (B, n, dim), the same on every rank; collective."""
-        if self.cache is None:
-            raise RuntimeError("set_prefix must be called before extend")
-        B, n = ids.shape
-        self.cache.crop(self.local_prefix_len + keep)
-        self.cache = grown(self.model, self.cache, self.cache.length + n, self.spare)
-        pos = self.prefix_len + keep + torch.arange(n, device=ids.device)[None].expand(B, n)
+        self._extend(keep, ids.shape[1])
+        pos = self.prefix_len + keep + torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape)
         return self.model(ids, pos, torch.zeros_like(ids), cache=self.cache, attention_fn=self.merged)
-
-    @torch.no_grad()
-    def generate(self, ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None,
-                 vocab_limit: Optional[int] = None) -> Generation:
-        """Prefill the replicated ids (B, Q >= 1) after the prefix, then decode; collective."""
-        if self.cache is None:
-            raise RuntimeError("set_prefix must be called before generate")
-        B, Q = ids.shape
-        if Q < 1:
-            raise ValueError("generate needs at least one token after the prefix")
-        self.cache.crop(self.local_prefix_len)
-        self.cache = grown(self.model, self.cache, self.local_prefix_len + Q + max_new_tokens, self.spare)
-        t0 = time.perf_counter()
-        first = self._replicated(ids, self.prefix_len + torch.arange(Q, device=ids.device)[None].expand(B, Q))
-        ttft = time.perf_counter() - t0
-        positions, sample = itertools.count(self.prefix_len + Q), picker(temperature, top_p, generator, vocab_limit)
-
-        def step(tok: Tensor) -> Tensor:
-            pos = torch.full((B, 1), next(positions), dtype=torch.long, device=tok.device)
-            return self._replicated(tok[:, None], pos)
-
-        tokens = decode_loop(step, first, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                             pick=lambda logits: self._broadcast(sample(logits).contiguous()))
-        return Generation(tokens=tokens, prompt_len=self.prefix_len + Q, ttft_s=ttft,
-                          total_s=time.perf_counter() - t0)
 
 
 @torch.no_grad()
@@ -207,7 +168,7 @@ def broadcast_array(arr: Optional[np.ndarray], src: int = 0, group=None) -> np.n
     dtype = torch.float64 if int(header[0]) else torch.long
     shape = tuple(int(x) for x in header[2:2 + int(header[1])])
     if dist.get_rank() == src:
-        data = torch.from_numpy(np.ascontiguousarray(arr).astype(np.float64 if dtype == torch.float64 else np.int64))
+        data = torch.from_numpy(np.ascontiguousarray(arr, np.float64 if dtype == torch.float64 else np.int64))
         data = data.to(dev)
     else:
         data = torch.empty(shape, dtype=dtype, device=dev)
@@ -217,5 +178,5 @@ def broadcast_array(arr: Optional[np.ndarray], src: int = 0, group=None) -> np.n
 
 def broadcast_text(text: Optional[str], src: int = 0, group=None) -> str:
     """Rank `src`'s string on every rank."""
-    raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64) if dist.get_rank() == src else None
+    raw = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64) if dist.get_rank() == src else None
     return bytes(broadcast_array(raw, src, group).astype(np.uint8).tolist()).decode("utf-8")
