@@ -10,10 +10,12 @@ from test_infer_chat import tiny_pretrained
 
 from longvideo.data.shards import ShardWriter, token_sample_members
 from longvideo.data.synthetic import SyntheticSpec, make_sample
+from longvideo.data.video import read_video
 from longvideo.checkpoint import save_project_checkpoint
 from longvideo.infer import cli
 from longvideo.infer.evals import (evaluate_qa, evaluate_text_needle, evaluate_video_needle, evaluate_vq_needle,
-                                   exact_match, haystack_frames, needle_index, substring_match, text_needle_prompt)
+                                   exact_match, flash_frame, haystack_frames, needle_index, substring_match,
+                                   text_needle_prompt)
 from longvideo.infer.generation import Generation
 from longvideo.vq import encode_video
 
@@ -164,23 +166,40 @@ def test_video_needle_trials_per_length_and_exact_splices(pre):
     assert [c["colour"] for c in res["cells"] if c["frames"] == 4][::3] == ["red", "blue", "red"]
     assert np.allclose(res["grid"], [[1 / 3, 1 / 2]] * 3)
     causal = tiny_pretrained(max_seq_len=512, mode="causal3d")
-    seen.clear()
-    res3 = evaluate_video_needle(causal, lengths=(9,), depths=(0.5,), colours=("green",), trials=1,
-                                 engine_factory=factory, progress=False)
-    cell = res3["cells"][0]
-    frames = haystack_frames(9, causal.vq.cfg.resolution, seed=0)
-    frames[cell["needle_frame"]] = np.array([40, 200, 60], np.uint8)
-    codes = encode_video(causal.vq, torch.from_numpy(frames)).numpy()
-    ids = seen[0]
-    vocab = causal.model.cfg.vocab
-    got = [t - vocab.vq_offset for t in ids if vocab.vq_offset <= t < vocab.size]
-    assert got == codes.reshape(-1).tolist()
+    vocab, size = causal.model.cfg.vocab, causal.vq.cfg.resolution
+    for decoded in (True, False):  # through the training videos' codec (the default) or exactly as drawn
+        seen.clear()
+        res3 = evaluate_video_needle(causal, lengths=(9,), depths=(0.5,), colours=("green",), trials=1,
+                                     engine_factory=factory, progress=False, decoded=decoded)
+        cell = res3["cells"][0]
+        assert res3["decoded"] is decoded
+        frames = haystack_frames(9, size, seed=0, decoded=decoded)
+        frames[cell["needle_frame"]] = (flash_frame("green", size, decoded=True).numpy() if decoded
+                                        else np.array([40, 200, 60], np.uint8))
+        codes = encode_video(causal.vq, torch.from_numpy(frames)).numpy()
+        got = [t - vocab.vq_offset for t in seen[0] if vocab.vq_offset <= t < vocab.size]
+        assert got == codes.reshape(-1).tolist()
+
+
+@pytest.mark.parametrize("fps", [1, 8])
+def test_decoded_needle_pixels_are_a_training_videos(fps):
+    """The evaluation's decoded flash and background are, pixel for pixel, what a generated training
+    video of that frame rate gives when its mp4 is read back at 1 fps; the exact colour is not."""
+    for seed in range(3):
+        spec = SyntheticSpec(size=16, fps=fps, min_seconds=12, max_seconds=12, long_fraction=0.0,
+                             needle_fraction=1.0)
+        sample = make_sample(seed, 0, spec)
+        sec, colour = sample.needle
+        read = read_video(sample.mp4(), fps=1.0, size=16).frames.numpy()
+        assert np.array_equal(read[sec], flash_frame(colour, 16, fps, decoded=True).numpy())
+        assert not np.array_equal(read[sec], flash_frame(colour, 16, fps).numpy())
+    hay = haystack_frames(12, 16, seed=5, source_fps=fps, decoded=True)
+    spec = SyntheticSpec(size=16, fps=fps, min_seconds=12, max_seconds=12, long_fraction=0.0, needle_fraction=0.0)
+    assert np.array_equal(hay, read_video(make_sample(5, 0, spec).mp4(), fps=1.0, size=16).frames.numpy())
 
 
 def _shared_encoding_body(rank, world):
     import torch.distributed as dist
-
-    from longvideo.data.synthetic import COLOURS
 
     causal = tiny_pretrained(max_seq_len=512, mode="causal3d")
     prompts = []
@@ -198,8 +217,9 @@ def _shared_encoding_body(rank, world):
     for ids, cell in zip(prompts, res["cells"]):
         # the reference: this rank encodes the edited haystack whole, whichever rank encoded the trial
         j = (6, 9).index(cell["frames"])
-        frames = haystack_frames(cell["frames"], causal.vq.cfg.resolution, seed=1000 * j + cell["trial"])
-        frames[cell["needle_frame"]] = np.asarray(COLOURS[cell["colour"]], np.uint8)
+        size = causal.vq.cfg.resolution
+        frames = haystack_frames(cell["frames"], size, seed=1000 * j + cell["trial"], decoded=True)
+        frames[cell["needle_frame"]] = flash_frame(cell["colour"], size, decoded=True).numpy()
         codes = encode_video(causal.vq, torch.from_numpy(frames)).numpy()
         assert [t - vocab.vq_offset for t in ids if vocab.vq_offset <= t < vocab.size] == codes.reshape(-1).tolist()
     assert [c["colour"] for c in res["cells"]][::3] == ["green", "red", "green", "green", "red"]

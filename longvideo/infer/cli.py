@@ -206,6 +206,8 @@ def eval_parser() -> argparse.ArgumentParser:
                     "(needs --question and --answer)")
     vn.add_argument("--question", default=None, help="the question about the needle image")
     vn.add_argument("--answer", default=None, help="its answer (exact match)")
+    vn.add_argument("--exact-frames", action="store_true", help="splice the generated backgrounds and "
+                    "colour flashes exactly as drawn, not through the training videos' codec")
     mc = task("mcq", "multiple-choice benchmarks in their release layout (docs/evaluation.md); "
               "writes predictions.jsonl, summary.json and summary.png; resumable")
     mc.add_argument("--benchmark", required=True, choices=BENCHMARKS)
@@ -292,7 +294,7 @@ def _eval(args) -> int:
                                               source_fps=args.source_fps,
                                               out_dir=out, encode_group=group, haystack=args.haystack,
                                               needle=args.needle, question=args.question, answer=args.answer,
-                                              **run)
+                                              decoded=not args.exact_frames, **run)
             line = (f"video needle accuracy {res['accuracy']:.3f} (chance {res['chance']:.3f}) "
                     f"over {len(res['cells'])} needles")
             if res["needles_dropped"]:

@@ -28,7 +28,8 @@ from longvideo.data.ranks import fail_together, together
 from longvideo.data.templates import build_prompt, parse_answer
 from longvideo.data.shards import index_tar, iter_raw_samples, iter_token_samples
 from longvideo.data.streams import ShardError, SkipStats, expand_shards
-from longvideo.data.synthetic import COLOURS, NEEDLE_CHOICES, NEEDLE_QUESTION, SyntheticSpec, make_sample
+from longvideo.data.synthetic import (COLOURS, NEEDLE_CHOICES, NEEDLE_QUESTION, SyntheticSpec, make_sample,
+                                      write_mp4)
 from longvideo.data.video import VideoError, read_video, resize_crop
 from longvideo.infer.chat import (ChatSession, EncodedVideo, fit_codes, generate_answer, infer_config,
                                   load_model)
@@ -313,12 +314,30 @@ def evaluate_text_needle(model, *, lengths: Sequence[int] = (256, 512, 1024),
 
 # ----------------------------------------------------------------------------- video needle
 
-def haystack_frames(num_frames: int, size: int, seed: int, source_fps: int = 8) -> np.ndarray:
+def haystack_frames(num_frames: int, size: int, seed: int, source_fps: int = 8, *,
+                    decoded: bool = False) -> np.ndarray:
     """A moving-shapes video of `num_frames` seconds sampled at 1 fps (uint8 (T, size, size, 3)),
-    rendered at `source_fps` as the training videos are; only the sampled frames are rendered."""
+    rendered at `source_fps` as the training videos are. decoded: written by the training videos'
+    writer and read back, so its pixels are the codec's, as in a training video; otherwise only the
+    sampled frames are rendered, exactly as drawn."""
     spec = SyntheticSpec(size=size, fps=source_fps, min_seconds=num_frames, max_seconds=num_frames,
                          long_fraction=0.0, needle_fraction=0.0)
-    return make_sample(seed, 0, spec).frames_at(np.arange(num_frames) * source_fps)
+    sample = make_sample(seed, 0, spec)
+    if decoded:
+        return read_video(sample.mp4(), fps=1.0, size=size).frames.numpy()[:num_frames].copy()
+    return sample.frames_at(np.arange(num_frames) * source_fps)
+
+
+def flash_frame(colour: str, size: int, source_fps: int = 8, *, decoded: bool = False) -> torch.Tensor:
+    """A full-frame flash of a needle colour, uint8 (size, size, 3). decoded: as a training video
+    carries it, a second of the colour after a black one through the training videos' writer and
+    read back (the codec moves a colour by a unit or two, enough to change a tokenizer's codes:
+    docs/inference.md, "Evaluations")."""
+    if not decoded:
+        return torch.tensor(COLOURS[colour], dtype=torch.uint8).expand(size, size, 3).clone()
+    src = np.zeros((2 * source_fps, size, size, 3), np.uint8)
+    src[source_fps:] = COLOURS[colour]
+    return read_video(write_mp4([src], source_fps, gop=source_fps), fps=1.0, size=size).frames[1].clone()
 
 
 def needle_index(num_frames: int, depth: float) -> int:
@@ -344,7 +363,7 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                           source_fps: int = 8, max_new_tokens: int = 8, out_dir: Optional[str | Path] = None,
                           engine_factory: Optional[EngineFactory] = None, progress: bool = True,
                           encode_group=None, haystack=None, needle=None, question: Optional[str] = None,
-                          answer: Optional[str] = None) -> dict:
+                          answer: Optional[str] = None, decoded: bool = True) -> dict:
     """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid; a cell's score is the
     fraction of its trials whose needle is named (exact match).
 
@@ -355,7 +374,8 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
     this (sequence-parallel prefill) share the encoding: trial t on rank t mod world, its codes then
     broadcast. haystack: a video the backgrounds are cut from; needle: an image inserted instead of
     the flashes, asked with `question`, scored against `answer`; the inserted frames are written to
-    OUT/video_needle_frames/.
+    OUT/video_needle_frames/. decoded: the generated backgrounds and the colour flashes pass through the
+    training videos' codec first, as every video the model reads does (False: spliced exactly as drawn).
     """
     pretrained, infer = greedy(model, max_new_tokens, ("vq", "tokenizer"), "the video needle evaluation")
     vq = pretrained.vq
@@ -371,8 +391,7 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
         img = torch.from_numpy(np.asarray(Image.open(needle).convert("RGB")).copy())
         needles = [(answer, resize_crop(img[None], size)[0])]
     else:
-        needles = [(c, torch.tensor(COLOURS[c], dtype=torch.uint8).expand(size, size, 3).clone())
-                   for c in colours]
+        needles = [(c, flash_frame(c, size, source_fps, decoded=decoded)) for c in colours]
     hay = read_video(str(haystack), fps=1.0, size=size).frames.numpy() if haystack is not None else None
     if hay is not None and max(lengths) > len(hay):
         raise ValueError(f"{haystack} gives {len(hay)} frames at 1 fps, fewer than the longest length "
@@ -389,7 +408,8 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
 
         def depth_codes(trial: int) -> np.ndarray:
             """(depths, G, h, w) codes of the trial's background with its flash at each depth."""
-            frames = haystack_frames(T, size, seed + 1000 * j + trial, source_fps) if hay is None else \
+            frames = haystack_frames(T, size, seed + 1000 * j + trial, source_fps, decoded=decoded) \
+                if hay is None else \
                 hay[window_start(len(hay), T, trial, n_trials):][:T]
             background = SplicingEncoder(vq, frames, batch_frames=infer.encode_batch_frames)
             frame = needles[trial % len(needles)][1]
@@ -438,7 +458,7 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
               "accuracy": float(hits.sum() / (len(depths) * sum(per_length))),
               "chance": 1.0 / len(colours) if needle is None else 0.0, "grid": grid.tolist(),
               "needles_dropped": dropped, "context": pretrained.model.cfg.max_seq_len, "cells": cells,
-              "vq_mode": vq.cfg.mode, "question": question,
+              "vq_mode": vq.cfg.mode, "question": question, "decoded": decoded,
               "haystack": None if haystack is None else str(haystack),
               "haystack_frames": None if hay is None else len(hay)}
     if out_dir is not None:  # the exact frames inserted, at the tokenizer's resolution
