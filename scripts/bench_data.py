@@ -10,7 +10,6 @@ Writes docs/bench/data.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchreport import Section, Target, md_table, req, req_list, save, yes_no  # noqa: E402
+from benchreport import Section, Target, arg_parser, md_table, req, req_list, save, yes_no  # noqa: E402
 
 TITLE = "Data pipeline"
 DOCS = ["data.md"]
@@ -172,7 +171,7 @@ def estimate_7b_h200(seq_len: int = 32768, mfu: float = 0.4, peak_flops: float =
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = arg_parser(__doc__, "data")
     p.add_argument("--minutes", type=float, default=60.0, help="video length")
     p.add_argument("--size", type=int, default=256, help="frame side (256p)")
     p.add_argument("--src-fps", type=int, default=8, help="frame rate of the generated video")
@@ -183,7 +182,6 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=16384, help="loader sequence length")
     p.add_argument("--batches", type=int, default=20, help="loader batches timed")
     p.add_argument("--samples", type=int, default=64, help="token-shard samples written for the loader")
-    p.add_argument("--out", default=str(ROOT / "docs" / "bench" / "data.json"))
     a = p.parse_args(argv)
     from longvideo.data.video import _open
     from longvideo.machine import machine_info
@@ -211,8 +209,7 @@ def main(argv=None) -> int:
         print("timing the loader ...", flush=True)
         res["loader"] = time_loader(Path(tmp), a.seq_len, a.batches, a.samples)
     res["train_step_7b_h200"] = estimate_7b_h200()
-    print(report(res).table)
-    save(res, a.out)
+    save(res, a.out, report=report)
     return 0
 
 

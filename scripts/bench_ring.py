@@ -10,19 +10,17 @@ blocked in wait, the transfer's own part and the bytes saved for backward (docs/
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
 import sys
 import time
-import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from benchreport import Section, Target, fmt_num, md_table, req, req_list, save, spawn_ranks, subplots, yes_no
+from benchreport import (Section, Target, arg_parser, fmt_num, md_table, req, req_list, save, spawn_ranks,
+                         subplots, yes_no)
 
 TITLE = "Ring attention"
 DOCS = ["ring_attention.md"]
@@ -93,9 +91,6 @@ def report(result: dict) -> Section:
     return Section(md_table(RING_HEADERS, body), ts, [n for n in notes if n])
 
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
 def _exposed_transfer(timeline: list, group) -> float:
     """Seconds blocked after both ring neighbours had posted their side of each hop (the transfer's
     own time, not a late neighbour's). All ranks share one host clock."""
@@ -107,53 +102,51 @@ def _exposed_transfer(timeline: list, group) -> float:
     return float((ev[:, 2] - start).clamp_min(0).sum())
 
 
-def _rank(rank, world, init_file, args, layout, queue):
+def _rank(rank, world, init_file, args, layout) -> dict:
     import torch.nn.functional as F
     from longvideo.parallel import CommStats, ring_attention, zigzag_indices
 
-    try:
-        torch.set_num_threads(args.threads)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        group, n, saved = dist.group.WORLD, args.seq // world, {}
-        g, dt = torch.Generator().manual_seed(rank), getattr(torch, args.dtype)
-        q, k, v, dout = (torch.randn(1, n, h, args.head_dim, generator=g).to(dt) for h in (args.heads, args.kv_heads,
-                                                                                            args.kv_heads, args.heads))
-        pos = (zigzag_indices(args.seq, world, rank) if layout == "zigzag" else torch.arange(rank * n, (rank + 1) * n))[None]
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    group, n, saved = dist.group.WORLD, args.seq // world, {}
+    g, dt = torch.Generator().manual_seed(rank), getattr(torch, args.dtype)
+    q, k, v, dout = (torch.randn(1, n, h, args.head_dim, generator=g).to(dt)
+                     for h in (args.heads, args.kv_heads, args.kv_heads, args.heads))
+    zigzag = layout == "zigzag"
+    pos = (zigzag_indices(args.seq, world, rank) if zigzag else torch.arange(rank * n, (rank + 1) * n))[None]
 
-        def pack(t):  # bytes kept for backward, each storage once
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
+    def pack(t):  # bytes kept for backward, each storage once
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
 
-        def ours(stats, hooks=False):
-            qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
-            with torch.autograd.graph.saved_tensors_hooks(pack if hooks else (lambda t: t), lambda t: t):
-                out = ring_attention(qq, kk, vv, group=group, positions=pos, backend=args.backend, comm_stats=stats)
-            out.backward(dout)
+    def ours(stats, hooks=False):
+        qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
+        with torch.autograd.graph.saved_tensors_hooks(pack if hooks else (lambda t: t), lambda t: t):
+            out = ring_attention(qq, kk, vv, group=group, positions=pos, backend=args.backend, comm_stats=stats)
+        out.backward(dout)
 
-        def sdpa(stats):  # the same attention in one torch SDPA call (W = 1 only)
-            qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
-            F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (qq, kk, vv)), is_causal=True,
-                                           enable_gqa=args.heads != args.kv_heads).transpose(1, 2).backward(dout)
+    def sdpa(stats):  # the same attention in one torch SDPA call (W = 1 only)
+        qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
+        F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (qq, kk, vv)), is_causal=True,
+                                       enable_gqa=args.heads != args.kv_heads).transpose(1, 2).backward(dout)
 
-        fns, res = {"": ours, **({"sdpa_": sdpa} if world == 1 else {})}, {}
-        for _ in range(args.warmup):  # thread pools, gloo buffers
-            [fn(CommStats()) for fn in fns.values()]
-        for _ in range(args.iters):
-            for name, fn in fns.items():  # interleaved, so both see the same machine load
-                stats = CommStats(timeline=[])
-                dist.barrier()
-                t0, c0 = time.perf_counter(), time.process_time()
-                fn(stats)
-                for key, x in (("step_s", time.perf_counter() - t0), ("cpu_s", time.process_time() - c0),
-                               ("exposed_s", stats.exposed_s),
-                               ("exposed_transfer_s", _exposed_transfer(stats.timeline, group) if world > 1 else 0.0)):
-                    res.setdefault(name + key, []).append(x)
-        ours(CommStats(), hooks=True)
-        queue.put(dict({key: statistics.median(x) for key, x in res.items()}, rank=rank, s_local=n, cpu_s_all=res["cpu_s"],
-                       saved_mib=sum(saved.values()) / 2**20))
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        queue.put(dict(rank=rank, error=f"{e!r}\n{traceback.format_exc()}"))
+    fns, res = {"": ours, **({"sdpa_": sdpa} if world == 1 else {})}, {}
+    for _ in range(args.warmup):  # thread pools, gloo buffers
+        [fn(CommStats()) for fn in fns.values()]
+    for _ in range(args.iters):
+        for name, fn in fns.items():  # interleaved, so both see the same machine load
+            stats = CommStats(timeline=[])
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn(stats)
+            for key, x in (("step_s", time.perf_counter() - t0), ("cpu_s", time.process_time() - c0),
+                           ("exposed_s", stats.exposed_s),  # read after the clocks: it all-gathers
+                           ("exposed_transfer_s", _exposed_transfer(stats.timeline, group) if world > 1 else 0.0)):
+                res.setdefault(name + key, []).append(x)
+    ours(CommStats(), hooks=True)
+    dist.destroy_process_group()
+    return dict({key: statistics.median(x) for key, x in res.items()}, s_local=n, cpu_s_all=res["cpu_s"],
+                saved_mib=sum(saved.values()) / 2**20)
 
 
 def summarise(world, layout, ranks, single):
@@ -186,7 +179,7 @@ def plot(result: dict):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = arg_parser(__doc__, "ring")
     for flag, default, what in (("--seq", 16384, "total sequence length (multiple of 2 x max W)"), ("--heads", 4, ""),
                                 ("--kv-heads", 4, ""), ("--head-dim", 64, ""), ("--iters", 3, "timed steps"),
                                 ("--threads", 1, "torch threads per rank (and for the baseline)"),
@@ -196,14 +189,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--no-contiguous", action="store_true", help="skip the contiguous-layout comparison")
-    ap.add_argument("--out", default=str(ROOT / "docs/bench/ring.json"), help="the JSON; the plot beside it (.png)")
     args = ap.parse_args(argv)
     worlds = sorted({int(w) for w in args.worlds.split(",")} | {1})
     if args.seq % (2 * max(worlds)):
         ap.error(f"--seq {args.seq} must be a multiple of 2 x {max(worlds)}")
     load_before, t0, rows, single = os.getloadavg(), time.perf_counter(), [], None
-    for w, layout in ((w, lay) for w in worlds for lay in ("zigzag", "contiguous")[:1 if w == 1 or args.no_contiguous else 2]):
-        ranks = sorted(spawn_ranks(_rank, w, args, layout, label=f"W={w} {layout}"), key=lambda r: r["rank"])
+    layouts = ("zigzag",) if args.no_contiguous else ("zigzag", "contiguous")
+    for w, layout in ((w, lay) for w in worlds for lay in layouts[:1 if w == 1 else 2]):
+        ranks = spawn_ranks(_rank, w, args, layout, label=f"W={w} {layout}")
         rows.append(r := summarise(w, layout, ranks, single))
         single = single or ranks[0]
         print(f"W={w} {layout}: " + ", ".join(f"{k} {r[k]:.3f}" for k in ("step_s", "ideal_ratio_cpu", "cpu_efficiency",

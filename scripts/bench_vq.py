@@ -11,7 +11,6 @@ videos over photographs held out by photograph, against the untrained tokenizer 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
@@ -26,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # test material: videos over photographs
 
-from benchreport import LayoutError, Section, Target, fmt_num, md_table, req, req_list, save, subplots  # noqa: E402
+from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, md_table, req, req_list,  # noqa: E402
+                         save, subplots)
 
 TITLE = "VQ video tokenizer"
 DOCS = ["vq.md"]
@@ -156,7 +156,7 @@ def plot(result: dict):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = arg_parser(__doc__, "vq")
     p.add_argument("--configs", nargs="*", default=["tiny", "causal3d-tiny", "lwm-256", "causal3d-256"],
                    help="configs/vq/<name>.yaml to time")
     p.add_argument("--fps-frames", type=int, default=64, help="frames a timing (5 for 256 x 256 configs)")
@@ -166,7 +166,6 @@ def main(argv: list[str] | None = None) -> int:
                                                  "causal3d-256:10"], metavar="NAME:STEPS[:key=value,...]")
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--videos", type=int, default=60, help="synthetic training videos")
-    p.add_argument("--out", default=str(ROOT / "docs" / "bench" / "vq.json"))
     a = p.parse_args(argv)
     from longvideo.machine import machine_info
 
@@ -184,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                                   [o for o in over.split(",") if o])
                 result[key].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "curve"}), flush=True)
-    print(report(result).table)
-    save(result, out, plot)
+    save(result, out, plot, report)
     return 0
 
 

@@ -267,7 +267,7 @@ def demo_blocks(bench_dir: Path) -> dict[str, str]:
 def section_md(r: Result, run: RunResult | None, bench_dir: Path, docs_dir: Path, out_dir: Path) -> str:
     rel = lambda p: Path(os.path.relpath(p, out_dir)).as_posix()  # noqa: E731
     lines = [f'<a id="{r.name}"></a>', f"## {r.attr('TITLE', r.name)} (`scripts/bench_{r.name}.py`)", ""]
-    lines += [r.measures(), ""] if r.measures() else []
+    lines += [measures, ""] if (measures := r.measures()) else []
     if run is not None and run.status != "ok":
         lines += [f"**The last run of `scripts/bench_{r.name}.py` " + (
             f"timed out after {run.seconds:.0f} s.**" if run.status == "timeout" else
