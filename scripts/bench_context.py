@@ -11,6 +11,7 @@ trainer at sp = W); memory is the worst rank's resident-set peak, fitted against
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -93,17 +94,14 @@ def _hf_step(cfg, attn: str, world: int, checkpointing: bool):
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from longvideo.export.hf import hf_config_dict
     from longvideo.hf import enable_ring_attention, shard_batch
 
     if attn == "ring":
         enable_ring_attention(dist.group.WORLD, backend="cpu")
-    m = cfg.model
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.ffn_dim, num_hidden_layers=m.n_layers,
-        num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, rms_norm_eps=m.norm_eps,
-        rope_theta=m.rope_theta, max_position_embeddings=1 << 22, tie_word_embeddings=m.tie_embeddings,
-        attn_implementation=attn)).train()
+    hcfg = LlamaConfig(**hf_config_dict(dataclasses.replace(cfg.model, max_seq_len=1 << 22)), attn_implementation=attn)
+    model = LlamaForCausalLM(hcfg).train()
     if checkpointing:
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
