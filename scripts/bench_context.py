@@ -24,6 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -91,7 +92,6 @@ def _batch(cfg, S: int, seed: int) -> dict:
 
 def _hf_step(cfg, attn: str, world: int, checkpointing: bool):
     """A training step of transformers' Llama of cfg.model's shape, with eager, sdpa or our ring attention."""
-    import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from longvideo.export.hf import hf_config_dict
@@ -125,8 +125,6 @@ def _hf_step(cfg, attn: str, world: int, checkpointing: bool):
 
 def _rank(rank: int, world: int, init_file: str, system: str, seqs: list[int], args) -> dict:
     """One rank of a system: a warm-up, one step at each memory length, then the timed steps."""
-    import torch.distributed as dist
-
     from longvideo.config import load_config
 
     torch.set_num_threads(max(1, args.threads // world))

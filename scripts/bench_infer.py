@@ -18,6 +18,9 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -77,8 +80,6 @@ def _measure(fn) -> dict:
 
 
 def build_model(args):
-    import torch
-
     from longvideo.model import ModelConfig, Transformer
 
     cfg = ModelConfig(text_vocab_size=512, codebook_size=1024, dim=args.dim, n_layers=args.layers,
@@ -88,16 +89,11 @@ def build_model(args):
 
 
 def prompt(model, S: int):
-    import torch
-
     return torch.randint(0, model.cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(S))
 
 
 def _sp_rank(rank: int, world: int, init_file: str, args) -> dict:
     _tame_malloc()
-    import torch
-    import torch.distributed as dist
-
     from longvideo.infer.sp import sp_generate
 
     torch.set_num_threads(1)
@@ -147,8 +143,6 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the single-process modes")
     args = p.parse_args(argv)
     _tame_malloc()
-    import torch
-
     from longvideo.infer.generation import generate
 
     torch.set_num_threads(args.threads)

@@ -458,8 +458,7 @@ def part_tune(ok, entry, args):
         tk.set_tile_table(chosen)
 
 
-FUNCS = dict(env=part_env, correctness=part_correctness, syncs=part_syncs, speed=part_speed, ring=part_ring,
-             train=part_train, tune=part_tune)
+FUNCS = {name: globals()[f"part_{name}"] for name in (*PARTS, "tune")}
 
 
 def targets(report: dict) -> list[list[str]]:
@@ -566,7 +565,7 @@ def main(argv=None) -> int:
         out = BENCH / "gpu_check_dry.json"  # never overwrite a GPU run with a dry run
     md = args.md if args.md is not None else (None if DRY else ROOT / "docs" / "benchmarks.md")
     report = dict(check="scripts/gpu_check.py", mode="dry-run" if DRY else "gpu", argv=sys.argv[1:],
-                                budget_s=args.budget, started=time.strftime("%Y-%m-%d %H:%M:%S"), parts={})
+                  budget_s=args.budget, started=time.strftime("%Y-%m-%d %H:%M:%S"), parts={})
     if DRY:
         report["skipped"] = f"{'no CUDA device' if not torch.cuda.is_available() else '--dry-run'}: every part ran on " \
             "tiny shapes under TRITON_INTERPRET=1 (no figure is a GPU figure)"
