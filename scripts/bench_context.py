@@ -203,7 +203,7 @@ def plot(result: dict):
     return fig
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> None:
     p = arg_parser(__doc__, "context")
     p.add_argument("--config", default="tiny.yaml", help="the model's shape (and our trainer's settings)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (LLaMA-2 7B has 32)")
@@ -241,8 +241,7 @@ def main(argv=None) -> int:
     table, targets = _part(part)
     print(table + "\n" + "\n".join(f"{t.what}: {t.figure} ({t.met})" for t in targets))
     save({"parts": [q for q in old if q.get("label") != part["label"]] + [part]}, out, plot)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

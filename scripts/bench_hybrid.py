@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import os
 import statistics
-import sys
 import threading
 import time
 
@@ -114,7 +113,7 @@ def _rank(rank, world, init, args) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> None:
     p = arg_parser(__doc__, "hybrid")
     for name, default in (("seq", 8192), ("heads", 8), ("kv-heads", 8), ("head-dim", 64), ("iters", 5), ("threads", 1)):
         p.add_argument(f"--{name}", type=int, default=default)
@@ -127,8 +126,7 @@ def main(argv=None) -> int:
                      **{k: max(r[k] for r in per) for k in ("step_s", "bytes_sent", "peak_mib", "saved_mib")}})
     cfg = {k: v for k, v in vars(args).items() if k != "out"} | {"cores": os.cpu_count()}
     save({"config": cfg, "rows": rows}, args.out, report=report)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -131,7 +131,7 @@ def plot(result: dict):
     return fig
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> None:
     p = arg_parser(__doc__, "infer")
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096, 8192])
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk of the chunked mode")
@@ -174,8 +174,7 @@ def main(argv=None) -> int:
                                                         for a, b, c in zip(*modes.values())],
               "seconds": round(time.time() - t0, 1)}
     save(result, args.out, plot, report)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -74,7 +74,7 @@ def ask(client, model: str, url: str, question: str, history=()):
     return r, time.perf_counter() - t0
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> None:
     p = arg_parser(__doc__, "serve")
     p.add_argument("--model", default=None, help="model directory (default: runs/demo-quick/hf, made if missing)")
     p.add_argument("--seconds", type=int, default=600, help="video length (default 10 minutes)")
@@ -131,8 +131,7 @@ def main(argv=None) -> int:
                   ratio=statistics.median(follow) / statistics.median(first), load=load,
                   machine=describe(machine_info()))
     save(result, a.out, report=report)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -544,7 +544,7 @@ def write_markdown(report: dict, path: Path) -> None:
         path.write_text(text.rstrip("\n") + "\n\n" + section)
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default=None, help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--tune", action="store_true", help="run the tuning part (then speed with its table)")
@@ -600,8 +600,7 @@ def main(argv=None) -> int:
         write_markdown(report, md)
     print("\n".join(f"  {r['target']}: {r['measured']} (goal {r['goal']}, met: {r['met']})" for r in report["targets"]))
     print(f"wrote {out}" + (f" and {md}" if md else ""))
-    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
