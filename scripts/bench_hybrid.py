@@ -39,33 +39,31 @@ def report(result: dict) -> Section:
                               f"{cfg['threads']} thread(s) a rank on {cfg['cores']} cores (shared: times indicative)."])
 
 
-class MallocPeak:
-    """Peak bytes malloc has in use (glibc >= 2.33 mallinfo2: heap in use + mmapped chunks) over a `with`
-    block, sampled every 0.5 ms by a thread: live allocations, not the pages glibc keeps after a free, so
-    measurements one after the other in a process do not disturb each other."""
+class _MallInfo(ctypes.Structure):  # glibc >= 2.33
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
 
-    def __enter__(self):
-        class Info(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
-                                                       "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
-        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-        mallinfo2.restype = Info
-        self.in_use = lambda: (m := mallinfo2()).uordblks + m.hblkhd
-        self.base = self.peak = self.in_use()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
+def malloc_peak_mib(fn) -> float:
+    """Runs fn(); the peak of the bytes malloc has in use (mallinfo2: heap in use + mmapped chunks) above
+    the start, in MiB, sampled every 0.5 ms by a thread: live allocations, not the pages glibc keeps
+    after a free, so measurements one after the other in a process do not disturb each other."""
+    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    mallinfo2.restype = _MallInfo
+    in_use = lambda: (m := mallinfo2()).uordblks + m.hblkhd  # noqa: E731
+    base, done = in_use(), threading.Event()
+    peak = [base]
 
-    def _sample(self):
-        while not self._stop.wait(0.0005):
-            self.peak = max(self.peak, self.in_use())
+    def sample():
+        while not done.wait(0.0005):
+            peak[0] = max(peak[0], in_use())
 
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.delta_mib = (max(self.peak, self.in_use()) - self.base) / 2**20
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    fn()
+    done.set()
+    sampler.join()
+    return (max(peak[0], in_use()) - base) / 2**20
 
 
 def _rank(rank, world, init, args) -> dict:
@@ -104,10 +102,9 @@ def _rank(rank, world, init, args) -> dict:
             step(stats, {})
             times += [time.perf_counter() - t0] if i else []
         saved: dict = {}
-        with MallocPeak() as meter:  # malloc'd bytes in use above the step's start, sampled
-            step(CommStats(), saved)
+        peak = malloc_peak_mib(lambda: step(CommStats(), saved))
         out["rows"].append({"ulysses": u, "step_s": statistics.median(times), "step_s_all": times,
-                            "bytes_sent": stats.bytes_sent, "peak_mib": meter.delta_mib,
+                            "bytes_sent": stats.bytes_sent, "peak_mib": peak,
                             "saved_mib": sum(saved.values()) / 2**20})
     dist.destroy_process_group()
     return out
