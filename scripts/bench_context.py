@@ -100,8 +100,8 @@ def _hf_step(cfg, attn: str, world: int, checkpointing: bool):
     if attn == "ring":
         enable_ring_attention(dist.group.WORLD, backend="cpu")
     torch.manual_seed(0)
-    hcfg = LlamaConfig(**hf_config_dict(dataclasses.replace(cfg.model, max_seq_len=1 << 22)), attn_implementation=attn)
-    model = LlamaForCausalLM(hcfg).train()
+    hcfg = hf_config_dict(dataclasses.replace(cfg.model, max_seq_len=1 << 22))
+    model = LlamaForCausalLM(LlamaConfig(**hcfg, attn_implementation=attn)).train()
     if checkpointing:
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
@@ -138,7 +138,8 @@ def _rank(rank: int, world: int, init_file: str, system: str, seqs: list[int], a
         from longvideo.train.trainer import Trainer
 
         t = Trainer(cfg)
-        step = lambda S, seed: t.optimizer_step(t.forward_backward([t.shard(_batch(cfg, S, seed))]))  # noqa: E731
+        def step(S, seed):
+            t.optimizer_step(t.forward_backward([t.shard(_batch(cfg, S, seed))]))
     else:
         step = _hf_step(cfg, kind, world, args.hf_checkpointing)
     barrier = (lambda: None) if alone else dist.barrier

@@ -76,7 +76,8 @@ def _rank(rank, world, init, args) -> dict:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     n, H, D, out = args.seq // world, args.heads, args.head_dim, {"rows": []}
     torch.manual_seed(0)  # the layer: q, k, v and output projections around attention
-    w = [(torch.randn(H * D, h * D) / (H * D) ** 0.5).requires_grad_() for h in (H, args.kv_heads, args.kv_heads, H)]
+    w = [(torch.randn(H * D, h * D) / (H * D) ** 0.5).requires_grad_()
+         for h in (H, args.kv_heads, args.kv_heads, H)]
     x, dy = torch.randn(2, 1, n, H * D, generator=torch.Generator().manual_seed(rank))
     pos = zigzag_indices(args.seq, world, rank)[None]
     for u, mesh in ((u, Mesh.build(sp=world, ulysses=u)) for u in (1, 2, 4)):

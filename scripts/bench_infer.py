@@ -24,8 +24,8 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, md_table, ratio, req,  # noqa: E402
-                         req_list, reset_peak, save, spawn_ranks, status_mib, subplots)
+from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, md_table, ratio,  # noqa: E402
+                         req, req_list, reset_peak, save, spawn_ranks, status_mib, subplots)
 
 TITLE = "Inference: time to first token and memory vs context"
 DOCS = ["inference.md"]
@@ -105,7 +105,8 @@ def _sp_rank(rank: int, world: int, init_file: str, args) -> dict:
         rows = []
         for S in args.lengths:
             dist.barrier()
-            rows.append(_measure(lambda: sp_generate(model, prompt(model, S), max_new_tokens=1 + args.decode)))
+            rows.append(_measure(lambda: sp_generate(model, prompt(model, S),
+                                                     max_new_tokens=1 + args.decode)))
     dist.destroy_process_group()
     return {"rows": rows}
 

@@ -30,8 +30,8 @@ TARGETS = [Target("ring: per-rank activation memory", "within 1.2x of single / W
            Target("ring: W = 1 attention vs torch SDPA (CPU s)", "within 1.05x"),
            Target("ring: W = 2 CPU-second efficiency vs W = 1", ">= 0.95")]
 RING_HEADERS = ["W", "layout", "S_local", "step s (slowest rank)", "ideal (wall)", "ideal (CPU s)",
-                "blocked in wait (worst rank)", "transfer's own exposed time (worst rank)", "slowest / mean CPU s",
-                "saved for backward / (single / W)"]
+                "blocked in wait (worst rank)", "transfer's own exposed time (worst rank)",
+                "slowest / mean CPU s", "saved for backward / (single / W)"]
 _pct = lambda x: fmt_num(x if x is None else 100 * x, ".1f", " %")  # noqa: E731
 
 
@@ -53,7 +53,8 @@ def report(result: dict) -> Section:
     saved = [(r["world"], r["saved_mem_over_single_div_w"]) for r in zig if r.get("saved_mem_over_single_div_w")]
     if saved:
         worst = max(v for _, v in saved)
-        mem_t.figure = f"saved for backward: {worst:.2f}x (worst of W = {', '.join(str(w) for w, _ in saved)})"
+        ws = ", ".join(str(w) for w, _ in saved)
+        mem_t.figure = f"saved for backward: {worst:.2f}x (worst of W = {ws})"
         mem_t.met = yes_no(worst <= 1.2)
     elif zig:
         mem_t.figure, mem_t.met = "no memory figures in the JSON", "unknown"
@@ -63,7 +64,7 @@ def report(result: dict) -> Section:
         own = max(r["exposed_transfer_frac_max"] for r in big)
         comm_t.figure = (f"transfer's own exposed time {100 * own:.1f} % (worst rank, W = {ws}); all "
                          f"time blocked in wait {100 * wait:.1f} %")
-        comm_t.met = yes_no(own < 0.10)  # the transfer's own time: waiting on a late neighbour is shown beside it
+        comm_t.met = yes_no(own < 0.10)  # judged on the transfer's own time; the waiting is shown beside it
     elif zig:
         comm_t.figure, comm_t.met = f"no zigzag run with S_local >= 8K (largest {max(r['s_local'] for r in zig):,})", "unknown"
     if zig:
@@ -83,7 +84,9 @@ def report(result: dict) -> Section:
 
 def _exposed_transfer(timeline: list, group) -> float:
     """Seconds blocked after both ring neighbours had posted their side of each hop (the transfer's
-    own time, not a late neighbour's). All ranks share one host clock."""
+    own time, not a late neighbour's); 0 without hops (W = 1). All ranks share one host clock."""
+    if not timeline:
+        return 0.0
     ev = torch.tensor(timeline, dtype=torch.float64)  # (hops, 3): posted, wait start, wait end
     W, r = dist.get_world_size(group), dist.get_rank(group)
     every = [torch.empty_like(ev) for _ in range(W)]
@@ -112,7 +115,8 @@ def _rank(rank, world, init_file, args, layout) -> dict:
     def ours(stats, hooks=False):
         qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
         with torch.autograd.graph.saved_tensors_hooks(pack if hooks else (lambda t: t), lambda t: t):
-            out = ring_attention(qq, kk, vv, group=group, positions=pos, backend=args.backend, comm_stats=stats)
+            out = ring_attention(qq, kk, vv, group=group, positions=pos, backend=args.backend,
+                                 comm_stats=stats)
         out.backward(dout)
 
     def sdpa(stats):  # the same attention in one torch SDPA call (W = 1 only)
@@ -130,8 +134,8 @@ def _rank(rank, world, init_file, args, layout) -> dict:
             t0, c0 = time.perf_counter(), time.process_time()
             fn(stats)
             for key, x in (("step_s", time.perf_counter() - t0), ("cpu_s", time.process_time() - c0),
-                           ("exposed_s", stats.exposed_s),  # read after the clocks: it all-gathers
-                           ("exposed_transfer_s", _exposed_transfer(stats.timeline, group) if world > 1 else 0.0)):
+                           ("exposed_s", stats.exposed_s),  # the last all-gathers: read after the clocks
+                           ("exposed_transfer_s", _exposed_transfer(stats.timeline, group))):
                 res.setdefault(name + key, []).append(x)
     ours(CommStats(), hooks=True)
     dist.destroy_process_group()

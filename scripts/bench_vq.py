@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # test material: videos over photographs
 
-from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, md_table, req, req_list,  # noqa: E402
-                         save, subplots)
+from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, md_table, req,  # noqa: E402
+                         req_list, save, subplots)
 from longvideo.data.frames import FrameSource, build_frame_source, synthetic_videos  # noqa: E402
 from longvideo.train.vq import psnr, train_vq  # noqa: E402
 from longvideo.vq import VQModel, decode_codes, encode_video  # noqa: E402

@@ -12,7 +12,6 @@ import datetime
 import json
 import math
 import multiprocessing
-import os
 import tempfile
 import traceback
 from dataclasses import dataclass, field
@@ -110,7 +109,7 @@ def reset_peak() -> None:
 def arg_parser(doc: str, name: str) -> argparse.ArgumentParser:
     """A script's parser: described by its docstring's first paragraph, with --out (its JSON)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    p.add_argument("--out", default=str(BENCH_DIR / f"{name}.json"), help="the JSON; a plot goes beside it (.png)")
+    p.add_argument("--out", default=str(BENCH_DIR / f"{name}.json"), help="the JSON; a plot goes beside it")
     return p
 
 
@@ -127,7 +126,7 @@ def spawn_ranks(target, world: int, *args, label: str) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_rank_main, args=(queue, target, r, world, os.path.join(d, "rdzv"), *args))
+        procs = [ctx.Process(target=_rank_main, args=(queue, target, r, world, f"{d}/rdzv", *args))
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -256,7 +256,7 @@ def demo_blocks(bench_dir: Path) -> dict[str, str]:
                 row = rows.setdefault(task, {"chance": set()})
                 row[cmd] = value
                 row["chance"] |= {_pct(chance)} if chance is not None else set()
-    times += [_time_row(cmd, *read_json(bench_dir / f"{name}.json"), tests=True) for cmd, name in SUITES.items()]
+    times += [_time_row(cmd, *read_json(bench_dir / f"{name}.json"), True) for cmd, name in SUITES.items()]
     body = [[task, *[r.get(c, "-" if runs[c][0] else NOT_YET) for c in DEMOS], " / ".join(sorted(r["chance"])) or "-"]
             for task, r in rows.items()] or [["video needle and QA", *[NOT_YET] * len(DEMOS), "-"]]
     return {"demo-times": md_table(["command", "measured time", "machine"], times),
@@ -288,9 +288,8 @@ def section_md(r: Result, run: RunResult | None, bench_dir: Path, docs_dir: Path
                                                                      *s.images] if (bench_dir / f).exists()]
     docs = r.attr("DOCS", None) or [f"{r.name}.md"]
     doc, data = next((d for d in docs if (docs_dir / d).exists()), docs[0]), rel(bench_dir / f"{r.name}.json")
-    return "\n".join(lines + [f"Details: [{doc}]({rel(docs_dir / doc)})." + (f" Data: [{data}]({data})." if r.data
-                                                                             else "")
-                              + f" Reproduce: `python scripts/bench_{r.name}.py`.", ""])
+    details = f"Details: [{doc}]({rel(docs_dir / doc)})." + (f" Data: [{data}]({data})." if r.data else "")
+    return "\n".join(lines + [details + f" Reproduce: `python scripts/bench_{r.name}.py`.", ""])
 
 
 def render(bench_dir: Path = BENCH_DIR, docs_dir: Path = DOCS_DIR, scripts_dir: Path = SCRIPTS_DIR,
