@@ -11,7 +11,7 @@ trainer at sp = W); memory is the worst rank's resident-set peak, fitted against
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import math
 import os
@@ -20,17 +20,18 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchreport import (LayoutError, Section, Target, fmt_num, fmt_tokens, md_table, ratio,  # noqa: E402
-                         req, req_list, reset_peak, save, spawn_ranks, status_mib, subplots, yes_no)
+from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, fmt_tokens,  # noqa: E402
+                         md_table, ratio, req, req_list, reset_peak, save, spawn_ranks, status_mib, subplots,
+                         yes_no)
 
 TITLE = "Training: longest context per memory budget"
 DOCS = ["training.md", "hf.md"]
@@ -91,20 +92,16 @@ def _batch(cfg, S: int, seed: int) -> dict:
 
 def _hf_step(cfg, attn: str, world: int, checkpointing: bool):
     """A training step of transformers' Llama of cfg.model's shape, with eager, sdpa or our ring attention."""
-    import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from longvideo.export.hf import hf_config_dict
     from longvideo.hf import enable_ring_attention, shard_batch
 
     if attn == "ring":
         enable_ring_attention(dist.group.WORLD, backend="cpu")
-    m = cfg.model
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.ffn_dim, num_hidden_layers=m.n_layers,
-        num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, rms_norm_eps=m.norm_eps,
-        rope_theta=m.rope_theta, max_position_embeddings=1 << 22, tie_word_embeddings=m.tie_embeddings,
-        attn_implementation=attn)).train()
+    hcfg = hf_config_dict(dataclasses.replace(cfg.model, max_seq_len=1 << 22))
+    model = LlamaForCausalLM(LlamaConfig(**hcfg, attn_implementation=attn)).train()
     if checkpointing:
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
@@ -126,46 +123,42 @@ def _hf_step(cfg, attn: str, world: int, checkpointing: bool):
     return step
 
 
-def _rank(rank: int, world: int, init_file: str, system: str, seqs: list[int], args, queue) -> None:
+def _rank(rank: int, world: int, init_file: str, system: str, seqs: list[int], args) -> dict:
     """One rank of a system: a warm-up, one step at each memory length, then the timed steps."""
-    try:
-        import torch.distributed as dist
+    from longvideo.config import load_config
 
-        from longvideo.config import load_config
+    torch.set_num_threads(max(1, args.threads // world))
+    kind, alone = system.rstrip("0123456789"), system in ("eager", "sdpa")
+    if not alone:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=3600))
+    tmp = tempfile.mkdtemp()  # our trainer's run directory
+    cfg = load_config(args.config, _overrides(args, world if kind == "ours" else 1, tmp))
+    if kind == "ours":
+        from longvideo.train.trainer import Trainer
 
-        torch.set_num_threads(max(1, args.threads // world))
-        kind, alone = system.rstrip("0123456789"), system in ("eager", "sdpa")
-        if not alone:
-            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=3600))
-        tmp = tempfile.mkdtemp()  # our trainer's run directory
-        cfg = load_config(args.config, _overrides(args, world if kind == "ours" else 1, tmp))
-        if kind == "ours":
-            from longvideo.train.trainer import Trainer
-
-            t = Trainer(cfg)
-            step = lambda S, seed: t.optimizer_step(t.forward_backward([t.shard(_batch(cfg, S, seed))]))  # noqa: E731
-        else:
-            step = _hf_step(cfg, kind, world, args.hf_checkpointing)
-        barrier = (lambda: None) if alone else dist.barrier
-        step(min(seqs), 0)
-        res = {"rank": rank, "mem": {}, "step_s": [], "cpu_s": []}
-        for S in seqs:
-            barrier()
-            reset_peak()
-            step(S, 1)
-            res["mem"][S] = status_mib("VmHWM")
-        for i in range(args.steps + 1):  # the first warms this length up
-            barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            step(args.seq, 2 + i)
-            res["step_s"] += [time.perf_counter() - t0] if i else []
-            res["cpu_s"] += [time.process_time() - c0] if i else []
+        t = Trainer(cfg)
+        def step(S, seed):
+            t.optimizer_step(t.forward_backward([t.shard(_batch(cfg, S, seed))]))
+    else:
+        step = _hf_step(cfg, kind, world, args.hf_checkpointing)
+    barrier = (lambda: None) if alone else dist.barrier
+    step(min(seqs), 0)
+    res = {"mem": {}, "step_s": [], "cpu_s": []}
+    for S in seqs:
         barrier()
-        shutil.rmtree(tmp, ignore_errors=True)
-        queue.put(res)
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        queue.put({"rank": rank, "error": f"{e!r}\n{traceback.format_exc()}"})
+        reset_peak()
+        step(S, 1)
+        res["mem"][S] = status_mib("VmHWM")
+    for i in range(args.steps + 1):  # the first warms this length up
+        barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        step(args.seq, 2 + i)
+        res["step_s"] += [time.perf_counter() - t0] if i else []
+        res["cpu_s"] += [time.process_time() - c0] if i else []
+    barrier()
+    shutil.rmtree(tmp, ignore_errors=True)
+    return res
 
 
 def _overrides(args, sp: int, out_dir: str = "unused") -> list[str]:
@@ -211,8 +204,8 @@ def plot(result: dict):
     return fig
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> None:
+    p = arg_parser(__doc__, "context")
     p.add_argument("--config", default="tiny.yaml", help="the model's shape (and our trainer's settings)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (LLaMA-2 7B has 32)")
     p.add_argument("--systems", default="eager,sdpa,ring2,ring4,ours1,ours2,ours4")
@@ -225,7 +218,6 @@ def main(argv=None) -> int:
     p.add_argument("--no-hf-checkpointing", dest="hf_checkpointing", action="store_false")
     p.add_argument("--label", default=None, help="this part's name in the JSON (default: config and layers)")
     p.add_argument("--quick", action="store_true", help="lengths 512,1024 (eager 128-512), W <= 2, one step")
-    p.add_argument("--out", default=str(ROOT / "docs" / "bench" / "context.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.lengths, args.eager_lengths, args.seq, args.steps = "512,1024", "128,256,512", 512, 1
@@ -250,8 +242,7 @@ def main(argv=None) -> int:
     table, targets = _part(part)
     print(table + "\n" + "\n".join(f"{t.what}: {t.figure} ({t.met})" for t in targets))
     save({"parts": [q for q in old if q.get("label") != part["label"]] + [part]}, out, plot)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -10,7 +10,6 @@ Writes docs/bench/data.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -23,7 +22,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchreport import Section, Target, md_table, req, req_list, save, yes_no  # noqa: E402
+from benchreport import Section, Target, arg_parser, md_table, req, req_list, save, yes_no  # noqa: E402
+from longvideo.data.synthetic import decode_frame_index, frame_index_video, write_mp4  # noqa: E402
+from longvideo.data.video import read_video, sample_indices  # noqa: E402
 
 TITLE = "Data pipeline"
 DOCS = ["data.md"]
@@ -78,8 +79,6 @@ def make_video(path: Path, minutes: float, size: int, fps: int, gop_seconds: flo
     """A gradient, a bouncing square and each frame's index in a corner, encoded in chunks."""
     from tqdm import tqdm
 
-    from longvideo.data.synthetic import frame_index_video, write_mp4
-
     n, side = int(round(minutes * 60 * fps)), size // 5
     yy, xx = np.mgrid[0:size, 0:size]
     base = np.stack([xx * 255 // size, yy * 255 // size, np.full_like(xx, 96)], -1).astype(np.uint8)
@@ -102,14 +101,10 @@ def make_video(path: Path, minutes: float, size: int, fps: int, gop_seconds: flo
 
 
 def _right(frames, indices) -> bool:
-    from longvideo.data.synthetic import decode_frame_index
-
     return [decode_frame_index(f[:CORNER, :CORNER]) for f in frames] == list(indices)
 
 
 def time_reader(path: Path, backend: str) -> dict:
-    from longvideo.data.video import read_video, sample_indices
-
     t = time.perf_counter()
     clip = read_video(str(path), fps=1.0, backend=backend)
     sec = time.perf_counter() - t
@@ -120,8 +115,6 @@ def time_reader(path: Path, backend: str) -> dict:
 def time_decode_all(path: Path) -> dict:
     """Decode every frame, convert each to RGB, keep the one on screen at each whole second."""
     import av
-
-    from longvideo.data.video import sample_indices
 
     t, kept, idx = time.perf_counter(), [], []
     with av.open(str(path)) as c:
@@ -171,8 +164,8 @@ def estimate_7b_h200(seq_len: int = 32768, mfu: float = 0.4, peak_flops: float =
             "tokens_per_s_per_gpu": peak_flops * mfu / cfg.flops_per_token(seq_len)}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> None:
+    p = arg_parser(__doc__, "data")
     p.add_argument("--minutes", type=float, default=60.0, help="video length")
     p.add_argument("--size", type=int, default=256, help="frame side (256p)")
     p.add_argument("--src-fps", type=int, default=8, help="frame rate of the generated video")
@@ -183,7 +176,6 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=16384, help="loader sequence length")
     p.add_argument("--batches", type=int, default=20, help="loader batches timed")
     p.add_argument("--samples", type=int, default=64, help="token-shard samples written for the loader")
-    p.add_argument("--out", default=str(ROOT / "docs" / "bench" / "data.json"))
     a = p.parse_args(argv)
     from longvideo.data.video import _open
     from longvideo.machine import machine_info
@@ -211,10 +203,8 @@ def main(argv=None) -> int:
         print("timing the loader ...", flush=True)
         res["loader"] = time_loader(Path(tmp), a.seq_len, a.batches, a.samples)
     res["train_step_7b_h200"] = estimate_7b_h200()
-    print(report(res).table)
-    save(res, a.out)
-    return 0
+    save(res, a.out, report=report)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -10,18 +10,13 @@ Writes docs/bench/hybrid.json.
 
 from __future__ import annotations
 
-import argparse
-import json
+import ctypes
 import os
 import statistics
-import sys
+import threading
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from benchreport import Section, Target, md_table, req, req_list, spawn_ranks, yes_no  # noqa: E402
+from benchreport import Section, Target, arg_parser, md_table, req, req_list, save, spawn_ranks, yes_no
 
 TITLE = "Hybrid sequence parallelism (Ulysses x ring)"
 DOCS = ["hybrid.md"]
@@ -44,61 +39,83 @@ def report(result: dict) -> Section:
                               f"{cfg['threads']} thread(s) a rank on {cfg['cores']} cores (shared: times indicative)."])
 
 
-def _rank(rank, world, init, args, queue):
+class _MallInfo(ctypes.Structure):  # glibc >= 2.33
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_peak_mib(fn) -> float:
+    """Runs fn(); the peak of the bytes malloc has in use (mallinfo2: heap in use + mmapped chunks) above
+    the start, in MiB, sampled every 0.5 ms by a thread: live allocations, not the pages glibc keeps
+    after a free, so measurements one after the other in a process do not disturb each other."""
+    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    mallinfo2.restype = _MallInfo
+    in_use = lambda: (m := mallinfo2()).uordblks + m.hblkhd  # noqa: E731
+    base, done = in_use(), threading.Event()
+    peak = [base]
+
+    def sample():
+        while not done.wait(0.0005):
+            peak[0] = max(peak[0], in_use())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    fn()
+    done.set()
+    sampler.join()
+    return (max(peak[0], in_use()) - base) / 2**20
+
+
+def _rank(rank, world, init, args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from bench_ring import MallocPeak
     from longvideo.parallel import CommStats, Mesh, hybrid_attention, ring_attention, zigzag_indices
 
-    try:
-        torch.set_num_threads(args.threads)
-        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-        n, H, D, out = args.seq // world, args.heads, args.head_dim, {"rank": rank, "rows": []}
-        torch.manual_seed(0)  # the layer: q, k, v and output projections around attention
-        w = [(torch.randn(H * D, h * D) / (H * D) ** 0.5).requires_grad_() for h in (H, args.kv_heads, args.kv_heads, H)]
-        x, dy = torch.randn(2, 1, n, H * D, generator=torch.Generator().manual_seed(rank))
-        pos = zigzag_indices(args.seq, world, rank)[None]
-        for u, mesh in ((u, Mesh.build(sp=world, ulysses=u)) for u in (1, 2, 4)):
-            def step(stats, saved):
-                def pack(t):  # bytes kept for backward, each storage once (the input and weights excluded)
-                    if t.untyped_storage().data_ptr() not in [m.data_ptr() for m in (xx, *w)]:
-                        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                    return t
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    n, H, D, out = args.seq // world, args.heads, args.head_dim, {"rows": []}
+    torch.manual_seed(0)  # the layer: q, k, v and output projections around attention
+    w = [(torch.randn(H * D, h * D) / (H * D) ** 0.5).requires_grad_()
+         for h in (H, args.kv_heads, args.kv_heads, H)]
+    x, dy = torch.randn(2, 1, n, H * D, generator=torch.Generator().manual_seed(rank))
+    pos = zigzag_indices(args.seq, world, rank)[None]
+    for u, mesh in ((u, Mesh.build(sp=world, ulysses=u)) for u in (1, 2, 4)):
+        def step(stats, saved):
+            def pack(t):  # bytes kept for backward, each storage once (the input and weights excluded)
+                if t.untyped_storage().data_ptr() not in [m.data_ptr() for m in (xx, *w)]:
+                    saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
 
-                xx = x.detach().requires_grad_(True)
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    q, k, v = ((xx @ m).view(1, n, -1, D) for m in w[:3])
-                    kw = dict(positions=pos, segment_ids=torch.zeros_like(pos), backend="cpu", comm_stats=stats)
-                    o = ring_attention(q, k, v, group=mesh.sp_group, **kw) if u == 1 else \
-                        hybrid_attention(q, k, v, groups=mesh.ulysses_groups, **kw)
-                    (o.reshape(1, n, -1) @ w[3]).backward(dy)
+            xx = x.detach().requires_grad_(True)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                q, k, v = ((xx @ m).view(1, n, -1, D) for m in w[:3])
+                kw = dict(positions=pos, segment_ids=torch.zeros_like(pos), backend="cpu", comm_stats=stats)
+                o = ring_attention(q, k, v, group=mesh.sp_group, **kw) if u == 1 else \
+                    hybrid_attention(q, k, v, groups=mesh.ulysses_groups, **kw)
+                (o.reshape(1, n, -1) @ w[3]).backward(dy)
 
-            times, stats = [], CommStats()
-            for i in range(args.iters + 1):  # the first is a warm-up
-                stats.reset()
-                dist.barrier()
-                t0 = time.perf_counter()
-                step(stats, {})
-                times += [time.perf_counter() - t0] if i else []
-            saved: dict = {}
-            with MallocPeak() as meter:  # malloc'd bytes in use above the step's start, sampled
-                step(CommStats(), saved)
-            out["rows"].append({"ulysses": u, "step_s": statistics.median(times), "step_s_all": times,
-                                "bytes_sent": stats.bytes_sent, "peak_mib": meter.delta_mib,
-                                "saved_mib": sum(saved.values()) / 2**20})
-        dist.destroy_process_group()
-        queue.put(out)
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        queue.put({"rank": rank, "error": f"{e!r}\n{__import__('traceback').format_exc()}"})
+        times, stats = [], CommStats()
+        for i in range(args.iters + 1):  # the first is a warm-up
+            stats.reset()
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(stats, {})
+            times += [time.perf_counter() - t0] if i else []
+        saved: dict = {}
+        peak = malloc_peak_mib(lambda: step(CommStats(), saved))
+        out["rows"].append({"ulysses": u, "step_s": statistics.median(times), "step_s_all": times,
+                            "bytes_sent": stats.bytes_sent, "peak_mib": peak,
+                            "saved_mib": sum(saved.values()) / 2**20})
+    dist.destroy_process_group()
+    return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None) -> None:
+    p = arg_parser(__doc__, "hybrid")
     for name, default in (("seq", 8192), ("heads", 8), ("kv-heads", 8), ("head-dim", 64), ("iters", 5), ("threads", 1)):
         p.add_argument(f"--{name}", type=int, default=default)
-    p.add_argument("--out", default=str(ROOT / "docs" / "bench" / "hybrid.json"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     ranks = spawn_ranks(_rank, 4, args, label="bench_hybrid")
     rows = []
     for per in zip(*(r["rows"] for r in ranks)):  # per split: the slowest rank's median, the largest figures
@@ -106,10 +123,7 @@ def main() -> None:
                      "step_s_max": max(max(r["step_s_all"]) for r in per),
                      **{k: max(r[k] for r in per) for k in ("step_s", "bytes_sent", "peak_mib", "saved_mib")}})
     cfg = {k: v for k, v in vars(args).items() if k != "out"} | {"cores": os.cpu_count()}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result := {"config": cfg, "rows": rows}, indent=1) + "\n")
-    sec = report(result)
-    print(sec.table + "\n" + "\n".join(f"{t.what}: {t.figure} (goal {t.goal}): {t.met}" for t in sec.targets))
+    save({"config": cfg, "rows": rows}, args.out, report=report)
 
 
 if __name__ == "__main__":

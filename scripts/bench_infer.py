@@ -10,7 +10,6 @@ Peak memory is the rise of the resident set over the prefill, the KV cache inclu
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import gc
 import os
@@ -19,11 +18,14 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchreport import (LayoutError, Section, Target, fmt_num, md_table, ratio, req, req_list,  # noqa: E402
-                         reset_peak, save, spawn_ranks, status_mib, subplots)
+from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, md_table, ratio,  # noqa: E402
+                         req, req_list, reset_peak, save, spawn_ranks, status_mib, subplots)
 
 TITLE = "Inference: time to first token and memory vs context"
 DOCS = ["inference.md"]
@@ -78,8 +80,6 @@ def _measure(fn) -> dict:
 
 
 def build_model(args):
-    import torch
-
     from longvideo.model import ModelConfig, Transformer
 
     cfg = ModelConfig(text_vocab_size=512, codebook_size=1024, dim=args.dim, n_layers=args.layers,
@@ -89,33 +89,26 @@ def build_model(args):
 
 
 def prompt(model, S: int):
-    import torch
-
     return torch.randint(0, model.cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(S))
 
 
-def _sp_rank(rank: int, world: int, init_file: str, args, queue) -> None:
-    try:
-        _tame_malloc()
-        import torch
-        import torch.distributed as dist
+def _sp_rank(rank: int, world: int, init_file: str, args) -> dict:
+    _tame_malloc()
+    from longvideo.infer.sp import sp_generate
 
-        from longvideo.infer.sp import sp_generate
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=1800))
-        model = build_model(args)
-        with torch.no_grad():
-            sp_generate(model, prompt(model, 64), max_new_tokens=2)  # warm-up
-            rows = []
-            for S in args.lengths:
-                dist.barrier()
-                rows.append(_measure(lambda: sp_generate(model, prompt(model, S), max_new_tokens=1 + args.decode)))
-        dist.destroy_process_group()
-        queue.put({"rank": rank, "rows": rows})
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        queue.put({"rank": rank, "error": repr(e)})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=1800))
+    model = build_model(args)
+    with torch.no_grad():
+        sp_generate(model, prompt(model, 64), max_new_tokens=2)  # warm-up
+        rows = []
+        for S in args.lengths:
+            dist.barrier()
+            rows.append(_measure(lambda: sp_generate(model, prompt(model, S),
+                                                     max_new_tokens=1 + args.decode)))
+    dist.destroy_process_group()
+    return {"rows": rows}
 
 
 def plot(result: dict):
@@ -139,8 +132,8 @@ def plot(result: dict):
     return fig
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> None:
+    p = arg_parser(__doc__, "infer")
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096, 8192])
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk of the chunked mode")
     p.add_argument("--decode", type=int, default=8, help="tokens decoded after the first")
@@ -149,11 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the single-process modes")
-    p.add_argument("--out", default=str(ROOT / "docs" / "bench" / "infer.json"))
     args = p.parse_args(argv)
     _tame_malloc()
-    import torch
-
     from longvideo.infer.generation import generate
 
     torch.set_num_threads(args.threads)
@@ -168,7 +158,7 @@ def main(argv=None) -> int:
                                                              prefill_chunk=chunk)))
             print(f"S={S:>7}: " + " | ".join(f"{k} TTFT {v[-1]['ttft_s']:.2f} s, peak {v[-1]['peak_mb']:.1f} MiB"
                                              for k, v in modes.items()), flush=True)
-    ranks = sorted(spawn_ranks(_sp_rank, 2, args, label="sp2"), key=lambda r: r["rank"])
+    ranks = spawn_ranks(_sp_rank, 2, args, label="sp2")
     modes["sp2"] = [{**max(rs, key=lambda r: r["peak_mb"]), "ttft_s": max(r["ttft_s"] for r in rs),
                      "decode_ms_per_token": max(r["decode_ms_per_token"] for r in rs),
                      "peak_mb_per_rank": [r["peak_mb"] for r in rs], "ranks_agree": rs[0]["tokens"] == rs[1]["tokens"]}
@@ -184,10 +174,8 @@ def main(argv=None) -> int:
               "modes": modes, "same_tokens_all_modes": [a["tokens"] == b["tokens"] == c["tokens"]
                                                         for a, b, c in zip(*modes.values())],
               "seconds": round(time.time() - t0, 1)}
-    print(report(result).table)
-    save(result, args.out, plot)
-    return 0
+    save(result, args.out, plot, report)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

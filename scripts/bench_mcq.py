@@ -5,7 +5,6 @@ questions (flash colour, last colour, first shape) are written as a Video-MME re
 `longvideo eval mcq --benchmark videomme`, likelihood mode; docs/bench/mcq.json gets the figures."""
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchreport import Section, Target, fmt_num, md_table, req_list, yes_no  # noqa: E402
+from benchreport import Section, Target, fmt_num, md_table, req_list, save, yes_no  # noqa: E402
 
 TITLE = "Multiple-choice benchmarks: time and the demo model's answers"
 DOCS = ["evaluation.md"]
@@ -88,9 +87,8 @@ def main() -> None:
                       "accuracy": res["accuracy"], "ci95": res["ci95"],
                       "by_task_type": res["breakdowns"]["task_type"]["labels"]})
     result = {"model": a.model, "cases": cases, "machine": machine_info()}
-    print(report(result).table)
     if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
+        save(result, a.json, report=report)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,7 @@ openai client with videos as data: URLs. Writes docs/bench/serve.json.
 
 from __future__ import annotations
 
-import argparse
 import base64
-import json
 import re
 import statistics
 import subprocess
@@ -22,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchreport import Section, Target, fmt_num, md_table, req, yes_no
+from benchreport import Section, Target, arg_parser, fmt_num, md_table, req, save, yes_no
 
 TITLE = "Serving: follow-up questions and concurrent clients"
 DOCS = ["serving.md"]
@@ -76,14 +74,13 @@ def ask(client, model: str, url: str, question: str, history=()):
     return r, time.perf_counter() - t0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> None:
+    p = arg_parser(__doc__, "serve")
     p.add_argument("--model", default=None, help="model directory (default: runs/demo-quick/hf, made if missing)")
     p.add_argument("--seconds", type=int, default=600, help="video length (default 10 minutes)")
     p.add_argument("--trials", type=int, default=3, help="videos for the first / follow-up timing")
     for flag, default in (("--requests", 50), ("--clients", 8), ("--max-queue", 4)):
         p.add_argument(flag, type=int, default=default)
-    p.add_argument("--out", default=str(ROOT / "docs" / "bench" / "serve.json"))
     a = p.parse_args(argv)
     import openai
     import psutil
@@ -133,13 +130,8 @@ def main(argv=None) -> int:
     result = dict(model=model, video_seconds=a.seconds, frames=frames, first_s=first, follow_up_s=follow,
                   ratio=statistics.median(follow) / statistics.median(first), load=load,
                   machine=describe(machine_info()))
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
-    sec = report(result)
-    print(sec.table, *(f"{t.what}: {t.figure} (target {t.goal}): {t.met}" for t in sec.targets), f"wrote {a.out}",
-          sep="\n")
-    return 0
+    save(result, a.out, report=report)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

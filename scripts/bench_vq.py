@@ -11,7 +11,6 @@ videos over photographs held out by photograph, against the untrained tokenizer 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
@@ -21,12 +20,18 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # test material: videos over photographs
 
-from benchreport import LayoutError, Section, Target, fmt_num, md_table, req, req_list, save, subplots  # noqa: E402
+from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, md_table, req,  # noqa: E402
+                         req_list, save, subplots)
+from longvideo.data.frames import FrameSource, build_frame_source, synthetic_videos  # noqa: E402
+from longvideo.train.vq import psnr, train_vq  # noqa: E402
+from longvideo.vq import VQModel, decode_codes, encode_video  # noqa: E402
+from longvideo.vq.config import load_vq_config  # noqa: E402
 
 TITLE = "VQ video tokenizer"
 DOCS = ["vq.md"]
@@ -67,9 +72,6 @@ def report(result: dict) -> Section:
 
 
 def throughput(name: str, frames: int, repeats: int) -> dict:
-    from longvideo.vq import VQModel, decode_codes, encode_video
-    from longvideo.vq.config import load_vq_config
-
     cfg = load_vq_config(str(ROOT / "configs" / "vq" / f"{name}.yaml"), [])
     if cfg.resolution >= 128:  # seconds a frame on a CPU
         frames, repeats = 5, 1
@@ -93,10 +95,6 @@ def throughput(name: str, frames: int, repeats: int) -> dict:
 
 def thumbnail_psnr(frames: torch.Tensor, side: int) -> float:
     """PSNR of uint8 frames (..., H, W, 3) against their side x side thumbnails upsampled bicubically."""
-    import torch.nn.functional as F
-
-    from longvideo.train.vq import psnr
-
     f = frames.reshape(-1, *frames.shape[-3:])
     small = F.interpolate(f.permute(0, 3, 1, 2).float(), size=(side, side), mode="bicubic", antialias=True)
     up = F.interpolate(small, size=f.shape[1:3], mode="bicubic").round().clamp(0, 255).to(torch.uint8)
@@ -104,10 +102,6 @@ def thumbnail_psnr(frames: torch.Tensor, side: int) -> float:
 
 
 def train_steps(name: str, steps: int, videos: int, work: Path, docs: Path, real: bool, overrides: list[str]) -> dict:
-    from longvideo.data.frames import FrameSource, build_frame_source, synthetic_videos
-    from longvideo.train.vq import train_vq
-    from longvideo.vq.config import load_vq_config
-
     cfg = load_vq_config(str(ROOT / "configs" / "vq" / f"{name}.yaml"), overrides)
     big = cfg.resolution >= 128  # a CPU makes a handful of steps there: evaluate at the start and the end only
     cfg = dataclasses.replace(cfg, steps=steps, save_every=steps, eval_every=steps if big else 100,
@@ -155,8 +149,8 @@ def plot(result: dict):
     return fig
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    p = arg_parser(__doc__, "vq")
     p.add_argument("--configs", nargs="*", default=["tiny", "causal3d-tiny", "lwm-256", "causal3d-256"],
                    help="configs/vq/<name>.yaml to time")
     p.add_argument("--fps-frames", type=int, default=64, help="frames a timing (5 for 256 x 256 configs)")
@@ -166,7 +160,6 @@ def main(argv: list[str] | None = None) -> int:
                                                  "causal3d-256:10"], metavar="NAME:STEPS[:key=value,...]")
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--videos", type=int, default=60, help="synthetic training videos")
-    p.add_argument("--out", default=str(ROOT / "docs" / "bench" / "vq.json"))
     a = p.parse_args(argv)
     from longvideo.machine import machine_info
 
@@ -184,10 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                                   [o for o in over.split(",") if o])
                 result[key].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "curve"}), flush=True)
-    print(report(result).table)
-    save(result, out, plot)
-    return 0
+    save(result, out, plot, report)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

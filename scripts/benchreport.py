@@ -1,19 +1,23 @@
 """What the benchmark scripts share. Each `scripts/bench_<name>.py` has, next to the code that measures,
 a docstring (what and how: its page shows it without the command lines), TITLE, DOCS (pages under
 docs/), TARGETS (the first is its headline, shown in the README) and `report(result) -> Section`;
-`scripts/run_benchmarks.py` runs the scripts and renders the pages from their JSON. This module imports nothing of the project (nor torch): the pages build fast.
+`scripts/run_benchmarks.py` runs the scripts and renders the pages from their JSON. This module imports
+nothing of the project (nor torch): the pages build fast.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
 import multiprocessing
-import os
 import tempfile
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "docs" / "bench"
 
 
 class LayoutError(ValueError):
@@ -102,17 +106,31 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
+def arg_parser(doc: str, name: str) -> argparse.ArgumentParser:
+    """A script's parser: described by its docstring's first paragraph, with --out (its JSON)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--out", default=str(BENCH_DIR / f"{name}.json"), help="the JSON; a plot goes beside it")
+    return p
+
+
+def _rank_main(queue, target, rank, world, init_file, *args):
+    try:
+        queue.put(dict(target(rank, world, init_file, *args), rank=rank))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        queue.put({"rank": rank, "error": f"{e!r}\n{traceback.format_exc()}"})
+
+
 def spawn_ranks(target, world: int, *args, label: str) -> list[dict]:
-    """Run target(rank, world, init_file, *args, queue) in `world` spawned processes; each puts one
-    dict on the queue ({"rank", "error"} on failure). Returns the dicts; raises on any error."""
+    """Run target(rank, world, init_file, *args) -> dict in `world` spawned processes. Returns the dicts
+    (each with its "rank") in rank order; raises, with the traceback, when a rank raised."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=target, args=(r, world, os.path.join(d, "rdzv"), *args, queue))
+        procs = [ctx.Process(target=_rank_main, args=(queue, target, r, world, f"{d}/rdzv", *args))
                  for r in range(world)]
         for p in procs:
             p.start()
-        ranks = [queue.get() for _ in procs]
+        ranks = sorted((queue.get() for _ in procs), key=lambda r: r["rank"])
         for p in procs:
             p.join()
     for r in ranks:
@@ -131,9 +149,13 @@ def subplots(*args, **kwargs):
     return plt.subplots(*args, **kwargs)
 
 
-def save(result: dict, out, plot=None) -> Path:
+def save(result: dict, out, plot=None, report=None) -> Path:
     """Write result as JSON at `out` (stamped with today's date unless it has one) and, with plot,
-    the figure plot(result) returns next to it as a PNG. Returns the JSON's path."""
+    the figure plot(result) returns next to it as a PNG; with report, print report(result)'s table
+    and targets first. Returns the JSON's path."""
+    if report is not None:
+        sec = report(result)
+        print(sec.table, *(f"{t.what}: {t.figure} (target {t.goal}): {t.met}" for t in sec.targets), sep="\n")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result.setdefault("date", datetime.date.today().isoformat())

@@ -6,11 +6,8 @@
     python scripts/gpu_check.py --tune          # time candidate tile shapes, write docs/bench/gpu_tune.json
     python scripts/gpu_check.py --dry-run       # what runs without CUDA: the interpreter, tiny shapes
 
-Parts (docs/kernels.md, "The GPU check", says what each measures): env, correctness, syncs, speed,
-ring, train; tune with --tune. Each has its own try, time budget and hard stop 20 s past it; the
-JSON (docs/bench/gpu_check.json) is rewritten after every part, and on a GPU the check's section of
-docs/benchmarks.md is replaced. Without CUDA (or with --dry-run) the same code runs on tiny shapes
-under TRITON_INTERPRET=1, claims no figure (gpu_check_dry.json if gpu_check.json holds a GPU run).
+Parts: env, correctness, syncs, speed, ring, train; tune with --tune. docs/kernels.md, "The GPU
+check", gives what each measures, its budget and the dry run without CUDA (tiny shapes, no figure).
 """
 
 from __future__ import annotations
@@ -41,6 +38,7 @@ DRY = "--dry-run" in sys.argv or not torch.cuda.is_available()
 if DRY:
     os.environ["TRITON_INTERPRET"] = "1"
 
+from benchreport import md_table  # noqa: E402
 from longvideo.kernels import AttentionPlan, block_attention, flash_attn_ref, get_backend, lse_merge_  # noqa: E402
 from longvideo.kernels import _flash_attn_triton as tk  # noqa: E402
 from longvideo.kernels.dispatch import DispatchBackend  # noqa: E402
@@ -171,8 +169,7 @@ def part_env(ok, entry, args):
 
 
 def part_correctness(ok, entry, args):
-    """Every route against float64: triton (both backward variants), auto (cuDNN first; SDPA flash
-    alone), and zigzag ring steps of W = 2 and 4 with the global out/lse."""
+    """Every route against float64, the zigzag ring steps included (docs/kernels.md, "The GPU check")."""
     S, D, H, Hkv, S2 = (48, 32, 4, 2, 48) if DRY else (8192, 128, 32, 8, 4096)
     auto, flash = get_backend("auto", DEV), DispatchBackend(dense=("flash",))  # cuDNN first; flash alone
     cases = entry.setdefault("cases", {})
@@ -206,8 +203,8 @@ def part_correctness(ok, entry, args):
 
 
 def part_syncs(ok, entry, args):
-    """Host syncs per attention call after a warm-up call: triton (plan kept, and built in the call),
-    auto with its plan kept (0 expected) and built in the call (its one read of the metadata), decode."""
+    """Host syncs per attention call after a warm-up call, each backend's plan kept and built in the
+    call; the target counts all but auto's plan build (its one read of the metadata)."""
     if DRY:
         return entry.update(status="skipped", reason="needs CUDA (torch.cuda.set_sync_debug_mode); on CPU the tests "
                             "run the Triton path under tests/sync_guard.py, which fails on any read of a tensor")
@@ -302,10 +299,8 @@ def part_speed(ok, entry, args):
 
 
 def part_ring(ok, entry, args):
-    """What one GPU shows of a ring: the dispatch's two zigzag block kinds timed at real shapes (every
-    step has S_local^2 / 2 visible pairs); the exposed communication of W ranks over a link predicted
-    from those times and its bandwidth (K/V hops overlap each step, the fp32 dK/dV sums each backward
-    step, and the last sums' hop home is exposed)."""
+    """The two zigzag block kinds timed; from them and a link's bandwidth the exposed communication of
+    W ranks, predicted (docs/kernels.md, "The GPU check", gives the model)."""
     from longvideo.parallel import zigzag_indices
     S_local, be = 64 if DRY else 16384, get_backend("auto", DEV)
     be.routes.clear()
@@ -347,10 +342,9 @@ def _model(system: str):
         apply_activation_checkpointing(model)
         return model, mcfg
     from transformers import LlamaConfig, LlamaForCausalLM
-    hcfg = LlamaConfig(vocab_size=mcfg.vocab_size, hidden_size=mcfg.dim, intermediate_size=mcfg.ffn_dim,
-                       num_hidden_layers=mcfg.n_layers, num_attention_heads=mcfg.n_heads,
-                       num_key_value_heads=mcfg.n_kv_heads, max_position_embeddings=1 << 22, rms_norm_eps=mcfg.norm_eps,
-                       rope_theta=mcfg.rope_theta, tie_word_embeddings=mcfg.tie_embeddings, use_cache=False)
+
+    from longvideo.export.hf import hf_config_dict
+    hcfg = LlamaConfig(**hf_config_dict(mcfg), use_cache=False)
     with torch.device(DEV):
         model = LlamaForCausalLM._from_config(hcfg, attn_implementation="sdpa", dtype=BF16).train()
     if system == HF_CKPT:
@@ -374,11 +368,8 @@ def _step(model, system, S: int, opt):
 
 
 def part_train(ok, entry, args):
-    """Per system: at 16K, 32K and 64K tokens the median of >= 5 timed steps (forward, backward, AdamW)
-    after two warm-up steps, with min and max; at 16K one step under the profiler (not transformers
-    without checkpointing), its device kernels counted once each (never also the op that launched
-    them); then one step at doubling lengths until it runs out of memory or its share of the time
-    (ours 60 s, transformers 25 s) is spent: the longest length that ran, measured."""
+    """Per system: timed steps at 16K-64K, one profiled step, then the longest length that ran at
+    doubling lengths within its time share (docs/kernels.md, "The GPU check")."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     peak = None if DRY else device_peak(torch.cuda.get_device_name(DEV))
@@ -433,8 +424,8 @@ def part_train(ok, entry, args):
 
 
 def part_tune(ok, entry, args):
-    """Candidate launch shapes at the shipped head counts (S = 8192); the fastest forward and backward
-    (timed as forward + backward) go to docs/bench/gpu_tune.json and serve the later parts."""
+    """The fastest candidate launch shapes (docs/kernels.md, "Launch shapes"; a backward timed as
+    forward + backward) go to docs/bench/gpu_tune.json and serve the later parts."""
     fwd = [(16, 16, 4, 1)] if DRY else [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)]
     bwd = [(16, 16, 4, 1)] if DRY else [(16, 128, 8, 3), (32, 128, 8, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3)]
     layouts = [("split", True, False), ("split", False, False), ("split", True, True), ("fused", True, False)]
@@ -467,8 +458,7 @@ def part_tune(ok, entry, args):
         tk.set_tile_table(chosen)
 
 
-FUNCS = dict(env=part_env, correctness=part_correctness, syncs=part_syncs, speed=part_speed, ring=part_ring,
-             train=part_train, tune=part_tune)
+FUNCS = {name: globals()[f"part_{name}"] for name in (*PARTS, "tune")}
 
 
 def targets(report: dict) -> list[list[str]]:
@@ -535,9 +525,7 @@ def markdown(report: dict) -> str:
             (["system", "longest context that ran (peak GiB)", "ran out of memory at"],
              [[n, f"{e['longest']:,} ({_f(e.get('longest_peak_gib'))})", _f(e.get("out_of_memory_at"), ",d")]
               for n, e in tr.items() if isinstance(e, dict) and "longest" in e])):
-        if rows:
-            lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-            lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows] + [""]
+        lines += [md_table(head, rows), ""] if rows else []
     lines += ["Kernel TFLOP/s count the visible pairs (bf16, causal, 16K tokens a batch); steps: medians after two warm-up "
               "steps; the longest context: one step at doubling lengths, measured, not fitted.", ""]
     lines += [f"Ring, **predicted** from this GPU's block times at {next(iter(rings.values()), {}).get('s_local')} "
@@ -556,7 +544,7 @@ def write_markdown(report: dict, path: Path) -> None:
         path.write_text(text.rstrip("\n") + "\n\n" + section)
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default=None, help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--tune", action="store_true", help="run the tuning part (then speed with its table)")
@@ -576,8 +564,8 @@ def main(argv=None) -> int:
     if args.out is None and DRY and out.exists() and json.loads(out.read_text() or "{}").get("mode") == "gpu":
         out = BENCH / "gpu_check_dry.json"  # never overwrite a GPU run with a dry run
     md = args.md if args.md is not None else (None if DRY else ROOT / "docs" / "benchmarks.md")
-    args.report = report = dict(check="scripts/gpu_check.py", mode="dry-run" if DRY else "gpu", argv=sys.argv[1:],
-                                budget_s=args.budget, started=time.strftime("%Y-%m-%d %H:%M:%S"), parts={})
+    report = dict(check="scripts/gpu_check.py", mode="dry-run" if DRY else "gpu", argv=sys.argv[1:],
+                  budget_s=args.budget, started=time.strftime("%Y-%m-%d %H:%M:%S"), parts={})
     if DRY:
         report["skipped"] = f"{'no CUDA device' if not torch.cuda.is_available() else '--dry-run'}: every part ran on " \
             "tiny shapes under TRITON_INTERPRET=1 (no figure is a GPU figure)"
@@ -612,8 +600,7 @@ def main(argv=None) -> int:
         write_markdown(report, md)
     print("\n".join(f"  {r['target']}: {r['measured']} (goal {r['goal']}, met: {r['met']})" for r in report["targets"]))
     print(f"wrote {out}" + (f" and {md}" if md else ""))
-    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -227,15 +227,21 @@ def _pct(x) -> str:
     return f"{100 * x:.1f} %" if isinstance(x, (int, float)) else "-"
 
 
+def _time_row(cmd: str, s: dict | None, why: str | None, tests: bool = False) -> list[str]:
+    """[command, its run's time (or why there is none), the machine] from a demo's or the suite's JSON."""
+    s, n = s or {}, (s or {}).get("tests") or {}
+    took = (f"{s['seconds'] / 60:.1f} min" + (f" ({n.get('passed', '?'):,} tests passed)" if tests else "")
+            if isinstance(s.get("seconds"), (int, float)) else f"{NOT_YET} ({why or 'no seconds'})")
+    return [f"`{cmd}`", took, describe(s["machine"]) if isinstance(s.get("machine"), dict) else "-"]
+
+
 def demo_blocks(bench_dir: Path) -> dict[str, str]:
     """The demos' times and results from docs/bench/demo.json and demo-hour.json, and the test
     suite's times from suite-test.json and suite-check.json."""
     runs = {cmd: read_json(bench_dir / f"{name}.json") for cmd, name in DEMOS.items()}
     times, rows = [], {}
     for cmd, (s, why) in runs.items():
-        m = s.get("machine") if s else None
-        times.append([f"`{cmd}`", f"{s['seconds'] / 60:.1f} min" if isinstance((s or {}).get("seconds"), (int, float))
-                      else f"{NOT_YET} ({why or 'no seconds'})", describe(m) if isinstance(m, dict) else "-"])
+        times.append(_time_row(cmd, s, why))
         niah, qa, vq = ((s or {}).get(k) or {} for k in ("video_niah", "qa", "vq_needle"))
         found = [("video needle, every length and depth", _pct(niah.get("accuracy")), niah.get("chance"))]
         if niah.get("grid") and niah.get("lengths"):
@@ -250,12 +256,7 @@ def demo_blocks(bench_dir: Path) -> dict[str, str]:
                 row = rows.setdefault(task, {"chance": set()})
                 row[cmd] = value
                 row["chance"] |= {_pct(chance)} if chance is not None else set()
-    for cmd, name in SUITES.items():  # the test suite's wall time after the install
-        s, why = read_json(bench_dir / f"{name}.json")
-        n = (s or {}).get("tests") or {}
-        times.append([f"`{cmd}`", f"{s['seconds'] / 60:.1f} min ({n.get('passed', '?'):,} tests passed)"
-                      if isinstance((s or {}).get("seconds"), (int, float)) else f"{NOT_YET} ({why or 'no seconds'})",
-                      describe(s["machine"]) if isinstance((s or {}).get("machine"), dict) else "-"])
+    times += [_time_row(cmd, *read_json(bench_dir / f"{name}.json"), True) for cmd, name in SUITES.items()]
     body = [[task, *[r.get(c, "-" if runs[c][0] else NOT_YET) for c in DEMOS], " / ".join(sorted(r["chance"])) or "-"]
             for task, r in rows.items()] or [["video needle and QA", *[NOT_YET] * len(DEMOS), "-"]]
     return {"demo-times": md_table(["command", "measured time", "machine"], times),
@@ -267,7 +268,7 @@ def demo_blocks(bench_dir: Path) -> dict[str, str]:
 def section_md(r: Result, run: RunResult | None, bench_dir: Path, docs_dir: Path, out_dir: Path) -> str:
     rel = lambda p: Path(os.path.relpath(p, out_dir)).as_posix()  # noqa: E731
     lines = [f'<a id="{r.name}"></a>', f"## {r.attr('TITLE', r.name)} (`scripts/bench_{r.name}.py`)", ""]
-    lines += [r.measures(), ""] if r.measures() else []
+    lines += [measures, ""] if (measures := r.measures()) else []
     if run is not None and run.status != "ok":
         lines += [f"**The last run of `scripts/bench_{r.name}.py` " + (
             f"timed out after {run.seconds:.0f} s.**" if run.status == "timeout" else
@@ -287,9 +288,8 @@ def section_md(r: Result, run: RunResult | None, bench_dir: Path, docs_dir: Path
                                                                      *s.images] if (bench_dir / f).exists()]
     docs = r.attr("DOCS", None) or [f"{r.name}.md"]
     doc, data = next((d for d in docs if (docs_dir / d).exists()), docs[0]), rel(bench_dir / f"{r.name}.json")
-    return "\n".join(lines + [f"Details: [{doc}]({rel(docs_dir / doc)})." + (f" Data: [{data}]({data})." if r.data
-                                                                             else "")
-                              + f" Reproduce: `python scripts/bench_{r.name}.py`.", ""])
+    details = f"Details: [{doc}]({rel(docs_dir / doc)})." + (f" Data: [{data}]({data})." if r.data else "")
+    return "\n".join(lines + [details + f" Reproduce: `python scripts/bench_{r.name}.py`.", ""])
 
 
 def render(bench_dir: Path = BENCH_DIR, docs_dir: Path = DOCS_DIR, scripts_dir: Path = SCRIPTS_DIR,
