@@ -287,23 +287,6 @@ def visit_ranges(rows: TileStats, cols: TileStats, causal: bool) -> tuple[Tensor
     return ranges, torch.stack([order, *bounds], -1)
 
 
-def ranges_visit(ranges: Tensor, order: Tensor, causal: bool) -> list[list[list[tuple[int, bool]]]]:
-    """The (column tile, full?) pairs the ranges of `visit_ranges` make a walker visit, per batch row
-    and row tile, in visiting order (host lists: for tests and tools, never on a hot path)."""
-    out = []
-    for rb, ob in zip(ranges.tolist(), order.tolist()):
-        rows = []
-        for f_lo, f_hi, p_lo, p_hi, m_lo, m_hi, a, b, p_max in rb:
-            seen = [(ob[t][0], True) for t in range(f_lo, f_hi)]
-            for t in list(range(p_lo, p_hi)) + list(range(m_lo, m_hi)):
-                tile, s_min, s_max, q_min = ob[t]
-                if s_min <= b and s_max >= a and (not causal or q_min <= p_max):
-                    seen.append((tile, False))
-            rows.append(seen)
-        out.append(rows)
-    return out
-
-
 # ----------------------------------------------------------------------------- merging partial results
 
 

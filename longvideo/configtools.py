@@ -4,12 +4,9 @@ dotted overrides. Unknown keys, wrong types and inconsistent values (each ``__po
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import copy
 import dataclasses
-import inspect
-import textwrap
 import types
 import typing
 from pathlib import Path
@@ -42,18 +39,6 @@ def check_at_least(cfg, low: int, *keys: str) -> None:
     """check() that each named field of cfg is >= low ("must be >= 0", "must be >= 1")."""
     for key in keys:
         check(getattr(cfg, key) >= low, key, f"must be >= {low}")
-
-
-def field_docs(cls) -> dict[str, str]:
-    """The one-line docstring written under each field of a config dataclass."""
-    try:
-        src = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    body = ast.parse(src).body[0].body
-    return {a.target.id: b.value.value.strip() for a, b in zip(body, body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
-            and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)}
 
 
 def _type_name(tp: Any) -> str:

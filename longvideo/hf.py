@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from longvideo.model.head import LMHead
 from longvideo.parallel import RingAttentionSeam, layout_positions, shard_sequence, split_group
+from longvideo.parallel.zigzag import group_size_rank
 
 RING = "ring"
 SEGMENT_KEY = "ring_segment_ids"
@@ -46,16 +47,14 @@ class RingAttentionUnsupported(ValueError):
 
 
 def _group_size(group) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise RuntimeError("a process group was given but torch.distributed is not initialised")
-        return 1
-    return dist.get_world_size(group)
+    if group is not None and not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("a process group was given but torch.distributed is not initialised")
+    return group_size_rank(group)[0]
 
 
 def _sum_over(t: Tensor, group) -> int:
     """All-reduce (sum) `t` in place over `group` where torch.distributed runs; the group's size."""
-    size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    size = _group_size(group)
     if size > 1:
         dist.all_reduce(t, group=group)
     return size

@@ -13,7 +13,6 @@ before it is imported. Arrays of Python objects are refused after loading.
 from __future__ import annotations
 
 import collections
-import io
 import pickle
 from pathlib import Path
 from typing import Any, Callable
@@ -102,11 +101,6 @@ def _check_tree(obj: Any, where: str = "") -> Any:
             raise UnsafePickleError(f"the scalar at '{where}' is a Python object")
         return obj
     raise UnsafePickleError(f"unexpected {type(obj).__name__} at '{where}'")
-
-
-def loads_array_pickle(data: bytes) -> Any:
-    """Unpickle `data`, admitting only numpy arrays in plain containers (see the module docstring)."""
-    return _check_tree(_RestrictedUnpickler(io.BytesIO(data)).load())
 
 
 def load_array_pickle(path: str | Path) -> Any:
