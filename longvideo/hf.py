@@ -1,16 +1,9 @@
-"""Ring attention for transformers decoders, through transformers' own extension points.
-
-    from longvideo.hf import enable_ring_attention, shard_batch
-    enable_ring_attention(group)                                   # once per process
-    # or enable_ring_attention(group, ulysses_size=4): heads all-to-all in groups of 4, ring across
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="ring")
-    batch = shard_batch(batch, group)   # this rank's zigzag shard: ids, labels, positions, documents
-    loss = model(**batch).loss           # this rank's share of the global token mean
-
-No model code is patched: documents reach the attention function as the keyword `ring_segment_ids`
-(a call without it runs transformers' sdpa attention), the registered mask function builds nothing,
-and the loss divisor `num_items_in_batch` makes the gradients those of the global token mean.
-docs/hf.md explains each piece.
+"""Ring attention for transformers decoders, through transformers' own extension points
+(docs/hf.md): `enable_ring_attention` registers it as an `attn_implementation`, `shard_batch` cuts
+a batch into this rank's zigzag shard, and the loss divisor `num_items_in_batch` makes the gradients
+those of the global token mean. No model code is patched: documents reach the attention function as
+the keyword `ring_segment_ids` (a call without it runs transformers' sdpa attention), and the
+registered mask function builds nothing.
 """
 
 from __future__ import annotations
@@ -192,9 +185,13 @@ def enable_ring_attention(group, *, backend: str = "auto", name: str = RING, uly
     backend: the block backend ("auto": triton on CUDA, cpu otherwise; "torch", "cpu").
     ulysses_size U > 1: heads all-to-all in groups of U neighbouring ranks, a ring across them
     (docs/hybrid.md); batches are sharded as for the ring."""
-    from transformers import AttentionInterface, AttentionMaskInterface
     _group_size(group)  # a group without an initialised process group is an error here
-    seam = RingAttentionSeam(group, backend, split_group(group, ulysses_size))
+    return _register(name, RingAttentionSeam(group, backend, split_group(group, ulysses_size)), group)
+
+
+def _register(name: str, seam, group) -> str:
+    """Register `seam_attention(seam, group)` and `ring_mask` with transformers under `name`."""
+    from transformers import AttentionInterface, AttentionMaskInterface
     AttentionInterface.register(name, seam_attention(seam, group))
     AttentionMaskInterface.register(name, ring_mask)
     return name
@@ -369,11 +366,8 @@ class HFCausalLM(nn.Module):
 
     def set_attention(self, seam) -> None:
         """Compute the decoder's attention with `seam` (a project seam: ring or single-device)."""
-        from transformers import AttentionInterface, AttentionMaskInterface
-        name = f"{RING}_seam_{next(self._names)}"
-        AttentionInterface.register(name, seam_attention(seam, getattr(seam, "group", None)))
-        AttentionMaskInterface.register(name, ring_mask)
-        self.model.set_attn_implementation(name)
+        self.model.set_attn_implementation(_register(f"{RING}_seam_{next(self._names)}", seam,
+                                                     getattr(seam, "group", None)))
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         self.model.gradient_checkpointing_enable(**kwargs)
