@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from longvideo.model.head import LMHead
 from longvideo.parallel import RingAttentionSeam, layout_positions, shard_sequence, split_group
+from longvideo.parallel.loss import check_reduction
 from longvideo.parallel.zigzag import group_size_rank
 
 RING = "ring"
@@ -51,11 +52,6 @@ def _sum_over(t: Tensor, group) -> int:
     if size > 1:
         dist.all_reduce(t, group=group)
     return size
-
-
-def _check_reduction(grad_reduction: str) -> None:
-    if grad_reduction not in ("mean", "sum"):
-        raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
 
 
 class DeferredMask:
@@ -247,7 +243,7 @@ def shard_batch(batch: Mapping[str, Any], group, *, count: bool = True, grad_gro
     segment_ids; other (B, S, ...) keys need a pad value in `pad_values`. Returns input_ids,
     position_ids, ring_segment_ids and, with labels, shift_labels (also as `labels`) and, with
     `count` (collective over `grad_group`), num_items_in_batch."""
-    _check_reduction(grad_reduction)
+    check_reduction(grad_reduction)
     pads = {**PAD_VALUES, **(pad_values or {})}
     batch = dict(batch)
     if "input_ids" not in batch:
@@ -297,7 +293,7 @@ def num_items_in_batch(shift_labels: Iterable[Tensor], *, grad_group=None, grad_
     `grad_group` (collective; None: every process), / its size for "mean", / accumulation_steps
     (which the engine's backward divides by: the two cancel). A float64 scalar, at least
     1 / size, so a step without labels gives a zero loss, not NaN (docs/hf.md, "The loss")."""
-    _check_reduction(grad_reduction)
+    check_reduction(grad_reduction)
     if accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
     labels = list(shift_labels)
