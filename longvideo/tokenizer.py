@@ -1,12 +1,7 @@
-"""The text tokenizer: any local Hugging Face tokenizer plus the four vision special tokens.
-
-    tok = TextTokenizer.from_dir("path/to/llama-tokenizer")      # tokenizer.json or tokenizer.model
-    tok = train_text_tokenizer(texts, vocab_size=512, out_dir=d)  # offline byte-level BPE
-    tok = TextTokenizer.from_dir("ckpt/tokenizer", layout="lwm")  # LWM's LLaMA tokenizer as it is
-
-The vision tokens follow the text ids as special tokens (docs/vocabulary.md); `encode` never adds
-BOS (the sequence builder does). The lwm layout adds nothing and encodes as LWM's SentencePiece
-tokenizer did (docs/lwm.md).
+"""The text tokenizer: any local Hugging Face tokenizer (`TextTokenizer.from_dir`) or an offline
+byte-level BPE (`train_text_tokenizer`), plus the four vision special tokens, which follow the text
+ids as special tokens (docs/vocabulary.md); `encode` never adds BOS (the sequence builder does). The
+lwm layout adds nothing and encodes as LWM's SentencePiece tokenizer did (docs/lwm.md).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The trainer: dp x sp mesh, ring attention, DeepSpeed ZeRO, exact loss normalisation, checkpoints.
-
-Construction: process group -> mesh (a world it does not match is an error, before any work) ->
-DeepSpeed config -> data -> model of its kind (longvideo.train.models) -> parallelize (seam,
-checkpointing, ZeRO). Each rank back-propagates W x its weighted loss sum / the global weight total
-(docs/training.md, "Exact gradients over dp x sp ranks"); a NaN/inf loss, seen by every rank through
-the all-reduced loss, skips the step on all of them, and max_bad_steps in a row stop the run.
+"""The trainer: dp x sp mesh, ring attention, DeepSpeed ZeRO, exact loss normalisation, checkpoints,
+built and run in the order docs/training.md ("What one run does, in order") gives. A NaN/inf loss,
+seen by every rank through the all-reduced loss, skips the step on all of them, and max_bad_steps
+in a row stop the run.
 """
 
 from __future__ import annotations

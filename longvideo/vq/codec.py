@@ -1,10 +1,6 @@
-"""uint8 frames <-> codes, batched and streaming (docs/vq.md, "Python API").
-
-    codes = encode_video(vq, frames)           # frames uint8 (T, H, W, 3) or an iterable of chunks
-    frames = decode_codes(vq, codes)           # codes (G, h, w) -> uint8 (T', H, W, 3)
-
-Encoding holds at most `batch_frames` frames (plus the causal3d carries); in causal3d the video is
-cut after frame 0 and then on group boundaries, so the codes are those of the whole video at once.
+"""uint8 frames <-> codes, batched and streaming (docs/vq.md, "Python API"). Encoding holds at most
+`batch_frames` frames (plus the causal3d carries); in causal3d the video is cut after frame 0 and
+then on group boundaries, so the codes are those of the whole video at once.
 """
 
 from __future__ import annotations
