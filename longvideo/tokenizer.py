@@ -79,17 +79,18 @@ class TextTokenizer:
             raise FileNotFoundError(f"tokenizer directory not found: {path}")
         if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
             raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {path}")
-        if not any((path / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json", "config.json")):
+        if any((path / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json", "config.json")):
+            # the tokenizer never needs a directory's model code (an export with attn_logn_base has
+            # some): without this transformers would stop and ask whether to run it
+            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True,
+                                               trust_remote_code=False)
+        else:
             from transformers import LlamaTokenizer
             try:
                 hf = LlamaTokenizer.from_pretrained(str(path), local_files_only=True)
             except ImportError as e:
                 raise TokenizerError(f"{path} holds only a SentencePiece tokenizer.model; reading it needs the "
                                      f"sentencepiece package (pip install sentencepiece): {e}") from None
-            return cls(hf, layout)
-        # the tokenizer never needs a directory's model code (an export with attn_logn_base has some):
-        # without this transformers would stop and ask whether to run it
-        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True, trust_remote_code=False)
         return cls(hf, layout)
 
     def save(self, path: str | Path) -> None:
