@@ -410,7 +410,8 @@ class Demo:
         chat = json.loads((self.out / "chat.json").read_text()) if (self.out / "chat.json").exists() else {}
         return {"plan": self.plan.record(), "machine": self.machine, "seconds": round(seconds, 1),
                 "stage_seconds": self.timings, "qa": load("qa", "accuracy", "chance", "n", "per_question"),
-                "video_niah": load("video_niah", "accuracy", "chance", "n", "lengths", "grid", "needles_dropped"),
+                "video_niah": load("video_niah", "accuracy", "chance", "n", "lengths", "grid",
+                                   "needles_dropped"),
                 "vq_needle": load("vq_needle", "rate", "rate_by_offset"), "chat": chat}
 
     def report(self, s: dict) -> None:

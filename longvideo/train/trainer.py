@@ -278,7 +278,8 @@ class Trainer:
         loader_state = self.loader.state_dict() if hasattr(self.loader, "state_dict") else {}
         path = ckpt_io.save_training_checkpoint(
             engine=self.engine, cfg=self.cfg, run_dir=self.run_dir, step=self.step, rank=self.rank,
-            trainer_state=self.trainer_state(), loader_state=loader_state, barrier=dist.barrier, assets=self.assets,
+            trainer_state=self.trainer_state(), loader_state=loader_state, barrier=dist.barrier,
+            assets=self.assets,
             save_weights=self.kind.save, on_staged=lambda p: self._emit("checkpoint_staged", path=p))
         if self.rank == 0:
             ckpt_io.prune_checkpoints(self.run_dir, tc.keep_checkpoints)
