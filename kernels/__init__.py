@@ -23,7 +23,7 @@ if _OTHER is not None:
     _OTHER.loader.exec_module(_module)
 else:
     from .attention_math import (FULL, PARTIAL, SKIP, TileStats, accum_dtype, block_class, classify_tiles,
-                                 default_meta, fill_meta, lse_merge_, merge_partials, merge_stacked, tile_stats,
+                                 fill_meta, lse_merge_, merge_partials, merge_stacked, tile_stats,
                                  transposed, visibility, visit_ranges)
     from .backends import BlockBackend, available_backends, get_backend, resolve_backend_name
     from .interface import block_attention
@@ -32,7 +32,7 @@ else:
 
 __all__ = [
     "accum_dtype", "AttentionPlan", "available_backends", "block_attention", "block_class",
-    "BlockBackend", "classify_tiles", "default_meta", "fill_meta", "flash_attn_ref", "FULL",
+    "BlockBackend", "classify_tiles", "fill_meta", "flash_attn_ref", "FULL",
     "get_backend", "lse_merge_", "merge_partials", "merge_stacked", "PARTIAL", "PlanCache",
     "resolve_backend_name", "RingPlans", "SKIP", "tile_stats", "TileStats",
     "transposed", "visibility", "visit_ranges",

@@ -9,7 +9,7 @@ Segment id -1 marks padding: it sees nothing and is seen by nothing. A query row
 key has out = 0 and lse = -inf. Restated as a boolean mask (`visibility`), as tile bounds and
 classes (`tile_stats`, `classify_tiles`), as sorted visit ranges (`visit_ranges`, what the Triton
 kernels walk), as dense pieces (`dense_pieces`, what dense kernels compute exactly); plus the
-log-sum-exp merges, the accumulation dtype and the default metadata. Nothing here reads the
+log-sum-exp merges, the accumulation dtype and the default metadata (`fill_meta`). Nothing here reads the
 device on the host except `dense_pieces`, which works on host copies.
 """
 
@@ -34,24 +34,18 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def default_meta(batch: int, length: int, device) -> tuple[Tensor, Tensor]:
-    """Positions 0..length-1 and one segment (id 0), each (batch, length) int64."""
-    pos = torch.arange(length, device=device).unsqueeze(0).expand(batch, length)
-    seg = torch.zeros(batch, length, dtype=torch.long, device=device)
-    return pos, seg
-
-
 def fill_meta(q: Tensor, k: Tensor, q_pos: Optional[Tensor], k_pos: Optional[Tensor], q_seg: Optional[Tensor],
               k_seg: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(q_pos, k_pos, q_seg, k_seg) with the defaults of `default_meta` where None was given.
-    q (B, Sq, ...), k (B, Sk, ...)."""
-    if q_pos is None or q_seg is None:
-        dp, ds = default_meta(q.shape[0], q.shape[1], q.device)
-        q_pos, q_seg = dp if q_pos is None else q_pos, ds if q_seg is None else q_seg
-    if k_pos is None or k_seg is None:
-        dp, ds = default_meta(k.shape[0], k.shape[1], k.device)
-        k_pos, k_seg = dp if k_pos is None else k_pos, ds if k_seg is None else k_seg
-    return q_pos, k_pos, q_seg, k_seg
+    """(q_pos, k_pos, q_seg, k_seg), each None replaced by its default: positions 0..S-1 and one
+    segment (id 0), (B, S) int64. q (B, Sq, ...), k (B, Sk, ...)."""
+    def pos(x: Tensor) -> Tensor:
+        return torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+
+    def seg(x: Tensor) -> Tensor:
+        return torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+
+    return (pos(q) if q_pos is None else q_pos, pos(k) if k_pos is None else k_pos,
+            seg(q) if q_seg is None else q_seg, seg(k) if k_seg is None else k_seg)
 
 
 def visibility(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causal: bool) -> Tensor:
@@ -285,23 +279,6 @@ def visit_ranges(rows: TileStats, cols: TileStats, causal: bool) -> tuple[Tensor
     order = torch.cat([order_p, order_m], -1)  # (B, 2 n_c)
     bounds = [x.gather(-1, order) for x in (cs_min, cs_max, cp_min)]
     return ranges, torch.stack([order, *bounds], -1)
-
-
-def ranges_visit(ranges: Tensor, order: Tensor, causal: bool) -> list[list[list[tuple[int, bool]]]]:
-    """The (column tile, full?) pairs the ranges of `visit_ranges` make a walker visit, per batch row
-    and row tile, in visiting order (host lists: for tests and tools, never on a hot path)."""
-    out = []
-    for rb, ob in zip(ranges.tolist(), order.tolist()):
-        rows = []
-        for f_lo, f_hi, p_lo, p_hi, m_lo, m_hi, a, b, p_max in rb:
-            seen = [(ob[t][0], True) for t in range(f_lo, f_hi)]
-            for t in list(range(p_lo, p_hi)) + list(range(m_lo, m_hi)):
-                tile, s_min, s_max, q_min = ob[t]
-                if s_min <= b and s_max >= a and (not causal or q_min <= p_max):
-                    seen.append((tile, False))
-            rows.append(seen)
-        out.append(rows)
-    return out
 
 
 # ----------------------------------------------------------------------------- merging partial results

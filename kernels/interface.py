@@ -1,7 +1,4 @@
-"""Differentiable single-device masked attention over a block backend (docs/kernels.md).
-
-    out = block_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, causal=True, backend="auto", plan=None)
-"""
+"""Differentiable single-device masked attention over a block backend (docs/kernels.md)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from .attention_math import accum_dtype, visibility
 
 
 def _heads_first(q: Tensor, k: Tensor, v: Tensor, cdt: torch.dtype):
-    """(B, S, H, D) -> q (B, Hkv, G, Sq, D), k and v (B, Hkv, 1, Sk, D) in the compute dtype."""
+    """(B, S, H, D) -> q (B, Hkv, G, Sq, D), k and v (B, Hkv, 1, Sk, D) in the compute dtype `cdt`."""
     B, Sq, Hq, D = q.shape
     Hkv = k.shape[2]
     qh = q.to(cdt).view(B, Sq, Hkv, Hq // Hkv, D).permute(0, 2, 3, 1, 4)
@@ -35,11 +35,9 @@ class TorchBackend:
         self.tile = tile
 
     def forward(self, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
-        B, Sq, Hq, D = q.shape
-        Sk, Hkv = k.shape[1], k.shape[2]
-        G = Hq // Hkv
         cdt = accum_dtype(q.dtype)
         qh, kh, vh = _heads_first(q, k, v, cdt)
+        (B, Hkv, G, Sq, D), Sk = qh.shape, k.shape[1]
         out = torch.zeros(B, Hkv, G, Sq, D, dtype=cdt, device=q.device)
         lse = torch.full((B, Hkv, G, Sq), float("-inf"), dtype=cdt, device=q.device)
         T = self.tile
@@ -64,16 +62,14 @@ class TorchBackend:
             has = l > 0
             out[:, :, :, i:i + T] = torch.where(has[..., None], acc / l.clamp_min(1e-300)[..., None], 0.0)
             lse[:, :, :, i:i + T] = torch.where(has, m + torch.log(l.clamp_min(1e-300)), float("-inf"))
-        out = out.permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D).to(q.dtype)
-        lse = lse.reshape(B, Hq, Sq)
+        out = out.permute(0, 3, 1, 2, 4).reshape(B, Sq, -1, D).to(q.dtype)
+        lse = lse.reshape(B, -1, Sq)
         return out, (lse if cdt == torch.float64 else lse.float())
 
     def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
-        B, Sq, Hq, D = q.shape
-        Sk, Hkv = k.shape[1], k.shape[2]
-        G = Hq // Hkv
         cdt = accum_dtype(q.dtype)
         qh, kh, vh = _heads_first(q, k, v, cdt)
+        (B, Hkv, G, Sq, D), Sk = qh.shape, k.shape[1]
         doh, oh = (_heads_first(x, k, v, cdt)[0] for x in (dout, out))  # (B, Hkv, G, Sq, D)
         lse_h = lse.to(cdt).view(B, Hkv, G, Sq)
         delta = (doh * oh).sum(-1)  # (B, Hkv, G, Sq)
@@ -97,6 +93,6 @@ class TorchBackend:
                 ds = p * (dp - di[..., None])
                 dq[:, :, :, i:i + T] += torch.matmul(ds, kj) * scale
                 dk[:, :, j:j + T] += torch.matmul(ds.transpose(-1, -2), qi).sum(2) * scale
-        dq = dq.permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D)
+        dq = dq.permute(0, 3, 1, 2, 4).reshape(B, Sq, -1, D)
         dk, dv = dk.permute(0, 2, 1, 3), dv.permute(0, 2, 1, 3)
         return (dq, dk, dv) if cdt == torch.float64 else (dq.float(), dk.float(), dv.float())

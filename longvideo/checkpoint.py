@@ -107,10 +107,10 @@ class StreamingWeights:
         self.offsets: dict[str, int] = {}
         pos = 0
         # wider dtypes first, as safetensors lays files out: every tensor starts aligned to its item size
-        for name, (dtype, shape) in sorted(self.specs.items(), key=lambda kv: -_itemsize(kv[1][0])):
+        for name, (dtype, shape) in sorted(self.specs.items(), key=lambda kv: -kv[1][0].itemsize):
             if dtype not in SAFETENSORS_DTYPES:
                 raise CheckpointError(f"tensor '{name}': dtype {dtype} cannot be stored in safetensors")
-            nbytes = math.prod(shape) * _itemsize(dtype)
+            nbytes = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
                             "data_offsets": [pos, pos + nbytes]}
             self.offsets[name] = pos
@@ -133,9 +133,8 @@ class StreamingWeights:
         n, size = tensor.numel(), math.prod(shape)
         if at < 0 or at + n > size:
             raise CheckpointError(f"tensor '{name}': elements [{at}, {at + n}) outside its {size}")
-        item = _itemsize(dtype)
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        self.f.seek(self.base + self.offsets[name] + at * item)
+        self.f.seek(self.base + self.offsets[name] + at * dtype.itemsize)
         self.f.write(data)
         self.pieces[name].append((at, at + n))
 
@@ -151,10 +150,6 @@ class StreamingWeights:
                 raise CheckpointError(f"tensor '{name}': only {end} of {size} elements written")
         self.f.seek(self.base + self.total)
         self.f.truncate()
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 @contextlib.contextmanager

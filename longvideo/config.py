@@ -7,7 +7,6 @@ Each component receives only its own sub-config (``cfg.model``, ``cfg.vq``, ...)
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -51,44 +50,10 @@ class Config:
               f"fsq needs an FSQ tokenizer (vq.quantizer: fsq), got vq.quantizer={self.vq.quantizer}")
 
 
-MOVED_KEYS = {
-    ("model", "activation_checkpointing"): ("runtime", "activation_checkpointing"),
-    ("model", "ffn_chunk"): ("runtime", "ffn_chunk"),
-    ("model", "loss_chunk"): ("runtime", "loss_chunk"),
-    ("model", "attn_backend"): ("parallel", "backend"),
-    ("model", "hf_path"): ("train", "hf_model"),
-}
-"""Keys that left the model's section (it holds the architecture only): configs and checkpoints
-written before still load, read under the new key, with a warning."""
-
-
-def _moved(old: tuple[str, str]) -> tuple[str, str]:
-    new = MOVED_KEYS[old]
-    warnings.warn(f"config key {'.'.join(old)} is now {'.'.join(new)}; read as such", FutureWarning, stacklevel=4)
-    return new
-
-
-def _move_keys(data: dict, overrides: list[str]) -> tuple[dict, list[str]]:
-    """The YAML data and the overrides with every moved key under its new name."""
-    for old in MOVED_KEYS:
-        section = data.get(old[0])
-        if isinstance(section, dict) and old[1] in section:
-            value = section.pop(old[1])
-            new = _moved(old)
-            data.setdefault(new[0], {}).setdefault(new[1], value)
-    renamed = []
-    for text in overrides:
-        key, _, value = text.partition("=")
-        old = tuple(key.strip().split("."))
-        renamed.append(".".join(_moved(old)) + "=" + value if old in MOVED_KEYS else text)
-    return data, renamed
-
-
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
     """Load a root config from YAML (or defaults when path is None) and apply dotted overrides."""
     data = load_yaml(resolve_config_path(path)) if path is not None else {}
-    data, overrides = _move_keys(data, list(overrides or []))
-    return from_dict(Config, apply_overrides(data, overrides))
+    return from_dict(Config, apply_overrides(data, overrides or []))
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -4,12 +4,9 @@ dotted overrides. Unknown keys, wrong types and inconsistent values (each ``__po
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import copy
 import dataclasses
-import inspect
-import textwrap
 import types
 import typing
 from pathlib import Path
@@ -42,18 +39,6 @@ def check_at_least(cfg, low: int, *keys: str) -> None:
     """check() that each named field of cfg is >= low ("must be >= 0", "must be >= 1")."""
     for key in keys:
         check(getattr(cfg, key) >= low, key, f"must be >= {low}")
-
-
-def field_docs(cls) -> dict[str, str]:
-    """The one-line docstring written under each field of a config dataclass."""
-    try:
-        src = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    body = ast.parse(src).body[0].body
-    return {a.target.id: b.value.value.strip() for a, b in zip(body, body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
-            and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)}
 
 
 def _type_name(tp: Any) -> str:
@@ -159,31 +144,26 @@ def to_dict(cfg) -> Any:
     return cfg
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """'model.n_layers=4' -> (['model', 'n_layers'], 4). The value is parsed as YAML."""
-    if "=" not in text:
-        raise ConfigError(text, "an override must look like 'section.key=value'")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key:
-        raise ConfigError(text, "empty key in override")
-    return key.split("."), yaml.safe_load(raw) if raw.strip() else ""
-
-
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Set dotted keys in a nested dict (copying it). Type checks happen later, in from_dict."""
+    """Set dotted keys ('model.n_layers=4', the value parsed as YAML) in a nested dict (copying it).
+    Type checks happen later, in from_dict."""
     data = copy.deepcopy(data)
     for text in overrides:
-        path, value = parse_override(text)
-        node = data
+        if "=" not in text:
+            raise ConfigError(text, "an override must look like 'section.key=value'")
+        key, raw = text.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(text, "empty key in override")
+        path, node = key.split("."), data
         for part in path[:-1]:
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise ConfigError(".".join(path), f"'{part}' is not a section")
+                raise ConfigError(key, f"'{part}' is not a section")
             node = child
-        node[path[-1]] = value
+        node[path[-1]] = yaml.safe_load(raw) if raw.strip() else ""
     return data
 
 

@@ -402,19 +402,17 @@ class Demo:
         return summary
 
     def summary(self, seconds: float) -> dict:
-        def load(name):
+        def load(name: str, *keys: str) -> dict:  # those of `keys` the evaluation's JSON holds
             files = sorted((self.out / "eval" / name).glob("*.json"))
-            return json.loads(files[0].read_text()) if files else {}
+            result = json.loads(files[0].read_text()) if files else {}
+            return {k: result[k] for k in keys if k in result}
 
-        qa, niah, vq_needle = load("qa"), load("video_niah"), load("vq_needle")
         chat = json.loads((self.out / "chat.json").read_text()) if (self.out / "chat.json").exists() else {}
         return {"plan": self.plan.record(), "machine": self.machine, "seconds": round(seconds, 1),
-                "stage_seconds": self.timings,
-                "qa": {k: qa.get(k) for k in ("accuracy", "chance", "n", "per_question") if k in qa},
-                "video_niah": {k: niah.get(k) for k in ("accuracy", "chance", "n", "lengths", "grid", "needles_dropped")
-                               if k in niah},
-                "vq_needle": {k: vq_needle.get(k) for k in ("rate", "rate_by_offset") if k in vq_needle},
-                "chat": chat}
+                "stage_seconds": self.timings, "qa": load("qa", "accuracy", "chance", "n", "per_question"),
+                "video_niah": load("video_niah", "accuracy", "chance", "n", "lengths", "grid",
+                                   "needles_dropped"),
+                "vq_needle": load("vq_needle", "rate", "rate_by_offset"), "chat": chat}
 
     def report(self, s: dict) -> None:
         def score(r: dict) -> str:

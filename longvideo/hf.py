@@ -1,16 +1,9 @@
-"""Ring attention for transformers decoders, through transformers' own extension points.
-
-    from longvideo.hf import enable_ring_attention, shard_batch
-    enable_ring_attention(group)                                   # once per process
-    # or enable_ring_attention(group, ulysses_size=4): heads all-to-all in groups of 4, ring across
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="ring")
-    batch = shard_batch(batch, group)   # this rank's zigzag shard: ids, labels, positions, documents
-    loss = model(**batch).loss           # this rank's share of the global token mean
-
-No model code is patched: documents reach the attention function as the keyword `ring_segment_ids`
-(a call without it runs transformers' sdpa attention), the registered mask function builds nothing,
-and the loss divisor `num_items_in_batch` makes the gradients those of the global token mean.
-docs/hf.md explains each piece.
+"""Ring attention for transformers decoders, through transformers' own extension points
+(docs/hf.md): `enable_ring_attention` registers it as an `attn_implementation`, `shard_batch` cuts
+a batch into this rank's zigzag shard, and the loss divisor `num_items_in_batch` makes the gradients
+those of the global token mean. No model code is patched: documents reach the attention function as
+the keyword `ring_segment_ids` (a call without it runs transformers' sdpa attention), and the
+registered mask function builds nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +19,8 @@ from torch import Tensor, nn
 
 from longvideo.model.head import LMHead
 from longvideo.parallel import RingAttentionSeam, layout_positions, shard_sequence, split_group
+from longvideo.parallel.loss import check_reduction
+from longvideo.parallel.zigzag import group_size_rank
 
 RING = "ring"
 SEGMENT_KEY = "ring_segment_ids"
@@ -46,24 +41,17 @@ class RingAttentionUnsupported(ValueError):
 
 
 def _group_size(group) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise RuntimeError("a process group was given but torch.distributed is not initialised")
-        return 1
-    return dist.get_world_size(group)
+    if group is not None and not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("a process group was given but torch.distributed is not initialised")
+    return group_size_rank(group)[0]
 
 
 def _sum_over(t: Tensor, group) -> int:
     """All-reduce (sum) `t` in place over `group` where torch.distributed runs; the group's size."""
-    size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    size = _group_size(group)
     if size > 1:
         dist.all_reduce(t, group=group)
     return size
-
-
-def _check_reduction(grad_reduction: str) -> None:
-    if grad_reduction not in ("mean", "sum"):
-        raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
 
 
 class DeferredMask:
@@ -193,9 +181,13 @@ def enable_ring_attention(group, *, backend: str = "auto", name: str = RING, uly
     backend: the block backend ("auto": triton on CUDA, cpu otherwise; "torch", "cpu").
     ulysses_size U > 1: heads all-to-all in groups of U neighbouring ranks, a ring across them
     (docs/hybrid.md); batches are sharded as for the ring."""
-    from transformers import AttentionInterface, AttentionMaskInterface
     _group_size(group)  # a group without an initialised process group is an error here
-    seam = RingAttentionSeam(group, backend, split_group(group, ulysses_size))
+    return _register(name, RingAttentionSeam(group, backend, split_group(group, ulysses_size)), group)
+
+
+def _register(name: str, seam, group) -> str:
+    """Register `seam_attention(seam, group)` and `ring_mask` with transformers under `name`."""
+    from transformers import AttentionInterface, AttentionMaskInterface
     AttentionInterface.register(name, seam_attention(seam, group))
     AttentionMaskInterface.register(name, ring_mask)
     return name
@@ -251,7 +243,7 @@ def shard_batch(batch: Mapping[str, Any], group, *, count: bool = True, grad_gro
     segment_ids; other (B, S, ...) keys need a pad value in `pad_values`. Returns input_ids,
     position_ids, ring_segment_ids and, with labels, shift_labels (also as `labels`) and, with
     `count` (collective over `grad_group`), num_items_in_batch."""
-    _check_reduction(grad_reduction)
+    check_reduction(grad_reduction)
     pads = {**PAD_VALUES, **(pad_values or {})}
     batch = dict(batch)
     if "input_ids" not in batch:
@@ -301,7 +293,7 @@ def num_items_in_batch(shift_labels: Iterable[Tensor], *, grad_group=None, grad_
     `grad_group` (collective; None: every process), / its size for "mean", / accumulation_steps
     (which the engine's backward divides by: the two cancel). A float64 scalar, at least
     1 / size, so a step without labels gives a zero loss, not NaN (docs/hf.md, "The loss")."""
-    _check_reduction(grad_reduction)
+    check_reduction(grad_reduction)
     if accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
     labels = list(shift_labels)
@@ -370,11 +362,8 @@ class HFCausalLM(nn.Module):
 
     def set_attention(self, seam) -> None:
         """Compute the decoder's attention with `seam` (a project seam: ring or single-device)."""
-        from transformers import AttentionInterface, AttentionMaskInterface
-        name = f"{RING}_seam_{next(self._names)}"
-        AttentionInterface.register(name, seam_attention(seam, getattr(seam, "group", None)))
-        AttentionMaskInterface.register(name, ring_mask)
-        self.model.set_attn_implementation(name)
+        self.model.set_attn_implementation(_register(f"{RING}_seam_{next(self._names)}", seam,
+                                                     getattr(seam, "group", None)))
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         self.model.gradient_checkpointing_enable(**kwargs)

@@ -13,20 +13,15 @@ before it is imported. Arrays of Python objects are refused after loading.
 from __future__ import annotations
 
 import collections
-import io
 import pickle
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 
 class UnsafePickleError(pickle.UnpicklingError):
     """The pickle names something other than numpy array reconstruction and plain containers."""
-
-
-def _numpy_core():
-    return np._core if hasattr(np, "_core") else np.core  # numpy 2 moved numpy.core to numpy._core
 
 
 class _FrozenDict(dict):
@@ -49,34 +44,27 @@ def _latin1(text: str, encoding: str = "latin1", errors: str = "strict") -> byte
     return text.encode("latin1")
 
 
-def _allowed() -> dict[tuple[str, str], Callable[[], Any]]:
-    core = _numpy_core
-    table: dict[tuple[str, str], Callable[[], Any]] = {
-        ("_codecs", "encode"): lambda: _latin1,
-        ("numpy", "ndarray"): lambda: np.ndarray,
-        ("numpy", "dtype"): lambda: np.dtype,
-        ("collections", "OrderedDict"): lambda: collections.OrderedDict,
-        ("flax.core.frozen_dict", "FrozenDict"): lambda: _FrozenDict,
-    }
-    for mod in ("numpy.core", "numpy._core"):  # pickles of numpy 1 and numpy 2 name different modules
-        table[(f"{mod}.multiarray", "_reconstruct")] = lambda: core().multiarray._reconstruct
-        table[(f"{mod}.multiarray", "scalar")] = lambda: core().multiarray.scalar
-        table[(f"{mod}.numeric", "_frombuffer")] = lambda: core().numeric._frombuffer  # protocol 5
-    return table
-
-
-_ALLOWED = _allowed()
+_CORE = np._core if hasattr(np, "_core") else np.core  # numpy 2 moved numpy.core to numpy._core
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("_codecs", "encode"): _latin1, ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("flax.core.frozen_dict", "FrozenDict"): _FrozenDict,
+    # pickles of numpy 1 and numpy 2 name different modules; _frombuffer: protocol 5
+    **{(f"{mod}.{sub}", name): getattr(getattr(_CORE, sub), name) for mod in ("numpy.core", "numpy._core")
+       for sub, name in (("multiarray", "_reconstruct"), ("multiarray", "scalar"),
+                         ("numeric", "_frombuffer"))},
+}
 ALLOWED_GLOBALS: tuple[str, ...] = tuple(sorted(f"{m}.{n}" for m, n in _ALLOWED))
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        make = _ALLOWED.get((module, name))
-        if make is None:
+        found = _ALLOWED.get((module, name))
+        if found is None:
             raise UnsafePickleError(f"the pickle names {module}.{name}, which is not numpy array "
                                     f"reconstruction or a plain container; refusing to load it "
                                     f"(allowed: {', '.join(ALLOWED_GLOBALS)})")
-        return make()
+        return found
 
     def persistent_load(self, pid):
         raise UnsafePickleError(f"the pickle refers to a persistent object {pid!r}; refusing to load it")
@@ -102,11 +90,6 @@ def _check_tree(obj: Any, where: str = "") -> Any:
             raise UnsafePickleError(f"the scalar at '{where}' is a Python object")
         return obj
     raise UnsafePickleError(f"unexpected {type(obj).__name__} at '{where}'")
-
-
-def loads_array_pickle(data: bytes) -> Any:
-    """Unpickle `data`, admitting only numpy arrays in plain containers (see the module docstring)."""
-    return _check_tree(_RestrictedUnpickler(io.BytesIO(data)).load())
 
 
 def load_array_pickle(path: str | Path) -> Any:

@@ -1,12 +1,7 @@
-"""The text tokenizer: any local Hugging Face tokenizer plus the four vision special tokens.
-
-    tok = TextTokenizer.from_dir("path/to/llama-tokenizer")      # tokenizer.json or tokenizer.model
-    tok = train_text_tokenizer(texts, vocab_size=512, out_dir=d)  # offline byte-level BPE
-    tok = TextTokenizer.from_dir("ckpt/tokenizer", layout="lwm")  # LWM's LLaMA tokenizer as it is
-
-The vision tokens follow the text ids as special tokens (docs/vocabulary.md); `encode` never adds
-BOS (the sequence builder does). The lwm layout adds nothing and encodes as LWM's SentencePiece
-tokenizer did (docs/lwm.md).
+"""The text tokenizer: any local Hugging Face tokenizer (`TextTokenizer.from_dir`) or an offline
+byte-level BPE (`train_text_tokenizer`), plus the four vision special tokens, which follow the text
+ids as special tokens (docs/vocabulary.md); `encode` never adds BOS (the sequence builder does). The
+lwm layout adds nothing and encodes as LWM's SentencePiece tokenizer did (docs/lwm.md).
 """
 
 from __future__ import annotations
@@ -84,17 +79,18 @@ class TextTokenizer:
             raise FileNotFoundError(f"tokenizer directory not found: {path}")
         if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
             raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {path}")
-        if not any((path / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json", "config.json")):
+        if any((path / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json", "config.json")):
+            # the tokenizer never needs a directory's model code (an export with attn_logn_base has
+            # some): without this transformers would stop and ask whether to run it
+            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True,
+                                               trust_remote_code=False)
+        else:
             from transformers import LlamaTokenizer
             try:
                 hf = LlamaTokenizer.from_pretrained(str(path), local_files_only=True)
             except ImportError as e:
                 raise TokenizerError(f"{path} holds only a SentencePiece tokenizer.model; reading it needs the "
                                      f"sentencepiece package (pip install sentencepiece): {e}") from None
-            return cls(hf, layout)
-        # the tokenizer never needs a directory's model code (an export with attn_logn_base has some):
-        # without this transformers would stop and ask whether to run it
-        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True, trust_remote_code=False)
         return cls(hf, layout)
 
     def save(self, path: str | Path) -> None:

@@ -14,7 +14,6 @@ if TYPE_CHECKING:  # the token space is plain integers: no torch needed to compo
     import torch
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<vision>", "</vision>", "<eof>", "<eov>")
-VISION_START, VISION_END, END_OF_FRAME, END_OF_VIDEO = SPECIAL_TOKENS
 LAYOUTS: tuple[str, ...] = ("longvideo", "lwm")
 LWM_EXTRA_VISION_IDS = 256
 """LWM's vision vocabulary holds this many ids beyond the codebook (<eof>, <eov> and unused ones)."""
@@ -69,18 +68,6 @@ class Vocab:
     @property
     def eov(self) -> int:
         return self.text_size + (self.codebook_size + 1 if self.is_lwm else 3)
-
-    @property
-    def special_ids(self) -> dict[str, int]:
-        """The special tokens that have an id of their own, by name."""
-        if self.is_lwm:
-            return {END_OF_FRAME: self.eof, END_OF_VIDEO: self.eov}
-        return {tok: self.text_size + i for i, tok in enumerate(SPECIAL_TOKENS)}
-
-    @property
-    def added_tokens(self) -> tuple[str, ...]:
-        """The special tokens the text tokenizer gets (after its own ids): none in the lwm layout."""
-        return () if self.is_lwm else SPECIAL_TOKENS
 
     @property
     def vq_offset(self) -> int:

@@ -4,14 +4,29 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import textwrap
 import typing
 from pathlib import Path
 
 from longvideo.config import CONFIG_DIR, Config
-from longvideo.configtools import _type_name, field_docs
+from longvideo.configtools import _type_name
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "configs.md"
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The one-line docstring written under each field of a config dataclass."""
+    try:
+        src = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(src).body[0].body
+    return {a.target.id: b.value.value.strip() for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)}
 
 
 def _summary(text: str) -> str:

@@ -48,17 +48,6 @@ def test_bad_values_name_the_key(tmp_path, override, key, words):
     assert key in str(e.value) and words in str(e.value)
 
 
-def test_keys_that_left_the_model_section_still_load(tmp_path):
-    """A config (or a saved run's config.yaml) written with the runtime keys under model: loads, read
-    under their new sections with a warning; an override under the old name wins over the file."""
-    p = write(tmp_path, "model:\n  dim: 64\n  n_heads: 4\n  ffn_chunk: 7\n  activation_checkpointing: true\n"
-                        "  attn_backend: torch\n  hf_path: /x\n")
-    with pytest.warns(FutureWarning, match="model.ffn_chunk is now runtime.ffn_chunk"):
-        cfg = load_config(p, ["model.loss_chunk=9", "model.ffn_chunk=11"])
-    assert (cfg.runtime.ffn_chunk, cfg.runtime.loss_chunk, cfg.runtime.activation_checkpointing) == (11, 9, True)
-    assert (cfg.parallel.backend, cfg.train.hf_model, cfg.model.dim) == ("torch", "/x", 64)
-
-
 def test_every_shipped_config_loads():
     files = sorted(Path(CONFIG_DIR).rglob("*.yaml"))
     roots = [f for f in files if f.parent == CONFIG_DIR or f.parent.name == "stages"]

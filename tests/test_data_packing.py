@@ -79,7 +79,7 @@ def test_packed_equals_unpacked_through_the_model():
     batch = {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
     with torch.no_grad():
         hidden = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"])
-        loss_sum = model.loss(hidden, batch["targets"], batch["loss_weights"].double())
+        loss_sum = model.head(hidden, batch["targets"], batch["loss_weights"].double())
         weight_sum = token_weights(batch["targets"], batch["loss_weights"]).sum()
         ref_sum, ref_weight = 0.0, 0.0
         for b, pair in enumerate([docs[:2], docs[2:]]):
@@ -91,7 +91,7 @@ def test_packed_equals_unpacked_through_the_model():
                 h = model(ids)  # default positions 0..n-1, one segment
                 torch.testing.assert_close(hidden[b, at: at + n], h[0], rtol=1e-10, atol=1e-10)
                 t, lw = torch.from_numpy(alone["targets"])[None], torch.from_numpy(alone["loss_weights"])[None]
-                s, w = model.loss(h, t, lw.double()), token_weights(t, lw).sum()
+                s, w = model.head(h, t, lw.double()), token_weights(t, lw).sum()
                 ref_sum, ref_weight = ref_sum + s, ref_weight + w
                 at += n
     torch.testing.assert_close(loss_sum, ref_sum, rtol=1e-10, atol=1e-10)

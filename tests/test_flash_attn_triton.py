@@ -21,7 +21,6 @@ from attn_cases import assert_within, max_err, packed_meta, reference
 from longvideo.kernels import _flash_attn_triton as tk
 from longvideo.kernels import (AttentionPlan, RingPlans, block_attention, classify_tiles, flash_attn_ref,
                                get_backend, tile_stats, transposed, visibility, visit_ranges)
-from longvideo.kernels.attention_math import ranges_visit
 from longvideo.kernels.backends import resolve_backend_name
 from longvideo.kernels.flash_attn import TritonBackend, flash_attn
 from sync_guard import HostSync, no_host_sync
@@ -391,6 +390,23 @@ def test_no_host_sync_on_the_triton_path():
 
 
 # ---- the tile plan (pure PyTorch, no kernel) ---------------------------------------------------
+
+def ranges_visit(ranges: torch.Tensor, order: torch.Tensor, causal: bool) -> list:
+    """The (column tile, full?) pairs the ranges of `visit_ranges` make a walker visit, per batch row
+    and row tile, in visiting order: lists [b][row tile] of (tile, full) pairs."""
+    out = []
+    for rb, ob in zip(ranges.tolist(), order.tolist()):
+        rows = []
+        for f_lo, f_hi, p_lo, p_hi, m_lo, m_hi, a, b, p_max in rb:
+            seen = [(ob[t][0], True) for t in range(f_lo, f_hi)]
+            for t in list(range(p_lo, p_hi)) + list(range(m_lo, m_hi)):
+                tile, s_min, s_max, q_min = ob[t]
+                if s_min <= b and s_max >= a and (not causal or q_min <= p_max):
+                    seen.append((tile, False))
+            rows.append(seen)
+        out.append(rows)
+    return out
+
 
 def test_visit_ranges_match_tile_classes():
     """The ranges list exactly the tiles classify_tiles does not skip (each once), the full ranges

@@ -28,9 +28,9 @@ from longvideo import cli
 from longvideo.checkpoint import load_pretrained
 from longvideo.data.templates import PromptOptions, build_prompt
 from longvideo.export.lwm import LWMImportError, import_lwm
-from longvideo.safepickle import UnsafePickleError, load_array_pickle, loads_array_pickle
+from longvideo.safepickle import UnsafePickleError, load_array_pickle
 from longvideo.tokenizer import TextTokenizer
-from longvideo.vocab import Vocab
+from longvideo.vocab import SPECIAL_TOKENS, Vocab
 from longvideo.vq import decode_codes, encode_video
 
 TESTS = Path(__file__).resolve().parent
@@ -182,6 +182,10 @@ def test_pickles_that_run_code_are_refused(tmp_path, files, capsys):
         def __reduce__(self):
             return eval, (f"open({str(marker)!r}, 'w').close()",)
 
+    def loads_array_pickle(data: bytes):
+        (tmp_path / "pickled").write_bytes(data)
+        return load_array_pickle(tmp_path / "pickled")
+
     arrays = {"encoder": {"Conv_0": {"kernel": np.zeros((3, 3, 3, 32), np.float32)}}}
     write_params(tmp_path / "params", files["lm"], scan=False)
     for payload in (RunsCommand(), {"ok": arrays, "quantize": {"embeddings": Evaluates()}},
@@ -255,11 +259,23 @@ def test_lwm_tokenizer_model_encodes_as_sentencepiece(tmp_path):
         assert tok.encode(text) == sp.encode(text), text
 
 
+def special_ids(v: Vocab) -> dict[str, int]:
+    """The special tokens that have an id of their own, by name."""
+    if v.is_lwm:
+        return {"<eof>": v.eof, "<eov>": v.eov}
+    return {tok: v.text_size + i for i, tok in enumerate(SPECIAL_TOKENS)}
+
+
+def added_tokens(v: Vocab) -> tuple[str, ...]:
+    """The special tokens the text tokenizer gets (after its own ids): none in the lwm layout."""
+    return () if v.is_lwm else SPECIAL_TOKENS
+
+
 def test_vocab_layouts():
     v = Vocab(text_size=100, codebook_size=16, layout="lwm", vision_size=24)
     assert (v.size, v.vq_offset, v.eof, v.eov, v.vision_start, v.vision_end, v.answer_limit) == (
         124, 100, 116, 117, None, None, 100)
-    assert v.video_end == v.eov and v.added_tokens == () and v.special_ids == {"<eof>": 116, "<eov>": 117}
+    assert v.video_end == v.eov and added_tokens(v) == () and special_ids(v) == {"<eof>": 116, "<eov>": 117}
     assert v.is_vision(torch.tensor([99, 100, 123, 124])).tolist() == [False, True, True, False]
     d = Vocab(text_size=100, codebook_size=16)
     assert (d.size, d.vq_offset, d.eof, d.eov, d.video_end, d.answer_limit) == (120, 104, 102, 103, 101, None)

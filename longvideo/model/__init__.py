@@ -3,7 +3,7 @@
 from longvideo._lazy import lazy_exports
 
 _EXPORTS = {name: module for module, names in {
-    "attention": ("AttentionFn", "LocalAttention", "local_attention"),
+    "attention": ("AttentionFn", "LocalAttention"),
     "cache": ("KVCache",),
     "config": ("ModelConfig",),
     "head": ("chunked_cross_entropy", "token_weights"),

@@ -1,35 +1,28 @@
 """Multi-head attention with GQA and RoPE, calling the attention seam (docs/architecture.md,
 decision 2): `attention_fn(q, k, v, *, q_positions, k_positions, q_segment_ids, k_segment_ids,
 causal=True)`, q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), metadata (B, S) -> out (B, Sq, Hq, D).
-`local_attention` is the single-device implementation; ring attention is swapped in by
+`LocalAttention` is the single-device implementation; ring attention is swapped in by
 `longvideo.parallel.apply`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 from torch import Tensor, nn
 
-from longvideo.kernels import AttentionPlan, PlanCache, block_attention
+from longvideo.kernels import PlanCache, block_attention
 from longvideo.model.config import ModelConfig
 from longvideo.model.layers import apply_rope, logn_scale
 
 AttentionFn = Callable[..., Tensor]
 
 
-def local_attention(q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_positions: Tensor,
-                    q_segment_ids: Tensor, k_segment_ids: Tensor, causal: bool = True,
-                    backend: str = "auto", plan: Optional[AttentionPlan] = None) -> Tensor:
-    """Single-device masked attention over the block-attention backends (kernels/)."""
-    return block_attention(q, k, v, q_positions, k_positions, q_segment_ids, k_segment_ids,
-                           causal=causal, backend=backend, plan=plan)
-
-
 class LocalAttention:
-    """`local_attention` as a seam object that keeps tile plans across calls: every layer of a step
-    gets the same metadata tensors, so the first layer's plan (and the first backward's) serves all
-    of them, found by identity and version (kernels.PlanCache), never by contents."""
+    """Single-device masked attention over the block-attention backends (kernels/), as a seam object
+    that keeps tile plans across calls: every layer of a step gets the same metadata tensors, so the
+    first layer's plan (and the first backward's) serves all of them, found by identity and version
+    (kernels.PlanCache), never by contents."""
 
     def __init__(self, backend: str = "auto"):
         self.backend = backend
@@ -38,9 +31,8 @@ class LocalAttention:
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_positions: Tensor,
                  q_segment_ids: Tensor, k_segment_ids: Tensor, causal: bool = True) -> Tensor:
         plan = self.plans.lookup(q_positions, k_positions, q_segment_ids, k_segment_ids)
-        return local_attention(q, k, v, q_positions=q_positions, k_positions=k_positions,
-                               q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids, causal=causal,
-                               backend=self.backend, plan=plan)
+        return block_attention(q, k, v, q_positions, k_positions, q_segment_ids, k_segment_ids,
+                               causal=causal, backend=self.backend, plan=plan)
 
 
 class Attention(nn.Module):

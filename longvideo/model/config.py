@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from longvideo.configtools import check
+from longvideo.configtools import check, check_positive
 from longvideo.vocab import LAYOUTS, Vocab
 
 
@@ -67,23 +67,19 @@ class ModelConfig:
         object.__setattr__(self, "n_kv_heads", kv)
         object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         check(self.head_dim % 2 == 0, "n_heads", f"head_dim dim/n_heads={self.head_dim} must be even for RoPE")
-        check(self.text_vocab_size > 0, "text_vocab_size", "must be positive")
-        check(self.codebook_size > 0, "codebook_size", "must be positive")
+        check_positive(self, "text_vocab_size", "codebook_size")
         check(self.vocab_layout in LAYOUTS, "vocab_layout", f"must be one of {LAYOUTS}")
         check(self.vision_vocab_size is None or self.vocab_layout == "lwm", "vision_vocab_size",
               "is set only in the lwm vocabulary layout")
         check(self.vision_vocab_size is None or self.vision_vocab_size >= self.codebook_size + 2,
               "vision_vocab_size", f"must hold the codes, <eof> and <eov>: >= codebook_size + 2 = "
               f"{self.codebook_size + 2}, got {self.vision_vocab_size}")
-        check(self.multiple_of > 0, "multiple_of", "must be positive")
+        check_positive(self, "multiple_of")
         if self.ffn_dim is None:
             hidden = int(2 * (4 * self.dim) / 3)
             hidden = self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
             object.__setattr__(self, "ffn_dim", hidden)
-        check(self.ffn_dim > 0, "ffn_dim", "must be positive")
-        check(self.norm_eps > 0, "norm_eps", "must be positive")
-        check(self.rope_theta > 0, "rope_theta", "must be positive")
-        check(self.max_seq_len > 0, "max_seq_len", "must be positive")
+        check_positive(self, "ffn_dim", "norm_eps", "rope_theta", "max_seq_len")
         check(self.attn_logn_base == 0 or self.attn_logn_base >= 2, "attn_logn_base",
               f"must be 0 (off) or a context length >= 2, got {self.attn_logn_base}")
 

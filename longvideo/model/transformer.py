@@ -105,9 +105,5 @@ class Transformer(nn.Module):
         return hidden if targets is None else self.head(hidden, targets, loss_weights)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """(B, S, dim) -> (B, S, V). Only for short spans (generation); training uses `loss`."""
+        """(B, S, dim) -> (B, S, V). Only for short spans (generation); training passes targets."""
         return self.head(hidden)
-
-    def loss(self, hidden: Tensor, targets: Tensor, loss_weights: Optional[Tensor] = None):
-        """The weighted CE sum without materialising all logits."""
-        return self.head(hidden, targets, loss_weights)

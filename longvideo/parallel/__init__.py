@@ -1,12 +1,5 @@
-"""Sequence parallelism (docs/ring_attention.md): the dp x sp mesh, the zigzag layout, ring
-attention and `parallelize`; names load lazily (longvideo._lazy).
-
-    mesh = Mesh.from_config(cfg.parallel)                   # dp x sp process groups (x ulysses)
-    engine = parallelize(model, mesh, cfg, optimizer=opt)   # ring seam, checkpointing, ZeRO
-    local = shard_batch(batch, mesh.sp_group)               # this rank's zigzag shard of a batch
-    scale, total = loss_scale(token_weights(...).sum(), mesh)   # the global batch's weight total
-    engine.backward(engine(**local) * scale)
-"""
+"""Sequence parallelism (docs/ring_attention.md, "Using it in the model"): the dp x sp mesh, the
+zigzag layout, ring attention and `parallelize`; names load lazily (longvideo._lazy)."""
 
 from longvideo._lazy import lazy_exports
 

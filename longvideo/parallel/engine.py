@@ -39,7 +39,6 @@ class Engine:
         ds = _deepspeed()
         self.ds, _, _, _ = ds.initialize(model=model, optimizer=optimizer, config=ds_config,
                                          dist_init_required=False)
-        self.zero_stage = int(ds_config["zero_optimization"]["stage"])
 
     @property
     def module(self) -> nn.Module:

@@ -13,12 +13,16 @@ from torch import Tensor
 from longvideo.parallel.mesh import Mesh
 
 
+def check_reduction(grad_reduction: str) -> None:
+    if grad_reduction not in ("mean", "sum"):
+        raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
+
+
 def loss_scale(weight_sum: Tensor, mesh: Mesh, *, grad_reduction: str = "mean") -> tuple[float, float]:
     """(factor, global weight total): multiply every loss sum this rank back-propagates in the step
     by `factor`. `weight_sum` is this rank's weight total over all of the step's micro-batches
     (collective: one all-reduce)."""
-    if grad_reduction not in ("mean", "sum"):
-        raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
+    check_reduction(grad_reduction)
     total = weight_sum.detach().to(torch.float64).reshape(()).clone()  # over every dp x sp rank
     if mesh.world_size > 1:
         dist.all_reduce(total, group=mesh.world_group)

@@ -1,10 +1,7 @@
 """The dp x sp mesh (docs/ring_attention.md, "Using it in the model"): ranks r = dp_rank * sp + sp_rank,
 so an sp group is `sp` neighbouring ranks and a dp group the ranks with the same sp_rank; with
-ulysses > 1 an sp group splits further (`UlyssesGroups`, docs/hybrid.md). Created once and passed
-to whatever needs process groups; nothing here is a module global.
-
-    mesh = Mesh.build(dp=2, sp=4)            # world of 8: sp groups {0..3}, {4..7}
-    mesh = Mesh.from_config(cfg.parallel)    # dp = -1 derives world // sp
+ulysses > 1 an sp group splits further (`UlyssesGroups`, docs/hybrid.md). Created once
+(`Mesh.from_config(cfg.parallel)`) and passed to whatever needs process groups; no module globals.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Hybrid sequence parallelism: head-parallel all-to-all (DeepSpeed-Ulysses) inside groups of U
 neighbouring ranks, ring attention across the sp / U groups (docs/hybrid.md: why the ordinary
 zigzag shards work, the head split and padding, why not DeepSpeed's layer).
-
-    out = hybrid_attention(q, k, v, groups=mesh.ulysses_groups, positions=pos, segment_ids=seg)
 """
 
 from __future__ import annotations

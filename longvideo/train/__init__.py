@@ -1,9 +1,5 @@
-"""Training: the DeepSpeed trainer over the dp x sp mesh (docs/training.md) and the VQ video
-tokenizer's trainer (docs/vq.md). Names load lazily (longvideo._lazy).
-
-    result = train(cfg, resume=True)        # one rank of a torchrun/deepspeed/accelerate world
-    vq_result = train_vq(vq_cfg, "videos/", "runs/vq", time_budget_s=600)
-"""
+"""Training: the DeepSpeed trainer over the dp x sp mesh (`train`, docs/training.md) and the VQ video
+tokenizer's trainer (`train_vq`, docs/vq.md, "Training"). Names load lazily (longvideo._lazy)."""
 
 from longvideo._lazy import lazy_exports
 

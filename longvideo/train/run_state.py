@@ -1,11 +1,8 @@
-"""Training checkpoints: written atomically, resumable exactly, readable as project checkpoints.
-
-OUT/checkpoints/step_NNNNNN/ holds a project checkpoint (longvideo.checkpoint's names; with
-train.hf_model, hf/ instead of model.safetensors), trainer_state.json, each rank's data position
-(loader/) and RNG states (rng/), and DeepSpeed's engine files (torch pickles: load only
-checkpoints you wrote); OUT/checkpoints/latest names the newest complete one. Every rank writes
-into a `.tmp_` directory that rank 0 renames into place before it replaces `latest`, so a killed
-process leaves the previous checkpoint or the new one (docs/training.md, "Checkpoints").
+"""Training checkpoints (docs/training.md, "Checkpoints"): OUT/checkpoints/step_NNNNNN/ is a project
+checkpoint (longvideo.checkpoint's names) plus trainer_state.json, each rank's data position
+(loader/), RNG states (rng/) and DeepSpeed's engine files; every rank writes into a `.tmp_`
+directory that rank 0 renames into place before it replaces `latest`, so a killed process leaves
+the previous checkpoint or the new one.
 """
 
 from __future__ import annotations

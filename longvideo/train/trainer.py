@@ -1,10 +1,7 @@
-"""The trainer: dp x sp mesh, ring attention, DeepSpeed ZeRO, exact loss normalisation, checkpoints.
-
-Construction: process group -> mesh (a world it does not match is an error, before any work) ->
-DeepSpeed config -> data -> model of its kind (longvideo.train.models) -> parallelize (seam,
-checkpointing, ZeRO). Each rank back-propagates W x its weighted loss sum / the global weight total
-(docs/training.md, "Exact gradients over dp x sp ranks"); a NaN/inf loss, seen by every rank through
-the all-reduced loss, skips the step on all of them, and max_bad_steps in a row stop the run.
+"""The trainer: dp x sp mesh, ring attention, DeepSpeed ZeRO, exact loss normalisation, checkpoints,
+built and run in the order docs/training.md ("What one run does, in order") gives. A NaN/inf loss,
+seen by every rank through the all-reduced loss, skips the step on all of them, and max_bad_steps
+in a row stop the run.
 """
 
 from __future__ import annotations
@@ -130,9 +127,11 @@ class Trainer:
             except ImportError:
                 raise ConfigError("train.wandb", f"'{tc.wandb}' needs the wandb package "
                                   "(pip install 'longvideo[wandb]')") from None
-        for key, path in (("tokenizer_dir", tc.tokenizer_dir), ("vq_dir", tc.vq_dir)):
-            if path and not Path(path).is_dir():
-                raise ConfigError(f"train.{key}", f"not a directory: {path}")
+        # copied into the run and every checkpoint (chat reads them there)
+        self.assets = {name: src for name, src in (("tokenizer", tc.tokenizer_dir), ("vq", tc.vq_dir)) if src}
+        for name, src in self.assets.items():
+            if not Path(src).is_dir():
+                raise ConfigError(f"train.{name}_dir", f"not a directory: {src}")
 
         # the data source is checked (shards found, tokenizer readable) before the model is built
         self.loader = batches if batches is not None else self._make_loader()
@@ -277,10 +276,10 @@ class Trainer:
         """A complete checkpoint of the current step (collective)."""
         tc = self.cfg.train
         loader_state = self.loader.state_dict() if hasattr(self.loader, "state_dict") else {}
-        assets = {name: Path(src) for name, src in (("tokenizer", tc.tokenizer_dir), ("vq", tc.vq_dir)) if src}
         path = ckpt_io.save_training_checkpoint(
             engine=self.engine, cfg=self.cfg, run_dir=self.run_dir, step=self.step, rank=self.rank,
-            trainer_state=self.trainer_state(), loader_state=loader_state, barrier=dist.barrier, assets=assets,
+            trainer_state=self.trainer_state(), loader_state=loader_state, barrier=dist.barrier,
+            assets=self.assets,
             save_weights=self.kind.save, on_staged=lambda p: self._emit("checkpoint_staged", path=p))
         if self.rank == 0:
             ckpt_io.prune_checkpoints(self.run_dir, tc.keep_checkpoints)
@@ -328,8 +327,8 @@ class Trainer:
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.cfg, self.run_dir / "config.yaml")
-            for name, src in (("tokenizer", tc.tokenizer_dir), ("vq", tc.vq_dir)):
-                if src and not (self.run_dir / name).exists():
+            for name, src in self.assets.items():
+                if not (self.run_dir / name).exists():
                     shutil.copytree(src, self.run_dir / name)
         log = RunLogger(self.run_dir, enabled=self.rank == 0, total_steps=tc.steps, start_step=self.step,
                         progress=tc.progress, tensorboard=tc.tensorboard, wandb_mode=tc.wandb,

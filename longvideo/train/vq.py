@@ -1,10 +1,6 @@
-"""Training the tokenizer: reconstruction (L1 + L2) + quantizer loss (+ an optional patch GAN).
-
-    result = train_vq(VQConfig(...), "data/videos", "runs/vq", time_budget_s=180)
-    result.metrics  # {'psnr': ..., 'usage': ..., 'perplexity': ..., 'codes_used': ...}
-
-`out_dir` receives the tokenizer (`load_vq` reads it), `train_state.pt` (what resuming needs),
-`metrics.jsonl`, `samples/` and `tb/` (docs/vq.md, "Training").
+"""Training the tokenizer (docs/vq.md, "Training"): reconstruction (L1 + L2) + quantizer loss (+ an
+optional patch GAN). `out_dir` receives the tokenizer (`load_vq` reads it), `train_state.pt` (what
+resuming needs), `metrics.jsonl`, `samples/` and `tb/`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The VQ video tokenizer: frames -> integer codes -> frames.
-
-    from longvideo.vq import VQConfig, VQModel, load_vq, encode_video, decode_codes
-
-2d mode codes each frame alone (LWM's layout); causal3d mode codes frame 0 alone and then groups
-of t frames with causal temporal convolutions. Its trainer is `longvideo.train.vq`. See docs/vq.md.
-`LWMVQGAN` runs LWM's released VQGAN (diffusers' VQModel) behind the same interface (docs/lwm.md).
-"""
+"""The VQ video tokenizer: frames -> integer codes -> frames (docs/vq.md: the 2d and causal3d modes,
+the Python API). Its trainer is `longvideo.train.vq`; `LWMVQGAN` runs LWM's released VQGAN
+(diffusers' VQModel) behind the same interface (docs/lwm.md)."""
 
 from longvideo._lazy import lazy_exports
 

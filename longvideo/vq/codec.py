@@ -1,10 +1,6 @@
-"""uint8 frames <-> codes, batched and streaming (docs/vq.md, "Python API").
-
-    codes = encode_video(vq, frames)           # frames uint8 (T, H, W, 3) or an iterable of chunks
-    frames = decode_codes(vq, codes)           # codes (G, h, w) -> uint8 (T', H, W, 3)
-
-Encoding holds at most `batch_frames` frames (plus the causal3d carries); in causal3d the video is
-cut after frame 0 and then on group boundaries, so the codes are those of the whole video at once.
+"""uint8 frames <-> codes, batched and streaming (docs/vq.md, "Python API"). Encoding holds at most
+`batch_frames` frames (plus the causal3d carries); in causal3d the video is cut after frame 0 and
+then on group boundaries, so the codes are those of the whole video at once.
 """
 
 from __future__ import annotations
@@ -30,10 +26,6 @@ def eval_mode(module: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         module.train(was_training)
-
-
-def _device(vq: VQModel) -> torch.device:
-    return next(vq.parameters()).device
 
 
 def _check_frames(chunk, res: int) -> torch.Tensor:
@@ -98,7 +90,7 @@ def _piece_sizes(cfg, batch_frames: int) -> Iterator[int]:
 def _encode_piece(vq: VQModel, piece: torch.Tensor, state: dict, is_first: bool) -> torch.Tensor:
     """Codes (g, h, w) of one piece (uint8 (n, H, W, 3)); causal3d carries its temporal context
     in `state` from piece to piece, and a video ending inside a group repeats its last frame."""
-    device = _device(vq)
+    device = next(vq.parameters()).device
     if vq.cfg.mode == "2d":
         _, codes, _ = vq.encode(frames_to_input(piece, device, as_clip=False))
         return codes[:, 0].cpu()
@@ -224,7 +216,7 @@ def iter_decode(vq: VQModel, codes, *, batch_groups: int = 16) -> Iterator[torch
     if batch_groups < 1:
         raise ValueError(f"batch_groups must be >= 1, got {batch_groups}")
     codes = _check_codes(vq, codes)
-    device = _device(vq)
+    device = next(vq.parameters()).device
     state: dict = {}
     with eval_mode(vq):
         for g in range(0, codes.shape[0], batch_groups):

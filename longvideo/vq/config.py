@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -23,22 +24,11 @@ def fsq_levels_for(codebook_size: int) -> tuple[int, ...] | None:
     if codebook_size < 2:
         return None
     dims = max(1, math.ceil(math.log(codebook_size) / math.log(8) - 1e-9))
-    best = None
-
-    def search(rest: int, left: int, hi: int, acc: tuple[int, ...]):
-        nonlocal best
-        if left == 0:
-            if rest == 1 and (best is None or max(acc) - min(acc) < max(best) - min(best)):
-                best = acc
-            return
-        for lv in range(min(hi, rest), 1, -1):
-            if rest % lv == 0:
-                search(rest // lv, left - 1, lv, acc + (lv,))
-
     for d in range(dims, dims + 3):  # a prime factor > 8 makes any split impossible
-        search(codebook_size, d, 8, ())
-        if best is not None:
-            return best
+        splits = [lv for lv in itertools.combinations_with_replacement(range(8, 1, -1), d)
+                  if math.prod(lv) == codebook_size]
+        if splits:  # the most even; of those the first, largest levels first
+            return min(splits, key=lambda lv: max(lv) - min(lv))
     return None
 
 

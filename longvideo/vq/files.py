@@ -1,5 +1,6 @@
-"""The files of a saved video tokenizer, for every implementation (`VQConfig.arch`): `config.json` (its
-VQConfig) and `model.safetensors`; `longvideo.vq.load_vq` builds the one the config names."""
+"""What every video-tokenizer implementation (`VQConfig.arch`) shares: its files, `config.json` (its
+VQConfig) and `model.safetensors`, and the `VideoTokenizer` base class; `longvideo.vq.load_vq`
+builds the implementation the config names."""
 
 from __future__ import annotations
 
@@ -16,14 +17,32 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 
 
-def save_vq(model: nn.Module, cfg: VQConfig, out_dir: str | Path) -> None:
-    """Write `model.safetensors` (the module's state dict) and `config.json` (cfg) into out_dir."""
-    from safetensors.torch import save_file
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out / CONFIG_FILE).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+class VideoTokenizer(nn.Module):
+    """Pixels in [-1, 1] laid out (B, 3, T, H, W) <-> codes (B, G, h, w). A subclass sets `cfg` and
+    gives encode, decode, group_frame_index and `_lookup` (codes (...) -> latents (..., D))."""
+
+    cfg: VQConfig
+
+    def codes_to_latents(self, codes: torch.Tensor) -> torch.Tensor:
+        """(B, G, h, w) long -> (B, D, G, h, w)."""
+        if codes.min() < 0 or codes.max() >= self.cfg.codebook_size:
+            raise ValueError(f"codes must lie in [0, {self.cfg.codebook_size}), got "
+                             f"[{int(codes.min())}, {int(codes.max())}]")
+        return self._lookup(codes).movedim(-1, 1)
+
+    def forward(self, x: torch.Tensor):
+        """Reconstruction of a clip: (B, 3, T, H, W) -> (recon, codes, auxiliary loss)."""
+        zq, codes, aux = self.encode(x)
+        return self.decode(zq), codes, aux
+
+    def save(self, out_dir: str | Path) -> None:
+        """Write `model.safetensors` (the state dict) and `config.json` (cfg) into out_dir."""
+        from safetensors.torch import save_file
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        (out / CONFIG_FILE).write_text(json.dumps(to_dict(self.cfg), indent=2) + "\n")
 
 
 def read_vq_config(path: str | Path) -> VQConfig:

@@ -12,7 +12,7 @@ from torch import nn
 
 from longvideo.configtools import ConfigError
 from longvideo.vq.config import VQConfig
-from longvideo.vq.files import CONFIG_FILE, WEIGHTS_FILE, load_weights_into, read_vq_config, save_vq
+from longvideo.vq.files import CONFIG_FILE, WEIGHTS_FILE, VideoTokenizer, load_weights_into, read_vq_config
 from longvideo.vq.layers import Conv, Downsample, ResBlock, Upsample, norm
 from longvideo.vq.vqgan import LWMVQGAN
 from longvideo.vq.quantizer import build_quantizer
@@ -101,7 +101,7 @@ class Decoder(nn.Module):
         return _per_frame(F.pixel_shuffle, z, self.patch)
 
 
-class VQModel(nn.Module):
+class VQModel(VideoTokenizer):
     """The video tokenizer. See `encode_video` / `decode_codes` for uint8 frames in and out."""
 
     def __init__(self, cfg: VQConfig):
@@ -123,27 +123,14 @@ class VQModel(nn.Module):
         """(B, D, G, h, w) -> (B, 3, T, H, W); T = G in 2d, 1 + t (G - 1) in causal3d."""
         return self.decoder(zq, state)
 
-    def codes_to_latents(self, codes: torch.Tensor) -> torch.Tensor:
-        """(B, G, h, w) long -> (B, D, G, h, w)."""
-        if codes.min() < 0 or codes.max() >= self.cfg.codebook_size:
-            raise ValueError(f"codes must lie in [0, {self.cfg.codebook_size}), got "
-                             f"[{int(codes.min())}, {int(codes.max())}]")
-        return self.quantizer.lookup(codes).movedim(-1, 1)
-
-    def forward(self, x: torch.Tensor):
-        """Reconstruction of a clip: (B, 3, T, H, W) -> (recon, codes, auxiliary loss)."""
-        zq, codes, aux = self.encode(x)
-        return self.decode(zq), codes, aux
+    def _lookup(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.quantizer.lookup(codes)
 
     def group_frame_index(self, num_frames: int) -> list[list[int]]:
         """The source frames each code group covers (padding frames excluded): frame 0, then t at a time."""
         t = self.cfg.frames_per_group
         rest = [list(range(start, min(start + t, num_frames))) for start in range(1, num_frames, t)]
         return [[0], *rest] if num_frames > 0 else []
-
-    def save(self, out_dir: str | Path) -> None:
-        """Write `model.safetensors` and `config.json` into out_dir."""
-        save_vq(self, self.cfg, out_dir)
 
 
 def build_vq(cfg: VQConfig) -> nn.Module:

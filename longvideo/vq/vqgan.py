@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import torch
-from torch import nn
 
 from longvideo.configtools import ConfigError
 from longvideo.vq.config import VQConfig
-from longvideo.vq.files import save_vq
+from longvideo.vq.files import VideoTokenizer
 
 GROUPS = 32
 """GroupNorm groups of LWM's VQGAN (flax's default) and of diffusers' VQModel."""
@@ -40,7 +38,7 @@ def diffusers_config(cfg: VQConfig) -> dict:
                 vq_embed_dim=cfg.codebook_dim, mid_block_add_attention=False, lookup_from_codebook=True)
 
 
-class LWMVQGAN(nn.Module):
+class LWMVQGAN(VideoTokenizer):
     """LWM's VQGAN (a diffusers VQModel in `.net`) with the interface of longvideo.vq.VQModel: pixels
     in [-1, 1] laid out (B, 3, T, H, W), every frame coded alone (a code group is one frame)."""
 
@@ -75,25 +73,12 @@ class LWMVQGAN(nn.Module):
         out = self.net.decoder(self.net.post_quant_conv(z)).clamp(-1, 1)
         return out.reshape(B, G, *out.shape[1:]).movedim(1, 2)
 
-    def codes_to_latents(self, codes: torch.Tensor) -> torch.Tensor:
-        """(B, G, h, w) long -> (B, D, G, h, w)."""
-        if codes.min() < 0 or codes.max() >= self.cfg.codebook_size:
-            raise ValueError(f"codes must lie in [0, {self.cfg.codebook_size}), got "
-                             f"[{int(codes.min())}, {int(codes.max())}]")
-        return self.codebook[codes.long()].movedim(-1, 1)
-
-    def forward(self, x: torch.Tensor):
-        """Reconstruction of a clip: (B, 3, T, H, W) -> (recon, codes, auxiliary loss)."""
-        zq, codes, aux = self.encode(x)
-        return self.decode(zq), codes, aux
+    def _lookup(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.codebook[codes.long()]
 
     def group_frame_index(self, num_frames: int) -> list[list[int]]:
         """The source frames each code group covers: one frame each."""
         return [[i] for i in range(num_frames)]
-
-    def save(self, out_dir: str | Path) -> None:
-        """Write `model.safetensors` and `config.json` (arch lwm-vqgan) into out_dir."""
-        save_vq(self, self.cfg, out_dir)
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, np.ndarray]:
