@@ -1,10 +1,6 @@
-"""Multiple-choice video benchmarks, read in the layout of their own releases.
-
-    questions = read_benchmark("videomme", "data/Video-MME")      # list[Question]
-
-One reader per benchmark (docs/evaluation.md, "The benchmarks", lists each layout) keeps the
-benchmark's own breakdown labels. A question whose options or answer cannot be read comes back with
-`problem` set instead of stopping the reader; missing question files raise FileNotFoundError.
+"""Multiple-choice video benchmarks, read in the layout of their own releases (docs/evaluation.md,
+"The benchmarks"), with their own breakdown labels. A question whose options or answer cannot be
+read comes back with `problem` set; missing question files raise FileNotFoundError.
 """
 
 from __future__ import annotations

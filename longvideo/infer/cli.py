@@ -1,7 +1,5 @@
-"""`longvideo chat` and `longvideo eval` (docs/inference.md, docs/evaluation.md).
-
-Under torchrun (WORLD_SIZE > 1) both run sequence-parallel (longvideo.infer.sp): rank 0 reads the
-video and the questions, and prints and writes the results.
+"""`longvideo chat` and `longvideo eval` (docs/inference.md, docs/evaluation.md); under torchrun
+sequence-parallel (longvideo.infer.sp), rank 0 reading the inputs and writing the results.
 """
 
 from __future__ import annotations
@@ -236,9 +234,7 @@ def eval_main(argv: list[str]) -> int:
 
 
 def _eval(args) -> int:
-    """One process, or every rank of a torchrun world: then each rank runs the same evaluation with
-    the prompts' video ring-prefilled over all ranks and decoding over the sharded KV cache; rank 0
-    writes the results."""
+    """One process, or every rank of a torchrun world running the same evaluation (rank 0 writes)."""
     if args.task == "vq-needle":
         model = Path(args.model)
         vq_dir = (model / "config.json").is_file() and (model / "model.safetensors").is_file() \
