@@ -188,8 +188,7 @@ class ChatSession:
         self.tokenizer = _require(pretrained, "tokenizer")
         self.device = next(pretrained.model.parameters()).device
         self.engine = engine or LocalEngine(pretrained.model, prefill_chunk=self.infer.prefill_chunk)
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(self.infer.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(self.infer.seed)
         self._prefix: Optional[list[int]] = None
         self.last: Optional[Generation] = None  # the last answer's, for timings
 

@@ -234,7 +234,7 @@ def filler_sentences(rng: np.random.Generator) -> Iterator[str]:
 def text_needle_prompt(pretrained, context_len: int, depth: float, city: str, number: int,
                        seed: int = 0) -> tuple[list[int], dict]:
     """Prompt ids of about `context_len` tokens with the needle at `depth` (0 = start, 1 = end) of
-    the haystack, inserted at the sentence boundary nearest to that depth; and facts about it."""
+    the haystack, inserted at the sentence boundary nearest to that depth; its tokens and depth."""
     tok = pretrained.tokenizer
     vocab = pretrained.model.cfg.vocab
     needle = f"The special magic {city} number is: {number}."
@@ -257,9 +257,7 @@ def text_needle_prompt(pretrained, context_len: int, depth: float, city: str, nu
     offsets = np.concatenate([[0], np.cumsum(counts)])
     at = int(np.argmin(np.abs(offsets - depth * offsets[-1])))
     ids = render(hay[:at] + [needle] + hay[at:])
-    return ids, {"tokens": len(ids), "needle_sentence": at, "haystack_sentences": len(hay),
-                 "needle_depth": float(offsets[at] / max(offsets[-1], 1)), "needle": needle,
-                 "question": question}
+    return ids, {"tokens": len(ids), "needle_depth": float(offsets[at] / max(offsets[-1], 1))}
 
 
 def evaluate_text_needle(model, *, lengths: Sequence[int] = (256, 512, 1024),

@@ -323,8 +323,7 @@ class Service:
                 else LocalEngine(self.pre.model, prefill_chunk=self.infer.prefill_chunk)
             engine.set_prefix(torch.tensor([ids[:base]], dtype=torch.long, device=self.device))
             self.states[key] = state = KVState(engine, ids[:base], base)
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
         rest, engine = ids[len(state.ids):], state.engine
         try:
             while True:
