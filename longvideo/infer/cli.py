@@ -265,11 +265,13 @@ def _eval(args) -> int:
             res = mcq.evaluate_mcq(pretrained, args.benchmark, args.data, args.out, mode=args.mode,
                                    subtitles=args.subtitles, fps=args.fps, max_frames=args.max_frames,
                                    limit=args.limit, group=group, **run)
-            skipped = sum(v["count"] for v in res.get("skipped", {}).values())
+            if not res:  # ranks > 0: the summary is rank 0's
+                return 0
+            skipped = sum(v["count"] for v in res["skipped"].values())
             unparseable = f", {res['unparseable']} unparseable" if args.mode == "generate" else ""
-            line = res and (f"{args.benchmark} accuracy {res['accuracy']:.3f} (95 % interval "
-                            f"{res['ci95'][0]:.3f}-{res['ci95'][1]:.3f}; chance {res['chance']:.3f}) over "
-                            f"{res['questions']} questions, {skipped} skipped{unparseable}")
+            line = (f"{args.benchmark} accuracy {res['accuracy']:.3f} (95 % interval {res['ci95'][0]:.3f}-"
+                    f"{res['ci95'][1]:.3f}; chance {res['chance']:.3f}) over {res['questions']} questions, "
+                    f"{skipped} skipped{unparseable}")
         elif args.task == "qa":
             res = evals.evaluate_qa(pretrained, args.shards, out_dir=out, max_samples=args.max_samples,
                                     fps=args.fps, encode_group=group, **run)
