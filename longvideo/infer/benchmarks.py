@@ -147,8 +147,7 @@ def _mlvu(root: Path) -> list[Question]:
         if f.stem in ("8_sub_scene", "9_summary"):
             continue
         task = f.stem.split("_", 1)[-1]
-        rows = json.loads(f.read_text())
-        out += _each(((i, r) for i, r in enumerate(rows)), lambda x, f=f, task=task: make_question(
+        out += _each(enumerate(json.loads(f.read_text())), lambda x, f=f, task=task: make_question(
             f"{task}_{x[0]}", root / "video" / f.stem / x[1]["video"], x[1]["question"], x[1]["candidates"],
             x[1]["answer"], {"task": task}), lambda x, task=task: f"{task}_{x[0]}")
     return out
