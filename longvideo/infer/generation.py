@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -111,25 +111,6 @@ def logits_of(model: Transformer, hidden: Tensor) -> Tensor:
     return model.logits(hidden[:, -1:])[:, -1].float()
 
 
-class Engine(Protocol):
-    prefix_len: int
-    prefix_s: float
-    held: int
-    """Tokens the cache holds: the prefix, then the last generate's ids and the answer fed back."""
-
-    def set_prefix(self, ids: Tensor) -> None: ...
-
-    def keep(self, n: int) -> None:
-        """The first n held tokens become the prefix of the next generate (a conversation's next
-        turn extends the cache instead of prefilling everything again)."""
-
-    def generate(self, ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None,
-                 vocab_limit: Optional[int] = None) -> Generation: ...
-
-    def extend(self, ids: Tensor, *, keep: int = 0) -> Tensor: ...
-
-
 def grown(model: Transformer, cache: KVCache, need: int, spare: int) -> KVCache:
     """`cache` when it holds `need` tokens, else a copy of its tokens in a new one of need + spare."""
     if need <= cache.max_len:
@@ -143,11 +124,12 @@ def grown(model: Transformer, cache: KVCache, need: int, spare: int) -> KVCache:
 
 
 class CachedEngine:
-    """What both engines share: a KV cache that holds the prefix (its first `local_prefix_len` slots
-    on this process), grown on demand, and one generate path. A subclass sets `model`, `spare` and
-    `cache` and gives `_logits(ids, start, prompt)`: feed ids (B, n) at positions start.. after the
-    cache's tokens (the prompt, or one decoding step), return the last logits (B, V); and `_pick`:
-    the token every process takes."""
+    """The `Engine` interface (set_prefix, generate, keep, extend; held, prefix_len, prefix_s) and what
+    both engines share: a KV cache that holds the prefix (its first `local_prefix_len` slots on this
+    process), grown on demand, and one generate path. A subclass sets `model`, `spare` and `cache`
+    and gives `set_prefix`, `extend`, `_logits(ids, start, prompt)`: feed ids (B, n) at positions
+    start.. after the cache's tokens (the prompt, or one decoding step), return the last logits
+    (B, V); and `_pick`: the token every process takes."""
 
     prefix_len = local_prefix_len = 0
     prefix_s = 0.0
@@ -156,9 +138,12 @@ class CachedEngine:
 
     @property
     def held(self) -> int:
+        """Tokens the cache holds: the prefix, then the last generate's ids and the answer fed back."""
         return self.prefix_len + self.cache.length - self.local_prefix_len if self.cache is not None else 0
 
     def keep(self, n: int) -> None:
+        """The first n held tokens become the prefix of the next generate (a conversation's next
+        turn extends the cache instead of prefilling everything again)."""
         if self.sharded is not None and not self.sharded <= n <= self.held:
             raise ValueError(f"can keep {self.sharded} to {self.held} tokens, not {n}: the first "
                              f"{self.sharded} are sharded")
@@ -197,6 +182,10 @@ class CachedEngine:
             raise RuntimeError("set_prefix must be called before extend")
         self.cache.crop(self.local_prefix_len + keep)
         self.cache = grown(self.model, self.cache, self.cache.length + n, self.spare)
+
+
+Engine = CachedEngine
+"""What chat, the evaluations and the server drive; an engine of one's own gives the same methods."""
 
 
 class LocalEngine(CachedEngine):
