@@ -81,10 +81,8 @@ def _score(records: list[dict]) -> dict:
 
 def summarise(records: list[dict]) -> dict:
     """Accuracy, interval, chance and per-breakdown scores of prediction records."""
-    out = _score(records)
-    out["chance"] = float(np.mean([1.0 / r["options"] for r in records]))
-    out["unparseable"] = sum(r["prediction"] is None for r in records)
-    out["breakdowns"] = {}
+    out = {**_score(records), "chance": float(np.mean([1.0 / r["options"] for r in records])),
+           "unparseable": sum(r["prediction"] is None for r in records), "breakdowns": {}}
     for name in sorted({k for r in records for k in r["groups"]}):
         labels: dict[str, list[dict]] = {}
         for r in records:
