@@ -48,7 +48,9 @@ LOGN_MODULE = "modeling_longvideo"
 LOGN_MODEL_TYPE, LOGN_ARCH = "longvideo_llama", "LongVideoLlamaForCausalLM"
 
 
-def model_config_from_hf(hf_cfg: dict, text_vocab_size: int, codebook_size: int) -> ModelConfig:
+def model_config_from_hf(hf_cfg: dict, base: ModelConfig, text_vocab_size: int,
+                         codebook_size: int) -> ModelConfig:
+    """`base` with the architecture of a transformers config.json."""
     archs = hf_cfg.get("architectures") or []
     ours = hf_cfg.get("model_type") == LOGN_MODEL_TYPE and archs == [LOGN_ARCH]
     if not ours and (hf_cfg.get("model_type") != "llama" or (archs and "LlamaForCausalLM" not in archs)):
@@ -60,8 +62,8 @@ def model_config_from_hf(hf_cfg: dict, text_vocab_size: int, codebook_size: int)
                               f"hidden_size/num_attention_heads")
     if hf_cfg.get("attention_bias") or hf_cfg.get("mlp_bias"):
         raise CheckpointError("config.json: attention or MLP biases are not supported")
-    return ModelConfig(
-        text_vocab_size=text_vocab_size, codebook_size=codebook_size, dim=dim,
+    return replace(
+        base, text_vocab_size=text_vocab_size, codebook_size=codebook_size, dim=dim,
         n_layers=hf_cfg["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf_cfg.get("num_key_value_heads", heads), ffn_dim=hf_cfg["intermediate_size"],
         norm_eps=float(hf_cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta_of(hf_cfg),
@@ -73,9 +75,8 @@ def model_config_from_hf(hf_cfg: dict, text_vocab_size: int, codebook_size: int)
 
 def hf_config_dict(cfg: ModelConfig, tokenizer=None) -> dict:
     """config.json for LlamaForCausalLM; RoPE written in both spellings transformers reads. A model
-    whose queries scale with the context is a LongVideoLlamaForCausalLM (modeling_longvideo.py,
-    which the export copies beside it): Llama's weights, its own model_type, so that transformers
-    loads it only with trust_remote_code and never as a plain Llama that answers differently."""
+    whose queries scale with the context is a LongVideoLlamaForCausalLM (docs/export.md, "Models
+    whose queries scale with the context")."""
     d = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=cfg.vocab_size,
              hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
              num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
@@ -137,10 +138,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, base_config: Optional[str
         if tokenizer.text_size != v0:
             raise CheckpointError(f"{hf_dir}: the tokenizer has {tokenizer.text_size} text ids but "
                                   f"model.embed_tokens.weight has {v0} rows")
-    mcfg = model_config_from_hf(hf_cfg, text_vocab_size=v0, codebook_size=K)
-    mcfg = replace(root.model, **{f: getattr(mcfg, f) for f in (
-        "text_vocab_size", "codebook_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-        "norm_eps", "rope_theta", "max_seq_len", "tie_embeddings", "attn_logn_base")})
+    mcfg = model_config_from_hf(hf_cfg, root.model, text_vocab_size=v0, codebook_size=K)
     root = replace(root, model=mcfg, vq=replace(root.vq, codebook_size=K))
     if mcfg.tie_embeddings:
         sd_hf.pop("lm_head.weight", None)
@@ -171,7 +169,6 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: Optional[str
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf_sd = to_hf_names(sd, cfg.model)
-    # fp32, one tensor converted at a time: a bf16 7B checkpoint never exists twice in fp32
     specs = {k: (torch.float32, tuple(v.shape)) for k, v in hf_sd.items()}
     with streaming_weights(out / WEIGHTS_FILE, specs, metadata={"format": "pt"}) as w:
         for k, v in hf_sd.items():

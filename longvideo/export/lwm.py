@@ -1,16 +1,9 @@
 """`longvideo import-lwm`: LWM's released JAX checkpoints (LWM-Chat-32K/128K/1M) as a project checkpoint.
 
-    import_lwm("LWM-Chat-1M-Jax/params", "LWM-Chat-1M-Jax/vqgan", "LWM-Chat-1M-Jax/", "ckpts/lwm-chat-1m",
-               config="lwm-chat-1m")
-
-`params` is a tux streaming checkpoint (longvideo.export.tux) of LWM's FlaxVideoLLaMAForCausalLM:
-`transformer/{wte,vte}/embedding`, the LLaMA blocks under `transformer/h/<i>/` or stacked along a
-leading layer axis under `transformer/h/scan_decoder/`, `transformer/ln_f/kernel`, `lm_head/kernel`,
-`vision_head/kernel`. `vqgan` is a pickle of flax arrays (longvideo.safepickle, longvideo.vq.vqgan).
-The result uses the `lwm` vocabulary layout: text table then vision table, text head then vision
-head. The arrays are streamed one at a time (a layer's slice of a stacked one) into the output
-file in their own dtype; shapes come from the files, the rest from the config. docs/lwm.md, "What
-the conversion does" and "Memory".
+`params` is a tux streaming checkpoint (longvideo.export.tux) of LWM's FlaxVideoLLaMAForCausalLM
+(its arrays: TOP_PARAMS and LAYER_PARAMS, the layers per index or stacked under SCAN); `vqgan` a
+pickle of flax arrays (longvideo.safepickle, longvideo.vq.vqgan). The arrays are streamed one at a
+time into the `lwm` vocabulary layout: docs/lwm.md, "What the conversion does" and "Memory".
 """
 
 from __future__ import annotations
@@ -58,11 +51,8 @@ class LWMImportError(CheckpointError):
 
 
 def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of a q/k projection (out, in): per head, LWM's pairs (2i, 2i+1) -> (i, i + D/2).
-
-    LWM rotates interleaved pairs (complex multiplication on (..., D/2, 2)); this model and
-    transformers rotate the first half of a head against its second half. Permuting the output
-    rows of wq and wk alike maps one onto the other; q.k, hence attention, is unchanged."""
+    """Rows of a q/k projection (out, in): per head, LWM's pairs (2i, 2i+1) -> (i, i + D/2), the
+    rotation of interleaved pairs onto half-against-half (docs/lwm.md, "Weights")."""
     out, inp = w.shape
     return w.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
 

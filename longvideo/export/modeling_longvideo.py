@@ -1,13 +1,9 @@
 """transformers code for an exported longvideo model whose attention scales its queries with the
-context (`model.attn_logn_base` > 0): Llama, plus one multiplication.
-
-`longvideo export` copies this file beside such a model (config.json's `auto_map` points at it), so
-that `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` computes what the
-project's decoder computes; it imports only torch and transformers. The query at position p
-(position_ids) is multiplied by max(1, ln(p + 1) / ln(attn_logn_base)); RoPE is a rotation, so
-scaling q_proj's output is the same, and two hooks do it with any attention implementation.
-longvideo's docs/export.md, "Models whose queries scale with the context".
-"""
+context (`model.attn_logn_base` > 0): Llama, plus one multiplication; it imports only torch and
+transformers. The query at position p (position_ids) is multiplied by max(1, ln(p + 1) /
+ln(attn_logn_base)); RoPE is a rotation, so scaling q_proj's output is the same, and two hooks do
+it with any attention implementation. longvideo's docs/export.md, "Models whose queries scale with
+the context"."""
 
 import math
 

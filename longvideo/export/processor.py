@@ -1,16 +1,7 @@
-"""LongVideoProcessor: (video, question) -> input_ids for `AutoModelForCausalLM.generate`, and back.
-
-    from transformers import AutoModelForCausalLM
-    from longvideo.export import LongVideoProcessor
-
-    model = AutoModelForCausalLM.from_pretrained("exported/")
-    proc = LongVideoProcessor.from_pretrained("exported/")
-    inputs = proc(video="clip.mp4", question="What colour was the flash frame?")
-    out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-    print(proc.decode(out[0], prompt_length=inputs["input_ids"].shape[1]))
-
-The prompt is the template the model was trained with (longvideo.data.templates; LWM's vision-chat
-prompt for an imported LWM model), with positions 0..L-1 and one segment: no custom code is needed.
+"""LongVideoProcessor: (video, question) -> input_ids for `AutoModelForCausalLM.generate`, and back
+(docs/lwm.md shows its use). The prompt is the template the model was trained with
+(longvideo.data.templates; LWM's vision-chat prompt for an imported LWM model), with positions
+0..L-1 and one segment: no custom code is needed.
 """
 
 from __future__ import annotations

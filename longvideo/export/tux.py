@@ -1,17 +1,9 @@
 """Reading the checkpoints of tux's `StreamingCheckpointer` (LWM's `params` files) tensor by tensor.
 
-The file is a stream of msgpack pairs `(key path, value)`, one per array of the flattened parameter
-tree: the key path a list of strings (`["transformer", "wte", "embedding"]`), the value the bytes of
-`flax.serialization.to_bytes(array)`, itself msgpack:
-
-* an array: extension type 1 holding `(shape, dtype name, raw C-order bytes)` (`bfloat16` arrays
-  by that name; extension type 3 holds a numpy scalar the same way), or
-* an array of more than 2**30 bytes: a map `{"__msgpack_chunked_array__": True, "shape": {"0": d0,
-  ...}, "chunks": {"0": array, ...}}` of flat pieces, in order.
-
-`scan_params` reads only the headers and seeks past the bytes, so a file is indexed without being
-read; `read_elements` then reads any element range of one array. Nothing is unpickled or evaluated:
-exactly the msgpack types above are understood, anything else is a TuxFormatError.
+`scan_params` reads only the msgpack headers and seeks past the bytes, so a file is indexed without
+being read; `read_elements` then reads any element range of one array. Nothing is unpickled or
+evaluated: exactly the types of the format (docs/lwm.md, "The params file") are understood,
+anything else is a TuxFormatError.
 """
 
 from __future__ import annotations
@@ -29,9 +21,8 @@ import torch
 EXT_NDARRAY, EXT_NPSCALAR = 1, 3
 CHUNKED = "__msgpack_chunked_array__"
 
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-                "float64": torch.float64, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
-                "int64": torch.int64, "uint8": torch.uint8, "bool": torch.bool}
+TORCH_DTYPES = {name: getattr(torch, name) for name in ("bfloat16", "float16", "float32", "float64", "int8",
+                                                        "int16", "int32", "int64", "uint8", "bool")}
 
 
 class TuxFormatError(ValueError):

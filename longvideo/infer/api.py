@@ -1,8 +1,5 @@
-"""The OpenAI chat-completions request as `longvideo serve` reads it, and the video it names.
-
-Every refusal is an `ApiError` with its HTTP status and the field it is about
-(`messages[0].content[1].video_url.url`). The messages, URLs and statuses: docs/serving.md.
-"""
+"""The OpenAI chat-completions request as `longvideo serve` reads it, and the video it names; every
+refusal is an `ApiError` with its HTTP status and the field it is about (docs/serving.md)."""
 
 from __future__ import annotations
 
@@ -127,9 +124,7 @@ def parse_request(raw: bytes) -> ChatRequest:
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     _check(isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop), "stop",
            "must be a non-empty string or a list of up to 4 of them")
-    max_tokens = _number(body, "max_completion_tokens", True, 1)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", True, 1)
+    max_tokens = _number(body, "max_completion_tokens", True, 1) or _number(body, "max_tokens", True, 1)
     return ChatRequest(
         turns, videos[0][0], videos[0][1], body.get("model"), body.get("stream", False),
         bool(opts.get("include_usage")), max_tokens, _number(body, "temperature", low=0),

@@ -1,10 +1,6 @@
-"""Multiple-choice video benchmarks, read in the layout of their own releases.
-
-    questions = read_benchmark("videomme", "data/Video-MME")      # list[Question]
-
-One reader per benchmark (docs/evaluation.md, "The benchmarks", lists each layout) keeps the
-benchmark's own breakdown labels. A question whose options or answer cannot be read comes back with
-`problem` set instead of stopping the reader; missing question files raise FileNotFoundError.
+"""Multiple-choice video benchmarks, read in the layout of their own releases (docs/evaluation.md,
+"The benchmarks"), with their own breakdown labels. A question whose options or answer cannot be
+read comes back with `problem` set; missing question files raise FileNotFoundError.
 """
 
 from __future__ import annotations
@@ -151,8 +147,7 @@ def _mlvu(root: Path) -> list[Question]:
         if f.stem in ("8_sub_scene", "9_summary"):
             continue
         task = f.stem.split("_", 1)[-1]
-        rows = json.loads(f.read_text())
-        out += _each(((i, r) for i, r in enumerate(rows)), lambda x, f=f, task=task: make_question(
+        out += _each(enumerate(json.loads(f.read_text())), lambda x, f=f, task=task: make_question(
             f"{task}_{x[0]}", root / "video" / f.stem / x[1]["video"], x[1]["question"], x[1]["candidates"],
             x[1]["answer"], {"task": task}), lambda x, task=task: f"{task}_{x[0]}")
     return out

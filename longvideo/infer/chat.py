@@ -1,13 +1,8 @@
 """Answering questions about a video: read -> VQ-encode (streaming) -> prompt -> prefill -> generate.
 
-    print(answer("exported_dir", "clip.mp4", "What colour was the flash frame?"))
-    session = ChatSession.from_video(load_model("exported_dir"), "clip.mp4")
-    session.ask("What shape came first?")          # encodes once, prefills the video once
-    session.ask("What colour was the last shape?")  # reuses the video's KV cache
-
-The prompt is the QA training template (longvideo.data.templates.build_prompt). A video too long
-for the context is sampled with fewer frames spread over its whole length, with a ContextWarning
-(docs/inference.md, "Chat").
+The prompt is the QA training template (longvideo.data.templates.build_prompt); a video too long
+for the context is sampled with fewer frames spread over its whole length, with a ContextWarning.
+docs/inference.md, "Chat" and "Python API".
 """
 
 from __future__ import annotations
@@ -128,9 +123,7 @@ def encode_video_file(pretrained, video, *, fps: float = 1.0, max_frames: Option
                       on_frames: Optional[Callable] = None) -> EncodedVideo:
     """Decode `video` (path or bytes) at `fps`, fitted to the context (with the question after
     `history`), and VQ-encode it in batches; on_frames sees the frames (longvideo.data.codes).
-
-    Raises longvideo.data.video.VideoError (or a subclass) for a missing or unreadable video.
-    """
+    Raises longvideo.data.video.VideoError (or a subclass) for a missing or unreadable video."""
     vq = _require(pretrained, "vq")
     info = probe_video(video)
     wanted = len(sample_indices(info.num_frames, info.fps, fps, max_frames))
@@ -195,8 +188,7 @@ class ChatSession:
         self.tokenizer = _require(pretrained, "tokenizer")
         self.device = next(pretrained.model.parameters()).device
         self.engine = engine or LocalEngine(pretrained.model, prefill_chunk=self.infer.prefill_chunk)
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(self.infer.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(self.infer.seed)
         self._prefix: Optional[list[int]] = None
         self.last: Optional[Generation] = None  # the last answer's, for timings
 

@@ -1,7 +1,5 @@
-"""`longvideo chat` and `longvideo eval` (docs/inference.md, docs/evaluation.md).
-
-Under torchrun (WORLD_SIZE > 1) both run sequence-parallel (longvideo.infer.sp): rank 0 reads the
-video and the questions, and prints and writes the results.
+"""`longvideo chat` and `longvideo eval` (docs/inference.md, docs/evaluation.md); under torchrun
+sequence-parallel (longvideo.infer.sp), rank 0 reading the inputs and writing the results.
 """
 
 from __future__ import annotations
@@ -238,9 +236,7 @@ def eval_main(argv: list[str]) -> int:
 
 
 def _eval(args) -> int:
-    """One process, or every rank of a torchrun world: then each rank runs the same evaluation with
-    the prompts' video ring-prefilled over all ranks and decoding over the sharded KV cache; rank 0
-    writes the results."""
+    """One process, or every rank of a torchrun world running the same evaluation (rank 0 writes)."""
     if args.task == "vq-needle":
         model = Path(args.model)
         vq_dir = (model / "config.json").is_file() and (model / "model.safetensors").is_file() \
@@ -271,11 +267,13 @@ def _eval(args) -> int:
             res = mcq.evaluate_mcq(pretrained, args.benchmark, args.data, args.out, mode=args.mode,
                                    subtitles=args.subtitles, fps=args.fps, max_frames=args.max_frames,
                                    limit=args.limit, group=group, **run)
-            skipped = sum(v["count"] for v in res.get("skipped", {}).values())
+            if not res:  # ranks > 0: the summary is rank 0's
+                return 0
+            skipped = sum(v["count"] for v in res["skipped"].values())
             unparseable = f", {res['unparseable']} unparseable" if args.mode == "generate" else ""
-            line = res and (f"{args.benchmark} accuracy {res['accuracy']:.3f} (95 % interval "
-                            f"{res['ci95'][0]:.3f}-{res['ci95'][1]:.3f}; chance {res['chance']:.3f}) over "
-                            f"{res['questions']} questions, {skipped} skipped{unparseable}")
+            line = (f"{args.benchmark} accuracy {res['accuracy']:.3f} (95 % interval {res['ci95'][0]:.3f}-"
+                    f"{res['ci95'][1]:.3f}; chance {res['chance']:.3f}) over {res['questions']} questions, "
+                    f"{skipped} skipped{unparseable}")
         elif args.task == "qa":
             res = evals.evaluate_qa(pretrained, args.shards, out_dir=out, max_samples=args.max_samples,
                                     fps=args.fps, encode_group=group, **run)

@@ -1,11 +1,7 @@
-"""Evaluations: QA accuracy on shards, text needle-in-a-haystack, video needle-in-a-haystack.
-
-    res = evaluate_qa(pretrained, "heldout/*.tar", out_dir="eval/qa")    # token or raw shards
-    print(res["accuracy"], res["chance"])
+"""Evaluations: QA accuracy on shards, text and video needle-in-a-haystack, a flash through the VQ.
 
 Each returns a dict, also written as OUT/NAME.json with a heatmap OUT/NAME.png when `out_dir` is
-given. Answers are scored by exact match of the parsed answer, substring match reported beside it.
-The protocols, grids and chance levels: docs/inference.md, "Evaluations"; a haystack video and
+given. Protocols, grids and chance levels: docs/inference.md, "Evaluations"; a haystack video and
 needle image of one's own: docs/evaluation.md, "The video needle on your own media".
 """
 
@@ -146,6 +142,12 @@ def _qa_samples(pretrained, shards, *, fps: float, max_frames: Optional[int], ba
             yield raw.key, vc.codes, vc.timestamps, raw.meta
 
 
+def _mean(records: list[dict], key: str) -> Optional[float]:
+    """The mean of the records' `key`, those that are None left out; None when all are."""
+    values = [r[key] for r in records if r[key] is not None]
+    return float(np.mean(values)) if values else None
+
+
 def evaluate_qa(model, shards, *, out_dir: Optional[str | Path] = None, max_samples: Optional[int] = None,
                 max_new_tokens: int = 16, fps: float = 1.0, max_frames: Optional[int] = 3600,
                 engine_factory: Optional[EngineFactory] = None, progress: bool = True,
@@ -186,30 +188,20 @@ def evaluate_qa(model, shards, *, out_dir: Optional[str | Path] = None, max_samp
     bar.close()
     if not records:
         raise ValueError(f"no QA samples found in {shards!r} (skipped: {dict(stats)})")
-    chances = [r["chance"] for r in records if r["chance"] is not None]
-    by_question = {q: [r for r in records if r["question"] == q]
-                   for q in sorted({r["question"] for r in records})}
-    questions = list(by_question)
+    questions = sorted({r["question"] for r in records})
+    by_question = {q: [r for r in records if r["question"] == q] for q in questions}
     durations = np.array([r["duration"] for r in records])
     edges = np.unique(np.quantile(durations, [0, 1 / 3, 2 / 3, 1])) if len(records) > 1 else durations[:1]
     bins = [(float(a), float(b)) for a, b in zip(edges[:-1], edges[1:])] or [(float(durations[0]),) * 2]
-    grid = np.full((len(questions), len(bins)), np.nan)
-    for i, rs in enumerate(by_question.values()):
-        for j, (a, b) in enumerate(bins):
-            last = j == len(bins) - 1  # the last bin holds its upper edge
-            hits = [r["exact"] for r in rs if a <= r["duration"] < b or (last and r["duration"] == b)]
-            if hits:
-                grid[i, j] = float(np.mean(hits))
-    per_question = {}
-    for q, rs in by_question.items():
-        c = [r["chance"] for r in rs if r["chance"]]
-        per_question[q] = {"accuracy": float(np.mean([r["exact"] for r in rs])), "count": len(rs),
-                           "chance": float(np.mean(c)) if c else None}
-    result = {"task": "qa", "accuracy": float(np.mean([r["exact"] for r in records])),
-              "substring_accuracy": float(np.mean([r["substring"] for r in records])),
-              "chance": float(np.mean(chances)) if chances else None, "questions": len(records),
-              "samples": len({r["key"] for r in records}), "per_question": per_question,
-              "duration_bins": bins,
+    col = np.searchsorted([b for _, b in bins[:-1]], durations, side="right")  # [a, b), the last [a, b]
+    grid = np.array([[_mean([r for r, c in zip(records, col) if r["question"] == q and c == j], "exact")
+                      for j in range(len(bins))] for q in questions], dtype=float)  # nan: no record
+    per_question = {q: {"accuracy": _mean(rs, "exact"), "count": len(rs), "chance": _mean(rs, "chance")}
+                    for q, rs in by_question.items()}
+    result = {"task": "qa", "accuracy": _mean(records, "exact"),
+              "substring_accuracy": _mean(records, "substring"), "chance": _mean(records, "chance"),
+              "questions": len(records), "samples": len({r["key"] for r in records}),
+              "per_question": per_question, "duration_bins": bins,
               "grid": [[None if not np.isfinite(v) else float(v) for v in row] for row in grid],
               "skipped": {k: v for k, v in stats.items() if k != "ok"}, "seconds": round(time.time() - t0, 2),
               "records": records}
@@ -243,7 +235,7 @@ def filler_sentences(rng: np.random.Generator) -> Iterator[str]:
 def text_needle_prompt(pretrained, context_len: int, depth: float, city: str, number: int,
                        seed: int = 0) -> tuple[list[int], dict]:
     """Prompt ids of about `context_len` tokens with the needle at `depth` (0 = start, 1 = end) of
-    the haystack, inserted at the sentence boundary nearest to that depth; and facts about it."""
+    the haystack, inserted at the sentence boundary nearest to that depth; its tokens and depth."""
     tok = pretrained.tokenizer
     vocab = pretrained.model.cfg.vocab
     needle = f"The special magic {city} number is: {number}."
@@ -263,13 +255,10 @@ def text_needle_prompt(pretrained, context_len: int, depth: float, city: str, nu
             break
         hay.append(s)
         counts.append(n)
-    # insert at the boundary whose token offset is nearest to depth x haystack tokens
     offsets = np.concatenate([[0], np.cumsum(counts)])
     at = int(np.argmin(np.abs(offsets - depth * offsets[-1])))
     ids = render(hay[:at] + [needle] + hay[at:])
-    return ids, {"tokens": len(ids), "needle_sentence": at, "haystack_sentences": len(hay),
-                 "needle_depth": float(offsets[at] / max(offsets[-1], 1)), "needle": needle,
-                 "question": question}
+    return ids, {"tokens": len(ids), "needle_depth": float(offsets[at] / max(offsets[-1], 1))}
 
 
 def evaluate_text_needle(model, *, lengths: Sequence[int] = (256, 512, 1024),
@@ -365,18 +354,12 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                           encode_group=None, haystack=None, needle=None, question: Optional[str] = None,
                           answer: Optional[str] = None, decoded: bool = True) -> dict:
     """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid; a cell's score is the
-    fraction of its trials whose needle is named (exact match).
-
-    A trial is one background (its own seed, rendered at `source_fps` and sampled at 1 fps as the
-    training videos are) with one needle colour, taken in turn; it is encoded once and the flash
-    spliced in at every depth (vq.codec.SplicingEncoder: exactly the codes of the edited video).
-    trials: an int, or one per length (default len(colours)). encode_group: the ranks that all run
-    this (sequence-parallel prefill) share the encoding: trial t on rank t mod world, its codes then
-    broadcast. haystack: a video the backgrounds are cut from; needle: an image inserted instead of
-    the flashes, asked with `question`, scored against `answer`; the inserted frames are written to
-    OUT/video_needle_frames/. decoded: the generated backgrounds and the colour flashes pass through the
-    training videos' codec first, as every video the model reads does (False: spliced exactly as drawn).
-    """
+    fraction of its trials whose needle is named (exact match). A trial is one background with one
+    needle (colours in turn), encoded once and the needle spliced in at every depth. trials: an int,
+    or one per length (default len(colours)); encode_group: the ranks that all run this share the
+    encoding (trial t on rank t mod world); haystack: a video the backgrounds are cut from; needle:
+    an image asked about with `question`, scored against `answer`; decoded: the generated backgrounds
+    and colour flashes pass through the training videos' codec first (False: spliced as drawn)."""
     pretrained, infer = greedy(model, max_new_tokens, ("vq", "tokenizer"), "the video needle evaluation")
     vq = pretrained.vq
     colours = list(colours or NEEDLE_CHOICES)
@@ -446,12 +429,10 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                               "needle_group": group, "frame_in_group": groups[group].index(k), "colour": c,
                               "prediction": pred, "correct": ok, "substring": substring_match(pred, c),
                               "groups": int(kept.shape[0]), "needle_kept": group in set(keep),
-                              "window_start": start,
-                              "tokens": session.last.prompt_len})
+                              "window_start": start, "tokens": session.last.prompt_len})
                 bar.update(1)
     bar.close()
     grid = hits / np.asarray(per_length)[None, :]
-    # a needle whose group did not fit the model's context was never shown: that trial is a guess
     dropped = sum(not c["needle_kept"] for c in cells)
     result = {"task": "video_needle", "lengths": list(lengths), "depths": [float(d) for d in depths],
               "colours": [a for a, _ in needles], "trials": per_length,
@@ -484,14 +465,10 @@ def nearest_colour(frame: np.ndarray, colours: Sequence[str]) -> str:
 def evaluate_vq_needle(vq, *, num_frames: int = 120, trials: int = 32, seed: int = 0, source_fps: int = 8,
                        colours: Optional[Sequence[str]] = None, batch_frames: int = 64,
                        out_dir: Optional[str | Path] = None, progress: bool = True) -> dict:
-    """Does a one-frame flash survive the video tokenizer? For each trial, a background (like the
-    needle evaluation's) gets a full-frame flash at a random frame; the video is encoded, decoded,
-    and the decoded frame at the flash's index is given the nearest needle colour. Rates are per
-    position of the flash inside its code group (causal3d: frame 0 is alone, then groups of t;
-    2d: every frame is its own group), so a tokenizer that loses flashes at some offsets shows it.
-
-    vq: a VQModel, or a model directory whose vq/ is used. Returns rate, per-offset rates, cells.
-    """
+    """Does a one-frame flash survive the video tokenizer (docs/hour.md, "The needle through the
+    tokenizer")? Each trial's flash is encoded, decoded and named by its nearest needle colour; rates
+    are per position of the flash in its code group. vq: a VQModel, or a model directory whose vq/
+    is used. Returns rate, per-offset rates, cells."""
     if isinstance(vq, (str, Path)):
         vq = load_model(vq).vq
     colours = list(colours or NEEDLE_CHOICES)

@@ -1,12 +1,5 @@
-"""Generation with a KV cache: chunked prefill, nucleus sampling, the decoding loop, and engines.
-
-    out = generate(model, prompt_ids, max_new_tokens=32, stop_ids=[tok.eos_id], prefill_chunk=2048)
-    engine = LocalEngine(model, prefill_chunk=2048)   # many questions against one long prefix
-    engine.set_prefix(video_ids)                      # (B, P): prefilled once, its KV cache kept
-    out = engine.generate(question_ids, max_new_tokens=32, stop_ids=[eos])
-
-Prefill appends chunks of `prefill_chunk` tokens to one KV cache, so the peak is the cache plus one
-chunk's activations (docs/inference.md, "Chunked prefill"). The decoding loop is written against
+"""Generation with a KV cache: chunked prefill, nucleus sampling, the decoding loop, and engines
+(docs/inference.md, "Python API" and "Chunked prefill"). The decoding loop is written against
 `step(token) -> logits` and `pick(logits) -> token`, so the sequence-parallel engine
 (longvideo.infer.sp) reuses it unchanged.
 """
@@ -16,7 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -74,10 +67,9 @@ def prefill(model: Transformer, ids: Tensor, cache: KVCache, *, chunk: int,
 
 def decode_loop(step: Callable[[Tensor], Tensor], first_logits: Tensor, *, max_new_tokens: int,
                 pick: Callable[[Tensor], Tensor], stop_ids: Sequence[int] = ()) -> Tensor:
-    """Generate up to max_new_tokens tokens. first_logits (B, V) are the prompt's last logits;
+    """Up to max_new_tokens tokens (B, n) long. first_logits (B, V) are the prompt's last logits;
     step(tokens (B,)) feeds one token per row and returns the next logits (B, V). A row stops at
-    its first stop id and then repeats it; the loop ends when every row has stopped.
-    Returns (B, n) long."""
+    its first stop id and then repeats it; the loop ends when every row has stopped."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     B = first_logits.shape[0]
@@ -119,32 +111,6 @@ def logits_of(model: Transformer, hidden: Tensor) -> Tensor:
     return model.logits(hidden[:, -1:])[:, -1].float()
 
 
-class Engine(Protocol):
-    prefix_len: int
-    prefix_s: float
-    held: int
-    """Tokens the cache holds: the prefix, then the last generate's ids and the answer fed back."""
-
-    def set_prefix(self, ids: Tensor) -> None: ...
-
-    def keep(self, n: int) -> None:
-        """The first n held tokens become the prefix of the next generate (a conversation's next
-        turn extends the cache instead of prefilling everything again)."""
-
-    def generate(self, ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None,
-                 vocab_limit: Optional[int] = None) -> Generation: ...
-
-    def extend(self, ids: Tensor, *, keep: int = 0) -> Tensor: ...
-
-
-def picker(temperature: float, top_p: float, generator: Optional[torch.Generator],
-           vocab_limit: Optional[int]) -> Callable[[Tensor], Tensor]:
-    """decode_loop's `pick`: sample_token among the ids below `vocab_limit` (all when None)."""
-    return lambda logits: sample_token(logits if vocab_limit is None else logits[..., :vocab_limit],
-                                       temperature, top_p, generator)
-
-
 def grown(model: Transformer, cache: KVCache, need: int, spare: int) -> KVCache:
     """`cache` when it holds `need` tokens, else a copy of its tokens in a new one of need + spare."""
     if need <= cache.max_len:
@@ -158,11 +124,12 @@ def grown(model: Transformer, cache: KVCache, need: int, spare: int) -> KVCache:
 
 
 class CachedEngine:
-    """What both engines share: a KV cache that holds the prefix (its first `local_prefix_len` slots
-    on this process), grown on demand, and one generate path. A subclass sets `model`, `spare` and
-    `cache` and gives `_logits(ids, start, prompt)`: feed ids (B, n) at positions start.. after the
-    cache's tokens (the prompt, or one decoding step), return the last logits (B, V); and `_pick`:
-    the token every process takes."""
+    """The `Engine` interface (set_prefix, generate, keep, extend; held, prefix_len, prefix_s) and what
+    both engines share: a KV cache that holds the prefix (its first `local_prefix_len` slots on this
+    process), grown on demand, and one generate path. A subclass sets `model`, `spare` and `cache`
+    and gives `set_prefix`, `extend`, `_logits(ids, start, prompt)`: feed ids (B, n) at positions
+    start.. after the cache's tokens (the prompt, or one decoding step), return the last logits
+    (B, V); and `_pick`: the token every process takes."""
 
     prefix_len = local_prefix_len = 0
     prefix_s = 0.0
@@ -171,9 +138,12 @@ class CachedEngine:
 
     @property
     def held(self) -> int:
+        """Tokens the cache holds: the prefix, then the last generate's ids and the answer fed back."""
         return self.prefix_len + self.cache.length - self.local_prefix_len if self.cache is not None else 0
 
     def keep(self, n: int) -> None:
+        """The first n held tokens become the prefix of the next generate (a conversation's next
+        turn extends the cache instead of prefilling everything again)."""
         if self.sharded is not None and not self.sharded <= n <= self.held:
             raise ValueError(f"can keep {self.sharded} to {self.held} tokens, not {n}: the first "
                              f"{self.sharded} are sharded")
@@ -199,10 +169,11 @@ class CachedEngine:
         first = self._logits(ids, self.prefix_len, prompt=True)
         ttft = time.perf_counter() - t0
         positions = itertools.count(self.prefix_len + Q)
-        sample = picker(temperature, top_p, generator, vocab_limit)
+
+        def pick(logits: Tensor) -> Tensor:
+            return self._pick(sample_token(logits[..., :vocab_limit], temperature, top_p, generator))
         tokens = decode_loop(lambda tok: self._logits(tok[:, None], next(positions), prompt=False), first,
-                             max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                             pick=lambda logits: self._pick(sample(logits)))
+                             max_new_tokens=max_new_tokens, stop_ids=stop_ids, pick=pick)
         return Generation(tokens=tokens, prompt_len=self.prefix_len + Q, ttft_s=ttft,
                           total_s=time.perf_counter() - t0)
 
@@ -211,6 +182,10 @@ class CachedEngine:
             raise RuntimeError("set_prefix must be called before extend")
         self.cache.crop(self.local_prefix_len + keep)
         self.cache = grown(self.model, self.cache, self.cache.length + n, self.spare)
+
+
+Engine = CachedEngine
+"""What chat, the evaluations and the server drive; an engine of one's own gives the same methods."""
 
 
 class LocalEngine(CachedEngine):

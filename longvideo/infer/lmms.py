@@ -1,12 +1,7 @@
-"""An lmms-eval model, so the standard harness scores any checkpoint of ours.
-
-    lmms-eval --model longvideo --model_args pretrained=exported/,fps=1 --tasks ...   # the eval extra
-
-Registered in the entry-point group ``lmms_eval.models`` (pyproject.toml: `manifest`). A request
-is asked about its one video as `eval mcq` asks; requests are grouped by video (encoded and
-prefilled once). ``loglikelihood`` returns (negative log-likelihood, greedy) in a
-``GenerationResult``, which lmms-eval 0.7.3 passes through where it turns other non-strings into
-str(). docs/evaluation.md, "lmms-eval".
+"""An lmms-eval model (entry point `lmms_eval.models`: `manifest`), so the standard harness scores
+any checkpoint of ours; requests are asked as `eval mcq` asks. ``loglikelihood`` returns its pair
+in a ``GenerationResult``, which lmms-eval 0.7.3 passes through where it turns other non-strings
+into str(). docs/evaluation.md, "lmms-eval".
 """
 
 from __future__ import annotations

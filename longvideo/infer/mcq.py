@@ -1,13 +1,6 @@
-"""Multiple-choice benchmarks: answer every question, score them, and write what people report.
-
-    res = evaluate_mcq("exported/", "videomme", "data/Video-MME", "eval/videomme", mode="likelihood")
-    res["accuracy"], res["ci95"], res["breakdowns"]["duration"]
-
-Each video is encoded and prefilled once, fitted to the longest prompt of its questions.
-``likelihood`` scores each option's text by its log-likelihood per character; ``generate`` asks
-with lettered options and parses the letter. OUT/predictions.jsonl gets one fsynced line per
-question, so a killed run resumes; OUT/summary.json and OUT/summary.png hold the scores. The
-protocol, the files and the bootstrap: docs/evaluation.md.
+"""`eval mcq`: answer every question of a benchmark, score them, and write what people report:
+OUT/predictions.jsonl (one fsynced line per question: a killed run resumes), OUT/summary.json and
+OUT/summary.png. The modes, the files and the bootstrap: docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -88,10 +81,8 @@ def _score(records: list[dict]) -> dict:
 
 def summarise(records: list[dict]) -> dict:
     """Accuracy, interval, chance and per-breakdown scores of prediction records."""
-    out = _score(records)
-    out["chance"] = float(np.mean([1.0 / r["options"] for r in records]))
-    out["unparseable"] = sum(r["prediction"] is None for r in records)
-    out["breakdowns"] = {}
+    out = {**_score(records), "chance": float(np.mean([1.0 / r["options"] for r in records])),
+           "unparseable": sum(r["prediction"] is None for r in records), "breakdowns": {}}
     for name in sorted({k for r in records for k in r["groups"]}):
         labels: dict[str, list[dict]] = {}
         for r in records:
@@ -181,17 +172,14 @@ def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihoo
                  fps: float = 1.0, max_frames: Optional[int] = None, max_new_tokens: int = 16,
                  limit: Optional[int] = None, engine_factory: Optional[Callable] = None, group=None,
                  progress: bool = True) -> dict:
-    """Answer and score benchmark `benchmark` released under `data`; write OUT/predictions.jsonl,
-    OUT/summary.json and OUT/summary.png (rank 0). Returns the summary.
-
-    group: the sequence-parallel group every rank of which runs this call (with an engine_factory
-    that builds a SequenceParallelEngine); None: one process."""
+    """Answer and score benchmark `benchmark` released under `data`; rank 0 writes the files and
+    returns the summary. group: the sequence-parallel group every rank of which runs this call (with
+    an engine_factory that builds a SequenceParallelEngine); None: one process."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     pretrained, infer = greedy(model, max_new_tokens, ("vq", "tokenizer"), "multiple-choice evaluation")
     tok, t0 = pretrained.tokenizer, time.time()
-    rank = dist.get_rank(group) if group is not None else 0
-    src = dist.get_global_rank(group, 0) if group is not None else 0
+    rank, src = (dist.get_rank(group), dist.get_global_rank(group, 0)) if group is not None else (0, 0)
     questions = read_benchmark(benchmark, data)[:limit]
     out = Path(out_dir)
     name = model if isinstance(model, (str, Path)) else pretrained.path or ""

@@ -1,14 +1,9 @@
 """`longvideo serve`: an OpenAI-compatible chat server about videos, with a web page at `/`.
 
-    longvideo serve --model DIR [--host 127.0.0.1 --port 8000] [--media-dir DIR] [--allow-remote-media]
-    torchrun --nproc-per-node 2 -m longvideo serve --model DIR    # sequence-parallel; rank 0 holds HTTP
-
-HTTP threads check a request (longvideo.infer.api), fetch its video and queue a job (bounded: 429);
-one worker answers in arrival order. A video is encoded once per (sha256, fps, max_frames) and keeps
-one KV state: a prompt is compared with the ids the cache holds and only the rest is prefilled.
-Tokens come from `Engine.generate` one at a time, so streaming, stop strings and a client that left
-are handled between tokens; under torchrun rank 0 sends the other ranks each job's prompt ids and,
-after every token, whether to go on. docs/serving.md.
+HTTP threads check a request (longvideo.infer.api) and queue a job (bounded: 429); one worker
+answers in arrival order, one token at a time from `Engine.generate`, so streaming, stop strings
+and a client that left are handled between tokens. The caches and the torchrun protocol:
+docs/serving.md, "Follow-ups and the caches".
 """
 
 from __future__ import annotations
@@ -328,8 +323,7 @@ class Service:
                 else LocalEngine(self.pre.model, prefill_chunk=self.infer.prefill_chunk)
             engine.set_prefix(torch.tensor([ids[:base]], dtype=torch.long, device=self.device))
             self.states[key] = state = KVState(engine, ids[:base], base)
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
         rest, engine = ids[len(state.ids):], state.engine
         try:
             while True:
@@ -394,9 +388,8 @@ class Handler(BaseHTTPRequestHandler):
             size = self.headers.get("Content-Length", "")
             if not size.isdigit() or int(size) > svc.max_body:
                 self.close_connection = True  # the body is not read
-            if not size.isdigit():
-                raise ApiError(411, "a Content-Length header is required")
-            if int(size) > svc.max_body:
+                if not size.isdigit():
+                    raise ApiError(411, "a Content-Length header is required")
                 raise ApiError(413, f"the request body is {int(size) / 2**20:.1f} MiB, over the "
                                f"{svc.max_body / 2**20:.1f} MiB of a video of --max-upload-mb "
                                f"{svc.args.max_upload_mb:g} sent as base64")

@@ -1,11 +1,7 @@
-"""Sequence-parallel serving: ring prefill of a long prefix, then decoding over the sharded KV cache.
-
-The prefix (the video part, which makes the context long) is sharded with the ring's zigzag layout
-and ring-prefilled (with `ulysses`, the Ulysses x ring hybrid on the same shards): each rank keeps
-the KV cache of its S/W tokens. Everything after it (the question, each generated token) is
-replicated, attends to every rank's shard and is merged exactly (`MergedAttentionSeam`); rank 0's
-sampled token is broadcast. The answer is the single-process one up to the merge's rounding
-(docs/inference.md, "Sequence-parallel serving").
+"""Sequence-parallel serving: the prefix (the video part) ring-prefilled and sharded in the zigzag
+layout, everything after it replicated and attending to every rank's shard through an exact merge
+(`MergedAttentionSeam`); rank 0's sampled token is broadcast. docs/inference.md, "Sequence-parallel
+serving".
 """
 
 from __future__ import annotations
