@@ -6,28 +6,11 @@
     state = loader.state_dict()   # plain data; saved in the training checkpoint
     loader.load_state_dict(state) # the next batch is the one that would have come next
 
-Pipeline, all deterministic in ``seed``:
-
-1. Epoch ``e`` visits the shards in a permuted order (seeded by ``(seed, e)``) and numbers their
-   samples 0, 1, 2, ...; dp rank ``r`` takes the samples numbered ``r (mod dp_size)``, so ranks get
-   disjoint samples and together all of them.
-2. A shuffle buffer of ``shuffle_buffer`` sample references (drained at the end of an epoch).
-3. Each sample is read from its shard (random access), laid out by the templates
-   (:mod:`longvideo.data.templates`), cut to ``seq_len`` by dropping whole frame groups uniformly.
-4. First-fit packing into ``pack_bins`` open rows (:mod:`longvideo.data.packing`).
-
-The state holds only references (shard, sample, epoch, document), the stream cursor (position in
-the epoch's shard order and sample offset within that shard) and the shuffle generator's state,
-never data: a resume rebuilds the few open documents from their shards. Each sequence is later
-split over the sp ranks by the trainer (``longvideo.parallel.shard_batch``).
-
-Shards may be local files (read by random access) or URLs (``https://``, ``pipe:``, ... see
-:mod:`longvideo.data.streams`), which are streamed front to back: the loader keeps the bytes of
-the samples waiting in its shuffle buffer, and a resume re-streams the current shard up to the
-recorded offset (and the shards of the few samples still buffered or in open rows). The order of
-samples, and so the batch sequence, is the same for a shard read locally or streamed, and a
-resumed run gives the batches the uninterrupted run would have given, as long as the storage
-serves the same bytes. A shard whose stream fails part-way ends there (``shard_io_error``).
+Epoch ``e`` visits the shards in an order permuted by ``(seed, e)``, dp rank ``r`` takes the
+samples numbered ``r (mod dp_size)``; then a shuffle buffer, the layout (longvideo.data.templates)
+and first-fit packing (longvideo.data.packing). The state holds references and cursors, never data.
+Local shards are read by random access, URLs streamed (re-streamed up to the cursor on a resume).
+docs/data.md, "Loader" (and its "Resume guarantee").
 """
 
 from __future__ import annotations
@@ -42,7 +25,7 @@ import torch
 from longvideo.data.templates import Doc, LayoutOptions, build_docs, sample_rng
 from longvideo.data.packing import Packer, pack_row
 from longvideo.data.ranks import fail_together
-from longvideo.data.shards import TOKEN_EXTS, ShardError, SkipStats, TokenShard, decode_token_blobs
+from longvideo.data.shards import TOKEN_EXTS, ShardError, SkipStats, TokenShard, decode_token_sample
 from longvideo.data.streams import expand_sources, is_url, iter_tar
 
 log = logging.getLogger(__name__)
@@ -204,14 +187,8 @@ class TokenLoader:
         return item
 
     def _shard(self, s: int) -> TokenShard:
-        """The index of local shard ``s`` (its tar headers: tens of ms to read).
-
-        Kept for the last ``max_indexed_shards`` shards used (~60 KB each, no open file): the
-        shuffle buffer draws from about ``shuffle_buffer * dp_size / samples_per_shard`` shards at
-        once and a few stragglers from earlier ones, and an index evicted too soon is read again
-        and again (docs/experiments.md, "the demo's 1K training step: the loader's shard indexes
-        and the output head").
-        """
+        """The index of local shard ``s`` (its tar headers), kept for the last ``max_indexed_shards``
+        used: an index evicted too soon is read again and again (docs/data.md, "Loader")."""
         if self._remote[s]:
             raise ValueError(f"{self.paths[s]} is streamed, it has no random access")
         if s in self._indexed:
@@ -243,17 +220,6 @@ class TokenLoader:
             left -= self._len(self.order[k])
             k += 1
         self.pos, self._cursor = pos, (k, left)
-
-    def epoch_refs(self, epoch: int) -> list[tuple[int, int]]:
-        """(shard, sample) references this rank gets in ``epoch``, in stream order (before shuffling)."""
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.paths)).tolist()
-        refs, g = [], 0
-        for s in order:
-            for i in range(self._len(s)):
-                if g % self.dp_size == self.dp_rank:
-                    refs.append((s, i))
-                g += 1
-        return refs
 
     def key_of(self, ref: tuple) -> str:
         if self._remote[ref[0]]:
@@ -311,7 +277,7 @@ class TokenLoader:
         """(where, sample) of reference (s, i); raises ShardError. Streamed data is used up when counted."""
         if self._remote[s]:
             key, parts = self._data.pop((s, i)) if count else self._data[(s, i)]
-            return f"{self.paths[s]}:{key}", decode_token_blobs(key, parts, self.vocab.codebook_size)
+            return f"{self.paths[s]}:{key}", decode_token_sample(key, parts, self.vocab.codebook_size)
         shard = self._shard(s)
         where = f"{self.paths[s]}:{shard.samples[i][0]}"
         return where, shard.read(i, self.vocab.codebook_size)

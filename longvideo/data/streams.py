@@ -4,23 +4,13 @@
     expand_sources("data/raw")                                       # the *.tar files of a folder
     for key, parts in iter_tar(url, stats, ("mp4", "json")): ...      # parts: {ext: bytes or ShardError}
 
-A source is a local path (or a directory, glob or ``{000..099}`` pattern of them), or a URL:
-``http://`` / ``https://`` (read with the standard library, streamed, with a socket timeout),
-``pipe:COMMAND`` (the command's stdout, e.g. ``pipe:aws s3 cp s3://bucket/shard.tar -``), ``file:``
-and the other schemes of ``webdataset.gopen`` (opened through it). URL patterns are expanded by
-webdataset (``{000..099}`` and ``{a,b}`` braces, ``::`` lists). Nothing is copied to disk: a shard is
-read once, front to back, and only the members asked for are kept in memory.
-
-The tar stream is untrusted input, read with the rules defined here (shared with the random-access
-reader of local token shards in :mod:`longvideo.data.shards`):
-member names are only split into key and extension, only regular files with safe names are
-considered (links, devices, absolute or ``..`` names are counted as ``unsafe_member``), members over
-their size bound are not read (``too_large``), nothing is unpickled, and a damaged header is skipped
-block by block. Failures go to a webdataset-style handler (``handler(exn) -> True`` to go on); the
-default counts them in a :class:`SkipStats` by reason: ``shard_io_error`` when the source fails
-(refused, dropped mid-shard, a pipe command that exits non-zero), ``corrupt_tar`` / ``truncated_tar``
-when the bytes are not a valid tar. After a failure the shard ends there and the caller goes on
-with the next one.
+A source is a local path (or a directory, glob or ``{000..099}`` pattern of them) or a URL
+(``http(s)://``, ``pipe:COMMAND``, ``file:`` and webdataset's other schemes), read once, front to
+back, nothing copied to disk (docs/data.md, "Remote shards"). The tar stream is untrusted input,
+read with the rules defined here and shared with the random-access reader of local token shards
+(longvideo.data.shards): docs/data.md, "Untrusted shards". Failures go to a webdataset-style
+handler (``handler(exn) -> True`` to go on; the default counts them in a :class:`SkipStats` by
+reason: ``shard_io_error``, ``corrupt_tar``, ``truncated_tar``) and end the shard there.
 """
 
 from __future__ import annotations
@@ -103,10 +93,16 @@ def split_name(name: str) -> tuple[str, str]:
     return (f"{head}/{stem}" if head else stem), (ext.lower() if dot else "")
 
 
-def safe_member_name(name: str) -> bool:
-    """A relative name without '..' or NUL: usable as a key, never followed as a path."""
-    parts = name.replace("\\", "/").split("/")
-    return bool(name) and not name.startswith("/") and ".." not in parts and "\x00" not in name
+def usable_member(info: tarfile.TarInfo, stats: Optional[SkipStats], where: str) -> bool:
+    """Whether a member is a regular file with a relative name without '..' or NUL (usable as a key,
+    never followed as a path); links, devices and escaping names are counted (``unsafe_member``)."""
+    name = info.name
+    safe = bool(name) and not name.startswith("/") and "\x00" not in name
+    if info.isreg() and safe and ".." not in name.replace("\\", "/").split("/"):
+        return True
+    if stats is not None and not info.isdir():
+        stats.skip("unsafe_member", f"{where}:{name!r}")
+    return False
 
 
 # ----------------------------------------------------------------------------- sources
@@ -117,6 +113,13 @@ _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):")
 
 Part = Union[bytes, ShardError]
 Handler = Callable[[Exception], bool]
+
+
+def part_bytes(part: Part) -> bytes:
+    """A streamed part's bytes; raises the ShardError (``too_large``) it stands for."""
+    if isinstance(part, ShardError):
+        raise part
+    return part
 
 
 class SourceIOError(OSError):
@@ -272,10 +275,7 @@ def iter_tar(src: str, stats: SkipStats, exts: Iterable[str], limits: Optional[d
             if info is None:
                 break
             tf.members = []  # a stream keeps no index
-            if not info.isreg() or not safe_member_name(info.name):
-                # links, devices, absolute or escaping names: never followed, never used
-                if not info.isdir():
-                    stats.skip("unsafe_member", f"{src}:{info.name!r}")
+            if not usable_member(info, stats, src):
                 continue
             k, ext = split_name(info.name)
             if ext not in wanted:

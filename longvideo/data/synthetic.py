@@ -1,20 +1,9 @@
 """Synthetic videos: moving coloured shapes, scene captions, QA pairs and a needle frame.
 
-The embedded default dataset. Everything is a pure function of a seed, so a dataset is reproduced
-exactly from ``(seed, index)``. The tasks are deliberately small so a tiny model can learn them on
-a CPU in minutes:
-
-* a video is a sequence of *scenes*; each scene shows one shape (``square`` / ``circle`` /
-  ``triangle``) of one colour (``red`` / ``green`` / ``blue`` / ``yellow``) bouncing on black;
-* timed ``segments`` name each scene ("a red circle"); the ``caption`` joins them;
-* QA pairs have one-word answers from a fixed small set, stored with the pair as ``choices``
-  (chance level = 1 / len(choices));
-* the *needle* task paints a one-second stretch at a random depth as a full-frame solid colour
-  and asks "What colour was the flash frame?". The stretch covers whole seconds so any sampler at
-  >= 1 fps sees it.
-
-Frames are ``uint8`` arrays ``(T, H, W, 3)``; rendering works on frame ranges, so an hour-long
-video is produced chunk by chunk without ever holding all of it.
+The embedded default dataset (docs/data.md, "The synthetic dataset"), small enough for a tiny model
+to learn on a CPU in minutes. Everything is a pure function of a seed, so sample ``index`` is
+reproduced exactly from ``(seed, index)``. Frames are uint8 ``(T, H, W, 3)``, rendered for any set
+of frame indices, so an hour-long video is produced chunk by chunk without ever holding all of it.
 """
 
 from __future__ import annotations
@@ -214,29 +203,19 @@ def write_mp4(chunks: Iterable[np.ndarray], fps: float, dst=None, *, codec: str 
 class SyntheticSpec:
     """How synthetic samples are drawn. Durations are whole seconds."""
 
-    size: int = 64
-    """Frame side in pixels."""
-    fps: int = 8
-    """Frames per second of the written video."""
-    min_seconds: int = 4
-    """Shortest ordinary video."""
-    max_seconds: int = 12
-    """Longest ordinary video."""
-    long_fraction: float = 0.1
-    """Fraction of samples that are long videos."""
-    long_seconds: int = 60
-    """Duration of a long video."""
-    needle_fraction: float = 0.5
-    """Fraction of samples that carry the needle (flash frame) question."""
-    scene_seconds: tuple[int, int] = (2, 4)
-    """Inclusive range of a scene's duration."""
-    gop_seconds: float = 1.0
-    """Keyframe interval of the written mp4."""
-    needle_at: Optional[float] = None
-    """Depth of the needle in [0, 1] (0 = first second, 1 = last); None draws it at random."""
+    size: int = 64  # frame side in pixels
+    fps: int = 8  # frames per second of the written video
+    min_seconds: int = 4  # shortest ordinary video
+    max_seconds: int = 12  # longest ordinary video
+    long_fraction: float = 0.1  # fraction of samples that are long videos ...
+    long_seconds: int = 60  # ... of this duration
+    needle_fraction: float = 0.5  # fraction of samples that carry the needle (flash frame) question
+    scene_seconds: tuple[int, int] = (2, 4)  # inclusive range of a scene's duration
+    gop_seconds: float = 1.0  # keyframe interval of the written mp4
+    needle_at: Optional[float] = None  # depth of the needle in [0, 1] (0 = first second); None: at random
+    # extra one-second flashes of random colours, with no question about them (tokenizer training
+    # data: a tokenizer that rarely sees a flash learns to drop it)
     flashes_per_minute: float = 0.0
-    """Extra one-second flashes of random colours, with no question about them (tokenizer training
-    data: a tokenizer that rarely sees a flash learns to drop it)."""
 
     def __post_init__(self):
         if self.size <= 0 or self.size % 2:
@@ -271,28 +250,14 @@ class SyntheticSample:
     meta: dict = field(default_factory=dict)
     flashes: list[tuple[int, str]] = field(default_factory=list)  # extra (second, colour), no question
 
-    def _painted(self) -> list[tuple[int, str]]:
-        """Every full-frame flash, the needle last (it wins where they meet)."""
-        return self.flashes + ([self.needle] if self.needle is not None else [])
-
     @property
     def num_frames(self) -> int:
         return self.duration * self.spec.fps
 
     def frames(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
         """Frames [start, stop) as uint8 (T, H, W, 3)."""
-        fps, size = self.spec.fps, self.spec.size
         stop = self.num_frames if stop is None else min(stop, self.num_frames)
-        out = np.zeros((max(stop - start, 0), size, size, 3), np.uint8)
-        for s0, s1, shape in self.scenes:
-            a, b = max(start, s0 * fps), min(stop, s1 * fps)
-            if a < b:  # each scene's shape starts moving at the scene's first frame
-                out[a - start: b - start] = render_shapes([shape], a - s0 * fps, b - s0 * fps, size)
-        for sec, colour in self._painted():
-            a, b = max(start, sec * fps), min(stop, (sec + 1) * fps)
-            if a < b:
-                out[a - start: b - start] = np.asarray(COLOURS[colour], np.uint8)
-        return out
+        return self.frames_at(np.arange(start, stop))
 
     def frames_at(self, indices) -> np.ndarray:
         """The frames at the given indices (any order, any stride) as uint8 (len, H, W, 3): e.g.
@@ -308,21 +273,14 @@ class SyntheticSample:
                 part = out[sel]
                 part[mask] = np.asarray(COLOURS[shape.colour], np.uint8)
                 out[sel] = part
-        for sec, colour in self._painted():
+        for sec, colour in self.flashes + ([self.needle] if self.needle is not None else []):  # the needle wins
             out[(idx >= sec * fps) & (idx < (sec + 1) * fps)] = np.asarray(COLOURS[colour], np.uint8)
         return out
 
-    def chunks(self, chunk_frames: int = 256) -> Iterator[np.ndarray]:
-        for a in range(0, self.num_frames, chunk_frames):
-            yield self.frames(a, a + chunk_frames)
-
     def mp4(self) -> bytes:
         gop = max(1, int(round(self.spec.gop_seconds * self.spec.fps)))
-        return write_mp4(self.chunks(), self.spec.fps, gop=gop)
-
-
-def _describe(shape: Shape) -> str:
-    return f"a {shape.colour} {shape.kind}"
+        chunks = (self.frames(a, a + 256) for a in range(0, self.num_frames, 256))
+        return write_mp4(chunks, self.spec.fps, gop=gop)
 
 
 def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) -> SyntheticSample:
@@ -347,7 +305,7 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
             second = int(round(spec.needle_at * (duration - 1)))
         needle = (second, NEEDLE_CHOICES[rng.integers(len(NEEDLE_CHOICES))])
 
-    segments = [{"start": float(a), "end": float(b), "text": _describe(s)} for a, b, s in scenes]
+    segments = [{"start": float(a), "end": float(b), "text": f"a {s.colour} {s.kind}"} for a, b, s in scenes]
     qa = []
     if needle is not None:
         qa.append({"question": NEEDLE_QUESTION, "answer": needle[1], "choices": list(NEEDLE_CHOICES)})

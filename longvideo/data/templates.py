@@ -2,35 +2,11 @@
 
     <bos> text <vision> [ts] codes <eof> ... [ts] codes <eov> </vision> text ... <eos>
 
-A *group* is the unit the VQ codes (one frame in 2d mode, a temporal group in causal-3D mode):
-its h*w codes are followed by ``<eof>``, the last group of a video by ``<eov>``. With
-``timestamp_every = k > 0`` the text ``[12.0s]`` (the group's first frame time) precedes every k-th
-kept group. Templates:
-
-* ``caption``  ``<bos> <vision>...</vision> caption <eos>`` (or the caption first: text-to-video)
-* ``qa``       ``<bos> <vision>...</vision> Question: q1\\nAnswer: a1 <eos> Question: q2\\nAnswer: a2 <eos>``,
-               or the first question before the video: ``<bos> Question: q1\\n <vision>...</vision> Answer: a1 <eos> ...``;
-               the pairs in a new random order per sample and epoch (``qa_order``), or as given
-* ``segments`` timed captions interleaved with their frames:
-               ``<bos> <vision>[frames of segment 1]</vision> text1\\n <vision>[frames of segment 2]</vision> text2\\n ... <eos>``
-
-Loss weights are per token, the weight of predicting that token from the ones before it: prompt
-parts (questions, ``<bos>``) get 0, text that is learnt gets ``text_loss_weight``, vision tokens
-(codes, ``<eof>``, ``<eov>``, ``<vision>``, ``</vision>``) get ``vision_loss_weight`` (LWM: 0.5 / 0.5);
-timestamp text inside a video counts as text. In QA samples the video is context, and carries
-vision loss only when ``qa_vision_loss`` is set.
-
-:func:`build_prompt` is the inference prompt: exactly the QA training layout of one question,
-ending where the answer starts, with the length of its part up to the end of the video (what a KV
-cache keeps across questions about one video); or, for LWM's released chat models (``PromptOptions(template="lwm")``),
-exactly the prompt of LWM's vision chat (lwm/vision_chat.py of the LWM repository)::
-
-    <s> <s> You are a helpful assistant. USER: {question}\n <s> <vision> codes <eof> ... codes <eov> <s> </vision> <s>  ASSISTANT:
-
-LWM encodes its four text pieces separately with a tokenizer that adds BOS to each (and reads the
-literal ``<s>`` of the first one as BOS too): hence the five BOS tokens, and each piece begins a
-SentencePiece encoding of its own (a leading word-boundary marker, ``▁▁ASSISTANT`` for " ASSISTANT:").
-``<vision>`` and ``</vision>`` are text there (the lwm vocabulary layout, longvideo/vocab.py).
+A *group* is the unit the VQ codes (a frame in 2d mode, a temporal group in causal3d mode). The
+templates (``caption``, ``qa``, ``segments``), the timestamp text and the loss weights of each part:
+docs/data.md, "Sequence layout". :func:`build_prompt` is the inference prompt: the QA training
+layout of one question, ending where the answer starts, or LWM's vision-chat prompt token for token
+(``PromptOptions(template="lwm")``; docs/lwm.md explains its five BOS tokens).
 """
 
 from __future__ import annotations

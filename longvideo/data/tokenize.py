@@ -1,14 +1,10 @@
 """``longvideo tokenize``: raw shards (video + json) -> token shards (VQ codes + timestamps + json).
 
-Each input shard becomes one output shard of the same name, written atomically (a temporary file
-renamed when complete), so an interrupted run leaves only finished shards behind and a rerun skips
-them. Shards are spread over worker processes, each holding one copy of the VQ model. Videos that
-cannot be read (corrupt, unsupported, empty) and samples without json are counted by reason,
-logged and skipped. A partial video (cut short of its declared duration, or with frames lost to
-refused packets) is kept as what was read, counted ``truncated`` or ``gaps`` instead of ``ok``,
-with the segments and QA pairs timed past its end dropped, or skipped (``video_truncated``) as
-``partial_videos`` and ``min_partial_fraction`` say. A ``NAME.stats.json`` beside each output
-shard keeps its counts and ``tokenize_stats.json`` sums them.
+Each input shard becomes one output shard of the same name, written atomically, so a rerun skips
+finished ones; shards are spread over worker processes, each holding one copy of the VQ. Unreadable
+videos and samples without json are counted by reason and skipped; partial videos are kept or
+skipped as ``partial_videos`` and ``min_partial_fraction`` say (docs/data.md, "Partial videos").
+``NAME.stats.json`` beside each output keeps its counts, ``tokenize_stats.json`` sums them.
 """
 
 from __future__ import annotations
@@ -76,7 +72,8 @@ def trim_meta(meta: dict, end: float) -> tuple[dict, dict]:
             out[key], dropped[counter] = kept, len(items) - len(kept)
     return out, dropped
 
-_VQ = None  # the worker's VQ model, loaded once per process
+
+_VQ = _QUEUE = None  # the worker's VQ model (loaded once per process) and its progress queue
 
 
 def _init_worker(vq_dir: str, threads: int, queue) -> None:
@@ -84,13 +81,6 @@ def _init_worker(vq_dir: str, threads: int, queue) -> None:
     torch.set_num_threads(max(1, threads))
     _VQ = load_vq(vq_dir)
     _QUEUE = queue
-
-
-_QUEUE = None
-
-
-def _reason(err: VideoError) -> str:
-    return err.reason  # video_corrupt, video_empty, ..., decoder_crash, decoder_timeout
 
 
 class _StreamFailed(Exception):
@@ -113,7 +103,7 @@ def tokenize_shard(vq, src: str, dst: str, opts: TokenizeOptions, progress=None)
                                         max_resolution=opts.max_resolution, batch_frames=opts.batch_frames,
                                         backend=opts.backend)
                 except VideoError as e:
-                    stats.skip(_reason(e), f"{src}:{sample.key}", str(e))
+                    stats.skip(e.reason, f"{src}:{sample.key}", str(e))  # video_corrupt, ..., decoder_crash
                 else:
                     _write(writer, stats, sample, vc, vq, opts, f"{src}:{sample.key}")
                 if progress is not None:
@@ -208,13 +198,16 @@ def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = T
                disable=not progress)
     cores = os.cpu_count() or 1
     workers = max(1, min(workers, len(jobs) or 1))
+
+    def done_shard(res: dict) -> None:
+        total.update({k: v for k, v in res.items() if k != "seconds"})
+        total["shards_failed" if res.get("shard_io_error") else "shards_done"] += 1
+        bar.set_postfix(ok=total["ok"], partial=total["truncated"] + total["gaps"], skipped=_skipped(total))
+
     if workers == 1:
         vq = load_vq(vq_dir)
         for src, dst, o in jobs:
-            res = tokenize_shard(vq, src, dst, o, progress=bar.update)
-            total.update({k: v for k, v in res.items() if k != "seconds"})
-            total["shards_failed" if res.get("shard_io_error") else "shards_done"] += 1
-            bar.set_postfix(ok=total["ok"], partial=total["truncated"] + total["gaps"], skipped=_skipped(total))
+            done_shard(tokenize_shard(vq, src, dst, o, progress=bar.update))
     else:
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
@@ -226,11 +219,8 @@ def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = T
                     bar.update(queue.get())
                 done = [r for r in pending if r.ready()]
                 for r in done:
-                    _, res = r.get()  # re-raises a worker's exception here
-                    total.update({k: v for k, v in res.items() if k != "seconds"})
-                    total["shards_failed" if res.get("shard_io_error") else "shards_done"] += 1
+                    done_shard(r.get()[1])  # re-raises a worker's exception here
                     pending.remove(r)
-                    bar.set_postfix(ok=total["ok"], partial=total["truncated"] + total["gaps"], skipped=_skipped(total))
                 if not done:
                     time.sleep(0.05)
             while not queue.empty():
