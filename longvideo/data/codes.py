@@ -29,14 +29,10 @@ from longvideo.vq.model import VQModel
 class VideoCodes:
     """A video as VQ codes."""
 
-    codes: np.ndarray
-    """int64 (G, h, w)."""
-    timestamps: np.ndarray
-    """float64 (G,), seconds of each group's first frame."""
-    num_frames: int
-    """Frames read from the video."""
-    report: Optional[ReadReport] = None
-    """What the read kept (video_to_codes)."""
+    codes: np.ndarray  # int64 (G, h, w)
+    timestamps: np.ndarray  # float64 (G,), seconds of each group's first frame
+    num_frames: int  # frames read from the video
+    report: Optional[ReadReport] = None  # what the read kept (video_to_codes)
 
 
 def frames_to_codes(vq: VQModel, chunks: Iterable[tuple[torch.Tensor, torch.Tensor]], *,

@@ -205,7 +205,6 @@ class IsolatedDecordBackend:
 
     def __init__(self, src: VideoSource, label: str, max_resolution: int):
         self.label = label
-        self.max_resolution = max_resolution
         self._w: Optional[_Worker] = _acquire()
         self._w.reset_log()
         if isinstance(src, (bytes, bytearray, memoryview)):

@@ -316,12 +316,9 @@ def build_docs(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta
 class PromptOptions:
     """How a question about a video is laid out at inference: the QA training template's settings."""
 
-    timestamp_every: int = 0
-    """Timestamp text before every k-th code group (0: none), as in training."""
-    question_first: bool = False
-    """The question before the video instead of after it."""
-    template: str = "qa"
-    """qa: the QA training template; lwm: LWM's vision-chat prompt (the other options do not apply)."""
+    timestamp_every: int = 0  # timestamp text before every k-th code group (0: none), as in training
+    question_first: bool = False  # the question before the video instead of after it
+    template: str = "qa"  # qa: the QA training template; lwm: LWM's vision-chat prompt (no other options)
 
     def __post_init__(self):
         if self.template not in PROMPT_TEMPLATES:

@@ -65,12 +65,9 @@ class VideoClip:
 
 def sample_indices(num_frames: int, src_fps: float, fps: Optional[float] = 1.0,
                    max_frames: Optional[int] = None) -> np.ndarray:
-    """Frame indices (int64, increasing) to take from a video of ``num_frames`` at ``src_fps``.
-
-    fps=None takes every frame. Target times t_k = k / fps map to the frame on screen at t_k,
-    floor(t_k * src_fps). When more than ``max_frames`` result, the video is split into
-    ``max_frames`` equal bins and the middle frame of each is taken (uniform fallback).
-    """
+    """Frame indices (int64, increasing) to take from a video of ``num_frames`` at ``src_fps``: the
+    frame on screen at t_k = k / fps (fps=None: every frame), or, when more than ``max_frames``
+    result, the middle frame of each of ``max_frames`` equal bins (docs/data.md, "Reading video")."""
     if num_frames <= 0:
         return np.zeros(0, np.int64)
     cap = HARD_MAX_FRAMES if max_frames is None else min(int(max_frames), HARD_MAX_FRAMES)
@@ -440,14 +437,12 @@ def read_video(src: VideoSource, *, fps: Optional[float] = 1.0, max_frames: Opti
                backend: str = "auto") -> VideoClip:
     """Decode the frames sampled at ``fps`` (None: all), capped at ``max_frames``, resized to ``size``.
 
-    src: a path or the bytes of a video file (any of :data:`VIDEO_EXTS`; FFmpeg looks at the content).
-    Returns a :class:`VideoClip` with frames uint8 (T, H, W, 3) as a player shows them (H = W =
-    size when size is given), timestamps float64 (T,) and the read's report (a truncated file
-    gives the frames that could be read; ``clip.report.truncated`` says so). Raises
-    :class:`VideoError` (a subclass) when the video is empty, corrupt, unsupported or larger
-    than ``max_resolution``, or no frame of it decodes; with ``backend="decord"`` also
-    :class:`~longvideo.data.isolate.DecoderCrashError` when decord's process died on it.
-    ``backend``: auto (= pyav) or pyav, in this process, or decord, in a child process.
+    src: a path or a video file's bytes. Returns a :class:`VideoClip`: frames uint8 (T, H, W, 3)
+    as a player shows them (H = W = size when given), timestamps float64 (T,), and the report (a
+    truncated file gives what could be read). Raises a :class:`VideoError` subclass when the video
+    is missing, empty, corrupt, unsupported, over ``max_resolution`` or has no decodable frame (with
+    ``backend="decord"`` also ``DecoderCrashError``). ``backend``: auto (= pyav) or pyav, in this
+    process, or decord, in a child process.
     """
     chunks = iter_video(src, fps=fps, max_frames=max_frames, size=size, max_resolution=max_resolution,
                         backend=backend)
