@@ -9,7 +9,8 @@ names ``nbytes``, that many raw bytes; never a pickle.
     open  {"op": "open", "path": P} or {"op": "open", "nbytes": N} + N bytes
           -> {"ok": true, "num_frames", "fps", "width", "height", "facts": {"matrix", "rotate", "sar",
              "declared"} or null with "facts_error"}
-    read  {"op": "read", "indices": [...]} -> {"ok": true, "shape": [t, h, w, 3], "times": [...], "nbytes"} + bytes
+    read  {"op": "read", "indices": [...]}
+          -> {"ok": true, "shape": [t, h, w, 3], "times": [...], "nbytes"} + bytes
     close {"op": "close"} -> {"ok": true}
     failure of any request -> {"ok": false, "error": "..."}
 """
@@ -117,8 +118,8 @@ def main():
                 frames = np.ascontiguousarray(vr.get_batch(idx).asnumpy(), dtype=np.uint8)
                 times = np.asarray(vr.get_frame_timestamp(idx), np.float64).reshape(-1, 2)[:, 0]
                 payload = frames.tobytes()
-                reply({"ok": True, "shape": list(frames.shape), "times": times.tolist(), "nbytes": len(payload)},
-                      payload)
+                header = {"shape": list(frames.shape), "times": times.tolist(), "nbytes": len(payload)}
+                reply({"ok": True, **header}, payload)
             elif op == "close":
                 drop()
                 reply({"ok": True})

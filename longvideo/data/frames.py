@@ -1,12 +1,10 @@
 """Training frames for the video tokenizer (longvideo.train.vq): videos read once into RAM, then
 sampled as frames or clips.
 
-Sources: a folder of video files, raw webdataset shards (a directory of .tar, a glob, a brace
-pattern, one .tar, or URLs such as http(s):// and pipe:, streamed), one video file, or in-memory
-videos (a uint8 tensor/array (T, H, W, 3) or a list of them). Videos are sampled at `cfg.fps` with
-`cfg.video_backend` and resized/centre-cropped to the tokenizer's resolution (crop_scale x
-resolution for training frames, which are then cropped at random). Unreadable videos are skipped
-and counted. The last video(s) are held out for evaluation (a single video gives its last fifth).
+Sources: a folder of videos, raw shards (a directory of .tar, a glob, a brace pattern, one .tar, or
+URLs, streamed), one video file, or in-memory uint8 (T, H, W, 3) videos (or a list). Videos are read
+at `cfg.fps` with `cfg.video_backend`, resized and centre-cropped to `cfg.train_size`; unreadable
+ones are skipped and counted; the last video(s) are held out (a single video: its last fifth).
 """
 
 from __future__ import annotations
@@ -59,11 +57,8 @@ class FrameSource:
         return torch.stack([self.train[v][f - self._offsets[v]] for v, f in zip(vid.tolist(), flat.tolist())])
 
     def sample_clips(self, n: int, length: int, gen: torch.Generator) -> torch.Tensor:
-        """n clips of `length` consecutive frames: uint8 (n, length, H, W, 3).
-
-        Videos are drawn in proportion to their length; a video shorter than the clip is padded
-        by repeating its last frame (as encoding pads a last group).
-        """
+        """n clips of `length` consecutive frames, uint8 (n, length, H, W, 3), from videos drawn in
+        proportion to their length; a short video repeats its last frame (as encoding pads a group)."""
         vids = torch.multinomial(self._lengths.double(), n, replacement=True, generator=gen)
         out = []
         for v in vids.tolist():
@@ -207,10 +202,8 @@ def _eval_size(v: torch.Tensor, cfg: VQConfig) -> torch.Tensor:
 
 
 def synthetic_videos(n: int, cfg: VQConfig, *, fps: float = 4.0, seed: int = 0) -> list[torch.Tensor]:
-    """n generated moving-shapes videos (longvideo.data.synthetic) at the tokenizer's resolution.
-
-    Frames are taken at about `fps` from the 8 fps renderings: uint8 (T, R, R, 3) each.
-    """
+    """n generated videos (longvideo.data.synthetic) at the tokenizer's resolution, about `fps` frames
+    a second of the 8 fps renderings: uint8 (T, R, R, 3) each."""
     if n < 1:
         raise ValueError(f"need at least one synthetic video, got {n}")
     spec = SyntheticSpec(size=cfg.resolution, fps=8)

@@ -30,15 +30,10 @@ import numpy as np
 from longvideo.data.video_base import (CorruptVideoError, EmptyVideoError, Orientation, UnsupportedVideoError,
                                       VideoError, VideoInfo, VideoSource, check_fps, check_frame_size)
 
-OPEN_TIMEOUT_S = 120.0
-"""Seconds the child may take to open a video (the whole file is indexed then)."""
-READ_TIMEOUT_S = 60.0
-"""Seconds the child may take for one read request, plus PER_FRAME_TIMEOUT_S per requested frame."""
-PER_FRAME_TIMEOUT_S = 2.0
-MEMORY_GIB = float(os.environ.get("LONGVIDEO_DECODER_MEMORY_GIB", 16))
-"""Address-space limit of a decoder child (GiB; 0 = none); env LONGVIDEO_DECODER_MEMORY_GIB."""
-IDLE_WORKERS = 2
-"""Idle decoder children kept for reuse per process."""
+OPEN_TIMEOUT_S = 120.0  # seconds the child may take to open a video (the whole file is indexed then)
+READ_TIMEOUT_S, PER_FRAME_TIMEOUT_S = 60.0, 2.0  # seconds for one read request, plus per requested frame
+MEMORY_GIB = float(os.environ.get("LONGVIDEO_DECODER_MEMORY_GIB", 16))  # a child's address space, 0: no limit
+IDLE_WORKERS = 2  # idle decoder children kept for reuse per process
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_decord_child.py")
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -65,8 +60,9 @@ class _Worker:
         # the child imports the package's leaf video_base: from this checkout, installed or not
         path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, TMPDIR=self.spool, MALLOC_ARENA_MAX="2", PYTHONPATH=path)
-        self.proc = subprocess.Popen([sys.executable, "-P", "-u", _CHILD, str(MEMORY_GIB)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, env=env, close_fds=True)
+        self.proc = subprocess.Popen([sys.executable, "-P", "-u", _CHILD, str(MEMORY_GIB)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
+                                     close_fds=True)
         self._buf = bytearray()
 
     @property
@@ -82,7 +78,8 @@ class _Worker:
         except subprocess.TimeoutExpired:
             self.kill()
             code = self.proc.returncode
-        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}"
+        signalled = code is not None and code < 0
+        how = f"killed by {signal.Signals(-code).name}" if signalled else f"exit status {code}"
         tail = self.stderr_tail()
         self.kill()
         return DecoderCrashError(f"decord's process died ({how})" + (f": {tail}" if tail else ""), label)
@@ -122,7 +119,8 @@ class _Worker:
         del self._buf[:n]
         return out
 
-    def call(self, header: dict, payload: Optional[bytes], timeout: float, label: str) -> tuple[dict, bytearray]:
+    def call(self, header: dict, payload: Optional[bytes], timeout: float,
+             label: str) -> tuple[dict, bytearray]:
         """Send one request and wait for its reply (header, raw bytes)."""
         if payload is not None:
             header = dict(header, nbytes=len(payload))
@@ -226,9 +224,10 @@ class IsolatedDecordBackend:
             raise self._malformed() from None
         try:
             if facts is None:  # decord shows stored frames; without PyAV's facts it cannot tell which way up
-                raise UnsupportedVideoError("decord cannot tell how this video is shown (PyAV, which reads its "
-                                            f"display matrix for decord, cannot open it: {reply.get('facts_error')}); "
-                                            "use backend=pyav", label)
+                why = reply.get("facts_error")
+                raise UnsupportedVideoError("decord cannot tell how this video is shown (PyAV, which reads "
+                                            f"its display matrix for decord, cannot open it: {why}); use "
+                                            "backend=pyav", label)
             if n <= 0:
                 raise EmptyVideoError("decord finds no frames", label)
             check_fps(fps, label)

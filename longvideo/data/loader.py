@@ -70,7 +70,6 @@ class TokenLoader:
         self._max_indexed = max_indexed_shards  # see _shard
         self._lengths: dict[int, int] = {}
         self._remote = [is_url(p) for p in self.paths]
-        self._data: dict[tuple[int, int], tuple[str, dict]] = {}  # streamed samples not yet laid out
         self._keys: dict[tuple[int, int], str] = {}  # keys of streamed samples
         self._stream = None  # the open stream of a remote shard ...
         self._stream_at: Optional[tuple[int, int]] = None  # ... and the (order index, sample) it reads next
@@ -81,14 +80,13 @@ class TokenLoader:
 
     # ---- state -----------------------------------------------------------------------------
     def _reset(self) -> None:
-        self.epoch = 0
         self._start_epoch(0)
         self.buffer: list[tuple[int, int]] = []
         self.rng = np.random.default_rng([self.seed, self.dp_rank, 7919])
         self.packer: Packer[tuple] = Packer(self.seq_len, self.cfg.pack_bins)
         self.ready: list[list[tuple]] = []
         self._docs: dict[tuple, Doc] = {}
-        self._data = {}
+        self._data: dict[tuple[int, int], tuple[str, dict]] = {}  # streamed samples not yet laid out
         self._epoch_docs = 0
 
     def _start_epoch(self, epoch: int) -> None:
@@ -103,8 +101,8 @@ class TokenLoader:
         return {
             "version": STATE_VERSION, "seed": self.seed, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
             "seq_len": self.seq_len, "num_shards": len(self.paths),
-            "epoch": self.epoch, "pos": self.pos, "cursor": list(self._cursor), "stream_done": self.stream_done,
-            "epoch_docs": self._epoch_docs,
+            "epoch": self.epoch, "pos": self.pos, "cursor": list(self._cursor),
+            "stream_done": self.stream_done, "epoch_docs": self._epoch_docs,
             "buffer": [list(r) for r in self.buffer],
             "rng": self.rng.bit_generator.state,
             "packer": self.packer.state_dict(),
@@ -159,8 +157,8 @@ class TokenLoader:
                     break
             missing = sorted(want - {i for (t, i) in self._data if t == s})
             if missing:
-                raise RuntimeError(f"cannot resume exactly: samples {missing[:5]} of {self.paths[s]} could not be "
-                                   f"read again (the stream failed or the shard changed)")
+                raise RuntimeError(f"cannot resume exactly: samples {missing[:5]} of {self.paths[s]} could not "
+                                   "be read again (the stream failed or the shard changed)")
 
     # ---- shards ----------------------------------------------------------------------------
     def _close_stream(self) -> None:
@@ -292,11 +290,13 @@ class TokenLoader:
             if count:
                 self.stats.skip(e.reason, where, str(e))
             return []
+        rng = sample_rng(self.seed, epoch, sample.key)
         docs, too_long = build_docs(self.tokenizer, self.vocab, sample.codes, sample.timestamps, sample.meta,
-                                    self.opts, self.seq_len, sample_rng(self.seed, epoch, sample.key), sample.key)
+                                    self.opts, self.seq_len, rng, sample.key)
         if count:
             if too_long:
-                self.stats.skip("text_too_long", where, f"{too_long} template(s) longer than seq_len={self.seq_len}")
+                self.stats.skip("text_too_long", where,
+                                f"{too_long} template(s) longer than seq_len={self.seq_len}")
             if not docs and not too_long:
                 self.stats.skip("no_text", where, "json has no caption, qa or segments")
             if docs:

@@ -24,8 +24,8 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from longvideo.atomic import atomic_open
-from longvideo.data.streams import (ShardError, SkipStats, default_limits, is_url, iter_tar, part_bytes, split_name,
-                                    usable_member)
+from longvideo.data.streams import (ShardError, SkipStats, default_limits, is_url, iter_tar, part_bytes,
+                                    split_name, usable_member)
 from longvideo.data.video_base import VIDEO_EXTS  # the one list of accepted video extensions
 
 log = logging.getLogger(__name__)
@@ -176,10 +176,12 @@ def decode_token_sample(key: str, parts: dict, codebook_size: Optional[int] = No
     codes = load_npy(blobs["codes.npy"], key)
     stamps = load_npy(blobs["timestamps.npy"], key)
     if codes.ndim != 3 or not np.issubdtype(codes.dtype, np.integer) or codes.shape[0] == 0:
-        raise ShardError("bad_array", f"{key}: codes must be integer (G, h, w) with G > 0, got {codes.dtype} {codes.shape}")
+        raise ShardError("bad_array", f"{key}: codes must be integer (G, h, w) with G > 0, got {codes.dtype} "
+                                      f"{codes.shape}")
     if stamps.shape != codes.shape[:1] or not np.issubdtype(stamps.dtype, np.floating) \
             or not np.isfinite(stamps).all():
-        raise ShardError("bad_array", f"{key}: timestamps must be finite float ({codes.shape[0]},), got {stamps.dtype} {stamps.shape}")
+        raise ShardError("bad_array", f"{key}: timestamps must be finite float ({codes.shape[0]},), got "
+                                      f"{stamps.dtype} {stamps.shape}")
     lo, hi = int(codes.min()), int(codes.max())
     if lo < 0 or (codebook_size is not None and hi >= codebook_size):
         raise ShardError("bad_array", f"{key}: codes span [{lo}, {hi}], outside [0, {codebook_size})")
@@ -206,7 +208,8 @@ class TokenShard:
         return decode_token_sample(key, blobs, codebook_size)
 
 
-def iter_token_samples(path: str, stats: SkipStats, codebook_size: Optional[int] = None) -> Iterator[TokenSample]:
+def iter_token_samples(path: str, stats: SkipStats,
+                       codebook_size: Optional[int] = None) -> Iterator[TokenSample]:
     """The valid samples of a token shard (a local file, read by random access, or a URL, streamed)."""
     if is_url(path):
         for key, parts in iter_tar(path, stats, TOKEN_EXTS):
@@ -270,20 +273,16 @@ class ShardWriter:
         self._tar.close()
         self._file.__exit__(None, None, None)
 
-    def abort(self) -> None:
-        """Drop the partial shard; the target path is left as it was."""
-        try:
-            self._tar.close()
-        finally:
-            err = RuntimeError("shard aborted")
-            self._file.__exit__(type(err), err, None)
-
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
             self.close()
-        else:
-            self.abort()
+            return False
+        try:  # drop the partial shard: the target path is left as it was
+            self._tar.close()
+        finally:
+            err = RuntimeError("shard aborted")
+            self._file.__exit__(type(err), err, None)
         return False

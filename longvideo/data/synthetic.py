@@ -14,7 +14,7 @@ import multiprocessing as mp
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Optional
 
 import av
 import numpy as np
@@ -63,11 +63,10 @@ class Shape:
         return bounce(self.x0, self.vx), bounce(self.y0, self.vy)
 
 
-def random_shape(rng: np.random.Generator, size: int, kind: Optional[str] = None,
-                 colour: Optional[str] = None) -> Shape:
+def random_shape(rng: np.random.Generator, size: int) -> Shape:
     """A shape with random kind, colour, start, velocity (about 1-3 % of the frame per frame)."""
-    kind = kind if kind is not None else SHAPE_KINDS[rng.integers(len(SHAPE_KINDS))]
-    colour = colour if colour is not None else COLOUR_NAMES[rng.integers(len(COLOUR_NAMES))]
+    kind = SHAPE_KINDS[rng.integers(len(SHAPE_KINDS))]
+    colour = COLOUR_NAMES[rng.integers(len(COLOUR_NAMES))]
     radius = size * rng.uniform(0.14, 0.22)
     speed = size * rng.uniform(0.01, 0.03)
     angle = rng.uniform(0, 2 * np.pi)
@@ -91,33 +90,17 @@ def _shape_mask(shape: Shape, cx: np.ndarray, cy: np.ndarray, size: int) -> np.n
     raise ValueError(f"unknown shape kind {shape.kind!r}; expected one of {SHAPE_KINDS}")
 
 
-def render_shapes(shapes: Sequence[Shape], start: int, stop: int, size: int,
-                  background: tuple[int, int, int] = (0, 0, 0)) -> np.ndarray:
-    """Frames [start, stop) of shapes moving from frame 0; returns uint8 (stop-start, size, size, 3)."""
-    t = np.arange(start, stop, dtype=np.float64)
-    out = np.empty((len(t), size, size, 3), np.uint8)
-    out[:] = np.asarray(background, np.uint8)
-    for shape in shapes:  # later shapes are drawn over earlier ones
-        cx, cy = shape.centre(t, size)
-        mask = _shape_mask(shape, cx, cy, size)
-        out[mask] = np.asarray(COLOURS[shape.colour], np.uint8)
-    return out
-
-
-def moving_shapes_video(num_frames: int, size: int = 64, seed: int = 0, *, num_shapes: int = 2,
-                        shapes: Optional[Sequence[Shape]] = None,
-                        background: tuple[int, int, int] = (0, 0, 0)) -> np.ndarray:
-    """A clip of ``num_shapes`` random shapes bouncing on ``background``.
-
-    Returns uint8 (num_frames, size, size, 3). Deterministic in ``seed``; pass ``shapes`` to
-    choose them yourself.
-    """
+def moving_shapes_video(num_frames: int, size: int = 64, seed: int = 0) -> np.ndarray:
+    """A clip of two random shapes (deterministic in ``seed``) bouncing on black: uint8
+    (num_frames, size, size, 3); the later shape is drawn over the earlier one."""
     if num_frames <= 0 or size <= 0:
         raise ValueError(f"num_frames and size must be positive, got {num_frames}, {size}")
-    if shapes is None:
-        rng = np.random.default_rng(seed)
-        shapes = [random_shape(rng, size) for _ in range(num_shapes)]
-    return render_shapes(shapes, 0, num_frames, size, background)
+    rng = np.random.default_rng(seed)
+    t = np.arange(num_frames, dtype=np.float64)
+    out = np.zeros((num_frames, size, size, 3), np.uint8)
+    for shape in [random_shape(rng, size) for _ in range(2)]:
+        out[_shape_mask(shape, *shape.centre(t, size), size)] = np.asarray(COLOURS[shape.colour], np.uint8)
+    return out
 
 
 # ----------------------------------------------------------------------------- index-coded video
@@ -172,7 +155,8 @@ def write_mp4(chunks: Iterable[np.ndarray], fps: float, dst=None, *, codec: str 
             if chunk.ndim == 3:
                 chunk = chunk[None]
             if chunk.dtype != np.uint8 or chunk.ndim != 4 or chunk.shape[-1] != 3:
-                raise ValueError(f"write_mp4 needs uint8 (T, H, W, 3) chunks, got {chunk.dtype} {chunk.shape}")
+                raise ValueError(f"write_mp4 needs uint8 (T, H, W, 3) chunks, got {chunk.dtype} "
+                                 f"{chunk.shape}")
             if stream is None:
                 h, w = chunk.shape[1:3]
                 if h % 2 or w % 2:
@@ -183,12 +167,14 @@ def write_mp4(chunks: Iterable[np.ndarray], fps: float, dst=None, *, codec: str 
                 opts = {"crf": str(crf), "preset": preset} if codec == "libx264" else {}
                 if codec == "libx264":
                     # x264 otherwise writes its build string, which differs between machines
-                    opts["x264-params"] = "threads=1:info=0" + (f":keyint={gop}:min-keyint={gop}" if gop else "")
+                    keyint = f":keyint={gop}:min-keyint={gop}" if gop else ""
+                    opts["x264-params"] = "threads=1:info=0" + keyint
                 elif gop:
                     stream.codec_context.gop_size = gop
                 stream.options = opts
             for img in chunk:
-                for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")):
+                frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")
+                for packet in stream.encode(frame):
                     container.mux(packet)
         if stream is None:
             raise ValueError("write_mp4 got no frames")
@@ -223,7 +209,8 @@ class SyntheticSpec:
         if self.fps <= 0:
             raise ValueError(f"fps must be positive, got {self.fps}")
         if not 1 <= self.min_seconds <= self.max_seconds:
-            raise ValueError(f"need 1 <= min_seconds <= max_seconds, got {self.min_seconds}, {self.max_seconds}")
+            raise ValueError(f"need 1 <= min_seconds <= max_seconds, got {self.min_seconds}, "
+                             f"{self.max_seconds}")
         if self.long_seconds < 1:
             raise ValueError(f"long_seconds must be >= 1, got {self.long_seconds}")
         lo, hi = self.scene_seconds
@@ -273,7 +260,8 @@ class SyntheticSample:
                 part = out[sel]
                 part[mask] = np.asarray(COLOURS[shape.colour], np.uint8)
                 out[sel] = part
-        for sec, colour in self.flashes + ([self.needle] if self.needle is not None else []):  # the needle wins
+        painted = self.flashes + ([self.needle] if self.needle is not None else [])  # the needle wins
+        for sec, colour in painted:
             out[(idx >= sec * fps) & (idx < (sec + 1) * fps)] = np.asarray(COLOURS[colour], np.uint8)
         return out
 
@@ -310,7 +298,8 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
     if needle is not None:
         qa.append({"question": NEEDLE_QUESTION, "answer": needle[1], "choices": list(NEEDLE_CHOICES)})
     qa.append({"question": FIRST_SHAPE_QUESTION, "answer": scenes[0][2].kind, "choices": list(SHAPE_KINDS)})
-    qa.append({"question": LAST_COLOUR_QUESTION, "answer": scenes[-1][2].colour, "choices": list(COLOUR_NAMES)})
+    qa.append({"question": LAST_COLOUR_QUESTION, "answer": scenes[-1][2].colour,
+               "choices": list(COLOUR_NAMES)})
     key = f"{seed:04d}_{index:08d}"
     meta = {
         "caption": ", then ".join(seg["text"] for seg in segments) + ".",
@@ -328,7 +317,7 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
     if spec.flashes_per_minute > 0:  # a stream of its own: the rest of the sample is as without flashes
         frng = np.random.default_rng([seed, index, 1])
         n = int(frng.poisson(spec.flashes_per_minute * duration / 60))
-        seconds = sorted(set(int(x) for x in frng.integers(0, duration, n)) - ({needle[0]} if needle else set()))
+        seconds = sorted({int(x) for x in frng.integers(0, duration, n)} - ({needle[0]} if needle else set()))
         flashes = [(t, NEEDLE_CHOICES[int(frng.integers(len(NEEDLE_CHOICES)))]) for t in seconds]
         meta["flashes"] = [{"start": float(t), "end": float(t + 1), "colour": c} for t, c in flashes]
     return SyntheticSample(key=key, spec=spec, duration=duration, scenes=scenes, needle=needle, meta=meta,
@@ -342,7 +331,8 @@ def _write_shard(args) -> tuple[str, int]:
     with ShardWriter(path) as w:
         for i in indices:
             sample = make_sample(seed, i, spec)
-            w.write(sample.key, {"mp4": sample.mp4(), "json": json.dumps(sample.meta, sort_keys=True).encode()})
+            meta = json.dumps(sample.meta, sort_keys=True).encode()
+            w.write(sample.key, {"mp4": sample.mp4(), "json": meta})
     return str(path), len(indices)
 
 
@@ -383,7 +373,7 @@ def text_corpus(n: int = 200, seed: int = 0, spec: SyntheticSpec = SyntheticSpec
         meta = make_sample(seed, i, spec).meta
         texts.append(meta["caption"])
         texts += [SEGMENT_TEXT.format(text=s["text"]) for s in meta["segments"]]
-        texts += [QUESTION_TEXT.format(question=q["question"]) + ANSWER_PROMPT + ANSWER_TEXT.format(answer=q["answer"])
-                  for q in meta["qa"]]
+        texts += [QUESTION_TEXT.format(question=q["question"]) + ANSWER_PROMPT
+                  + ANSWER_TEXT.format(answer=q["answer"]) for q in meta["qa"]]
     texts += [TIMESTAMP_TEXT.format(t=float(t)) for t in range(0, 120)]
     return texts

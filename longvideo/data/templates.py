@@ -17,14 +17,13 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from longvideo.data.config import DataConfig
+from longvideo.data.config import TEMPLATES, DataConfig
 
 QUESTION_TEXT = "Question: {question}\n"
 ANSWER_PROMPT = "Answer:"
 ANSWER_TEXT = " {answer}"
 SEGMENT_TEXT = "{text}\n"
 TIMESTAMP_TEXT = "[{t:.1f}s]"
-TEMPLATES: tuple[str, ...] = ("qa", "segments", "caption")
 PROMPT_TEMPLATES: tuple[str, ...] = ("qa", "lwm")
 LWM_USER_TEXT = "You are a helpful assistant. USER: {question}\n"
 LWM_VISION_START, LWM_VISION_END = "<vision>", "</vision>"
@@ -183,12 +182,9 @@ class Doc:
 
 
 def uniform_keep(num_groups: int, keep: int) -> list[int]:
-    """``keep`` group indices spread evenly over ``num_groups``, increasing.
-
-    With two or more kept, the first and the last group are always among them: questions about how
-    a video starts or ends ("What shape came first?") keep their evidence when the middle is thinned.
-    One kept group is the middle one.
-    """
+    """``keep`` group indices spread evenly over ``num_groups``, increasing. With two or more kept,
+    the first and the last are among them (a question about how a video starts or ends keeps its
+    evidence); one kept group is the middle one."""
     if keep >= num_groups:
         return list(range(num_groups))
     if keep <= 0:
@@ -197,17 +193,6 @@ def uniform_keep(num_groups: int, keep: int) -> list[int]:
         return [num_groups // 2]
     step = (num_groups - 1) / (keep - 1)  # > 1, so rounding keeps the indices distinct
     return [int(i * step + 0.5) for i in range(keep)]
-
-
-def available_templates(meta: dict) -> list[str]:
-    out = []
-    if meta.get("qa"):
-        out.append("qa")
-    if meta.get("segments"):
-        out.append("segments")
-    if isinstance(meta.get("caption"), str) and meta["caption"].strip():
-        out.append("caption")
-    return out
 
 
 @dataclass(frozen=True)
@@ -231,7 +216,10 @@ class LayoutOptions:
 
 def choose_templates(meta: dict, opts: LayoutOptions, rng: np.random.Generator) -> list[tuple[str, bool]]:
     """(template, text_first) pairs to lay out for a sample, following template_mode."""
-    avail = [t for t in opts.templates if t in available_templates(meta)]
+    caption = meta.get("caption")
+    have = {"qa": bool(meta.get("qa")), "segments": bool(meta.get("segments")),
+            "caption": isinstance(caption, str) and bool(caption.strip())}
+    avail = [t for t in opts.templates if have[t]]
     if not avail:
         return []
     if opts.template_mode == "first":
@@ -250,10 +238,8 @@ def choose_templates(meta: dict, opts: LayoutOptions, rng: np.random.Generator) 
 
 def layout_doc(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta: dict, template: str,
                text_first: bool, opts: LayoutOptions, max_len: int) -> Optional[Doc]:
-    """Lay out one template; drop groups uniformly (whole groups only) until it fits ``max_len``.
-
-    Returns None when even one group does not fit (the text alone is too long).
-    """
+    """Lay out one template, dropping whole groups uniformly until it fits ``max_len``; None when
+    even one group does not fit (the text alone is too long)."""
     num_groups = int(codes.shape[0])
 
     def parts_for(groups: list[int]) -> list:
@@ -344,20 +330,19 @@ class Prompt:
 
 def build_prompt(tokenizer, vocab, codes, timestamps, question: str,
                  options: PromptOptions = PromptOptions(), history: Sequence[tuple[str, str]] = ()) -> Prompt:
-    """The QA prompt for one question, ending exactly where the answer starts.
+    """The prompt for one question, ending exactly where the answer starts: the QA training layout
+    (:func:`qa_parts`), or LWM's vision-chat prompt with ``options.template == "lwm"``.
 
-    codes: integer (G, h, w) (numpy or torch); timestamps: (G,) seconds. Uses the QA training
-    template (:func:`qa_parts`), so a model trained on QA samples sees the same layout; or LWM's
-    vision-chat prompt (:func:`lwm_parts`) with ``options.template == "lwm"``. history: earlier
-    (question, answer) turns about the same video, laid out as the template continues
-    (``Question: q1\\nAnswer: a1<eos>Question: q2\\nAnswer:``), so that the prompt of a follow-up
+    codes: integer (G, h, w) (numpy or torch); timestamps: (G,) seconds. history: earlier (question,
+    answer) turns about the same video, laid out as the template continues, so a follow-up's prompt
     extends the previous prompt and its answer (what a server's KV cache keeps between turns).
     """
     question_first, timestamp_every = options.question_first, options.timestamp_every
     codes = np.asarray(codes.cpu() if hasattr(codes, "cpu") else codes).astype(np.int64)
     timestamps = np.asarray(timestamps.cpu() if hasattr(timestamps, "cpu") else timestamps, np.float64)
     if codes.ndim != 3 or timestamps.shape != codes.shape[:1]:
-        raise ValueError(f"codes must be (G, h, w) and timestamps (G,), got {codes.shape}, {timestamps.shape}")
+        raise ValueError(f"codes must be (G, h, w) and timestamps (G,), got {codes.shape}, "
+                         f"{timestamps.shape}")
     if options.template == "lwm":
         if history:
             raise ValueError("LWM's vision-chat prompt holds one question; follow-ups need the qa template")

@@ -25,10 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from longvideo.data.isolate import IsolatedDecordBackend
-from longvideo.data.video_base import (VIDEO_EXTS, CorruptVideoError, EmptyVideoError,  # noqa: F401 (re-exported:
-                                      Orientation, ReadReport, UnsupportedVideoError,  # the reader's public names)
-                                      VideoError, VideoInfo, VideoSource, check_fps, check_frame_size,
-                                      display_matrix, frame_rate, stream_facts)
+from longvideo.data.video_base import (  # noqa: F401 (VIDEO_EXTS and the errors: re-exported public names)
+    VIDEO_EXTS, CorruptVideoError, EmptyVideoError, Orientation, ReadReport, UnsupportedVideoError,
+    VideoError, VideoInfo, VideoSource, check_fps, check_frame_size, display_matrix, frame_rate, stream_facts)
 
 HARD_MAX_FRAMES = 1 << 16
 """Bound on frames returned when the caller sets no max_frames (about 18 hours at 1 fps)."""
@@ -89,7 +88,8 @@ def sample_indices(num_frames: int, src_fps: float, fps: Optional[float] = 1.0,
 
 # ----------------------------------------------------------------------------- orienting and resizing
 
-def resize_crop(frames: torch.Tensor, size: Optional[int], shown: Optional[tuple[int, int]] = None) -> torch.Tensor:
+def resize_crop(frames: torch.Tensor, size: Optional[int],
+                shown: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Resize the short side to ``size`` (antialiased bilinear) and centre-crop to size x size.
 
     frames: uint8 (T, H, W, 3) -> uint8 (T, size, size, 3). ``shown``: the (height, width) the
@@ -138,16 +138,17 @@ class _PyAVBackend:
             s = self.stream
             ctx = s.codec_context
             if ctx is None:
-                raise UnsupportedVideoError(f"no decoder for the video stream ({s.codec_tag or 'unknown codec'})",
-                                            label)
+                codec = s.codec_tag or "unknown codec"
+                raise UnsupportedVideoError(f"no decoder for the video stream ({codec})", label)
             w, h = ctx.width, ctx.height
             if w <= 0 or h <= 0:
-                raise CorruptVideoError("no frame size: a damaged header, or frames over max_resolution^2 pixels "
-                                        "that FFmpeg refused to allocate", label)
+                raise CorruptVideoError("no frame size: a damaged header, or frames over max_resolution^2 "
+                                        "pixels that FFmpeg refused to allocate", label)
             check_frame_size(w, h, max_resolution, label)
             fps = frame_rate(s)
             check_fps(fps, label)
-            self.start = float(s.start_time * s.time_base) if s.start_time is not None and s.time_base else 0.0
+            has_start = s.start_time is not None and s.time_base
+            self.start = float(s.start_time * s.time_base) if has_start else 0.0
             n, duration, keys, matrix = self._scan()
             declared, tag, sar = stream_facts(self.container, s, fps)
             self.container.close()
@@ -162,8 +163,9 @@ class _PyAVBackend:
             self.close()
             raise EmptyVideoError("no frames", label)
         self.stored = (h, w)
-        self.info = VideoInfo.of_stored(w, h, Orientation.from_container(matrix, tag, sar), num_frames=n, fps=fps,
-                                        duration=duration if duration > 0 else n / fps, declared=declared)
+        self.info = VideoInfo.of_stored(w, h, Orientation.from_container(matrix, tag, sar), num_frames=n,
+                                        fps=fps, duration=duration if duration > 0 else n / fps,
+                                        declared=declared)
         self._keys = keys  # sorted keyframe times (seconds from the start)
         self._frames = None
         self._prev = self._last = None
@@ -236,7 +238,8 @@ class _PyAVBackend:
                 if packet is None:
                     return
                 if self._lost is None:
-                    self._lost = float(packet.pts * packet.time_base) - self.start if packet.pts is not None else t or 0.0
+                    pts = packet.pts
+                    self._lost = float(pts * packet.time_base) - self.start if pts is not None else t or 0.0
                 wait_key = len(self._keys) > 0
                 continue
             wait_key = wait_key and not (packet is not None and packet.size)
@@ -249,7 +252,7 @@ class _PyAVBackend:
                 return
 
     def _next(self):
-        """The next (time, frame) of the run, noting a gap when packets were lost before it; None at the end."""
+        """The run's next (time, frame), noting a gap when packets were lost before it; None at the end."""
         nxt = next(self._frames, None)
         if nxt is None:
             self._frames = None
@@ -308,7 +311,8 @@ class _PyAVBackend:
         if any(a + 1.0 / self.info.fps <= limit < b for a, b in self.gaps):
             return None  # known lost: not decoded again
         prev = self._prev if self._prev is not _GAP else None
-        behind = self._last is not None and self._last[0] > limit and not (prev is not None and prev[0] <= limit)
+        prev_fits = prev is not None and prev[0] <= limit
+        behind = self._last is not None and self._last[0] > limit and not prev_fits
         if self._last is None or behind or (self._frames is not None and self._seekable
                                             and self._keyframe_ahead(limit)):
             if self._frames is None or self._seekable or behind:
@@ -407,8 +411,8 @@ class VideoChunks:
                 except VideoError:
                     raise
                 except Exception as e:
-                    raise CorruptVideoError(f"{reader.name} decode failed: {type(e).__name__}: {str(e)[:200]}",
-                                            self.label) from e
+                    why = f"{type(e).__name__}: {str(e)[:200]}"
+                    raise CorruptVideoError(f"{reader.name} decode failed: {why}", self.label) from e
                 read += len(frames)
                 if len(frames):
                     shown = torch.from_numpy(np.ascontiguousarray(o.apply(frames)))
@@ -424,7 +428,8 @@ class VideoChunks:
             if reader.end is not None and reader.end + 1.0 / info.fps < duration:
                 # the decoder stopped before the packets did: the packets' duration was claimed
                 declared, duration = max(declared or 0.0, duration), reader.end + 1.0 / info.fps
-            self.report = ReadReport(duration=duration, declared=declared, gaps=list(reader.gaps), fps=info.fps)
+            self.report = ReadReport(duration=duration, declared=declared, gaps=list(reader.gaps),
+                                     fps=info.fps)
         finally:
             reader.close()
 
