@@ -78,7 +78,6 @@ class TokenLoader:
         self.last_batch_refs: list[list[tuple]] = []
         self._reset()
 
-    # ---- state -----------------------------------------------------------------------------
     def _reset(self) -> None:
         self._start_epoch(0)
         self.buffer: list[tuple[int, int]] = []
@@ -157,10 +156,9 @@ class TokenLoader:
                     break
             missing = sorted(want - {i for (t, i) in self._data if t == s})
             if missing:
-                raise RuntimeError(f"cannot resume exactly: samples {missing[:5]} of {self.paths[s]} could not "
-                                   "be read again (the stream failed or the shard changed)")
+                raise RuntimeError(f"cannot resume exactly: samples {missing[:5]} of {self.paths[s]} could "
+                                   "not be read again (the stream failed or the shard changed)")
 
-    # ---- shards ----------------------------------------------------------------------------
     def _close_stream(self) -> None:
         if getattr(self, "_stream", None) is not None:
             self._stream.close()
@@ -224,7 +222,6 @@ class TokenLoader:
             return self._keys[(ref[0], ref[1])]
         return self._shard(ref[0]).samples[ref[1]][0]
 
-    # ---- stream ----------------------------------------------------------------------------
     def _next_stream_ref(self) -> Optional[tuple[int, int]]:
         k, i = self._cursor
         while k < len(self.order):

@@ -113,8 +113,6 @@ def parse_json(data: bytes, key: str) -> dict:
     return meta
 
 
-# ----------------------------------------------------------------------------- raw shards
-
 @dataclass
 class RawSample:
     key: str
@@ -146,8 +144,6 @@ def iter_raw_samples(path: str, stats: SkipStats, *, handler=None) -> Iterator[R
             continue
         yield RawSample(key=key, video=video, video_ext=videos[0], meta=meta)
 
-
-# ----------------------------------------------------------------------------- token shards
 
 @dataclass
 class TokenSample:
@@ -244,8 +240,6 @@ def token_sample_members(key: str, codes: np.ndarray, timestamps: np.ndarray, me
             "timestamps.npy": npy_bytes(np.asarray(timestamps, np.float64)),
             "json": json.dumps(meta, sort_keys=True).encode()}
 
-
-# ----------------------------------------------------------------------------- writing
 
 class ShardWriter:
     """Writes a tar shard atomically (longvideo.atomic): readers never see a partial shard.

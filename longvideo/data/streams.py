@@ -30,8 +30,6 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 
 log = logging.getLogger(__name__)
 
-# ----------------------------------------------------------------------------- the rules of every tar read
-
 MAX_JSON_BYTES = 16 << 20  # largest member accepted, per kind
 MAX_VIDEO_BYTES = 8 << 30
 MAX_NPY_BYTES = 1 << 30
@@ -56,8 +54,6 @@ class SkipStats(Counter):
     def skipped(self) -> int:
         return sum(v for k, v in self.items() if k != "ok")
 
-
-# ----------------------------------------------------------------------------- shard lists
 
 def expand_shards(spec: str | os.PathLike | Iterable[str]) -> list[str]:
     """Sorted shard paths from a directory, a glob, a brace pattern (``a-{000..009}.tar``, or
@@ -98,8 +94,6 @@ def usable_member(info: tarfile.TarInfo, stats: Optional[SkipStats], where: str)
         stats.skip("unsafe_member", f"{where}:{name!r}")
     return False
 
-
-# ----------------------------------------------------------------------------- sources
 
 HTTP_TIMEOUT_S = 60.0  # socket timeout of http(s) reads: a stalled connection fails (shard_io_error)
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):")
@@ -172,8 +166,6 @@ def shard_name(src: str) -> str:
     return name
 
 
-# ----------------------------------------------------------------------------- opening
-
 class _Guarded:
     """A binary reader whose failures surface as :class:`SourceIOError` (tar errors stay tar errors)."""
 
@@ -219,8 +211,6 @@ def open_source(src: str):
     except (OSError, http.client.HTTPException, ValueError, urllib.error.URLError) as e:
         raise SourceIOError(f"{src}: cannot open: {type(e).__name__}: {e}") from e
 
-
-# ----------------------------------------------------------------------------- reading
 
 def counting_handler(stats: SkipStats, where: str) -> Handler:
     """A webdataset-style handler: counts the failure in ``stats`` under its reason and goes on."""

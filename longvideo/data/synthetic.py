@@ -103,8 +103,6 @@ def moving_shapes_video(num_frames: int, size: int = 64, seed: int = 0) -> np.nd
     return out
 
 
-# ----------------------------------------------------------------------------- index-coded video
-
 _INDEX_BITS = 16
 
 
@@ -136,8 +134,6 @@ def decode_frame_index(frame: np.ndarray) -> int:
         value |= int(centre.mean() > 127) << b
     return value
 
-
-# ----------------------------------------------------------------------------- mp4 writing
 
 def write_mp4(chunks: Iterable[np.ndarray], fps: float, dst=None, *, codec: str = "libx264",
               crf: int = 18, gop: Optional[int] = None, preset: str = "veryfast") -> Optional[bytes]:
@@ -182,8 +178,6 @@ def write_mp4(chunks: Iterable[np.ndarray], fps: float, dst=None, *, codec: str 
             container.mux(packet)
     return sink.getvalue() if dst is None else None
 
-
-# ----------------------------------------------------------------------------- samples
 
 @dataclass(frozen=True)
 class SyntheticSpec:
@@ -323,8 +317,6 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
     return SyntheticSample(key=key, spec=spec, duration=duration, scenes=scenes, needle=needle, meta=meta,
                            flashes=flashes)
 
-
-# ----------------------------------------------------------------------------- shards
 
 def _write_shard(args) -> tuple[str, int]:
     path, seed, indices, spec = args

@@ -30,8 +30,6 @@ LWM_VISION_START, LWM_VISION_END = "<vision>", "</vision>"
 LWM_ASSISTANT_TEXT = " ASSISTANT:"
 
 
-# ----------------------------------------------------------------------------- parts
-
 @dataclass(frozen=True)
 class Text:
     text: str
@@ -107,8 +105,6 @@ def segments_parts(segments: Sequence[dict], timestamps: np.ndarray, groups: Seq
     return parts + [Eos(True)]
 
 
-# ----------------------------------------------------------------------------- rendering
-
 class _Renderer:
     """Turns parts into ids and weights. Text pieces are tokenized one by one (no BOS/EOS added)."""
 
@@ -163,8 +159,6 @@ class _Renderer:
             self._add([v.vision_end], vw)
         self.video_end = len(self.ids)
 
-
-# ----------------------------------------------------------------------------- documents
 
 @dataclass
 class Doc:
@@ -295,8 +289,6 @@ def build_docs(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta
             docs.append(doc)
     return docs, too_long
 
-
-# ----------------------------------------------------------------------------- inference
 
 @dataclass(frozen=True)
 class PromptOptions:

@@ -60,8 +60,6 @@ class VideoClip:
         return int(self.frames.shape[0])
 
 
-# ----------------------------------------------------------------------------- sampling
-
 def sample_indices(num_frames: int, src_fps: float, fps: Optional[float] = 1.0,
                    max_frames: Optional[int] = None) -> np.ndarray:
     """Frame indices (int64, increasing) to take from a video of ``num_frames`` at ``src_fps``: the
@@ -86,8 +84,6 @@ def sample_indices(num_frames: int, src_fps: float, fps: Optional[float] = 1.0,
     return idx
 
 
-# ----------------------------------------------------------------------------- orienting and resizing
-
 def resize_crop(frames: torch.Tensor, size: Optional[int],
                 shown: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Resize the short side to ``size`` (antialiased bilinear) and centre-crop to size x size.
@@ -109,8 +105,6 @@ def resize_crop(frames: torch.Tensor, size: Optional[int],
     top, left = ((nh - size) // 2, (nw - size) // 2) if size else (0, 0)
     return frames[:, top: top + (size or nh), left: left + (size or nw)].contiguous()
 
-
-# ----------------------------------------------------------------------------- backends
 
 _GAP = "gap"  # stands for the frame before a frame decoded right after a loss
 
@@ -354,8 +348,6 @@ class _PyAVBackend:
         if self.container is not None:
             self.container.close()
 
-
-# ----------------------------------------------------------------------------- public API
 
 def _open(src: VideoSource, label: Optional[str], max_resolution: int, backend: str = "auto"):
     """A reader of ``src`` (label None: '<bytes>' or the path); a missing or empty source raises."""

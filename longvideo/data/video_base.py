@@ -27,7 +27,7 @@ container says it does; audio tracks and rounded headers differ from the video b
 
 
 class VideoError(Exception):
-    """A video could not be read. ``source`` names it (a path or '<bytes>'); ``reason`` is the skip counter."""
+    """A video could not be read; ``source`` names it (a path or '<bytes>'), ``reason`` is its counter."""
 
     reason = "video_error"
 
@@ -189,9 +189,12 @@ class ReadReport:
 
     def describe(self) -> str:
         """What was lost, in a few words ("" when nothing was)."""
-        out = [f"cut short: {self.duration:.1f} of {self.declared:.1f} s could be read"] if self.truncated else []
+        out = []
+        if self.truncated:
+            out.append(f"cut short: {self.duration:.1f} of {self.declared:.1f} s could be read")
         if self.gaps:
-            out.append(f"{len(self.gaps)} gap(s) ({self.lost_seconds:.1f} s) lost to packets the decoder refused")
+            out.append(f"{len(self.gaps)} gap(s) ({self.lost_seconds:.1f} s) lost to packets the decoder "
+                       "refused")
         return "; ".join(out)
 
 
