@@ -105,59 +105,48 @@ def segments_parts(segments: Sequence[dict], timestamps: np.ndarray, groups: Seq
     return parts + [Eos(True)]
 
 
-class _Renderer:
-    """Turns parts into ids and weights. Text pieces are tokenized one by one (no BOS/EOS added)."""
+def _render(parts: list, tok, vocab, codes: Optional[np.ndarray], timestamps: Optional[np.ndarray],
+            text_w: float, vision_w: float, every: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Ids int64 (L,) and weights float32 (L,) of ``parts``, and the number of tokens up to the end
+    of the last video part (0: no video). Text pieces are tokenized one by one (no BOS/EOS added)."""
+    ids: list[int] = []
+    weights: list[float] = []
+    video_end = 0
 
-    def __init__(self, tokenizer, vocab, codes: Optional[np.ndarray], timestamps: Optional[np.ndarray],
-                 text_w: float, vision_w: float, timestamp_every: int):
-        self.tok, self.vocab = tokenizer, vocab
-        self.codes, self.timestamps = codes, timestamps
-        self.text_w, self.vision_w, self.every = text_w, vision_w, timestamp_every
-        self.ids: list[int] = []
-        self.weights: list[float] = []
-        self.video_end = 0
-        """Tokens up to the end of the last video part rendered (0: no video yet)."""
+    def add(new: Sequence[int], w: float) -> None:
+        ids.extend(int(i) for i in new)
+        weights.extend([w] * len(new))
 
-    def _add(self, ids: Sequence[int], w: float) -> None:
-        self.ids.extend(int(i) for i in ids)
-        self.weights.extend([w] * len(ids))
-
-    def render(self, parts: list) -> tuple[np.ndarray, np.ndarray]:
-        for p in parts:
-            if isinstance(p, Bos):
-                if self.tok.bos_id is None:
-                    raise ValueError("the text tokenizer has no BOS token")
-                self._add([self.tok.bos_id], 0.0)
-            elif isinstance(p, Eos):
-                if self.tok.eos_id is None:
-                    raise ValueError("the text tokenizer has no EOS token")
-                self._add([self.tok.eos_id], self.text_w if p.loss else 0.0)
-            elif isinstance(p, Text):
-                if p.text:
-                    self._add(self.tok.encode(p.text), self.text_w if p.loss else 0.0)
-            elif isinstance(p, Video):
-                self._video(p)
-            else:
-                raise TypeError(f"unknown part {p!r}")
-        return np.asarray(self.ids, np.int64), np.asarray(self.weights, np.float32)
-
-    def _video(self, p: Video) -> None:
-        if not p.groups:
-            return
-        vw = self.vision_w if p.loss else 0.0
-        tw = self.text_w if p.loss else 0.0
-        v = self.vocab
-        if v.vision_start is not None:  # text around the video in the lwm layout
-            self._add([v.vision_start], vw)
-        flat = self.codes.reshape(self.codes.shape[0], -1)  # (G, h*w)
-        for i, g in enumerate(p.groups):
-            if self.every and i % self.every == 0:
-                self._add(self.tok.encode(TIMESTAMP_TEXT.format(t=float(self.timestamps[g]))), tw)
-            self._add((flat[g] + v.vq_offset).tolist(), vw)
-            self._add([v.eov if i == len(p.groups) - 1 else v.eof], vw)
-        if v.vision_end is not None:
-            self._add([v.vision_end], vw)
-        self.video_end = len(self.ids)
+    for p in parts:
+        if isinstance(p, Bos):
+            if tok.bos_id is None:
+                raise ValueError("the text tokenizer has no BOS token")
+            add([tok.bos_id], 0.0)
+        elif isinstance(p, Eos):
+            if tok.eos_id is None:
+                raise ValueError("the text tokenizer has no EOS token")
+            add([tok.eos_id], text_w if p.loss else 0.0)
+        elif isinstance(p, Text):
+            if p.text:
+                add(tok.encode(p.text), text_w if p.loss else 0.0)
+        elif isinstance(p, Video):
+            if not p.groups:
+                continue
+            vw, tw, v = (vision_w if p.loss else 0.0), (text_w if p.loss else 0.0), vocab
+            if v.vision_start is not None:  # text around the video in the lwm layout
+                add([v.vision_start], vw)
+            flat = codes.reshape(codes.shape[0], -1)  # (G, h*w)
+            for i, g in enumerate(p.groups):
+                if every and i % every == 0:
+                    add(tok.encode(TIMESTAMP_TEXT.format(t=float(timestamps[g]))), tw)
+                add((flat[g] + v.vq_offset).tolist(), vw)
+                add([v.eov if i == len(p.groups) - 1 else v.eof], vw)
+            if v.vision_end is not None:
+                add([v.vision_end], vw)
+            video_end = len(ids)
+        else:
+            raise TypeError(f"unknown part {p!r}")
+    return np.asarray(ids, np.int64), np.asarray(weights, np.float32), video_end
 
 
 @dataclass
@@ -247,9 +236,10 @@ def layout_doc(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta
         raise ValueError(f"unknown template {template!r}; expected one of {TEMPLATES}")
 
     def render(keep: int) -> tuple[np.ndarray, np.ndarray]:
-        r = _Renderer(tokenizer, vocab, codes, timestamps, opts.text_loss_weight, opts.vision_loss_weight,
-                      opts.timestamp_every)
-        return r.render(parts_for(uniform_keep(num_groups, keep)))
+        parts = parts_for(uniform_keep(num_groups, keep))
+        ids, weights, _ = _render(parts, tokenizer, vocab, codes, timestamps, opts.text_loss_weight,
+                                  opts.vision_loss_weight, opts.timestamp_every)
+        return ids, weights
 
     keep = num_groups
     ids, w = render(keep)
@@ -342,9 +332,8 @@ def build_prompt(tokenizer, vocab, codes, timestamps, question: str,
     else:
         parts = qa_parts([*history, (question, None)], range(codes.shape[0]), question_first=question_first,
                          vision_loss=False)
-    r = _Renderer(tokenizer, vocab, codes, timestamps, 0.0, 0.0, timestamp_every)
-    ids, _ = r.render(parts)
-    return Prompt(ids=ids.tolist(), video_end=r.video_end)
+    ids, _, video_end = _render(parts, tokenizer, vocab, codes, timestamps, 0.0, 0.0, timestamp_every)
+    return Prompt(ids=ids.tolist(), video_end=video_end)
 
 
 def parse_answer(text: str) -> str:
