@@ -65,10 +65,6 @@ class _Worker:
                                      close_fds=True)
         self._buf = bytearray()
 
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
     def _death(self, label: str, timed_out: bool = False) -> VideoError:
         if timed_out:
             self.kill()
@@ -170,7 +166,7 @@ def _acquire() -> _Worker:
     with _lock:
         while _idle:
             w = _idle.pop()
-            if w.owner == os.getpid() and w.alive:
+            if w.owner == os.getpid() and w.proc.poll() is None:
                 return w
             if w.owner == os.getpid():
                 w.kill()
@@ -179,7 +175,7 @@ def _acquire() -> _Worker:
 
 def _release(w: _Worker) -> None:
     with _lock:
-        if w.alive and w.owner == os.getpid() and len(_idle) < IDLE_WORKERS:
+        if w.proc.poll() is None and w.owner == os.getpid() and len(_idle) < IDLE_WORKERS:
             _idle.append(w)
             return
     if w.owner == os.getpid():

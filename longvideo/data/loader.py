@@ -134,8 +134,8 @@ class TokenLoader:
         self.stats = SkipStats(state["stats"])
         rows = [r for row in self.packer.open for r, _ in row] + [r for row in self.ready for r in row]
         self._refetch({(r[0], r[1]) for r in rows} | set(self.buffer))
-        for ref in rows:
-            self._docs[ref] = self._rebuild(ref)
+        for ref in rows:  # (shard, sample, epoch, document)
+            self._docs[ref] = self._sample_docs(*ref[:3], count=False)[ref[3]]
         for ref in rows:
             if (ref[0], ref[1]) not in self.buffer:
                 self._data.pop((ref[0], ref[1]), None)
@@ -303,10 +303,6 @@ class TokenLoader:
                 self.stats["groups_dropped"] += d.groups_dropped
                 self.stats["docs_cut"] += int(d.groups_dropped > 0)
         return docs
-
-    def _rebuild(self, ref: tuple) -> Doc:
-        s, i, epoch, j = ref
-        return self._sample_docs(s, i, epoch, count=False)[j]
 
     def _next_row(self) -> list[tuple]:
         while not self.ready:
