@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence, Union
@@ -103,18 +104,17 @@ def _as_video(v, res: int) -> torch.Tensor:
     return v
 
 
-def _iter_files(source: str, cfg: VQConfig, skipped: dict) -> Iterator[torch.Tensor]:
+def _iter_files(source: str, cfg: VQConfig, skipped: Counter) -> Iterator[torch.Tensor]:
     """Decoded videos from a path: a video file, a folder of videos, or raw shards."""
-    def read(src, where):
+    def read(src, where) -> Iterator[torch.Tensor]:
         try:
             clip = read_video(src, fps=cfg.fps, max_frames=cfg.max_frames_per_video, size=cfg.train_size,
                               backend=cfg.video_backend)
         except VideoError as e:
-            reason = type(e).__name__
-            skipped[reason] = skipped.get(reason, 0) + 1
+            skipped[type(e).__name__] += 1
             log.warning("skipped %s: %s", where, e)
-            return None
-        return clip.frames
+            return
+        yield clip.frames
 
     path = Path(source)
     if is_url(source):
@@ -129,25 +129,19 @@ def _iter_files(source: str, cfg: VQConfig, skipped: dict) -> Iterator[torch.Ten
     if not files and not shards:
         raise FileNotFoundError(f"no videos ({', '.join(VIDEO_SUFFIXES)}) or .tar shards found at {source}")
     for f in files:
-        frames = read(str(f), str(f))
-        if frames is not None:
-            yield frames
+        yield from read(str(f), str(f))
     for shard in shards:
         stats = SkipStats()
         for sample in iter_raw_samples(shard, stats):
-            frames = read(sample.video, f"{shard}:{sample.key}")
-            if frames is not None:
-                yield frames
-        for reason, n in stats.items():
-            if reason != "ok":
-                skipped[reason] = skipped.get(reason, 0) + n
+            yield from read(sample.video, f"{shard}:{sample.key}")
+        skipped.update({reason: n for reason, n in stats.items() if reason != "ok"})
 
 
 def build_frame_source(source: Source | FrameSource, cfg: VQConfig, *, progress: bool = False) -> FrameSource:
     """Load training and held-out videos from `source` (see the module docstring)."""
     if isinstance(source, FrameSource):
         return source
-    skipped: dict[str, int] = {}
+    skipped: Counter = Counter()
     if isinstance(source, (str, os.PathLike)):
         videos_iter: Iterator = _iter_files(str(source), cfg, skipped)
     elif isinstance(source, (torch.Tensor, np.ndarray)):
@@ -164,7 +158,7 @@ def build_frame_source(source: Source | FrameSource, cfg: VQConfig, *, progress:
         for v in videos_iter:
             v = _as_video(v, cfg.train_size)
             if v.shape[0] == 0:
-                skipped["empty"] = skipped.get("empty", 0) + 1
+                skipped["empty"] += 1
                 continue
             v = v[: budget - total].clone()
             videos.append(v)
