@@ -1,17 +1,16 @@
-"""The decord decoder's child process (see longvideo/data/isolate.py). Run as a script, not imported.
+"""The decord decoder's child process (longvideo/data/isolate.py). Run as a script, not imported.
 
-It imports numpy, decord, PyAV and the package's leaf ``video_base`` (not torch), so it starts
-fast. decord shows stored frames; PyAV reads, beside it, what decord does not: the display matrix,
-the legacy rotate tag, the sample aspect ratio and the declared duration (``facts``). It answers
-requests on stdin/stdout, one at a time: each message is a 4-byte big-endian length, a JSON header
-and, when the header names ``nbytes``, that many raw bytes. Replies are JSON plus raw frame bytes,
-never pickles, so a decoder taken over by a crafted file has no way to run code in the parent
-through a reply. Anything decord or FFmpeg print goes to stderr: stdout carries only replies.
+It imports numpy, decord, PyAV and the leaf ``video_base`` (not torch), so it starts fast. PyAV reads
+beside decord what decord does not apply: display matrix, rotate tag, sample aspect ratio and
+declared duration (``facts``). Requests come one at a time on stdin, replies go to stdout (anything
+the C libraries print goes to stderr): a 4-byte big-endian length, a JSON header and, when the header
+names ``nbytes``, that many raw bytes; never a pickle.
 
     open  {"op": "open", "path": P} or {"op": "open", "nbytes": N} + N bytes
           -> {"ok": true, "num_frames", "fps", "width", "height", "facts": {"matrix", "rotate", "sar",
              "declared"} or null with "facts_error"}
-    read  {"op": "read", "indices": [...]} -> {"ok": true, "shape": [t, h, w, 3], "times": [...], "nbytes"} + bytes
+    read  {"op": "read", "indices": [...]}
+          -> {"ok": true, "shape": [t, h, w, 3], "times": [...], "nbytes"} + bytes
     close {"op": "close"} -> {"ok": true}
     failure of any request -> {"ok": false, "error": "..."}
 """
@@ -24,7 +23,7 @@ import struct
 import sys
 import tempfile
 
-from longvideo.data.video_base import display_matrix, stream_facts
+from longvideo.data.video_base import display_matrix, frame_rate, stream_facts
 
 
 def _read_exact(f, n):
@@ -47,8 +46,7 @@ def _facts(path):
             path.seek(0)
         with av.open(path) as c:
             s = c.streams.video[0]
-            rate = s.average_rate or s.guessed_rate or s.base_rate
-            declared, tag, sar = stream_facts(c, s, float(rate) if rate else 1.0)
+            declared, tag, sar = stream_facts(c, s, frame_rate(s) or 1.0)
             matrix = None
             for f in c.decode(s):
                 matrix = display_matrix(f)
@@ -79,6 +77,14 @@ def main():
     import numpy as np
 
     vr, spool = None, None
+
+    def drop():
+        nonlocal vr, spool
+        vr = None
+        if spool is not None:
+            os.unlink(spool)
+            spool = None
+
     while True:
         try:
             (n,) = struct.unpack(">I", _read_exact(inp, 4))
@@ -89,18 +95,13 @@ def main():
         op = req.get("op")
         try:
             if op == "open":
-                vr = None
-                if spool is not None:
-                    os.unlink(spool)
-                    spool = None
+                drop()
                 path = req.get("path")
                 if data is not None and os.environ.get("LONGVIDEO_DECORD_FILEOBJ") == "1":
                     import io  # decord reading a file object, as an in-process reader of bytes would (tests)
 
                     path, data = io.BytesIO(data), None
-                if data is not None:
-                    # decord reads a file path more safely than a file object (from bytes, truncated
-                    # AVIs crash it), so the bytes are spooled to a private temporary file
+                if data is not None:  # spooled: decord crashes on truncated AVIs read from a file object
                     fd, spool = tempfile.mkstemp(prefix="longvideo-decord-", suffix=req.get("suffix", ""))
                     with os.fdopen(fd, "wb") as f:
                         f.write(data)
@@ -117,13 +118,10 @@ def main():
                 frames = np.ascontiguousarray(vr.get_batch(idx).asnumpy(), dtype=np.uint8)
                 times = np.asarray(vr.get_frame_timestamp(idx), np.float64).reshape(-1, 2)[:, 0]
                 payload = frames.tobytes()
-                reply({"ok": True, "shape": list(frames.shape), "times": times.tolist(), "nbytes": len(payload)},
-                      payload)
+                header = {"shape": list(frames.shape), "times": times.tolist(), "nbytes": len(payload)}
+                reply({"ok": True, **header}, payload)
             elif op == "close":
-                vr = None
-                if spool is not None:
-                    os.unlink(spool)
-                    spool = None
+                drop()
                 reply({"ok": True})
             else:
                 reply({"ok": False, "error": f"unknown request {op!r}"})

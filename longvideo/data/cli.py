@@ -16,8 +16,8 @@ from longvideo.data.tokenize import TokenizeOptions, tokenize_shards
 def make_data_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="longvideo make-data", description="Write raw video-text shards.")
     sub = p.add_subparsers(dest="kind", required=True)
-    s = sub.add_parser("synthetic", help="moving coloured shapes with captions, QA, timed segments and a needle task",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s = sub.add_parser("synthetic", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="moving coloured shapes with captions, QA, timed segments and a needle task")
     d = SyntheticSpec()
     s.add_argument("--out", required=True, help="output directory for shard-NNNNNN.tar")
     s.add_argument("--n", type=int, required=True, help="number of videos")
@@ -52,33 +52,39 @@ def make_data_main(argv: list[str]) -> int:
 
 
 def tokenize_main(argv: list[str]) -> int:
-    d = TokenizeOptions()
-    p = argparse.ArgumentParser(prog="longvideo tokenize", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                description="VQ-encode raw shards (video + json) into token shards "
-                                            "(codes + timestamps + json). Resumable: finished shards are skipped.")
+    d, fmt = TokenizeOptions(), argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(prog="longvideo tokenize", formatter_class=fmt,
+                                description="VQ-encode raw shards (video + json) into token shards (codes + "
+                                            "timestamps + json). Resumable: finished shards are skipped.")
     p.add_argument("--vq", required=True, help="VQ checkpoint directory (longvideo train-vq output)")
     p.add_argument("--in", dest="inputs", required=True, nargs="+",
                    help="raw shards: directories, globs, brace patterns, or URLs (http(s)://..., pipe:...; "
                         "streamed, brace patterns allowed)")
     p.add_argument("--out", required=True, help="output directory for token shards")
     p.add_argument("--workers", type=int, default=1, help="worker processes (each loads the VQ once)")
-    p.add_argument("--config", default=None, help="a root config; its data.fps/max_frames/max_resolution/video_backend/"
-                                                 "partial_videos/min_partial_fraction are the defaults")
+    p.add_argument("--config", default=None, help="a root config; its data.fps/max_frames/max_resolution/"
+                                                 "video_backend/partial_videos/min_partial_fraction are the "
+                                                 "defaults")
     p.add_argument("--fps", type=float, default=None, help=f"frames per second to sample (default {d.fps})")
-    p.add_argument("--max-frames", type=int, default=None, help=f"frame cap per video (default {d.max_frames})")
-    p.add_argument("--max-resolution", type=int, default=None, help=f"longest frame side accepted (default {d.max_resolution})")
+    p.add_argument("--max-frames", type=int, default=None,
+                   help=f"frame cap per video (default {d.max_frames})")
+    p.add_argument("--max-resolution", type=int, default=None,
+                   help=f"longest frame side accepted (default {d.max_resolution})")
     p.add_argument("--batch-frames", type=int, default=None,
-                   help=f"frames per VQ forward (default: the config's infer.encode_batch_frames, else {d.batch_frames})")
+                   help="frames per VQ forward (default: the config's infer.encode_batch_frames, else "
+                        f"{d.batch_frames})")
     p.add_argument("--backend", choices=["auto", "decord", "pyav"], default=None,
                    help=f"video decoder (default {d.backend} = pyav; decord runs in a child process)")
     p.add_argument("--partial-videos", choices=["keep", "skip"], default=None,
                    help=f"videos cut short or with frames lost to damage: keep what was read, or skip them "
                         f"(default {d.partial_videos})")
     p.add_argument("--min-partial-fraction", type=float, default=None,
-                   help=f"least share of a partial video read for it to be kept (default {d.min_partial_fraction})")
+                   help=f"least share of a partial video read for it to be kept (default "
+                        f"{d.min_partial_fraction})")
     p.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.ERROR if a.quiet else logging.WARNING, format="%(levelname)s %(message)s")
+    logging.basicConfig(level=logging.ERROR if a.quiet else logging.WARNING,
+                        format="%(levelname)s %(message)s")
     base = d
     if a.config:
         root = load_config(a.config)
@@ -86,9 +92,7 @@ def tokenize_main(argv: list[str]) -> int:
         base = TokenizeOptions(fps=dc.fps, max_frames=dc.max_frames, max_resolution=dc.max_resolution,
                                batch_frames=root.infer.encode_batch_frames, backend=dc.video_backend,
                                partial_videos=dc.partial_videos, min_partial_fraction=dc.min_partial_fraction)
-    given = {"fps": a.fps, "max_frames": a.max_frames, "max_resolution": a.max_resolution,
-             "batch_frames": a.batch_frames, "backend": a.backend, "partial_videos": a.partial_videos,
-             "min_partial_fraction": a.min_partial_fraction}
+    given = {f.name: getattr(a, f.name) for f in dataclasses.fields(TokenizeOptions)}  # the flags given
     opts = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
     if opts.fps <= 0 or (opts.max_frames is not None and opts.max_frames <= 0) or opts.batch_frames <= 0:
         p.error("--fps, --max-frames and --batch-frames must be positive")

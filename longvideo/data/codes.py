@@ -5,10 +5,8 @@
     vc.timestamps   # float64 (G,): seconds of each group's first frame
     vc.num_frames   # frames read
 
-The video is decoded at `fps` by the data reader (longvideo.data.video: bounded, untrusted input
-raises VideoError; frames as a player shows them) and streamed into the VQ encoder `batch_frames`
-frames at a time, so memory does not grow with the video's length; only the codes accumulate.
-`vc.report` says what the read kept (a truncated file, gaps lost to refused packets).
+The video is decoded by longvideo.data.video and streamed into the VQ `batch_frames` frames at a
+time, so memory does not grow with the video's length; `vc.report` says what the read kept.
 """
 
 from __future__ import annotations
@@ -29,14 +27,10 @@ from longvideo.vq.model import VQModel
 class VideoCodes:
     """A video as VQ codes."""
 
-    codes: np.ndarray
-    """int64 (G, h, w)."""
-    timestamps: np.ndarray
-    """float64 (G,), seconds of each group's first frame."""
-    num_frames: int
-    """Frames read from the video."""
-    report: Optional[ReadReport] = None
-    """What the read kept (video_to_codes)."""
+    codes: np.ndarray  # int64 (G, h, w)
+    timestamps: np.ndarray  # float64 (G,), seconds of each group's first frame
+    num_frames: int  # frames read from the video
+    report: Optional[ReadReport] = None  # what the read kept (video_to_codes)
 
 
 def frames_to_codes(vq: VQModel, chunks: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
@@ -62,16 +56,13 @@ def frames_to_codes(vq: VQModel, chunks: Iterable[tuple[torch.Tensor, torch.Tens
 
 
 def video_to_codes(vq: VQModel, video: VideoSource, *, fps: float = 1.0, max_frames: Optional[int] = None,
-                   max_resolution: int = DEFAULT_MAX_RESOLUTION, batch_frames: int = 16, backend: str = "auto",
-                   progress: bool = False, total_frames: Optional[int] = None,
+                   max_resolution: int = DEFAULT_MAX_RESOLUTION, batch_frames: int = 16,
+                   backend: str = "auto", progress: bool = False, total_frames: Optional[int] = None,
                    on_frames: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> VideoCodes:
-    """Decode `video` (a path or the file's bytes) at `fps` and VQ-encode it.
-
-    max_frames: sample at most this many frames, spread over the whole video. progress: a bar
-    counting frames (`total_frames`, when known, sizes it). on_frames: called with each chunk of
-    the frames the VQ is given (uint8 (t, H, W, 3)) and their times (a server's thumbnails).
-    Raises VideoError (or a subclass) for a missing or unreadable video.
-    """
+    """Decode `video` (a path or the file's bytes) at `fps` (at most `max_frames`, spread over the
+    whole video) and VQ-encode it; raises a VideoError for a missing or unreadable video. progress:
+    a bar of frames (`total_frames` sizes it). on_frames: called with each chunk the VQ is given
+    (uint8 (t, H, W, 3)) and its times (a server's thumbnails)."""
     reader = iter_video(video, fps=fps, max_frames=max_frames, size=vq.cfg.resolution,
                         max_resolution=max_resolution, backend=backend)
     bar = tqdm(total=total_frames, unit="frame", desc="encoding video", disable=not progress)

@@ -7,7 +7,7 @@ from typing import Literal
 
 from longvideo.configtools import check
 
-_TEMPLATES = ("qa", "segments", "caption")
+TEMPLATES: tuple[str, ...] = ("qa", "segments", "caption")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,7 +36,7 @@ class DataConfig:
     """Whether the video of a QA sample carries vision loss (else it is prompt only)."""
     timestamp_every: int = 0
     """Write the time as text ('[12.0s]') before every k-th frame group (0 = never)."""
-    templates: tuple[str, ...] = _TEMPLATES
+    templates: tuple[str, ...] = TEMPLATES
     """Templates to use, in order of preference: qa, segments, caption."""
     template_mode: Literal["first", "random", "all"] = "first"
     """Per sample: the first available template, a random one, or one document per template."""
@@ -66,7 +66,7 @@ class DataConfig:
         check(self.text_loss_weight >= 0, "text_loss_weight", "must be >= 0")
         check(self.vision_loss_weight >= 0, "vision_loss_weight", "must be >= 0")
         check(self.timestamp_every >= 0, "timestamp_every", "must be >= 0")
-        check(len(self.templates) > 0 and all(t in _TEMPLATES for t in self.templates), "templates",
-              f"must be a non-empty list of {', '.join(_TEMPLATES)}; got {list(self.templates)}")
+        check(len(self.templates) > 0 and all(t in TEMPLATES for t in self.templates), "templates",
+              f"must be a non-empty list of {', '.join(TEMPLATES)}; got {list(self.templates)}")
         check(self.shuffle_buffer >= 1, "shuffle_buffer", "must be >= 1")
         check(self.pack_bins >= 1, "pack_bins", "must be >= 1")

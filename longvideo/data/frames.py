@@ -1,18 +1,17 @@
 """Training frames for the video tokenizer (longvideo.train.vq): videos read once into RAM, then
 sampled as frames or clips.
 
-Sources: a folder of video files, raw webdataset shards (a directory of .tar, a glob, a brace
-pattern, one .tar, or URLs such as http(s):// and pipe:, streamed), one video file, or in-memory
-videos (a uint8 tensor/array (T, H, W, 3) or a list of them). Videos are sampled at `cfg.fps` with
-`cfg.video_backend` and resized/centre-cropped to the tokenizer's resolution (crop_scale x
-resolution for training frames, which are then cropped at random). Unreadable videos are skipped
-and counted. The last video(s) are held out for evaluation (a single video gives its last fifth).
+Sources: a folder of videos, raw shards (a directory of .tar, a glob, a brace pattern, one .tar, or
+URLs, streamed), one video file, or in-memory uint8 (T, H, W, 3) videos (or a list). Videos are read
+at `cfg.fps` with `cfg.video_backend`, resized and centre-cropped to `cfg.train_size`; unreadable
+ones are skipped and counted; the last video(s) are held out (a single video: its last fifth).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence, Union
@@ -59,11 +58,8 @@ class FrameSource:
         return torch.stack([self.train[v][f - self._offsets[v]] for v, f in zip(vid.tolist(), flat.tolist())])
 
     def sample_clips(self, n: int, length: int, gen: torch.Generator) -> torch.Tensor:
-        """n clips of `length` consecutive frames: uint8 (n, length, H, W, 3).
-
-        Videos are drawn in proportion to their length; a video shorter than the clip is padded
-        by repeating its last frame (as encoding pads a last group).
-        """
+        """n clips of `length` consecutive frames, uint8 (n, length, H, W, 3), from videos drawn in
+        proportion to their length; a short video repeats its last frame (as encoding pads a group)."""
         vids = torch.multinomial(self._lengths.double(), n, replacement=True, generator=gen)
         out = []
         for v in vids.tolist():
@@ -108,18 +104,17 @@ def _as_video(v, res: int) -> torch.Tensor:
     return v
 
 
-def _iter_files(source: str, cfg: VQConfig, skipped: dict) -> Iterator[torch.Tensor]:
+def _iter_files(source: str, cfg: VQConfig, skipped: Counter) -> Iterator[torch.Tensor]:
     """Decoded videos from a path: a video file, a folder of videos, or raw shards."""
-    def read(src, where):
+    def read(src, where) -> Iterator[torch.Tensor]:
         try:
             clip = read_video(src, fps=cfg.fps, max_frames=cfg.max_frames_per_video, size=cfg.train_size,
                               backend=cfg.video_backend)
         except VideoError as e:
-            reason = type(e).__name__
-            skipped[reason] = skipped.get(reason, 0) + 1
+            skipped[type(e).__name__] += 1
             log.warning("skipped %s: %s", where, e)
-            return None
-        return clip.frames
+            return
+        yield clip.frames
 
     path = Path(source)
     if is_url(source):
@@ -134,25 +129,19 @@ def _iter_files(source: str, cfg: VQConfig, skipped: dict) -> Iterator[torch.Ten
     if not files and not shards:
         raise FileNotFoundError(f"no videos ({', '.join(VIDEO_SUFFIXES)}) or .tar shards found at {source}")
     for f in files:
-        frames = read(str(f), str(f))
-        if frames is not None:
-            yield frames
+        yield from read(str(f), str(f))
     for shard in shards:
         stats = SkipStats()
         for sample in iter_raw_samples(shard, stats):
-            frames = read(sample.video, f"{shard}:{sample.key}")
-            if frames is not None:
-                yield frames
-        for reason, n in stats.items():
-            if reason != "ok":
-                skipped[reason] = skipped.get(reason, 0) + n
+            yield from read(sample.video, f"{shard}:{sample.key}")
+        skipped.update({reason: n for reason, n in stats.items() if reason != "ok"})
 
 
 def build_frame_source(source: Source | FrameSource, cfg: VQConfig, *, progress: bool = False) -> FrameSource:
     """Load training and held-out videos from `source` (see the module docstring)."""
     if isinstance(source, FrameSource):
         return source
-    skipped: dict[str, int] = {}
+    skipped: Counter = Counter()
     if isinstance(source, (str, os.PathLike)):
         videos_iter: Iterator = _iter_files(str(source), cfg, skipped)
     elif isinstance(source, (torch.Tensor, np.ndarray)):
@@ -169,7 +158,7 @@ def build_frame_source(source: Source | FrameSource, cfg: VQConfig, *, progress:
         for v in videos_iter:
             v = _as_video(v, cfg.train_size)
             if v.shape[0] == 0:
-                skipped["empty"] = skipped.get("empty", 0) + 1
+                skipped["empty"] += 1
                 continue
             v = v[: budget - total].clone()
             videos.append(v)
@@ -207,10 +196,8 @@ def _eval_size(v: torch.Tensor, cfg: VQConfig) -> torch.Tensor:
 
 
 def synthetic_videos(n: int, cfg: VQConfig, *, fps: float = 4.0, seed: int = 0) -> list[torch.Tensor]:
-    """n generated moving-shapes videos (longvideo.data.synthetic) at the tokenizer's resolution.
-
-    Frames are taken at about `fps` from the 8 fps renderings: uint8 (T, R, R, 3) each.
-    """
+    """n generated videos (longvideo.data.synthetic) at the tokenizer's resolution, about `fps` frames
+    a second of the 8 fps renderings: uint8 (T, R, R, 3) each."""
     if n < 1:
         raise ValueError(f"need at least one synthetic video, got {n}")
     spec = SyntheticSpec(size=cfg.resolution, fps=8)

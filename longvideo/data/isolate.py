@@ -1,24 +1,12 @@
 """decord in a child process: a decoder crash or hang costs one sample, never the process.
 
-decord 0.6 kills the interpreter (SIGSEGV) on some damaged files, e.g. truncated AVIs given to it as
-bytes (docs/data.md lists what crashed it). So ``backend="decord"`` never runs decord in the
-calling process: a child process (``_decord_child.py``, started with ``subprocess`` as a fresh
-interpreter, so nothing is forked from a process that holds threads or a CUDA context) opens and
-decodes the video and sends the frames back.
-
-- The child is started once and reused for the next videos; one child serves one open video at a
-  time, so readers alive at once each get their own. At most :data:`IDLE_WORKERS` idle children
-  are kept per process.
-- Every request has a deadline (:data:`OPEN_TIMEOUT_S`, and for a read :data:`READ_TIMEOUT_S` plus
-  :data:`PER_FRAME_TIMEOUT_S` per frame). A child that dies raises :class:`DecoderCrashError`
-  (reason ``decoder_crash``), one past its deadline is killed and raises
-  :class:`DecoderTimeoutError` (``decoder_timeout``); the next video gets a fresh child.
-- The child's address space is limited (:data:`MEMORY_GIB`), so a huge declared frame size fails
-  an allocation there instead of taking the machine's memory.
-- Replies are a JSON header plus raw uint8 frame bytes whose shape is checked against the header
-  and the request: nothing from the child is unpickled.
-- Bytes (shard members) are spooled to a file in a private temporary folder and opened by path:
-  decord crashes on truncated AVIs read from a file object, not from a path.
+decord 0.6 kills the interpreter (SIGSEGV) on some damaged files (docs/data.md, "What crashes
+decord"), so ``backend="decord"`` runs it in ``_decord_child.py``, a fresh interpreter started with
+``subprocess`` (nothing forked from a process holding threads or a CUDA context). One child serves
+one open video at a time and is reused (at most :data:`IDLE_WORKERS` idle ones kept). Requests have
+deadlines; the child's address space is limited; replies are JSON plus raw frame bytes whose shape
+is checked (nothing is unpickled); bytes are spooled to a private file and opened by path, as
+decord crashes on truncated AVIs read from a file object. docs/data.md, "Backends".
 """
 
 from __future__ import annotations
@@ -40,18 +28,12 @@ from typing import Optional
 import numpy as np
 
 from longvideo.data.video_base import (CorruptVideoError, EmptyVideoError, Orientation, UnsupportedVideoError,
-                                      VideoError, VideoInfo, VideoSource, check_frame_size)
+                                      VideoError, VideoInfo, VideoSource, check_fps, check_frame_size)
 
-OPEN_TIMEOUT_S = 120.0
-"""Seconds the child may take to open a video (the whole file is indexed then)."""
-READ_TIMEOUT_S = 60.0
-"""Seconds the child may take for one read request, plus PER_FRAME_TIMEOUT_S per requested frame."""
-PER_FRAME_TIMEOUT_S = 2.0
-"""Extra seconds per requested frame."""
-MEMORY_GIB = float(os.environ.get("LONGVIDEO_DECODER_MEMORY_GIB", 16))
-"""Address-space limit of a decoder child (GiB; 0 = none); env LONGVIDEO_DECODER_MEMORY_GIB."""
-IDLE_WORKERS = 2
-"""Idle decoder children kept for reuse per process."""
+OPEN_TIMEOUT_S = 120.0  # seconds the child may take to open a video (the whole file is indexed then)
+READ_TIMEOUT_S, PER_FRAME_TIMEOUT_S = 60.0, 2.0  # seconds for one read request, plus per requested frame
+MEMORY_GIB = float(os.environ.get("LONGVIDEO_DECODER_MEMORY_GIB", 16))  # a child's address space, 0: no limit
+IDLE_WORKERS = 2  # idle decoder children kept for reuse per process
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_decord_child.py")
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -78,13 +60,10 @@ class _Worker:
         # the child imports the package's leaf video_base: from this checkout, installed or not
         path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, TMPDIR=self.spool, MALLOC_ARENA_MAX="2", PYTHONPATH=path)
-        self.proc = subprocess.Popen([sys.executable, "-P", "-u", _CHILD, str(MEMORY_GIB)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, env=env, close_fds=True)
+        self.proc = subprocess.Popen([sys.executable, "-P", "-u", _CHILD, str(MEMORY_GIB)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
+                                     close_fds=True)
         self._buf = bytearray()
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
     def _death(self, label: str, timed_out: bool = False) -> VideoError:
         if timed_out:
@@ -95,7 +74,8 @@ class _Worker:
         except subprocess.TimeoutExpired:
             self.kill()
             code = self.proc.returncode
-        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}"
+        signalled = code is not None and code < 0
+        how = f"killed by {signal.Signals(-code).name}" if signalled else f"exit status {code}"
         tail = self.stderr_tail()
         self.kill()
         return DecoderCrashError(f"decord's process died ({how})" + (f": {tail}" if tail else ""), label)
@@ -135,7 +115,8 @@ class _Worker:
         del self._buf[:n]
         return out
 
-    def call(self, header: dict, payload: Optional[bytes], timeout: float, label: str) -> tuple[dict, bytearray]:
+    def call(self, header: dict, payload: Optional[bytes], timeout: float,
+             label: str) -> tuple[dict, bytearray]:
         """Send one request and wait for its reply (header, raw bytes)."""
         if payload is not None:
             header = dict(header, nbytes=len(payload))
@@ -185,7 +166,7 @@ def _acquire() -> _Worker:
     with _lock:
         while _idle:
             w = _idle.pop()
-            if w.owner == os.getpid() and w.alive:
+            if w.owner == os.getpid() and w.proc.poll() is None:
                 return w
             if w.owner == os.getpid():
                 w.kill()
@@ -194,7 +175,7 @@ def _acquire() -> _Worker:
 
 def _release(w: _Worker) -> None:
     with _lock:
-        if w.alive and w.owner == os.getpid() and len(_idle) < IDLE_WORKERS:
+        if w.proc.poll() is None and w.owner == os.getpid() and len(_idle) < IDLE_WORKERS:
             _idle.append(w)
             return
     if w.owner == os.getpid():
@@ -218,7 +199,6 @@ class IsolatedDecordBackend:
 
     def __init__(self, src: VideoSource, label: str, max_resolution: int):
         self.label = label
-        self.max_resolution = max_resolution
         self._w: Optional[_Worker] = _acquire()
         self._w.reset_log()
         if isinstance(src, (bytes, bytearray, memoryview)):
@@ -237,33 +217,30 @@ class IsolatedDecordBackend:
                 done = Orientation.from_container(matrix, facts["rotate"], flips=False)
                 o = Orientation.from_container(matrix, facts["rotate"], facts["sar"]).after(done)
         except (KeyError, TypeError, ValueError):
-            self._fail()
-            raise DecoderCrashError("decord's process sent a malformed reply", label) from None
-        if facts is None:  # decord shows stored frames; without PyAV's reading it cannot tell which way up
-            self.close()
-            raise UnsupportedVideoError("decord cannot tell how this video is shown (PyAV, which reads its "
-                                        f"display matrix for decord, cannot open it: {reply.get('facts_error')}); "
-                                        "use backend=pyav", label)
-        if n <= 0:
-            self.close()
-            raise EmptyVideoError("decord finds no frames", label)
-        if not np.isfinite(fps) or fps <= 0:
-            self.close()
-            raise CorruptVideoError(f"bad frame rate {fps}", label)
+            raise self._malformed() from None
         try:
+            if facts is None:  # decord shows stored frames; without PyAV's facts it cannot tell which way up
+                why = reply.get("facts_error")
+                raise UnsupportedVideoError("decord cannot tell how this video is shown (PyAV, which reads "
+                                            f"its display matrix for decord, cannot open it: {why}); use "
+                                            "backend=pyav", label)
+            if n <= 0:
+                raise EmptyVideoError("decord finds no frames", label)
+            check_fps(fps, label)
             check_frame_size(w, h, max_resolution, label)
         except VideoError:
             self.close()
             raise
-        self.stored, (sw, sh) = (h, w), o.shown(w, h)
-        self.info = VideoInfo(num_frames=n, fps=fps, width=sw, height=sh, duration=n / fps, declared=declared,
-                              orientation=o)
+        self.stored = (h, w)
+        self.info = VideoInfo.of_stored(w, h, o, num_frames=n, fps=fps, duration=n / fps, declared=declared)
         self.exhausted, self.end, self.gaps = False, None, []  # decord reads every frame asked or raises
 
-    def _fail(self) -> None:
+    def _malformed(self) -> DecoderCrashError:
+        """Kill the child that sent a reply this side cannot read."""
         if self._w is not None:
             self._w.kill()
             self._w = None
+        return DecoderCrashError("decord's process sent a malformed reply", self.label)
 
     def _call(self, req: dict, payload: Optional[bytes], timeout: float) -> dict:
         if self._w is None:
@@ -291,8 +268,7 @@ class IsolatedDecordBackend:
             shape = tuple(int(x) for x in reply["shape"])
             times = np.asarray(reply["times"], np.float64)
         except (KeyError, TypeError, ValueError):
-            self._fail()
-            raise DecoderCrashError("decord's process sent a malformed reply", self.label) from None
+            raise self._malformed() from None
         want = (len(indices), *self.stored, 3)
         if shape != want or len(data) != int(np.prod(shape)) or times.shape != (len(indices),):
             raise CorruptVideoError(f"decord returned frames {shape} for a request of {want}", self.label)

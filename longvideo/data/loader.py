@@ -6,28 +6,11 @@
     state = loader.state_dict()   # plain data; saved in the training checkpoint
     loader.load_state_dict(state) # the next batch is the one that would have come next
 
-Pipeline, all deterministic in ``seed``:
-
-1. Epoch ``e`` visits the shards in a permuted order (seeded by ``(seed, e)``) and numbers their
-   samples 0, 1, 2, ...; dp rank ``r`` takes the samples numbered ``r (mod dp_size)``, so ranks get
-   disjoint samples and together all of them.
-2. A shuffle buffer of ``shuffle_buffer`` sample references (drained at the end of an epoch).
-3. Each sample is read from its shard (random access), laid out by the templates
-   (:mod:`longvideo.data.templates`), cut to ``seq_len`` by dropping whole frame groups uniformly.
-4. First-fit packing into ``pack_bins`` open rows (:mod:`longvideo.data.packing`).
-
-The state holds only references (shard, sample, epoch, document), the stream cursor (position in
-the epoch's shard order and sample offset within that shard) and the shuffle generator's state,
-never data: a resume rebuilds the few open documents from their shards. Each sequence is later
-split over the sp ranks by the trainer (``longvideo.parallel.shard_batch``).
-
-Shards may be local files (read by random access) or URLs (``https://``, ``pipe:``, ... see
-:mod:`longvideo.data.streams`), which are streamed front to back: the loader keeps the bytes of
-the samples waiting in its shuffle buffer, and a resume re-streams the current shard up to the
-recorded offset (and the shards of the few samples still buffered or in open rows). The order of
-samples, and so the batch sequence, is the same for a shard read locally or streamed, and a
-resumed run gives the batches the uninterrupted run would have given, as long as the storage
-serves the same bytes. A shard whose stream fails part-way ends there (``shard_io_error``).
+Epoch ``e`` visits the shards in an order permuted by ``(seed, e)``, dp rank ``r`` takes the
+samples numbered ``r (mod dp_size)``; then a shuffle buffer, the layout (longvideo.data.templates)
+and first-fit packing (longvideo.data.packing). The state holds references and cursors, never data.
+Local shards are read by random access, URLs streamed (re-streamed up to the cursor on a resume).
+docs/data.md, "Loader" (and its "Resume guarantee").
 """
 
 from __future__ import annotations
@@ -42,7 +25,7 @@ import torch
 from longvideo.data.templates import Doc, LayoutOptions, build_docs, sample_rng
 from longvideo.data.packing import Packer, pack_row
 from longvideo.data.ranks import fail_together
-from longvideo.data.shards import TOKEN_EXTS, ShardError, SkipStats, TokenShard, decode_token_blobs
+from longvideo.data.shards import TOKEN_EXTS, ShardError, SkipStats, TokenShard, decode_token_sample
 from longvideo.data.streams import expand_sources, is_url, iter_tar
 
 log = logging.getLogger(__name__)
@@ -87,7 +70,6 @@ class TokenLoader:
         self._max_indexed = max_indexed_shards  # see _shard
         self._lengths: dict[int, int] = {}
         self._remote = [is_url(p) for p in self.paths]
-        self._data: dict[tuple[int, int], tuple[str, dict]] = {}  # streamed samples not yet laid out
         self._keys: dict[tuple[int, int], str] = {}  # keys of streamed samples
         self._stream = None  # the open stream of a remote shard ...
         self._stream_at: Optional[tuple[int, int]] = None  # ... and the (order index, sample) it reads next
@@ -96,16 +78,14 @@ class TokenLoader:
         self.last_batch_refs: list[list[tuple]] = []
         self._reset()
 
-    # ---- state -----------------------------------------------------------------------------
     def _reset(self) -> None:
-        self.epoch = 0
         self._start_epoch(0)
         self.buffer: list[tuple[int, int]] = []
         self.rng = np.random.default_rng([self.seed, self.dp_rank, 7919])
         self.packer: Packer[tuple] = Packer(self.seq_len, self.cfg.pack_bins)
         self.ready: list[list[tuple]] = []
         self._docs: dict[tuple, Doc] = {}
-        self._data = {}
+        self._data: dict[tuple[int, int], tuple[str, dict]] = {}  # streamed samples not yet laid out
         self._epoch_docs = 0
 
     def _start_epoch(self, epoch: int) -> None:
@@ -120,8 +100,8 @@ class TokenLoader:
         return {
             "version": STATE_VERSION, "seed": self.seed, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
             "seq_len": self.seq_len, "num_shards": len(self.paths),
-            "epoch": self.epoch, "pos": self.pos, "cursor": list(self._cursor), "stream_done": self.stream_done,
-            "epoch_docs": self._epoch_docs,
+            "epoch": self.epoch, "pos": self.pos, "cursor": list(self._cursor),
+            "stream_done": self.stream_done, "epoch_docs": self._epoch_docs,
             "buffer": [list(r) for r in self.buffer],
             "rng": self.rng.bit_generator.state,
             "packer": self.packer.state_dict(),
@@ -154,8 +134,8 @@ class TokenLoader:
         self.stats = SkipStats(state["stats"])
         rows = [r for row in self.packer.open for r, _ in row] + [r for row in self.ready for r in row]
         self._refetch({(r[0], r[1]) for r in rows} | set(self.buffer))
-        for ref in rows:
-            self._docs[ref] = self._rebuild(ref)
+        for ref in rows:  # (shard, sample, epoch, document)
+            self._docs[ref] = self._sample_docs(*ref[:3], count=False)[ref[3]]
         for ref in rows:
             if (ref[0], ref[1]) not in self.buffer:
                 self._data.pop((ref[0], ref[1]), None)
@@ -176,10 +156,9 @@ class TokenLoader:
                     break
             missing = sorted(want - {i for (t, i) in self._data if t == s})
             if missing:
-                raise RuntimeError(f"cannot resume exactly: samples {missing[:5]} of {self.paths[s]} could not be "
-                                   f"read again (the stream failed or the shard changed)")
+                raise RuntimeError(f"cannot resume exactly: samples {missing[:5]} of {self.paths[s]} could "
+                                   "not be read again (the stream failed or the shard changed)")
 
-    # ---- shards ----------------------------------------------------------------------------
     def _close_stream(self) -> None:
         if getattr(self, "_stream", None) is not None:
             self._stream.close()
@@ -204,14 +183,8 @@ class TokenLoader:
         return item
 
     def _shard(self, s: int) -> TokenShard:
-        """The index of local shard ``s`` (its tar headers: tens of ms to read).
-
-        Kept for the last ``max_indexed_shards`` shards used (~60 KB each, no open file): the
-        shuffle buffer draws from about ``shuffle_buffer * dp_size / samples_per_shard`` shards at
-        once and a few stragglers from earlier ones, and an index evicted too soon is read again
-        and again (docs/experiments.md, "the demo's 1K training step: the loader's shard indexes
-        and the output head").
-        """
+        """The index of local shard ``s`` (its tar headers), kept for the last ``max_indexed_shards``
+        used: an index evicted too soon is read again and again (docs/data.md, "Loader")."""
         if self._remote[s]:
             raise ValueError(f"{self.paths[s]} is streamed, it has no random access")
         if s in self._indexed:
@@ -244,23 +217,11 @@ class TokenLoader:
             k += 1
         self.pos, self._cursor = pos, (k, left)
 
-    def epoch_refs(self, epoch: int) -> list[tuple[int, int]]:
-        """(shard, sample) references this rank gets in ``epoch``, in stream order (before shuffling)."""
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.paths)).tolist()
-        refs, g = [], 0
-        for s in order:
-            for i in range(self._len(s)):
-                if g % self.dp_size == self.dp_rank:
-                    refs.append((s, i))
-                g += 1
-        return refs
-
     def key_of(self, ref: tuple) -> str:
         if self._remote[ref[0]]:
             return self._keys[(ref[0], ref[1])]
         return self._shard(ref[0]).samples[ref[1]][0]
 
-    # ---- stream ----------------------------------------------------------------------------
     def _next_stream_ref(self) -> Optional[tuple[int, int]]:
         k, i = self._cursor
         while k < len(self.order):
@@ -311,7 +272,7 @@ class TokenLoader:
         """(where, sample) of reference (s, i); raises ShardError. Streamed data is used up when counted."""
         if self._remote[s]:
             key, parts = self._data.pop((s, i)) if count else self._data[(s, i)]
-            return f"{self.paths[s]}:{key}", decode_token_blobs(key, parts, self.vocab.codebook_size)
+            return f"{self.paths[s]}:{key}", decode_token_sample(key, parts, self.vocab.codebook_size)
         shard = self._shard(s)
         where = f"{self.paths[s]}:{shard.samples[i][0]}"
         return where, shard.read(i, self.vocab.codebook_size)
@@ -326,11 +287,13 @@ class TokenLoader:
             if count:
                 self.stats.skip(e.reason, where, str(e))
             return []
+        rng = sample_rng(self.seed, epoch, sample.key)
         docs, too_long = build_docs(self.tokenizer, self.vocab, sample.codes, sample.timestamps, sample.meta,
-                                    self.opts, self.seq_len, sample_rng(self.seed, epoch, sample.key), sample.key)
+                                    self.opts, self.seq_len, rng, sample.key)
         if count:
             if too_long:
-                self.stats.skip("text_too_long", where, f"{too_long} template(s) longer than seq_len={self.seq_len}")
+                self.stats.skip("text_too_long", where,
+                                f"{too_long} template(s) longer than seq_len={self.seq_len}")
             if not docs and not too_long:
                 self.stats.skip("no_text", where, "json has no caption, qa or segments")
             if docs:
@@ -340,10 +303,6 @@ class TokenLoader:
                 self.stats["groups_dropped"] += d.groups_dropped
                 self.stats["docs_cut"] += int(d.groups_dropped > 0)
         return docs
-
-    def _rebuild(self, ref: tuple) -> Doc:
-        s, i, epoch, j = ref
-        return self._sample_docs(s, i, epoch, count=False)[j]
 
     def _next_row(self) -> list[tuple]:
         while not self.ready:

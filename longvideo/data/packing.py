@@ -1,22 +1,9 @@
 """Masked sequence packing: documents share a fixed-length row but never see each other.
 
-A row of ``seq_len`` tokens holds whole documents one after another, then padding:
-
-    input_ids    doc0 tokens | doc1 tokens | pad
-    segment_ids  0 0 0 0 0   | 1 1 1 1     | -1 -1
-    positions    0 1 2 3 4   | 0 1 2 3     | 0 0
-    targets      next token within the document; the last token of a document and padding get pad_id
-    loss_weights the weight of that next token; 0 on each document's last token and on padding
-
-Attention follows the mask rule of the kernels (same segment, causal by position), so a document
-attends only to itself and RoPE sees positions from 0, exactly as if it were alone. The loss is the
-weighted sum over all tokens divided by the total weight of the global batch; with
-``loss_norm="token"`` the weights are the layout's, so the loss and its gradients equal those of
-the same documents unpacked (one per row). ``loss_norm="sample"`` scales each document's weights to
-sum to 1, which makes every document count alike (the mean of per-document means).
-
-Documents longer than ``seq_len`` never reach the packer: the layout drops whole frame groups
-uniformly until they fit (see :func:`longvideo.data.templates.layout_doc`).
+A row holds whole documents one after another, then padding; segment ids and restarted positions
+make each document computed as if it were alone, and ``loss_norm`` sets how documents weigh in the
+loss (docs/data.md, "Packing", draws a row). Documents longer than ``seq_len`` never reach the
+packer: the layout drops whole frame groups until they fit (longvideo.data.templates.layout_doc).
 """
 
 from __future__ import annotations
@@ -62,10 +49,9 @@ def pack_row(docs: Sequence, seq_len: int, pad_id: int, loss_norm: str = "token"
 class Packer(Generic[T]):
     """First-fit packing of (item, length) pairs into at most ``bins`` open rows of ``seq_len``.
 
-    ``add`` returns the rows that became final: when an item fits no open row and all ``bins``
-    rows are open, the oldest row is closed (so no document waits long; later small documents
-    still fill the gaps of older rows); a row that is exactly full closes at once. Items are opaque (the loader uses sample references,
-    so the state is small); ``state_dict`` holds them as they are.
+    ``add`` returns the rows that became final: the oldest row when an item fits no open row and
+    all ``bins`` are open (so no document waits long), and a row that is exactly full. Items are
+    opaque (the loader's sample references) and ``state_dict`` holds them as they are.
     """
 
     def __init__(self, seq_len: int, bins: int = 4):
@@ -86,8 +72,7 @@ class Packer(Generic[T]):
                 row.append((item, length))
                 return [self._close(i)] if self._fill(row) == self.seq_len else []
         closed = []
-        if len(self.open) >= self.bins:
-            # close the oldest row: a document then waits for at most `bins` rows to be closed
+        if len(self.open) >= self.bins:  # a document waits for at most `bins` rows to be closed
             closed.append(self._close(0))
         self.open.append([(item, length)])
         if length == self.seq_len:

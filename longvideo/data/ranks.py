@@ -33,11 +33,9 @@ def comm_device(group=None) -> torch.device:
 
 def fail_together(error: Optional[BaseException], group=None) -> None:
     """Every rank of ``group`` (None: the default group) calls this with its own error (or None).
-    Returns when none failed;
-    otherwise re-raises this rank's error, or raises :class:`RankFailedError` with the first
-    failing rank's message on the ranks that did not fail. Two collectives on failure, one otherwise."""
-    dev, world = comm_device(group), dist.get_world_size(group)
-    me = dist.get_rank(group)
+    Returns when none failed; otherwise re-raises this rank's error, or raises RankFailedError with
+    the first failing rank's message on the others. Two collectives on failure, one otherwise."""
+    dev, world, me = comm_device(group), dist.get_world_size(group), dist.get_rank(group)
     first = torch.tensor([me if error is not None else world], dtype=torch.long, device=dev)
     dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
     src = int(first)
@@ -74,8 +72,8 @@ def together(items: Iterable, group=None) -> Iterator:
         left = torch.tensor([int(done)], dtype=torch.long, device=comm_device(group))
         dist.all_reduce(left, group=group)
         if 0 < int(left) < dist.get_world_size(group):
-            raise RankFailedError(f"{int(left)} of {dist.get_world_size(group)} ranks ran out of items while the "
-                                  "others went on (their inputs differ)")
+            raise RankFailedError(f"{int(left)} of {dist.get_world_size(group)} ranks ran out of items while "
+                                  "the others went on (their inputs differ)")
         if done:
             return
         yield item

@@ -1,18 +1,12 @@
 """Shard files: webdataset-style tar archives, read as untrusted input.
 
-Raw shards hold, per sample, ``KEY.<video>`` (any extension of
-:data:`longvideo.data.video.VIDEO_EXTS`) and ``KEY.json``.
-Token shards (written by ``longvideo tokenize``) hold ``KEY.codes.npy`` (VQ codes, integer
-(G, h, w)), ``KEY.timestamps.npy`` (float64 (G,), seconds of each code group's first frame) and
-``KEY.json`` (the raw json plus a few tokenizer fields).
+Raw shards hold, per sample, ``KEY.<video>`` (any of ``VIDEO_EXTS``) and ``KEY.json``; token shards
+(``longvideo tokenize``) ``KEY.codes.npy``, ``KEY.timestamps.npy`` and ``KEY.json`` (docs/data.md,
+"Raw shard format", "Token shard format").
 
-Reading never extracts anything: member bytes are read into memory, names are only split into
-``KEY`` and extension (never used as paths), only regular files are considered, only the
-extensions above are decoded (json with ``json.loads``; arrays with ``np.load(allow_pickle=False)``),
-and member sizes are bounded. A damaged header is skipped block by block, so the members after
-it are still read; samples that end up incomplete or invalid are counted by reason and skipped.
-Raw shards are streamed (local files and URLs alike, :mod:`longvideo.data.streams`); token shards on
-local disk are read by random access, remote ones streamed.
+Reading follows the untrusted-input rules of longvideo.data.streams (docs/data.md, "Untrusted
+shards"); samples that end up incomplete or invalid are counted by reason and skipped. Raw shards
+are streamed; token shards on local disk are read by random access, remote ones streamed.
 """
 
 from __future__ import annotations
@@ -30,8 +24,8 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from longvideo.atomic import atomic_open
-from longvideo.data.streams import (MAX_JSON_BYTES, MAX_NPY_BYTES, ShardError, SkipStats, is_url, iter_tar,
-                                    safe_member_name, split_name)
+from longvideo.data.streams import (ShardError, SkipStats, default_limits, is_url, iter_tar, part_bytes,
+                                    split_name, usable_member)
 from longvideo.data.video_base import VIDEO_EXTS  # the one list of accepted video extensions
 
 log = logging.getLogger(__name__)
@@ -61,10 +55,7 @@ def index_tar(path: str, stats: Optional[SkipStats] = None) -> list[Member]:
                     break
                 if info is None:
                     break
-                if not info.isreg() or not safe_member_name(info.name):
-                    # links, devices, absolute or escaping names: never followed, never used
-                    if stats is not None and not info.isdir():
-                        stats.skip("unsafe_member", f"{path}:{info.name!r}")
+                if not usable_member(info, stats, path):
                     continue
                 key, ext = split_name(info.name)
                 out.append(Member(key, ext, info.offset_data, info.size))
@@ -122,8 +113,6 @@ def parse_json(data: bytes, key: str) -> dict:
     return meta
 
 
-# ----------------------------------------------------------------------------- raw shards
-
 @dataclass
 class RawSample:
     key: str
@@ -148,18 +137,13 @@ def iter_raw_samples(path: str, stats: SkipStats, *, handler=None) -> Iterator[R
             stats.skip("missing_video", where)
             continue
         try:
-            for part in (parts["json"], parts[videos[0]]):
-                if isinstance(part, ShardError):
-                    raise part
-                if part is parts["json"]:
-                    meta = parse_json(part, key)
+            meta = parse_json(part_bytes(parts["json"]), key)
+            video = part_bytes(parts[videos[0]])
         except ShardError as e:
             stats.skip(e.reason, where, str(e))
             continue
-        yield RawSample(key=key, video=parts[videos[0]], video_ext=videos[0], meta=meta)
+        yield RawSample(key=key, video=video, video_ext=videos[0], meta=meta)
 
-
-# ----------------------------------------------------------------------------- token shards
 
 @dataclass
 class TokenSample:
@@ -178,18 +162,22 @@ def load_npy(data: bytes, key: str) -> np.ndarray:
         raise ShardError("bad_array", f"{key}: not a plain .npy array ({e})") from None
 
 
-def decode_token_sample(key: str, blobs: dict[str, bytes], codebook_size: Optional[int] = None) -> TokenSample:
-    """Check and decode the three members of a token-shard sample."""
+def decode_token_sample(key: str, parts: dict, codebook_size: Optional[int] = None) -> TokenSample:
+    """Check and decode the three members of a token-shard sample (bytes, or streamed parts: a
+    part's ShardError is raised first)."""
+    blobs = {ext: part_bytes(p) for ext, p in parts.items()}
     for ext in TOKEN_EXTS:
         if ext not in blobs:
             raise ShardError(f"missing_{ext.split('.')[0]}", f"{key}: no {ext} member")
     codes = load_npy(blobs["codes.npy"], key)
     stamps = load_npy(blobs["timestamps.npy"], key)
     if codes.ndim != 3 or not np.issubdtype(codes.dtype, np.integer) or codes.shape[0] == 0:
-        raise ShardError("bad_array", f"{key}: codes must be integer (G, h, w) with G > 0, got {codes.dtype} {codes.shape}")
+        raise ShardError("bad_array", f"{key}: codes must be integer (G, h, w) with G > 0, got {codes.dtype} "
+                                      f"{codes.shape}")
     if stamps.shape != codes.shape[:1] or not np.issubdtype(stamps.dtype, np.floating) \
             or not np.isfinite(stamps).all():
-        raise ShardError("bad_array", f"{key}: timestamps must be finite float ({codes.shape[0]},), got {stamps.dtype} {stamps.shape}")
+        raise ShardError("bad_array", f"{key}: timestamps must be finite float ({codes.shape[0]},), got "
+                                      f"{stamps.dtype} {stamps.shape}")
     lo, hi = int(codes.min()), int(codes.max())
     if lo < 0 or (codebook_size is not None and hi >= codebook_size):
         raise ShardError("bad_array", f"{key}: codes span [{lo}, {hi}], outside [0, {codebook_size})")
@@ -210,18 +198,19 @@ class TokenShard:
 
     def read(self, i: int, codebook_size: Optional[int] = None) -> TokenSample:
         key, parts = self.samples[i]
-        limits = {"json": MAX_JSON_BYTES, "codes.npy": MAX_NPY_BYTES, "timestamps.npy": MAX_NPY_BYTES}
+        limits = default_limits(TOKEN_EXTS)
         with open(self.path, "rb") as f:
             blobs = {ext: read_member(f, m, limits[ext]) for ext, m in parts.items()}
         return decode_token_sample(key, blobs, codebook_size)
 
 
-def iter_token_samples(path: str, stats: SkipStats, codebook_size: Optional[int] = None) -> Iterator[TokenSample]:
+def iter_token_samples(path: str, stats: SkipStats,
+                       codebook_size: Optional[int] = None) -> Iterator[TokenSample]:
     """The valid samples of a token shard (a local file, read by random access, or a URL, streamed)."""
     if is_url(path):
         for key, parts in iter_tar(path, stats, TOKEN_EXTS):
             try:
-                yield decode_token_blobs(key, parts, codebook_size)
+                yield decode_token_sample(key, parts, codebook_size)
             except ShardError as e:
                 stats.skip(e.reason, f"{path}:{key}", str(e))
         return
@@ -235,14 +224,6 @@ def iter_token_samples(path: str, stats: SkipStats, codebook_size: Optional[int]
             yield shard.read(i, codebook_size)
         except ShardError as e:
             stats.skip(e.reason, f"{path}:{shard.samples[i][0]}", str(e))
-
-
-def decode_token_blobs(key: str, parts: dict, codebook_size: Optional[int] = None) -> TokenSample:
-    """:func:`decode_token_sample` of streamed parts, raising a part's ShardError (too_large) first."""
-    for part in parts.values():
-        if isinstance(part, ShardError):
-            raise part
-    return decode_token_sample(key, parts, codebook_size)
 
 
 def npy_bytes(arr: np.ndarray) -> bytes:
@@ -259,8 +240,6 @@ def token_sample_members(key: str, codes: np.ndarray, timestamps: np.ndarray, me
             "timestamps.npy": npy_bytes(np.asarray(timestamps, np.float64)),
             "json": json.dumps(meta, sort_keys=True).encode()}
 
-
-# ----------------------------------------------------------------------------- writing
 
 class ShardWriter:
     """Writes a tar shard atomically (longvideo.atomic): readers never see a partial shard.
@@ -288,20 +267,16 @@ class ShardWriter:
         self._tar.close()
         self._file.__exit__(None, None, None)
 
-    def abort(self) -> None:
-        """Drop the partial shard; the target path is left as it was."""
-        try:
-            self._tar.close()
-        finally:
-            err = RuntimeError("shard aborted")
-            self._file.__exit__(type(err), err, None)
-
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
             self.close()
-        else:
-            self.abort()
+            return False
+        try:  # drop the partial shard: the target path is left as it was
+            self._tar.close()
+        finally:
+            err = RuntimeError("shard aborted")
+            self._file.__exit__(type(err), err, None)
         return False

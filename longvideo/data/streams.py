@@ -4,23 +4,13 @@
     expand_sources("data/raw")                                       # the *.tar files of a folder
     for key, parts in iter_tar(url, stats, ("mp4", "json")): ...      # parts: {ext: bytes or ShardError}
 
-A source is a local path (or a directory, glob or ``{000..099}`` pattern of them), or a URL:
-``http://`` / ``https://`` (read with the standard library, streamed, with a socket timeout),
-``pipe:COMMAND`` (the command's stdout, e.g. ``pipe:aws s3 cp s3://bucket/shard.tar -``), ``file:``
-and the other schemes of ``webdataset.gopen`` (opened through it). URL patterns are expanded by
-webdataset (``{000..099}`` and ``{a,b}`` braces, ``::`` lists). Nothing is copied to disk: a shard is
-read once, front to back, and only the members asked for are kept in memory.
-
-The tar stream is untrusted input, read with the rules defined here (shared with the random-access
-reader of local token shards in :mod:`longvideo.data.shards`):
-member names are only split into key and extension, only regular files with safe names are
-considered (links, devices, absolute or ``..`` names are counted as ``unsafe_member``), members over
-their size bound are not read (``too_large``), nothing is unpickled, and a damaged header is skipped
-block by block. Failures go to a webdataset-style handler (``handler(exn) -> True`` to go on); the
-default counts them in a :class:`SkipStats` by reason: ``shard_io_error`` when the source fails
-(refused, dropped mid-shard, a pipe command that exits non-zero), ``corrupt_tar`` / ``truncated_tar``
-when the bytes are not a valid tar. After a failure the shard ends there and the caller goes on
-with the next one.
+A source is a local path (or a directory, glob or ``{000..099}`` pattern of them) or a URL
+(``http(s)://``, ``pipe:COMMAND``, ``file:`` and webdataset's other schemes), read once, front to
+back, nothing copied to disk (docs/data.md, "Remote shards"). The tar stream is untrusted input,
+read with the rules defined here and shared with the random-access reader of local token shards
+(longvideo.data.shards): docs/data.md, "Untrusted shards". Failures go to a webdataset-style
+handler (``handler(exn) -> True`` to go on; the default counts them in a :class:`SkipStats` by
+reason: ``shard_io_error``, ``corrupt_tar``, ``truncated_tar``) and end the shard there.
 """
 
 from __future__ import annotations
@@ -40,14 +30,9 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 
 log = logging.getLogger(__name__)
 
-# ----------------------------------------------------------------------------- the rules every tar read follows
-
-MAX_JSON_BYTES = 16 << 20
-"""Largest json member accepted."""
+MAX_JSON_BYTES = 16 << 20  # largest member accepted, per kind
 MAX_VIDEO_BYTES = 8 << 30
-"""Largest video member accepted."""
 MAX_NPY_BYTES = 1 << 30
-"""Largest array member accepted."""
 
 
 class ShardError(ValueError):
@@ -70,16 +55,11 @@ class SkipStats(Counter):
         return sum(v for k, v in self.items() if k != "ok")
 
 
-# ----------------------------------------------------------------------------- shard lists
-
 def expand_shards(spec: str | os.PathLike | Iterable[str]) -> list[str]:
     """Sorted shard paths from a directory, a glob, a brace pattern (``a-{000..009}.tar``, or
     alternatives ``tokens/{short,long}``) or a list of those."""
     if not isinstance(spec, (str, os.PathLike)):
-        out = []
-        for s in spec:
-            out += expand_shards(s)
-        return sorted(set(out))
+        return sorted(set(p for s in spec for p in expand_shards(s)))
     spec = str(spec)
     if os.path.isdir(spec):
         return sorted(str(p) for p in Path(spec).glob("*.tar"))
@@ -88,9 +68,9 @@ def expand_shards(spec: str | os.PathLike | Iterable[str]) -> list[str]:
         return expand_shards([spec[:alt.start()] + a + spec[alt.end():] for a in alt.group(1).split(",")])
     m = re.search(r"\{(\d+)\.\.(\d+)\}", spec)
     if m:
-        lo, hi, width = int(m.group(1)), int(m.group(2)), len(m.group(1))
-        return sorted(set(p for i in range(lo, hi + 1)
-                          for p in expand_shards(spec[:m.start()] + f"{i:0{width}d}" + spec[m.end():])))
+        head, tail, width = spec[:m.start()], spec[m.end():], len(m.group(1))
+        numbers = range(int(m.group(1)), int(m.group(2)) + 1)
+        return expand_shards([f"{head}{i:0{width}d}{tail}" for i in numbers])
     if any(c in spec for c in "*?["):
         return sorted(glob.glob(spec))
     return [spec] if os.path.isfile(spec) else []
@@ -103,20 +83,30 @@ def split_name(name: str) -> tuple[str, str]:
     return (f"{head}/{stem}" if head else stem), (ext.lower() if dot else "")
 
 
-def safe_member_name(name: str) -> bool:
-    """A relative name without '..' or NUL: usable as a key, never followed as a path."""
-    parts = name.replace("\\", "/").split("/")
-    return bool(name) and not name.startswith("/") and ".." not in parts and "\x00" not in name
+def usable_member(info: tarfile.TarInfo, stats: Optional[SkipStats], where: str) -> bool:
+    """Whether a member is a regular file with a relative name without '..' or NUL (usable as a key,
+    never followed as a path); links, devices and escaping names are counted (``unsafe_member``)."""
+    name = info.name
+    safe = bool(name) and not name.startswith("/") and "\x00" not in name
+    if info.isreg() and safe and ".." not in name.replace("\\", "/").split("/"):
+        return True
+    if stats is not None and not info.isdir():
+        stats.skip("unsafe_member", f"{where}:{name!r}")
+    return False
 
 
-# ----------------------------------------------------------------------------- sources
-
-HTTP_TIMEOUT_S = 60.0
-"""Socket timeout of http(s) reads: a stalled connection fails (``shard_io_error``) after this long."""
+HTTP_TIMEOUT_S = 60.0  # socket timeout of http(s) reads: a stalled connection fails (shard_io_error)
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):")
 
 Part = Union[bytes, ShardError]
 Handler = Callable[[Exception], bool]
+
+
+def part_bytes(part: Part) -> bytes:
+    """A streamed part's bytes; raises the ShardError (``too_large``) it stands for."""
+    if isinstance(part, ShardError):
+        raise part
+    return part
 
 
 class SourceIOError(OSError):
@@ -150,10 +140,7 @@ def expand_sources(spec) -> list[str]:
     if isinstance(spec, (list, tuple)) and not any(is_url(str(s)) for s in spec):
         return expand_shards([os.fspath(s) for s in spec])  # local only: sorted, as before
     if isinstance(spec, (list, tuple)):
-        out: list[str] = []
-        for s in spec:
-            out += expand_sources(s)
-        return list(dict.fromkeys(out))
+        return list(dict.fromkeys(p for s in spec for p in expand_sources(s)))
     if isinstance(spec, os.PathLike):
         spec = os.fspath(spec)
     if is_url(spec):
@@ -174,11 +161,10 @@ def shard_name(src: str) -> str:
     else:
         name = Path(src).name
     if not name or name in (".", "..") or "/" in name or "\x00" in name:
-        raise ValueError(f"cannot name an output after {src!r}: give each shard a distinct file name ending in .tar")
+        raise ValueError(f"cannot name an output after {src!r}: give each shard a distinct file name "
+                         "ending in .tar")
     return name
 
-
-# ----------------------------------------------------------------------------- opening
 
 class _Guarded:
     """A binary reader whose failures surface as :class:`SourceIOError` (tar errors stay tar errors)."""
@@ -194,7 +180,8 @@ class _Guarded:
         self.done += len(data)
         if not data and n != 0 and self.length is not None and self.done < self.length:
             # http.client ends a read early without an error when the connection drops
-            raise SourceIOError(f"{self.where}: the connection closed after {self.done} of {self.length} bytes")
+            raise SourceIOError(f"{self.where}: the connection closed after {self.done} of {self.length} "
+                                "bytes")
         return data
 
     def close(self) -> None:
@@ -204,15 +191,16 @@ class _Guarded:
             raise SourceIOError(f"{self.where}: {type(e).__name__}: {e}") from e
 
 
-def open_source(src: str, timeout: float = HTTP_TIMEOUT_S):
+def open_source(src: str):
     """A binary stream of the source's bytes (read front to back; close it when done)."""
     try:
         if not is_url(src):
             return _Guarded(open(src, "rb"), src)
         scheme = _SCHEME.match(src).group(1).lower()
         if scheme in ("http", "https"):
-            req = urllib.request.Request(src, headers={"User-Agent": "longvideo", "Accept-Encoding": "identity"})
-            resp = urllib.request.urlopen(req, timeout=timeout)
+            req = urllib.request.Request(src, headers={"User-Agent": "longvideo",
+                                                       "Accept-Encoding": "identity"})
+            resp = urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S)
             length = resp.headers.get("Content-Length")
             return _Guarded(resp, src, int(length) if length and length.isdigit() else None)
         from webdataset.gopen import gopen
@@ -223,8 +211,6 @@ def open_source(src: str, timeout: float = HTTP_TIMEOUT_S):
     except (OSError, http.client.HTTPException, ValueError, urllib.error.URLError) as e:
         raise SourceIOError(f"{src}: cannot open: {type(e).__name__}: {e}") from e
 
-
-# ----------------------------------------------------------------------------- reading
 
 def counting_handler(stats: SkipStats, where: str) -> Handler:
     """A webdataset-style handler: counts the failure in ``stats`` under its reason and goes on."""
@@ -244,23 +230,22 @@ def default_limits(exts: Iterable[str]) -> dict[str, int]:
 
 
 def iter_tar(src: str, stats: SkipStats, exts: Iterable[str], limits: Optional[dict[str, int]] = None, *,
-             handler: Optional[Handler] = None, timeout: float = HTTP_TIMEOUT_S,
-             ) -> Iterator[tuple[str, dict[str, Part]]]:
+             handler: Optional[Handler] = None) -> Iterator[tuple[str, dict[str, Part]]]:
     """The samples of one tar shard as ``(key, {ext: bytes})``, streamed front to back.
 
     Consecutive members with the same key and different extensions form a sample (as
-    :func:`longvideo.data.shards.group_samples` does); members of other extensions are passed over
-    unread. A member over its bound (``limits``, default :func:`default_limits`) is given as a
-    :class:`ShardError` (``too_large``) instead of bytes, for the caller to count with its sample.
-    A failure (source, tar format) goes to ``handler`` (default: count in ``stats``); the shard ends
-    there, after yielding the sample read so far when the failure is in the tar format.
+    longvideo.data.shards.group_samples does); members of other extensions are passed over unread.
+    A member over its bound (``limits``, default :func:`default_limits`) is given as a ShardError
+    (``too_large``) for the caller to count with its sample. A failure (source, tar format) goes to
+    ``handler`` (default: count in ``stats``) and ends the shard, after yielding the sample read so
+    far when the failure is in the tar format.
     """
     wanted = tuple(exts)
     limits = dict(default_limits(wanted), **(limits or {}))
     handler = handler or counting_handler(stats, src)
     key, parts = None, {}
     try:
-        f = open_source(src, timeout)
+        f = open_source(src)
     except SourceIOError as e:
         handler(e)
         return
@@ -272,10 +257,7 @@ def iter_tar(src: str, stats: SkipStats, exts: Iterable[str], limits: Optional[d
             if info is None:
                 break
             tf.members = []  # a stream keeps no index
-            if not info.isreg() or not safe_member_name(info.name):
-                # links, devices, absolute or escaping names: never followed, never used
-                if not info.isdir():
-                    stats.skip("unsafe_member", f"{src}:{info.name!r}")
+            if not usable_member(info, stats, src):
                 continue
             k, ext = split_name(info.name)
             if ext not in wanted:
@@ -284,7 +266,8 @@ def iter_tar(src: str, stats: SkipStats, exts: Iterable[str], limits: Optional[d
                 yield key, parts
                 key, parts = None, {}
             if info.size > limits[ext]:
-                data: Part = ShardError("too_large", f"member {k}.{ext} has {info.size} bytes (limit {limits[ext]})")
+                data: Part = ShardError("too_large", f"member {k}.{ext} has {info.size} bytes "
+                                                     f"(limit {limits[ext]})")
             else:
                 data = tf.extractfile(info).read()
                 if len(data) != info.size:

@@ -1,20 +1,9 @@
 """Synthetic videos: moving coloured shapes, scene captions, QA pairs and a needle frame.
 
-The embedded default dataset. Everything is a pure function of a seed, so a dataset is reproduced
-exactly from ``(seed, index)``. The tasks are deliberately small so a tiny model can learn them on
-a CPU in minutes:
-
-* a video is a sequence of *scenes*; each scene shows one shape (``square`` / ``circle`` /
-  ``triangle``) of one colour (``red`` / ``green`` / ``blue`` / ``yellow``) bouncing on black;
-* timed ``segments`` name each scene ("a red circle"); the ``caption`` joins them;
-* QA pairs have one-word answers from a fixed small set, stored with the pair as ``choices``
-  (chance level = 1 / len(choices));
-* the *needle* task paints a one-second stretch at a random depth as a full-frame solid colour
-  and asks "What colour was the flash frame?". The stretch covers whole seconds so any sampler at
-  >= 1 fps sees it.
-
-Frames are ``uint8`` arrays ``(T, H, W, 3)``; rendering works on frame ranges, so an hour-long
-video is produced chunk by chunk without ever holding all of it.
+The embedded default dataset (docs/data.md, "The synthetic dataset"), small enough for a tiny model
+to learn on a CPU in minutes. Everything is a pure function of a seed, so sample ``index`` is
+reproduced exactly from ``(seed, index)``. Frames are uint8 ``(T, H, W, 3)``, rendered for any set
+of frame indices, so an hour-long video is produced chunk by chunk without ever holding all of it.
 """
 
 from __future__ import annotations
@@ -25,7 +14,7 @@ import multiprocessing as mp
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Optional
 
 import av
 import numpy as np
@@ -74,11 +63,10 @@ class Shape:
         return bounce(self.x0, self.vx), bounce(self.y0, self.vy)
 
 
-def random_shape(rng: np.random.Generator, size: int, kind: Optional[str] = None,
-                 colour: Optional[str] = None) -> Shape:
+def random_shape(rng: np.random.Generator, size: int) -> Shape:
     """A shape with random kind, colour, start, velocity (about 1-3 % of the frame per frame)."""
-    kind = kind if kind is not None else SHAPE_KINDS[rng.integers(len(SHAPE_KINDS))]
-    colour = colour if colour is not None else COLOUR_NAMES[rng.integers(len(COLOUR_NAMES))]
+    kind = SHAPE_KINDS[rng.integers(len(SHAPE_KINDS))]
+    colour = COLOUR_NAMES[rng.integers(len(COLOUR_NAMES))]
     radius = size * rng.uniform(0.14, 0.22)
     speed = size * rng.uniform(0.01, 0.03)
     angle = rng.uniform(0, 2 * np.pi)
@@ -102,36 +90,18 @@ def _shape_mask(shape: Shape, cx: np.ndarray, cy: np.ndarray, size: int) -> np.n
     raise ValueError(f"unknown shape kind {shape.kind!r}; expected one of {SHAPE_KINDS}")
 
 
-def render_shapes(shapes: Sequence[Shape], start: int, stop: int, size: int,
-                  background: tuple[int, int, int] = (0, 0, 0)) -> np.ndarray:
-    """Frames [start, stop) of shapes moving from frame 0; returns uint8 (stop-start, size, size, 3)."""
-    t = np.arange(start, stop, dtype=np.float64)
-    out = np.empty((len(t), size, size, 3), np.uint8)
-    out[:] = np.asarray(background, np.uint8)
-    for shape in shapes:  # later shapes are drawn over earlier ones
-        cx, cy = shape.centre(t, size)
-        mask = _shape_mask(shape, cx, cy, size)
-        out[mask] = np.asarray(COLOURS[shape.colour], np.uint8)
-    return out
-
-
-def moving_shapes_video(num_frames: int, size: int = 64, seed: int = 0, *, num_shapes: int = 2,
-                        shapes: Optional[Sequence[Shape]] = None,
-                        background: tuple[int, int, int] = (0, 0, 0)) -> np.ndarray:
-    """A clip of ``num_shapes`` random shapes bouncing on ``background``.
-
-    Returns uint8 (num_frames, size, size, 3). Deterministic in ``seed``; pass ``shapes`` to
-    choose them yourself.
-    """
+def moving_shapes_video(num_frames: int, size: int = 64, seed: int = 0) -> np.ndarray:
+    """A clip of two random shapes (deterministic in ``seed``) bouncing on black: uint8
+    (num_frames, size, size, 3); the later shape is drawn over the earlier one."""
     if num_frames <= 0 or size <= 0:
         raise ValueError(f"num_frames and size must be positive, got {num_frames}, {size}")
-    if shapes is None:
-        rng = np.random.default_rng(seed)
-        shapes = [random_shape(rng, size) for _ in range(num_shapes)]
-    return render_shapes(shapes, 0, num_frames, size, background)
+    rng = np.random.default_rng(seed)
+    t = np.arange(num_frames, dtype=np.float64)
+    out = np.zeros((num_frames, size, size, 3), np.uint8)
+    for shape in [random_shape(rng, size) for _ in range(2)]:
+        out[_shape_mask(shape, *shape.centre(t, size), size)] = np.asarray(COLOURS[shape.colour], np.uint8)
+    return out
 
-
-# ----------------------------------------------------------------------------- index-coded video
 
 _INDEX_BITS = 16
 
@@ -165,8 +135,6 @@ def decode_frame_index(frame: np.ndarray) -> int:
     return value
 
 
-# ----------------------------------------------------------------------------- mp4 writing
-
 def write_mp4(chunks: Iterable[np.ndarray], fps: float, dst=None, *, codec: str = "libx264",
               crf: int = 18, gop: Optional[int] = None, preset: str = "veryfast") -> Optional[bytes]:
     """Encode uint8 frame chunks (T, H, W, 3) (or single (H, W, 3) frames) to mp4 with PyAV.
@@ -183,7 +151,8 @@ def write_mp4(chunks: Iterable[np.ndarray], fps: float, dst=None, *, codec: str 
             if chunk.ndim == 3:
                 chunk = chunk[None]
             if chunk.dtype != np.uint8 or chunk.ndim != 4 or chunk.shape[-1] != 3:
-                raise ValueError(f"write_mp4 needs uint8 (T, H, W, 3) chunks, got {chunk.dtype} {chunk.shape}")
+                raise ValueError(f"write_mp4 needs uint8 (T, H, W, 3) chunks, got {chunk.dtype} "
+                                 f"{chunk.shape}")
             if stream is None:
                 h, w = chunk.shape[1:3]
                 if h % 2 or w % 2:
@@ -194,12 +163,14 @@ def write_mp4(chunks: Iterable[np.ndarray], fps: float, dst=None, *, codec: str 
                 opts = {"crf": str(crf), "preset": preset} if codec == "libx264" else {}
                 if codec == "libx264":
                     # x264 otherwise writes its build string, which differs between machines
-                    opts["x264-params"] = "threads=1:info=0" + (f":keyint={gop}:min-keyint={gop}" if gop else "")
+                    keyint = f":keyint={gop}:min-keyint={gop}" if gop else ""
+                    opts["x264-params"] = "threads=1:info=0" + keyint
                 elif gop:
                     stream.codec_context.gop_size = gop
                 stream.options = opts
             for img in chunk:
-                for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")):
+                frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")
+                for packet in stream.encode(frame):
                     container.mux(packet)
         if stream is None:
             raise ValueError("write_mp4 got no frames")
@@ -208,35 +179,23 @@ def write_mp4(chunks: Iterable[np.ndarray], fps: float, dst=None, *, codec: str 
     return sink.getvalue() if dst is None else None
 
 
-# ----------------------------------------------------------------------------- samples
-
 @dataclass(frozen=True)
 class SyntheticSpec:
     """How synthetic samples are drawn. Durations are whole seconds."""
 
-    size: int = 64
-    """Frame side in pixels."""
-    fps: int = 8
-    """Frames per second of the written video."""
-    min_seconds: int = 4
-    """Shortest ordinary video."""
-    max_seconds: int = 12
-    """Longest ordinary video."""
-    long_fraction: float = 0.1
-    """Fraction of samples that are long videos."""
-    long_seconds: int = 60
-    """Duration of a long video."""
-    needle_fraction: float = 0.5
-    """Fraction of samples that carry the needle (flash frame) question."""
-    scene_seconds: tuple[int, int] = (2, 4)
-    """Inclusive range of a scene's duration."""
-    gop_seconds: float = 1.0
-    """Keyframe interval of the written mp4."""
-    needle_at: Optional[float] = None
-    """Depth of the needle in [0, 1] (0 = first second, 1 = last); None draws it at random."""
+    size: int = 64  # frame side in pixels
+    fps: int = 8  # frames per second of the written video
+    min_seconds: int = 4  # shortest ordinary video
+    max_seconds: int = 12  # longest ordinary video
+    long_fraction: float = 0.1  # fraction of samples that are long videos ...
+    long_seconds: int = 60  # ... of this duration
+    needle_fraction: float = 0.5  # fraction of samples that carry the needle (flash frame) question
+    scene_seconds: tuple[int, int] = (2, 4)  # inclusive range of a scene's duration
+    gop_seconds: float = 1.0  # keyframe interval of the written mp4
+    needle_at: Optional[float] = None  # depth of the needle in [0, 1] (0 = first second); None: at random
+    # extra one-second flashes of random colours, with no question about them (tokenizer training
+    # data: a tokenizer that rarely sees a flash learns to drop it)
     flashes_per_minute: float = 0.0
-    """Extra one-second flashes of random colours, with no question about them (tokenizer training
-    data: a tokenizer that rarely sees a flash learns to drop it)."""
 
     def __post_init__(self):
         if self.size <= 0 or self.size % 2:
@@ -244,7 +203,8 @@ class SyntheticSpec:
         if self.fps <= 0:
             raise ValueError(f"fps must be positive, got {self.fps}")
         if not 1 <= self.min_seconds <= self.max_seconds:
-            raise ValueError(f"need 1 <= min_seconds <= max_seconds, got {self.min_seconds}, {self.max_seconds}")
+            raise ValueError(f"need 1 <= min_seconds <= max_seconds, got {self.min_seconds}, "
+                             f"{self.max_seconds}")
         if self.long_seconds < 1:
             raise ValueError(f"long_seconds must be >= 1, got {self.long_seconds}")
         lo, hi = self.scene_seconds
@@ -271,28 +231,14 @@ class SyntheticSample:
     meta: dict = field(default_factory=dict)
     flashes: list[tuple[int, str]] = field(default_factory=list)  # extra (second, colour), no question
 
-    def _painted(self) -> list[tuple[int, str]]:
-        """Every full-frame flash, the needle last (it wins where they meet)."""
-        return self.flashes + ([self.needle] if self.needle is not None else [])
-
     @property
     def num_frames(self) -> int:
         return self.duration * self.spec.fps
 
     def frames(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
         """Frames [start, stop) as uint8 (T, H, W, 3)."""
-        fps, size = self.spec.fps, self.spec.size
         stop = self.num_frames if stop is None else min(stop, self.num_frames)
-        out = np.zeros((max(stop - start, 0), size, size, 3), np.uint8)
-        for s0, s1, shape in self.scenes:
-            a, b = max(start, s0 * fps), min(stop, s1 * fps)
-            if a < b:  # each scene's shape starts moving at the scene's first frame
-                out[a - start: b - start] = render_shapes([shape], a - s0 * fps, b - s0 * fps, size)
-        for sec, colour in self._painted():
-            a, b = max(start, sec * fps), min(stop, (sec + 1) * fps)
-            if a < b:
-                out[a - start: b - start] = np.asarray(COLOURS[colour], np.uint8)
-        return out
+        return self.frames_at(np.arange(start, stop))
 
     def frames_at(self, indices) -> np.ndarray:
         """The frames at the given indices (any order, any stride) as uint8 (len, H, W, 3): e.g.
@@ -308,21 +254,15 @@ class SyntheticSample:
                 part = out[sel]
                 part[mask] = np.asarray(COLOURS[shape.colour], np.uint8)
                 out[sel] = part
-        for sec, colour in self._painted():
+        painted = self.flashes + ([self.needle] if self.needle is not None else [])  # the needle wins
+        for sec, colour in painted:
             out[(idx >= sec * fps) & (idx < (sec + 1) * fps)] = np.asarray(COLOURS[colour], np.uint8)
         return out
 
-    def chunks(self, chunk_frames: int = 256) -> Iterator[np.ndarray]:
-        for a in range(0, self.num_frames, chunk_frames):
-            yield self.frames(a, a + chunk_frames)
-
     def mp4(self) -> bytes:
         gop = max(1, int(round(self.spec.gop_seconds * self.spec.fps)))
-        return write_mp4(self.chunks(), self.spec.fps, gop=gop)
-
-
-def _describe(shape: Shape) -> str:
-    return f"a {shape.colour} {shape.kind}"
+        chunks = (self.frames(a, a + 256) for a in range(0, self.num_frames, 256))
+        return write_mp4(chunks, self.spec.fps, gop=gop)
 
 
 def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) -> SyntheticSample:
@@ -347,12 +287,13 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
             second = int(round(spec.needle_at * (duration - 1)))
         needle = (second, NEEDLE_CHOICES[rng.integers(len(NEEDLE_CHOICES))])
 
-    segments = [{"start": float(a), "end": float(b), "text": _describe(s)} for a, b, s in scenes]
+    segments = [{"start": float(a), "end": float(b), "text": f"a {s.colour} {s.kind}"} for a, b, s in scenes]
     qa = []
     if needle is not None:
         qa.append({"question": NEEDLE_QUESTION, "answer": needle[1], "choices": list(NEEDLE_CHOICES)})
     qa.append({"question": FIRST_SHAPE_QUESTION, "answer": scenes[0][2].kind, "choices": list(SHAPE_KINDS)})
-    qa.append({"question": LAST_COLOUR_QUESTION, "answer": scenes[-1][2].colour, "choices": list(COLOUR_NAMES)})
+    qa.append({"question": LAST_COLOUR_QUESTION, "answer": scenes[-1][2].colour,
+               "choices": list(COLOUR_NAMES)})
     key = f"{seed:04d}_{index:08d}"
     meta = {
         "caption": ", then ".join(seg["text"] for seg in segments) + ".",
@@ -370,21 +311,20 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
     if spec.flashes_per_minute > 0:  # a stream of its own: the rest of the sample is as without flashes
         frng = np.random.default_rng([seed, index, 1])
         n = int(frng.poisson(spec.flashes_per_minute * duration / 60))
-        seconds = sorted(set(int(x) for x in frng.integers(0, duration, n)) - ({needle[0]} if needle else set()))
+        seconds = sorted({int(x) for x in frng.integers(0, duration, n)} - ({needle[0]} if needle else set()))
         flashes = [(t, NEEDLE_CHOICES[int(frng.integers(len(NEEDLE_CHOICES)))]) for t in seconds]
         meta["flashes"] = [{"start": float(t), "end": float(t + 1), "colour": c} for t, c in flashes]
     return SyntheticSample(key=key, spec=spec, duration=duration, scenes=scenes, needle=needle, meta=meta,
                            flashes=flashes)
 
 
-# ----------------------------------------------------------------------------- shards
-
 def _write_shard(args) -> tuple[str, int]:
     path, seed, indices, spec = args
     with ShardWriter(path) as w:
         for i in indices:
             sample = make_sample(seed, i, spec)
-            w.write(sample.key, {"mp4": sample.mp4(), "json": json.dumps(sample.meta, sort_keys=True).encode()})
+            meta = json.dumps(sample.meta, sort_keys=True).encode()
+            w.write(sample.key, {"mp4": sample.mp4(), "json": meta})
     return str(path), len(indices)
 
 
@@ -425,7 +365,7 @@ def text_corpus(n: int = 200, seed: int = 0, spec: SyntheticSpec = SyntheticSpec
         meta = make_sample(seed, i, spec).meta
         texts.append(meta["caption"])
         texts += [SEGMENT_TEXT.format(text=s["text"]) for s in meta["segments"]]
-        texts += [QUESTION_TEXT.format(question=q["question"]) + ANSWER_PROMPT + ANSWER_TEXT.format(answer=q["answer"])
-                  for q in meta["qa"]]
+        texts += [QUESTION_TEXT.format(question=q["question"]) + ANSWER_PROMPT
+                  + ANSWER_TEXT.format(answer=q["answer"]) for q in meta["qa"]]
     texts += [TIMESTAMP_TEXT.format(t=float(t)) for t in range(0, 120)]
     return texts

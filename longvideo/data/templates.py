@@ -2,35 +2,11 @@
 
     <bos> text <vision> [ts] codes <eof> ... [ts] codes <eov> </vision> text ... <eos>
 
-A *group* is the unit the VQ codes (one frame in 2d mode, a temporal group in causal-3D mode):
-its h*w codes are followed by ``<eof>``, the last group of a video by ``<eov>``. With
-``timestamp_every = k > 0`` the text ``[12.0s]`` (the group's first frame time) precedes every k-th
-kept group. Templates:
-
-* ``caption``  ``<bos> <vision>...</vision> caption <eos>`` (or the caption first: text-to-video)
-* ``qa``       ``<bos> <vision>...</vision> Question: q1\\nAnswer: a1 <eos> Question: q2\\nAnswer: a2 <eos>``,
-               or the first question before the video: ``<bos> Question: q1\\n <vision>...</vision> Answer: a1 <eos> ...``;
-               the pairs in a new random order per sample and epoch (``qa_order``), or as given
-* ``segments`` timed captions interleaved with their frames:
-               ``<bos> <vision>[frames of segment 1]</vision> text1\\n <vision>[frames of segment 2]</vision> text2\\n ... <eos>``
-
-Loss weights are per token, the weight of predicting that token from the ones before it: prompt
-parts (questions, ``<bos>``) get 0, text that is learnt gets ``text_loss_weight``, vision tokens
-(codes, ``<eof>``, ``<eov>``, ``<vision>``, ``</vision>``) get ``vision_loss_weight`` (LWM: 0.5 / 0.5);
-timestamp text inside a video counts as text. In QA samples the video is context, and carries
-vision loss only when ``qa_vision_loss`` is set.
-
-:func:`build_prompt` is the inference prompt: exactly the QA training layout of one question,
-ending where the answer starts, with the length of its part up to the end of the video (what a KV
-cache keeps across questions about one video); or, for LWM's released chat models (``PromptOptions(template="lwm")``),
-exactly the prompt of LWM's vision chat (lwm/vision_chat.py of the LWM repository)::
-
-    <s> <s> You are a helpful assistant. USER: {question}\n <s> <vision> codes <eof> ... codes <eov> <s> </vision> <s>  ASSISTANT:
-
-LWM encodes its four text pieces separately with a tokenizer that adds BOS to each (and reads the
-literal ``<s>`` of the first one as BOS too): hence the five BOS tokens, and each piece begins a
-SentencePiece encoding of its own (a leading word-boundary marker, ``▁▁ASSISTANT`` for " ASSISTANT:").
-``<vision>`` and ``</vision>`` are text there (the lwm vocabulary layout, longvideo/vocab.py).
+A *group* is the unit the VQ codes (a frame in 2d mode, a temporal group in causal3d mode). The
+templates (``caption``, ``qa``, ``segments``), the timestamp text and the loss weights of each part:
+docs/data.md, "Sequence layout". :func:`build_prompt` is the inference prompt: the QA training
+layout of one question, ending where the answer starts, or LWM's vision-chat prompt token for token
+(``PromptOptions(template="lwm")``; docs/lwm.md explains its five BOS tokens).
 """
 
 from __future__ import annotations
@@ -41,21 +17,18 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from longvideo.data.config import DataConfig
+from longvideo.data.config import TEMPLATES, DataConfig
 
 QUESTION_TEXT = "Question: {question}\n"
 ANSWER_PROMPT = "Answer:"
 ANSWER_TEXT = " {answer}"
 SEGMENT_TEXT = "{text}\n"
 TIMESTAMP_TEXT = "[{t:.1f}s]"
-TEMPLATES: tuple[str, ...] = ("qa", "segments", "caption")
 PROMPT_TEMPLATES: tuple[str, ...] = ("qa", "lwm")
 LWM_USER_TEXT = "You are a helpful assistant. USER: {question}\n"
 LWM_VISION_START, LWM_VISION_END = "<vision>", "</vision>"
 LWM_ASSISTANT_TEXT = " ASSISTANT:"
 
-
-# ----------------------------------------------------------------------------- parts
 
 @dataclass(frozen=True)
 class Text:
@@ -132,64 +105,49 @@ def segments_parts(segments: Sequence[dict], timestamps: np.ndarray, groups: Seq
     return parts + [Eos(True)]
 
 
-# ----------------------------------------------------------------------------- rendering
+def _render(parts: list, tok, vocab, codes: Optional[np.ndarray], timestamps: Optional[np.ndarray],
+            text_w: float, vision_w: float, every: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Ids int64 (L,) and weights float32 (L,) of ``parts``, and the number of tokens up to the end
+    of the last video part (0: no video). Text pieces are tokenized one by one (no BOS/EOS added)."""
+    ids: list[int] = []
+    weights: list[float] = []
+    video_end = 0
 
-class _Renderer:
-    """Turns parts into ids and weights. Text pieces are tokenized one by one (no BOS/EOS added)."""
+    def add(new: Sequence[int], w: float) -> None:
+        ids.extend(int(i) for i in new)
+        weights.extend([w] * len(new))
 
-    def __init__(self, tokenizer, vocab, codes: Optional[np.ndarray], timestamps: Optional[np.ndarray],
-                 text_w: float, vision_w: float, timestamp_every: int):
-        self.tok, self.vocab = tokenizer, vocab
-        self.codes, self.timestamps = codes, timestamps
-        self.text_w, self.vision_w, self.every = text_w, vision_w, timestamp_every
-        self.ids: list[int] = []
-        self.weights: list[float] = []
-        self.video_end = 0
-        """Tokens up to the end of the last video part rendered (0: no video yet)."""
+    for p in parts:
+        if isinstance(p, Bos):
+            if tok.bos_id is None:
+                raise ValueError("the text tokenizer has no BOS token")
+            add([tok.bos_id], 0.0)
+        elif isinstance(p, Eos):
+            if tok.eos_id is None:
+                raise ValueError("the text tokenizer has no EOS token")
+            add([tok.eos_id], text_w if p.loss else 0.0)
+        elif isinstance(p, Text):
+            if p.text:
+                add(tok.encode(p.text), text_w if p.loss else 0.0)
+        elif isinstance(p, Video):
+            if not p.groups:
+                continue
+            vw, tw, v = (vision_w if p.loss else 0.0), (text_w if p.loss else 0.0), vocab
+            if v.vision_start is not None:  # text around the video in the lwm layout
+                add([v.vision_start], vw)
+            flat = codes.reshape(codes.shape[0], -1)  # (G, h*w)
+            for i, g in enumerate(p.groups):
+                if every and i % every == 0:
+                    add(tok.encode(TIMESTAMP_TEXT.format(t=float(timestamps[g]))), tw)
+                add((flat[g] + v.vq_offset).tolist(), vw)
+                add([v.eov if i == len(p.groups) - 1 else v.eof], vw)
+            if v.vision_end is not None:
+                add([v.vision_end], vw)
+            video_end = len(ids)
+        else:
+            raise TypeError(f"unknown part {p!r}")
+    return np.asarray(ids, np.int64), np.asarray(weights, np.float32), video_end
 
-    def _add(self, ids: Sequence[int], w: float) -> None:
-        self.ids.extend(int(i) for i in ids)
-        self.weights.extend([w] * len(ids))
-
-    def render(self, parts: list) -> tuple[np.ndarray, np.ndarray]:
-        for p in parts:
-            if isinstance(p, Bos):
-                if self.tok.bos_id is None:
-                    raise ValueError("the text tokenizer has no BOS token")
-                self._add([self.tok.bos_id], 0.0)
-            elif isinstance(p, Eos):
-                if self.tok.eos_id is None:
-                    raise ValueError("the text tokenizer has no EOS token")
-                self._add([self.tok.eos_id], self.text_w if p.loss else 0.0)
-            elif isinstance(p, Text):
-                if p.text:
-                    self._add(self.tok.encode(p.text), self.text_w if p.loss else 0.0)
-            elif isinstance(p, Video):
-                self._video(p)
-            else:
-                raise TypeError(f"unknown part {p!r}")
-        return np.asarray(self.ids, np.int64), np.asarray(self.weights, np.float32)
-
-    def _video(self, p: Video) -> None:
-        if not p.groups:
-            return
-        vw = self.vision_w if p.loss else 0.0
-        tw = self.text_w if p.loss else 0.0
-        v = self.vocab
-        if v.vision_start is not None:  # text around the video in the lwm layout
-            self._add([v.vision_start], vw)
-        flat = self.codes.reshape(self.codes.shape[0], -1)  # (G, h*w)
-        for i, g in enumerate(p.groups):
-            if self.every and i % self.every == 0:
-                self._add(self.tok.encode(TIMESTAMP_TEXT.format(t=float(self.timestamps[g]))), tw)
-            self._add((flat[g] + v.vq_offset).tolist(), vw)
-            self._add([v.eov if i == len(p.groups) - 1 else v.eof], vw)
-        if v.vision_end is not None:
-            self._add([v.vision_end], vw)
-        self.video_end = len(self.ids)
-
-
-# ----------------------------------------------------------------------------- documents
 
 @dataclass
 class Doc:
@@ -207,12 +165,9 @@ class Doc:
 
 
 def uniform_keep(num_groups: int, keep: int) -> list[int]:
-    """``keep`` group indices spread evenly over ``num_groups``, increasing.
-
-    With two or more kept, the first and the last group are always among them: questions about how
-    a video starts or ends ("What shape came first?") keep their evidence when the middle is thinned.
-    One kept group is the middle one.
-    """
+    """``keep`` group indices spread evenly over ``num_groups``, increasing. With two or more kept,
+    the first and the last are among them (a question about how a video starts or ends keeps its
+    evidence); one kept group is the middle one."""
     if keep >= num_groups:
         return list(range(num_groups))
     if keep <= 0:
@@ -221,17 +176,6 @@ def uniform_keep(num_groups: int, keep: int) -> list[int]:
         return [num_groups // 2]
     step = (num_groups - 1) / (keep - 1)  # > 1, so rounding keeps the indices distinct
     return [int(i * step + 0.5) for i in range(keep)]
-
-
-def available_templates(meta: dict) -> list[str]:
-    out = []
-    if meta.get("qa"):
-        out.append("qa")
-    if meta.get("segments"):
-        out.append("segments")
-    if isinstance(meta.get("caption"), str) and meta["caption"].strip():
-        out.append("caption")
-    return out
 
 
 @dataclass(frozen=True)
@@ -255,7 +199,10 @@ class LayoutOptions:
 
 def choose_templates(meta: dict, opts: LayoutOptions, rng: np.random.Generator) -> list[tuple[str, bool]]:
     """(template, text_first) pairs to lay out for a sample, following template_mode."""
-    avail = [t for t in opts.templates if t in available_templates(meta)]
+    caption = meta.get("caption")
+    have = {"qa": bool(meta.get("qa")), "segments": bool(meta.get("segments")),
+            "caption": isinstance(caption, str) and bool(caption.strip())}
+    avail = [t for t in opts.templates if have[t]]
     if not avail:
         return []
     if opts.template_mode == "first":
@@ -274,10 +221,8 @@ def choose_templates(meta: dict, opts: LayoutOptions, rng: np.random.Generator) 
 
 def layout_doc(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta: dict, template: str,
                text_first: bool, opts: LayoutOptions, max_len: int) -> Optional[Doc]:
-    """Lay out one template; drop groups uniformly (whole groups only) until it fits ``max_len``.
-
-    Returns None when even one group does not fit (the text alone is too long).
-    """
+    """Lay out one template, dropping whole groups uniformly until it fits ``max_len``; None when
+    even one group does not fit (the text alone is too long)."""
     num_groups = int(codes.shape[0])
 
     def parts_for(groups: list[int]) -> list:
@@ -291,9 +236,10 @@ def layout_doc(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta
         raise ValueError(f"unknown template {template!r}; expected one of {TEMPLATES}")
 
     def render(keep: int) -> tuple[np.ndarray, np.ndarray]:
-        r = _Renderer(tokenizer, vocab, codes, timestamps, opts.text_loss_weight, opts.vision_loss_weight,
-                      opts.timestamp_every)
-        return r.render(parts_for(uniform_keep(num_groups, keep)))
+        parts = parts_for(uniform_keep(num_groups, keep))
+        ids, weights, _ = _render(parts, tokenizer, vocab, codes, timestamps, opts.text_loss_weight,
+                                  opts.vision_loss_weight, opts.timestamp_every)
+        return ids, weights
 
     keep = num_groups
     ids, w = render(keep)
@@ -334,18 +280,13 @@ def build_docs(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta
     return docs, too_long
 
 
-# ----------------------------------------------------------------------------- inference
-
 @dataclass(frozen=True)
 class PromptOptions:
     """How a question about a video is laid out at inference: the QA training template's settings."""
 
-    timestamp_every: int = 0
-    """Timestamp text before every k-th code group (0: none), as in training."""
-    question_first: bool = False
-    """The question before the video instead of after it."""
-    template: str = "qa"
-    """qa: the QA training template; lwm: LWM's vision-chat prompt (the other options do not apply)."""
+    timestamp_every: int = 0  # timestamp text before every k-th code group (0: none), as in training
+    question_first: bool = False  # the question before the video instead of after it
+    template: str = "qa"  # qa: the QA training template; lwm: LWM's vision-chat prompt (no other options)
 
     def __post_init__(self):
         if self.template not in PROMPT_TEMPLATES:
@@ -371,20 +312,19 @@ class Prompt:
 
 def build_prompt(tokenizer, vocab, codes, timestamps, question: str,
                  options: PromptOptions = PromptOptions(), history: Sequence[tuple[str, str]] = ()) -> Prompt:
-    """The QA prompt for one question, ending exactly where the answer starts.
+    """The prompt for one question, ending exactly where the answer starts: the QA training layout
+    (:func:`qa_parts`), or LWM's vision-chat prompt with ``options.template == "lwm"``.
 
-    codes: integer (G, h, w) (numpy or torch); timestamps: (G,) seconds. Uses the QA training
-    template (:func:`qa_parts`), so a model trained on QA samples sees the same layout; or LWM's
-    vision-chat prompt (:func:`lwm_parts`) with ``options.template == "lwm"``. history: earlier
-    (question, answer) turns about the same video, laid out as the template continues
-    (``Question: q1\\nAnswer: a1<eos>Question: q2\\nAnswer:``), so that the prompt of a follow-up
+    codes: integer (G, h, w) (numpy or torch); timestamps: (G,) seconds. history: earlier (question,
+    answer) turns about the same video, laid out as the template continues, so a follow-up's prompt
     extends the previous prompt and its answer (what a server's KV cache keeps between turns).
     """
     question_first, timestamp_every = options.question_first, options.timestamp_every
     codes = np.asarray(codes.cpu() if hasattr(codes, "cpu") else codes).astype(np.int64)
     timestamps = np.asarray(timestamps.cpu() if hasattr(timestamps, "cpu") else timestamps, np.float64)
     if codes.ndim != 3 or timestamps.shape != codes.shape[:1]:
-        raise ValueError(f"codes must be (G, h, w) and timestamps (G,), got {codes.shape}, {timestamps.shape}")
+        raise ValueError(f"codes must be (G, h, w) and timestamps (G,), got {codes.shape}, "
+                         f"{timestamps.shape}")
     if options.template == "lwm":
         if history:
             raise ValueError("LWM's vision-chat prompt holds one question; follow-ups need the qa template")
@@ -392,9 +332,8 @@ def build_prompt(tokenizer, vocab, codes, timestamps, question: str,
     else:
         parts = qa_parts([*history, (question, None)], range(codes.shape[0]), question_first=question_first,
                          vision_loss=False)
-    r = _Renderer(tokenizer, vocab, codes, timestamps, 0.0, 0.0, timestamp_every)
-    ids, _ = r.render(parts)
-    return Prompt(ids=ids.tolist(), video_end=r.video_end)
+    ids, _, video_end = _render(parts, tokenizer, vocab, codes, timestamps, 0.0, 0.0, timestamp_every)
+    return Prompt(ids=ids.tolist(), video_end=video_end)
 
 
 def parse_answer(text: str) -> str:

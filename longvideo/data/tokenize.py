@@ -1,14 +1,10 @@
 """``longvideo tokenize``: raw shards (video + json) -> token shards (VQ codes + timestamps + json).
 
-Each input shard becomes one output shard of the same name, written atomically (a temporary file
-renamed when complete), so an interrupted run leaves only finished shards behind and a rerun skips
-them. Shards are spread over worker processes, each holding one copy of the VQ model. Videos that
-cannot be read (corrupt, unsupported, empty) and samples without json are counted by reason,
-logged and skipped. A partial video (cut short of its declared duration, or with frames lost to
-refused packets) is kept as what was read, counted ``truncated`` or ``gaps`` instead of ``ok``,
-with the segments and QA pairs timed past its end dropped, or skipped (``video_truncated``) as
-``partial_videos`` and ``min_partial_fraction`` say. A ``NAME.stats.json`` beside each output
-shard keeps its counts and ``tokenize_stats.json`` sums them.
+Each input shard becomes one output shard of the same name, written atomically, so a rerun skips
+finished ones; shards are spread over worker processes, each holding one copy of the VQ. Unreadable
+videos and samples without json are counted by reason and skipped; partial videos are kept or
+skipped as ``partial_videos`` and ``min_partial_fraction`` say (docs/data.md, "Partial videos").
+``NAME.stats.json`` beside each output keeps its counts, ``tokenize_stats.json`` sums them.
 """
 
 from __future__ import annotations
@@ -28,8 +24,8 @@ from tqdm import tqdm
 
 from longvideo.atomic import write_json_atomic
 from longvideo.data.codes import video_to_codes
-from longvideo.data.shards import (VIDEO_EXTS, ShardWriter, SkipStats, group_samples, index_tar, iter_raw_samples,
-                                   token_sample_members)
+from longvideo.data.shards import (VIDEO_EXTS, ShardWriter, SkipStats, group_samples, index_tar,
+                                   iter_raw_samples, token_sample_members)
 from longvideo.data.streams import expand_sources, is_url, shard_name
 from longvideo.data.video import VideoError
 from longvideo.vq.model import load_vq
@@ -39,20 +35,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TokenizeOptions:
-    fps: float = 1.0
-    """Frames per second sampled from each video."""
-    max_frames: Optional[int] = 3600
-    """Most frames per video (uniform sampling when the cap binds)."""
-    max_resolution: int = 4096
-    """Longest frame side accepted."""
-    batch_frames: int = 16
-    """Frames the VQ encodes at once."""
-    backend: str = "auto"
-    """Video decoder: auto (= pyav, in this process), pyav, or decord (in a child process)."""
-    partial_videos: str = "keep"
-    """Partial videos: keep what was read (when at least min_partial_fraction of it), or skip them."""
-    min_partial_fraction: float = 0.5
-    """Least share of a partial video that must have been read for it to be kept."""
+    """How ``tokenize`` reads and encodes videos (``--config`` takes them from ``data`` and ``infer``)."""
+
+    fps: float = 1.0  # frames per second sampled from each video
+    max_frames: Optional[int] = 3600  # most frames per video (uniform sampling when the cap binds)
+    max_resolution: int = 4096  # longest frame side accepted
+    batch_frames: int = 16  # frames the VQ encodes at once
+    backend: str = "auto"  # auto (= pyav, in this process), pyav, or decord (in a child process)
+    partial_videos: str = "keep"  # keep what was read of a partial video (see min_partial_fraction), or skip
+    min_partial_fraction: float = 0.5  # least share of a partial video read for it to be kept
 
 
 OUTCOMES = ("ok", "truncated", "gaps")
@@ -76,7 +67,8 @@ def trim_meta(meta: dict, end: float) -> tuple[dict, dict]:
             out[key], dropped[counter] = kept, len(items) - len(kept)
     return out, dropped
 
-_VQ = None  # the worker's VQ model, loaded once per process
+
+_VQ = _QUEUE = None  # the worker's VQ model (loaded once per process) and its progress queue
 
 
 def _init_worker(vq_dir: str, threads: int, queue) -> None:
@@ -84,13 +76,6 @@ def _init_worker(vq_dir: str, threads: int, queue) -> None:
     torch.set_num_threads(max(1, threads))
     _VQ = load_vq(vq_dir)
     _QUEUE = queue
-
-
-_QUEUE = None
-
-
-def _reason(err: VideoError) -> str:
-    return err.reason  # video_corrupt, video_empty, ..., decoder_crash, decoder_timeout
 
 
 class _StreamFailed(Exception):
@@ -113,7 +98,7 @@ def tokenize_shard(vq, src: str, dst: str, opts: TokenizeOptions, progress=None)
                                         max_resolution=opts.max_resolution, batch_frames=opts.batch_frames,
                                         backend=opts.backend)
                 except VideoError as e:
-                    stats.skip(_reason(e), f"{src}:{sample.key}", str(e))
+                    stats.skip(e.reason, f"{src}:{sample.key}", str(e))  # video_corrupt, ..., decoder_crash
                 else:
                     _write(writer, stats, sample, vc, vq, opts, f"{src}:{sample.key}")
                 if progress is not None:
@@ -138,24 +123,26 @@ def _write(writer, stats: SkipStats, sample, vc, vq, opts: TokenizeOptions, wher
     if rep.gaps:
         stats["seconds_lost"] += round(rep.lost_seconds, 3)
     if lost and (opts.partial_videos == "skip" or rep.fraction < opts.min_partial_fraction):
-        stats.skip("video_truncated", where, f"{lost} ({rep.fraction:.0%} read; partial_videos={opts.partial_videos}, "
-                                             f"min_partial_fraction={opts.min_partial_fraction})")
+        why = f"{lost} ({rep.fraction:.0%} read; partial_videos={opts.partial_videos}, "
+        stats.skip("video_truncated", where, why + f"min_partial_fraction={opts.min_partial_fraction})")
         return
-    meta["tokenized"] = {"num_frames": vc.num_frames, "num_groups": int(vc.codes.shape[0]), "sample_fps": opts.fps,
-                         "video_ext": sample.video_ext, "vq_mode": vq.cfg.mode, "vq_resolution": vq.cfg.resolution}
+    meta["tokenized"] = {"num_frames": vc.num_frames, "num_groups": int(vc.codes.shape[0]),
+                         "sample_fps": opts.fps, "video_ext": sample.video_ext, "vq_mode": vq.cfg.mode,
+                         "vq_resolution": vq.cfg.resolution}
     if lost:
         meta, dropped = trim_meta(meta, rep.duration) if rep.truncated else (meta, {})
         stats.update(dropped)
-        meta["tokenized"]["partial"] = {"seconds_kept": round(rep.duration, 3), "seconds_declared": rep.declared,
-                                        "gaps": [[round(a, 3), round(b, 3)] for a, b in rep.gaps], **dropped}
+        gaps = [[round(a, 3), round(b, 3)] for a, b in rep.gaps]
+        meta["tokenized"]["partial"] = {"seconds_kept": round(rep.duration, 3),
+                                        "seconds_declared": rep.declared, "gaps": gaps, **dropped}
         log.warning("kept %s partly: %s", where, lost)
-    writer.write(sample.key.replace("/", "_"), token_sample_members(sample.key, vc.codes, vc.timestamps, meta))
+    members = token_sample_members(sample.key, vc.codes, vc.timestamps, meta)
+    writer.write(sample.key.replace("/", "_"), members)
     stats["truncated" if rep.truncated else "gaps" if rep.gaps else "ok"] += 1
 
 
 def stats_path(shard: str | os.PathLike) -> Path:
-    p = Path(shard)
-    return p.with_name(p.name[: -len(".tar")] + ".stats.json" if p.name.endswith(".tar") else p.name + ".stats.json")
+    return Path(shard).with_name(Path(shard).name.removesuffix(".tar") + ".stats.json")
 
 
 def _count_samples(path: str) -> int:
@@ -168,13 +155,13 @@ def _count_samples(path: str) -> int:
 
 
 def _skipped(counts) -> int:
-    return sum(v for k, v in counts.items() if k not in OUTCOMES + MEASURES + ("shards_done", "shards_skipped",
-                                                                               "shards_failed"))
+    kept = OUTCOMES + MEASURES + ("shards_done", "shards_skipped", "shards_failed")
+    return sum(v for k, v in counts.items() if k not in kept)
 
 
-def _worker_job(args) -> tuple[str, dict]:
+def _worker_job(args) -> dict:
     src, dst, opts = args
-    return src, tokenize_shard(_VQ, src, dst, opts, progress=lambda n: _QUEUE.put(n))
+    return tokenize_shard(_VQ, src, dst, opts, progress=lambda n: _QUEUE.put(n))
 
 
 def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = TokenizeOptions(), *,
@@ -208,13 +195,16 @@ def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = T
                disable=not progress)
     cores = os.cpu_count() or 1
     workers = max(1, min(workers, len(jobs) or 1))
+
+    def done_shard(res: dict) -> None:
+        total.update({k: v for k, v in res.items() if k != "seconds"})
+        total["shards_failed" if res.get("shard_io_error") else "shards_done"] += 1
+        bar.set_postfix(ok=total["ok"], partial=total["truncated"] + total["gaps"], skipped=_skipped(total))
+
     if workers == 1:
         vq = load_vq(vq_dir)
         for src, dst, o in jobs:
-            res = tokenize_shard(vq, src, dst, o, progress=bar.update)
-            total.update({k: v for k, v in res.items() if k != "seconds"})
-            total["shards_failed" if res.get("shard_io_error") else "shards_done"] += 1
-            bar.set_postfix(ok=total["ok"], partial=total["truncated"] + total["gaps"], skipped=_skipped(total))
+            done_shard(tokenize_shard(vq, src, dst, o, progress=bar.update))
     else:
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
@@ -226,11 +216,8 @@ def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = T
                     bar.update(queue.get())
                 done = [r for r in pending if r.ready()]
                 for r in done:
-                    _, res = r.get()  # re-raises a worker's exception here
-                    total.update({k: v for k, v in res.items() if k != "seconds"})
-                    total["shards_failed" if res.get("shard_io_error") else "shards_done"] += 1
+                    done_shard(r.get())  # re-raises a worker's exception here
                     pending.remove(r)
-                    bar.set_postfix(ok=total["ok"], partial=total["truncated"] + total["gaps"], skipped=_skipped(total))
                 if not done:
                     time.sleep(0.05)
             while not queue.empty():

@@ -5,26 +5,10 @@
     clip.timestamps  # float64 (T,), seconds from the start of the video
     clip.report      # what was kept: seconds read of those declared, gaps lost to bad packets
 
-Sampling: the frame shown at t = 0, 1/fps, 2/fps, ... (t < duration) is taken; when that gives
-more than ``max_frames`` frames, ``max_frames`` frames spread uniformly over the whole video are
-taken instead. Only those frames are decoded, from the keyframe before each one.
-
-Frames are what a player shows (display matrix or legacy ``rotate`` tag, sample aspect ratio),
-with every backend. A packet the decoder refuses costs the frames up to the next keyframe (a gap),
-not the video; a tail that cannot be decoded ends the clip; ``clip.report`` says what was kept
-(docs/data.md, "Damaged and partial videos"); what to do with partial videos is the caller's policy.
-
-Backends: PyAV (the default, ``backend="auto"`` or ``"pyav"``), in this process: it demuxes the
-file once to learn the exact frame count and keyframe times, then seeks only where a keyframe lies
-ahead. decord (``backend="decord"``) only runs in a child process
-(:mod:`longvideo.data.isolate`): decord 0.6 crashes the interpreter on some damaged files, and
-there a crash or hang costs one sample (:class:`DecoderCrashError`), not the process.
-
-Inputs are untrusted, so decoding is bounded: FFmpeg refuses frames of more than
-``max_resolution``^2 pixels before allocating them, frames larger than ``max_resolution`` on their
-long side are refused, and at most ``max_frames`` (or :data:`HARD_MAX_FRAMES`) frames are
-returned. Every failure raises a :class:`VideoError` subclass, which the pipeline counts under its
-``reason`` and skips. Frames are decoded, turned and resized in chunks of :data:`_CHUNK_BYTES`.
+Sampling, seeking, orientation, damaged and partial videos, and the backends (PyAV in this process;
+decord only in a child process, longvideo.data.isolate): docs/data.md, "Reading video". Inputs are
+untrusted: decoding is bounded by ``max_resolution`` and ``max_frames`` (docs/data.md, "Errors and
+bounds") and every failure raises a :class:`VideoError` subclass, counted under its ``reason``.
 """
 
 from __future__ import annotations
@@ -41,19 +25,16 @@ import torch
 import torch.nn.functional as F
 
 from longvideo.data.isolate import IsolatedDecordBackend
-from longvideo.data.video_base import (VIDEO_EXTS, CorruptVideoError, EmptyVideoError,  # noqa: F401 (re-exported:
-                                      Orientation, ReadReport, UnsupportedVideoError,  # the reader's public names)
-                                      VideoError, VideoInfo, VideoSource, check_frame_size, display_matrix,
-                                      stream_facts)
+from longvideo.data.video_base import (  # noqa: F401 (VIDEO_EXTS and the errors: re-exported public names)
+    VIDEO_EXTS, CorruptVideoError, EmptyVideoError, Orientation, ReadReport, UnsupportedVideoError,
+    VideoError, VideoInfo, VideoSource, check_fps, check_frame_size, display_matrix, frame_rate, stream_facts)
 
 HARD_MAX_FRAMES = 1 << 16
 """Bound on frames returned when the caller sets no max_frames (about 18 hours at 1 fps)."""
 DEFAULT_MAX_RESOLUTION = 4096
 """Longest frame side accepted by default (pixels)."""
 _CHUNK_BYTES = 2 << 20
-"""Decoded bytes per chunk (the resize holds 4x this as float32); after each chunk the freed heap
-pages go back to the system. Both keep tokenizing memory small and flat in the video's length
-(docs/data.md, "Memory"; tests/test_footage.py)."""
+"""Decoded bytes per chunk; with malloc_trim after each, memory stays flat (docs/data.md, "Memory")."""
 
 try:  # glibc's malloc_trim (absent elsewhere, where nothing is done)
     _MALLOC_TRIM = ctypes.CDLL(None).malloc_trim
@@ -79,16 +60,11 @@ class VideoClip:
         return int(self.frames.shape[0])
 
 
-# ----------------------------------------------------------------------------- sampling
-
 def sample_indices(num_frames: int, src_fps: float, fps: Optional[float] = 1.0,
                    max_frames: Optional[int] = None) -> np.ndarray:
-    """Frame indices (int64, increasing) to take from a video of ``num_frames`` at ``src_fps``.
-
-    fps=None takes every frame. Target times t_k = k / fps map to the frame on screen at t_k,
-    floor(t_k * src_fps). When more than ``max_frames`` result, the video is split into
-    ``max_frames`` equal bins and the middle frame of each is taken (uniform fallback).
-    """
+    """Frame indices (int64, increasing) to take from a video of ``num_frames`` at ``src_fps``: the
+    frame on screen at t_k = k / fps (fps=None: every frame), or, when more than ``max_frames``
+    result, the middle frame of each of ``max_frames`` equal bins (docs/data.md, "Reading video")."""
     if num_frames <= 0:
         return np.zeros(0, np.int64)
     cap = HARD_MAX_FRAMES if max_frames is None else min(int(max_frames), HARD_MAX_FRAMES)
@@ -108,9 +84,8 @@ def sample_indices(num_frames: int, src_fps: float, fps: Optional[float] = 1.0,
     return idx
 
 
-# ----------------------------------------------------------------------------- orienting and resizing
-
-def resize_crop(frames: torch.Tensor, size: Optional[int], shown: Optional[tuple[int, int]] = None) -> torch.Tensor:
+def resize_crop(frames: torch.Tensor, size: Optional[int],
+                shown: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Resize the short side to ``size`` (antialiased bilinear) and centre-crop to size x size.
 
     frames: uint8 (T, H, W, 3) -> uint8 (T, size, size, 3). ``shown``: the (height, width) the
@@ -131,12 +106,6 @@ def resize_crop(frames: torch.Tensor, size: Optional[int], shown: Optional[tuple
     return frames[:, top: top + (size or nh), left: left + (size or nw)].contiguous()
 
 
-# ----------------------------------------------------------------------------- backends
-
-def _label(src: VideoSource) -> str:
-    return "<bytes>" if isinstance(src, (bytes, bytearray, memoryview)) else str(src)
-
-
 _GAP = "gap"  # stands for the frame before a frame decoded right after a loss
 
 
@@ -155,8 +124,7 @@ class _PyAVBackend:
         data = bytes(src) if isinstance(src, (bytes, bytearray, memoryview)) else None
         self._file = (lambda: io.BytesIO(data)) if data is not None else (lambda: str(src))
         self._seekable = True
-        # FFmpeg refuses larger frames before allocating them (a damaged header can declare
-        # 15000 x 15000 for a codec that takes its size from the container, e.g. MS-MPEG4 in AVI)
+        # FFmpeg refuses larger frames before allocating them (docs/data.md, "What crashes decord")
         self._options = {"max_pixels": str(max_resolution * max_resolution)}
         self.container = None
         try:
@@ -164,20 +132,17 @@ class _PyAVBackend:
             s = self.stream
             ctx = s.codec_context
             if ctx is None:
-                raise UnsupportedVideoError(f"no decoder for the video stream ({s.codec_tag or 'unknown codec'})",
-                                            label)
+                codec = s.codec_tag or "unknown codec"
+                raise UnsupportedVideoError(f"no decoder for the video stream ({codec})", label)
             w, h = ctx.width, ctx.height
             if w <= 0 or h <= 0:
-                raise CorruptVideoError("no frame size: a damaged header, or frames over max_resolution^2 pixels "
-                                        "that FFmpeg refused to allocate", label)
+                raise CorruptVideoError("no frame size: a damaged header, or frames over max_resolution^2 "
+                                        "pixels that FFmpeg refused to allocate", label)
             check_frame_size(w, h, max_resolution, label)
-            rate = s.average_rate or s.guessed_rate or s.base_rate
-            fps = float(rate) if rate else 0.0
-            if not math.isfinite(fps) or fps <= 0:
-                raise CorruptVideoError(f"bad frame rate {rate}", label)
-            self.start = float(s.start_time * s.time_base) if s.start_time is not None and s.time_base else 0.0
-            # one pass over the packets (demuxing, no decoding but the first frame's) gives the exact
-            # frame count, the duration, the keyframe times and the display matrix
+            fps = frame_rate(s)
+            check_fps(fps, label)
+            has_start = s.start_time is not None and s.time_base
+            self.start = float(s.start_time * s.time_base) if has_start else 0.0
             n, duration, keys, matrix = self._scan()
             declared, tag, sar = stream_facts(self.container, s, fps)
             self.container.close()
@@ -191,11 +156,10 @@ class _PyAVBackend:
         if n <= 0:
             self.close()
             raise EmptyVideoError("no frames", label)
-        o = Orientation.from_container(matrix, tag, sar)
         self.stored = (h, w)
-        sw, sh = o.shown(w, h)
-        self.info = VideoInfo(num_frames=n, fps=fps, width=sw, height=sh, duration=duration if duration > 0 else n / fps,
-                              declared=declared, orientation=o)
+        self.info = VideoInfo.of_stored(w, h, Orientation.from_container(matrix, tag, sar), num_frames=n,
+                                        fps=fps, duration=duration if duration > 0 else n / fps,
+                                        declared=declared)
         self._keys = keys  # sorted keyframe times (seconds from the start)
         self._frames = None
         self._prev = self._last = None
@@ -213,19 +177,19 @@ class _PyAVBackend:
         if not self.container.streams.video:
             raise UnsupportedVideoError("no video stream", self.label)
         self.stream = self.container.streams.video[0]
-        # slice threads only: frame threads report a refused packet frames later (which packet
-        # failed, and which frames came from the broken reference, is then unknown) and hold a
-        # frame per thread
+        # slice threads only: frame threads report a refused packet frames late (docs/data.md,
+        # "Damaged and partial videos")
         self.stream.thread_type = "SLICE"
         if self.stream.codec_context is not None:
             self.stream.codec_context.options = dict(self._options)
 
     def _scan(self) -> tuple[int, float, np.ndarray, Optional[list[int]]]:
-        """Frame count, duration and keyframe times from the packets; the first frame's display matrix."""
+        """Frame count, duration and keyframe times from one pass over the packets (demuxing only),
+        and the display matrix, which travels on decoded frames: the first is decoded for it."""
         count, end, keys, matrix, probe = 0, 0.0, [], None, 64
         try:
             for packet in self.container.demux(self.stream):
-                if probe:  # the display matrix travels on decoded frames: decode up to the first one
+                if probe:
                     probe -= 1
                     try:
                         for f in packet.decode():
@@ -268,7 +232,8 @@ class _PyAVBackend:
                 if packet is None:
                     return
                 if self._lost is None:
-                    self._lost = float(packet.pts * packet.time_base) - self.start if packet.pts is not None else t or 0.0
+                    pts = packet.pts
+                    self._lost = float(pts * packet.time_base) - self.start if pts is not None else t or 0.0
                 wait_key = len(self._keys) > 0
                 continue
             wait_key = wait_key and not (packet is not None and packet.size)
@@ -281,7 +246,7 @@ class _PyAVBackend:
                 return
 
     def _next(self):
-        """The next (time, frame) of the run, noting a gap when packets were lost before it; None at the end."""
+        """The run's next (time, frame), noting a gap when packets were lost before it; None at the end."""
         nxt = next(self._frames, None)
         if nxt is None:
             self._frames = None
@@ -296,25 +261,20 @@ class _PyAVBackend:
         self._last = nxt
         return nxt
 
-    def _reopen(self, key: Optional[float]) -> None:
-        """Start a run at keyframe ``key`` (known to decode), or at the file's first frame."""
-        if key is None:
-            self.container.close()
-            self._open_container()
-        else:
-            self._seek(key)
-        self._frames, self._run_key = self._decode(wait_key=key is not None), key
-        self._prev = self._last = self._lost = None
-
     def _seek(self, t: float) -> None:
         self.container.seek(round((t + self.start) / self.stream.time_base), stream=self.stream,
                             backward=True, any_frame=False)
 
+    def _key_before(self, limit: float) -> int:
+        """Index of the last keyframe at or before ``limit`` (-1: none)."""
+        return int(np.searchsorted(self._keys, limit, side="right")) - 1
+
     def _position(self, target: float, limit: float) -> None:
         """Start a run that reaches ``target``: at the keyframe before it, else the keyframe before
         that, else (an index that lands on data the decoder refuses) on from the last keyframe that
-        worked. A seek that lands past the target (MPEG-TS's imprecise index) turns seeking off."""
-        j = int(np.searchsorted(self._keys, limit, side="right")) - 1
+        worked, or the file's first frame. A seek that lands past the target (MPEG-TS's imprecise
+        index) turns seeking off."""
+        j = self._key_before(limit)
         for key in self._keys[max(j - 1, 0): j + 1][::-1] if self._seekable and j >= 0 else ():
             self._seek(key)
             self._frames, self._lost, self._prev = self._decode(wait_key=True), None, None
@@ -325,11 +285,18 @@ class _PyAVBackend:
             if first is not None and self._lost is None:
                 self._seekable = False  # overshot: decode linearly from here on
                 break
-        self._reopen(self._run_key if self._seekable else None)
+        key = self._run_key if self._seekable else None
+        if key is None:
+            self.container.close()
+            self._open_container()
+        else:
+            self._seek(key)
+        self._frames, self._run_key = self._decode(wait_key=key is not None), key
+        self._prev = self._last = self._lost = None
 
     def _keyframe_ahead(self, limit: float) -> bool:
         """Whether a keyframe lies after the newest decoded frame and at or before ``limit``."""
-        j = int(np.searchsorted(self._keys, limit, side="right")) - 1
+        j = self._key_before(limit)
         return j >= 0 and self._keys[j] > self._last[0]
 
     def _frame_at(self, target: float, limit: float):
@@ -338,7 +305,8 @@ class _PyAVBackend:
         if any(a + 1.0 / self.info.fps <= limit < b for a, b in self.gaps):
             return None  # known lost: not decoded again
         prev = self._prev if self._prev is not _GAP else None
-        behind = self._last is not None and self._last[0] > limit and not (prev is not None and prev[0] <= limit)
+        prev_fits = prev is not None and prev[0] <= limit
+        behind = self._last is not None and self._last[0] > limit and not prev_fits
         if self._last is None or behind or (self._frames is not None and self._seekable
                                             and self._keyframe_ahead(limit)):
             if self._frames is None or self._seekable or behind:
@@ -381,21 +349,13 @@ class _PyAVBackend:
             self.container.close()
 
 
-# ----------------------------------------------------------------------------- public API
-
-def probe_video(src: VideoSource, *, max_resolution: int = DEFAULT_MAX_RESOLUTION,
-                backend: str = "auto") -> VideoInfo:
-    """Frame count, fps, displayed size, duration (read and declared) and orientation, without
-    decoding frames (beyond the first)."""
-    reader = _open(src, _label(src), max_resolution, backend)
-    reader.close()
-    return reader.info
-
-
-def _open(src: VideoSource, label: str, max_resolution: int, backend: str = "auto"):
+def _open(src: VideoSource, label: Optional[str], max_resolution: int, backend: str = "auto"):
+    """A reader of ``src`` (label None: '<bytes>' or the path); a missing or empty source raises."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if isinstance(src, (bytes, bytearray, memoryview)):
+    is_bytes = isinstance(src, (bytes, bytearray, memoryview))
+    label = label or ("<bytes>" if is_bytes else str(src))
+    if is_bytes:
         if len(src) == 0:
             raise EmptyVideoError("zero bytes", label)
     elif not os.path.isfile(src):
@@ -407,16 +367,26 @@ def _open(src: VideoSource, label: str, max_resolution: int, backend: str = "aut
     return _PyAVBackend(src, label, max_resolution)
 
 
-class VideoChunks:
-    """The sampled frames of a video as chunks ``(frames uint8 (t, H, W, 3), timestamps float64
-    (t,))``, oriented and resized: see :func:`iter_video`. ``info`` once opened; ``report``
-    (:class:`ReadReport`) once iterated to the end."""
+def probe_video(src: VideoSource, *, max_resolution: int = DEFAULT_MAX_RESOLUTION,
+                backend: str = "auto") -> VideoInfo:
+    """Frame count, fps, displayed size, duration (read and declared) and orientation, without
+    decoding frames (beyond the first)."""
+    reader = _open(src, None, max_resolution, backend)
+    reader.close()
+    return reader.info
 
-    def __init__(self, src: VideoSource, *, fps: Optional[float], max_frames: Optional[int], size: Optional[int],
-                 max_resolution: int, chunk_frames: Optional[int], backend: str):
-        self.label = _label(src)
-        self._reader = _open(src, self.label, max_resolution, backend)
-        self.info = self._reader.info
+
+class VideoChunks:
+    """``iter_video(src, ...)``: the sampled frames as chunks ``(frames uint8 (t, H, W, 3), timestamps
+    float64 (t,))``, oriented and resized as :func:`read_video` returns them, about 2 MiB of decoded
+    frames each (``chunk_frames`` to choose). ``info`` once opened; ``report`` (:class:`ReadReport`)
+    once iterated to the end."""
+
+    def __init__(self, src: VideoSource, *, fps: Optional[float] = 1.0, max_frames: Optional[int] = None,
+                 size: Optional[int] = None, max_resolution: int = DEFAULT_MAX_RESOLUTION,
+                 chunk_frames: Optional[int] = None, backend: str = "auto"):
+        self._reader = _open(src, None, max_resolution, backend)
+        self.label, self.info = self._reader.label, self._reader.info
         self._indices = sample_indices(self.info.num_frames, self.info.fps, fps, max_frames)
         h, w = self._reader.stored
         self._chunk = chunk_frames or max(1, min(256, _CHUNK_BYTES // (w * h * 3)))
@@ -433,8 +403,8 @@ class VideoChunks:
                 except VideoError:
                     raise
                 except Exception as e:
-                    raise CorruptVideoError(f"{reader.name} decode failed: {type(e).__name__}: {str(e)[:200]}",
-                                            self.label) from e
+                    why = f"{type(e).__name__}: {str(e)[:200]}"
+                    raise CorruptVideoError(f"{reader.name} decode failed: {why}", self.label) from e
                 read += len(frames)
                 if len(frames):
                     shown = torch.from_numpy(np.ascontiguousarray(o.apply(frames)))
@@ -450,21 +420,13 @@ class VideoChunks:
             if reader.end is not None and reader.end + 1.0 / info.fps < duration:
                 # the decoder stopped before the packets did: the packets' duration was claimed
                 declared, duration = max(declared or 0.0, duration), reader.end + 1.0 / info.fps
-            self.report = ReadReport(duration=duration, declared=declared, gaps=list(reader.gaps), fps=info.fps)
+            self.report = ReadReport(duration=duration, declared=declared, gaps=list(reader.gaps),
+                                     fps=info.fps)
         finally:
             reader.close()
 
 
-def iter_video(src: VideoSource, *, fps: Optional[float] = 1.0, max_frames: Optional[int] = None,
-               size: Optional[int] = None, max_resolution: int = DEFAULT_MAX_RESOLUTION,
-               chunk_frames: Optional[int] = None, backend: str = "auto") -> VideoChunks:
-    """Stream the sampled frames as chunks ``(frames uint8 (t, H, W, 3), timestamps float64 (t,))``.
-
-    Decoding memory is bounded by the chunk size (about 2 MiB of decoded frames by default). The
-    returned iterable's ``report`` says, after the last chunk, what was kept. See :func:`read_video`.
-    """
-    return VideoChunks(src, fps=fps, max_frames=max_frames, size=size, max_resolution=max_resolution,
-                       chunk_frames=chunk_frames, backend=backend)
+iter_video = VideoChunks
 
 
 def read_video(src: VideoSource, *, fps: Optional[float] = 1.0, max_frames: Optional[int] = None,
@@ -472,14 +434,12 @@ def read_video(src: VideoSource, *, fps: Optional[float] = 1.0, max_frames: Opti
                backend: str = "auto") -> VideoClip:
     """Decode the frames sampled at ``fps`` (None: all), capped at ``max_frames``, resized to ``size``.
 
-    src: a path or the bytes of a video file (any of :data:`VIDEO_EXTS`; FFmpeg looks at the content).
-    Returns a :class:`VideoClip` with frames uint8 (T, H, W, 3) as a player shows them (H = W =
-    size when size is given), timestamps float64 (T,) and the read's report (a truncated file
-    gives the frames that could be read; ``clip.report.truncated`` says so). Raises
-    :class:`VideoError` (a subclass) when the video is empty, corrupt, unsupported or larger
-    than ``max_resolution``, or no frame of it decodes; with ``backend="decord"`` also
-    :class:`~longvideo.data.isolate.DecoderCrashError` when decord's process died on it.
-    ``backend``: auto (= pyav) or pyav, in this process, or decord, in a child process.
+    src: a path or a video file's bytes. Returns a :class:`VideoClip`: frames uint8 (T, H, W, 3)
+    as a player shows them (H = W = size when given), timestamps float64 (T,), and the report (a
+    truncated file gives what could be read). Raises a :class:`VideoError` subclass when the video
+    is missing, empty, corrupt, unsupported, over ``max_resolution`` or has no decodable frame (with
+    ``backend="decord"`` also ``DecoderCrashError``). ``backend``: auto (= pyav) or pyav, in this
+    process, or decord, in a child process.
     """
     chunks = iter_video(src, fps=fps, max_frames=max_frames, size=size, max_resolution=max_resolution,
                         backend=backend)

@@ -1,9 +1,6 @@
-"""What every video reader shares: the source type, the accepted extensions, the errors (each
-with the skip counter it is filed under), what a reader learns from a container (including which
-way up it is shown), what a read kept, and the frame-size bound applied before anything is
-decoded. A leaf: the in-process reader (longvideo.data.video), the isolated decord reader
-(longvideo.data.isolate) and decord's child process all build on it; it imports numpy only (PyAV's
-objects are passed in)."""
+"""What every video reader shares (the PyAV reader, the isolated decord reader and decord's child):
+extensions, errors, orientation, container facts, the read report and the stream checks. A leaf
+that imports numpy only, so decord's child can use it (PyAV's objects are passed in)."""
 
 from __future__ import annotations
 
@@ -21,8 +18,8 @@ VideoSource = Union[str, os.PathLike, bytes, bytearray, memoryview]
 
 VIDEO_EXTS: tuple[str, ...] = ("mp4", "m4v", "mov", "mkv", "webm", "avi", "ogv", "ogg", "mpg", "mpeg", "ts",
                                "flv", "gif", "3gp")
-"""Accepted video file extensions (lower case, no dot): in shards, folders and ``chat --video``.
-The one list; shard members, folder scans and messages all use it."""
+"""Accepted video file extensions (lower case, no dot): the one list for shard members, folder scans
+and ``chat --video``."""
 
 TRUNCATED_TOLERANCE_S = 0.5
 """A video is truncated when it ends more than this many seconds (and two frames) before its
@@ -30,7 +27,7 @@ container says it does; audio tracks and rounded headers differ from the video b
 
 
 class VideoError(Exception):
-    """A video could not be read. ``source`` names it (a path or '<bytes>'); ``reason`` is the skip counter."""
+    """A video could not be read; ``source`` names it (a path or '<bytes>'), ``reason`` is its counter."""
 
     reason = "video_error"
 
@@ -157,6 +154,12 @@ class VideoInfo:
     """Seconds the container's header claims (None where it claims nothing)."""
     orientation: Orientation = Orientation()
 
+    @classmethod
+    def of_stored(cls, width: int, height: int, orientation: Orientation, **kw) -> "VideoInfo":
+        """The info of frames stored at width x height, shown as ``orientation`` says."""
+        shown_w, shown_h = orientation.shown(width, height)
+        return cls(width=shown_w, height=shown_h, orientation=orientation, **kw)
+
 
 @dataclass
 class ReadReport:
@@ -186,10 +189,24 @@ class ReadReport:
 
     def describe(self) -> str:
         """What was lost, in a few words ("" when nothing was)."""
-        out = [f"cut short: {self.duration:.1f} of {self.declared:.1f} s could be read"] if self.truncated else []
+        out = []
+        if self.truncated:
+            out.append(f"cut short: {self.duration:.1f} of {self.declared:.1f} s could be read")
         if self.gaps:
-            out.append(f"{len(self.gaps)} gap(s) ({self.lost_seconds:.1f} s) lost to packets the decoder refused")
+            out.append(f"{len(self.gaps)} gap(s) ({self.lost_seconds:.1f} s) lost to packets the decoder "
+                       "refused")
         return "; ".join(out)
+
+
+def frame_rate(stream) -> float:
+    """A PyAV stream's frame rate (0.0 when it states none)."""
+    rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+    return float(rate) if rate else 0.0
+
+
+def check_fps(fps: float, label: str) -> None:
+    if not math.isfinite(fps) or fps <= 0:
+        raise CorruptVideoError(f"bad frame rate {fps}", label)
 
 
 def check_frame_size(width: int, height: int, max_resolution: int, label: str) -> None:
