@@ -326,7 +326,8 @@ def flash_frame(colour: str, size: int, source_fps: int = 8, *, decoded: bool = 
         return torch.tensor(COLOURS[colour], dtype=torch.uint8).expand(size, size, 3).clone()
     src = np.zeros((2 * source_fps, size, size, 3), np.uint8)
     src[source_fps:] = COLOURS[colour]
-    return read_video(write_mp4([src], source_fps, gop=source_fps), fps=1.0, size=size).frames[1].clone()
+    gop = max(1, int(round(SyntheticSpec.gop_seconds * source_fps)))  # the training videos' keyframes
+    return read_video(write_mp4([src], source_fps, gop=gop), fps=1.0, size=size).frames[1].clone()
 
 
 def needle_index(num_frames: int, depth: float) -> int:
