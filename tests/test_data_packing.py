@@ -55,7 +55,7 @@ def test_packer_first_fit_and_state():
     assert closed == [["a", "c"]]
     q = Packer(seq_len=10, bins=2)
     q.load_state_dict(state)
-    assert q.add("d", 6) == closed and q.flush() == p.flush()
+    assert q.add("d", 6) == closed and q.state_dict() == p.state_dict()
     with pytest.raises(ValueError):
         p.add("e", 11)
     r = Packer(seq_len=10, bins=2)

@@ -82,11 +82,6 @@ class Packer(Generic[T]):
     def _close(self, i: int) -> list[T]:
         return [it for it, _ in self.open.pop(i)]
 
-    def flush(self) -> list[list[T]]:
-        rows = [[it for it, _ in row] for row in self.open]
-        self.open = []
-        return rows
-
     def state_dict(self) -> dict:
         return {"open": [[[it, n] for it, n in row] for row in self.open]}
 
