@@ -5,8 +5,9 @@ import pytest
 
 from longvideo.data.shards import SkipStats, iter_raw_samples
 from longvideo.data.synthetic import (COLOURS, NEEDLE_CHOICES, NEEDLE_QUESTION, SyntheticSpec, make_sample,
-                                      moving_shapes_video, write_synthetic_shards)
+                                      write_synthetic_shards)
 from longvideo.data.video import read_video
+from material.shapes import moving_shapes_video
 
 
 def test_moving_shapes_video():

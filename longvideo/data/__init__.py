@@ -15,7 +15,7 @@ _MODULES = {
     "packing": ("Packer", "pack_row"),
     "shards": ("TokenShard",),
     "streams": ("ShardError", "SkipStats", "expand_shards", "expand_sources"),
-    "synthetic": ("moving_shapes_video", "write_synthetic_shards"),
+    "synthetic": ("write_synthetic_shards",),
     "templates": ("LayoutOptions", "Prompt", "PromptOptions", "build_docs", "build_prompt", "parse_answer"),
     "video": ("CorruptVideoError", "EmptyVideoError", "UnsupportedVideoError", "VideoClip", "VideoError",
               "VideoInfo", "iter_video", "probe_video", "read_video", "sample_indices"),

@@ -90,19 +90,6 @@ def _shape_mask(shape: Shape, cx: np.ndarray, cy: np.ndarray, size: int) -> np.n
     raise ValueError(f"unknown shape kind {shape.kind!r}; expected one of {SHAPE_KINDS}")
 
 
-def moving_shapes_video(num_frames: int, size: int = 64, seed: int = 0) -> np.ndarray:
-    """A clip of two random shapes (deterministic in ``seed``) bouncing on black: uint8
-    (num_frames, size, size, 3); the later shape is drawn over the earlier one."""
-    if num_frames <= 0 or size <= 0:
-        raise ValueError(f"num_frames and size must be positive, got {num_frames}, {size}")
-    rng = np.random.default_rng(seed)
-    t = np.arange(num_frames, dtype=np.float64)
-    out = np.zeros((num_frames, size, size, 3), np.uint8)
-    for shape in [random_shape(rng, size) for _ in range(2)]:
-        out[_shape_mask(shape, *shape.centre(t, size), size)] = np.asarray(COLOURS[shape.colour], np.uint8)
-    return out
-
-
 _INDEX_BITS = 16
 
 

@@ -252,8 +252,9 @@ def tokenize_peak_mib(seconds: int, folder, size: int = 256, src_fps: int = 4,
     import torch
 
     from longvideo.configtools import from_dict, load_yaml, resolve_config_path
-    from longvideo.data.synthetic import moving_shapes_video, write_mp4
+    from longvideo.data.synthetic import write_mp4
     from longvideo.vq import VQConfig, VQModel
+    from material.shapes import moving_shapes_video
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
