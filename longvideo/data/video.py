@@ -17,7 +17,7 @@ import ctypes
 import io
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import numpy as np
@@ -54,7 +54,7 @@ class VideoClip:
     timestamps: torch.Tensor
     fps: float
     duration: float
-    report: ReadReport = field(default_factory=lambda: ReadReport(0.0))
+    report: ReadReport
 
     def __len__(self) -> int:
         return int(self.frames.shape[0])
@@ -269,8 +269,8 @@ class _PyAVBackend:
         """Index of the last keyframe at or before ``limit`` (-1: none)."""
         return int(np.searchsorted(self._keys, limit, side="right")) - 1
 
-    def _position(self, target: float, limit: float) -> None:
-        """Start a run that reaches ``target``: at the keyframe before it, else the keyframe before
+    def _position(self, limit: float) -> None:
+        """Start a run that reaches ``limit``: at the keyframe before it, else the keyframe before
         that, else (an index that lands on data the decoder refuses) on from the last keyframe that
         worked, or the file's first frame. A seek that lands past the target (MPEG-TS's imprecise
         index) turns seeking off."""
@@ -307,10 +307,10 @@ class _PyAVBackend:
         prev = self._prev if self._prev is not _GAP else None
         prev_fits = prev is not None and prev[0] <= limit
         behind = self._last is not None and self._last[0] > limit and not prev_fits
+        # no frame yet means no run either (a call ends with the run done or past ``limit``)
         if self._last is None or behind or (self._frames is not None and self._seekable
                                             and self._keyframe_ahead(limit)):
-            if self._frames is None or self._seekable or behind:
-                self._position(target, limit)
+            self._position(limit)
         while self._frames is not None and (self._last is None or self._last[0] <= limit):
             self._next()
         last, prev = self._last, self._prev
@@ -318,10 +318,8 @@ class _PyAVBackend:
             self.end = last[0] if last is not None else target
         if last is None:
             return None
-        if last[0] <= limit:
-            return last
-        if prev is None:
-            return last  # the run's first frame lies just after the target: it is the one on screen
+        if last[0] <= limit or prev is None:
+            return last  # or the run's first frame, just after the target: the one on screen
         return prev if prev is not _GAP and prev[0] <= limit else None
 
     def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -432,15 +430,8 @@ iter_video = VideoChunks
 def read_video(src: VideoSource, *, fps: Optional[float] = 1.0, max_frames: Optional[int] = None,
                size: Optional[int] = None, max_resolution: int = DEFAULT_MAX_RESOLUTION,
                backend: str = "auto") -> VideoClip:
-    """Decode the frames sampled at ``fps`` (None: all), capped at ``max_frames``, resized to ``size``.
-
-    src: a path or a video file's bytes. Returns a :class:`VideoClip`: frames uint8 (T, H, W, 3)
-    as a player shows them (H = W = size when given), timestamps float64 (T,), and the report (a
-    truncated file gives what could be read). Raises a :class:`VideoError` subclass when the video
-    is missing, empty, corrupt, unsupported, over ``max_resolution`` or has no decodable frame (with
-    ``backend="decord"`` also ``DecoderCrashError``). ``backend``: auto (= pyav) or pyav, in this
-    process, or decord, in a child process.
-    """
+    """The frames sampled at ``fps`` (None: all), capped at ``max_frames``, resized to ``size``, as a
+    player shows them; what cannot be read raises a VideoError (docs/data.md, "Errors and bounds")."""
     chunks = iter_video(src, fps=fps, max_frames=max_frames, size=size, max_resolution=max_resolution,
                         backend=backend)
     parts = list(chunks)
