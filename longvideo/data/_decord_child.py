@@ -102,7 +102,7 @@ def main():
 
                     path, data = io.BytesIO(data), None
                 if data is not None:  # spooled: decord crashes on truncated AVIs read from a file object
-                    fd, spool = tempfile.mkstemp(prefix="longvideo-decord-", suffix=req.get("suffix", ""))
+                    fd, spool = tempfile.mkstemp(prefix="longvideo-decord-")
                     with os.fdopen(fd, "wb") as f:
                         f.write(data)
                     path, data = spool, None

@@ -1,12 +1,9 @@
 """decord in a child process: a decoder crash or hang costs one sample, never the process.
 
 decord 0.6 kills the interpreter (SIGSEGV) on some damaged files (docs/data.md, "What crashes
-decord"), so ``backend="decord"`` runs it in ``_decord_child.py``, a fresh interpreter started with
-``subprocess`` (nothing forked from a process holding threads or a CUDA context). One child serves
-one open video at a time and is reused (at most :data:`IDLE_WORKERS` idle ones kept). Requests have
-deadlines; the child's address space is limited; replies are JSON plus raw frame bytes whose shape
-is checked (nothing is unpickled); bytes are spooled to a private file and opened by path, as
-decord crashes on truncated AVIs read from a file object. docs/data.md, "Backends".
+decord"), so ``backend="decord"`` runs it in ``_decord_child.py``, a fresh interpreter that serves
+one open video at a time and is reused (at most :data:`IDLE_WORKERS` idle ones kept). Deadlines,
+memory limit, replies that are never unpickled and bytes spooled to a file: docs/data.md, "Backends".
 """
 
 from __future__ import annotations
@@ -205,7 +202,7 @@ class IsolatedDecordBackend:
             req, payload = {"op": "open"}, bytes(src)
         else:
             req, payload = {"op": "open", "path": os.path.abspath(os.fspath(src))}, None
-        reply = self._call(req, payload, OPEN_TIMEOUT_S)
+        reply, _ = self._call(req, payload, OPEN_TIMEOUT_S)
         try:
             n, fps = int(reply["num_frames"]), float(reply["fps"])
             w, h = int(reply["width"]), int(reply["height"])
@@ -242,11 +239,11 @@ class IsolatedDecordBackend:
             self._w = None
         return DecoderCrashError("decord's process sent a malformed reply", self.label)
 
-    def _call(self, req: dict, payload: Optional[bytes], timeout: float) -> dict:
+    def _call(self, req: dict, payload: Optional[bytes], timeout: float) -> tuple[dict, bytearray]:
         if self._w is None:
             raise CorruptVideoError("the decoder was closed", self.label)
         try:
-            reply, self._data = self._w.call(req, payload, timeout, self.label)
+            reply, data = self._w.call(req, payload, timeout, self.label)
         except VideoError:
             self._w = None  # the worker killed itself
             raise
@@ -256,14 +253,13 @@ class IsolatedDecordBackend:
                 self.close()
                 raise CorruptVideoError(f"decord cannot open it: {err}", self.label)
             raise CorruptVideoError(f"decord decode failed: {err}", self.label)
-        return reply
+        return reply, data
 
     def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Stored uint8 (t, H, W, 3) frames and float64 (t,) start times of ``indices``."""
         indices = np.asarray(indices, np.int64)
-        reply = self._call({"op": "read", "indices": indices.tolist()}, None,
-                           READ_TIMEOUT_S + PER_FRAME_TIMEOUT_S * len(indices))
-        data, self._data = self._data, b""
+        reply, data = self._call({"op": "read", "indices": indices.tolist()}, None,
+                                 READ_TIMEOUT_S + PER_FRAME_TIMEOUT_S * len(indices))
         try:
             shape = tuple(int(x) for x in reply["shape"])
             times = np.asarray(reply["times"], np.float64)
