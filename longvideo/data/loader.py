@@ -1,16 +1,10 @@
 """The training loader: token shards -> shuffled, laid-out, packed batches, resumable exactly.
 
-    loader = TokenLoader(cfg.data.train_shards, tokenizer, vocab, cfg.data,
-                         batch_size=2, dp_rank=r, dp_size=n)
-    batch = next(loader)          # dict of (B, seq_len) tensors, see longvideo.data.packing
-    state = loader.state_dict()   # plain data; saved in the training checkpoint
-    loader.load_state_dict(state) # the next batch is the one that would have come next
-
 Epoch ``e`` visits the shards in an order permuted by ``(seed, e)``, dp rank ``r`` takes the
 samples numbered ``r (mod dp_size)``; then a shuffle buffer, the layout (longvideo.data.templates)
 and first-fit packing (longvideo.data.packing). The state holds references and cursors, never data.
 Local shards are read by random access, URLs streamed (re-streamed up to the cursor on a resume).
-docs/data.md, "Loader" (and its "Resume guarantee").
+docs/data.md, "Loader" (its example, and the "Resume guarantee").
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Shard files: webdataset-style tar archives, read as untrusted input.
-
-Raw shards hold, per sample, ``KEY.<video>`` (any of ``VIDEO_EXTS``) and ``KEY.json``; token shards
-(``longvideo tokenize``) ``KEY.codes.npy``, ``KEY.timestamps.npy`` and ``KEY.json`` (docs/data.md,
-"Raw shard format", "Token shard format").
-
-Reading follows the untrusted-input rules of longvideo.data.streams (docs/data.md, "Untrusted
-shards"); samples that end up incomplete or invalid are counted by reason and skipped. Raw shards
-are streamed; token shards on local disk are read by random access, remote ones streamed.
+"""Shard files: webdataset-style tars of raw samples (video + json) and of token samples (codes,
+timestamps, json), read as untrusted input (docs/data.md, "Raw shard format", "Token shard format",
+"Untrusted shards"). Invalid samples are counted by reason and skipped. Raw shards are streamed;
+token shards on local disk are read by random access, remote ones streamed.
 """
 
 from __future__ import annotations
@@ -122,11 +117,8 @@ class RawSample:
 
 
 def iter_raw_samples(path: str, stats: SkipStats, *, handler=None) -> Iterator[RawSample]:
-    """Samples of a raw shard with a video and a valid json; the rest are counted in ``stats``.
-
-    ``path``: a local file or a URL (see :mod:`longvideo.data.streams`); the shard is streamed
-    front to back. ``handler``: a webdataset-style handler for shard-level failures (default: count).
-    """
+    """Samples of a raw shard (a path or URL, streamed) with a video and a valid json; the rest are
+    counted in ``stats``, shard-level failures go to ``handler`` (default: counted)."""
     for key, parts in iter_tar(path, stats, VIDEO_EXTS + ("json",), handler=handler):
         where = f"{path}:{key}"
         videos = [e for e in VIDEO_EXTS if e in parts]

@@ -4,13 +4,10 @@
     expand_sources("data/raw")                                       # the *.tar files of a folder
     for key, parts in iter_tar(url, stats, ("mp4", "json")): ...      # parts: {ext: bytes or ShardError}
 
-A source is a local path (or a directory, glob or ``{000..099}`` pattern of them) or a URL
-(``http(s)://``, ``pipe:COMMAND``, ``file:`` and webdataset's other schemes), read once, front to
-back, nothing copied to disk (docs/data.md, "Remote shards"). The tar stream is untrusted input,
-read with the rules defined here and shared with the random-access reader of local token shards
-(longvideo.data.shards): docs/data.md, "Untrusted shards". Failures go to a webdataset-style
-handler (``handler(exn) -> True`` to go on; the default counts them in a :class:`SkipStats` by
-reason: ``shard_io_error``, ``corrupt_tar``, ``truncated_tar``) and end the shard there.
+A source (docs/data.md, "Remote shards") is read once, front to back, nothing copied to disk, by
+the untrusted-input rules defined here and shared with longvideo.data.shards (docs/data.md,
+"Untrusted shards"). A failure goes to a webdataset-style handler (default: counted by reason) and
+ends the shard.
 """
 
 from __future__ import annotations

@@ -312,13 +312,9 @@ class Prompt:
 
 def build_prompt(tokenizer, vocab, codes, timestamps, question: str,
                  options: PromptOptions = PromptOptions(), history: Sequence[tuple[str, str]] = ()) -> Prompt:
-    """The prompt for one question, ending exactly where the answer starts: the QA training layout
-    (:func:`qa_parts`), or LWM's vision-chat prompt with ``options.template == "lwm"``.
-
-    codes: integer (G, h, w) (numpy or torch); timestamps: (G,) seconds. history: earlier (question,
-    answer) turns about the same video, laid out as the template continues, so a follow-up's prompt
-    extends the previous prompt and its answer (what a server's KV cache keeps between turns).
-    """
+    """The prompt for one question, ending exactly where the answer starts (the module docstring).
+    codes: integer (G, h, w) (numpy or torch); timestamps: (G,) seconds; history: earlier (question,
+    answer) turns about the same video (docs/data.md, "Sequence layout", Inference)."""
     question_first, timestamp_every = options.question_first, options.timestamp_every
     codes = np.asarray(codes.cpu() if hasattr(codes, "cpu") else codes).astype(np.int64)
     timestamps = np.asarray(timestamps.cpu() if hasattr(timestamps, "cpu") else timestamps, np.float64)

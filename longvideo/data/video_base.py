@@ -124,9 +124,8 @@ def display_matrix(frame) -> Optional[list[int]]:
 
 def stream_facts(container, stream, fps: float) -> tuple[Optional[float], Optional[str], object]:
     """(declared duration in seconds or None, legacy rotate tag or None, sample aspect ratio) of a
-    PyAV stream. Only containers that state a duration in a header declare one (Matroska/WebM,
-    MP4/MOV, FLV: the duration; AVI: the frame count); elsewhere FFmpeg estimates it from the data
-    that is there, which says nothing about what is missing."""
+    PyAV stream: only headers that state a duration declare one (docs/data.md, "Damaged and
+    partial videos")."""
     fmt = set(container.format.name.split(","))
     declared = None
     if "avi" in fmt:
