@@ -116,10 +116,10 @@ class RawSample:
     meta: dict
 
 
-def iter_raw_samples(path: str, stats: SkipStats, *, handler=None) -> Iterator[RawSample]:
-    """Samples of a raw shard (a path or URL, streamed) with a video and a valid json; the rest are
-    counted in ``stats``, shard-level failures go to ``handler`` (default: counted)."""
-    for key, parts in iter_tar(path, stats, VIDEO_EXTS + ("json",), handler=handler):
+def iter_raw_samples(path: str, stats: SkipStats) -> Iterator[RawSample]:
+    """Samples of a raw shard (a path or URL, streamed) with a video and a valid json; the rest,
+    and failures of the shard itself, are counted in ``stats``."""
+    for key, parts in iter_tar(path, stats, VIDEO_EXTS + ("json",)):
         where = f"{path}:{key}"
         videos = [e for e in VIDEO_EXTS if e in parts]
         if "json" not in parts:

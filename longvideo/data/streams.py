@@ -6,8 +6,7 @@
 
 A source (docs/data.md, "Remote shards") is read once, front to back, nothing copied to disk, by
 the untrusted-input rules defined here and shared with longvideo.data.shards (docs/data.md,
-"Untrusted shards"). A failure goes to a webdataset-style handler (default: counted by reason) and
-ends the shard.
+"Untrusted shards"). A failure is counted by reason and ends the shard.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import urllib.parse
 import urllib.request
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional, Union
+from typing import Iterable, Iterator, Optional, Union
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +45,6 @@ class SkipStats(Counter):
     def skip(self, reason: str, where: str, detail: str = "") -> None:
         self[reason] += 1
         log.warning("skipped %s (%s)%s", where, reason, f": {detail}" if detail else "")
-
-    @property
-    def skipped(self) -> int:
-        return sum(v for k, v in self.items() if k != "ok")
 
 
 def expand_shards(spec: str | os.PathLike | Iterable[str]) -> list[str]:
@@ -96,7 +91,6 @@ HTTP_TIMEOUT_S = 60.0  # socket timeout of http(s) reads: a stalled connection f
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):")
 
 Part = Union[bytes, ShardError]
-Handler = Callable[[Exception], bool]
 
 
 def part_bytes(part: Part) -> bytes:
@@ -209,42 +203,30 @@ def open_source(src: str):
         raise SourceIOError(f"{src}: cannot open: {type(e).__name__}: {e}") from e
 
 
-def counting_handler(stats: SkipStats, where: str) -> Handler:
-    """A webdataset-style handler: counts the failure in ``stats`` under its reason and goes on."""
-
-    def handler(exn: Exception) -> bool:
-        reason = getattr(exn, "reason", None) or "shard_io_error"
-        stats.skip(reason, where, str(exn))
-        return True
-
-    return handler
-
-
 def default_limits(exts: Iterable[str]) -> dict[str, int]:
     """Size bound of each extension: json 16 MiB, arrays 1 GiB, anything else (video) 8 GiB."""
     return {e: MAX_JSON_BYTES if e == "json" else MAX_NPY_BYTES if e.endswith("npy") else MAX_VIDEO_BYTES
             for e in exts}
 
 
-def iter_tar(src: str, stats: SkipStats, exts: Iterable[str], limits: Optional[dict[str, int]] = None, *,
-             handler: Optional[Handler] = None) -> Iterator[tuple[str, dict[str, Part]]]:
+def iter_tar(src: str, stats: SkipStats, exts: Iterable[str],
+             limits: Optional[dict[str, int]] = None) -> Iterator[tuple[str, dict[str, Part]]]:
     """The samples of one tar shard as ``(key, {ext: bytes})``, streamed front to back.
 
     Consecutive members with the same key and different extensions form a sample (as
     longvideo.data.shards.group_samples does); members of other extensions are passed over unread.
     A member over its bound (``limits``, default :func:`default_limits`) is given as a ShardError
-    (``too_large``) for the caller to count with its sample. A failure (source, tar format) goes to
-    ``handler`` (default: count in ``stats``) and ends the shard, after yielding the sample read so
-    far when the failure is in the tar format.
+    (``too_large``) for the caller to count with its sample. A failure (source, tar format) is
+    counted in ``stats`` under its reason and ends the shard, after yielding the sample read so far
+    when the failure is in the tar format.
     """
     wanted = tuple(exts)
     limits = dict(default_limits(wanted), **(limits or {}))
-    handler = handler or counting_handler(stats, src)
     key, parts = None, {}
     try:
         f = open_source(src)
     except SourceIOError as e:
-        handler(e)
+        stats.skip(e.reason, src, str(e))
         return
     failed = None
     try:
@@ -291,4 +273,4 @@ def iter_tar(src: str, stats: SkipStats, exts: Iterable[str], limits: Optional[d
     if key is not None:
         yield key, parts
     if failed is not None:
-        handler(failed)
+        stats.skip(failed.reason, src, str(failed))
