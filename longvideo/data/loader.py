@@ -164,10 +164,8 @@ class TokenLoader:
             self._close_stream()
             counts = _Forward()  # what the part read before a resume held was counted then
             self._stream = iter_tar(self.paths[self.order[k]], counts, TOKEN_EXTS)
-            for _ in range(i):
-                if next(self._stream, None) is None:
-                    self._close_stream()
-                    return None
+            for _ in range(i):  # a shard now shorter than i ends at the read below
+                next(self._stream, None)
             counts.sink = self.stats
         item = next(self._stream, None)
         if item is None:
@@ -263,20 +261,18 @@ class TokenLoader:
             self._epoch_docs = 0
 
     def _read(self, s: int, i: int, count: bool):
-        """(where, sample) of reference (s, i); raises ShardError. Streamed data is used up when counted."""
+        """The sample of reference (s, i); raises ShardError. Streamed data is used up when counted."""
         if self._remote[s]:
             key, parts = self._data.pop((s, i)) if count else self._data[(s, i)]
-            return f"{self.paths[s]}:{key}", decode_token_sample(key, parts, self.vocab.codebook_size)
-        shard = self._shard(s)
-        where = f"{self.paths[s]}:{shard.samples[i][0]}"
-        return where, shard.read(i, self.vocab.codebook_size)
+            return decode_token_sample(key, parts, self.vocab.codebook_size)
+        return self._shard(s).read(i, self.vocab.codebook_size)
 
     def _sample_docs(self, s: int, i: int, epoch: int, count: bool) -> list[Doc]:
         if not self._remote[s] and self._shard(s) is None:
             return []
         where = f"{self.paths[s]}:{self.key_of((s, i))}"
         try:
-            where, sample = self._read(s, i, count)
+            sample = self._read(s, i, count)
         except ShardError as e:
             if count:
                 self.stats.skip(e.reason, where, str(e))
