@@ -1,10 +1,8 @@
 """``longvideo tokenize``: raw shards (video + json) -> token shards (VQ codes + timestamps + json).
 
-Each input shard becomes one output shard of the same name, written atomically, so a rerun skips
-finished ones; shards are spread over worker processes, each holding one copy of the VQ. Unreadable
-videos and samples without json are counted by reason and skipped; partial videos are kept or
-skipped as ``partial_videos`` and ``min_partial_fraction`` say (docs/data.md, "Partial videos").
-``NAME.stats.json`` beside each output keeps its counts, ``tokenize_stats.json`` sums them.
+Each input shard becomes one output shard of the same name, written atomically (a rerun skips
+finished ones), by worker processes that each hold one VQ. What is skipped, kept partly and counted
+where: docs/data.md, "Commands" and "Partial videos".
 """
 
 from __future__ import annotations
@@ -166,12 +164,8 @@ def _worker_job(args) -> dict:
 
 def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = TokenizeOptions(), *,
                     workers: int = 1, progress: bool = True) -> dict:
-    """Tokenize every raw shard of ``inputs`` into ``out_dir``; finished outputs are skipped.
-
-    Returns summed counts (:data:`OUTCOMES`: samples written, one key per skip reason,
-    :data:`MEASURES`, ``shards_done``, ``shards_skipped``, ``shards_failed``: sources that failed
-    part-way, left for a rerun).
-    """
+    """Tokenize every raw shard of ``inputs`` into ``out_dir``, skipping finished outputs. Returns the
+    summed counts: :data:`OUTCOMES`, skip reasons, :data:`MEASURES` and ``shards_done/skipped/failed``."""
     paths = expand_sources(inputs)
     if not paths:
         raise FileNotFoundError(f"no raw shards match {inputs!r}")
