@@ -347,12 +347,12 @@ class _PyAVBackend:
             self.container.close()
 
 
-def _open(src: VideoSource, label: Optional[str], max_resolution: int, backend: str = "auto"):
-    """A reader of ``src`` (label None: '<bytes>' or the path); a missing or empty source raises."""
+def _open(src: VideoSource, max_resolution: int, backend: str = "auto"):
+    """A reader of ``src`` (labelled '<bytes>' or the path); a missing or empty source raises."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     is_bytes = isinstance(src, (bytes, bytearray, memoryview))
-    label = label or ("<bytes>" if is_bytes else str(src))
+    label = "<bytes>" if is_bytes else str(src)
     if is_bytes:
         if len(src) == 0:
             raise EmptyVideoError("zero bytes", label)
@@ -369,7 +369,7 @@ def probe_video(src: VideoSource, *, max_resolution: int = DEFAULT_MAX_RESOLUTIO
                 backend: str = "auto") -> VideoInfo:
     """Frame count, fps, displayed size, duration (read and declared) and orientation, without
     decoding frames (beyond the first)."""
-    reader = _open(src, None, max_resolution, backend)
+    reader = _open(src, max_resolution, backend)
     reader.close()
     return reader.info
 
@@ -383,7 +383,7 @@ class VideoChunks:
     def __init__(self, src: VideoSource, *, fps: Optional[float] = 1.0, max_frames: Optional[int] = None,
                  size: Optional[int] = None, max_resolution: int = DEFAULT_MAX_RESOLUTION,
                  chunk_frames: Optional[int] = None, backend: str = "auto"):
-        self._reader = _open(src, None, max_resolution, backend)
+        self._reader = _open(src, max_resolution, backend)
         self.label, self.info = self._reader.label, self._reader.info
         self._indices = sample_indices(self.info.num_frames, self.info.fps, fps, max_frames)
         h, w = self._reader.stored
