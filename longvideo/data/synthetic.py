@@ -147,14 +147,12 @@ def write_mp4(chunks: Iterable[np.ndarray], fps: float, dst=None, *, codec: str 
                 stream = container.add_stream(codec, rate=rate)
                 stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
                 stream.thread_count = 1
-                opts = {"crf": str(crf), "preset": preset} if codec == "libx264" else {}
                 if codec == "libx264":
                     # x264 otherwise writes its build string, which differs between machines
-                    keyint = f":keyint={gop}:min-keyint={gop}" if gop else ""
-                    opts["x264-params"] = "threads=1:info=0" + keyint
+                    params = "threads=1:info=0" + (f":keyint={gop}:min-keyint={gop}" if gop else "")
+                    stream.options = {"crf": str(crf), "preset": preset, "x264-params": params}
                 elif gop:
                     stream.codec_context.gop_size = gop
-                stream.options = opts
             for img in chunk:
                 frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")
                 for packet in stream.encode(frame):
