@@ -15,6 +15,7 @@ names ``nbytes``, that many raw bytes; never a pickle.
     failure of any request -> {"ok": false, "error": "..."}
 """
 
+import io
 import json
 import math
 import os
@@ -98,9 +99,7 @@ def main():
                 drop()
                 path = req.get("path")
                 if data is not None and os.environ.get("LONGVIDEO_DECORD_FILEOBJ") == "1":
-                    import io  # decord reading a file object, as an in-process reader of bytes would (tests)
-
-                    path, data = io.BytesIO(data), None
+                    path, data = io.BytesIO(data), None  # a file object, as a reader in-process would (tests)
                 if data is not None:  # spooled: decord crashes on truncated AVIs read from a file object
                     fd, spool = tempfile.mkstemp(prefix="longvideo-decord-")
                     with os.fdopen(fd, "wb") as f:

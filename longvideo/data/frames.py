@@ -18,6 +18,7 @@ from typing import Iterator, Sequence, Union
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from longvideo.data.shards import SkipStats, iter_raw_samples
 from longvideo.data.streams import expand_sources, is_url
@@ -148,8 +149,6 @@ def build_frame_source(source: Source | FrameSource, cfg: VQConfig, *, progress:
         videos_iter = iter([source])
     else:
         videos_iter = iter(source)
-    from tqdm import tqdm
-
     videos: list[torch.Tensor] = []
     total = 0
     # the held-out share is read on top of the training pool
