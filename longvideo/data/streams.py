@@ -267,10 +267,8 @@ def iter_tar(src: str, stats: SkipStats, exts: Iterable[str],
             f.close()
         except SourceIOError as e:  # a pipe command that exited non-zero: the cause of any tar error
             failed, key = e, None
-    if isinstance(failed, ShardError) and failed.reason == "truncated_tar" and key is not None:
-        # the member being read was cut short: its sample is incomplete, counted with the failure
-        key = None
-    if key is not None:
+    # a member cut short (truncated_tar) leaves its sample incomplete: counted with the failure
+    if key is not None and not (isinstance(failed, ShardError) and failed.reason == "truncated_tar"):
         yield key, parts
     if failed is not None:
         stats.skip(failed.reason, src, str(failed))

@@ -315,7 +315,6 @@ def build_prompt(tokenizer, vocab, codes, timestamps, question: str,
     """The prompt for one question, ending exactly where the answer starts (the module docstring).
     codes: integer (G, h, w) (numpy or torch); timestamps: (G,) seconds; history: earlier (question,
     answer) turns about the same video (docs/data.md, "Sequence layout", Inference)."""
-    question_first, timestamp_every = options.question_first, options.timestamp_every
     codes = np.asarray(codes.cpu() if hasattr(codes, "cpu") else codes).astype(np.int64)
     timestamps = np.asarray(timestamps.cpu() if hasattr(timestamps, "cpu") else timestamps, np.float64)
     if codes.ndim != 3 or timestamps.shape != codes.shape[:1]:
@@ -326,9 +325,9 @@ def build_prompt(tokenizer, vocab, codes, timestamps, question: str,
             raise ValueError("LWM's vision-chat prompt holds one question; follow-ups need the qa template")
         parts = lwm_parts(question, range(codes.shape[0]))
     else:
-        parts = qa_parts([*history, (question, None)], range(codes.shape[0]), question_first=question_first,
-                         vision_loss=False)
-    ids, _, video_end = _render(parts, tokenizer, vocab, codes, timestamps, 0.0, 0.0, timestamp_every)
+        parts = qa_parts([*history, (question, None)], range(codes.shape[0]),
+                         question_first=options.question_first, vision_loss=False)
+    ids, _, video_end = _render(parts, tokenizer, vocab, codes, timestamps, 0.0, 0.0, options.timestamp_every)
     return Prompt(ids=ids.tolist(), video_end=video_end)
 
 
