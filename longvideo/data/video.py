@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+import av
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -117,9 +118,6 @@ class _PyAVBackend:
     name = "pyav"
 
     def __init__(self, src: VideoSource, label: str, max_resolution: int):
-        import av
-
-        self._av = av
         self.label = label
         data = bytes(src) if isinstance(src, (bytes, bytearray, memoryview)) else None
         self._file = (lambda: io.BytesIO(data)) if data is not None else (lambda: str(src))
@@ -171,7 +169,7 @@ class _PyAVBackend:
 
     def _open_container(self) -> None:
         try:
-            self.container = self._av.open(self._file(), mode="r", options=self._options)
+            self.container = av.open(self._file(), mode="r", options=self._options)
         except Exception as e:
             raise CorruptVideoError(f"PyAV cannot open it: {str(e)[:200]}", self.label) from e
         if not self.container.streams.video:
@@ -195,7 +193,7 @@ class _PyAVBackend:
                         for f in packet.decode():
                             matrix, probe = display_matrix(f), 0
                             break
-                    except self._av.FFmpegError:
+                    except av.FFmpegError:
                         pass
                 if packet.size == 0 or packet.pts is None:
                     continue
@@ -217,7 +215,7 @@ class _PyAVBackend:
         skipped when ``wait_key`` (after a seek); a packet the decoder refuses is noted in
         ``_lost`` and decoding resumes at the next keyframe; a container that cannot be demuxed
         further ends the stream there (what the decoder holds is flushed)."""
-        av, wait_key, t, cut = self._av, wait_key and len(self._keys) > 0, None, False
+        wait_key, t, cut = wait_key and len(self._keys) > 0, None, False
         packets = self.container.demux(self.stream)
         while True:
             try:
