@@ -19,7 +19,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from longvideo.atomic import atomic_open
-from longvideo.data.streams import (ShardError, SkipStats, default_limits, is_url, iter_tar, part_bytes,
+from longvideo.data.streams import (ShardError, SkipStats, default_limits, iter_tar, part_bytes,
                                     split_name, usable_member)
 from longvideo.data.video_base import VIDEO_EXTS  # the one list of accepted video extensions
 
@@ -198,14 +198,7 @@ class TokenShard:
 
 def iter_token_samples(path: str, stats: SkipStats,
                        codebook_size: Optional[int] = None) -> Iterator[TokenSample]:
-    """The valid samples of a token shard (a local file, read by random access, or a URL, streamed)."""
-    if is_url(path):
-        for key, parts in iter_tar(path, stats, TOKEN_EXTS):
-            try:
-                yield decode_token_sample(key, parts, codebook_size)
-            except ShardError as e:
-                stats.skip(e.reason, f"{path}:{key}", str(e))
-        return
+    """The valid samples of a local token shard, read by random access (the loader streams remote ones)."""
     try:
         shard = TokenShard(path, stats)
     except ShardError as e:
