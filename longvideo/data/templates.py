@@ -118,14 +118,11 @@ def _render(parts: list, tok, vocab, codes: Optional[np.ndarray], timestamps: Op
         weights.extend([w] * len(new))
 
     for p in parts:
-        if isinstance(p, Bos):
-            if tok.bos_id is None:
-                raise ValueError("the text tokenizer has no BOS token")
-            add([tok.bos_id], 0.0)
-        elif isinstance(p, Eos):
-            if tok.eos_id is None:
-                raise ValueError("the text tokenizer has no EOS token")
-            add([tok.eos_id], text_w if p.loss else 0.0)
+        if isinstance(p, (Bos, Eos)):
+            name, token = ("BOS", tok.bos_id) if isinstance(p, Bos) else ("EOS", tok.eos_id)
+            if token is None:
+                raise ValueError(f"the text tokenizer has no {name} token")
+            add([token], text_w if isinstance(p, Eos) and p.loss else 0.0)
         elif isinstance(p, Text):
             if p.text:
                 add(tok.encode(p.text), text_w if p.loss else 0.0)
