@@ -45,8 +45,6 @@ def _plain_warnings():
         warnings.formatwarning = saved
 
 
-# ----------------------------------------------------------------------------- chat
-
 def _shared_args(p: argparse.ArgumentParser, max_new_tokens: Optional[int], help_tokens: str) -> None:
     """The flags chat and every eval task share."""
     p.add_argument("--model", required=True, help="exported Hugging Face directory or project checkpoint")
@@ -158,8 +156,6 @@ def _chat_sequence_parallel(args) -> int:
         if owns_group:
             dist.destroy_process_group()
 
-
-# ----------------------------------------------------------------------------- eval
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]

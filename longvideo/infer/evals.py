@@ -37,8 +37,6 @@ EngineFactory = Callable[[object], Engine]
 """Builds the engine for a loaded model (default: a LocalEngine with the config's prefill chunk)."""
 
 
-# ----------------------------------------------------------------------------- scoring
-
 def normalise(text: str) -> str:
     return re.sub(r"\s+", " ", parse_answer(text).lower()).strip()
 
@@ -53,8 +51,6 @@ def substring_match(prediction: str, reference: str) -> bool:
     ref = reference.strip().lower()
     return bool(ref) and ref in prediction.lower()
 
-
-# ----------------------------------------------------------------------------- output
 
 def pyplot():
     """matplotlib.pyplot drawing into files (the Agg backend: no display needed)."""
@@ -110,8 +106,6 @@ def open_session(pretrained, video: EncodedVideo, infer, engine_factory: Optiona
     engine = engine_factory(pretrained) if engine_factory is not None else None
     return ChatSession(pretrained, video, infer=infer, engine=engine)
 
-
-# ----------------------------------------------------------------------------- QA accuracy
 
 def _qa_samples(pretrained, shards, *, fps: float, max_frames: Optional[int], batch_frames: int,
                 stats) -> Iterator[tuple[str, np.ndarray, np.ndarray, dict]]:
@@ -211,8 +205,6 @@ def evaluate_qa(model, shards, *, out_dir: Optional[str | Path] = None, max_samp
         xlabel="video length", ylabel="question"))
 
 
-# ----------------------------------------------------------------------------- text needle
-
 CITIES: tuple[str, ...] = ("Chicago", "Lisbon", "Nairobi", "Osaka", "Quito", "Tallinn", "Perth", "Dakar",
                            "Hanoi", "Lima", "Oslo", "Cairo")
 _SUBJECTS = ("The river", "A small boat", "The old library", "Every morning the market", "The mountain path",
@@ -300,8 +292,6 @@ def evaluate_text_needle(model, *, lengths: Sequence[int] = (256, 512, 1024),
         grid, list(lengths), [f"{d:.2f}" for d in depths], p, title="Text needle retrieval",
         xlabel="context length (tokens)", ylabel="needle depth"))
 
-
-# ----------------------------------------------------------------------------- video needle
 
 def haystack_frames(num_frames: int, size: int, seed: int, source_fps: int = 8, *,
                     decoded: bool = False) -> np.ndarray:
@@ -454,8 +444,6 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
         title=f"Video needle retrieval (chance {result['chance']:.2f})",
         xlabel="video length (frames at 1 fps)", ylabel="needle depth"))
 
-
-# ----------------------------------------------------------------------------- a flash through the tokenizer
 
 def nearest_colour(frame: np.ndarray, colours: Sequence[str]) -> str:
     """The needle colour closest (RGB distance) to a frame's mean colour."""

@@ -342,8 +342,6 @@ class Service:
         return cached
 
 
-# ----------------------------------------------------------------------------- HTTP
-
 class Handler(BaseHTTPRequestHandler):
     protocol_version, server_version = "HTTP/1.1", "longvideo"
     timeout = 120  # seconds a connection may stall in a read or a write
@@ -465,8 +463,6 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             job.cancelled.set()  # the worker stops at the next token
 
-
-# ----------------------------------------------------------------------------- command
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="longvideo serve", description="An OpenAI-compatible chat server about "

@@ -126,8 +126,6 @@ def sp_generate(model: Transformer, ids: Tensor, group=None, *, max_new_tokens: 
     return out
 
 
-# ----------------------------------------------------------------------------- the world and its inputs
-
 def local_device(arg: Optional[str] = None) -> torch.device:
     """`arg`, else this rank's GPU (LOCAL_RANK) when there is one, else the CPU."""
     if arg is not None:
