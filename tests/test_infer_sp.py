@@ -119,7 +119,7 @@ def _sp_body(rank, world, ref, chat_case):
     for ulysses in ("1", "2"):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            rc = cli._chat_sequence_parallel(cli.chat_parser().parse_args(
+            rc = cli._chat(cli.chat_parser().parse_args(
                 ["--model", ckpt, "--video", video, "--question", question, "--quiet", "--device", "cpu",
                  "--ulysses", ulysses]))
         assert rc == 0

@@ -351,7 +351,7 @@ def _sp_body(rank, world, ckpt, clip, expected):
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = infer_cli._chat_sequence_parallel(infer_cli.chat_parser().parse_args(
+        rc = infer_cli._chat(infer_cli.chat_parser().parse_args(
             ["--model", ckpt, "--video", clip, "--question", QUESTION, "--quiet", "--device", "cpu",
              "--max-new-tokens", "8"]))
     assert rc == 0

@@ -42,7 +42,7 @@ from longvideo.infer.api import ApiError, ChatRequest, MediaPolicy, load_video, 
 from longvideo.infer.chat import EncodedVideo, encode_video_file, fit_frames, load_model, prompt_of
 from longvideo.infer.generation import Engine, LocalEngine
 from longvideo.infer.sp import (SequenceParallelEngine, broadcast_array, broadcast_text, comm_device,
-                                join_world, local_device)
+                                join_world, local_device, raise_together)
 
 THUMB, MAX_THUMBS = 48, 512
 """Thumbnail side (pixels); most thumbnails in a strip (spread evenly over the frames)."""
@@ -495,7 +495,7 @@ def main(argv: list[str]) -> int:
     world, device = int(os.environ.get("WORLD_SIZE", "1")), local_device(args.device)
     if world > 1:  # the other ranks wait for rank 0's next job in a broadcast: a long timeout
         join_world(device, timedelta(days=365))
-    rank, status = dist.get_rank() if world > 1 else 0, ""
+    rank, error = dist.get_rank() if world > 1 else 0, None
     try:
         try:
             pre = load_model(args.model, device)
@@ -503,13 +503,11 @@ def main(argv: list[str]) -> int:
                 raise ValueError(f"{args.model} has no text tokenizer or no VQ video tokenizer")
             svc = Service(pre, args, args.served_model_name or Path(args.model).resolve().name)
         except (FileNotFoundError, ValueError, RuntimeError) as e:
-            status = str(e) or type(e).__name__
-        if world > 1:  # every rank learns whether one failed before the collectives start
-            failed = torch.tensor([int(bool(status))], device=comm_device())
-            dist.all_reduce(failed)
-            status = status or ("another rank failed" if int(failed) else "")
-        if status:
-            print(f"longvideo serve: error (rank {rank}): {status}", file=sys.stderr)
+            error = e
+        try:
+            raise_together(error)  # every rank learns whether one failed before the collectives start
+        except (FileNotFoundError, ValueError, RuntimeError) as e:
+            print(f"longvideo serve: error (rank {rank}): {str(e) or type(e).__name__}", file=sys.stderr)
             return 2
         if rank > 0:
             svc.follow()
