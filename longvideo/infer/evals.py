@@ -80,13 +80,15 @@ def save_heatmap(values: np.ndarray, xlabels: Sequence, ylabels: Sequence, path:
     plt.close(fig)
 
 
-def _write(result: dict, out_dir: Optional[str | Path], name: str, heatmap: Callable[[Path], None]) -> dict:
+def _write(result: dict, out_dir: Optional[str | Path], name: str, values, xlabels: Sequence,
+           ylabels: Sequence, **labels) -> dict:
+    """`result` as OUT/NAME.json and `values` as the heatmap OUT/NAME.png (save_heatmap's labels)."""
     if out_dir is None:
         return result
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result["json"], result["png"] = str(out / f"{name}.json"), str(out / f"{name}.png")
-    heatmap(out / f"{name}.png")
+    save_heatmap(values, xlabels, ylabels, out / f"{name}.png", **labels)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -200,9 +202,8 @@ def evaluate_qa(model, shards, *, out_dir: Optional[str | Path] = None, max_samp
               "skipped": {k: v for k, v in stats.items() if k != "ok"}, "seconds": round(time.time() - t0, 2),
               "records": records}
     xl = [f"{a:.0f}-{b:.0f}s" for a, b in bins]
-    return _write(result, out_dir, "qa", lambda p: save_heatmap(
-        grid, xl, questions, p, title=f"QA accuracy (chance {result['chance'] or float('nan'):.2f})",
-        xlabel="video length", ylabel="question"))
+    return _write(result, out_dir, "qa", grid, xl, questions, xlabel="video length", ylabel="question",
+                  title=f"QA accuracy (chance {result['chance'] or float('nan'):.2f})")
 
 
 CITIES: tuple[str, ...] = ("Chicago", "Lisbon", "Nairobi", "Osaka", "Quito", "Tallinn", "Perth", "Dakar",
@@ -288,17 +289,14 @@ def evaluate_text_needle(model, *, lengths: Sequence[int] = (256, 512, 1024),
     result = {"task": "text_needle", "protocol": "LWM needle retrieval (substring match of the number)",
               "lengths": list(lengths), "depths": [float(d) for d in depths], "rounds": rounds,
               "accuracy": float(grid.mean()), "chance": 0.0, "grid": grid.tolist(), "cells": cells}
-    return _write(result, out_dir, "text_needle", lambda p: save_heatmap(
-        grid, list(lengths), [f"{d:.2f}" for d in depths], p, title="Text needle retrieval",
-        xlabel="context length (tokens)", ylabel="needle depth"))
+    return _write(result, out_dir, "text_needle", grid, list(lengths), [f"{d:.2f}" for d in depths],
+                  title="Text needle retrieval", xlabel="context length (tokens)", ylabel="needle depth")
 
 
 def haystack_frames(num_frames: int, size: int, seed: int, source_fps: int = 8, *,
                     decoded: bool = False) -> np.ndarray:
-    """A moving-shapes video of `num_frames` seconds sampled at 1 fps (uint8 (T, size, size, 3)),
-    rendered at `source_fps` as the training videos are. decoded: written by the training videos'
-    writer and read back, so its pixels are the codec's, as in a training video; otherwise only the
-    sampled frames are rendered, exactly as drawn."""
+    """A moving-shapes video of `num_frames` seconds at 1 fps (uint8 (T, size, size, 3)), rendered at
+    `source_fps`; decoded: through the training videos' writer and read back, else exactly as drawn."""
     spec = SyntheticSpec(size=size, fps=source_fps, min_seconds=num_frames, max_seconds=num_frames,
                          long_fraction=0.0, needle_fraction=0.0)
     sample = make_sample(seed, 0, spec)
@@ -308,10 +306,8 @@ def haystack_frames(num_frames: int, size: int, seed: int, source_fps: int = 8, 
 
 
 def flash_frame(colour: str, size: int, source_fps: int = 8, *, decoded: bool = False) -> torch.Tensor:
-    """A full-frame flash of a needle colour, uint8 (size, size, 3). decoded: as a training video
-    carries it, a second of the colour after a black one through the training videos' writer and
-    read back (the codec moves a colour by a unit or two, enough to change a tokenizer's codes:
-    docs/inference.md, "Evaluations")."""
+    """A full-frame flash of a needle colour, uint8 (size, size, 3); decoded: as a training video carries
+    it, through the codec (docs/inference.md, "Evaluations")."""
     if not decoded:
         return torch.tensor(COLOURS[colour], dtype=torch.uint8).expand(size, size, 3).clone()
     src = np.zeros((2 * source_fps, size, size, 3), np.uint8)
@@ -344,13 +340,9 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                           engine_factory: Optional[EngineFactory] = None, progress: bool = True,
                           encode_group=None, haystack=None, needle=None, question: Optional[str] = None,
                           answer: Optional[str] = None, decoded: bool = True) -> dict:
-    """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid; a cell's score is the
-    fraction of its trials whose needle is named (exact match). A trial is one background with one
-    needle (colours in turn), encoded once and the needle spliced in at every depth. trials: an int,
-    or one per length (default len(colours)); encode_group: the ranks that all run this share the
-    encoding (trial t on rank t mod world); haystack: a video the backgrounds are cut from; needle:
-    an image asked about with `question`, scored against `answer`; decoded: the generated backgrounds
-    and colour flashes pass through the training videos' codec first (False: spliced as drawn)."""
+    """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid: per cell, the fraction
+    of its trials whose needle is named (exact match). The trials, encode_group, haystack, needle and
+    decoded: docs/inference.md, "Evaluations" (one's own media: docs/evaluation.md)."""
     pretrained, infer = greedy(model, max_new_tokens, ("vq", "tokenizer"), "the video needle evaluation")
     vq = pretrained.vq
     colours = list(colours or NEEDLE_CHOICES)
@@ -439,10 +431,9 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
         result["needle_frames"] = {a: str(frames_dir / f"needle_{k}.png") for k, (a, _) in enumerate(needles)}
         for a, frame in needles:
             Image.fromarray(frame.numpy()).save(result["needle_frames"][a])
-    return _write(result, out_dir, "video_needle", lambda p: save_heatmap(
-        grid, list(lengths), [f"{d:.2f}" for d in depths], p,
-        title=f"Video needle retrieval (chance {result['chance']:.2f})",
-        xlabel="video length (frames at 1 fps)", ylabel="needle depth"))
+    return _write(result, out_dir, "video_needle", grid, list(lengths), [f"{d:.2f}" for d in depths],
+                  title=f"Video needle retrieval (chance {result['chance']:.2f})",
+                  xlabel="video length (frames at 1 fps)", ylabel="needle depth")
 
 
 def nearest_colour(frame: np.ndarray, colours: Sequence[str]) -> str:
@@ -481,7 +472,6 @@ def evaluate_vq_needle(vq, *, num_frames: int = 120, trials: int = 32, seed: int
               "frames_per_group": vq.cfg.frames_per_group,
               "rate": float(np.mean([x["correct"] for x in cells])),
               "rate_by_offset": {str(o): r for o, r in per.items()}, "cells": cells}
-    return _write(result, out_dir, "vq_needle", lambda p: save_heatmap(
-        np.asarray([[per[o] for o in offsets]]), [str(o) for o in offsets], ["decoded"], p,
-        title=f"Flash colour after the tokenizer ({result['rate']:.1%} of {trials})",
-        xlabel="flash frame's position in its code group", ylabel=""))
+    return _write(result, out_dir, "vq_needle", [[per[o] for o in offsets]], [str(o) for o in offsets],
+                  ["decoded"], title=f"Flash colour after the tokenizer ({result['rate']:.1%} of {trials})",
+                  xlabel="flash frame's position in its code group", ylabel="")
