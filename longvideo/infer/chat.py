@@ -1,8 +1,5 @@
-"""Answering questions about a video: read -> VQ-encode (streaming) -> prompt -> prefill -> generate.
-
-The prompt is the QA training template (longvideo.data.templates.build_prompt); a video too long
-for the context is sampled with fewer frames spread over its whole length, with a ContextWarning.
-docs/inference.md, "Chat" and "Python API".
+"""Answering questions about a video: read -> VQ-encode (streaming) -> prompt -> prefill -> generate
+(docs/inference.md, "Chat" and "Python API").
 """
 
 from __future__ import annotations

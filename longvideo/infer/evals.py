@@ -1,8 +1,6 @@
-"""Evaluations: QA accuracy on shards, text and video needle-in-a-haystack, a flash through the VQ.
-
-Each returns a dict, also written as OUT/NAME.json with a heatmap OUT/NAME.png when `out_dir` is
-given. Protocols, grids and chance levels: docs/inference.md, "Evaluations"; a haystack video and
-needle image of one's own: docs/evaluation.md, "The video needle on your own media".
+"""Evaluations: QA accuracy on shards, text and video needle-in-a-haystack, a flash through the VQ;
+each returns a dict, written as OUT/NAME.json and a heatmap OUT/NAME.png when `out_dir` is given
+(docs/inference.md, "Evaluations"; one's own haystack and needle: docs/evaluation.md).
 """
 
 from __future__ import annotations

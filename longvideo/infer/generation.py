@@ -1,7 +1,5 @@
-"""Generation with a KV cache: chunked prefill, nucleus sampling, the decoding loop, and engines
-(docs/inference.md, "Python API" and "Chunked prefill"). The decoding loop is written against
-`step(token) -> logits` and `pick(logits) -> token`, so the sequence-parallel engine
-(longvideo.infer.sp) reuses it unchanged.
+"""Generation with a KV cache: chunked prefill, nucleus sampling, the decoding loop, and the engines
+that both run it (docs/inference.md, "Python API" and "Chunked prefill").
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""`longvideo serve`: an OpenAI-compatible chat server about videos, with a web page at `/`.
-
-HTTP threads check a request (longvideo.infer.api) and queue a job (bounded: 429); one worker
-answers in arrival order, one token at a time from `Engine.generate`, so streaming, stop strings
-and a client that left are handled between tokens. The caches and the torchrun protocol:
-docs/serving.md, "Follow-ups and the caches".
+"""`longvideo serve`: an OpenAI-compatible chat server about videos, with a web page at `/`; HTTP
+threads queue checked requests, one worker answers them a token at a time (docs/serving.md).
 """
 
 from __future__ import annotations
