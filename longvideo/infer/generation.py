@@ -41,23 +41,17 @@ def new_cache(model: Transformer, batch: int, max_len: int) -> KVCache:
 
 
 @torch.no_grad()
-def prefill(model: Transformer, ids: Tensor, cache: KVCache, *, chunk: int,
-            positions: Optional[Tensor] = None, segment_ids: Optional[Tensor] = None) -> Tensor:
-    """Append ids (B, S) to `cache`, `chunk` tokens per forward; return the last hidden (B, 1, dim).
-    positions / segment_ids (B, S) default to continuing after the cache, and one segment."""
-    B, S = ids.shape
+def prefill(model: Transformer, ids: Tensor, cache: KVCache, *, chunk: int) -> Tensor:
+    """Append ids (B, S) to `cache` (positions continuing after it, one segment), `chunk` tokens per
+    forward; return the last hidden (B, 1, dim)."""
+    S = ids.shape[1]
     if S == 0:
         raise ValueError("prefill needs at least one token")
     if chunk < 1:
         raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
-    if positions is None:
-        positions = cache.next_position()[:, None] + torch.arange(S, device=ids.device)[None, :]
-    if segment_ids is None:
-        segment_ids = torch.zeros(B, S, dtype=torch.long, device=ids.device)
     last = None
     for s in range(0, S, chunk):
-        hidden = model(ids[:, s:s + chunk], positions[:, s:s + chunk], segment_ids[:, s:s + chunk],
-                       cache=cache)  # (B, c, dim)
+        hidden = model(ids[:, s:s + chunk], cache=cache)  # (B, c, dim); the model continues the positions
         last = hidden[:, -1:]
         del hidden  # only the last token's state is needed; free the chunk before the next one
     return last
@@ -223,12 +217,11 @@ class LocalEngine(CachedEngine):
 @torch.no_grad()
 def generate(model: Transformer, ids: Tensor, *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_p: float = 1.0, stop_ids: Sequence[int] = (), prefill_chunk: int = 4096,
-             generator: Optional[torch.Generator] = None, cache: Optional[KVCache] = None,
-             vocab_limit: Optional[int] = None) -> Generation:
+             generator: Optional[torch.Generator] = None, cache: Optional[KVCache] = None) -> Generation:
     """Prefill ids (B, S) in chunks into a KV cache, then decode with the cache. `cache`: continue an
     existing cache (its tokens precede ids); by default a fresh one of S + max_new_tokens."""
     B, S = ids.shape
     engine = LocalEngine(model, prefill_chunk=prefill_chunk, spare=0,
                          cache=cache if cache is not None else new_cache(model, B, S + max_new_tokens))
     return engine.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                           stop_ids=stop_ids, generator=generator, vocab_limit=vocab_limit)
+                           stop_ids=stop_ids, generator=generator)
