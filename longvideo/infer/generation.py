@@ -119,9 +119,9 @@ class CachedEngine:
     """The `Engine` interface (set_prefix, generate, keep, extend; held, prefix_len, prefix_s) and what
     both engines share: a KV cache that holds the prefix (its first `local_prefix_len` slots on this
     process), grown on demand, and one generate path. A subclass sets `model`, `spare` and `cache`
-    and gives `set_prefix`, `extend`, `_logits(ids, start, prompt)`: feed ids (B, n) at positions
-    start.. after the cache's tokens (the prompt, or one decoding step), return the last logits
-    (B, V); and `_pick`: the token every process takes."""
+    and gives `set_prefix`, `extend`, `_logits(ids, start)`: feed ids (B, n) at positions start..
+    after the cache's tokens (the prompt, or one decoding step), return the last logits (B, V); and
+    `_pick`: the token every process takes."""
 
     prefix_len = local_prefix_len = 0
     prefix_s = 0.0
@@ -158,13 +158,13 @@ class CachedEngine:
         self.cache.crop(self.local_prefix_len)  # forget the previous question and answer
         self.cache = grown(self.model, self.cache, self.local_prefix_len + Q + max_new_tokens, self.spare)
         t0 = time.perf_counter()
-        first = self._logits(ids, self.prefix_len, prompt=True)
+        first = self._logits(ids, self.prefix_len)
         ttft = time.perf_counter() - t0
         positions = itertools.count(self.prefix_len + Q)
 
         def pick(logits: Tensor) -> Tensor:
             return self._pick(sample_token(logits[..., :vocab_limit], temperature, top_p, generator))
-        tokens = decode_loop(lambda tok: self._logits(tok[:, None], next(positions), prompt=False), first,
+        tokens = decode_loop(lambda tok: self._logits(tok[:, None], next(positions)), first,
                              max_new_tokens=max_new_tokens, stop_ids=stop_ids, pick=pick)
         return Generation(tokens=tokens, prompt_len=self.prefix_len + Q, ttft_s=ttft,
                           total_s=time.perf_counter() - t0)
@@ -200,11 +200,10 @@ class LocalEngine(CachedEngine):
         self.prefix_len = self.local_prefix_len = P
         self.prefix_s = time.perf_counter() - t0
 
-    def _logits(self, ids: Tensor, start: int, prompt: bool) -> Tensor:
-        """The positions continue after the cache's tokens, which is `start` here."""
-        if prompt:
-            return logits_of(self.model, prefill(self.model, ids, self.cache, chunk=self.prefill_chunk))
-        return logits_of(self.model, self.model(ids, cache=self.cache))
+    def _logits(self, ids: Tensor, start: int) -> Tensor:
+        """Chunked prefill (one forward for a decoding step); the positions continue after the cache's
+        tokens, which is `start` here."""
+        return logits_of(self.model, prefill(self.model, ids, self.cache, chunk=self.prefill_chunk))
 
     @torch.no_grad()
     def extend(self, ids: Tensor, *, keep: int = 0) -> Tensor:

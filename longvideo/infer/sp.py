@@ -82,15 +82,15 @@ class SequenceParallelEngine(CachedEngine):
                                           owner=self.rank == self.owner)
         self.prefix_s = time.perf_counter() - t0
 
-    def _replicated(self, ids: Tensor, positions: Tensor) -> Tensor:
-        """Feed tokens every rank holds; return the last logits (B, V)."""
-        hidden = self.model(ids, positions, torch.zeros_like(ids), cache=self.cache, attention_fn=self.merged)
-        return logits_of(self.model, hidden)
+    def _replicated(self, ids: Tensor, start: int) -> Tensor:
+        """Feed ids (B, n) every rank holds at positions start..; their hidden states (B, n, dim)."""
+        pos = start + torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape)
+        return self.model(ids, pos, torch.zeros_like(ids), cache=self.cache, attention_fn=self.merged)
 
-    def _logits(self, ids: Tensor, start: int, prompt: bool) -> Tensor:
+    def _logits(self, ids: Tensor, start: int) -> Tensor:
         if ids.shape[1] < 1:
             raise ValueError("generate needs at least one token after the prefix")
-        return self._replicated(ids, start + torch.arange(ids.shape[1], device=ids.device).expand(ids.shape))
+        return logits_of(self.model, self._replicated(ids, start))
 
     def _pick(self, tok: Tensor) -> Tensor:
         tok = tok.contiguous()
@@ -104,8 +104,7 @@ class SequenceParallelEngine(CachedEngine):
         """Feed replicated ids (B, n) after the prefix and the first `keep` tokens cached after it;
         return their hidden states (B, n, dim), the same on every rank; collective."""
         self._extend(keep, ids.shape[1])
-        pos = self.prefix_len + keep + torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape)
-        return self.model(ids, pos, torch.zeros_like(ids), cache=self.cache, attention_fn=self.merged)
+        return self._replicated(ids, self.prefix_len + keep)
 
 
 @torch.no_grad()
