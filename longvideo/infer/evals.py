@@ -147,9 +147,8 @@ def evaluate_qa(model, shards, *, out_dir: Optional[str | Path] = None, max_samp
                 engine_factory: Optional[EngineFactory] = None, progress: bool = True,
                 encode_group=None) -> dict:
     """Accuracy over every question of the samples in `shards` (token shards, or raw shards that the
-    model's VQ encodes). Returns accuracy (exact), substring accuracy, chance, per-question results.
-    encode_group: the ranks of a sequence-parallel prefill, which read the samples each and agree
-    after every one (longvideo.data.ranks.together), so that no rank waits on one that failed."""
+    model's VQ encodes). encode_group: the ranks of a sequence-parallel prefill; they read the
+    samples each and agree after every one (longvideo.data.ranks.together)."""
     pretrained, infer = greedy(model, max_new_tokens)
     stats = SkipStats()
     records = []
@@ -443,10 +442,9 @@ def nearest_colour(frame: np.ndarray, colours: Sequence[str]) -> str:
 def evaluate_vq_needle(vq, *, num_frames: int = 120, trials: int = 32, seed: int = 0, source_fps: int = 8,
                        colours: Optional[Sequence[str]] = None, batch_frames: int = 64,
                        out_dir: Optional[str | Path] = None, progress: bool = True) -> dict:
-    """Does a one-frame flash survive the video tokenizer (docs/hour.md, "The needle through the
-    tokenizer")? Each trial's flash is encoded, decoded and named by its nearest needle colour; rates
-    are per position of the flash in its code group. vq: a VQModel, or a model directory whose vq/
-    is used. Returns rate, per-offset rates, cells."""
+    """Does a one-frame flash survive the video tokenizer? The rate of flashes decoded nearest their
+    colour, overall and per position in the code group (docs/hour.md, "The needle through the
+    tokenizer"). vq: a VQModel, or a model directory whose vq/ is used."""
     if isinstance(vq, (str, Path)):
         vq = load_model(vq).vq
     colours = list(colours or NEEDLE_CHOICES)

@@ -116,12 +116,9 @@ def grown(model: Transformer, cache: KVCache, need: int, spare: int) -> KVCache:
 
 
 class CachedEngine:
-    """The `Engine` interface (set_prefix, generate, keep, extend; held, prefix_len, prefix_s) and what
-    both engines share: a KV cache that holds the prefix (its first `local_prefix_len` slots on this
-    process), grown on demand, and one generate path. A subclass sets `model`, `spare` and `cache`
-    and gives `set_prefix`, `extend`, `_logits(ids, start)`: feed ids (B, n) at positions start..
-    after the cache's tokens (the prompt, or one decoding step), return the last logits (B, V); and
-    `_pick`: the token every process takes."""
+    """The `Engine` interface and what both engines share: a KV cache holding the prefix, grown on
+    demand, and one generate path; a subclass sets model, spare, cache and gives set_prefix, extend,
+    _logits(ids, start) and _pick (docs/inference.md, "Python API")."""
 
     prefix_len = local_prefix_len = 0
     prefix_s = 0.0
