@@ -1,6 +1,5 @@
-"""`eval mcq`: answer every question of a benchmark, score them, and write what people report:
-OUT/predictions.jsonl (one fsynced line per question: a killed run resumes), OUT/summary.json and
-OUT/summary.png. The modes, the files and the bootstrap: docs/evaluation.md.
+"""`eval mcq`: answer every question of a benchmark, score them, and write OUT/predictions.jsonl (a
+killed run resumes), OUT/summary.json and OUT/summary.png (docs/evaluation.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Sequence-parallel serving: the prefix (the video part) ring-prefilled and sharded in the zigzag
-layout, everything after it replicated and attending to every rank's shard through an exact merge
-(`MergedAttentionSeam`); rank 0's sampled token is broadcast. docs/inference.md, "Sequence-parallel
-serving".
+"""Sequence-parallel serving: the prefix (the video part) ring-prefilled and sharded, everything after
+it replicated and merged exactly over the shards (docs/inference.md, "Sequence-parallel serving").
 """
 
 from __future__ import annotations
