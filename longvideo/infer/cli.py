@@ -238,8 +238,7 @@ def _eval(args) -> int:
         return 0
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     device = local_device(args.device)
-    if distributed:
-        join_world(device, timedelta(minutes=30))
+    owns_group = distributed and join_world(device, timedelta(minutes=30))
     rank, group = (dist.get_rank(), dist.group.WORLD) if distributed else (0, None)
     try:
         pretrained = load_model(args.model, device)
@@ -290,6 +289,6 @@ def _eval(args) -> int:
     except KNOWN_ERRORS as e:
         return _error("longvideo eval", e)
     finally:
-        if distributed and dist.is_initialized():
+        if owns_group:
             dist.destroy_process_group()
     return 0
