@@ -92,11 +92,3 @@ class Vocab:
 
     def codes_to_ids(self, codes: torch.Tensor) -> torch.Tensor:
         return codes.long() + self.vq_offset
-
-    def is_vision(self, ids: torch.Tensor) -> torch.Tensor:
-        """Tokens that belong to the vision modality: codes, <eof> and <eov> (in the lwm layout,
-        every id of the vision vocabulary: what LWM's vision mask marks)."""
-        if self.is_lwm:
-            return (ids >= self.text_size) & (ids < self.size)
-        codes = (ids >= self.vq_offset) & (ids < self.vq_offset + self.codebook_size)
-        return codes | (ids == self.eof) | (ids == self.eov)

@@ -8,6 +8,7 @@ from longvideo.data.templates import (LayoutOptions, PromptOptions, build_docs, 
 from longvideo.data.synthetic import make_sample, text_corpus
 from longvideo.tokenizer import train_text_tokenizer
 from longvideo.vocab import SPECIAL_TOKENS
+from vision_ids import is_vision
 
 H = W = 2
 K = 32  # codebook
@@ -84,8 +85,8 @@ def test_qa_layout_no_loss_on_prompt(tok, vocab):
                 assert text.endswith("</vision>Question: What colour was the flash frame?\nAnswer: red</s>"
                                      "Question: What shape came first?\nAnswer: circle</s>")
             # loss only on the answers (+ their EOS) and, if enabled, on the video
-            learnt = [i for i, w in zip(doc.ids.tolist(), doc.weights.tolist()) if w > 0 and not vocab.is_vision(
-                np.array(i)) and i not in (vocab.vision_start, vocab.vision_end)]
+            learnt = [i for i, w in zip(doc.ids.tolist(), doc.weights.tolist()) if w > 0 and not is_vision(
+                vocab, np.array(i)) and i not in (vocab.vision_start, vocab.vision_end)]
             assert tok.decode(learnt, skip_special_tokens=False) == " red</s> circle</s>"
             vis = np.isin(doc.ids, [vocab.vision_start, vocab.vision_end]) | (doc.ids >= vocab.eof)
             assert np.all(doc.weights[vis] == (0.25 if qa_vision_loss else 0.0))

@@ -328,7 +328,7 @@ def _chat_body(rank, world, model, video):
     err = io.StringIO()
     t0 = time.time()
     with redirect_stderr(err):
-        rc = cli._chat_sequence_parallel(cli.chat_parser().parse_args(
+        rc = cli._chat(cli.chat_parser().parse_args(
             ["--model", model, "--video", video, "--question", "what?", "--quiet", "--device", "cpu"]))
     assert rc == cli.EXIT_ERROR and time.time() - t0 < 30
     assert "PyAV cannot open it" in err.getvalue(), err.getvalue()  # rank 0's error, on both ranks

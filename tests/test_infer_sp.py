@@ -97,9 +97,8 @@ def _sp_body(rank, world, ref, chat_case):
         for q, (want_tokens, want_logits) in zip(questions, runs):  # follow-ups reuse the sharded prefix
             start = engine.prefix_len
             engine.cache.crop(engine.local_prefix_len)
-            pos = start + torch.arange(q.shape[1])[None].expand_as(q)
             with torch.no_grad():
-                logits = engine._replicated(q, pos)
+                logits = engine._logits(q, start)
             tol = 1e-10 if dtype == torch.float64 else 2e-5
             torch.testing.assert_close(logits, want_logits, rtol=tol, atol=tol)
             got = engine.generate(q, max_new_tokens=10)
@@ -119,7 +118,7 @@ def _sp_body(rank, world, ref, chat_case):
     for ulysses in ("1", "2"):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            rc = cli._chat_sequence_parallel(cli.chat_parser().parse_args(
+            rc = cli._chat(cli.chat_parser().parse_args(
                 ["--model", ckpt, "--video", video, "--question", question, "--quiet", "--device", "cpu",
                  "--ulysses", ulysses]))
         assert rc == 0

@@ -24,6 +24,8 @@ from safetensors.torch import load_file
 
 from lwm_files import (lm_shapes, lwm_logits, lwm_prompt, lwm_tokenizer, random_lm, random_vqgan, round_bf16,
                        vqgan_decode, vqgan_encode, write_params, write_params_streaming, write_vqgan)
+from vision_ids import is_vision
+
 from longvideo import cli
 from longvideo.checkpoint import load_pretrained
 from longvideo.data.templates import PromptOptions, build_prompt
@@ -276,7 +278,7 @@ def test_vocab_layouts():
     assert (v.size, v.vq_offset, v.eof, v.eov, v.vision_start, v.vision_end, v.answer_limit) == (
         124, 100, 116, 117, None, None, 100)
     assert v.video_end == v.eov and added_tokens(v) == () and special_ids(v) == {"<eof>": 116, "<eov>": 117}
-    assert v.is_vision(torch.tensor([99, 100, 123, 124])).tolist() == [False, True, True, False]
+    assert is_vision(v, torch.tensor([99, 100, 123, 124])).tolist() == [False, True, True, False]
     d = Vocab(text_size=100, codebook_size=16)
     assert (d.size, d.vq_offset, d.eof, d.eov, d.video_end, d.answer_limit) == (120, 104, 102, 103, 101, None)
     assert Vocab(100, 8192, "lwm").vision_size == 8448
@@ -351,7 +353,7 @@ def _sp_body(rank, world, ckpt, clip, expected):
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = infer_cli._chat_sequence_parallel(infer_cli.chat_parser().parse_args(
+        rc = infer_cli._chat(infer_cli.chat_parser().parse_args(
             ["--model", ckpt, "--video", clip, "--question", QUESTION, "--quiet", "--device", "cpu",
              "--max-new-tokens", "8"]))
     assert rc == 0

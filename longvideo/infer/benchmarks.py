@@ -118,8 +118,6 @@ def split_inline(question: str) -> tuple[str, list[str]]:
     return "\n".join(stem).strip(), opts
 
 
-# ----------------------------------------------------------------------------- the readers
-
 def _videomme(root: Path) -> list[Question]:
     import pyarrow.parquet as pq
 
@@ -225,8 +223,6 @@ def read_benchmark(name: str, data: str | Path) -> list[Question]:
         seen.add(q.qid)
     return qs
 
-
-# ----------------------------------------------------------------------------- subtitles
 
 def _seconds(stamp: str) -> float:
     h, m, s = stamp.strip().replace(",", ".").split(":")

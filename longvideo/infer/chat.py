@@ -1,8 +1,5 @@
-"""Answering questions about a video: read -> VQ-encode (streaming) -> prompt -> prefill -> generate.
-
-The prompt is the QA training template (longvideo.data.templates.build_prompt); a video too long
-for the context is sampled with fewer frames spread over its whole length, with a ContextWarning.
-docs/inference.md, "Chat" and "Python API".
+"""Answering questions about a video: read -> VQ-encode (streaming) -> prompt -> prefill -> generate
+(docs/inference.md, "Chat" and "Python API").
 """
 
 from __future__ import annotations
@@ -62,8 +59,6 @@ def _require(pretrained, what: str):
     return obj
 
 
-# ----------------------------------------------------------------------------- prompt and context
-
 def prompt_of(pretrained, codes: np.ndarray, timestamps: np.ndarray, question: str,
               history: Sequence[tuple[str, str]] = ()) -> Prompt:
     """The QA prompt (training template) for one question after the earlier turns `history`,
@@ -115,8 +110,6 @@ def fit_codes(pretrained, codes: np.ndarray, timestamps: np.ndarray, question: s
     return codes[keep], timestamps[keep], keep
 
 
-# ----------------------------------------------------------------------------- video encoding
-
 def encode_video_file(pretrained, video, *, fps: float = 1.0, max_frames: Optional[int] = None,
                       question: Optional[str] = None, max_new_tokens: int = 64, batch_frames: int = 16,
                       progress: bool = True, history: Sequence[tuple[str, str]] = (),
@@ -150,8 +143,6 @@ def encode_video_file(pretrained, video, *, fps: float = 1.0, max_frames: Option
     return EncodedVideo(codes=vc.codes, timestamps=vc.timestamps, num_frames=vc.num_frames,
                         duration=float(duration), fps=float(effective))
 
-
-# ----------------------------------------------------------------------------- answering
 
 def share_video(video: Optional[EncodedVideo], group=None) -> EncodedVideo:
     """The encoded video of `group`'s rank 0 on every rank of it (tensors, no pickling); collective."""

@@ -15,12 +15,12 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
-from longvideo.data.ranks import fail_together
 from longvideo.data.video import VIDEO_EXTS, VideoError
 from longvideo.infer import evals, mcq
 from longvideo.infer.benchmarks import BENCHMARKS
 from longvideo.infer.chat import ChatSession, encode_video_file, infer_config, load_model, share_video
-from longvideo.infer.sp import SequenceParallelEngine, broadcast_text, join_world, local_device
+from longvideo.infer.sp import (SequenceParallelEngine, broadcast_text, join_world, local_device,
+                               raise_together)
 from longvideo.parallel import split_group
 from longvideo.vq import load_vq
 
@@ -44,8 +44,6 @@ def _plain_warnings():
     finally:
         warnings.formatwarning = saved
 
-
-# ----------------------------------------------------------------------------- chat
 
 def _shared_args(p: argparse.ArgumentParser, max_new_tokens: Optional[int], help_tokens: str) -> None:
     """The flags chat and every eval task share."""
@@ -98,43 +96,30 @@ def chat_main(argv: list[str]) -> int:
 
 
 def _chat(args) -> int:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return _chat_sequence_parallel(args)
-    try:
-        pretrained = load_model(args.model, local_device(args.device))
-        cfg = infer_config(pretrained, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           top_p=args.top_p, prefill_chunk=args.prefill_chunk, seed=args.seed)
-        session = ChatSession.from_video(pretrained, args.video, fps=args.fps, max_frames=args.max_frames,
-                                         question=args.question, infer=cfg, progress=not args.quiet)
-        for q in _questions(args):
-            print(session.ask(q), flush=True)
-    except KNOWN_ERRORS as e:
-        return _error("longvideo chat", e)
-    return 0
-
-
-def _chat_sequence_parallel(args) -> int:
-    """Every rank runs this; rank 0 reads the video and the questions and prints the answers."""
+    """One process, or every rank of a torchrun world (sequence-parallel prefill and decoding); rank 0
+    reads the video and the questions and prints the answers."""
     device = local_device(args.device)
-    owns_group = join_world(device, timedelta(days=1) if args.interactive else timedelta(minutes=30))
-    rank = dist.get_rank()
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized()
+    timeout = timedelta(days=1) if args.interactive else timedelta(minutes=30)
+    owns_group = distributed and join_world(device, timeout)
+    rank = dist.get_rank() if distributed else 0
     try:
-        error, pretrained = None, None
+        error, pretrained, enc = None, None, None
         try:
             pretrained = load_model(args.model, device)
-            heads = split_group(None, args.ulysses)
+            heads = split_group(None, args.ulysses) if distributed else None
             cfg = infer_config(pretrained, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               top_p=args.top_p, seed=args.seed)
-            enc = None
+                               top_p=args.top_p, prefill_chunk=args.prefill_chunk, seed=args.seed)
             if rank == 0:
                 enc = encode_video_file(pretrained, args.video, fps=args.fps, max_frames=args.max_frames,
                                         question=args.question, max_new_tokens=cfg.max_new_tokens,
                                         batch_frames=cfg.encode_batch_frames, progress=not args.quiet)
         except KNOWN_ERRORS as e:
             error = e
-        fail_together(error)  # every rank learns of any rank's error before the collectives start
-        engine = SequenceParallelEngine(pretrained.model, backend=args.backend, ulysses=heads)
-        session = ChatSession(pretrained, share_video(enc), infer=cfg, engine=engine)
+        raise_together(error)  # every rank learns of any rank's error before the collectives start
+        engine = SequenceParallelEngine(pretrained.model, backend=args.backend, ulysses=heads) \
+            if distributed else None
+        session = ChatSession(pretrained, share_video(enc) if distributed else enc, infer=cfg, engine=engine)
         questions = _questions(args) if rank == 0 else None
         while True:
             q, error = "", None
@@ -143,8 +128,9 @@ def _chat_sequence_parallel(args) -> int:
                     q = next(questions, "")
                 except Exception as e:  # noqa: BLE001 - a question that cannot be read stops every rank
                     error = e
-            fail_together(error)
-            q = broadcast_text(q if rank == 0 else None, src=0)
+            raise_together(error)
+            if distributed:
+                q = broadcast_text(q if rank == 0 else None, src=0)
             if not q:
                 break
             out = session.ask(q)
@@ -152,14 +138,13 @@ def _chat_sequence_parallel(args) -> int:
                 print(out, flush=True)
         return 0
     except KNOWN_ERRORS as e:
-        print(f"longvideo chat: error (rank {rank}): {e}", file=sys.stderr)
+        where = f" (rank {rank})" if distributed else ""
+        print(f"longvideo chat: error{where}: {e}", file=sys.stderr)
         return EXIT_ERROR
     finally:
         if owns_group:
             dist.destroy_process_group()
 
-
-# ----------------------------------------------------------------------------- eval
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
@@ -253,8 +238,7 @@ def _eval(args) -> int:
         return 0
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     device = local_device(args.device)
-    if distributed:
-        join_world(device, timedelta(minutes=30))
+    owns_group = distributed and join_world(device, timedelta(minutes=30))
     rank, group = (dist.get_rank(), dist.group.WORLD) if distributed else (0, None)
     try:
         pretrained = load_model(args.model, device)
@@ -305,6 +289,6 @@ def _eval(args) -> int:
     except KNOWN_ERRORS as e:
         return _error("longvideo eval", e)
     finally:
-        if distributed and dist.is_initialized():
+        if owns_group:
             dist.destroy_process_group()
     return 0

@@ -1,8 +1,6 @@
-"""Evaluations: QA accuracy on shards, text and video needle-in-a-haystack, a flash through the VQ.
-
-Each returns a dict, also written as OUT/NAME.json with a heatmap OUT/NAME.png when `out_dir` is
-given. Protocols, grids and chance levels: docs/inference.md, "Evaluations"; a haystack video and
-needle image of one's own: docs/evaluation.md, "The video needle on your own media".
+"""Evaluations: QA accuracy on shards, text and video needle-in-a-haystack, a flash through the VQ;
+each returns a dict, written as OUT/NAME.json and a heatmap OUT/NAME.png when `out_dir` is given
+(docs/inference.md, "Evaluations"; one's own haystack and needle: docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -37,8 +35,6 @@ EngineFactory = Callable[[object], Engine]
 """Builds the engine for a loaded model (default: a LocalEngine with the config's prefill chunk)."""
 
 
-# ----------------------------------------------------------------------------- scoring
-
 def normalise(text: str) -> str:
     return re.sub(r"\s+", " ", parse_answer(text).lower()).strip()
 
@@ -53,8 +49,6 @@ def substring_match(prediction: str, reference: str) -> bool:
     ref = reference.strip().lower()
     return bool(ref) and ref in prediction.lower()
 
-
-# ----------------------------------------------------------------------------- output
 
 def pyplot():
     """matplotlib.pyplot drawing into files (the Agg backend: no display needed)."""
@@ -84,13 +78,15 @@ def save_heatmap(values: np.ndarray, xlabels: Sequence, ylabels: Sequence, path:
     plt.close(fig)
 
 
-def _write(result: dict, out_dir: Optional[str | Path], name: str, heatmap: Callable[[Path], None]) -> dict:
+def _write(result: dict, out_dir: Optional[str | Path], name: str, values, xlabels: Sequence,
+           ylabels: Sequence, **labels) -> dict:
+    """`result` as OUT/NAME.json and `values` as the heatmap OUT/NAME.png (save_heatmap's labels)."""
     if out_dir is None:
         return result
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result["json"], result["png"] = str(out / f"{name}.json"), str(out / f"{name}.png")
-    heatmap(out / f"{name}.png")
+    save_heatmap(values, xlabels, ylabels, out / f"{name}.png", **labels)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -110,8 +106,6 @@ def open_session(pretrained, video: EncodedVideo, infer, engine_factory: Optiona
     engine = engine_factory(pretrained) if engine_factory is not None else None
     return ChatSession(pretrained, video, infer=infer, engine=engine)
 
-
-# ----------------------------------------------------------------------------- QA accuracy
 
 def _qa_samples(pretrained, shards, *, fps: float, max_frames: Optional[int], batch_frames: int,
                 stats) -> Iterator[tuple[str, np.ndarray, np.ndarray, dict]]:
@@ -153,9 +147,8 @@ def evaluate_qa(model, shards, *, out_dir: Optional[str | Path] = None, max_samp
                 engine_factory: Optional[EngineFactory] = None, progress: bool = True,
                 encode_group=None) -> dict:
     """Accuracy over every question of the samples in `shards` (token shards, or raw shards that the
-    model's VQ encodes). Returns accuracy (exact), substring accuracy, chance, per-question results.
-    encode_group: the ranks of a sequence-parallel prefill, which read the samples each and agree
-    after every one (longvideo.data.ranks.together), so that no rank waits on one that failed."""
+    model's VQ encodes). encode_group: the ranks of a sequence-parallel prefill; they read the
+    samples each and agree after every one (longvideo.data.ranks.together)."""
     pretrained, infer = greedy(model, max_new_tokens)
     stats = SkipStats()
     records = []
@@ -206,12 +199,9 @@ def evaluate_qa(model, shards, *, out_dir: Optional[str | Path] = None, max_samp
               "skipped": {k: v for k, v in stats.items() if k != "ok"}, "seconds": round(time.time() - t0, 2),
               "records": records}
     xl = [f"{a:.0f}-{b:.0f}s" for a, b in bins]
-    return _write(result, out_dir, "qa", lambda p: save_heatmap(
-        grid, xl, questions, p, title=f"QA accuracy (chance {result['chance'] or float('nan'):.2f})",
-        xlabel="video length", ylabel="question"))
+    return _write(result, out_dir, "qa", grid, xl, questions, xlabel="video length", ylabel="question",
+                  title=f"QA accuracy (chance {result['chance'] or float('nan'):.2f})")
 
-
-# ----------------------------------------------------------------------------- text needle
 
 CITIES: tuple[str, ...] = ("Chicago", "Lisbon", "Nairobi", "Osaka", "Quito", "Tallinn", "Perth", "Dakar",
                            "Hanoi", "Lima", "Oslo", "Cairo")
@@ -296,19 +286,14 @@ def evaluate_text_needle(model, *, lengths: Sequence[int] = (256, 512, 1024),
     result = {"task": "text_needle", "protocol": "LWM needle retrieval (substring match of the number)",
               "lengths": list(lengths), "depths": [float(d) for d in depths], "rounds": rounds,
               "accuracy": float(grid.mean()), "chance": 0.0, "grid": grid.tolist(), "cells": cells}
-    return _write(result, out_dir, "text_needle", lambda p: save_heatmap(
-        grid, list(lengths), [f"{d:.2f}" for d in depths], p, title="Text needle retrieval",
-        xlabel="context length (tokens)", ylabel="needle depth"))
+    return _write(result, out_dir, "text_needle", grid, list(lengths), [f"{d:.2f}" for d in depths],
+                  title="Text needle retrieval", xlabel="context length (tokens)", ylabel="needle depth")
 
-
-# ----------------------------------------------------------------------------- video needle
 
 def haystack_frames(num_frames: int, size: int, seed: int, source_fps: int = 8, *,
                     decoded: bool = False) -> np.ndarray:
-    """A moving-shapes video of `num_frames` seconds sampled at 1 fps (uint8 (T, size, size, 3)),
-    rendered at `source_fps` as the training videos are. decoded: written by the training videos'
-    writer and read back, so its pixels are the codec's, as in a training video; otherwise only the
-    sampled frames are rendered, exactly as drawn."""
+    """A moving-shapes video of `num_frames` seconds at 1 fps (uint8 (T, size, size, 3)), rendered at
+    `source_fps`; decoded: through the training videos' writer and read back, else exactly as drawn."""
     spec = SyntheticSpec(size=size, fps=source_fps, min_seconds=num_frames, max_seconds=num_frames,
                          long_fraction=0.0, needle_fraction=0.0)
     sample = make_sample(seed, 0, spec)
@@ -318,10 +303,8 @@ def haystack_frames(num_frames: int, size: int, seed: int, source_fps: int = 8, 
 
 
 def flash_frame(colour: str, size: int, source_fps: int = 8, *, decoded: bool = False) -> torch.Tensor:
-    """A full-frame flash of a needle colour, uint8 (size, size, 3). decoded: as a training video
-    carries it, a second of the colour after a black one through the training videos' writer and
-    read back (the codec moves a colour by a unit or two, enough to change a tokenizer's codes:
-    docs/inference.md, "Evaluations")."""
+    """A full-frame flash of a needle colour, uint8 (size, size, 3); decoded: as a training video carries
+    it, through the codec (docs/inference.md, "Evaluations")."""
     if not decoded:
         return torch.tensor(COLOURS[colour], dtype=torch.uint8).expand(size, size, 3).clone()
     src = np.zeros((2 * source_fps, size, size, 3), np.uint8)
@@ -354,13 +337,9 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
                           engine_factory: Optional[EngineFactory] = None, progress: bool = True,
                           encode_group=None, haystack=None, needle=None, question: Optional[str] = None,
                           answer: Optional[str] = None, decoded: bool = True) -> dict:
-    """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid; a cell's score is the
-    fraction of its trials whose needle is named (exact match). A trial is one background with one
-    needle (colours in turn), encoded once and the needle spliced in at every depth. trials: an int,
-    or one per length (default len(colours)); encode_group: the ranks that all run this share the
-    encoding (trial t on rank t mod world); haystack: a video the backgrounds are cut from; needle:
-    an image asked about with `question`, scored against `answer`; decoded: the generated backgrounds
-    and colour flashes pass through the training videos' codec first (False: spliced as drawn)."""
+    """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid: per cell, the fraction
+    of its trials whose needle is named (exact match). The trials, encode_group, haystack, needle and
+    decoded: docs/inference.md, "Evaluations" (one's own media: docs/evaluation.md)."""
     pretrained, infer = greedy(model, max_new_tokens, ("vq", "tokenizer"), "the video needle evaluation")
     vq = pretrained.vq
     colours = list(colours or NEEDLE_CHOICES)
@@ -449,13 +428,10 @@ def evaluate_video_needle(model, *, lengths: Sequence[int] = (16, 32, 64),
         result["needle_frames"] = {a: str(frames_dir / f"needle_{k}.png") for k, (a, _) in enumerate(needles)}
         for a, frame in needles:
             Image.fromarray(frame.numpy()).save(result["needle_frames"][a])
-    return _write(result, out_dir, "video_needle", lambda p: save_heatmap(
-        grid, list(lengths), [f"{d:.2f}" for d in depths], p,
-        title=f"Video needle retrieval (chance {result['chance']:.2f})",
-        xlabel="video length (frames at 1 fps)", ylabel="needle depth"))
+    return _write(result, out_dir, "video_needle", grid, list(lengths), [f"{d:.2f}" for d in depths],
+                  title=f"Video needle retrieval (chance {result['chance']:.2f})",
+                  xlabel="video length (frames at 1 fps)", ylabel="needle depth")
 
-
-# ----------------------------------------------------------------------------- a flash through the tokenizer
 
 def nearest_colour(frame: np.ndarray, colours: Sequence[str]) -> str:
     """The needle colour closest (RGB distance) to a frame's mean colour."""
@@ -466,10 +442,9 @@ def nearest_colour(frame: np.ndarray, colours: Sequence[str]) -> str:
 def evaluate_vq_needle(vq, *, num_frames: int = 120, trials: int = 32, seed: int = 0, source_fps: int = 8,
                        colours: Optional[Sequence[str]] = None, batch_frames: int = 64,
                        out_dir: Optional[str | Path] = None, progress: bool = True) -> dict:
-    """Does a one-frame flash survive the video tokenizer (docs/hour.md, "The needle through the
-    tokenizer")? Each trial's flash is encoded, decoded and named by its nearest needle colour; rates
-    are per position of the flash in its code group. vq: a VQModel, or a model directory whose vq/
-    is used. Returns rate, per-offset rates, cells."""
+    """Does a one-frame flash survive the video tokenizer? The rate of flashes decoded nearest their
+    colour, overall and per position in the code group (docs/hour.md, "The needle through the
+    tokenizer"). vq: a VQModel, or a model directory whose vq/ is used."""
     if isinstance(vq, (str, Path)):
         vq = load_model(vq).vq
     colours = list(colours or NEEDLE_CHOICES)
@@ -493,7 +468,6 @@ def evaluate_vq_needle(vq, *, num_frames: int = 120, trials: int = 32, seed: int
               "frames_per_group": vq.cfg.frames_per_group,
               "rate": float(np.mean([x["correct"] for x in cells])),
               "rate_by_offset": {str(o): r for o, r in per.items()}, "cells": cells}
-    return _write(result, out_dir, "vq_needle", lambda p: save_heatmap(
-        np.asarray([[per[o] for o in offsets]]), [str(o) for o in offsets], ["decoded"], p,
-        title=f"Flash colour after the tokenizer ({result['rate']:.1%} of {trials})",
-        xlabel="flash frame's position in its code group", ylabel=""))
+    return _write(result, out_dir, "vq_needle", [[per[o] for o in offsets]], [str(o) for o in offsets],
+                  ["decoded"], title=f"Flash colour after the tokenizer ({result['rate']:.1%} of {trials})",
+                  xlabel="flash frame's position in its code group", ylabel="")

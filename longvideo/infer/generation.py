@@ -1,7 +1,5 @@
-"""Generation with a KV cache: chunked prefill, nucleus sampling, the decoding loop, and engines
-(docs/inference.md, "Python API" and "Chunked prefill"). The decoding loop is written against
-`step(token) -> logits` and `pick(logits) -> token`, so the sequence-parallel engine
-(longvideo.infer.sp) reuses it unchanged.
+"""Generation with a KV cache: chunked prefill, nucleus sampling, the decoding loop, and the engines
+that both run it (docs/inference.md, "Python API" and "Chunked prefill").
 """
 
 from __future__ import annotations
@@ -43,23 +41,17 @@ def new_cache(model: Transformer, batch: int, max_len: int) -> KVCache:
 
 
 @torch.no_grad()
-def prefill(model: Transformer, ids: Tensor, cache: KVCache, *, chunk: int,
-            positions: Optional[Tensor] = None, segment_ids: Optional[Tensor] = None) -> Tensor:
-    """Append ids (B, S) to `cache`, `chunk` tokens per forward; return the last hidden (B, 1, dim).
-    positions / segment_ids (B, S) default to continuing after the cache, and one segment."""
-    B, S = ids.shape
+def prefill(model: Transformer, ids: Tensor, cache: KVCache, *, chunk: int) -> Tensor:
+    """Append ids (B, S) to `cache` (positions continuing after it, one segment), `chunk` tokens per
+    forward; return the last hidden (B, 1, dim)."""
+    S = ids.shape[1]
     if S == 0:
         raise ValueError("prefill needs at least one token")
     if chunk < 1:
         raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
-    if positions is None:
-        positions = cache.next_position()[:, None] + torch.arange(S, device=ids.device)[None, :]
-    if segment_ids is None:
-        segment_ids = torch.zeros(B, S, dtype=torch.long, device=ids.device)
     last = None
     for s in range(0, S, chunk):
-        hidden = model(ids[:, s:s + chunk], positions[:, s:s + chunk], segment_ids[:, s:s + chunk],
-                       cache=cache)  # (B, c, dim)
+        hidden = model(ids[:, s:s + chunk], cache=cache)  # (B, c, dim); the model continues the positions
         last = hidden[:, -1:]
         del hidden  # only the last token's state is needed; free the chunk before the next one
     return last
@@ -124,12 +116,9 @@ def grown(model: Transformer, cache: KVCache, need: int, spare: int) -> KVCache:
 
 
 class CachedEngine:
-    """The `Engine` interface (set_prefix, generate, keep, extend; held, prefix_len, prefix_s) and what
-    both engines share: a KV cache that holds the prefix (its first `local_prefix_len` slots on this
-    process), grown on demand, and one generate path. A subclass sets `model`, `spare` and `cache`
-    and gives `set_prefix`, `extend`, `_logits(ids, start, prompt)`: feed ids (B, n) at positions
-    start.. after the cache's tokens (the prompt, or one decoding step), return the last logits
-    (B, V); and `_pick`: the token every process takes."""
+    """The `Engine` interface and what both engines share: a KV cache holding the prefix, grown on
+    demand, and one generate path; a subclass sets model, spare, cache and gives set_prefix, extend,
+    _logits(ids, start) and _pick (docs/inference.md, "Python API")."""
 
     prefix_len = local_prefix_len = 0
     prefix_s = 0.0
@@ -166,13 +155,13 @@ class CachedEngine:
         self.cache.crop(self.local_prefix_len)  # forget the previous question and answer
         self.cache = grown(self.model, self.cache, self.local_prefix_len + Q + max_new_tokens, self.spare)
         t0 = time.perf_counter()
-        first = self._logits(ids, self.prefix_len, prompt=True)
+        first = self._logits(ids, self.prefix_len)
         ttft = time.perf_counter() - t0
         positions = itertools.count(self.prefix_len + Q)
 
         def pick(logits: Tensor) -> Tensor:
             return self._pick(sample_token(logits[..., :vocab_limit], temperature, top_p, generator))
-        tokens = decode_loop(lambda tok: self._logits(tok[:, None], next(positions), prompt=False), first,
+        tokens = decode_loop(lambda tok: self._logits(tok[:, None], next(positions)), first,
                              max_new_tokens=max_new_tokens, stop_ids=stop_ids, pick=pick)
         return Generation(tokens=tokens, prompt_len=self.prefix_len + Q, ttft_s=ttft,
                           total_s=time.perf_counter() - t0)
@@ -208,11 +197,10 @@ class LocalEngine(CachedEngine):
         self.prefix_len = self.local_prefix_len = P
         self.prefix_s = time.perf_counter() - t0
 
-    def _logits(self, ids: Tensor, start: int, prompt: bool) -> Tensor:
-        """The positions continue after the cache's tokens, which is `start` here."""
-        if prompt:
-            return logits_of(self.model, prefill(self.model, ids, self.cache, chunk=self.prefill_chunk))
-        return logits_of(self.model, self.model(ids, cache=self.cache))
+    def _logits(self, ids: Tensor, start: int) -> Tensor:
+        """Chunked prefill (one forward for a decoding step); the positions continue after the cache's
+        tokens, which is `start` here."""
+        return logits_of(self.model, prefill(self.model, ids, self.cache, chunk=self.prefill_chunk))
 
     @torch.no_grad()
     def extend(self, ids: Tensor, *, keep: int = 0) -> Tensor:
@@ -225,12 +213,11 @@ class LocalEngine(CachedEngine):
 @torch.no_grad()
 def generate(model: Transformer, ids: Tensor, *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_p: float = 1.0, stop_ids: Sequence[int] = (), prefill_chunk: int = 4096,
-             generator: Optional[torch.Generator] = None, cache: Optional[KVCache] = None,
-             vocab_limit: Optional[int] = None) -> Generation:
+             generator: Optional[torch.Generator] = None, cache: Optional[KVCache] = None) -> Generation:
     """Prefill ids (B, S) in chunks into a KV cache, then decode with the cache. `cache`: continue an
     existing cache (its tokens precede ids); by default a fresh one of S + max_new_tokens."""
     B, S = ids.shape
     engine = LocalEngine(model, prefill_chunk=prefill_chunk, spare=0,
                          cache=cache if cache is not None else new_cache(model, B, S + max_new_tokens))
     return engine.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                           stop_ids=stop_ids, generator=generator, vocab_limit=vocab_limit)
+                           stop_ids=stop_ids, generator=generator)

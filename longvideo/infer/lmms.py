@@ -1,7 +1,5 @@
-"""An lmms-eval model (entry point `lmms_eval.models`: `manifest`), so the standard harness scores
-any checkpoint of ours; requests are asked as `eval mcq` asks. ``loglikelihood`` returns its pair
-in a ``GenerationResult``, which lmms-eval 0.7.3 passes through where it turns other non-strings
-into str(). docs/evaluation.md, "lmms-eval".
+"""An lmms-eval model (entry point `lmms_eval.models`: `manifest`) asking requests as `eval mcq` asks;
+``loglikelihood`` returns its pair in a ``GenerationResult`` (docs/evaluation.md, "lmms-eval").
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""`eval mcq`: answer every question of a benchmark, score them, and write what people report:
-OUT/predictions.jsonl (one fsynced line per question: a killed run resumes), OUT/summary.json and
-OUT/summary.png. The modes, the files and the bootstrap: docs/evaluation.md.
+"""`eval mcq`: answer every question of a benchmark, score them, and write OUT/predictions.jsonl (a
+killed run resumes), OUT/summary.json and OUT/summary.png (docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -32,8 +31,6 @@ SETTINGS = ("benchmark", "mode", "subtitles", "fps", "max_frames", "model")
 """run.json keys a resumed run must share with the run it continues."""
 
 
-# ----------------------------------------------------------------------------- prompts and answers
-
 def question_text(q: Question, mode: str, subtitles: str = "") -> str:
     """What is asked: the question alone (likelihood) or with its lettered options (generate)."""
     head = SUBTITLE_PROMPT.format(subtitles=subtitles) if subtitles else ""
@@ -61,8 +58,6 @@ def option_ids(tokenizer, option: str) -> list[int]:
     """An option's tokens as the QA template writes an answer (a text piece of its own)."""
     return tokenizer.encode(ANSWER_TEXT.format(answer=option.strip()))
 
-
-# ----------------------------------------------------------------------------- scores
 
 def bootstrap_ci(correct, videos, *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> list[float]:
     """95 % interval of the accuracy, resampling videos (docs/evaluation.md gives the procedure)."""
@@ -117,8 +112,6 @@ def save_bars(summary: dict, path: str | Path, title: str) -> None:
     plt.close(fig)
 
 
-# ----------------------------------------------------------------------------- the run's files
-
 def append_line(path: Path, record: dict) -> None:
     """One JSON line, written whole and fsynced (a kill leaves at most a torn last line)."""
     with open(path, "ab") as f:
@@ -147,8 +140,6 @@ def _check_settings(out: Path, settings: dict) -> None:
         raise ValueError(f"{out} holds a run with {k}={old.get(k)!r}, this one has {k}={settings.get(k)!r}: "
                          f"continue it with the same settings or choose another --out")
 
-
-# ----------------------------------------------------------------------------- the evaluation
 
 def fit_and_encode(pretrained, video, texts: list[str], room: int, fps: float, max_frames, batch: int):
     """The video read at fps (at most max_frames) and fitted to the longest of `texts` asked about

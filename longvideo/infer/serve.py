@@ -1,9 +1,5 @@
-"""`longvideo serve`: an OpenAI-compatible chat server about videos, with a web page at `/`.
-
-HTTP threads check a request (longvideo.infer.api) and queue a job (bounded: 429); one worker
-answers in arrival order, one token at a time from `Engine.generate`, so streaming, stop strings
-and a client that left are handled between tokens. The caches and the torchrun protocol:
-docs/serving.md, "Follow-ups and the caches".
+"""`longvideo serve`: an OpenAI-compatible chat server about videos, with a web page at `/`; HTTP
+threads queue checked requests, one worker answers them a token at a time (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -42,7 +38,7 @@ from longvideo.infer.api import ApiError, ChatRequest, MediaPolicy, load_video, 
 from longvideo.infer.chat import EncodedVideo, encode_video_file, fit_frames, load_model, prompt_of
 from longvideo.infer.generation import Engine, LocalEngine
 from longvideo.infer.sp import (SequenceParallelEngine, broadcast_array, broadcast_text, comm_device,
-                                join_world, local_device)
+                                join_world, local_device, raise_together)
 
 THUMB, MAX_THUMBS = 48, 512
 """Thumbnail side (pixels); most thumbnails in a strip (spread evenly over the frames)."""
@@ -342,8 +338,6 @@ class Service:
         return cached
 
 
-# ----------------------------------------------------------------------------- HTTP
-
 class Handler(BaseHTTPRequestHandler):
     protocol_version, server_version = "HTTP/1.1", "longvideo"
     timeout = 120  # seconds a connection may stall in a read or a write
@@ -466,8 +460,6 @@ class Handler(BaseHTTPRequestHandler):
             job.cancelled.set()  # the worker stops at the next token
 
 
-# ----------------------------------------------------------------------------- command
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="longvideo serve", description="An OpenAI-compatible chat server about "
                                 "videos (POST /v1/chat/completions) with a web page at /.")
@@ -499,7 +491,7 @@ def main(argv: list[str]) -> int:
     world, device = int(os.environ.get("WORLD_SIZE", "1")), local_device(args.device)
     if world > 1:  # the other ranks wait for rank 0's next job in a broadcast: a long timeout
         join_world(device, timedelta(days=365))
-    rank, status = dist.get_rank() if world > 1 else 0, ""
+    rank, error = dist.get_rank() if world > 1 else 0, None
     try:
         try:
             pre = load_model(args.model, device)
@@ -507,13 +499,11 @@ def main(argv: list[str]) -> int:
                 raise ValueError(f"{args.model} has no text tokenizer or no VQ video tokenizer")
             svc = Service(pre, args, args.served_model_name or Path(args.model).resolve().name)
         except (FileNotFoundError, ValueError, RuntimeError) as e:
-            status = str(e) or type(e).__name__
-        if world > 1:  # every rank learns whether one failed before the collectives start
-            failed = torch.tensor([int(bool(status))], device=comm_device())
-            dist.all_reduce(failed)
-            status = status or ("another rank failed" if int(failed) else "")
-        if status:
-            print(f"longvideo serve: error (rank {rank}): {status}", file=sys.stderr)
+            error = e
+        try:
+            raise_together(error)  # every rank learns whether one failed before the collectives start
+        except (FileNotFoundError, ValueError, RuntimeError) as e:
+            print(f"longvideo serve: error (rank {rank}): {str(e) or type(e).__name__}", file=sys.stderr)
             return 2
         if rank > 0:
             svc.follow()

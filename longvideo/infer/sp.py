@@ -1,7 +1,5 @@
-"""Sequence-parallel serving: the prefix (the video part) ring-prefilled and sharded in the zigzag
-layout, everything after it replicated and attending to every rank's shard through an exact merge
-(`MergedAttentionSeam`); rank 0's sampled token is broadcast. docs/inference.md, "Sequence-parallel
-serving".
+"""Sequence-parallel serving: the prefix (the video part) ring-prefilled and sharded, everything after
+it replicated and merged exactly over the shards (docs/inference.md, "Sequence-parallel serving").
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longvideo.data.ranks import comm_device  # noqa: F401 (re-exported: where collectives' tensors live)
+from longvideo.data.ranks import comm_device, fail_together
 from longvideo.infer.generation import CachedEngine, Generation, logits_of, new_cache
 from longvideo.kernels import get_backend, merge_partials
 from longvideo.model import KVCache, Transformer
@@ -82,15 +80,15 @@ class SequenceParallelEngine(CachedEngine):
                                           owner=self.rank == self.owner)
         self.prefix_s = time.perf_counter() - t0
 
-    def _replicated(self, ids: Tensor, positions: Tensor) -> Tensor:
-        """Feed tokens every rank holds; return the last logits (B, V)."""
-        hidden = self.model(ids, positions, torch.zeros_like(ids), cache=self.cache, attention_fn=self.merged)
-        return logits_of(self.model, hidden)
+    def _replicated(self, ids: Tensor, start: int) -> Tensor:
+        """Feed ids (B, n) every rank holds at positions start..; their hidden states (B, n, dim)."""
+        pos = start + torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape)
+        return self.model(ids, pos, torch.zeros_like(ids), cache=self.cache, attention_fn=self.merged)
 
-    def _logits(self, ids: Tensor, start: int, prompt: bool) -> Tensor:
+    def _logits(self, ids: Tensor, start: int) -> Tensor:
         if ids.shape[1] < 1:
             raise ValueError("generate needs at least one token after the prefix")
-        return self._replicated(ids, start + torch.arange(ids.shape[1], device=ids.device).expand(ids.shape))
+        return logits_of(self.model, self._replicated(ids, start))
 
     def _pick(self, tok: Tensor) -> Tensor:
         tok = tok.contiguous()
@@ -104,8 +102,7 @@ class SequenceParallelEngine(CachedEngine):
         """Feed replicated ids (B, n) after the prefix and the first `keep` tokens cached after it;
         return their hidden states (B, n, dim), the same on every rank; collective."""
         self._extend(keep, ids.shape[1])
-        pos = self.prefix_len + keep + torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape)
-        return self.model(ids, pos, torch.zeros_like(ids), cache=self.cache, attention_fn=self.merged)
+        return self._replicated(ids, self.prefix_len + keep)
 
 
 @torch.no_grad()
@@ -126,8 +123,6 @@ def sp_generate(model: Transformer, ids: Tensor, group=None, *, max_new_tokens: 
     return out
 
 
-# ----------------------------------------------------------------------------- the world and its inputs
-
 def local_device(arg: Optional[str] = None) -> torch.device:
     """`arg`, else this rank's GPU (LOCAL_RANK) when there is one, else the CPU."""
     if arg is not None:
@@ -144,6 +139,14 @@ def join_world(device: torch.device, timeout: timedelta) -> bool:
         return False
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     return True
+
+
+def raise_together(error: Optional[BaseException]) -> None:
+    """Raise `error`; in a torchrun world, every rank first learns of any rank's (fail_together)."""
+    if dist.is_initialized():
+        fail_together(error)
+    elif error is not None:
+        raise error
 
 
 _MAX_DIMS = 6
