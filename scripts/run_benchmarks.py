@@ -114,8 +114,6 @@ def run_all(scripts: dict[str, Path], timeout: float | None, cwd: Path = ROOT, e
     return runs
 
 
-# ------------------------------------------------------------------------------------------- reading the results
-
 def load_bench(name: str, path: Path | None):
     """The module of scripts/bench_<name>.py (its main() runs only as __main__), or why it cannot be imported."""
     if path is None:
@@ -262,8 +260,6 @@ def demo_blocks(bench_dir: Path) -> dict[str, str]:
     return {"demo-times": md_table(["command", "measured time", "machine"], times),
             "demo-results": md_table(["task", *[f"`{c}`" for c in DEMOS], "chance"], body)}
 
-
-# ------------------------------------------------------------------------------------------- the pages
 
 def section_md(r: Result, run: RunResult | None, bench_dir: Path, docs_dir: Path, out_dir: Path) -> str:
     rel = lambda p: Path(os.path.relpath(p, out_dir)).as_posix()  # noqa: E731
