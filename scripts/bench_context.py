@@ -20,7 +20,6 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -123,15 +122,12 @@ def _hf_step(cfg, attn: str, world: int, checkpointing: bool):
     return step
 
 
-def _rank(rank: int, world: int, init_file: str, system: str, seqs: list[int], args) -> dict:
+def _rank(rank: int, world: int, system: str, seqs: list[int], args) -> dict:
     """One rank of a system: a warm-up, one step at each memory length, then the timed steps."""
     from longvideo.config import load_config
 
     torch.set_num_threads(max(1, args.threads // world))
-    kind, alone = system.rstrip("0123456789"), system in ("eager", "sdpa")
-    if not alone:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=3600))
+    kind = system.rstrip("0123456789")
     tmp = tempfile.mkdtemp()  # our trainer's run directory
     cfg = load_config(args.config, _overrides(args, world if kind == "ours" else 1, tmp))
     if kind == "ours":
@@ -142,7 +138,7 @@ def _rank(rank: int, world: int, init_file: str, system: str, seqs: list[int], a
             t.optimizer_step(t.forward_backward([t.shard(_batch(cfg, S, seed))]))
     else:
         step = _hf_step(cfg, kind, world, args.hf_checkpointing)
-    barrier = (lambda: None) if alone else dist.barrier
+    barrier = dist.barrier if dist.is_initialized() else (lambda: None)  # eager and sdpa run alone
     step(min(seqs), 0)
     res = {"mem": {}, "step_s": [], "cpu_s": []}
     for S in seqs:
@@ -171,7 +167,8 @@ def run_system(system: str, args) -> dict:
     """Measure one system; its peaks, the fit, the context within the budget and its tokens/s."""
     world = int("".join(c for c in system if c.isdigit()) or 1)
     seqs = sorted(args.eager_lengths if system == "eager" else args.lengths)
-    ranks = spawn_ranks(_rank, world, system, seqs, args, label=system)
+    ranks = spawn_ranks(_rank, world, system, seqs, args, label=system,
+                        gloo_timeout_s=None if system in ("eager", "sdpa") else 3600.0)
     peak = [max(r["mem"][S] for r in ranks) for S in seqs]  # the rank that needs most
     A = torch.tensor([[1.0, S, S * S][:3 if system == "eager" else 2] for S in seqs], dtype=torch.float64)
     coef = torch.linalg.lstsq(A, torch.tensor(peak, dtype=torch.float64)[:, None]).solution.flatten().tolist()

@@ -15,7 +15,6 @@ import gc
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -92,13 +91,11 @@ def prompt(model, S: int):
     return torch.randint(0, model.cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(S))
 
 
-def _sp_rank(rank: int, world: int, init_file: str, args) -> dict:
+def _sp_rank(rank: int, world: int, args) -> dict:
     _tame_malloc()
     from longvideo.infer.sp import sp_generate
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=1800))
     model = build_model(args)
     with torch.no_grad():
         sp_generate(model, prompt(model, 64), max_new_tokens=2)  # warm-up
@@ -107,7 +104,6 @@ def _sp_rank(rank: int, world: int, init_file: str, args) -> dict:
             dist.barrier()
             rows.append(_measure(lambda: sp_generate(model, prompt(model, S),
                                                      max_new_tokens=1 + args.decode)))
-    dist.destroy_process_group()
     return {"rows": rows}
 
 

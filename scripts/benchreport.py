@@ -2,7 +2,7 @@
 a docstring (what and how: its page shows it without the command lines), TITLE, DOCS (pages under
 docs/), TARGETS (the first is its headline, shown in the README) and `report(result) -> Section`;
 `scripts/run_benchmarks.py` runs the scripts and renders the pages from their JSON. This module imports
-nothing of the project (nor torch): the pages build fast.
+nothing of the project, and of torch only torch.distributed (for spawn_ranks' gloo groups).
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ import multiprocessing
 import tempfile
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
+
+import torch.distributed as dist
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "docs" / "bench"
 
@@ -113,21 +116,27 @@ def arg_parser(doc: str, name: str) -> argparse.ArgumentParser:
     return p
 
 
-def _rank_main(queue, target, rank, world, init_file, *args):
+def _rank_main(queue, target, rank, world, init_file, gloo_timeout_s, *args):
     try:
-        queue.put(dict(target(rank, world, init_file, *args), rank=rank))
+        if gloo_timeout_s is not None:
+            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=gloo_timeout_s))
+        result = dict(target(rank, world, *args), rank=rank)
+        if gloo_timeout_s is not None:
+            dist.destroy_process_group()
+        queue.put(result)
     except BaseException as e:  # noqa: BLE001 - reported by the parent
         queue.put({"rank": rank, "error": f"{e!r}\n{traceback.format_exc()}"})
 
 
-def spawn_ranks(target, world: int, *args, label: str) -> list[dict]:
-    """Run target(rank, world, init_file, *args) -> dict in `world` spawned processes. Returns the dicts
-    (each with its "rank") in rank order; raises, with the traceback, when a rank raised."""
+def spawn_ranks(target, world: int, *args, label: str, gloo_timeout_s: float | None = 1800.0) -> list[dict]:
+    """Run target(rank, world, *args) -> dict in `world` spawned processes of one gloo group (none with
+    gloo_timeout_s=None). The dicts (each with its "rank") in rank order; raises when a rank raised."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_rank_main, args=(queue, target, r, world, f"{d}/rdzv", *args))
-                 for r in range(world)]
+        procs = [ctx.Process(target=_rank_main, args=(queue, target, r, world, f"{d}/rdzv", gloo_timeout_s,
+                                                      *args)) for r in range(world)]
         for p in procs:
             p.start()
         ranks = sorted((queue.get() for _ in procs), key=lambda r: r["rank"])
