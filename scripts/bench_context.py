@@ -25,10 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, fmt_tokens,  # noqa: E402
+from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, fmt_tokens,
                          md_table, ratio, req, req_list, reset_peak, save, spawn_ranks, status_mib, subplots,
                          yes_no)
 

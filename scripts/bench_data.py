@@ -11,7 +11,6 @@ Writes docs/bench/data.json.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,12 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchreport import Section, Target, arg_parser, md_table, req, req_list, save, yes_no  # noqa: E402
-from longvideo.data.synthetic import decode_frame_index, frame_index_video, write_mp4  # noqa: E402
-from longvideo.data.video import read_video, sample_indices  # noqa: E402
+from benchreport import Section, Target, arg_parser, md_table, req, req_list, save, yes_no
+from longvideo.data.synthetic import decode_frame_index, frame_index_video, write_mp4
+from longvideo.data.video import read_video, sample_indices
 
 TITLE = "Data pipeline"
 DOCS = ["data.md"]

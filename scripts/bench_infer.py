@@ -13,17 +13,12 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, md_table, ratio,  # noqa: E402
+from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, md_table, ratio,
                          req, req_list, reset_peak, save, spawn_ranks, status_mib, subplots)
 
 TITLE = "Inference: time to first token and memory vs context"

@@ -22,16 +22,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # test material: videos over photographs
+from benchreport import (ROOT, LayoutError, Section, Target, arg_parser, fmt_num, md_table, req, req_list, save,
+                         subplots)
+from longvideo.data.frames import FrameSource, build_frame_source, synthetic_videos
+from longvideo.train.vq import psnr, train_vq
+from longvideo.vq import VQModel, decode_codes, encode_video
+from longvideo.vq.config import load_vq_config
 
-from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, md_table, req,  # noqa: E402
-                         req_list, save, subplots)
-from longvideo.data.frames import FrameSource, build_frame_source, synthetic_videos  # noqa: E402
-from longvideo.train.vq import psnr, train_vq  # noqa: E402
-from longvideo.vq import VQModel, decode_codes, encode_video  # noqa: E402
-from longvideo.vq.config import load_vq_config  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))  # test material (videos over photographs) for train_steps
 
 TITLE = "VQ video tokenizer"
 DOCS = ["vq.md"]

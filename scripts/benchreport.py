@@ -12,6 +12,7 @@ import datetime
 import json
 import math
 import multiprocessing
+import sys
 import tempfile
 import traceback
 from dataclasses import dataclass, field
@@ -20,7 +21,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "docs" / "bench"
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the scripts import this checkout's longvideo, whatever else is installed
+BENCH_DIR = ROOT / "docs" / "bench"
 
 
 class LayoutError(ValueError):

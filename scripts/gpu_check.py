@@ -28,11 +28,7 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import torch  # noqa: E402 - the interpreter must be chosen before anything imports triton
+import torch  # the interpreter must be chosen before anything imports triton
 
 DRY = "--dry-run" in sys.argv or not torch.cuda.is_available()
 if DRY:
@@ -41,7 +37,7 @@ if DRY:
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 import triton  # noqa: E402
-from benchreport import md_table  # noqa: E402
+from benchreport import BENCH_DIR, ROOT, md_table  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -54,7 +50,6 @@ from longvideo.kernels.dispatch import DispatchBackend  # noqa: E402
 from longvideo.model import Transformer  # noqa: E402
 from longvideo.parallel import apply_activation_checkpointing, zigzag_indices  # noqa: E402
 
-BENCH = ROOT / "docs" / "bench"
 MD_BEGIN, MD_END = "<!-- gpu-check:begin (written by scripts/gpu_check.py) -->", "<!-- gpu-check:end -->"
 DEV, BF16 = torch.device("cpu" if DRY else "cuda"), torch.bfloat16
 PARTS = ("env", "correctness", "syncs", "speed", "ring", "train")
@@ -450,8 +445,8 @@ def part_tune(ok, entry, args):
             chosen[key] = replace(best["bwd"][1], fwd=best["fwd"][1].fwd)
     entry["table"] = tk.table_to_json(chosen)
     if chosen and not DRY:
-        (BENCH / "gpu_tune.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(DEV), table=entry["table"],
-                                                             timings=timings), indent=1) + "\n")
+        tune = dict(gpu=torch.cuda.get_device_name(DEV), table=entry["table"], timings=timings)
+        (BENCH_DIR / "gpu_tune.json").write_text(json.dumps(tune, indent=1) + "\n")
         tk.set_tile_table(chosen)
 
 
@@ -557,9 +552,9 @@ def main(argv=None) -> None:
                        if x != "env"]
     if set(parts) - set(FUNCS):
         p.error(f"unknown parts {sorted(set(parts) - set(FUNCS))}; choose from {', '.join(FUNCS)}")
-    out = args.out or BENCH / "gpu_check.json"
+    out = args.out or BENCH_DIR / "gpu_check.json"
     if args.out is None and DRY and out.exists() and json.loads(out.read_text() or "{}").get("mode") == "gpu":
-        out = BENCH / "gpu_check_dry.json"  # never overwrite a GPU run with a dry run
+        out = BENCH_DIR / "gpu_check_dry.json"  # never overwrite a GPU run with a dry run
     md = args.md if args.md is not None else (None if DRY else ROOT / "docs" / "benchmarks.md")
     report = dict(check="scripts/gpu_check.py", mode="dry-run" if DRY else "gpu", argv=sys.argv[1:],
                   budget_s=args.budget, started=time.strftime("%Y-%m-%d %H:%M:%S"), parts={})
