@@ -192,7 +192,6 @@ def plot(result: dict):
             ax2.bar(i, s["context_at_budget"], color=f"C{i}")
             ax2.text(i, s["context_at_budget"], fmt_tokens(s["context_at_budget"]), ha="center", fontsize=7)
         ax1.set(xlabel="total sequence length S (tokens)", ylabel="peak memory per rank (MiB)", title=p["label"])
-        ax1.legend(fontsize=7)
         ax2.set_xticks(range(len(p["systems"])), [s["system"] for s in p["systems"]], rotation=20, fontsize=7)
         ax2.set(yscale="log", ylabel="longest context (tokens)", title=f"within {p['budget_gb']:g} GiB per rank (fit)")
     return fig

@@ -116,8 +116,6 @@ def plot(result: dict):
         ax.set(xlabel="context length (tokens)", xscale="log")
         ax.set_xticks(L, [str(x) for x in L])
         ax.minorticks_off()
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
     fig.suptitle(f"CPU ({result['machine']['cpus']} cores), tiny model: dim {m['dim']}, {m['layers']} layers, "
                  f"{m['heads']}/{m['kv_heads']} heads, fp32", fontsize=10)
     return fig

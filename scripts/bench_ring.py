@@ -166,7 +166,6 @@ def plot(result: dict):
     ax.plot(ws, [single["cpu_s"] / w for w in ws], "k:", label="ideal CPU s: W = 1 / W")
     ax.axhline(single["sdpa_cpu_s"], color="tab:gray", ls="--", label="torch SDPA at W = 1 (CPU s)")
     ax.set(xlabel="ranks W", ylabel="fwd+bwd step (s)", title="Ring attention on CPU (gloo)", xticks=ws)
-    ax.legend(fontsize=8)
     return fig
 
 

@@ -141,9 +141,6 @@ def plot(result: dict):
                     ls="-" if r.get("data") == "real" else "--", label=f"{r['name']} ({r.get('data', 'synthetic')})")
     axes[1].set(xlabel="training steps", ylabel="held-out PSNR (dB)", title="quality vs training")
     axes[2].set(xlabel="training steps", ylabel="codebook used (%)", title="codebook usage (held-out frames)")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
     return fig
 
 

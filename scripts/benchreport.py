@@ -163,8 +163,8 @@ def subplots(*args, **kwargs):
 
 def save(result: dict, out, plot=None, report=None) -> Path:
     """Write result as JSON at `out` (stamped with today's date unless it has one) and, with plot,
-    the figure plot(result) returns next to it as a PNG; with report, print report(result)'s table
-    and targets first. Returns the JSON's path."""
+    the figure plot(result) returns next to it as a PNG (every panel gridded, with a legend where it
+    has labels); with report, print report(result)'s table and targets first. Returns the JSON's path."""
     if report is not None:
         sec = report(result)
         print(sec.table, *(f"{t.what}: {t.figure} (target {t.goal}): {t.met}" for t in sec.targets), sep="\n")
@@ -176,6 +176,10 @@ def save(result: dict, out, plot=None, report=None) -> Path:
         import matplotlib.pyplot as plt
 
         fig = plot(result)
+        for ax in fig.axes:
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[1]:
+                ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out.with_suffix(".png"), dpi=110)
         plt.close(fig)
