@@ -126,10 +126,8 @@ def main(argv=None) -> None:
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096, 8192])
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk of the chunked mode")
     p.add_argument("--decode", type=int, default=8, help="tokens decoded after the first")
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
+    for name, default in (("dim", 256), ("layers", 4), ("heads", 8), ("kv-heads", 2)):  # the model's shape
+        p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the single-process modes")
     args = p.parse_args(argv)
     _tame_malloc()
