@@ -2,7 +2,7 @@
 a docstring (what and how: its page shows it without the command lines), TITLE, DOCS (pages under
 docs/), TARGETS (the first is its headline, shown in the README) and `report(result) -> Section`;
 `scripts/run_benchmarks.py` runs the scripts and renders the pages from their JSON. This module imports
-nothing of the project, and of torch only torch.distributed (for spawn_ranks' gloo groups).
+nothing of the project; of torch only torch.distributed (spawn_ranks' gloo groups), of matplotlib its Figure.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import sys
 import tempfile
 import traceback
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
+from matplotlib.figure import Figure
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the scripts import this checkout's longvideo, whatever else is installed
@@ -123,7 +123,7 @@ def _rank_main(queue, target, rank, world, init_file, gloo_timeout_s, *args):
     try:
         if gloo_timeout_s is not None:
             dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=gloo_timeout_s))
+                                    timeout=datetime.timedelta(seconds=gloo_timeout_s))
         result = dict(target(rank, world, *args), rank=rank)
         if gloo_timeout_s is not None:
             dist.destroy_process_group()
@@ -151,14 +151,10 @@ def spawn_ranks(target, world: int, *args, label: str, gloo_timeout_s: float | N
     return ranks
 
 
-def subplots(*args, **kwargs):
-    """matplotlib's subplots on the file-only backend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(*args, **kwargs)
+def subplots(*args, figsize=None, **kwargs):
+    """matplotlib's subplots on a bare Figure: drawn to files, never to a window."""
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(*args, **kwargs)
 
 
 def save(result: dict, out, plot=None, report=None) -> Path:
@@ -173,8 +169,6 @@ def save(result: dict, out, plot=None, report=None) -> Path:
     result.setdefault("date", datetime.date.today().isoformat())
     out.write_text(json.dumps(result, indent=1) + "\n")
     if plot is not None:
-        import matplotlib.pyplot as plt
-
         fig = plot(result)
         for ax in fig.axes:
             ax.grid(alpha=0.3)
@@ -182,6 +176,5 @@ def save(result: dict, out, plot=None, report=None) -> Path:
                 ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out.with_suffix(".png"), dpi=110)
-        plt.close(fig)
     print(f"wrote {out}" + (f" and {out.with_suffix('.png')}" if plot else ""))
     return out
