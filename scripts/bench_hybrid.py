@@ -45,9 +45,8 @@ class _MallInfo(ctypes.Structure):  # glibc >= 2.33
 
 
 def malloc_peak_mib(fn) -> float:
-    """Runs fn(); the peak of the bytes malloc has in use (mallinfo2: heap in use + mmapped chunks) above
-    the start, in MiB, sampled every 0.5 ms by a thread: live allocations, not the pages glibc keeps
-    after a free, so measurements one after the other in a process do not disturb each other."""
+    """Runs fn(); the peak rise of malloc's bytes in use (mallinfo2, sampled every 0.5 ms), in MiB: live
+    allocations rather than the resident set, which keeps freed pages (docs/hybrid.md)."""
     mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
     mallinfo2.restype = _MallInfo
     in_use = lambda: (m := mallinfo2()).uordblks + m.hblkhd  # noqa: E731
