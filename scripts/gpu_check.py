@@ -252,8 +252,7 @@ def _calls(who: str, q, k, v, meta, group: int):
         return lambda q, k, v: call(q, k, v, expand=True)
 
 
-def bench_case(S: int, tokens: int, H: int, Hkv: int, D: int, docs: int, warmup: int = 2, reps: int = 5,
-               impls=IMPLS) -> dict:
+def bench_case(S: int, tokens: int, H: int, Hkv: int, D: int, docs: int, warmup: int, reps: int) -> dict:
     """One row: per implementation the forward and the backward (from a kept graph) timed apart: median,
     min, max ms and TFLOP/s of the visible pairs (forward 4 * B * H * pairs * D, backward 2.5x that).
     Packed rows (docs > 1, equal documents, positions restarting) run ours only."""
@@ -264,7 +263,7 @@ def bench_case(S: int, tokens: int, H: int, Hkv: int, D: int, docs: int, warmup:
     row = dict(seqlen=S, batch=B, shape=f"{D} {H}/{Hkv}", docs=docs, fwd_tflop=flops / 1e12)
     q, k, v, dout = (torch.randn(B, S, h, D, device=DEV, dtype=BF16) for h in (H, Hkv, Hkv, H))
     [x.requires_grad_(True) for x in (q, k, v)]
-    for who in impls if docs == 1 else ("triton", "auto"):
+    for who in IMPLS if docs == 1 else ("triton", "auto"):
         try:
             fn = _calls(who, q, k, v, (meta[0], meta[0], meta[1], meta[1]), H // Hkv)
             with torch.no_grad():
