@@ -28,6 +28,8 @@ import torch.distributed as dist
 from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, fmt_tokens,
                          md_table, ratio, req, req_list, reset_peak, save, spawn_ranks, status_mib, subplots,
                          yes_no)
+from longvideo.config import load_config
+from longvideo.machine import machine_info
 
 TITLE = "Training: longest context per memory budget"
 DOCS = ["training.md", "hf.md"]
@@ -121,8 +123,6 @@ def _hf_step(cfg, attn: str, world: int, checkpointing: bool):
 
 def _rank(rank: int, world: int, system: str, seqs: list[int], args) -> dict:
     """One rank of a system: a warm-up, one step at each memory length, then the timed steps."""
-    from longvideo.config import load_config
-
     torch.set_num_threads(max(1, args.threads // world))
     kind = system.rstrip("0123456789")
     tmp = tempfile.mkdtemp()  # our trainer's run directory
@@ -218,9 +218,6 @@ def main(argv=None) -> None:
     args.lengths, args.eager_lengths = ([int(x) for x in v.split(",")] for v in (args.lengths, args.eager_lengths))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # the ranks inherit it
-    from longvideo.config import load_config
-    from longvideo.machine import machine_info
-
     m = load_config(args.config, _overrides(args, 1)).model
     part = {"label": args.label or f"{Path(args.config).stem}, {m.n_layers} layers",
             "model": f"{args.config} with {m.n_layers} layers (dim {m.dim}, {m.n_heads}/{m.n_kv_heads} heads, "

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from benchreport import (ROOT, LayoutError, Section, Target, arg_parser, fmt_num, md_table, req, req_list, save,
                          subplots)
 from longvideo.data.frames import FrameSource, build_frame_source, synthetic_videos
+from longvideo.machine import machine_info
 from longvideo.train.vq import psnr, train_vq
 from longvideo.vq import VQModel, decode_codes, encode_video
 from longvideo.vq.config import load_vq_config
@@ -156,8 +157,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--videos", type=int, default=60, help="synthetic training videos")
     a = p.parse_args(argv)
-    from longvideo.machine import machine_info
-
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine_info(), "throughput": [], "training": [], "training_real": []}

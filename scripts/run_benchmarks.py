@@ -37,6 +37,7 @@ SCRIPTS_DIR, BENCH_DIR, DOCS_DIR, README = ROOT / "scripts", ROOT / "docs" / "be
 sys.path.insert(0, str(SCRIPTS_DIR))
 
 from benchreport import LayoutError, Section, Target, md_table  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from longvideo.machine import describe  # noqa: E402
 
@@ -103,8 +104,6 @@ def run_script(name: str, path: Path, timeout: float | None, cwd: Path = ROOT, e
 
 def run_all(scripts: dict[str, Path], timeout: float | None, cwd: Path = ROOT, err=None) -> dict[str, RunResult]:
     """Run the scripts one after the other; a failure or timeout is recorded and the next one runs."""
-    from tqdm import tqdm
-
     runs, bar = {}, tqdm(list(scripts.items()), desc="benchmarks", unit="script")
     for name, path in bar:
         bar.set_postfix_str(name)
