@@ -24,8 +24,8 @@ from benchreport import Section, Target, arg_parser, md_table, req, req_list, sa
 from longvideo.data.config import DataConfig
 from longvideo.data.loader import TokenLoader
 from longvideo.data.shards import ShardWriter, token_sample_members
-from longvideo.data.synthetic import (SyntheticSpec, decode_frame_index, frame_index_video, make_sample, text_corpus,
-                                      write_mp4)
+from longvideo.data.synthetic import (SyntheticSpec, decode_frame_index, frame_index_video, make_sample,
+                                      text_corpus, write_mp4)
 from longvideo.data.video import _open, read_video, sample_indices
 from longvideo.machine import machine_info
 from longvideo.model import ModelConfig

@@ -65,7 +65,8 @@ def main() -> None:
     ap.add_argument("--model", default="runs/demo/hf", help="the demo's hf/ (or any model directory)")
     ap.add_argument("--cases", default="60:334,4-12:256", help="video seconds (or lo-hi):videos, comma separated")
     ap.add_argument("--out", default="runs/bench-mcq")
-    ap.add_argument("--json", default=str(BENCH_DIR / "mcq.json"), help="where the figures go ('' for nowhere)")
+    ap.add_argument("--json", default=str(BENCH_DIR / "mcq.json"),
+                    help="where the figures go ('' for nowhere)")
     a = ap.parse_args()
     cases = []
     for case in a.cases.split(","):

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchreport import (ROOT, LayoutError, Section, Target, arg_parser, fmt_num, md_table, req, req_list, save,
-                         subplots)
+from benchreport import (ROOT, LayoutError, Section, Target, arg_parser, fmt_num, md_table, req, req_list,
+                         save, subplots)
 from longvideo.data.frames import FrameSource, build_frame_source, synthetic_videos
 from longvideo.machine import machine_info
 from longvideo.train.vq import psnr, train_vq

@@ -41,6 +41,7 @@ from benchreport import BENCH_DIR, ROOT, md_table  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from longvideo.config import load_config  # noqa: E402
 from longvideo.export.hf import hf_config_dict  # noqa: E402
@@ -337,9 +338,9 @@ def _model(system: str):
                                 backend="auto").to(BF16).train()
         apply_activation_checkpointing(model)
         return model, mcfg
-    hcfg = transformers.LlamaConfig(**hf_config_dict(mcfg), use_cache=False)
+    hcfg = LlamaConfig(**hf_config_dict(mcfg), use_cache=False)
     with torch.device(DEV):
-        model = transformers.LlamaForCausalLM._from_config(hcfg, attn_implementation="sdpa", dtype=BF16).train()
+        model = LlamaForCausalLM._from_config(hcfg, attn_implementation="sdpa", dtype=BF16).train()
     if system == HF_CKPT:
         model.gradient_checkpointing_enable()
     return model, mcfg
