@@ -20,18 +20,16 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, fmt_tokens,  # noqa: E402
+from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, fmt_tokens,
                          md_table, ratio, req, req_list, reset_peak, save, spawn_ranks, status_mib, subplots,
                          yes_no)
+from longvideo.config import load_config
+from longvideo.machine import machine_info
 
 TITLE = "Training: longest context per memory budget"
 DOCS = ["training.md", "hf.md"]
@@ -123,15 +121,10 @@ def _hf_step(cfg, attn: str, world: int, checkpointing: bool):
     return step
 
 
-def _rank(rank: int, world: int, init_file: str, system: str, seqs: list[int], args) -> dict:
+def _rank(rank: int, world: int, system: str, seqs: list[int], args) -> dict:
     """One rank of a system: a warm-up, one step at each memory length, then the timed steps."""
-    from longvideo.config import load_config
-
     torch.set_num_threads(max(1, args.threads // world))
-    kind, alone = system.rstrip("0123456789"), system in ("eager", "sdpa")
-    if not alone:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=3600))
+    kind = system.rstrip("0123456789")
     tmp = tempfile.mkdtemp()  # our trainer's run directory
     cfg = load_config(args.config, _overrides(args, world if kind == "ours" else 1, tmp))
     if kind == "ours":
@@ -142,7 +135,7 @@ def _rank(rank: int, world: int, init_file: str, system: str, seqs: list[int], a
             t.optimizer_step(t.forward_backward([t.shard(_batch(cfg, S, seed))]))
     else:
         step = _hf_step(cfg, kind, world, args.hf_checkpointing)
-    barrier = (lambda: None) if alone else dist.barrier
+    barrier = dist.barrier if dist.is_initialized() else (lambda: None)  # eager and sdpa run alone
     step(min(seqs), 0)
     res = {"mem": {}, "step_s": [], "cpu_s": []}
     for S in seqs:
@@ -171,7 +164,8 @@ def run_system(system: str, args) -> dict:
     """Measure one system; its peaks, the fit, the context within the budget and its tokens/s."""
     world = int("".join(c for c in system if c.isdigit()) or 1)
     seqs = sorted(args.eager_lengths if system == "eager" else args.lengths)
-    ranks = spawn_ranks(_rank, world, system, seqs, args, label=system)
+    ranks = spawn_ranks(_rank, world, system, seqs, args, label=system,
+                        gloo_timeout_s=None if system in ("eager", "sdpa") else 3600.0)
     peak = [max(r["mem"][S] for r in ranks) for S in seqs]  # the rank that needs most
     A = torch.tensor([[1.0, S, S * S][:3 if system == "eager" else 2] for S in seqs], dtype=torch.float64)
     coef = torch.linalg.lstsq(A, torch.tensor(peak, dtype=torch.float64)[:, None]).solution.flatten().tolist()
@@ -198,7 +192,6 @@ def plot(result: dict):
             ax2.bar(i, s["context_at_budget"], color=f"C{i}")
             ax2.text(i, s["context_at_budget"], fmt_tokens(s["context_at_budget"]), ha="center", fontsize=7)
         ax1.set(xlabel="total sequence length S (tokens)", ylabel="peak memory per rank (MiB)", title=p["label"])
-        ax1.legend(fontsize=7)
         ax2.set_xticks(range(len(p["systems"])), [s["system"] for s in p["systems"]], rotation=20, fontsize=7)
         ax2.set(yscale="log", ylabel="longest context (tokens)", title=f"within {p['budget_gb']:g} GiB per rank (fit)")
     return fig
@@ -225,9 +218,6 @@ def main(argv=None) -> None:
     args.lengths, args.eager_lengths = ([int(x) for x in v.split(",")] for v in (args.lengths, args.eager_lengths))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # the ranks inherit it
-    from longvideo.config import load_config
-    from longvideo.machine import machine_info
-
     m = load_config(args.config, _overrides(args, 1)).model
     part = {"label": args.label or f"{Path(args.config).stem}, {m.n_layers} layers",
             "model": f"{args.config} with {m.n_layers} layers (dim {m.dim}, {m.n_heads}/{m.n_kv_heads} heads, "

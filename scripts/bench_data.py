@@ -11,20 +11,25 @@ Writes docs/bench/data.json.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import av
 import numpy as np
 import torch
+from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchreport import Section, Target, arg_parser, md_table, req, req_list, save, yes_no  # noqa: E402
-from longvideo.data.synthetic import decode_frame_index, frame_index_video, write_mp4  # noqa: E402
-from longvideo.data.video import read_video, sample_indices  # noqa: E402
+from benchreport import Section, Target, arg_parser, md_table, req, req_list, save, yes_no
+from longvideo.data.config import DataConfig
+from longvideo.data.loader import TokenLoader
+from longvideo.data.shards import ShardWriter, token_sample_members
+from longvideo.data.synthetic import (SyntheticSpec, decode_frame_index, frame_index_video, make_sample,
+                                      text_corpus, write_mp4)
+from longvideo.data.video import _open, read_video, sample_indices
+from longvideo.machine import machine_info
+from longvideo.model import ModelConfig
+from longvideo.tokenizer import train_text_tokenizer
 
 TITLE = "Data pipeline"
 DOCS = ["data.md"]
@@ -77,8 +82,6 @@ def report(result: dict) -> Section:
 
 def make_video(path: Path, minutes: float, size: int, fps: int, gop_seconds: float) -> None:
     """A gradient, a bouncing square and each frame's index in a corner, encoded in chunks."""
-    from tqdm import tqdm
-
     n, side = int(round(minutes * 60 * fps)), size // 5
     yy, xx = np.mgrid[0:size, 0:size]
     base = np.stack([xx * 255 // size, yy * 255 // size, np.full_like(xx, 96)], -1).astype(np.uint8)
@@ -114,8 +117,6 @@ def time_reader(path: Path, backend: str) -> dict:
 
 def time_decode_all(path: Path) -> dict:
     """Decode every frame, convert each to RGB, keep the one on screen at each whole second."""
-    import av
-
     t, kept, idx = time.perf_counter(), [], []
     with av.open(str(path)) as c:
         s = c.streams.video[0]
@@ -131,12 +132,6 @@ def time_decode_all(path: Path) -> dict:
 
 
 def time_loader(root: Path, seq_len: int, batches: int, samples: int, codebook: int = 8192) -> dict:
-    from longvideo.data.config import DataConfig
-    from longvideo.data.loader import TokenLoader
-    from longvideo.data.shards import ShardWriter, token_sample_members
-    from longvideo.data.synthetic import SyntheticSpec, make_sample, text_corpus
-    from longvideo.tokenizer import train_text_tokenizer
-
     spec, rng = SyntheticSpec(long_fraction=0.0, min_seconds=60, max_seconds=60), np.random.default_rng(0)
     for s in range(0, samples, 16):  # 60 groups of 16 x 16 codes a sample, 16 samples a shard
         with ShardWriter(root / f"tok-{s // 16:04d}.tar") as w:
@@ -157,8 +152,6 @@ def time_loader(root: Path, seq_len: int, batches: int, samples: int, codebook: 
 
 def estimate_7b_h200(seq_len: int = 32768, mfu: float = 0.4, peak_flops: float = 989e12) -> dict:
     """The tokens/s a LLaMA-7B (LWM) training step consumes on one H200 at `mfu`, from its FLOPs per token."""
-    from longvideo.model import ModelConfig
-
     cfg = ModelConfig(text_vocab_size=32000, codebook_size=8192, dim=4096, n_layers=32, n_heads=32)
     return {"model": "LLaMA-7B (LWM)", "seq_len": seq_len, "mfu": mfu, "peak_flops": peak_flops,
             "tokens_per_s_per_gpu": peak_flops * mfu / cfg.flops_per_token(seq_len)}
@@ -177,9 +170,6 @@ def main(argv=None) -> None:
     p.add_argument("--batches", type=int, default=20, help="loader batches timed")
     p.add_argument("--samples", type=int, default=64, help="token-shard samples written for the loader")
     a = p.parse_args(argv)
-    from longvideo.data.video import _open
-    from longvideo.machine import machine_info
-
     torch.set_num_threads(os.cpu_count() or 1)
     res = {"machine": machine_info(), "video": {"minutes": a.minutes, "size": a.size, "src_fps": a.src_fps, "runs": []}}
     for gop in a.gop_seconds:

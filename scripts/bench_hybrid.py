@@ -45,9 +45,8 @@ class _MallInfo(ctypes.Structure):  # glibc >= 2.33
 
 
 def malloc_peak_mib(fn) -> float:
-    """Runs fn(); the peak of the bytes malloc has in use (mallinfo2: heap in use + mmapped chunks) above
-    the start, in MiB, sampled every 0.5 ms by a thread: live allocations, not the pages glibc keeps
-    after a free, so measurements one after the other in a process do not disturb each other."""
+    """Runs fn(); the peak rise of malloc's bytes in use (mallinfo2, sampled every 0.5 ms), in MiB: live
+    allocations rather than the resident set, which keeps freed pages (docs/hybrid.md)."""
     mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
     mallinfo2.restype = _MallInfo
     in_use = lambda: (m := mallinfo2()).uordblks + m.hblkhd  # noqa: E731
@@ -66,14 +65,13 @@ def malloc_peak_mib(fn) -> float:
     return (max(peak[0], in_use()) - base) / 2**20
 
 
-def _rank(rank, world, init, args) -> dict:
+def _rank(rank, world, args) -> dict:
     import torch
     import torch.distributed as dist
 
     from longvideo.parallel import CommStats, Mesh, hybrid_attention, ring_attention, zigzag_indices
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     n, H, D, out = args.seq // world, args.heads, args.head_dim, {"rows": []}
     torch.manual_seed(0)  # the layer: q, k, v and output projections around attention
     w = [(torch.randn(H * D, h * D) / (H * D) ** 0.5).requires_grad_()
@@ -107,7 +105,6 @@ def _rank(rank, world, init, args) -> dict:
         out["rows"].append({"ulysses": u, "step_s": statistics.median(times), "step_s_all": times,
                             "bytes_sent": stats.bytes_sent, "peak_mib": peak,
                             "saved_mib": sum(saved.values()) / 2**20})
-    dist.destroy_process_group()
     return out
 
 

@@ -13,18 +13,12 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
-import sys
 import time
-from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, md_table, ratio,  # noqa: E402
+from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, md_table, ratio,
                          req, req_list, reset_peak, save, spawn_ranks, status_mib, subplots)
 
 TITLE = "Inference: time to first token and memory vs context"
@@ -92,13 +86,11 @@ def prompt(model, S: int):
     return torch.randint(0, model.cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(S))
 
 
-def _sp_rank(rank: int, world: int, init_file: str, args) -> dict:
+def _sp_rank(rank: int, world: int, args) -> dict:
     _tame_malloc()
     from longvideo.infer.sp import sp_generate
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=1800))
     model = build_model(args)
     with torch.no_grad():
         sp_generate(model, prompt(model, 64), max_new_tokens=2)  # warm-up
@@ -107,7 +99,6 @@ def _sp_rank(rank: int, world: int, init_file: str, args) -> dict:
             dist.barrier()
             rows.append(_measure(lambda: sp_generate(model, prompt(model, S),
                                                      max_new_tokens=1 + args.decode)))
-    dist.destroy_process_group()
     return {"rows": rows}
 
 
@@ -125,8 +116,6 @@ def plot(result: dict):
         ax.set(xlabel="context length (tokens)", xscale="log")
         ax.set_xticks(L, [str(x) for x in L])
         ax.minorticks_off()
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
     fig.suptitle(f"CPU ({result['machine']['cpus']} cores), tiny model: dim {m['dim']}, {m['layers']} layers, "
                  f"{m['heads']}/{m['kv_heads']} heads, fp32", fontsize=10)
     return fig
@@ -137,10 +126,8 @@ def main(argv=None) -> None:
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096, 8192])
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk of the chunked mode")
     p.add_argument("--decode", type=int, default=8, help="tokens decoded after the first")
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
+    for name, default in (("dim", 256), ("layers", 4), ("heads", 8), ("kv-heads", 2)):  # the model's shape
+        p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the single-process modes")
     args = p.parse_args(argv)
     _tame_malloc()

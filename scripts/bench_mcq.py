@@ -5,14 +5,10 @@ questions (flash colour, last colour, first shape) are written as a Video-MME re
 `longvideo eval mcq --benchmark videomme`, likelihood mode; docs/bench/mcq.json gets the figures."""
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchreport import Section, Target, fmt_num, md_table, req_list, save, yes_no  # noqa: E402
+from benchreport import BENCH_DIR, Section, Target, fmt_num, md_table, req_list, save, yes_no
 
 TITLE = "Multiple-choice benchmarks: time and the demo model's answers"
 DOCS = ["evaluation.md"]
@@ -69,7 +65,8 @@ def main() -> None:
     ap.add_argument("--model", default="runs/demo/hf", help="the demo's hf/ (or any model directory)")
     ap.add_argument("--cases", default="60:334,4-12:256", help="video seconds (or lo-hi):videos, comma separated")
     ap.add_argument("--out", default="runs/bench-mcq")
-    ap.add_argument("--json", default=str(ROOT / "docs/bench/mcq.json"), help="where the figures go ('' for nowhere)")
+    ap.add_argument("--json", default=str(BENCH_DIR / "mcq.json"),
+                    help="where the figures go ('' for nowhere)")
     a = ap.parse_args()
     cases = []
     for case in a.cases.split(","):

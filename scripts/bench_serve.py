@@ -20,13 +20,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchreport import Section, Target, arg_parser, fmt_num, md_table, req, save, yes_no
+from benchreport import ROOT, Section, Target, arg_parser, fmt_num, md_table, req, save, yes_no
 
 TITLE = "Serving: follow-up questions and concurrent clients"
 DOCS = ["serving.md"]
 TARGETS = [Target("serve: follow-up / first question, 10-minute video", "<= 0.2"),
            Target("serve: 50 requests, 8 clients: answered or 429, RSS after / after warm-up", "none lost, <= 1.10")]
-ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = ["What colour was the flash frame?", "What shape came first?", "What colour was the last shape?"]
 
 

@@ -22,16 +22,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # test material: videos over photographs
+from benchreport import (ROOT, LayoutError, Section, Target, arg_parser, fmt_num, md_table, req, req_list,
+                         save, subplots)
+from longvideo.data.frames import FrameSource, build_frame_source, synthetic_videos
+from longvideo.machine import machine_info
+from longvideo.train.vq import psnr, train_vq
+from longvideo.vq import VQModel, decode_codes, encode_video
+from longvideo.vq.config import load_vq_config
 
-from benchreport import (LayoutError, Section, Target, arg_parser, fmt_num, md_table, req,  # noqa: E402
-                         req_list, save, subplots)
-from longvideo.data.frames import FrameSource, build_frame_source, synthetic_videos  # noqa: E402
-from longvideo.train.vq import psnr, train_vq  # noqa: E402
-from longvideo.vq import VQModel, decode_codes, encode_video  # noqa: E402
-from longvideo.vq.config import load_vq_config  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))  # test material (videos over photographs) for train_steps
 
 TITLE = "VQ video tokenizer"
 DOCS = ["vq.md"]
@@ -143,9 +142,6 @@ def plot(result: dict):
                     ls="-" if r.get("data") == "real" else "--", label=f"{r['name']} ({r.get('data', 'synthetic')})")
     axes[1].set(xlabel="training steps", ylabel="held-out PSNR (dB)", title="quality vs training")
     axes[2].set(xlabel="training steps", ylabel="codebook used (%)", title="codebook usage (held-out frames)")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
     return fig
 
 
@@ -161,8 +157,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--videos", type=int, default=60, help="synthetic training videos")
     a = p.parse_args(argv)
-    from longvideo.machine import machine_info
-
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine_info(), "throughput": [], "training": [], "training_real": []}

@@ -2,7 +2,7 @@
 a docstring (what and how: its page shows it without the command lines), TITLE, DOCS (pages under
 docs/), TARGETS (the first is its headline, shown in the README) and `report(result) -> Section`;
 `scripts/run_benchmarks.py` runs the scripts and renders the pages from their JSON. This module imports
-nothing of the project (nor torch): the pages build fast.
+nothing of the project; of torch only torch.distributed (spawn_ranks' gloo groups), of matplotlib its Figure.
 """
 
 from __future__ import annotations
@@ -12,12 +12,18 @@ import datetime
 import json
 import math
 import multiprocessing
+import sys
 import tempfile
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "docs" / "bench"
+import torch.distributed as dist
+from matplotlib.figure import Figure
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the scripts import this checkout's longvideo, whatever else is installed
+BENCH_DIR = ROOT / "docs" / "bench"
 
 
 class LayoutError(ValueError):
@@ -113,21 +119,27 @@ def arg_parser(doc: str, name: str) -> argparse.ArgumentParser:
     return p
 
 
-def _rank_main(queue, target, rank, world, init_file, *args):
+def _rank_main(queue, target, rank, world, init_file, gloo_timeout_s, *args):
     try:
-        queue.put(dict(target(rank, world, init_file, *args), rank=rank))
+        if gloo_timeout_s is not None:
+            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=gloo_timeout_s))
+        result = dict(target(rank, world, *args), rank=rank)
+        if gloo_timeout_s is not None:
+            dist.destroy_process_group()
+        queue.put(result)
     except BaseException as e:  # noqa: BLE001 - reported by the parent
         queue.put({"rank": rank, "error": f"{e!r}\n{traceback.format_exc()}"})
 
 
-def spawn_ranks(target, world: int, *args, label: str) -> list[dict]:
-    """Run target(rank, world, init_file, *args) -> dict in `world` spawned processes. Returns the dicts
-    (each with its "rank") in rank order; raises, with the traceback, when a rank raised."""
+def spawn_ranks(target, world: int, *args, label: str, gloo_timeout_s: float | None = 1800.0) -> list[dict]:
+    """Run target(rank, world, *args) -> dict in `world` spawned processes of one gloo group (none with
+    gloo_timeout_s=None). The dicts (each with its "rank") in rank order; raises when a rank raised."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_rank_main, args=(queue, target, r, world, f"{d}/rdzv", *args))
-                 for r in range(world)]
+        procs = [ctx.Process(target=_rank_main, args=(queue, target, r, world, f"{d}/rdzv", gloo_timeout_s,
+                                                      *args)) for r in range(world)]
         for p in procs:
             p.start()
         ranks = sorted((queue.get() for _ in procs), key=lambda r: r["rank"])
@@ -139,20 +151,16 @@ def spawn_ranks(target, world: int, *args, label: str) -> list[dict]:
     return ranks
 
 
-def subplots(*args, **kwargs):
-    """matplotlib's subplots on the file-only backend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(*args, **kwargs)
+def subplots(*args, figsize=None, **kwargs):
+    """matplotlib's subplots on a bare Figure: drawn to files, never to a window."""
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(*args, **kwargs)
 
 
 def save(result: dict, out, plot=None, report=None) -> Path:
     """Write result as JSON at `out` (stamped with today's date unless it has one) and, with plot,
-    the figure plot(result) returns next to it as a PNG; with report, print report(result)'s table
-    and targets first. Returns the JSON's path."""
+    the figure plot(result) returns next to it as a PNG (every panel gridded, with a legend where it
+    has labels); with report, print report(result)'s table and targets first. Returns the JSON's path."""
     if report is not None:
         sec = report(result)
         print(sec.table, *(f"{t.what}: {t.figure} (target {t.goal}): {t.met}" for t in sec.targets), sep="\n")
@@ -161,11 +169,12 @@ def save(result: dict, out, plot=None, report=None) -> Path:
     result.setdefault("date", datetime.date.today().isoformat())
     out.write_text(json.dumps(result, indent=1) + "\n")
     if plot is not None:
-        import matplotlib.pyplot as plt
-
         fig = plot(result)
+        for ax in fig.axes:
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[1]:
+                ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out.with_suffix(".png"), dpi=110)
-        plt.close(fig)
     print(f"wrote {out}" + (f" and {out.with_suffix('.png')}" if plot else ""))
     return out

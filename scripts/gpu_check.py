@@ -28,22 +28,29 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import torch  # noqa: E402 - the interpreter must be chosen before anything imports triton
+import torch  # the interpreter must be chosen before anything imports triton
 
 DRY = "--dry-run" in sys.argv or not torch.cuda.is_available()
 if DRY:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from benchreport import md_table  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import transformers  # noqa: E402
+import triton  # noqa: E402
+from benchreport import BENCH_DIR, ROOT, md_table  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from longvideo.config import load_config  # noqa: E402
+from longvideo.export.hf import hf_config_dict  # noqa: E402
 from longvideo.kernels import AttentionPlan, block_attention, flash_attn_ref, get_backend, lse_merge_  # noqa: E402
 from longvideo.kernels import _flash_attn_triton as tk  # noqa: E402
 from longvideo.kernels.dispatch import DispatchBackend  # noqa: E402
+from longvideo.model import Transformer  # noqa: E402
+from longvideo.parallel import apply_activation_checkpointing, zigzag_indices  # noqa: E402
 
-BENCH = ROOT / "docs" / "bench"
 MD_BEGIN, MD_END = "<!-- gpu-check:begin (written by scripts/gpu_check.py) -->", "<!-- gpu-check:end -->"
 DEV, BF16 = torch.device("cpu" if DRY else "cuda"), torch.bfloat16
 PARTS = ("env", "correctness", "syncs", "speed", "ring", "train")
@@ -138,7 +145,6 @@ def via_autograd(backend: str, bwd_variant: str | None = None):
 def ring_steps(be, W: int):
     """All ranks' zigzag ring steps of W on this device: per rank the forward of every key block merged
     in fp32, then every block's backward from that global out/lse; the whole sequence reassembled."""
-    from longvideo.parallel import zigzag_indices
     def run(q, k, v, dout, meta):
         (pos, _, seg, _), idx = meta, [zigzag_indices(q.shape[1], W, r).to(DEV) for r in range(W)]
         acc = {n: torch.zeros(x.shape, device=DEV) for n, x in (("out", q), ("dq", q), ("dk", k), ("dv", v))}
@@ -158,8 +164,6 @@ def ring_steps(be, W: int):
 
 
 def part_env(ok, entry, args):
-    import transformers
-    import triton
     p = None if DRY else torch.cuda.get_device_properties(DEV)
     entry.update(mode="dry-run" if DRY else "gpu", torch=torch.__version__, triton=triton.__version__,
                  transformers=transformers.__version__, python=platform.python_version(), platform=platform.platform(),
@@ -233,8 +237,6 @@ def part_syncs(ok, entry, args):
 def _calls(who: str, q, k, v, meta, group: int):
     """Implementation `who` as a function of (q, k, v) in (B, S, H, D): ours through block_attention
     with a kept plan; SDPA with GQA natively where the backend takes it, else K/V repeated in the call."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     if who in ("triton", "auto"):
         plan = AttentionPlan()  # kept across calls, as a model step keeps it across layers
         return lambda q, k, v: block_attention(q, k, v, *meta, backend=who, plan=plan)
@@ -251,8 +253,7 @@ def _calls(who: str, q, k, v, meta, group: int):
         return lambda q, k, v: call(q, k, v, expand=True)
 
 
-def bench_case(S: int, tokens: int, H: int, Hkv: int, D: int, docs: int, warmup: int = 2, reps: int = 5,
-               impls=IMPLS) -> dict:
+def bench_case(S: int, tokens: int, H: int, Hkv: int, D: int, docs: int, warmup: int, reps: int) -> dict:
     """One row: per implementation the forward and the backward (from a kept graph) timed apart: median,
     min, max ms and TFLOP/s of the visible pairs (forward 4 * B * H * pairs * D, backward 2.5x that).
     Packed rows (docs > 1, equal documents, positions restarting) run ours only."""
@@ -263,7 +264,7 @@ def bench_case(S: int, tokens: int, H: int, Hkv: int, D: int, docs: int, warmup:
     row = dict(seqlen=S, batch=B, shape=f"{D} {H}/{Hkv}", docs=docs, fwd_tflop=flops / 1e12)
     q, k, v, dout = (torch.randn(B, S, h, D, device=DEV, dtype=BF16) for h in (H, Hkv, Hkv, H))
     [x.requires_grad_(True) for x in (q, k, v)]
-    for who in impls if docs == 1 else ("triton", "auto"):
+    for who in IMPLS if docs == 1 else ("triton", "auto"):
         try:
             fn = _calls(who, q, k, v, (meta[0], meta[0], meta[1], meta[1]), H // Hkv)
             with torch.no_grad():
@@ -301,7 +302,6 @@ def part_speed(ok, entry, args):
 def part_ring(ok, entry, args):
     """The two zigzag block kinds timed; from them and a link's bandwidth the exposed communication of
     W ranks, predicted (docs/kernels.md, "The GPU check", gives the model)."""
-    from longvideo.parallel import zigzag_indices
     S_local, be = 64 if DRY else 16384, get_backend("auto", DEV)
     be.routes.clear()
     for D, H, Hkv in ((64, 9, 3), (128, 32, 8)) if ok(5) else ():
@@ -329,21 +329,15 @@ def part_ring(ok, entry, args):
 def _model(system: str):
     """ours (configs/smol-135m.yaml's model, bf16, auto dispatch, activation checkpointing) or transformers'
     Llama of the same shape with SDPA attention, with or without gradient checkpointing."""
-    from longvideo.config import load_config
     small = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, text_vocab_size=500, codebook_size=64)
     root = load_config(ROOT / "configs" / "smol-135m.yaml")
     mcfg = replace(root.model, max_seq_len=1 << 22, **small if DRY else {})
     if system == OURS:
-        from longvideo.model import Transformer
-        from longvideo.parallel import apply_activation_checkpointing
         with torch.device(DEV):
             model = Transformer(mcfg, ffn_chunk=root.runtime.ffn_chunk, loss_chunk=root.runtime.loss_chunk,
                                 backend="auto").to(BF16).train()
         apply_activation_checkpointing(model)
         return model, mcfg
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from longvideo.export.hf import hf_config_dict
     hcfg = LlamaConfig(**hf_config_dict(mcfg), use_cache=False)
     with torch.device(DEV):
         model = LlamaForCausalLM._from_config(hcfg, attn_implementation="sdpa", dtype=BF16).train()
@@ -370,8 +364,6 @@ def _step(model, system, S: int, opt):
 def part_train(ok, entry, args):
     """Per system: timed steps at 16K-64K, one profiled step, then the longest length that ran at
     doubling lengths within its time share (docs/kernels.md, "The GPU check")."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
     peak = None if DRY else device_peak(torch.cuda.get_device_name(DEV))
     for system in (OURS, HF, HF_CKPT):
         e, S = entry.setdefault(system, dict(rows=[])), None
@@ -453,8 +445,8 @@ def part_tune(ok, entry, args):
             chosen[key] = replace(best["bwd"][1], fwd=best["fwd"][1].fwd)
     entry["table"] = tk.table_to_json(chosen)
     if chosen and not DRY:
-        (BENCH / "gpu_tune.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(DEV), table=entry["table"],
-                                                             timings=timings), indent=1) + "\n")
+        tune = dict(gpu=torch.cuda.get_device_name(DEV), table=entry["table"], timings=timings)
+        (BENCH_DIR / "gpu_tune.json").write_text(json.dumps(tune, indent=1) + "\n")
         tk.set_tile_table(chosen)
 
 
@@ -560,9 +552,9 @@ def main(argv=None) -> None:
                        if x != "env"]
     if set(parts) - set(FUNCS):
         p.error(f"unknown parts {sorted(set(parts) - set(FUNCS))}; choose from {', '.join(FUNCS)}")
-    out = args.out or BENCH / "gpu_check.json"
+    out = args.out or BENCH_DIR / "gpu_check.json"
     if args.out is None and DRY and out.exists() and json.loads(out.read_text() or "{}").get("mode") == "gpu":
-        out = BENCH / "gpu_check_dry.json"  # never overwrite a GPU run with a dry run
+        out = BENCH_DIR / "gpu_check_dry.json"  # never overwrite a GPU run with a dry run
     md = args.md if args.md is not None else (None if DRY else ROOT / "docs" / "benchmarks.md")
     report = dict(check="scripts/gpu_check.py", mode="dry-run" if DRY else "gpu", argv=sys.argv[1:],
                   budget_s=args.budget, started=time.strftime("%Y-%m-%d %H:%M:%S"), parts={})

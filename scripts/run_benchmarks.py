@@ -37,6 +37,7 @@ SCRIPTS_DIR, BENCH_DIR, DOCS_DIR, README = ROOT / "scripts", ROOT / "docs" / "be
 sys.path.insert(0, str(SCRIPTS_DIR))
 
 from benchreport import LayoutError, Section, Target, md_table  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from longvideo.machine import describe  # noqa: E402
 
@@ -103,8 +104,6 @@ def run_script(name: str, path: Path, timeout: float | None, cwd: Path = ROOT, e
 
 def run_all(scripts: dict[str, Path], timeout: float | None, cwd: Path = ROOT, err=None) -> dict[str, RunResult]:
     """Run the scripts one after the other; a failure or timeout is recorded and the next one runs."""
-    from tqdm import tqdm
-
     runs, bar = {}, tqdm(list(scripts.items()), desc="benchmarks", unit="script")
     for name, path in bar:
         bar.set_postfix_str(name)
@@ -113,8 +112,6 @@ def run_all(scripts: dict[str, Path], timeout: float | None, cwd: Path = ROOT, e
                   f" (exit {r.returncode})\n    " + r.stderr_tail.replace("\n", "\n    ")))
     return runs
 
-
-# ------------------------------------------------------------------------------------------- reading the results
 
 def load_bench(name: str, path: Path | None):
     """The module of scripts/bench_<name>.py (its main() runs only as __main__), or why it cannot be imported."""
@@ -262,8 +259,6 @@ def demo_blocks(bench_dir: Path) -> dict[str, str]:
     return {"demo-times": md_table(["command", "measured time", "machine"], times),
             "demo-results": md_table(["task", *[f"`{c}`" for c in DEMOS], "chance"], body)}
 
-
-# ------------------------------------------------------------------------------------------- the pages
 
 def section_md(r: Result, run: RunResult | None, bench_dir: Path, docs_dir: Path, out_dir: Path) -> str:
     rel = lambda p: Path(os.path.relpath(p, out_dir)).as_posix()  # noqa: E731
