@@ -56,9 +56,6 @@ def visibility(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causa
     return vis
 
 
-# ----------------------------------------------------------------------------- the rule as bounds
-
-
 @dataclass(frozen=True)
 class TileStats:
     """Per tile, per batch row, statistics of the real (segment >= 0) tokens; each (B, n) int64. An
@@ -200,8 +197,6 @@ def dense_pieces(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, cau
     return pieces if len(pieces) <= max_pieces else None
 
 
-# ----------------------------------------------------------------------------- visit ranges
-
 _SHIFT = 2 ** 32  # composite keys seg * 2**32 + (pos + 2**31): ordered by segment, then position
 _OFF = 2 ** 31
 _TOP = 2 ** 32 - 1  # the offset of the largest position: (seg, TOP) is above every (seg, pos)
@@ -279,9 +274,6 @@ def visit_ranges(rows: TileStats, cols: TileStats, causal: bool) -> tuple[Tensor
     order = torch.cat([order_p, order_m], -1)  # (B, 2 n_c)
     bounds = [x.gather(-1, order) for x in (cs_min, cs_max, cp_min)]
     return ranges, torch.stack([order, *bounds], -1)
-
-
-# ----------------------------------------------------------------------------- merging partial results
 
 
 def lse_merge_(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -> None:

@@ -57,8 +57,6 @@ def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
 
 
-# ----------------------------------------------------------------------------- the parameter tree
-
 @dataclasses.dataclass(frozen=True)
 class LWMTree:
     """The arrays of an LWM params file by name, and how its layers are stored."""
@@ -164,8 +162,6 @@ def model_config_from_tree(tree: LWMTree, base: ModelConfig, codebook_size: int,
         n_kv_heads=k_shape[1] // head_dim, ffn_dim=f_shape[1], tie_embeddings=False)
 
 
-# ----------------------------------------------------------------------------- writing the weights
-
 def _plan(tree: LWMTree, cfg: ModelConfig) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Every output tensor with its dtype (its source's) and shape, in file order."""
     dt = {name: rec.torch_dtype for name, rec in tree.arrays.items()}
@@ -225,8 +221,6 @@ def write_weights(tree: LWMTree, cfg: ModelConfig, out_file: Path,
             if progress:
                 progress(f"layer {i + 1}/{cfg.n_layers}")
 
-
-# ----------------------------------------------------------------------------- the command
 
 def import_lwm(params: str | Path, vqgan: str | Path, tokenizer: str | Path, out_dir: str | Path,
                config: str | Path = "lwm-chat-1m", overrides: Sequence[str] = (),
