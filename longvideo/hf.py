@@ -252,31 +252,30 @@ def shard_batch(batch: Mapping[str, Any], group, *, count: bool = True, grad_gro
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be (B, S); got {tuple(ids.shape)}")
     B, S = ids.shape
-    dev = ids.device
+    seqs = {}
     for key, t in batch.items():
-        if torch.is_tensor(t) and t.dim() > 0 and key != "num_items_in_batch" and (
-                t.dim() < 2 or tuple(t.shape[:2]) not in ((B, S), (1, S) if key == "position_ids" else (B, S))):
+        if key == "num_items_in_batch" or not torch.is_tensor(t) or t.dim() == 0:
+            continue  # recomputed below / not a sequence
+        if t.dim() < 2 or tuple(t.shape[:2]) not in ((B, S), (1 if key == "position_ids" else B, S)):
             raise ValueError(f"batch['{key}'] has shape {tuple(t.shape)}; expected (B, S, ...) = ({B}, {S}, ...) "
                              "like input_ids")
-    pos = batch.pop("position_ids", None)
-    pos = torch.arange(S, device=dev).expand(B, S) if pos is None else pos.expand(B, S) if pos.shape[0] == 1 else pos
-    seg = batch.pop("segment_ids", None)
+        if key not in pads and key not in ("segment_ids", "attention_mask"):
+            raise ValueError(f"no pad value for batch key '{key}'; pass pad_values={{'{key}': ...}}")
+        seqs[key] = t
+    pos = seqs.pop("position_ids", None)
+    pos = torch.arange(S, device=ids.device).expand(B, S) if pos is None else pos.expand(B, S)
+    seg = seqs.pop("segment_ids", None)
     seg = document_ids(pos) if seg is None else seg.long()
-    mask = batch.pop("attention_mask", None)
+    mask = seqs.pop("attention_mask", None)
     if mask is not None:
         seg = torch.where(mask.bool(), seg, -1)
-    labels, shifted = batch.pop("labels", None), batch.pop("shift_labels", None)
+    labels, shifted = seqs.pop("labels", None), seqs.pop("shift_labels", None)
     if shifted is None and labels is not None:  # labels[:, i + 1] at i, -100 at the end
         shifted = torch.cat([labels[:, 1:], labels.new_full((B, 1), IGNORE_INDEX)], dim=1)
     full = {"input_ids": ids, "position_ids": pos, SEGMENT_KEY: seg}
     if shifted is not None:
         full["shift_labels"] = torch.where(seg >= 0, shifted, IGNORE_INDEX)  # padding predicts nothing
-    for key, t in batch.items():
-        if key == "num_items_in_batch" or not torch.is_tensor(t) or t.dim() == 0:
-            continue  # recomputed below / not a sequence
-        if key not in pads:
-            raise ValueError(f"no pad value for batch key '{key}'; pass pad_values={{'{key}': ...}}")
-        full[key] = t
+    full.update(seqs)
     out = {k: shard_sequence(t, group, dim=1, pad_value=pads[k]) for k, t in full.items()}
     if "shift_labels" in out:
         out["labels"] = out["shift_labels"]
