@@ -22,7 +22,7 @@ class ModelConfig:
     vocab_layout: Literal["longvideo", "lwm"] = "longvideo"
     """Token space (longvideo/vocab.py): the project's, or LWM's (text ids, then its vision vocabulary)."""
     vision_vocab_size: Optional[int] = None
-    """lwm layout only: ids of LWM's vision vocabulary (codes, <eof>, <eov>, unused); null = codebook_size + 256."""
+    """lwm layout only: ids of LWM's vision vocabulary (docs/vocabulary.md); null = codebook_size + 256."""
     dim: int = 4096
     """Hidden size."""
     n_layers: int = 32
@@ -51,7 +51,7 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the weight initialisation."""
     code_init: Literal["normal", "fsq"] = "normal"
-    """Initial VQ code embeddings: normal (random) or fsq (a random projection of each code's FSQ latent; docs/training.md)."""
+    """Initial VQ code embeddings: normal (random) or fsq (projected FSQ latents; docs/training.md)."""
     head_dim: int = field(init=False)
     """Derived: dim // n_heads."""
 
