@@ -6,11 +6,7 @@ Mask rule (the one rule of the project): key j is visible to query i iff
     q_seg[i] == k_seg[j]  and  k_seg[j] >= 0  and  (not causal or k_pos[j] <= q_pos[i]).
 
 Segment id -1 marks padding: it sees nothing and is seen by nothing. A query row with no visible
-key has out = 0 and lse = -inf. Restated as a boolean mask (`visibility`), as tile bounds and
-classes (`tile_stats`, `classify_tiles`), as sorted visit ranges (`visit_ranges`, what the Triton
-kernels walk), as dense pieces (`dense_pieces`, what dense kernels compute exactly); plus the
-log-sum-exp merges, the accumulation dtype and the default metadata (`fill_meta`). Nothing here reads the
-device on the host except `dense_pieces`, which works on host copies.
+key has out = 0 and lse = -inf. Only `dense_pieces` reads device values on the host (host copies).
 """
 
 from __future__ import annotations
