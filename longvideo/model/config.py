@@ -40,10 +40,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """RoPE base; LWM raises it with the context stage (1e6 at 32K ... 5e7 at 1M)."""
     attn_logn_base: int = 0
-    """Queries scaled with the context: > 0 multiplies the query at position p (within its document)
-    by max(1, ln(p + 1) / ln(attn_logn_base)), so attention over more than attn_logn_base keys keeps
-    the sharpness it has over attn_logn_base keys (docs/hour.md). 0 = off, the plain LLaMA attention
-    that transformers' Llama reproduces."""
+    """Queries scaled with the context (why: docs/hour.md): > 0 multiplies the query at position p (in
+    its document) by max(1, ln(p + 1) / ln(attn_logn_base)); 0 = off, plain LLaMA attention."""
     max_seq_len: int = 4096
     """Longest sequence the model is meant for (exported as max_position_embeddings)."""
     tie_embeddings: bool = False
