@@ -111,8 +111,7 @@ def read_tree(path: str | Path) -> LWMTree:
         expected = set(TOP_PARAMS) | {f"transformer/h/{i}/{p}" for i in found for p in LAYER_PARAMS}
     missing, extra = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
     if missing:
-        raise LWMImportError(f"{path}: missing arrays {missing[:5]} (tied or other heads are not "
-                             f"supported)")
+        raise LWMImportError(f"{path}: missing arrays {missing[:5]} (tied or other heads are not supported)")
     if extra:
         raise LWMImportError(f"{path}: unexpected arrays {extra[:5]}")
     if scan:

@@ -149,8 +149,7 @@ class VQConfig:
             if self.fsq_levels:
                 check(all(lv >= 2 for lv in self.fsq_levels), "fsq_levels", "each level must be >= 2")
                 check(math.prod(self.fsq_levels) == self.codebook_size, "fsq_levels",
-                      f"product {math.prod(self.fsq_levels)} must equal codebook_size="
-                      f"{self.codebook_size}")
+                      f"product {math.prod(self.fsq_levels)} must equal codebook_size={self.codebook_size}")
             else:
                 check(fsq_levels_for(self.codebook_size) is not None, "codebook_size",
                       f"{self.codebook_size} has no split into FSQ levels 2..8; set fsq_levels "
