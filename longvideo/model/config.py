@@ -54,9 +54,8 @@ class ModelConfig:
     """Derived: dim // n_heads."""
 
     def __post_init__(self):
-        check(self.dim > 0, "dim", f"must be positive, got {self.dim}")
-        check(self.n_layers > 0, "n_layers", f"must be positive, got {self.n_layers}")
-        check(self.n_heads > 0, "n_heads", f"must be positive, got {self.n_heads}")
+        for key in ("dim", "n_layers", "n_heads"):
+            check(getattr(self, key) > 0, key, f"must be positive, got {getattr(self, key)}")
         check(self.dim % self.n_heads == 0, "n_heads",
               f"must divide dim={self.dim}, got {self.n_heads}")
         kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
