@@ -178,7 +178,7 @@ def enable_ring_attention(group, *, backend: str = "auto", name: str = RING, uly
     """Register ring attention over `group` (None: the default group, or a world of one) as
     `attn_implementation=name`, once per process (again: replaces the group). Returns the name.
 
-    backend: the block backend ("auto": triton on CUDA, cpu otherwise; "torch", "cpu").
+    backend: the block backend ("auto": the fastest exact kernel per block; "torch", "cpu").
     ulysses_size U > 1: heads all-to-all in groups of U neighbouring ranks, a ring across them
     (docs/hybrid.md); batches are sharded as for the ring."""
     _group_size(group)  # a group without an initialised process group is an error here
