@@ -1,10 +1,6 @@
-"""LWM's VQGAN behind the project's video-tokenizer interface, on diffusers' VQModel (docs/lwm.md).
-
-LWM's taming-style VQGAN (lwm/vqgan.py of the LWM repository: no attention, a 1x1 quant_conv, a
-nearest-neighbour codebook, a 1x1 post_quant_conv, the mirrored decoder) is exactly diffusers'
-`VQModel` (the aMUSEd VQ-GAN), so the flax weights are mapped onto it (`state_dict_from_flax`, which
-names every flax path), not re-implemented. `LWMVQGAN` has the interface of `longvideo.vq.VQModel`
-with LWM's pixels: uint8 / 127.5 - 1 in, decoded pixels clipped to [-1, 1]. Inference only.
+"""LWM's VQGAN behind the project's video-tokenizer interface (docs/lwm.md, "VQGAN"): it is exactly
+diffusers' VQModel, so the flax weights are mapped onto that (`state_dict_from_flax`, which names every
+flax path), not re-implemented. Inference only.
 """
 
 from __future__ import annotations
