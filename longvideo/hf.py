@@ -1,9 +1,7 @@
-"""Ring attention for transformers decoders, through transformers' own extension points
-(docs/hf.md): `enable_ring_attention` registers it as an `attn_implementation`, `shard_batch` cuts
-a batch into this rank's zigzag shard, and the loss divisor `num_items_in_batch` makes the gradients
-those of the global token mean. No model code is patched: documents reach the attention function as
-the keyword `ring_segment_ids` (a call without it runs transformers' sdpa attention), and the
-registered mask function builds nothing.
+"""Ring attention for transformers decoders through transformers' own extension points, no model code
+patched (docs/hf.md): `enable_ring_attention` registers it as an `attn_implementation`, `shard_batch`
+cuts a batch into this rank's zigzag shard, and the loss divisor `num_items_in_batch` makes the
+gradients those of the global token mean.
 """
 
 from __future__ import annotations
@@ -143,11 +141,8 @@ def _check_call(module, query, key, value, attention_mask, seg, world, dropout, 
 
 def seam_attention(seam, group=None):
     """A transformers attention function computing through a project seam (RingAttentionSeam over
-    `group`, or LocalAttention) for calls that carry `ring_segment_ids`; others run sdpa.
-
-    fn(module, query, key, value, attention_mask, *, dropout, scaling, sliding_window=None, **kwargs)
-    with query (B, Hq, S, D), key and value (B, Hkv, S, D) -> (out (B, S, Hq, D), None). Positions:
-    `ring_positions` when given, else the zigzag layout's."""
+    `group`, or LocalAttention) for calls that carry `ring_segment_ids`; others run sdpa (docs/hf.md,
+    "What happens inside the forward": shapes, positions, scaling)."""
     world = _group_size(group) if hasattr(seam, "group") else 1  # a seam without a group is one rank
 
     def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
