@@ -36,9 +36,7 @@ def rope_theta_of(hf_cfg: dict) -> float:
                                   f"RoPE)")
         if "rope_theta" in params:
             return float(params["rope_theta"])
-    if "rope_theta" in hf_cfg:
-        return float(hf_cfg["rope_theta"])
-    return 10000.0
+    return float(hf_cfg.get("rope_theta", 10000.0))
 
 
 # the transformers code of an export whose queries scale with the context (ModelConfig.attn_logn_base)
