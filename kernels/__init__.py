@@ -25,7 +25,7 @@ else:
     from .attention_math import (FULL, PARTIAL, SKIP, TileStats, accum_dtype, block_class, classify_tiles,
                                  fill_meta, lse_merge_, merge_partials, merge_stacked, tile_stats,
                                  transposed, visibility, visit_ranges)
-    from .backends import BlockBackend, available_backends, get_backend, resolve_backend_name
+    from .backends import BlockBackend, available_backends, get_backend
     from .interface import block_attention
     from .plans import AttentionPlan, PlanCache, RingPlans
     from .reference import flash_attn_ref
@@ -34,6 +34,6 @@ __all__ = [
     "accum_dtype", "AttentionPlan", "available_backends", "block_attention", "block_class",
     "BlockBackend", "classify_tiles", "fill_meta", "flash_attn_ref", "FULL",
     "get_backend", "lse_merge_", "merge_partials", "merge_stacked", "PARTIAL", "PlanCache",
-    "resolve_backend_name", "RingPlans", "SKIP", "tile_stats", "TileStats",
+    "RingPlans", "SKIP", "tile_stats", "TileStats",
     "transposed", "visibility", "visit_ranges",
 ]

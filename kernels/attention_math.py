@@ -6,11 +6,7 @@ Mask rule (the one rule of the project): key j is visible to query i iff
     q_seg[i] == k_seg[j]  and  k_seg[j] >= 0  and  (not causal or k_pos[j] <= q_pos[i]).
 
 Segment id -1 marks padding: it sees nothing and is seen by nothing. A query row with no visible
-key has out = 0 and lse = -inf. Restated as a boolean mask (`visibility`), as tile bounds and
-classes (`tile_stats`, `classify_tiles`), as sorted visit ranges (`visit_ranges`, what the Triton
-kernels walk), as dense pieces (`dense_pieces`, what dense kernels compute exactly); plus the
-log-sum-exp merges, the accumulation dtype and the default metadata (`fill_meta`). Nothing here reads the
-device on the host except `dense_pieces`, which works on host copies.
+key has out = 0 and lse = -inf. Only `dense_pieces` reads device values on the host (host copies).
 """
 
 from __future__ import annotations
@@ -54,9 +50,6 @@ def visibility(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causa
     if causal:
         vis = vis & (k_pos[:, None, :] <= q_pos[:, :, None])
     return vis
-
-
-# ----------------------------------------------------------------------------- the rule as bounds
 
 
 @dataclass(frozen=True)
@@ -200,8 +193,6 @@ def dense_pieces(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, cau
     return pieces if len(pieces) <= max_pieces else None
 
 
-# ----------------------------------------------------------------------------- visit ranges
-
 _SHIFT = 2 ** 32  # composite keys seg * 2**32 + (pos + 2**31): ordered by segment, then position
 _OFF = 2 ** 31
 _TOP = 2 ** 32 - 1  # the offset of the largest position: (seg, TOP) is above every (seg, pos)
@@ -279,9 +270,6 @@ def visit_ranges(rows: TileStats, cols: TileStats, causal: bool) -> tuple[Tensor
     order = torch.cat([order_p, order_m], -1)  # (B, 2 n_c)
     bounds = [x.gather(-1, order) for x in (cs_min, cs_max, cp_min)]
     return ranges, torch.stack([order, *bounds], -1)
-
-
-# ----------------------------------------------------------------------------- merging partial results
 
 
 def lse_merge_(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -> None:

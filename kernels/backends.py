@@ -44,16 +44,10 @@ def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """`name`, checked against the registry ("auto" chooses per block and device by itself)."""
+def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> BlockBackend:
+    """The backend object for `name` (one for every device: "auto" chooses per block and device)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend '{name}'; choose from {', '.join(available_backends())}")
-    return name
-
-
-def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> BlockBackend:
-    """The backend object for `name`."""
-    name = resolve_backend_name(name, torch.device(device))
     if name not in _INSTANCES:
         module, cls = _REGISTRY[name].split(":")
         _INSTANCES[name] = getattr(importlib.import_module(module, __package__), cls)()

@@ -1,15 +1,6 @@
-"""The checkpoint formats on disk, in one place: what training writes, what export and chat read.
-
-    project checkpoint    config.yaml (the root Config), model.safetensors (own names, unsharded; a tied
-                          head stored once, as the embedding), optional tokenizer/ and vq/
-    training run          checkpoints/step_NNNNNN/ (a project checkpoint plus the trainer's state) and
-                          checkpoints/latest (docs/training.md, "Checkpoints")
-    exported directory    a plain LlamaForCausalLM for transformers, plus longvideo.yaml, vq/ and a
-                          processor config (docs/export.md)
-
-`load_pretrained` reads all three. Writes are atomic (longvideo.atomic); weights are read with
-safetensors only, except a training checkpoint without model.safetensors (train.save_weights=false),
-whose ZeRO shards DeepSpeed consolidates from torch pickles: only load runs you wrote.
+"""The checkpoint formats on disk, in one place: project checkpoints, training runs and exported
+directories (docs/export.md, "The formats on disk"), all read by `load_pretrained`. Writes are
+atomic; weights are read with safetensors only, except ZeRO shards (train.save_weights=false).
 """
 
 from __future__ import annotations

@@ -99,10 +99,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
-            try:
+            with contextlib.suppress(ValueError):
                 return float(value)
-            except ValueError:
-                pass
         raise ConfigError(key, f"got {value!r}; expected a number")
     plain = dict if origin is dict else tp
     if plain in _PLAIN:

@@ -1,9 +1,7 @@
-"""Ring attention for transformers decoders, through transformers' own extension points
-(docs/hf.md): `enable_ring_attention` registers it as an `attn_implementation`, `shard_batch` cuts
-a batch into this rank's zigzag shard, and the loss divisor `num_items_in_batch` makes the gradients
-those of the global token mean. No model code is patched: documents reach the attention function as
-the keyword `ring_segment_ids` (a call without it runs transformers' sdpa attention), and the
-registered mask function builds nothing.
+"""Ring attention for transformers decoders through transformers' own extension points, no model code
+patched (docs/hf.md): `enable_ring_attention` registers it as an `attn_implementation`, `shard_batch`
+cuts a batch into this rank's zigzag shard, and the loss divisor `num_items_in_batch` makes the
+gradients those of the global token mean.
 """
 
 from __future__ import annotations
@@ -143,11 +141,8 @@ def _check_call(module, query, key, value, attention_mask, seg, world, dropout, 
 
 def seam_attention(seam, group=None):
     """A transformers attention function computing through a project seam (RingAttentionSeam over
-    `group`, or LocalAttention) for calls that carry `ring_segment_ids`; others run sdpa.
-
-    fn(module, query, key, value, attention_mask, *, dropout, scaling, sliding_window=None, **kwargs)
-    with query (B, Hq, S, D), key and value (B, Hkv, S, D) -> (out (B, S, Hq, D), None). Positions:
-    `ring_positions` when given, else the zigzag layout's."""
+    `group`, or LocalAttention) for calls that carry `ring_segment_ids`; others run sdpa (docs/hf.md,
+    "What happens inside the forward": shapes, positions, scaling)."""
     world = _group_size(group) if hasattr(seam, "group") else 1  # a seam without a group is one rank
 
     def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
@@ -178,7 +173,7 @@ def enable_ring_attention(group, *, backend: str = "auto", name: str = RING, uly
     """Register ring attention over `group` (None: the default group, or a world of one) as
     `attn_implementation=name`, once per process (again: replaces the group). Returns the name.
 
-    backend: the block backend ("auto": triton on CUDA, cpu otherwise; "torch", "cpu").
+    backend: the block backend ("auto": the fastest exact kernel per block; "torch", "cpu").
     ulysses_size U > 1: heads all-to-all in groups of U neighbouring ranks, a ring across them
     (docs/hybrid.md); batches are sharded as for the ring."""
     _group_size(group)  # a group without an initialised process group is an error here
@@ -252,31 +247,30 @@ def shard_batch(batch: Mapping[str, Any], group, *, count: bool = True, grad_gro
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be (B, S); got {tuple(ids.shape)}")
     B, S = ids.shape
-    dev = ids.device
+    seqs = {}
     for key, t in batch.items():
-        if torch.is_tensor(t) and t.dim() > 0 and key != "num_items_in_batch" and (
-                t.dim() < 2 or tuple(t.shape[:2]) not in ((B, S), (1, S) if key == "position_ids" else (B, S))):
+        if key == "num_items_in_batch" or not torch.is_tensor(t) or t.dim() == 0:
+            continue  # recomputed below / not a sequence
+        if t.dim() < 2 or tuple(t.shape[:2]) not in ((B, S), (1 if key == "position_ids" else B, S)):
             raise ValueError(f"batch['{key}'] has shape {tuple(t.shape)}; expected (B, S, ...) = ({B}, {S}, ...) "
                              "like input_ids")
-    pos = batch.pop("position_ids", None)
-    pos = torch.arange(S, device=dev).expand(B, S) if pos is None else pos.expand(B, S) if pos.shape[0] == 1 else pos
-    seg = batch.pop("segment_ids", None)
+        if key not in pads and key not in ("segment_ids", "attention_mask"):
+            raise ValueError(f"no pad value for batch key '{key}'; pass pad_values={{'{key}': ...}}")
+        seqs[key] = t
+    pos = seqs.pop("position_ids", None)
+    pos = torch.arange(S, device=ids.device).expand(B, S) if pos is None else pos.expand(B, S)
+    seg = seqs.pop("segment_ids", None)
     seg = document_ids(pos) if seg is None else seg.long()
-    mask = batch.pop("attention_mask", None)
+    mask = seqs.pop("attention_mask", None)
     if mask is not None:
         seg = torch.where(mask.bool(), seg, -1)
-    labels, shifted = batch.pop("labels", None), batch.pop("shift_labels", None)
+    labels, shifted = seqs.pop("labels", None), seqs.pop("shift_labels", None)
     if shifted is None and labels is not None:  # labels[:, i + 1] at i, -100 at the end
         shifted = torch.cat([labels[:, 1:], labels.new_full((B, 1), IGNORE_INDEX)], dim=1)
     full = {"input_ids": ids, "position_ids": pos, SEGMENT_KEY: seg}
     if shifted is not None:
         full["shift_labels"] = torch.where(seg >= 0, shifted, IGNORE_INDEX)  # padding predicts nothing
-    for key, t in batch.items():
-        if key == "num_items_in_batch" or not torch.is_tensor(t) or t.dim() == 0:
-            continue  # recomputed below / not a sequence
-        if key not in pads:
-            raise ValueError(f"no pad value for batch key '{key}'; pass pad_values={{'{key}': ...}}")
-        full[key] = t
+    full.update(seqs)
     out = {k: shard_sequence(t, group, dim=1, pad_value=pads[k]) for k, t in full.items()}
     if "shift_labels" in out:
         out["labels"] = out["shift_labels"]

@@ -115,7 +115,7 @@ class TextTokenizer:
         return Vocab(text_size=self.text_size, codebook_size=codebook_size, layout=self.layout,
                      vision_size=vision_size)
 
-    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+    def encode(self, text: str, bos: bool = False) -> list[int]:
         sp = getattr(self, "_sp_model", None)
         # lwm layout: SentencePiece's encoding, a word-boundary marker in front even of a leading space
         # (transformers 5's Metaspace pre-tokenizer skips it there; LWM's tokenizer did not)
@@ -127,10 +127,6 @@ class TextTokenizer:
             if self.bos_id is None:
                 raise TokenizerError("this tokenizer has no BOS token")
             ids = [self.bos_id] + ids
-        if eos:
-            if self.eos_id is None:
-                raise TokenizerError("this tokenizer has no EOS token")
-            ids = ids + [self.eos_id]
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

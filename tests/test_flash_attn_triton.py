@@ -21,7 +21,6 @@ from attn_cases import assert_within, max_err, packed_meta, reference
 from longvideo.kernels import _flash_attn_triton as tk
 from longvideo.kernels import (AttentionPlan, RingPlans, block_attention, classify_tiles, flash_attn_ref,
                                get_backend, tile_stats, transposed, visibility, visit_ranges)
-from longvideo.kernels.backends import resolve_backend_name
 from longvideo.kernels.flash_attn import TritonBackend, flash_attn
 from sync_guard import HostSync, no_host_sync
 
@@ -169,7 +168,7 @@ def test_backward_with_global_out_and_lse():
 def test_block_attention_and_auto_backend():
     """The kernel serves kernels.block_attention as the `triton` backend, and `auto` sends it the
     blocks that need the element mask (on CUDA; tests/test_dispatch.py covers the other routes)."""
-    assert resolve_backend_name("auto", torch.device("cuda")) == "auto"
+    assert get_backend("auto", torch.device("cuda")).name == "auto"
     if DEV == "cuda":  # shuffled positions: no dense piece, so the triton kernel, bit for bit
         (q, k, v, _), _ = make_case(32, 1, 40, 40, 2, 1, 32, torch.bfloat16, "self")
         pos = torch.randperm(40, device=DEV)[None]

@@ -7,15 +7,11 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from longvideo.checkpoint import CheckpointError
 from longvideo.export.hf import export_hf, import_hf
 from longvideo.export.lwm import import_lwm
-from longvideo.export.tux import TuxFormatError
 from longvideo.safepickle import UnsafePickleError
-from longvideo.tokenizer import TokenizerError
-from longvideo.vq.vqgan import LWMVQGANError
 
-ERRORS = (CheckpointError, FileNotFoundError, ValueError)
+ERRORS = (FileNotFoundError, ValueError)  # CheckpointError and the format errors are ValueErrors
 
 
 def _parser(prog: str, description: str, out: str = "project checkpoint directory to write"):
@@ -65,7 +61,7 @@ def import_lwm_main(argv: list[str]) -> int:
     say = None if a.quiet else (lambda msg: print(f"import-lwm: {msg}", file=sys.stderr, flush=True))
     return _run("import-lwm", lambda: import_lwm(a.params, a.vqgan, a.tokenizer, a.out, config=a.config,
                                                  overrides=a.overrides, progress=say),
-                ERRORS + (TuxFormatError, UnsafePickleError, TokenizerError, LWMVQGANError))
+                ERRORS + (UnsafePickleError,))
 
 
 def export_main(argv: list[str]) -> int:

@@ -26,8 +26,6 @@ from longvideo.vocab import SPECIAL_TOKENS
 from longvideo.vq import load_vq
 
 
-# ----------------------------------------------------------------------------- transformers' config.json
-
 def rope_theta_of(hf_cfg: dict) -> float:
     """Read RoPE theta from either spelling transformers writes (rope_theta or rope_parameters)."""
     params = hf_cfg.get("rope_parameters") or hf_cfg.get("rope_scaling") or {}
@@ -38,9 +36,7 @@ def rope_theta_of(hf_cfg: dict) -> float:
                                   f"RoPE)")
         if "rope_theta" in params:
             return float(params["rope_theta"])
-    if "rope_theta" in hf_cfg:
-        return float(hf_cfg["rope_theta"])
-    return 10000.0
+    return float(hf_cfg.get("rope_theta", 10000.0))
 
 
 # the transformers code of an export whose queries scale with the context (ModelConfig.attn_logn_base)
@@ -103,8 +99,6 @@ def generation_config(cfg: ModelConfig, tokenizer) -> dict:
         gen["suppress_tokens"] = list(range(limit, cfg.vocab_size))
     return gen
 
-
-# ----------------------------------------------------------------------------- import / export
 
 def import_hf(hf_dir: str | Path, out_dir: str | Path, base_config: Optional[str] = None,
               codebook_size: Optional[int] = None) -> Path:

@@ -57,8 +57,6 @@ def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
 
 
-# ----------------------------------------------------------------------------- the parameter tree
-
 @dataclasses.dataclass(frozen=True)
 class LWMTree:
     """The arrays of an LWM params file by name, and how its layers are stored."""
@@ -113,8 +111,7 @@ def read_tree(path: str | Path) -> LWMTree:
         expected = set(TOP_PARAMS) | {f"transformer/h/{i}/{p}" for i in found for p in LAYER_PARAMS}
     missing, extra = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
     if missing:
-        raise LWMImportError(f"{path}: missing arrays {missing[:5]} (tied or other heads are not "
-                             f"supported)")
+        raise LWMImportError(f"{path}: missing arrays {missing[:5]} (tied or other heads are not supported)")
     if extra:
         raise LWMImportError(f"{path}: unexpected arrays {extra[:5]}")
     if scan:
@@ -163,8 +160,6 @@ def model_config_from_tree(tree: LWMTree, base: ModelConfig, codebook_size: int,
         codebook_size=codebook_size, dim=dim, n_layers=tree.n_layers, n_heads=n_heads,
         n_kv_heads=k_shape[1] // head_dim, ffn_dim=f_shape[1], tie_embeddings=False)
 
-
-# ----------------------------------------------------------------------------- writing the weights
 
 def _plan(tree: LWMTree, cfg: ModelConfig) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Every output tensor with its dtype (its source's) and shape, in file order."""
@@ -225,8 +220,6 @@ def write_weights(tree: LWMTree, cfg: ModelConfig, out_file: Path,
             if progress:
                 progress(f"layer {i + 1}/{cfg.n_layers}")
 
-
-# ----------------------------------------------------------------------------- the command
 
 def import_lwm(params: str | Path, vqgan: str | Path, tokenizer: str | Path, out_dir: str | Path,
                config: str | Path = "lwm-chat-1m", overrides: Sequence[str] = (),

@@ -22,7 +22,7 @@ class ModelConfig:
     vocab_layout: Literal["longvideo", "lwm"] = "longvideo"
     """Token space (longvideo/vocab.py): the project's, or LWM's (text ids, then its vision vocabulary)."""
     vision_vocab_size: Optional[int] = None
-    """lwm layout only: ids of LWM's vision vocabulary (codes, <eof>, <eov>, unused); null = codebook_size + 256."""
+    """lwm layout only: ids of LWM's vision vocabulary (docs/vocabulary.md); null = codebook_size + 256."""
     dim: int = 4096
     """Hidden size."""
     n_layers: int = 32
@@ -40,10 +40,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """RoPE base; LWM raises it with the context stage (1e6 at 32K ... 5e7 at 1M)."""
     attn_logn_base: int = 0
-    """Queries scaled with the context: > 0 multiplies the query at position p (within its document)
-    by max(1, ln(p + 1) / ln(attn_logn_base)), so attention over more than attn_logn_base keys keeps
-    the sharpness it has over attn_logn_base keys (docs/hour.md). 0 = off, the plain LLaMA attention
-    that transformers' Llama reproduces."""
+    """Queries scaled with the context (why: docs/hour.md): > 0 multiplies the query at position p (in
+    its document) by max(1, ln(p + 1) / ln(attn_logn_base)); 0 = off, plain LLaMA attention."""
     max_seq_len: int = 4096
     """Longest sequence the model is meant for (exported as max_position_embeddings)."""
     tie_embeddings: bool = False
@@ -51,14 +49,13 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the weight initialisation."""
     code_init: Literal["normal", "fsq"] = "normal"
-    """Initial VQ code embeddings: normal (random) or fsq (a random projection of each code's FSQ latent; docs/training.md)."""
+    """Initial VQ code embeddings: normal (random) or fsq (projected FSQ latents; docs/training.md)."""
     head_dim: int = field(init=False)
     """Derived: dim // n_heads."""
 
     def __post_init__(self):
-        check(self.dim > 0, "dim", f"must be positive, got {self.dim}")
-        check(self.n_layers > 0, "n_layers", f"must be positive, got {self.n_layers}")
-        check(self.n_heads > 0, "n_heads", f"must be positive, got {self.n_heads}")
+        for key in ("dim", "n_layers", "n_heads"):
+            check(getattr(self, key) > 0, key, f"must be positive, got {getattr(self, key)}")
         check(self.dim % self.n_heads == 0, "n_heads",
               f"must divide dim={self.dim}, got {self.n_heads}")
         kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads

@@ -20,7 +20,7 @@ class ParallelConfig:
     neighbouring ranks, an all-to-all inside each, the ring across them (docs/hybrid.md).
     1 = a ring over all sp ranks; sp = heads only. Must divide sp."""
     backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
-    """Block-attention backend, inside the ring and on a single device: auto = triton on CUDA, cpu otherwise."""
+    """Block-attention backend, in the ring and on one device: auto = per-block dispatch (docs/kernels.md)."""
     timeout_s: float = 600.0
     """Collective timeout: a dead rank makes the others fail after this many seconds."""
 

@@ -44,12 +44,9 @@ def main(argv: list[str]) -> int:
         result = train(cfg, resume=args.resume, init_from=args.init_from)
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"{result.status} at step {result.step}; checkpoint {result.checkpoint or '-'}", flush=True)
-    except ConfigError as e:
+    except (ConfigError, TrainingError) as e:
         print(f"longvideo train: {e}", file=sys.stderr, flush=True)
-        code = 2
-    except TrainingError as e:
-        print(f"longvideo train: {e}", file=sys.stderr, flush=True)
-        code = 1
+        code = 2 if isinstance(e, ConfigError) else 1
     except RuntimeError as e:  # a collective failed: usually another rank died or timed out
         rank = os.environ.get("RANK", "?")
         print(f"longvideo train (rank {rank}): {type(e).__name__}: {e}\n"

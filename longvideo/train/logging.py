@@ -43,12 +43,6 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def truncate_metrics(run_dir: Path, last_step: int) -> None:
-    """Drop records after `last_step` (a resumed run rewrites the steps it repeats)."""
-    rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= last_step]
-    (Path(run_dir) / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
 def plot_losses(run_dir: str | Path, out: Optional[str | Path] = None) -> Optional[Path]:
     """loss.png from metrics.jsonl (skipped steps leave gaps); None when there is nothing to plot."""
     rows = [r for r in read_metrics(run_dir) if "loss" in r]
@@ -81,7 +75,9 @@ class RunLogger:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        truncate_metrics(self.run_dir, start_step)
+        # drop the records after start_step: a resumed run rewrites the steps it repeats
+        rows = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= start_step]
+        (self.run_dir / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
         self.metrics = open(self.run_dir / METRICS_FILE, "a")
         if progress:
             from tqdm.auto import tqdm

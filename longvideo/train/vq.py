@@ -79,14 +79,6 @@ def evaluate(vq: VQModel, batch: torch.Tensor) -> tuple[dict, torch.Tensor]:
     return metrics, recon
 
 
-def _vq_config(cfg) -> VQConfig:
-    if isinstance(cfg, VQConfig):
-        return cfg
-    if isinstance(getattr(cfg, "vq", None), VQConfig):
-        return cfg.vq
-    raise TypeError(f"expected a VQConfig or a root Config, got {type(cfg).__name__}")
-
-
 def _check_resume(cfg: VQConfig, out: Path) -> None:
     saved = json.loads((out / CONFIG_FILE).read_text())
     now = to_dict(cfg)
@@ -151,7 +143,10 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
     cfg: a VQConfig or a root Config (its `vq`). source: what `--data` takes, uint8 videos (T, H, W, 3)
     (one or a list), or a FrameSource. steps: overrides cfg.steps. time_budget_s: also stop after this
     much training time (the learning-rate decay follows whichever of steps and time ends first)."""
-    cfg = _vq_config(cfg)
+    if not isinstance(cfg, VQConfig):
+        if not isinstance(getattr(cfg, "vq", None), VQConfig):
+            raise TypeError(f"expected a VQConfig or a root Config, got {type(cfg).__name__}")
+        cfg = cfg.vq
     if steps is not None:
         cfg = dataclasses.replace(cfg, steps=steps)
     out = Path(out_dir)

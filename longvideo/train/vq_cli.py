@@ -15,7 +15,6 @@ import argparse
 import json
 import sys
 
-from longvideo.configtools import ConfigError
 from longvideo.data.frames import synthetic_videos
 from longvideo.train.vq import train_vq
 from longvideo.vq.config import load_vq_config
@@ -41,14 +40,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. lr=1e-3")
     a = p.parse_args(argv)
 
-    try:
+    try:  # a config error (ConfigError is a ValueError) or unusable data: one line, exit status 2
         cfg = load_vq_config(a.config, a.overrides)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"train-vq: {e}", file=sys.stderr)
-        return 2
-
-    source = synthetic_videos(a.synthetic, cfg, fps=a.synthetic_fps, seed=cfg.seed) if a.synthetic else a.data
-    try:
+        source = a.data if not a.synthetic else synthetic_videos(a.synthetic, cfg, fps=a.synthetic_fps,
+                                                                 seed=cfg.seed)
         result = train_vq(cfg, source, a.out, steps=a.steps, time_budget_s=a.time_budget,
                           resume=not a.no_resume, device=a.device, progress=not a.quiet,
                           tensorboard=not a.no_tensorboard)

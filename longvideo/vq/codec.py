@@ -221,12 +221,9 @@ def iter_decode(vq: VQModel, codes, *, batch_groups: int = 16) -> Iterator[torch
     with eval_mode(vq):
         for g in range(0, codes.shape[0], batch_groups):
             part = codes[g: g + batch_groups].to(device)
-            if vq.cfg.mode == "2d":
-                z = vq.codes_to_latents(part.unsqueeze(1))  # (n, D, 1, h, w)
-                yield output_to_frames(vq.decode(z))
-            else:
-                z = vq.codes_to_latents(part.unsqueeze(0))  # (1, D, n, h, w)
-                yield output_to_frames(vq.decode(z, state))
+            # 2d: n one-group clips (n, D, 1, h, w), which keep no state; causal3d: one clip (1, D, n, h, w)
+            z = vq.codes_to_latents(part.unsqueeze(1 if vq.cfg.mode == "2d" else 0))
+            yield output_to_frames(vq.decode(z, state))
 
 
 def decode_codes(vq: VQModel, codes, *, batch_groups: int = 16) -> torch.Tensor:

@@ -35,7 +35,7 @@ def fsq_levels_for(codebook_size: int) -> tuple[int, ...] | None:
 @dataclass(frozen=True, kw_only=True)
 class VQConfig:
     arch: Literal["longvideo", "lwm-vqgan"] = "longvideo"
-    """Implementation: the project's tokenizer, or LWM's VQGAN (diffusers' VQModel; inference only, see docs/lwm.md)."""
+    """Implementation: the project's tokenizer, or LWM's VQGAN (inference only, docs/lwm.md)."""
     mode: Literal["2d", "causal3d"] = "2d"
     """2d: each frame coded alone (LWM layout); causal3d: frames grouped in time, causally."""
     resolution: int = 256
@@ -107,20 +107,21 @@ class VQConfig:
     max_frames_per_video: int = 512
     """Most frames read from one training video."""
     video_backend: Literal["auto", "decord", "pyav"] = "auto"
-    """Video decoder: auto = pyav (in this process); decord runs in a child process (a crash skips the video)."""
+    """Video decoder: auto = pyav (in this process); decord runs in a child process (docs/data.md)."""
     pool_frames: int = 4096
     """Most training frames kept in memory (videos are read once, then sampled from RAM)."""
     crop_scale: float = 1.0
-    """Training frames are kept at crop_scale x resolution; each sample is a random square crop of side resolution to crop_scale x resolution, resized to resolution (1 = whole frames)."""
+    """Training frames kept at crop_scale x resolution, for random crops (docs/vq.md); 1 = whole frames."""
 
     def __post_init__(self):
         check(self.arch in ("longvideo", "lwm-vqgan"), "arch", "must be longvideo or lwm-vqgan")
         if self.arch == "lwm-vqgan":  # a taming-style VQGAN: frames alone, a codebook, no patching
             check(self.mode == "2d", "mode", "must be 2d for arch lwm-vqgan")
-            check(self.quantizer == "vq", "quantizer", "must be vq for arch lwm-vqgan (codebook_dim = its embedding width)")
+            check(self.quantizer == "vq", "quantizer",
+                  "must be vq for arch lwm-vqgan (codebook_dim = its embedding width)")
             check(self.patch_size == 1, "patch_size", "must be 1 for arch lwm-vqgan")
-            check(self.channels % 32 == 0 and all((self.channels * m) % 32 == 0 for m in self.channel_mult),
-                  "channels", "arch lwm-vqgan normalises in 32 groups: every level's width must be a multiple of 32")
+            check(self.channels % 32 == 0, "channels",  # then so is every level's (channels x a multiple)
+                  "arch lwm-vqgan normalises in 32 groups: every level's width must be a multiple of 32")
         check_positive(self, "resolution", "channels", "codebook_dim", "disc_channels", "steps", "lr", "fps")
         check_at_least(self, 0, "num_res_blocks", "dead_code_threshold", "l1_weight", "l2_weight",
                        "commit_weight", "disc_weight", "disc_start", "warmup_steps", "grad_clip")
@@ -148,8 +149,7 @@ class VQConfig:
             if self.fsq_levels:
                 check(all(lv >= 2 for lv in self.fsq_levels), "fsq_levels", "each level must be >= 2")
                 check(math.prod(self.fsq_levels) == self.codebook_size, "fsq_levels",
-                      f"product {math.prod(self.fsq_levels)} must equal codebook_size="
-                      f"{self.codebook_size}")
+                      f"product {math.prod(self.fsq_levels)} must equal codebook_size={self.codebook_size}")
             else:
                 check(fsq_levels_for(self.codebook_size) is not None, "codebook_size",
                       f"{self.codebook_size} has no split into FSQ levels 2..8; set fsq_levels "

@@ -1,10 +1,6 @@
-"""LWM's VQGAN behind the project's video-tokenizer interface, on diffusers' VQModel (docs/lwm.md).
-
-LWM's taming-style VQGAN (lwm/vqgan.py of the LWM repository: no attention, a 1x1 quant_conv, a
-nearest-neighbour codebook, a 1x1 post_quant_conv, the mirrored decoder) is exactly diffusers'
-`VQModel` (the aMUSEd VQ-GAN), so the flax weights are mapped onto it (`state_dict_from_flax`, which
-names every flax path), not re-implemented. `LWMVQGAN` has the interface of `longvideo.vq.VQModel`
-with LWM's pixels: uint8 / 127.5 - 1 in, decoded pixels clipped to [-1, 1]. Inference only.
+"""LWM's VQGAN behind the project's video-tokenizer interface (docs/lwm.md, "VQGAN"): it is exactly
+diffusers' VQModel, so the flax weights are mapped onto that (`state_dict_from_flax`, which names every
+flax path), not re-implemented. Inference only.
 """
 
 from __future__ import annotations
@@ -154,7 +150,13 @@ def state_dict_from_flax(params: dict, cfg: VQConfig) -> dict[str, torch.Tensor]
     n = len(cfg.channel_mult)
     parts: dict[str, dict[str, torch.Tensor]] = {}
     try:
-        parts["encoder.conv_in"] = _conv(flat, "encoder/Conv_0")
+        for side in ("encoder", "decoder"):  # what the two halves share: stem, middle, output
+            parts[f"{side}.conv_in"] = _conv(flat, f"{side}/Conv_0")
+            for j in range(2):
+                for sub, t in _resnet(flat, f"{side}/MidBlock_0/ResnetBlock_{j}").items():
+                    parts[f"{side}.mid_block.resnets.{j}.{sub}"] = t
+            parts[f"{side}.conv_norm_out"] = _norm(flat, f"{side}/GroupNorm_0")
+            parts[f"{side}.conv_out"] = _conv(flat, f"{side}/Conv_1")
         for i in range(n):
             for j in range(cfg.num_res_blocks):
                 for sub, t in _resnet(flat, f"encoder/DownsamplingBlock_{i}/ResnetBlock_{j}").items():
@@ -162,18 +164,9 @@ def state_dict_from_flax(params: dict, cfg: VQConfig) -> dict[str, torch.Tensor]
             if i < n - 1:
                 parts[f"encoder.down_blocks.{i}.downsamplers.0.conv"] = _conv(
                     flat, f"encoder/DownsamplingBlock_{i}/Downsample_0/Conv_0")
-        for j in range(2):
-            for sub, t in _resnet(flat, f"encoder/MidBlock_0/ResnetBlock_{j}").items():
-                parts[f"encoder.mid_block.resnets.{j}.{sub}"] = t
-        parts["encoder.conv_norm_out"] = _norm(flat, "encoder/GroupNorm_0")
-        parts["encoder.conv_out"] = _conv(flat, "encoder/Conv_1")
         parts["quant_conv"] = _conv(flat, "quant_conv")
         parts["quantize.embedding"] = {"weight": torch.from_numpy(np.asarray(flat["quantize/embeddings"]))}
         parts["post_quant_conv"] = _conv(flat, "post_quant_conv")
-        parts["decoder.conv_in"] = _conv(flat, "decoder/Conv_0")
-        for j in range(2):
-            for sub, t in _resnet(flat, f"decoder/MidBlock_0/ResnetBlock_{j}").items():
-                parts[f"decoder.mid_block.resnets.{j}.{sub}"] = t
         # flax names compact submodules by class and creation order: UpsamplingBlock_k is created
         # first for the deepest level, as diffusers' up_blocks.k
         for k in range(n):
@@ -183,8 +176,6 @@ def state_dict_from_flax(params: dict, cfg: VQConfig) -> dict[str, torch.Tensor]
             if k < n - 1:
                 parts[f"decoder.up_blocks.{k}.upsamplers.0.conv"] = _conv(
                     flat, f"decoder/UpsamplingBlock_{k}/Upsample_0/Conv_0")
-        parts["decoder.conv_norm_out"] = _norm(flat, "decoder/GroupNorm_0")
-        parts["decoder.conv_out"] = _conv(flat, "decoder/Conv_1")
     except KeyError as e:
         raise LWMVQGANError(f"LWM VQGAN parameters: missing {e.args[0]}") from None
     sd = {f"net.{name}.{p}": t.float() for name, tensors in parts.items() for p, t in tensors.items()}
