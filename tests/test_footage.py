@@ -294,6 +294,15 @@ def test_a_rank_whose_shard_vanishes_stops_every_rank(tmp_path):
     run_ranks(_loader_body, world=2, args=(tmp_path,), timeout=120)
 
 
+def test_fail_together_in_one_process_only_reraises():
+    from longvideo.data.ranks import fail_together
+
+    assert not torch.distributed.is_initialized()
+    assert fail_together(None) is None
+    with pytest.raises(FileNotFoundError, match="gone"):
+        fail_together(FileNotFoundError("gone"))
+
+
 def _needle_body(rank, world):
     import torch.distributed as dist
 

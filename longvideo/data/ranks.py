@@ -34,7 +34,12 @@ def comm_device(group=None) -> torch.device:
 def fail_together(error: Optional[BaseException], group=None) -> None:
     """Every rank of ``group`` (None: the default group) calls this with its own error (or None).
     Returns when none failed; otherwise re-raises this rank's error, or raises RankFailedError with
-    the first failing rank's message on the others. Two collectives on failure, one otherwise."""
+    the first failing rank's message on the others. Two collectives on failure, one otherwise.
+    Without a process group (one process) there is no one to tell: it only re-raises ``error``."""
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
     dev, world, me = comm_device(group), dist.get_world_size(group), dist.get_rank(group)
     first = torch.tensor([me if error is not None else world], dtype=torch.long, device=dev)
     dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)

@@ -15,12 +15,12 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
+from longvideo.data.ranks import fail_together
 from longvideo.data.video import VIDEO_EXTS, VideoError
 from longvideo.infer import evals, mcq
 from longvideo.infer.benchmarks import BENCHMARKS
 from longvideo.infer.chat import ChatSession, encode_video_file, infer_config, load_model, share_video
-from longvideo.infer.sp import (SequenceParallelEngine, broadcast_text, join_world, local_device,
-                               raise_together)
+from longvideo.infer.sp import SequenceParallelEngine, broadcast_text, join_world, local_device
 from longvideo.parallel import split_group
 from longvideo.vq import load_vq
 
@@ -116,7 +116,7 @@ def _chat(args) -> int:
                                         batch_frames=cfg.encode_batch_frames, progress=not args.quiet)
         except KNOWN_ERRORS as e:
             error = e
-        raise_together(error)  # every rank learns of any rank's error before the collectives start
+        fail_together(error)  # every rank learns of any rank's error before the collectives start
         engine = SequenceParallelEngine(pretrained.model, backend=args.backend, ulysses=heads) \
             if distributed else None
         session = ChatSession(pretrained, share_video(enc) if distributed else enc, infer=cfg, engine=engine)
@@ -128,7 +128,7 @@ def _chat(args) -> int:
                     q = next(questions, "")
                 except Exception as e:  # noqa: BLE001 - a question that cannot be read stops every rank
                     error = e
-            raise_together(error)
+            fail_together(error)
             if distributed:
                 q = broadcast_text(q if rank == 0 else None, src=0)
             if not q:

@@ -33,12 +33,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from PIL import Image
 
+from longvideo.data.ranks import fail_together
 from longvideo.data.video import VideoError
 from longvideo.infer.api import ApiError, ChatRequest, MediaPolicy, load_video, parse_request
 from longvideo.infer.chat import EncodedVideo, encode_video_file, fit_frames, load_model, prompt_of
 from longvideo.infer.generation import Engine, LocalEngine
 from longvideo.infer.sp import (SequenceParallelEngine, broadcast_array, broadcast_text, comm_device,
-                                join_world, local_device, raise_together)
+                                join_world, local_device)
 
 THUMB, MAX_THUMBS = 48, 512
 """Thumbnail side (pixels); most thumbnails in a strip (spread evenly over the frames)."""
@@ -501,7 +502,7 @@ def main(argv: list[str]) -> int:
         except (FileNotFoundError, ValueError, RuntimeError) as e:
             error = e
         try:
-            raise_together(error)  # every rank learns whether one failed before the collectives start
+            fail_together(error)  # every rank learns whether one failed before the collectives start
         except (FileNotFoundError, ValueError, RuntimeError) as e:
             print(f"longvideo serve: error (rank {rank}): {str(e) or type(e).__name__}", file=sys.stderr)
             return 2

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longvideo.data.ranks import comm_device, fail_together
+from longvideo.data.ranks import comm_device
 from longvideo.infer.generation import CachedEngine, Generation, logits_of, new_cache
 from longvideo.kernels import get_backend, merge_partials
 from longvideo.model import KVCache, Transformer
@@ -139,14 +139,6 @@ def join_world(device: torch.device, timeout: timedelta) -> bool:
         return False
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     return True
-
-
-def raise_together(error: Optional[BaseException]) -> None:
-    """Raise `error`; in a torchrun world, every rank first learns of any rank's (fail_together)."""
-    if dist.is_initialized():
-        fail_together(error)
-    elif error is not None:
-        raise error
 
 
 _MAX_DIMS = 6
