@@ -44,7 +44,7 @@ def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> BlockBackend:
+def get_backend(name: str = "auto") -> BlockBackend:
     """The backend object for `name` (one for every device: "auto" chooses per block and device)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend '{name}'; choose from {', '.join(available_backends())}")

@@ -63,7 +63,7 @@ def _cudnn_bwd(dout, q, k, v, out, lse, scale, causal):
 
 def _general(q: Tensor):
     """The backend of blocks that need the element mask."""
-    return get_backend("triton" if q.device.type == "cuda" else "cpu", q.device)
+    return get_backend("triton" if q.device.type == "cuda" else "cpu")
 
 
 KERNELS = {"cudnn": (_cudnn_fwd, _cudnn_bwd), "flash": (_flash_fwd, _flash_bwd), "cpu-flash": (_cpu_fwd, _cpu_bwd)}

@@ -18,7 +18,7 @@ class _BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, backend, plan):
-        be = get_backend(backend, q.device)
+        be = get_backend(backend)
         plan = plan if plan is not None else AttentionPlan()
         out, lse = be.forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=plan)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg)
@@ -29,7 +29,7 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg = ctx.saved_tensors
-        be = get_backend(ctx.backend, q.device)
+        be = get_backend(ctx.backend)
         dq, dk, dv = be.backward(dout.contiguous(), q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg,
                                  ctx.scale, ctx.causal, plan=ctx.plan)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None

@@ -175,7 +175,7 @@ def part_env(ok, entry, args):
 def part_correctness(ok, entry, args):
     """Every route against float64, the zigzag ring steps included (docs/kernels.md, "The GPU check")."""
     S, D, H, Hkv, S2 = (48, 32, 4, 2, 48) if DRY else (8192, 128, 32, 8, 4096)
-    auto, flash = get_backend("auto", DEV), DispatchBackend(dense=("flash",))  # cuDNN first; flash alone
+    auto, flash = get_backend("auto"), DispatchBackend(dense=("flash",))  # cuDNN first; flash alone
     cases = entry.setdefault("cases", {})
     tri = {"triton split": via_autograd("triton", "split"), "triton fused": via_autograd("triton", "fused")}
     for name, inputs, runs in (
@@ -183,7 +183,7 @@ def part_correctness(ok, entry, args):
              {**tri, "auto": via_autograd("auto"), "ring W=2, auto": ring_steps(auto, 2),
               "ring W=2, SDPA flash": ring_steps(flash, 2)}),
             (f"S={S} D={D} {H}/{Hkv}, 7 packed documents + padding", (1, S, H, Hkv, D, 2, 7, S // 40),
-             {**tri, "ring W=2, triton": ring_steps(get_backend("triton", DEV), 2), "ring W=2, auto": ring_steps(auto, 2)}),
+             {**tri, "ring W=2, triton": ring_steps(get_backend("triton"), 2), "ring W=2, auto": ring_steps(auto, 2)}),
             (f"S={S2} D=64 9/3 (the 135M shape)", (1, S2, 9, 3, 64, 3),
              {"triton split": tri["triton split"], "auto": via_autograd("auto"), "ring W=4, auto": ring_steps(auto, 4)}),
             (f"S={S2 // 2} D=80 8/2, packed + padding", (1, S2 // 2, 8, 2, 80, 4, 3, 8), {"auto": via_autograd("auto")})):
@@ -302,7 +302,7 @@ def part_speed(ok, entry, args):
 def part_ring(ok, entry, args):
     """The two zigzag block kinds timed; from them and a link's bandwidth the exposed communication of
     W ranks, predicted (docs/kernels.md, "The GPU check", gives the model)."""
-    S_local, be = 64 if DRY else 16384, get_backend("auto", DEV)
+    S_local, be = 64 if DRY else 16384, get_backend("auto")
     be.routes.clear()
     for D, H, Hkv in ((64, 9, 3), (128, 32, 8)) if ok(5) else ():
         q, k, v, dout, _ = make_inputs(1, S_local, H, Hkv, D, 8)

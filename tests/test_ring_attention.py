@@ -238,7 +238,7 @@ def _backends():
     try:
         from longvideo.kernels import get_backend
 
-        get_backend("triton", "cpu")
+        get_backend("triton")
         found.append("triton")
     except Exception:  # noqa: BLE001 - the kernel is optional on CPU-only installs
         pass

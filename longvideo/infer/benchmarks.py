@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 LETTERS = "ABCDEFGHIJ"
-BENCHMARKS: tuple[str, ...] = ("videomme", "mlvu", "longvideobench", "egoschema", "lvbench", "generic")
 
 
 @dataclass
@@ -206,6 +205,7 @@ def _generic(root: Path) -> list[Question]:
 
 READERS = {"videomme": _videomme, "mlvu": _mlvu, "longvideobench": _longvideobench, "egoschema": _egoschema,
            "lvbench": _lvbench, "generic": _generic}
+BENCHMARKS: tuple[str, ...] = tuple(READERS)
 
 
 def read_benchmark(name: str, data: str | Path) -> list[Question]:

@@ -14,6 +14,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from matplotlib.figure import Figure
 from PIL import Image
 from tqdm.auto import tqdm
 
@@ -50,22 +51,12 @@ def substring_match(prediction: str, reference: str) -> bool:
     return bool(ref) and ref in prediction.lower()
 
 
-def pyplot():
-    """matplotlib.pyplot drawing into files (the Agg backend: no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def save_heatmap(values: np.ndarray, xlabels: Sequence, ylabels: Sequence, path: str | Path, *, title: str,
                  xlabel: str, ylabel: str) -> None:
     """values (len(ylabels), len(xlabels)) in [0, 1] as a red-to-green grid with the numbers written in."""
-    plt = pyplot()
     values = np.asarray(values, dtype=float)
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(xlabels), 1.2 + 0.55 * len(ylabels)))
+    fig = Figure(figsize=(1.2 + 0.9 * len(xlabels), 1.2 + 0.55 * len(ylabels)))
+    ax = fig.subplots()
     im = ax.imshow(values, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(xlabels)), [str(x) for x in xlabels])
     ax.set_yticks(range(len(ylabels)), [str(y) for y in ylabels])
@@ -75,7 +66,6 @@ def save_heatmap(values: np.ndarray, xlabels: Sequence, ylabels: Sequence, path:
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.savefig(path, dpi=120, bbox_inches="tight")  # long question labels: grow the canvas, not squeeze
-    plt.close(fig)
 
 
 def _write(result: dict, out_dir: Optional[str | Path], name: str, values, xlabels: Sequence,

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch.distributed as dist
+from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from longvideo.atomic import write_json_atomic
@@ -20,7 +21,7 @@ from longvideo.data.templates import ANSWER_TEXT, parse_answer
 from longvideo.data.video import VideoError, probe_video, sample_indices
 from longvideo.infer.benchmarks import LETTERS, Question, read_benchmark, read_subtitles, subtitles_at
 from longvideo.infer.chat import encode_video_file, share_video
-from longvideo.infer.evals import greedy, open_session, pyplot
+from longvideo.infer.evals import greedy, open_session
 from longvideo.infer.sp import broadcast_text
 
 MODES: tuple[str, ...] = ("likelihood", "generate")
@@ -92,11 +93,10 @@ def summarise(records: list[dict]) -> dict:
 
 def save_bars(summary: dict, path: str | Path, title: str) -> None:
     """Accuracy with its 95 % interval: overall, then one panel per breakdown; chance dashed."""
-    plt = pyplot()
     panels = [("overall", {"all": summary})] + [(k, b["labels"]) for k, b in summary["breakdowns"].items()]
-    fig, axes = plt.subplots(1, len(panels), sharey=True, squeeze=False,
-                             figsize=(2 + 0.45 * sum(len(g) for _, g in panels), 4),
-                             gridspec_kw={"width_ratios": [len(g) for _, g in panels]})
+    fig = Figure(figsize=(2 + 0.45 * sum(len(g) for _, g in panels), 4))
+    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False,
+                        gridspec_kw={"width_ratios": [len(g) for _, g in panels]})
     for ax, (name, groups) in zip(axes[0], panels):
         acc = np.array([g["accuracy"] for g in groups.values()])
         ci = np.array([g["ci95"] for g in groups.values()]).reshape(-1, 2)
@@ -109,7 +109,6 @@ def save_bars(summary: dict, path: str | Path, title: str) -> None:
     axes[0][0].set_ylabel("accuracy (95 % interval)")
     fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
 
 
 def append_line(path: Path, record: dict) -> None:

@@ -34,7 +34,7 @@ class MergedAttentionSeam:
                  q_segment_ids: Tensor, k_segment_ids: Tensor, causal: bool = True) -> Tensor:
         if not self.owner:
             k_segment_ids = k_segment_ids.masked_fill(k_positions >= self.shared_from, -1)
-        be = get_backend(self.backend, q.device)
+        be = get_backend(self.backend)
         out, lse = be.forward(q, k, v, q_positions, k_positions, q_segment_ids, k_segment_ids,
                               1.0 / math.sqrt(q.shape[-1]), causal)
         W = dist.get_world_size(self.group)

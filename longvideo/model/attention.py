@@ -46,7 +46,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, segment_ids: Tensor,
-                attention_fn: AttentionFn, cache=None) -> Tensor:
+                attention_fn: AttentionFn, cache_update=None) -> Tensor:
         B, S, _ = x.shape
         # local head counts come from the weights, so a sharded projection needs no change here
         q = self.wq(x).view(B, S, -1, self.head_dim)  # (B, S, Hq, D)
@@ -56,8 +56,8 @@ class Attention(nn.Module):
         if self.logn_base:  # sharper attention past logn_base keys (ModelConfig.attn_logn_base)
             q = q * logn_scale(positions, self.logn_base, q.dtype)
         k_pos, k_seg = positions, segment_ids
-        if cache is not None:  # append this step's keys and attend over everything cached
-            k, v, k_pos, k_seg = cache.update(k, v)
+        if cache_update is not None:  # append this step's keys and attend over everything cached
+            k, v, k_pos, k_seg = cache_update(k, v)
         out = attention_fn(q, k, v, q_positions=positions, k_positions=k_pos,
                            q_segment_ids=segment_ids, k_segment_ids=k_seg, causal=True)
         return self.wo(out.reshape(B, S, -1))

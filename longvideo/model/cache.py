@@ -1,6 +1,6 @@
 """A preallocated key/value cache for generation: per layer K and V (B, max_len, Hkv, D), for all
 layers the cached tokens' positions and segment ids (B, max_len). The model calls `begin`, then
-`layer(i).update(k, v)` in each layer, then `commit(S)`.
+`update(i, k, v)` in each layer i, then `commit(S)`.
 """
 
 from __future__ import annotations
@@ -9,19 +9,6 @@ import torch
 from torch import Tensor
 
 from longvideo.model.config import ModelConfig
-
-
-class _LayerCache:
-    def __init__(self, parent: "KVCache", idx: int):
-        self.parent, self.idx = parent, idx
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Write k, v (B, S, Hkv, D) after the cached tokens; return everything cached so far."""
-        c = self.parent
-        start, end = c.length, c.length + k.shape[1]
-        c.k[self.idx][:, start:end] = k
-        c.v[self.idx][:, start:end] = v
-        return c.k[self.idx][:, :end], c.v[self.idx][:, :end], c.positions[:, :end], c.segment_ids[:, :end]
 
 
 class KVCache:
@@ -42,8 +29,11 @@ class KVCache:
         self.positions[:, self.length:self.length + S] = positions
         self.segment_ids[:, self.length:self.length + S] = segment_ids
 
-    def layer(self, idx: int) -> _LayerCache:
-        return _LayerCache(self, idx)
+    def update(self, idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Write layer idx's k, v (B, S, Hkv, D) after the cached tokens; return all it caches so far."""
+        start, end = self.length, self.length + k.shape[1]
+        self.k[idx][:, start:end], self.v[idx][:, start:end] = k, v
+        return self.k[idx][:, :end], self.v[idx][:, :end], self.positions[:, :end], self.segment_ids[:, :end]
 
     def commit(self, n: int) -> None:
         self.length += n

@@ -6,6 +6,7 @@ outside (`longvideo.parallel.apply`; docs/architecture.md, decision 5).
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Optional
 
 import torch
@@ -26,8 +27,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = FeedForward(cfg.dim, cfg.ffn_dim, ffn_chunk)
 
-    def forward(self, x, cos, sin, positions, segment_ids, attention_fn, cache=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, positions, segment_ids, attention_fn, cache)
+    def forward(self, x, cos, sin, positions, segment_ids, attention_fn, cache_update=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, positions, segment_ids, attention_fn, cache_update)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -98,7 +99,8 @@ class Transformer(nn.Module):
             cache.begin(positions, segment_ids)
         attn = attention_fn or self.attention_fn
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, positions, segment_ids, attn, cache.layer(i) if cache is not None else None)
+            update = partial(cache.update, i) if cache is not None else None
+            x = layer(x, cos, sin, positions, segment_ids, attn, update)
         if cache is not None:
             cache.commit(S)
         hidden = self.norm(x)

@@ -50,7 +50,7 @@ class OpaqueSeam:
         if isinstance(s, RingAttentionSeam):
             return ring_forward(q, k, v, qp.long(), qs.long(), s.group, causal, scale, s.backend, None,
                                 s.plans.lookup(qp, qs))
-        be = get_backend(s.backend, q.device)
+        be = get_backend(s.backend)
         return be.forward(q, k, v, qp, kp, qs, ks, scale, causal, plan=s.plans.lookup(qp, kp, qs, ks))
 
     def backward(self, dout, q, k, v, out, lse, qp, kp, qs, ks, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -58,7 +58,7 @@ class OpaqueSeam:
         if isinstance(s, RingAttentionSeam):
             return ring_backward(dout, q, k, v, out, lse, qp.long(), qs.long(), s.group, causal, scale, s.backend,
                                  None, s.plans.lookup(qp, qs))
-        be = get_backend(s.backend, q.device)
+        be = get_backend(s.backend)
         return be.backward(dout, q, k, v, out, lse, qp, kp, qs, ks, scale, causal,
                            plan=s.plans.lookup(qp, kp, qs, ks))
 

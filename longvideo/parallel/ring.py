@@ -63,7 +63,7 @@ def ring_forward(q, k, v, pos, seg, group, causal, scale, backend, stats: Option
                  plans: Optional[RingPlans] = None):
     """(out in q.dtype, lse (B, Hq, S) in fp32/fp64) of attention over the whole ring.
     plans: tile plans per step (RingPlans), filled on first use; None makes a new one."""
-    be = get_backend(backend, q.device)
+    be = get_backend(backend)
     plans = plans if plans is not None else RingPlans()
     ring = RingComm(group)
     if ring.size == 1:  # plain attention: no buffers, no merge
@@ -91,7 +91,7 @@ def ring_backward(dout, q, k, v, out, lse, pos, seg, group, causal, scale, backe
                   stats: Optional[CommStats] = None, plans: Optional[RingPlans] = None):
     """(dq, dk, dv) in the accumulation dtype (fp32, or fp64 for fp64 inputs) for this rank's shard.
     plans: the forward's RingPlans (step i sees the same key block in both directions)."""
-    be = get_backend(backend, q.device)
+    be = get_backend(backend)
     plans = plans if plans is not None else RingPlans()
     ring = RingComm(group)
     if ring.size == 1:

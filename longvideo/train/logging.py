@@ -48,11 +48,10 @@ def plot_losses(run_dir: str | Path, out: Optional[str | Path] = None) -> Option
     rows = [r for r in read_metrics(run_dir) if "loss" in r]
     if not rows:
         return None
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, nothing to close
     losses = [v if math.isfinite(v) else float("nan") for v in (float(r["loss"]) for r in rows)]  # gaps
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    fig = Figure(figsize=(6, 3.5), dpi=120)
+    ax = fig.subplots()
     ax.plot([r["step"] for r in rows], losses, lw=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (weighted token mean)")
@@ -61,7 +60,6 @@ def plot_losses(run_dir: str | Path, out: Optional[str | Path] = None) -> Option
     fig.tight_layout()
     out = Path(out) if out is not None else Path(run_dir) / "loss.png"
     fig.savefig(out)
-    plt.close(fig)
     return out
 
 
