@@ -133,15 +133,10 @@ def _fwd_kernel(Q, K, V, O, LSE, QPOS, KPOS, QSEG, KSEG, PLAN, stride_plan, cols
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS,
-                               tl.load(ROWP), tl.load(ROWP + 1), Sk, stride_ks, stride_vs,
-                               qk_scale, offs_n0, offs_d, d_ok, BLOCK_N, CAUSAL, False, EVEN_D, DOT, PREC)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS,
-                               tl.load(ROWP + 2), tl.load(ROWP + 3), Sk, stride_ks,
-                               stride_vs, qk_scale, offs_n0, offs_d, d_ok, BLOCK_N, CAUSAL, True, EVEN_D, DOT, PREC)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS,
-                               tl.load(ROWP + 4), tl.load(ROWP + 5), Sk, stride_ks,
-                               stride_vs, qk_scale, offs_n0, offs_d, d_ok, BLOCK_N, CAUSAL, True, EVEN_D, DOT, PREC)
+    for j in tl.static_range(3):  # unrolled: the plan's full entries, then its two kinds of candidates
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS,
+                                   tl.load(ROWP + 2 * j), tl.load(ROWP + 2 * j + 1), Sk, stride_ks, stride_vs,
+                                   qk_scale, offs_n0, offs_d, d_ok, BLOCK_N, CAUSAL, j > 0, EVEN_D, DOT, PREC)
 
     has = l_i > 0.0  # rows with no visible key: out = 0, lse = -inf
     l_safe = tl.where(has, l_i, 1.0)
@@ -480,15 +475,10 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, QPOS, KPOS, QSEG, KSEG, PLAN, s
     KSEG_b = KSEG + b64 * Sk
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    dq = _dq_tiles(dq, q, do, lse2, delta, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS,
-                   tl.load(ROWP), tl.load(ROWP + 1), Sk, stride_ks, stride_vs, qk_scale,
-                   offs_n0, offs_d, d_ok, BLOCK_N, CAUSAL, False, EVEN_D, DOT, PREC)
-    dq = _dq_tiles(dq, q, do, lse2, delta, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS,
-                   tl.load(ROWP + 2), tl.load(ROWP + 3), Sk, stride_ks, stride_vs, qk_scale,
-                   offs_n0, offs_d, d_ok, BLOCK_N, CAUSAL, True, EVEN_D, DOT, PREC)
-    dq = _dq_tiles(dq, q, do, lse2, delta, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS,
-                   tl.load(ROWP + 4), tl.load(ROWP + 5), Sk, stride_ks, stride_vs, qk_scale,
-                   offs_n0, offs_d, d_ok, BLOCK_N, CAUSAL, True, EVEN_D, DOT, PREC)
+    for j in tl.static_range(3):  # as in the forward
+        dq = _dq_tiles(dq, q, do, lse2, delta, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS,
+                       tl.load(ROWP + 2 * j), tl.load(ROWP + 2 * j + 1), Sk, stride_ks, stride_vs, qk_scale,
+                       offs_n0, offs_d, d_ok, BLOCK_N, CAUSAL, j > 0, EVEN_D, DOT, PREC)
     tl.store(DQ + b64 * stride_dqb + h.to(tl.int64) * stride_dqh + start_m * stride_dqs
              + offs_m0[:, None] * stride_dqs + offs_d[None, :], dq * sm_scale, mask=ok)
 
