@@ -11,7 +11,7 @@ _MODULES = {
     "codes": ("VideoCodes", "frames_to_codes", "video_to_codes"),
     "config": ("DataConfig",),
     "frames": ("FrameSource", "build_frame_source", "synthetic_videos"),
-    "loader": ("TokenLoader", "make_loader"),
+    "loader": ("TokenLoader",),
     "packing": ("Packer", "pack_row"),
     "shards": ("TokenShard",),
     "streams": ("ShardError", "SkipStats", "expand_shards", "expand_sources"),

@@ -340,10 +340,3 @@ class TokenLoader:
     def padding_fraction(self) -> float:
         total = self.stats["tokens"] + self.stats["pad_tokens"]
         return self.stats["pad_tokens"] / total if total else 0.0
-
-
-def make_loader(cfg, tokenizer, vocab, *, batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                **kw) -> TokenLoader:
-    """A loader over ``cfg.train_shards`` (cfg: DataConfig)."""
-    return TokenLoader(cfg.train_shards, tokenizer, vocab, cfg, batch_size=batch_size, dp_rank=dp_rank,
-                       dp_size=dp_size, **kw)

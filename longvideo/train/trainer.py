@@ -26,7 +26,7 @@ import torch.distributed as dist
 from longvideo.config import Config, save_config
 from longvideo.configtools import ConfigError, to_dict
 from longvideo.checkpoint import latest_checkpoint
-from longvideo.data.loader import make_loader
+from longvideo.data.loader import TokenLoader
 from longvideo.model import token_weights
 from longvideo.parallel import Mesh, build_deepspeed_config, parallelize, shard_batch
 from longvideo.parallel.loss import loss_scale
@@ -189,8 +189,8 @@ class Trainer:
                 raise ConfigError("train.tokenizer_dir", "data.train_shards needs the text tokenizer directory")
             tok = TextTokenizer.from_dir(tc.tokenizer_dir)
             # every rank draws a batch each micro step: one whose shard fails makes them all fail at once
-            return make_loader(cfg.data, tok, cfg.model.vocab, batch_size=tc.micro_batch_size,
-                               dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp,
+            return TokenLoader(cfg.data.train_shards, tok, cfg.model.vocab, cfg.data,
+                               batch_size=tc.micro_batch_size, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp,
                                group=self.mesh.world_group if self.mesh.distributed else None)
         vocab = tc.synthetic_vocab or cfg.model.text_vocab_size
         return SyntheticTokens(seq_len=cfg.data.seq_len, batch_size=tc.micro_batch_size, vocab=vocab,
