@@ -17,6 +17,7 @@ import torch
 
 from longvideo.configtools import to_dict
 from longvideo.data.frames import FrameSource, Source, build_frame_source
+from longvideo.data.video import resize_crop
 from longvideo.vq.codec import eval_mode, frames_to_input, output_to_frames
 from longvideo.vq.config import VQConfig
 from longvideo.vq.discriminator import PatchDiscriminator, adaptive_weight, hinge_d_loss
@@ -99,14 +100,8 @@ def random_crops(x: torch.Tensor, size: int, gen: torch.Generator) -> torch.Tens
     for item in x:
         c = int(torch.randint(min(size, s), s + 1, (1,), generator=gen))
         y0, x0 = (int(v) for v in torch.randint(s - c + 1, (2,), generator=gen))
-        crop = item[..., y0: y0 + c, x0: x0 + c, :]
-        if c != size:
-            f = crop.reshape(-1, c, c, 3).permute(0, 3, 1, 2).float()
-            f = torch.nn.functional.interpolate(f, size=(size, size), mode="bilinear", antialias=True,
-                                                align_corners=False)
-            crop = f.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).reshape(
-                *item.shape[:-3], size, size, 3)
-        out.append(crop)
+        crop = resize_crop(item[..., y0: y0 + c, x0: x0 + c, :].reshape(-1, c, c, 3), size)
+        out.append(crop.reshape(*item.shape[:-3], size, size, 3))
     return torch.stack(out)
 
 
@@ -243,7 +238,6 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
     show()
     hist = torch.zeros(cfg.codebook_size, dtype=torch.long)
     vq.train()
-    last_eval_step = step if history and history[-1]["step"] == step else -1
     while step < cfg.steps and not (time_budget_s is not None and elapsed >= time_budget_s):
         t0 = time.perf_counter()
         frames = batches.next()
@@ -291,12 +285,11 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
             hist.zero_()
         if step % cfg.eval_every == 0:
             run_eval()
-            last_eval_step = step
             show()
         if step % cfg.save_every == 0:
             save()
     bar.close()
-    if last_eval_step != step:
+    if history[-1]["step"] != step:  # no evaluation of the last step yet
         run_eval()
     save()
     if writer is not None:
