@@ -182,8 +182,7 @@ class TokenShard:
 
     def __init__(self, path: str, stats: Optional[SkipStats] = None):
         self.path = path
-        members = index_tar(path, stats)
-        self.samples = group_samples(members, TOKEN_EXTS)
+        self.samples = group_samples(index_tar(path, stats), TOKEN_EXTS)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -236,7 +235,6 @@ class ShardWriter:
         self.path = Path(path)
         self._file = atomic_open(self.path, "wb")
         self._tar = tarfile.open(fileobj=self._file.__enter__(), mode="w", format=tarfile.USTAR_FORMAT)
-        self.count = 0
 
     def write(self, key: str, members: dict[str, bytes]) -> None:
         if "/" in key or key.startswith(".") or not key:
@@ -245,7 +243,6 @@ class ShardWriter:
             info = tarfile.TarInfo(f"{key}.{ext}")
             info.size, info.mtime, info.mode = len(data), 0, 0o644
             self._tar.addfile(info, io.BytesIO(data))
-        self.count += 1
 
     def close(self) -> None:
         """Finish the shard and move it into place."""
