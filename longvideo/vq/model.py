@@ -140,8 +140,6 @@ def build_vq(cfg: VQConfig) -> nn.Module:
 
 def load_vq(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
     """Load a tokenizer saved by `.save` (eval mode): a VQModel, or the LWM VQGAN adapter."""
-    path = Path(path)
-    cfg = read_vq_config(path)
-    model = build_vq(cfg)
+    model = build_vq(read_vq_config(path))
     load_weights_into(model, path)
     return model.to(device).eval()
