@@ -234,9 +234,8 @@ def layout_doc(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta
 
     def render(keep: int) -> tuple[np.ndarray, np.ndarray]:
         parts = parts_for(uniform_keep(num_groups, keep))
-        ids, weights, _ = _render(parts, tokenizer, vocab, codes, timestamps, opts.text_loss_weight,
-                                  opts.vision_loss_weight, opts.timestamp_every)
-        return ids, weights
+        return _render(parts, tokenizer, vocab, codes, timestamps, opts.text_loss_weight, opts.vision_loss_weight,
+                       opts.timestamp_every)[:2]
 
     keep = num_groups
     ids, w = render(keep)
