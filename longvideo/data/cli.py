@@ -38,11 +38,9 @@ def make_data_main(argv: list[str]) -> int:
     s.add_argument("--workers", type=int, default=1)
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
+    given = {f.name: getattr(a, f.name) for f in dataclasses.fields(SyntheticSpec) if hasattr(a, f.name)}
     try:
-        spec = SyntheticSpec(size=a.size, fps=a.fps, min_seconds=a.min_seconds, max_seconds=a.max_seconds,
-                             long_fraction=a.long_fraction, long_seconds=a.long_seconds,
-                             needle_fraction=a.needle_fraction, needle_at=a.needle_at,
-                             flashes_per_minute=a.flashes_per_minute)
+        spec = SyntheticSpec(**given)  # the flags named after SyntheticSpec's fields
     except ValueError as e:
         p.error(str(e))
     paths = write_synthetic_shards(a.out, a.n, seed=a.seed, spec=spec, samples_per_shard=a.samples_per_shard,
