@@ -80,12 +80,12 @@ class TokenLoader:
         self.ready: list[list[tuple]] = []
         self._docs: dict[tuple, Doc] = {}
         self._data: dict[tuple[int, int], tuple[str, dict]] = {}  # streamed samples not yet laid out
-        self._epoch_docs = 0
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self.order = np.random.default_rng([self.seed, epoch]).permutation(len(self.paths)).tolist()
         self.pos = 0  # global sample number within the epoch (all ranks)
+        self._epoch_docs = 0  # documents this rank laid out in the epoch
         self._cursor = (0, 0)  # (index into order, sample within that shard)
         self.stream_done = False
         self._close_stream()
@@ -258,7 +258,6 @@ class TokenLoader:
                 raise RuntimeError(f"dp rank {self.dp_rank}: epoch {self.epoch} of {len(self.paths)} shards "
                                    f"gave no usable document (skips: {dict(self.stats)})")
             self._start_epoch(self.epoch + 1)
-            self._epoch_docs = 0
 
     def _read(self, s: int, i: int, count: bool):
         """The sample of reference (s, i); raises ShardError. Streamed data is used up when counted."""
