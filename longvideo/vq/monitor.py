@@ -68,12 +68,11 @@ def labelled_grid(orig: torch.Tensor, recon: torch.Tensor, *, step: int, psnr: f
         n = orig.shape[0]
         cols = min(n, max_cols)
         idx = [list(range(i, min(i + cols, n))) for i in range(0, n, cols)]
-        flat_o, flat_r = orig, recon
     else:
         c, length = orig.shape[:2]
         cols = min(length, max_cols * 2)
         idx = [[r * length + k for k in range(cols)] for r in range(c)]
-        flat_o, flat_r = orig.reshape(-1, *orig.shape[2:]), recon.reshape(-1, *recon.shape[2:])
+    flat_o, flat_r = orig.reshape(-1, *orig.shape[-3:]), recon.reshape(-1, *recon.shape[-3:])  # frames
     scores = frame_psnrs(flat_o, flat_r).tolist()
     h, w = orig.shape[-3:-1]
     gap, lab = 2, 12
