@@ -105,8 +105,7 @@ def tokenize_shard(vq, src: str, dst: str, opts: TokenizeOptions, progress=None)
                 raise _StreamFailed(src)
     except _StreamFailed:
         pass
-    out = dict(stats)
-    out["seconds"] = round(time.time() - t0, 3)
+    out = {**stats, "seconds": round(time.time() - t0, 3)}
     write_json_atomic(stats_path(dst), out)
     return out
 
