@@ -274,7 +274,6 @@ class Trainer:
 
     def save(self) -> Path:
         """A complete checkpoint of the current step (collective)."""
-        tc = self.cfg.train
         loader_state = self.loader.state_dict() if hasattr(self.loader, "state_dict") else {}
         path = ckpt_io.save_training_checkpoint(
             engine=self.engine, cfg=self.cfg, run_dir=self.run_dir, step=self.step, rank=self.rank,
@@ -282,7 +281,7 @@ class Trainer:
             assets=self.assets,
             save_weights=self.kind.save, on_staged=lambda p: self._emit("checkpoint_staged", path=p))
         if self.rank == 0:
-            ckpt_io.prune_checkpoints(self.run_dir, tc.keep_checkpoints)
+            ckpt_io.prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
         self.last_saved, self.last_checkpoint = self.step, path
         self._emit("checkpoint_saved", path=path)
         return path
