@@ -13,7 +13,6 @@ import math
 import os
 import tarfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import numpy as np
@@ -232,8 +231,7 @@ class ShardWriter:
     """
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self._file = atomic_open(self.path, "wb")
+        self._file = atomic_open(path, "wb")
         self._tar = tarfile.open(fileobj=self._file.__enter__(), mode="w", format=tarfile.USTAR_FORMAT)
 
     def write(self, key: str, members: dict[str, bytes]) -> None:
