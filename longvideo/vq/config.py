@@ -203,5 +203,4 @@ def load_vq_config(path: str | None, overrides: list[str] = ()) -> VQConfig:
     data = load_yaml(resolve_config_path(path)) if path else {}
     if isinstance(data.get("vq"), dict):
         data = data["vq"]
-    overrides = [o[3:] if o.startswith("vq.") else o for o in overrides]
-    return from_dict(VQConfig, apply_overrides(data, list(overrides)))
+    return from_dict(VQConfig, apply_overrides(data, [o.removeprefix("vq.") for o in overrides]))
