@@ -39,8 +39,7 @@ class SyntheticTokens:
         w = torch.zeros(S, dtype=torch.float32)
         start, doc = 0, 0
         while start < S:
-            n = int(torch.randint(self.min_doc, self.max_doc + 1, (1,), generator=g))
-            n = min(n, S - start)
+            n = min(int(torch.randint(self.min_doc, self.max_doc + 1, (1,), generator=g)), S - start)
             if n < 2 and doc > 0:  # too short to hold a prediction: leave it as padding
                 break
             first = int(torch.randint(0, self.vocab, (1,), generator=g))
