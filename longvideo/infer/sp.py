@@ -4,11 +4,12 @@ it replicated and merged exactly over the shards (docs/inference.md, "Sequence-p
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -130,15 +131,22 @@ def local_device(arg: Optional[str] = None) -> torch.device:
     return torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
 
 
-def join_world(device: torch.device, timeout: timedelta) -> bool:
-    """Join torchrun's world (nccl on a GPU, else gloo) unless the caller has; True when this call did.
-    `timeout` bounds a collective: the other ranks wait in one while rank 0 reads the next input."""
-    if device.type == "cuda":
+@contextlib.contextmanager
+def torchrun_world(device: torch.device, timeout: timedelta) -> Iterator[bool]:
+    """Whether this is one rank of several (WORLD_SIZE > 1, or the caller's process group); torchrun's world
+    joined (nccl on a GPU, else gloo) unless the caller has, and left after. `timeout` bounds a
+    collective: the other ranks wait in one while rank 0 reads the next input."""
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized()
+    owns = distributed and not dist.is_initialized()
+    if distributed and device.type == "cuda":
         torch.cuda.set_device(device)
-    if dist.is_initialized():
-        return False
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
-    return True
+    if owns:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    try:
+        yield distributed
+    finally:
+        if owns:
+            dist.destroy_process_group()
 
 
 _MAX_DIMS = 6
