@@ -260,8 +260,7 @@ class Service:
         sampling = (infer.temperature if req.temperature is None else req.temperature,
                     infer.top_p if req.top_p is None else req.top_p)
         if self.world > 1:
-            broadcast_array(np.asarray([1, prompt.video_end, seed], np.int64), src=0)
-            broadcast_array(np.asarray(prompt.ids, np.int64), src=0)
+            broadcast_array(np.asarray([1, prompt.video_end, seed, *prompt.ids], np.int64), src=0)
             broadcast_array(np.asarray(sampling, np.float64), src=0)
             broadcast_text(job.key, src=0)
         answer, eos, count = Answer(self.pre.tokenizer, req.stop), self.pre.tokenizer.eos_id, [0]
@@ -288,11 +287,10 @@ class Service:
 
     def follow(self) -> None:
         """Ranks > 0: answer what rank 0 sends until it says stop."""
-        while int((head := broadcast_array(None, src=0))[0]):
-            ids = broadcast_array(None, src=0).tolist()
+        while int((head := broadcast_array(None, src=0))[0]):  # go, video_end, seed, then the prompt's ids
             temperature, top_p = broadcast_array(None, src=0).tolist()
             key = broadcast_text(None, src=0)
-            self._generate(key, ids, int(head[1]), int(head[2]), temperature, top_p, None)
+            self._generate(key, head[3:].tolist(), int(head[1]), int(head[2]), temperature, top_p, None)
 
     def _go(self, go: bool) -> bool:
         if self.world > 1:
