@@ -81,7 +81,7 @@ class SequenceParallelEngine(CachedEngine):
                                           owner=self.rank == self.owner)
         self.prefix_s = time.perf_counter() - t0
 
-    def _replicated(self, ids: Tensor, start: int) -> Tensor:
+    def _hidden(self, ids: Tensor, start: int) -> Tensor:
         """Feed ids (B, n) every rank holds at positions start..; their hidden states (B, n, dim)."""
         pos = start + torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape)
         return self.model(ids, pos, torch.zeros_like(ids), cache=self.cache, attention_fn=self.merged)
@@ -89,7 +89,7 @@ class SequenceParallelEngine(CachedEngine):
     def _logits(self, ids: Tensor, start: int) -> Tensor:
         if ids.shape[1] < 1:
             raise ValueError("generate needs at least one token after the prefix")
-        return logits_of(self.model, self._replicated(ids, start))
+        return logits_of(self.model, self._hidden(ids, start))
 
     def _pick(self, tok: Tensor) -> Tensor:
         tok = tok.contiguous()
@@ -97,13 +97,6 @@ class SequenceParallelEngine(CachedEngine):
             dist.broadcast(tok, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
                            group=self.group)
         return tok
-
-    @torch.no_grad()
-    def extend(self, ids: Tensor, *, keep: int = 0) -> Tensor:
-        """Feed replicated ids (B, n) after the prefix and the first `keep` tokens cached after it;
-        return their hidden states (B, n, dim), the same on every rank; collective."""
-        self._extend(keep, ids.shape[1])
-        return self._replicated(ids, self.prefix_len + keep)
 
 
 @torch.no_grad()
