@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import warnings
 from datetime import timedelta
@@ -20,7 +19,7 @@ from longvideo.data.video import VIDEO_EXTS, VideoError
 from longvideo.infer import evals, mcq
 from longvideo.infer.benchmarks import BENCHMARKS
 from longvideo.infer.chat import ChatSession, encode_video_file, infer_config, load_model, share_video
-from longvideo.infer.sp import SequenceParallelEngine, broadcast_text, join_world, local_device
+from longvideo.infer.sp import SequenceParallelEngine, broadcast_text, local_device, torchrun_world
 from longvideo.parallel import split_group
 from longvideo.vq import load_vq
 
@@ -99,51 +98,46 @@ def _chat(args) -> int:
     """One process, or every rank of a torchrun world (sequence-parallel prefill and decoding); rank 0
     reads the video and the questions and prints the answers."""
     device = local_device(args.device)
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized()
-    timeout = timedelta(days=1) if args.interactive else timedelta(minutes=30)
-    owns_group = distributed and join_world(device, timeout)
-    rank = dist.get_rank() if distributed else 0
-    try:
-        error, pretrained, enc = None, None, None
+    with torchrun_world(device, timedelta(days=1) if args.interactive else timedelta(minutes=30)) as distributed:
+        rank = dist.get_rank() if distributed else 0
         try:
-            pretrained = load_model(args.model, device)
-            heads = split_group(None, args.ulysses) if distributed else None
-            cfg = infer_config(pretrained, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               top_p=args.top_p, prefill_chunk=args.prefill_chunk, seed=args.seed)
-            if rank == 0:
-                enc = encode_video_file(pretrained, args.video, fps=args.fps, max_frames=args.max_frames,
-                                        question=args.question, max_new_tokens=cfg.max_new_tokens,
-                                        batch_frames=cfg.encode_batch_frames, progress=not args.quiet)
+            error, pretrained, enc = None, None, None
+            try:
+                pretrained = load_model(args.model, device)
+                heads = split_group(None, args.ulysses) if distributed else None
+                cfg = infer_config(pretrained, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                   top_p=args.top_p, prefill_chunk=args.prefill_chunk, seed=args.seed)
+                if rank == 0:
+                    enc = encode_video_file(pretrained, args.video, fps=args.fps, max_frames=args.max_frames,
+                                            question=args.question, max_new_tokens=cfg.max_new_tokens,
+                                            batch_frames=cfg.encode_batch_frames, progress=not args.quiet)
+            except KNOWN_ERRORS as e:
+                error = e
+            fail_together(error)  # every rank learns of any rank's error before the collectives start
+            engine = SequenceParallelEngine(pretrained.model, backend=args.backend, ulysses=heads) \
+                if distributed else None
+            session = ChatSession(pretrained, share_video(enc) if distributed else enc, infer=cfg, engine=engine)
+            questions = _questions(args) if rank == 0 else None
+            while True:
+                q, error = "", None
+                if rank == 0:
+                    try:
+                        q = next(questions, "")
+                    except Exception as e:  # noqa: BLE001 - a question that cannot be read stops every rank
+                        error = e
+                fail_together(error)
+                if distributed:
+                    q = broadcast_text(q if rank == 0 else None, src=0)
+                if not q:
+                    break
+                out = session.ask(q)
+                if rank == 0:
+                    print(out, flush=True)
+            return 0
         except KNOWN_ERRORS as e:
-            error = e
-        fail_together(error)  # every rank learns of any rank's error before the collectives start
-        engine = SequenceParallelEngine(pretrained.model, backend=args.backend, ulysses=heads) \
-            if distributed else None
-        session = ChatSession(pretrained, share_video(enc) if distributed else enc, infer=cfg, engine=engine)
-        questions = _questions(args) if rank == 0 else None
-        while True:
-            q, error = "", None
-            if rank == 0:
-                try:
-                    q = next(questions, "")
-                except Exception as e:  # noqa: BLE001 - a question that cannot be read stops every rank
-                    error = e
-            fail_together(error)
-            if distributed:
-                q = broadcast_text(q if rank == 0 else None, src=0)
-            if not q:
-                break
-            out = session.ask(q)
-            if rank == 0:
-                print(out, flush=True)
-        return 0
-    except KNOWN_ERRORS as e:
-        where = f" (rank {rank})" if distributed else ""
-        print(f"longvideo chat: error{where}: {e}", file=sys.stderr)
-        return EXIT_ERROR
-    finally:
-        if owns_group:
-            dist.destroy_process_group()
+            where = f" (rank {rank})" if distributed else ""
+            print(f"longvideo chat: error{where}: {e}", file=sys.stderr)
+            return EXIT_ERROR
 
 
 def _floats(text: str) -> list[float]:
@@ -236,59 +230,55 @@ def _eval(args) -> int:
               f"(by position in the group: {res['rate_by_offset']})")
         print(f"wrote {res['json']} and {res['png']}")
         return 0
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     device = local_device(args.device)
-    owns_group = distributed and join_world(device, timedelta(minutes=30))
-    rank, group = (dist.get_rank(), dist.group.WORLD) if distributed else (0, None)
-    try:
-        pretrained = load_model(args.model, device)
-        heads = split_group(None, args.ulysses) if distributed else None
-        factory = lambda p: SequenceParallelEngine(p.model, backend=args.backend, ulysses=heads)  # noqa: E731
-        run = dict(max_new_tokens=args.max_new_tokens, progress=not args.quiet and rank == 0,
-                   engine_factory=factory if distributed else None)
-        out = args.out if rank == 0 else None
-        if args.task == "mcq":
-            res = mcq.evaluate_mcq(pretrained, args.benchmark, args.data, args.out, mode=args.mode,
-                                   subtitles=args.subtitles, fps=args.fps, max_frames=args.max_frames,
-                                   limit=args.limit, group=group, **run)
-            if not res:  # ranks > 0: the summary is rank 0's
-                return 0
-            skipped = sum(v["count"] for v in res["skipped"].values())
-            unparseable = f", {res['unparseable']} unparseable" if args.mode == "generate" else ""
-            line = (f"{args.benchmark} accuracy {res['accuracy']:.3f} (95 % interval {res['ci95'][0]:.3f}-"
-                    f"{res['ci95'][1]:.3f}; chance {res['chance']:.3f}) over {res['questions']} questions, "
-                    f"{skipped} skipped{unparseable}")
-        elif args.task == "qa":
-            res = evals.evaluate_qa(pretrained, args.shards, out_dir=out, max_samples=args.max_samples,
-                                    fps=args.fps, encode_group=group, **run)
-            line = (f"QA accuracy {res['accuracy']:.3f} (chance {res['chance'] or float('nan'):.3f}; "
-                    f"substring {res['substring_accuracy']:.3f}) over {res['questions']} questions "
-                    f"of {res['samples']} videos")
-        elif args.task == "text-niah":
-            res = evals.evaluate_text_needle(pretrained, lengths=args.lengths, depths=args.depths,
-                                             seed=args.seed, rounds=args.rounds, out_dir=out, **run)
-            line = f"text needle accuracy {res['accuracy']:.3f} over {len(res['cells'])} needles"
-        else:
-            colours = [c.strip() for c in args.colours.split(",")] if args.colours else None
-            trials = args.trials[0] if args.trials and len(args.trials) == 1 else args.trials
-            res = evals.evaluate_video_needle(pretrained, lengths=args.lengths, depths=args.depths,
-                                              seed=args.seed, colours=colours, trials=trials,
-                                              source_fps=args.source_fps,
-                                              out_dir=out, encode_group=group, haystack=args.haystack,
-                                              needle=args.needle, question=args.question, answer=args.answer,
-                                              decoded=not args.exact_frames, **run)
-            line = (f"video needle accuracy {res['accuracy']:.3f} (chance {res['chance']:.3f}) "
-                    f"over {len(res['cells'])} needles")
-            if res["needles_dropped"]:
-                line += (f"\nwarning: {res['needles_dropped']} of {len(res['cells'])} needles were dropped "
-                         f"to fit the model's context of {res['context']} tokens; those trials are guesses "
-                         f"(cells: needle_kept)")
-        if rank == 0:
-            print(line + (f" (sequence-parallel over {dist.get_world_size()} ranks)" if distributed else ""))
-            print(f"wrote {res['json']} and {res['png']}")
-    except KNOWN_ERRORS as e:
-        return _error("longvideo eval", e)
-    finally:
-        if owns_group:
-            dist.destroy_process_group()
+    with torchrun_world(device, timedelta(minutes=30)) as distributed:
+        rank, group = (dist.get_rank(), dist.group.WORLD) if distributed else (0, None)
+        try:
+            pretrained = load_model(args.model, device)
+            heads = split_group(None, args.ulysses) if distributed else None
+            factory = lambda p: SequenceParallelEngine(p.model, backend=args.backend, ulysses=heads)  # noqa: E731
+            run = dict(max_new_tokens=args.max_new_tokens, progress=not args.quiet and rank == 0,
+                       engine_factory=factory if distributed else None)
+            out = args.out if rank == 0 else None
+            if args.task == "mcq":
+                res = mcq.evaluate_mcq(pretrained, args.benchmark, args.data, args.out, mode=args.mode,
+                                       subtitles=args.subtitles, fps=args.fps, max_frames=args.max_frames,
+                                       limit=args.limit, group=group, **run)
+                if not res:  # ranks > 0: the summary is rank 0's
+                    return 0
+                skipped = sum(v["count"] for v in res["skipped"].values())
+                unparseable = f", {res['unparseable']} unparseable" if args.mode == "generate" else ""
+                line = (f"{args.benchmark} accuracy {res['accuracy']:.3f} (95 % interval {res['ci95'][0]:.3f}-"
+                        f"{res['ci95'][1]:.3f}; chance {res['chance']:.3f}) over {res['questions']} questions, "
+                        f"{skipped} skipped{unparseable}")
+            elif args.task == "qa":
+                res = evals.evaluate_qa(pretrained, args.shards, out_dir=out, max_samples=args.max_samples,
+                                        fps=args.fps, encode_group=group, **run)
+                line = (f"QA accuracy {res['accuracy']:.3f} (chance {res['chance'] or float('nan'):.3f}; "
+                        f"substring {res['substring_accuracy']:.3f}) over {res['questions']} questions "
+                        f"of {res['samples']} videos")
+            elif args.task == "text-niah":
+                res = evals.evaluate_text_needle(pretrained, lengths=args.lengths, depths=args.depths,
+                                                 seed=args.seed, rounds=args.rounds, out_dir=out, **run)
+                line = f"text needle accuracy {res['accuracy']:.3f} over {len(res['cells'])} needles"
+            else:
+                colours = [c.strip() for c in args.colours.split(",")] if args.colours else None
+                trials = args.trials[0] if args.trials and len(args.trials) == 1 else args.trials
+                res = evals.evaluate_video_needle(pretrained, lengths=args.lengths, depths=args.depths,
+                                                  seed=args.seed, colours=colours, trials=trials,
+                                                  source_fps=args.source_fps,
+                                                  out_dir=out, encode_group=group, haystack=args.haystack,
+                                                  needle=args.needle, question=args.question, answer=args.answer,
+                                                  decoded=not args.exact_frames, **run)
+                line = (f"video needle accuracy {res['accuracy']:.3f} (chance {res['chance']:.3f}) "
+                        f"over {len(res['cells'])} needles")
+                if res["needles_dropped"]:
+                    line += (f"\nwarning: {res['needles_dropped']} of {len(res['cells'])} needles were dropped "
+                             f"to fit the model's context of {res['context']} tokens; those trials are guesses "
+                             f"(cells: needle_kept)")
+            if rank == 0:
+                print(line + (f" (sequence-parallel over {dist.get_world_size()} ranks)" if distributed else ""))
+                print(f"wrote {res['json']} and {res['png']}")
+        except KNOWN_ERRORS as e:
+            return _error("longvideo eval", e)
     return 0

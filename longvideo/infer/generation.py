@@ -117,8 +117,8 @@ def grown(model: Transformer, cache: KVCache, need: int, spare: int) -> KVCache:
 
 class CachedEngine:
     """The `Engine` interface and what both engines share: a KV cache holding the prefix, grown on
-    demand, and one generate path; a subclass sets model, spare, cache and gives set_prefix, extend,
-    _logits(ids, start) and _pick (docs/inference.md, "Python API")."""
+    demand, and one generate and extend path; a subclass sets model, spare, cache and gives set_prefix,
+    _hidden(ids, start), _logits(ids, start) and _pick (docs/inference.md, "Python API")."""
 
     prefix_len = local_prefix_len = 0
     prefix_s = 0.0
@@ -166,11 +166,16 @@ class CachedEngine:
         return Generation(tokens=tokens, prompt_len=self.prefix_len + Q, ttft_s=ttft,
                           total_s=time.perf_counter() - t0)
 
-    def _extend(self, keep: int, n: int) -> None:
+    @torch.no_grad()
+    def extend(self, ids: Tensor, *, keep: int = 0) -> Tensor:
+        """Feed ids (B, n) after the prefix and the first `keep` tokens cached after it (the rest of
+        the cache is dropped); return their hidden states (B, n, dim), e.g. to score a continuation
+        (collective for the sequence-parallel engine, with the same ids on every rank)."""
         if self.cache is None:
             raise RuntimeError("set_prefix must be called before extend")
         self.cache.crop(self.local_prefix_len + keep)
-        self.cache = grown(self.model, self.cache, self.cache.length + n, self.spare)
+        self.cache = grown(self.model, self.cache, self.cache.length + ids.shape[1], self.spare)
+        return self._hidden(ids, self.prefix_len + keep)
 
 
 Engine = CachedEngine
@@ -202,11 +207,8 @@ class LocalEngine(CachedEngine):
         tokens, which is `start` here."""
         return logits_of(self.model, prefill(self.model, ids, self.cache, chunk=self.prefill_chunk))
 
-    @torch.no_grad()
-    def extend(self, ids: Tensor, *, keep: int = 0) -> Tensor:
-        """Feed ids (B, n) after the prefix and the first `keep` tokens cached after it (the rest of
-        the cache is dropped); return their hidden states (B, n, dim), e.g. to score a continuation."""
-        self._extend(keep, ids.shape[1])
+    def _hidden(self, ids: Tensor, start: int) -> Tensor:
+        """One forward; the positions continue after the cache's tokens, which is `start` here."""
         return self.model(ids, cache=self.cache)
 
 

@@ -9,7 +9,6 @@ import hashlib
 import io
 import json
 import math
-import os
 import queue
 import select
 import signal
@@ -39,7 +38,7 @@ from longvideo.infer.api import ApiError, ChatRequest, MediaPolicy, load_video, 
 from longvideo.infer.chat import EncodedVideo, encode_video_file, fit_frames, load_model, prompt_of
 from longvideo.infer.generation import Engine, LocalEngine
 from longvideo.infer.sp import (SequenceParallelEngine, broadcast_array, broadcast_text, comm_device,
-                                join_world, local_device)
+                                local_device, torchrun_world)
 
 THUMB, MAX_THUMBS = 48, 512
 """Thumbnail side (pixels); most thumbnails in a strip (spread evenly over the frames)."""
@@ -261,8 +260,7 @@ class Service:
         sampling = (infer.temperature if req.temperature is None else req.temperature,
                     infer.top_p if req.top_p is None else req.top_p)
         if self.world > 1:
-            broadcast_array(np.asarray([1, prompt.video_end, seed], np.int64), src=0)
-            broadcast_array(np.asarray(prompt.ids, np.int64), src=0)
+            broadcast_array(np.asarray([1, prompt.video_end, seed, *prompt.ids], np.int64), src=0)
             broadcast_array(np.asarray(sampling, np.float64), src=0)
             broadcast_text(job.key, src=0)
         answer, eos, count = Answer(self.pre.tokenizer, req.stop), self.pre.tokenizer.eos_id, [0]
@@ -289,11 +287,10 @@ class Service:
 
     def follow(self) -> None:
         """Ranks > 0: answer what rank 0 sends until it says stop."""
-        while int((head := broadcast_array(None, src=0))[0]):
-            ids = broadcast_array(None, src=0).tolist()
+        while int((head := broadcast_array(None, src=0))[0]):  # go, video_end, seed, then the prompt's ids
             temperature, top_p = broadcast_array(None, src=0).tolist()
             key = broadcast_text(None, src=0)
-            self._generate(key, ids, int(head[1]), int(head[2]), temperature, top_p, None)
+            self._generate(key, head[3:].tolist(), int(head[1]), int(head[2]), temperature, top_p, None)
 
     def _go(self, go: bool) -> bool:
         if self.world > 1:
@@ -489,11 +486,10 @@ def main(argv: list[str]) -> int:
         print("longvideo serve: error: need --max-queue >= 1, --cache-gb >= 0, --max-upload-mb > 0, "
               "--fps > 0", file=sys.stderr)
         return 2
-    world, device = int(os.environ.get("WORLD_SIZE", "1")), local_device(args.device)
-    if world > 1:  # the other ranks wait for rank 0's next job in a broadcast: a long timeout
-        join_world(device, timedelta(days=365))
-    rank, error = dist.get_rank() if world > 1 else 0, None
-    try:
+    device = local_device(args.device)
+    # the other ranks wait for rank 0's next job in a broadcast: a long timeout
+    with torchrun_world(device, timedelta(days=365)) as distributed:
+        rank, error = dist.get_rank() if distributed else 0, None
         try:
             pre = load_model(args.model, device)
             if pre.tokenizer is None or pre.vq is None:
@@ -513,13 +509,10 @@ def main(argv: list[str]) -> int:
         httpd.daemon_threads, httpd.service = True, svc
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
         print(f"longvideo serve: {svc.name} on http://{httpd.server_address[0]}:{httpd.server_address[1]}/ "
-              f"({world} rank{'s' * (world > 1)})", flush=True)
+              f"({svc.world} rank{'s' * (svc.world > 1)})", flush=True)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         svc.run(stop)
         httpd.shutdown()
         return 0
-    finally:
-        if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()

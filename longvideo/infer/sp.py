@@ -4,11 +4,12 @@ it replicated and merged exactly over the shards (docs/inference.md, "Sequence-p
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -80,7 +81,7 @@ class SequenceParallelEngine(CachedEngine):
                                           owner=self.rank == self.owner)
         self.prefix_s = time.perf_counter() - t0
 
-    def _replicated(self, ids: Tensor, start: int) -> Tensor:
+    def _hidden(self, ids: Tensor, start: int) -> Tensor:
         """Feed ids (B, n) every rank holds at positions start..; their hidden states (B, n, dim)."""
         pos = start + torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape)
         return self.model(ids, pos, torch.zeros_like(ids), cache=self.cache, attention_fn=self.merged)
@@ -88,7 +89,7 @@ class SequenceParallelEngine(CachedEngine):
     def _logits(self, ids: Tensor, start: int) -> Tensor:
         if ids.shape[1] < 1:
             raise ValueError("generate needs at least one token after the prefix")
-        return logits_of(self.model, self._replicated(ids, start))
+        return logits_of(self.model, self._hidden(ids, start))
 
     def _pick(self, tok: Tensor) -> Tensor:
         tok = tok.contiguous()
@@ -96,13 +97,6 @@ class SequenceParallelEngine(CachedEngine):
             dist.broadcast(tok, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
                            group=self.group)
         return tok
-
-    @torch.no_grad()
-    def extend(self, ids: Tensor, *, keep: int = 0) -> Tensor:
-        """Feed replicated ids (B, n) after the prefix and the first `keep` tokens cached after it;
-        return their hidden states (B, n, dim), the same on every rank; collective."""
-        self._extend(keep, ids.shape[1])
-        return self._replicated(ids, self.prefix_len + keep)
 
 
 @torch.no_grad()
@@ -130,15 +124,22 @@ def local_device(arg: Optional[str] = None) -> torch.device:
     return torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
 
 
-def join_world(device: torch.device, timeout: timedelta) -> bool:
-    """Join torchrun's world (nccl on a GPU, else gloo) unless the caller has; True when this call did.
-    `timeout` bounds a collective: the other ranks wait in one while rank 0 reads the next input."""
-    if device.type == "cuda":
+@contextlib.contextmanager
+def torchrun_world(device: torch.device, timeout: timedelta) -> Iterator[bool]:
+    """Whether this is one rank of several (WORLD_SIZE > 1, or the caller's process group); torchrun's world
+    joined (nccl on a GPU, else gloo) unless the caller has, and left after. `timeout` bounds a
+    collective: the other ranks wait in one while rank 0 reads the next input."""
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized()
+    owns = distributed and not dist.is_initialized()
+    if distributed and device.type == "cuda":
         torch.cuda.set_device(device)
-    if dist.is_initialized():
-        return False
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
-    return True
+    if owns:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    try:
+        yield distributed
+    finally:
+        if owns:
+            dist.destroy_process_group()
 
 
 _MAX_DIMS = 6

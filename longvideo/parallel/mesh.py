@@ -55,11 +55,9 @@ class Mesh:
     sp_group: Any = None  # this rank's ring (None when the world is a single process)
     dp_group: Any = None  # the ranks holding the same sequence chunks in other sp groups
     world_group: Any = None  # all dp x sp ranks: the loss normaliser and ZeRO partition over it
-    config: Any = None  # the ParallelConfig the mesh was built from
 
     @classmethod
-    def build(cls, dp: int = -1, sp: int = 1, timeout_s: Optional[float] = None, config: Any = None,
-              ulysses: int = 1) -> "Mesh":
+    def build(cls, dp: int = -1, sp: int = 1, timeout_s: Optional[float] = None, ulysses: int = 1) -> "Mesh":
         """Create the groups (collective: every rank calls it with the same arguments). Without an
         initialised process group only dp * sp == 1 is allowed (a single process)."""
         if sp < 1:
@@ -71,7 +69,7 @@ class Mesh:
             if dp_ * sp != 1:
                 raise ConfigError("parallel", f"dp={dp} x sp={sp} needs {dp_ * sp} ranks, but torch.distributed "
                                               "is not initialised (a world of one process); launch with torchrun")
-            return cls(world_size=1, rank=0, dp=1, sp=1, dp_rank=0, sp_rank=0, config=config)
+            return cls(world_size=1, rank=0, dp=1, sp=1, dp_rank=0, sp_rank=0)
         world, rank = dist.get_world_size(), dist.get_rank()
         if dp == -1:
             if world % sp:
@@ -87,12 +85,12 @@ class Mesh:
         split = split_group(sp_group, ulysses, timeout_s)
         return cls(world_size=world, rank=rank, dp=dp, sp=sp, dp_rank=rank // sp, sp_rank=rank % sp,
                    ulysses=ulysses, ulysses_groups=split, sp_group=sp_group, dp_group=dp_group,
-                   world_group=dist.group.WORLD, config=config)
+                   world_group=dist.group.WORLD)
 
     @classmethod
     def from_config(cls, cfg) -> "Mesh":
         """From a ParallelConfig (dp, sp, ulysses, timeout_s)."""
-        return cls.build(dp=cfg.dp, sp=cfg.sp, timeout_s=cfg.timeout_s, config=cfg, ulysses=cfg.ulysses)
+        return cls.build(dp=cfg.dp, sp=cfg.sp, timeout_s=cfg.timeout_s, ulysses=cfg.ulysses)
 
     @property
     def distributed(self) -> bool:
