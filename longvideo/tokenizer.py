@@ -115,19 +115,14 @@ class TextTokenizer:
         return Vocab(text_size=self.text_size, codebook_size=codebook_size, layout=self.layout,
                      vision_size=vision_size)
 
-    def encode(self, text: str, bos: bool = False) -> list[int]:
+    def encode(self, text: str) -> list[int]:
+        """The text's ids, never with BOS (the sequence builder adds it)."""
         sp = getattr(self, "_sp_model", None)
         # lwm layout: SentencePiece's encoding, a word-boundary marker in front even of a leading space
         # (transformers 5's Metaspace pre-tokenizer skips it there; LWM's tokenizer did not)
         if sp is not None:
-            ids = [t.id for t in sp.tokenize(SP_SPACE + text.replace(" ", SP_SPACE))] if text else []
-        else:
-            ids = self.hf.encode(text, add_special_tokens=False)
-        if bos:
-            if self.bos_id is None:
-                raise TokenizerError("this tokenizer has no BOS token")
-            ids = [self.bos_id] + ids
-        return ids
+            return [t.id for t in sp.tokenize(SP_SPACE + text.replace(" ", SP_SPACE))] if text else []
+        return self.hf.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         known = self.text_size + (0 if self.layout == "lwm" else len(SPECIAL_TOKENS))

@@ -64,14 +64,13 @@ class ModelConfig:
         object.__setattr__(self, "n_kv_heads", kv)
         object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         check(self.head_dim % 2 == 0, "n_heads", f"head_dim dim/n_heads={self.head_dim} must be even for RoPE")
-        check_positive(self, "text_vocab_size", "codebook_size")
+        check_positive(self, "text_vocab_size", "codebook_size", "multiple_of")
         check(self.vocab_layout in LAYOUTS, "vocab_layout", f"must be one of {LAYOUTS}")
         check(self.vision_vocab_size is None or self.vocab_layout == "lwm", "vision_vocab_size",
               "is set only in the lwm vocabulary layout")
         check(self.vision_vocab_size is None or self.vision_vocab_size >= self.codebook_size + 2,
               "vision_vocab_size", f"must hold the codes, <eof> and <eov>: >= codebook_size + 2 = "
               f"{self.codebook_size + 2}, got {self.vision_vocab_size}")
-        check_positive(self, "multiple_of")
         if self.ffn_dim is None:
             hidden = int(2 * (4 * self.dim) / 3)
             hidden = self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)

@@ -143,20 +143,9 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 
 
-def ring_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    group,
-    causal: bool = True,
-    positions: Optional[Tensor] = None,
-    segment_ids: Optional[Tensor] = None,
-    softmax_scale: Optional[float] = None,
-    backend: str = "auto",
-    comm_stats: Optional[CommStats] = None,
-    plans: Optional[RingPlans] = None,
-) -> Tensor:
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group, causal: bool = True, positions: Optional[Tensor] = None,
+                   segment_ids: Optional[Tensor] = None, softmax_scale: Optional[float] = None, backend: str = "auto",
+                   comm_stats: Optional[CommStats] = None, plans: Optional[RingPlans] = None) -> Tensor:
     """Exact masked attention of a sequence sharded over `group` (collective: every rank calls it);
     the arguments as in docs/ring_attention.md. q (B, S, Hq, D); k, v (B, S, Hkv, D), S the same on
     every rank. plans: a RingPlans kept across calls with the same metadata (else one per call and
