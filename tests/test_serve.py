@@ -361,6 +361,29 @@ def test_sequence_parallel_server_answers_as_one_process(server, material):
         sp.stop()
 
 
+@pytest.mark.distributed
+def test_one_rank_failing_at_start_up_stops_every_rank(material, tmp_path):
+    """Under torchrun, a rank that cannot load the model makes every rank stop at start-up with one
+    error line naming it (exit 2 each), instead of the others serving or waiting in a collective."""
+    shim = tmp_path / "rank1_fails.py"  # the real `longvideo serve`, except that rank 1 cannot load the model
+    shim.write_text("import os, sys\nfrom longvideo.infer import serve\nload = serve.load_model\n\n\n"
+                    "def load_model(path, device):\n    if os.environ['RANK'] == '1':\n"
+                    "        raise FileNotFoundError('rank 1 cannot read the model')\n    return load(path, device)\n\n\n"
+                    "serve.load_model = load_model\nsys.exit(serve.main(sys.argv[1:]))\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    # --monitor-interval: torchrun stops the other rank after the first exits; give rank 0 time to say why
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        "--monitor-interval=2", str(shim),
+                        "--model", str(material["ckpt"]), "--port", "0", "--quiet"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert "longvideo serve: error (rank 1): rank 1 cannot read the model" in out, out
+    assert ("longvideo serve: error (rank 0): rank 1 failed, so every rank stops: FileNotFoundError: rank 1 "
+            "cannot read the model") in out, out
+    assert " on http://" not in out and "longvideo/infer/" not in out, out  # no rank served, none raised
+
+
 def test_follow_up_prompt_is_the_training_layout_of_the_conversation():
     """The prompt of turn 2 is the start of the QA training document with both pairs, up to where
     the second answer begins (so a model sees at serving time what it was trained on)."""
