@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import urllib.request
@@ -366,10 +367,21 @@ def test_one_rank_failing_at_start_up_stops_every_rank(material, tmp_path):
     """Under torchrun, a rank that cannot load the model makes every rank stop at start-up with one
     error line naming it (exit 2 each), instead of the others serving or waiting in a collective."""
     shim = tmp_path / "rank1_fails.py"  # the real `longvideo serve`, except that rank 1 cannot load the model
-    shim.write_text("import os, sys\nfrom longvideo.infer import serve\nload = serve.load_model\n\n\n"
-                    "def load_model(path, device):\n    if os.environ['RANK'] == '1':\n"
-                    "        raise FileNotFoundError('rank 1 cannot read the model')\n    return load(path, device)\n\n\n"
-                    "serve.load_model = load_model\nsys.exit(serve.main(sys.argv[1:]))\n")
+    shim.write_text(textwrap.dedent("""\
+        import os, sys
+        from longvideo.infer import serve
+        load = serve.load_model
+
+
+        def load_model(path, device):
+            if os.environ["RANK"] == "1":
+                raise FileNotFoundError("rank 1 cannot read the model")
+            return load(path, device)
+
+
+        serve.load_model = load_model
+        sys.exit(serve.main(sys.argv[1:]))
+    """))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     # --monitor-interval: torchrun stops the other rank after the first exits; give rank 0 time to say why
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

@@ -14,7 +14,6 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from matplotlib.figure import Figure
 from PIL import Image
 from tqdm.auto import tqdm
 
@@ -54,6 +53,7 @@ def substring_match(prediction: str, reference: str) -> bool:
 def save_heatmap(values: np.ndarray, xlabels: Sequence, ylabels: Sequence, path: str | Path, *, title: str,
                  xlabel: str, ylabel: str) -> None:
     """values (len(ylabels), len(xlabels)) in [0, 1] as a red-to-green grid with the numbers written in."""
+    from matplotlib.figure import Figure  # here: only the plots pay for matplotlib's import
     values = np.asarray(values, dtype=float)
     fig = Figure(figsize=(1.2 + 0.9 * len(xlabels), 1.2 + 0.55 * len(ylabels)))
     ax = fig.subplots()

@@ -13,7 +13,6 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch.distributed as dist
-from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from longvideo.atomic import write_json_atomic
@@ -93,6 +92,7 @@ def summarise(records: list[dict]) -> dict:
 
 def save_bars(summary: dict, path: str | Path, title: str) -> None:
     """Accuracy with its 95 % interval: overall, then one panel per breakdown; chance dashed."""
+    from matplotlib.figure import Figure  # here: only the plots pay for matplotlib's import
     panels = [("overall", {"all": summary})] + [(k, b["labels"]) for k, b in summary["breakdowns"].items()]
     fig = Figure(figsize=(2 + 0.45 * sum(len(g) for _, g in panels), 4))
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False,
