@@ -13,7 +13,9 @@ if __name__ == "kernels":  # found as a top-level name: a checkout's root is on 
     # `import kernels` means Hugging Face's package (transformers >= 5.25 requires and imports it):
     # where the rest of sys.path holds one, the name goes to it; where none is installed, this
     # module stays what the import found (transformers then reads it as no `kernels` at all).
-    _OTHER = _PathFinder.find_spec("kernels", [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _ROOT])
+    _OTHER = _PathFinder.find_spec(
+        "kernels", [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _ROOT]
+    )
 
 if _OTHER is not None:
     import importlib.util as _util
@@ -22,18 +24,50 @@ if _OTHER is not None:
     _sys.modules["kernels"] = _module
     _OTHER.loader.exec_module(_module)
 else:
-    from .attention_math import (FULL, PARTIAL, SKIP, TileStats, accum_dtype, block_class, classify_tiles,
-                                 fill_meta, lse_merge_, merge_partials, merge_stacked, tile_stats,
-                                 transposed, visibility, visit_ranges)
+    from .attention_math import (
+        FULL,
+        PARTIAL,
+        SKIP,
+        TileStats,
+        accum_dtype,
+        block_class,
+        classify_tiles,
+        fill_meta,
+        lse_merge_,
+        merge_partials,
+        merge_stacked,
+        tile_stats,
+        transposed,
+        visibility,
+        visit_ranges,
+    )
     from .backends import BlockBackend, available_backends, get_backend
     from .interface import block_attention
     from .plans import AttentionPlan, PlanCache, RingPlans
     from .reference import flash_attn_ref
 
 __all__ = [
-    "accum_dtype", "AttentionPlan", "available_backends", "block_attention", "block_class",
-    "BlockBackend", "classify_tiles", "fill_meta", "flash_attn_ref", "FULL",
-    "get_backend", "lse_merge_", "merge_partials", "merge_stacked", "PARTIAL", "PlanCache",
-    "RingPlans", "SKIP", "tile_stats", "TileStats",
-    "transposed", "visibility", "visit_ranges",
+    "accum_dtype",
+    "AttentionPlan",
+    "available_backends",
+    "block_attention",
+    "block_class",
+    "BlockBackend",
+    "classify_tiles",
+    "fill_meta",
+    "flash_attn_ref",
+    "FULL",
+    "get_backend",
+    "lse_merge_",
+    "merge_partials",
+    "merge_stacked",
+    "PARTIAL",
+    "PlanCache",
+    "RingPlans",
+    "SKIP",
+    "tile_stats",
+    "TileStats",
+    "transposed",
+    "visibility",
+    "visit_ranges",
 ]

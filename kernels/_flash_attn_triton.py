@@ -57,10 +57,34 @@ def _online_softmax_step(s, v, acc, l_i, m_i, DOT: tl.constexpr, PREC: tl.conste
 
 
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS, t_start, t_end,
-               Sk, stride_ks, stride_vs, qk_scale, offs_n0, offs_d, d_ok,
-               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-               DOT: tl.constexpr, PREC: tl.constexpr):
+def _fwd_tiles(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    q_seg,
+    K_base,
+    V_base,
+    KPOS_b,
+    KSEG_b,
+    COLS,
+    t_start,
+    t_end,
+    Sk,
+    stride_ks,
+    stride_vs,
+    qk_scale,
+    offs_n0,
+    offs_d,
+    d_ok,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """Online softmax over the plan entries [t_start, t_end): all full, or all candidates. The
     next entry's key tile index is loaded one iteration ahead."""
     nb_next = tl.load(COLS + t_start * 4, mask=t_start < t_end, other=0)
@@ -68,9 +92,21 @@ def _fwd_tiles(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, C
         nb = nb_next
         nb_next = tl.load(COLS + (t + 1) * 4, mask=t + 1 < t_end, other=0)
         offs_n = nb * BLOCK_N + offs_n0
-        kt_ptrs = K_base + nb.to(tl.int64) * BLOCK_N * stride_ks + offs_n0[None, :] * stride_ks + offs_d[:, None]
-        v_ptrs = V_base + nb.to(tl.int64) * BLOCK_N * stride_vs + offs_n0[:, None] * stride_vs + offs_d[None, :]
-        if MASKED:  # the last tile may run past Sk: read zeros there, never garbage that could be nan
+        kt_ptrs = (
+            K_base
+            + nb.to(tl.int64) * BLOCK_N * stride_ks
+            + offs_n0[None, :] * stride_ks
+            + offs_d[:, None]
+        )
+        v_ptrs = (
+            V_base
+            + nb.to(tl.int64) * BLOCK_N * stride_vs
+            + offs_n0[:, None] * stride_vs
+            + offs_d[None, :]
+        )
+        if (
+            MASKED
+        ):  # the last tile may run past Sk: read zeros there, never garbage that could be nan
             n_ok = offs_n < Sk
             kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # (D, BLOCK_N)
             v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, D)
@@ -93,15 +129,50 @@ def _fwd_tiles(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, C
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, QPOS, KPOS, QSEG, KSEG, PLAN, stride_plan, cols_off,
-                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-                stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-                Hq, GROUP, Sq, Sk, N_M_TILES, qk_scale,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
-                PREC: tl.constexpr):
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    QPOS,
+    KPOS,
+    QSEG,
+    KSEG,
+    PLAN,
+    stride_plan,
+    cols_off,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    Hq,
+    GROUP,
+    Sq,
+    Sk,
+    N_M_TILES,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """One query tile of one (batch, query head): out and lse."""
-    pid_m = N_M_TILES - 1 - tl.program_id(0)  # under a causal mask late tiles have most work: start them first
+    pid_m = (
+        N_M_TILES - 1 - tl.program_id(0)
+    )  # under a causal mask late tiles have most work: start them first
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq
@@ -117,8 +188,11 @@ def _fwd_kernel(Q, K, V, O, LSE, QPOS, KPOS, QSEG, KSEG, PLAN, stride_plan, cols
     row_ok = offs_m < Sq
 
     Q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + start_m * stride_qs
-    q = tl.load(Q_base + offs_m0[:, None] * stride_qs + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                other=0.0)
+    q = tl.load(
+        Q_base + offs_m0[:, None] * stride_qs + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     q = q.to(DOT)  # (BLOCK_M, D)
     q_pos = tl.load(QPOS + b64 * Sq + offs_m, mask=row_ok, other=0)
     q_seg = tl.load(QSEG + b64 * Sq + offs_m, mask=row_ok, other=-1)
@@ -133,29 +207,93 @@ def _fwd_kernel(Q, K, V, O, LSE, QPOS, KPOS, QSEG, KSEG, PLAN, stride_plan, cols
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for j in tl.static_range(3):  # unrolled: the plan's full entries, then its two kinds of candidates
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS,
-                                   tl.load(ROWP + 2 * j), tl.load(ROWP + 2 * j + 1), Sk, stride_ks, stride_vs,
-                                   qk_scale, offs_n0, offs_d, d_ok, BLOCK_N, CAUSAL, j > 0, EVEN_D, DOT, PREC)
+    for j in tl.static_range(
+        3
+    ):  # unrolled: the plan's full entries, then its two kinds of candidates
+        acc, l_i, m_i = _fwd_tiles(
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_pos,
+            q_seg,
+            K_base,
+            V_base,
+            KPOS_b,
+            KSEG_b,
+            COLS,
+            tl.load(ROWP + 2 * j),
+            tl.load(ROWP + 2 * j + 1),
+            Sk,
+            stride_ks,
+            stride_vs,
+            qk_scale,
+            offs_n0,
+            offs_d,
+            d_ok,
+            BLOCK_N,
+            CAUSAL,
+            j > 0,
+            EVEN_D,
+            DOT,
+            PREC,
+        )
 
     has = l_i > 0.0  # rows with no visible key: out = 0, lse = -inf
     l_safe = tl.where(has, l_i, 1.0)
     out = acc / l_safe[:, None]
-    lse = tl.where(has, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # back to base e
+    lse = tl.where(
+        has, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf")
+    )  # back to base e
 
     O_base = O + b64 * stride_ob + h.to(tl.int64) * stride_oh + start_m * stride_os
-    tl.store(O_base + offs_m0[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        O_base + offs_m0[:, None] * stride_os + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
     tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse, mask=row_ok)
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, OP, LP, QPOS, KPOS, QSEG, KSEG,
-                   stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-                   stride_vb, stride_vs, stride_vh,
-                   B, Hq, Hkv, GROUP, HEADS_PER_PROG, N_CHUNKS, Sq, Sk, TILES_PER_SPLIT, N_N_TILES, qk_scale,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+def _decode_kernel(
+    Q,
+    K,
+    V,
+    OP,
+    LP,
+    QPOS,
+    KPOS,
+    QSEG,
+    KSEG,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    B,
+    Hq,
+    Hkv,
+    GROUP,
+    HEADS_PER_PROG,
+    N_CHUNKS,
+    Sq,
+    Sk,
+    TILES_PER_SPLIT,
+    N_N_TILES,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """Few queries: one key range (split) of one (batch, kv head, chunk of its query heads).
     Rows are (head, query) pairs; writes fp32 partial out and lse of the split."""
     split = tl.program_id(0)
@@ -174,8 +312,15 @@ def _decode_kernel(Q, K, V, OP, LP, QPOS, KPOS, QSEG, KSEG,
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
 
-    q = tl.load(Q + b64 * stride_qb + h[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_qs + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
+    q = tl.load(
+        Q
+        + b64 * stride_qb
+        + h[:, None] * stride_qh
+        + i[:, None].to(tl.int64) * stride_qs
+        + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(DOT)
     q_pos = tl.load(QPOS + b64 * Sq + i, mask=row_ok, other=0)
     q_seg = tl.load(QSEG + b64 * Sq + i, mask=row_ok, other=-1)
     K_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
@@ -189,10 +334,16 @@ def _decode_kernel(Q, K, V, OP, LP, QPOS, KPOS, QSEG, KSEG,
     for nb in range(t_start, t_end):
         offs_n = nb * BLOCK_N + offs_n0
         n_ok = offs_n < Sk
-        kt = tl.load(K_base + offs_n[None, :].to(tl.int64) * stride_ks + offs_d[:, None],
-                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(V_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        kt = tl.load(
+            K_base + offs_n[None, :].to(tl.int64) * stride_ks + offs_d[:, None],
+            mask=n_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            V_base + offs_n[:, None].to(tl.int64) * stride_vs + offs_d[None, :],
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         s = tl.dot(q, kt.to(DOT), input_precision=PREC) * qk_scale
         k_seg = tl.load(KSEG + b64 * Sk + offs_n, mask=n_ok, other=-1)
         vis = (q_seg[:, None] == k_seg[None, :]) & (k_seg[None, :] >= 0)
@@ -207,14 +358,31 @@ def _decode_kernel(Q, K, V, OP, LP, QPOS, KPOS, QSEG, KSEG,
     out = acc / l_safe[:, None]
     lse = tl.where(has, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     row = ((split.to(tl.int64) * B + b64) * Hq + h) * Sq + i  # partials (n_split, B, Hq, Sq, [D])
-    tl.store(OP + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        OP + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :]
+    )
     tl.store(LP + row, lse, mask=row_ok)
 
 
 @triton.jit
-def _bwd_preprocess(O, DO, LSE, DELTA, LSE2,
-                    stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
-                    Hq, Sq, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+def _bwd_preprocess(
+    O,
+    DO,
+    LSE,
+    DELTA,
+    LSE2,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    Hq,
+    Sq,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """delta = rowsum(dO * O) in fp32, and lse in log2 units with -inf -> +inf (P = 0 on empty rows)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -224,22 +392,70 @@ def _bwd_preprocess(O, DO, LSE, DELTA, LSE2,
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row_ok = offs_m < Sq
     ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :],
-                mask=ok, other=0.0).to(tl.float32)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None].to(tl.int64) * stride_dos
-                 + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+    o = tl.load(
+        O
+        + b * stride_ob
+        + h * stride_oh
+        + offs_m[:, None].to(tl.int64) * stride_os
+        + offs_d[None, :],
+        mask=ok,
+        other=0.0,
+    ).to(tl.float32)
+    do = tl.load(
+        DO
+        + b * stride_dob
+        + h * stride_doh
+        + offs_m[:, None].to(tl.int64) * stride_dos
+        + offs_d[None, :],
+        mask=ok,
+        other=0.0,
+    ).to(tl.float32)
     row = pid_bh.to(tl.int64) * Sq + offs_m
     tl.store(DELTA + row, tl.sum(o * do, 1), mask=row_ok)
     lse = tl.load(LSE + row, mask=row_ok, other=0.0)
-    tl.store(LSE2 + row, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634), mask=row_ok)
+    tl.store(
+        LSE2 + row,
+        tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634),
+        mask=row_ok,
+    )
 
 
 @triton.jit
-def _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2_row, DELTA_row, QPOS_b, QSEG_b, COLS,
-               t_start, t_end, Sq, stride_qs, stride_dos, stride_dqs, qk_scale, sm_scale,
-               offs_m0, offs_d, d_ok,
-               BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-               FUSED_DQ: tl.constexpr, KV_SMEM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+def _bwd_tiles(
+    dk,
+    dv,
+    k,
+    v,
+    k_pos,
+    k_seg,
+    Q_base,
+    DO_base,
+    DQ_base,
+    LSE2_row,
+    DELTA_row,
+    QPOS_b,
+    QSEG_b,
+    COLS,
+    t_start,
+    t_end,
+    Sq,
+    stride_qs,
+    stride_dos,
+    stride_dqs,
+    qk_scale,
+    sm_scale,
+    offs_m0,
+    offs_d,
+    d_ok,
+    BLOCK_M: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    FUSED_DQ: tl.constexpr,
+    KV_SMEM: tl.constexpr,
+    DOT: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """dK, dV of one key tile (and with FUSED_DQ the dQ share of each query tile) from the plan entries
     [t_start, t_end) of the transposed plan. KV_SMEM: scores (BLOCK_M, BLOCK_N), K and V only ever the
     column operand of their dots (docs/kernels.md, "Backward"); else scores transposed."""
@@ -268,7 +484,9 @@ def _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2_row, D
             lse2 = tl.load(LSE2_row + offs_m)
             delta = tl.load(DELTA_row + offs_m)
         if KV_SMEM:
-            s = tl.dot(q.to(DOT), tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N)
+            s = (
+                tl.dot(q.to(DOT), tl.trans(k), input_precision=PREC) * qk_scale
+            )  # (BLOCK_M, BLOCK_N)
             p = tl.math.exp2(s - lse2[:, None])
             if MASKED:
                 q_seg = tl.load(QSEG_b + offs_m, mask=row_ok, other=-1)
@@ -284,7 +502,9 @@ def _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2_row, D
             if FUSED_DQ:
                 dq = tl.dot(ds, k, input_precision=PREC) * sm_scale  # (BLOCK_M, D)
         else:
-            st = tl.dot(k, tl.trans(q.to(DOT)), input_precision=PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
+            st = (
+                tl.dot(k, tl.trans(q.to(DOT)), input_precision=PREC) * qk_scale
+            )  # (BLOCK_N, BLOCK_M)
             pt = tl.math.exp2(st - lse2[None, :])
             if MASKED:
                 q_seg = tl.load(QSEG_b + offs_m, mask=row_ok, other=-1)
@@ -311,15 +531,61 @@ def _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2_row, D
 
 
 @triton.jit
-def _bwd_kernel(Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, QPOS, KPOS, QSEG, KSEG, PLAN, stride_plan, cols_off,
-                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-                stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-                stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,
-                Hq, Hkv, GROUP, Sq, Sk, qk_scale, sm_scale,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_HEAD: tl.constexpr, ATOMIC_KV: tl.constexpr,
-                FUSED_DQ: tl.constexpr, KV_SMEM: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
-                PREC: tl.constexpr):
+def _bwd_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE2,
+    DELTA,
+    DQ,
+    DK,
+    DV,
+    QPOS,
+    KPOS,
+    QSEG,
+    KSEG,
+    PLAN,
+    stride_plan,
+    cols_off,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    Hq,
+    Hkv,
+    GROUP,
+    Sq,
+    Sk,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PER_HEAD: tl.constexpr,
+    ATOMIC_KV: tl.constexpr,
+    FUSED_DQ: tl.constexpr,
+    KV_SMEM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """One key tile of one (batch, query head) [PER_HEAD] or (batch, kv head) [the group in a loop]."""
     pid_n = tl.program_id(0)  # under a causal mask early key tiles have most work: they start first
     pid_bh = tl.program_id(1)
@@ -344,10 +610,26 @@ def _bwd_kernel(Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, QPOS, KPOS, QSEG, KSEG, PL
     col_ok = offs_n < Sk
     kv_ok = col_ok[:, None] & d_ok[None, :]
 
-    k = tl.load(K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + start_n * stride_ks
-                + offs_n0[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0).to(DOT)
-    v = tl.load(V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + start_n * stride_vs
-                + offs_n0[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0).to(DOT)
+    k = tl.load(
+        K
+        + b64 * stride_kb
+        + hk.to(tl.int64) * stride_kh
+        + start_n * stride_ks
+        + offs_n0[:, None] * stride_ks
+        + offs_d[None, :],
+        mask=kv_ok,
+        other=0.0,
+    ).to(DOT)
+    v = tl.load(
+        V
+        + b64 * stride_vb
+        + hk.to(tl.int64) * stride_vh
+        + start_n * stride_vs
+        + offs_n0[:, None] * stride_vs
+        + offs_d[None, :],
+        mask=kv_ok,
+        other=0.0,
+    ).to(DOT)
     k_pos = tl.load(KPOS + b64 * Sk + offs_n, mask=col_ok, other=0)
     k_seg = tl.load(KSEG + b64 * Sk + offs_n, mask=col_ok, other=-1)
 
@@ -370,21 +652,119 @@ def _bwd_kernel(Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, QPOS, KPOS, QSEG, KSEG, PL
         DO_base = DO + b64 * stride_dob + h * stride_doh
         DQ_base = DQ + b64 * stride_dqb + h * stride_dqh
         row = (b64 * Hq + h) * Sq
-        dk, dv = _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2 + row, DELTA + row, QPOS_b,
-                            QSEG_b, COLS, f_lo, f_hi, Sq, stride_qs, stride_dos, stride_dqs,
-                            qk_scale, sm_scale, offs_m0, offs_d, d_ok, BLOCK_M, CAUSAL, False, EVEN_D, FUSED_DQ,
-                            KV_SMEM, DOT, PREC)
-        dk, dv = _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2 + row, DELTA + row, QPOS_b,
-                            QSEG_b, COLS, p_lo, p_hi, Sq, stride_qs, stride_dos, stride_dqs,
-                            qk_scale, sm_scale, offs_m0, offs_d, d_ok, BLOCK_M, CAUSAL, True, EVEN_D, FUSED_DQ,
-                            KV_SMEM, DOT, PREC)
-        dk, dv = _bwd_tiles(dk, dv, k, v, k_pos, k_seg, Q_base, DO_base, DQ_base, LSE2 + row, DELTA + row, QPOS_b,
-                            QSEG_b, COLS, x_lo, x_hi, Sq, stride_qs, stride_dos, stride_dqs,
-                            qk_scale, sm_scale, offs_m0, offs_d, d_ok, BLOCK_M, CAUSAL, True, EVEN_D, FUSED_DQ,
-                            KV_SMEM, DOT, PREC)
+        dk, dv = _bwd_tiles(
+            dk,
+            dv,
+            k,
+            v,
+            k_pos,
+            k_seg,
+            Q_base,
+            DO_base,
+            DQ_base,
+            LSE2 + row,
+            DELTA + row,
+            QPOS_b,
+            QSEG_b,
+            COLS,
+            f_lo,
+            f_hi,
+            Sq,
+            stride_qs,
+            stride_dos,
+            stride_dqs,
+            qk_scale,
+            sm_scale,
+            offs_m0,
+            offs_d,
+            d_ok,
+            BLOCK_M,
+            CAUSAL,
+            False,
+            EVEN_D,
+            FUSED_DQ,
+            KV_SMEM,
+            DOT,
+            PREC,
+        )
+        dk, dv = _bwd_tiles(
+            dk,
+            dv,
+            k,
+            v,
+            k_pos,
+            k_seg,
+            Q_base,
+            DO_base,
+            DQ_base,
+            LSE2 + row,
+            DELTA + row,
+            QPOS_b,
+            QSEG_b,
+            COLS,
+            p_lo,
+            p_hi,
+            Sq,
+            stride_qs,
+            stride_dos,
+            stride_dqs,
+            qk_scale,
+            sm_scale,
+            offs_m0,
+            offs_d,
+            d_ok,
+            BLOCK_M,
+            CAUSAL,
+            True,
+            EVEN_D,
+            FUSED_DQ,
+            KV_SMEM,
+            DOT,
+            PREC,
+        )
+        dk, dv = _bwd_tiles(
+            dk,
+            dv,
+            k,
+            v,
+            k_pos,
+            k_seg,
+            Q_base,
+            DO_base,
+            DQ_base,
+            LSE2 + row,
+            DELTA + row,
+            QPOS_b,
+            QSEG_b,
+            COLS,
+            x_lo,
+            x_hi,
+            Sq,
+            stride_qs,
+            stride_dos,
+            stride_dqs,
+            qk_scale,
+            sm_scale,
+            offs_m0,
+            offs_d,
+            d_ok,
+            BLOCK_M,
+            CAUSAL,
+            True,
+            EVEN_D,
+            FUSED_DQ,
+            KV_SMEM,
+            DOT,
+            PREC,
+        )
 
-    ptrs = b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + start_n * stride_dks \
-        + offs_n0[:, None] * stride_dks + offs_d[None, :]
+    ptrs = (
+        b64 * stride_dkb
+        + hk.to(tl.int64) * stride_dkh
+        + start_n * stride_dks
+        + offs_n0[:, None] * stride_dks
+        + offs_d[None, :]
+    )
     if ATOMIC_KV:  # several programs (the query heads of one GQA group) add into one dK/dV tile
         tl.atomic_add(DK + ptrs, dk * sm_scale, mask=kv_ok, sem="relaxed")
         tl.atomic_add(DV + ptrs, dv, mask=kv_ok, sem="relaxed")
@@ -394,18 +774,53 @@ def _bwd_kernel(Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, QPOS, KPOS, QSEG, KSEG, PL
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS, t_start, t_end,
-              Sk, stride_ks, stride_vs, qk_scale, offs_n0, offs_d, d_ok,
-              BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-              DOT: tl.constexpr, PREC: tl.constexpr):
+def _dq_tiles(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    q_pos,
+    q_seg,
+    K_base,
+    V_base,
+    KPOS_b,
+    KSEG_b,
+    COLS,
+    t_start,
+    t_end,
+    Sk,
+    stride_ks,
+    stride_vs,
+    qk_scale,
+    offs_n0,
+    offs_d,
+    d_ok,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """dQ of one query tile from the plan entries [t_start, t_end), the next index loaded ahead."""
     nb_next = tl.load(COLS + t_start * 4, mask=t_start < t_end, other=0)
     for t in range(t_start, t_end):
         nb = nb_next
         nb_next = tl.load(COLS + (t + 1) * 4, mask=t + 1 < t_end, other=0)
         offs_n = nb * BLOCK_N + offs_n0
-        k_ptrs = K_base + nb.to(tl.int64) * BLOCK_N * stride_ks + offs_n0[:, None] * stride_ks + offs_d[None, :]
-        v_ptrs = V_base + nb.to(tl.int64) * BLOCK_N * stride_vs + offs_n0[:, None] * stride_vs + offs_d[None, :]
+        k_ptrs = (
+            K_base
+            + nb.to(tl.int64) * BLOCK_N * stride_ks
+            + offs_n0[:, None] * stride_ks
+            + offs_d[None, :]
+        )
+        v_ptrs = (
+            V_base
+            + nb.to(tl.int64) * BLOCK_N * stride_vs
+            + offs_n0[:, None] * stride_vs
+            + offs_d[None, :]
+        )
         if MASKED:
             ok = (offs_n < Sk)[:, None] & d_ok[None, :]
             k = tl.load(k_ptrs, mask=ok, other=0.0)  # (BLOCK_N, D)
@@ -432,14 +847,52 @@ def _dq_tiles(dq, q, do, lse2, delta, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, QPOS, KPOS, QSEG, KSEG, PLAN, stride_plan, cols_off,
-                   stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-                   stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-                   stride_dqb, stride_dqs, stride_dqh,
-                   Hq, GROUP, Sq, Sk, N_M_TILES, qk_scale, sm_scale,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT: tl.constexpr,
-                   PREC: tl.constexpr):
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE2,
+    DELTA,
+    DQ,
+    QPOS,
+    KPOS,
+    QSEG,
+    KSEG,
+    PLAN,
+    stride_plan,
+    cols_off,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    Hq,
+    GROUP,
+    Sq,
+    Sk,
+    N_M_TILES,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """One query tile of one (batch, query head): dQ (the split variant's second pass)."""
     pid_m = N_M_TILES - 1 - tl.program_id(0)  # late tiles first, as in the forward
     pid_bh = tl.program_id(1)
@@ -457,10 +910,26 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, QPOS, KPOS, QSEG, KSEG, PLAN, s
     row_ok = offs_m < Sq
     ok = row_ok[:, None] & d_ok[None, :]
 
-    q = tl.load(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + start_m * stride_qs
-                + offs_m0[:, None] * stride_qs + offs_d[None, :], mask=ok, other=0.0).to(DOT)
-    do = tl.load(DO + b64 * stride_dob + h.to(tl.int64) * stride_doh + start_m * stride_dos
-                 + offs_m0[:, None] * stride_dos + offs_d[None, :], mask=ok, other=0.0).to(DOT)
+    q = tl.load(
+        Q
+        + b64 * stride_qb
+        + h.to(tl.int64) * stride_qh
+        + start_m * stride_qs
+        + offs_m0[:, None] * stride_qs
+        + offs_d[None, :],
+        mask=ok,
+        other=0.0,
+    ).to(DOT)
+    do = tl.load(
+        DO
+        + b64 * stride_dob
+        + h.to(tl.int64) * stride_doh
+        + start_m * stride_dos
+        + offs_m0[:, None] * stride_dos
+        + offs_d[None, :],
+        mask=ok,
+        other=0.0,
+    ).to(DOT)
     row = pid_bh.to(tl.int64) * Sq + offs_m
     lse2 = tl.load(LSE2 + row, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
@@ -476,18 +945,60 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, QPOS, KPOS, QSEG, KSEG, PLAN, s
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     for j in tl.static_range(3):  # as in the forward
-        dq = _dq_tiles(dq, q, do, lse2, delta, q_pos, q_seg, K_base, V_base, KPOS_b, KSEG_b, COLS,
-                       tl.load(ROWP + 2 * j), tl.load(ROWP + 2 * j + 1), Sk, stride_ks, stride_vs, qk_scale,
-                       offs_n0, offs_d, d_ok, BLOCK_N, CAUSAL, j > 0, EVEN_D, DOT, PREC)
-    tl.store(DQ + b64 * stride_dqb + h.to(tl.int64) * stride_dqh + start_m * stride_dqs
-             + offs_m0[:, None] * stride_dqs + offs_d[None, :], dq * sm_scale, mask=ok)
+        dq = _dq_tiles(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            q_pos,
+            q_seg,
+            K_base,
+            V_base,
+            KPOS_b,
+            KSEG_b,
+            COLS,
+            tl.load(ROWP + 2 * j),
+            tl.load(ROWP + 2 * j + 1),
+            Sk,
+            stride_ks,
+            stride_vs,
+            qk_scale,
+            offs_n0,
+            offs_d,
+            d_ok,
+            BLOCK_N,
+            CAUSAL,
+            j > 0,
+            EVEN_D,
+            DOT,
+            PREC,
+        )
+    tl.store(
+        DQ
+        + b64 * stride_dqb
+        + h.to(tl.int64) * stride_dqh
+        + start_m * stride_dqs
+        + offs_m0[:, None] * stride_dqs
+        + offs_d[None, :],
+        dq * sm_scale,
+        mask=ok,
+    )
 
 
 # ----------------------------------------------------------------------------- tile plans (torch)
 
 
-def build_plan(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causal: bool, block_m: int,
-               block_n: int, transpose: bool = False) -> Tensor:
+def build_plan(
+    q_pos: Tensor,
+    k_pos: Tensor,
+    q_seg: Tensor,
+    k_seg: Tensor,
+    causal: bool,
+    block_m: int,
+    block_n: int,
+    transpose: bool = False,
+) -> Tensor:
     """The plan of a (query tiles of block_m) x (key tiles of block_n) grid as one int32 tensor
     (B, n_rows * 9 + 2 * n_cols * 4): per query tile the key tiles to visit, or with `transpose`
     per key tile the query tiles. No host sync; O((n_q + n_k) log) time and O(n_q + n_k) memory."""
@@ -504,8 +1015,10 @@ def _plan_geometry(plan: Tensor, B: int, n_rows: int, n_cols: int, what: str) ->
     """Checks a plan's shape (host metadata only) and returns the offset of its entries."""
     want = (B, n_rows * ROW + 2 * n_cols * COL)
     if tuple(plan.shape) != want or plan.dtype != torch.int32 or plan.stride(-1) != 1:
-        raise ValueError(f"{what} plan must be an int32 tensor of shape {want} (built for these tile shapes), "
-                         f"got {plan.dtype} {tuple(plan.shape)}")
+        raise ValueError(
+            f"{what} plan must be an int32 tensor of shape {want} (built for these tile shapes), "
+            f"got {plan.dtype} {tuple(plan.shape)}"
+        )
     return n_rows * ROW
 
 
@@ -539,22 +1052,50 @@ _lc = LaunchConfig
 # Hopper shapes from sm_90a ptxas reports, not GPU timings (docs/kernels.md, "Launch shapes"):
 # every 16-bit build fits shared memory and spills nothing; fp32's backward spills at any shape.
 DEFAULT_TABLE: dict[tuple[int, str], TileConfig] = {
-    (16, "16bit"): TileConfig(_lc(128, 64, 8, 3), _lc(64, 128, 8, 2), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3)),
-    (32, "16bit"): TileConfig(_lc(128, 64, 8, 3), _lc(64, 128, 8, 2), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3)),
-    (64, "16bit"): TileConfig(_lc(64, 64, 4, 3), _lc(32, 128, 8, 3), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3),
-                              variant="split"),
-    (128, "16bit"): TileConfig(_lc(128, 128, 8, 2), _lc(16, 128, 8, 3), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3),
-                               variant="split"),
-    (256, "16bit"): TileConfig(_lc(64, 64, 8, 2), _lc(32, 32, 8, 2), _lc(32, 64, 8, 2), _lc(16, 32, 4, 2)),
-    (16, "fp32"): TileConfig(_lc(32, 32, 8, 2), _lc(16, 16, 4, 2), _lc(32, 32, 8, 2), _lc(16, 32, 4, 2)),
-    (32, "fp32"): TileConfig(_lc(32, 32, 8, 2), _lc(16, 16, 4, 2), _lc(32, 32, 8, 2), _lc(16, 32, 4, 2)),
-    (64, "fp32"): TileConfig(_lc(32, 32, 8, 2), _lc(16, 16, 4, 2), _lc(32, 32, 8, 2), _lc(16, 32, 4, 2)),
-    (128, "fp32"): TileConfig(_lc(32, 32, 8, 2), _lc(16, 16, 4, 2), _lc(32, 32, 8, 2), _lc(16, 32, 4, 2)),
-    (256, "fp32"): TileConfig(_lc(16, 32, 4, 1), _lc(16, 16, 4, 1), _lc(16, 32, 4, 1), _lc(16, 32, 4, 1)),
+    (16, "16bit"): TileConfig(
+        _lc(128, 64, 8, 3), _lc(64, 128, 8, 2), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3)
+    ),
+    (32, "16bit"): TileConfig(
+        _lc(128, 64, 8, 3), _lc(64, 128, 8, 2), _lc(128, 64, 8, 3), _lc(16, 64, 4, 3)
+    ),
+    (64, "16bit"): TileConfig(
+        _lc(64, 64, 4, 3),
+        _lc(32, 128, 8, 3),
+        _lc(128, 64, 8, 3),
+        _lc(16, 64, 4, 3),
+        variant="split",
+    ),
+    (128, "16bit"): TileConfig(
+        _lc(128, 128, 8, 2),
+        _lc(16, 128, 8, 3),
+        _lc(128, 64, 8, 3),
+        _lc(16, 64, 4, 3),
+        variant="split",
+    ),
+    (256, "16bit"): TileConfig(
+        _lc(64, 64, 8, 2), _lc(32, 32, 8, 2), _lc(32, 64, 8, 2), _lc(16, 32, 4, 2)
+    ),
+    (16, "fp32"): TileConfig(
+        _lc(32, 32, 8, 2), _lc(16, 16, 4, 2), _lc(32, 32, 8, 2), _lc(16, 32, 4, 2)
+    ),
+    (32, "fp32"): TileConfig(
+        _lc(32, 32, 8, 2), _lc(16, 16, 4, 2), _lc(32, 32, 8, 2), _lc(16, 32, 4, 2)
+    ),
+    (64, "fp32"): TileConfig(
+        _lc(32, 32, 8, 2), _lc(16, 16, 4, 2), _lc(32, 32, 8, 2), _lc(16, 32, 4, 2)
+    ),
+    (128, "fp32"): TileConfig(
+        _lc(32, 32, 8, 2), _lc(16, 16, 4, 2), _lc(32, 32, 8, 2), _lc(16, 32, 4, 2)
+    ),
+    (256, "fp32"): TileConfig(
+        _lc(16, 32, 4, 1), _lc(16, 16, 4, 1), _lc(16, 32, 4, 1), _lc(16, 32, 4, 1)
+    ),
 }
 # Rows that are GPU timings (a `--tune` result), allowed to spill: the ptxas check tests only their smem.
 GPU_TIMED: frozenset[tuple[int, str]] = frozenset()
-_INTERPRET_CONFIG = TileConfig(_lc(16, 16, 4, 1), _lc(16, 16, 4, 1), _lc(16, 16, 4, 1), _lc(16, 16, 4, 1))
+_INTERPRET_CONFIG = TileConfig(
+    _lc(16, 16, 4, 1), _lc(16, 16, 4, 1), _lc(16, 16, 4, 1), _lc(16, 16, 4, 1)
+)
 _table: dict[tuple[int, str], TileConfig] = dict(DEFAULT_TABLE)
 _override: dict = {}
 
@@ -567,9 +1108,12 @@ def table_from_json(rows: list[dict]) -> dict[tuple[int, str], TileConfig]:
     out = {}
     for r in rows:
         cfg = {k: LaunchConfig(**r[k]) for k in ("fwd", "bwd", "dq", "decode")}
-        out[(int(r["head_dim_pad"]), r["kind"])] = TileConfig(**cfg, variant=r.get("variant", "fused"),
-                                                                per_head=bool(r.get("per_head", True)),
-                                                                kv_smem=bool(r.get("kv_smem", False)))
+        out[(int(r["head_dim_pad"]), r["kind"])] = TileConfig(
+            **cfg,
+            variant=r.get("variant", "fused"),
+            per_head=bool(r.get("per_head", True)),
+            kv_smem=bool(r.get("kv_smem", False)),
+        )
     return out
 
 
@@ -581,8 +1125,9 @@ def set_tile_table(table: Optional[dict[tuple[int, str], TileConfig]] = None) ->
         _table.update(table)
 
 
-def set_backward(variant: Optional[str] = None, per_head: Optional[bool] = None,
-                 kv_smem: Optional[bool] = None) -> None:
+def set_backward(
+    variant: Optional[str] = None, per_head: Optional[bool] = None, kv_smem: Optional[bool] = None
+) -> None:
     """Force a backward variant ("fused" / "split"), GQA program layout and K/V operand placement
     for every shape (None: each table entry's own). "split" implies per_head=False unless given, so
     every gradient is deterministic. `LONGVIDEO_FLASH_BWD=split` at import does the same."""
@@ -591,8 +1136,13 @@ def set_backward(variant: Optional[str] = None, per_head: Optional[bool] = None,
     if variant == "split" and per_head is None:
         per_head = False
     _override.clear()
-    _override.update({k: v for k, v in dict(variant=variant, per_head=per_head, kv_smem=kv_smem).items()
-                      if v is not None})
+    _override.update(
+        {
+            k: v
+            for k, v in dict(variant=variant, per_head=per_head, kv_smem=kv_smem).items()
+            if v is not None
+        }
+    )
 
 
 if os.environ.get("LONGVIDEO_FLASH_TABLE"):  # a table written by `scripts/gpu_check.py --tune`
@@ -638,20 +1188,39 @@ def uses_decode(Sq: int) -> bool:
     return 0 < Sq <= DECODE_MAX_Q
 
 
-def kept_plan(plan, c: LaunchConfig, transpose: bool, causal: bool, q_pos: Tensor, k_pos: Tensor,
-              q_seg: Tensor, k_seg: Tensor) -> Tensor:
+def kept_plan(
+    plan,
+    c: LaunchConfig,
+    transpose: bool,
+    causal: bool,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    q_seg: Tensor,
+    k_seg: Tensor,
+) -> Tensor:
     """The tile plan of launch shape `c` from the AttentionPlan `plan`, built there on first use:
     per query tile (a forward or dQ kernel), or with `transpose` per key tile (the dK/dV kernel)."""
     key = ("triton-bwd" if transpose else "triton-fwd", c.block_m, c.block_n, causal)
-    return plan.get(key, lambda: build_plan(q_pos, k_pos, q_seg, k_seg, causal, *key[1:3], transpose))
+    return plan.get(
+        key, lambda: build_plan(q_pos, k_pos, q_seg, k_seg, causal, *key[1:3], transpose)
+    )
 
 
 # ----------------------------------------------------------------------------- launchers
 
 
-def flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_seg: Tensor,
-                       k_seg: Tensor, scale: float, causal: bool,
-                       plan: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def flash_attn_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    q_seg: Tensor,
+    k_seg: Tensor,
+    scale: float,
+    causal: bool,
+    plan: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
     """out (B, Sq, Hq, D) in q.dtype, lse (B, Hq, Sq) float32. `plan`: from `build_plan` with this
     shape's forward tiles (built here when None); unused by the decode path."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
@@ -676,16 +1245,55 @@ def flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Te
         plan = build_plan(q_pos, k_pos, q_seg, k_seg, causal, c.block_m, c.block_n)
     cols_off = _plan_geometry(plan, B, n_m, n_n, "forward")
     _fwd_kernel[(n_m, B * Hq)](
-        q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, plan, plan.stride(0), cols_off,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        Hq, Hq // Hkv, Sq, Sk, n_m, scale * LOG2E,
-        HEAD_DIM=D, HEAD_DIM_PAD=pad, EVEN_D=D == pad, BLOCK_M=c.block_m, BLOCK_N=c.block_n, CAUSAL=causal,
-        num_warps=c.num_warps, num_stages=c.num_stages, **flags)
+        q,
+        k,
+        v,
+        out,
+        lse,
+        q_pos,
+        k_pos,
+        q_seg,
+        k_seg,
+        plan,
+        plan.stride(0),
+        cols_off,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *out.stride()[:3],
+        Hq,
+        Hq // Hkv,
+        Sq,
+        Sk,
+        n_m,
+        scale * LOG2E,
+        HEAD_DIM=D,
+        HEAD_DIM_PAD=pad,
+        EVEN_D=D == pad,
+        BLOCK_M=c.block_m,
+        BLOCK_N=c.block_n,
+        CAUSAL=causal,
+        num_warps=c.num_warps,
+        num_stages=c.num_stages,
+        **flags,
+    )
     return out, lse
 
 
-def _decode(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, c: LaunchConfig, flags,
-            splits: Optional[int] = None) -> tuple[Tensor, Tensor]:
+def _decode(
+    q,
+    k,
+    v,
+    q_pos,
+    k_pos,
+    q_seg,
+    k_seg,
+    scale,
+    causal,
+    c: LaunchConfig,
+    flags,
+    splits: Optional[int] = None,
+) -> tuple[Tensor, Tensor]:
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -694,25 +1302,69 @@ def _decode(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, c: LaunchConfig,
     block_m = max(16, triton.next_power_of_2(heads * Sq))
     n_n = triton.cdiv(Sk, c.block_n)
     if splits is None:  # enough programs to fill the device, each with a run of key tiles
-        splits = max(1, triton.cdiv(2 * _num_sms(q.device), B * Hkv * chunks)) if not INTERPRET else 2
+        splits = (
+            max(1, triton.cdiv(2 * _num_sms(q.device), B * Hkv * chunks)) if not INTERPRET else 2
+        )
     per = triton.cdiv(n_n, min(splits, n_n))
     splits = triton.cdiv(n_n, per)
     part_o = torch.empty(splits, B, Hq, Sq, D, dtype=torch.float32, device=q.device)
     part_l = torch.empty(splits, B, Hq, Sq, dtype=torch.float32, device=q.device)
     _decode_kernel[(splits, B * Hkv * chunks)](
-        q, k, v, part_o, part_l, q_pos, k_pos, q_seg, k_seg,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        B, Hq, Hkv, G, heads, chunks, Sq, Sk, per, n_n, scale * LOG2E,
-        HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad(D), BLOCK_M=block_m, BLOCK_N=c.block_n, CAUSAL=causal,
-        num_warps=c.num_warps, num_stages=c.num_stages, **flags)
-    out, lse = (part_o[0], part_l[0]) if splits == 1 else merge_stacked(part_o, part_l)  # (B, Hq, Sq, [D])
+        q,
+        k,
+        v,
+        part_o,
+        part_l,
+        q_pos,
+        k_pos,
+        q_seg,
+        k_seg,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        B,
+        Hq,
+        Hkv,
+        G,
+        heads,
+        chunks,
+        Sq,
+        Sk,
+        per,
+        n_n,
+        scale * LOG2E,
+        HEAD_DIM=D,
+        HEAD_DIM_PAD=head_dim_pad(D),
+        BLOCK_M=block_m,
+        BLOCK_N=c.block_n,
+        CAUSAL=causal,
+        num_warps=c.num_warps,
+        num_stages=c.num_stages,
+        **flags,
+    )
+    out, lse = (
+        (part_o[0], part_l[0]) if splits == 1 else merge_stacked(part_o, part_l)
+    )  # (B, Hq, Sq, [D])
     return out.transpose(1, 2).to(q.dtype).contiguous(), lse.contiguous()
 
 
-def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, scale: float,
-                        causal: bool, kv_plan: Optional[Tensor] = None, q_plan: Optional[Tensor] = None,
-                        variant: str = "") -> tuple[Tensor, Tensor, Tensor]:
+def flash_attn_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    q_seg: Tensor,
+    k_seg: Tensor,
+    scale: float,
+    causal: bool,
+    kv_plan: Optional[Tensor] = None,
+    q_plan: Optional[Tensor] = None,
+    variant: str = "",
+) -> tuple[Tensor, Tensor, Tensor]:
     """dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D), all float32. `out`/`lse` may be global ones.
     kv_plan: the transposed plan of the bwd tiles; q_plan: the forward plan of the dq tiles (split
     variant only); built here when None. variant: "fused" / "split" / "" (the table's)."""
@@ -727,7 +1379,9 @@ def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     variant = variant or cfg.variant
     if variant not in VARIANTS:
         raise ValueError(f"backward variant must be one of {VARIANTS}, got {variant!r}")
-    per_head = cfg.per_head and G > 1  # then the programs of a GQA group add into dK/dV with atomics
+    per_head = (
+        cfg.per_head and G > 1
+    )  # then the programs of a GQA group add into dK/dV with atomics
     f32 = dict(dtype=torch.float32, device=q.device)
     dq = (torch.zeros if variant == "fused" else torch.empty)(B, Sq, Hq, D, **f32)
     dk, dv = ((torch.zeros if per_head else torch.empty)(B, Sk, Hkv, D, **f32) for _ in range(2))
@@ -743,23 +1397,70 @@ def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     lse2 = torch.empty_like(delta)
     pre_m = 64 if not INTERPRET else 16
     _bwd_preprocess[(triton.cdiv(Sq, pre_m), B * Hq)](
-        out, dout, lse, delta, lse2, *out.stride()[:3], *dout.stride()[:3], Hq, Sq,
-        HEAD_DIM=D, HEAD_DIM_PAD=pad, BLOCK_M=pre_m)
+        out,
+        dout,
+        lse,
+        delta,
+        lse2,
+        *out.stride()[:3],
+        *dout.stride()[:3],
+        Hq,
+        Sq,
+        HEAD_DIM=D,
+        HEAD_DIM_PAD=pad,
+        BLOCK_M=pre_m,
+    )
 
     dout = dout.to(q.dtype)
     c = cfg.bwd
     n_m, n_n = triton.cdiv(Sq, c.block_m), triton.cdiv(Sk, c.block_n)
     if kv_plan is None:
-        kv_plan = build_plan(q_pos, k_pos, q_seg, k_seg, causal, c.block_m, c.block_n, transpose=True)
+        kv_plan = build_plan(
+            q_pos, k_pos, q_seg, k_seg, causal, c.block_m, c.block_n, transpose=True
+        )
     cols_off = _plan_geometry(kv_plan, B, n_n, n_m, "backward (dK/dV)")
     _bwd_kernel[(n_n, B * (Hq if per_head else Hkv))](
-        q, k, v, dout, lse2, delta, dq, dk, dv, q_pos, k_pos, q_seg, k_seg, kv_plan, kv_plan.stride(0), cols_off,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
+        q,
+        k,
+        v,
+        dout,
+        lse2,
+        delta,
+        dq,
+        dk,
+        dv,
+        q_pos,
+        k_pos,
+        q_seg,
+        k_seg,
+        kv_plan,
+        kv_plan.stride(0),
+        cols_off,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *dout.stride()[:3],
+        *dq.stride()[:3],
         *dk.stride()[:3],
-        Hq, Hkv, G, Sq, Sk, scale * LOG2E, scale, **shape,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, PER_HEAD=per_head, ATOMIC_KV=per_head,
-        FUSED_DQ=variant == "fused", KV_SMEM=cfg.kv_smem, CAUSAL=causal, num_warps=c.num_warps,
-        num_stages=c.num_stages, **flags)
+        Hq,
+        Hkv,
+        G,
+        Sq,
+        Sk,
+        scale * LOG2E,
+        scale,
+        **shape,
+        BLOCK_M=c.block_m,
+        BLOCK_N=c.block_n,
+        PER_HEAD=per_head,
+        ATOMIC_KV=per_head,
+        FUSED_DQ=variant == "fused",
+        KV_SMEM=cfg.kv_smem,
+        CAUSAL=causal,
+        num_warps=c.num_warps,
+        num_stages=c.num_stages,
+        **flags,
+    )
 
     if variant == "split":
         c = cfg.dq
@@ -768,9 +1469,38 @@ def flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
             q_plan = build_plan(q_pos, k_pos, q_seg, k_seg, causal, c.block_m, c.block_n)
         cols_off = _plan_geometry(q_plan, B, n_m, n_n, "backward (dQ)")
         _bwd_dq_kernel[(n_m, B * Hq)](
-            q, k, v, dout, lse2, delta, dq, q_pos, k_pos, q_seg, k_seg, q_plan, q_plan.stride(0), cols_off,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
-            Hq, G, Sq, Sk, n_m, scale * LOG2E, scale, **shape,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, CAUSAL=causal,
-            num_warps=c.num_warps, num_stages=c.num_stages, **flags)
+            q,
+            k,
+            v,
+            dout,
+            lse2,
+            delta,
+            dq,
+            q_pos,
+            k_pos,
+            q_seg,
+            k_seg,
+            q_plan,
+            q_plan.stride(0),
+            cols_off,
+            *q.stride()[:3],
+            *k.stride()[:3],
+            *v.stride()[:3],
+            *dout.stride()[:3],
+            *dq.stride()[:3],
+            Hq,
+            G,
+            Sq,
+            Sk,
+            n_m,
+            scale * LOG2E,
+            scale,
+            **shape,
+            BLOCK_M=c.block_m,
+            BLOCK_N=c.block_n,
+            CAUSAL=causal,
+            num_warps=c.num_warps,
+            num_stages=c.num_stages,
+            **flags,
+        )
     return dq, dk, dv

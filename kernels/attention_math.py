@@ -22,7 +22,7 @@ from torch import Tensor
 SKIP, PARTIAL, FULL = 0, 1, 2
 """Tile classes returned by `classify_tiles` (int8)."""
 
-_BIG = 2 ** 62  # beyond any position or segment id: the min of an empty tile, minus the max
+_BIG = 2**62  # beyond any position or segment id: the min of an empty tile, minus the max
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -30,18 +30,29 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def fill_meta(q: Tensor, k: Tensor, q_pos: Optional[Tensor], k_pos: Optional[Tensor], q_seg: Optional[Tensor],
-              k_seg: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def fill_meta(
+    q: Tensor,
+    k: Tensor,
+    q_pos: Optional[Tensor],
+    k_pos: Optional[Tensor],
+    q_seg: Optional[Tensor],
+    k_seg: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(q_pos, k_pos, q_seg, k_seg), each None replaced by its default: positions 0..S-1 and one
     segment (id 0), (B, S) int64. q (B, Sq, ...), k (B, Sk, ...)."""
+
     def pos(x: Tensor) -> Tensor:
         return torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
 
     def seg(x: Tensor) -> Tensor:
         return torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
 
-    return (pos(q) if q_pos is None else q_pos, pos(k) if k_pos is None else k_pos,
-            seg(q) if q_seg is None else q_seg, seg(k) if k_seg is None else k_seg)
+    return (
+        pos(q) if q_pos is None else q_pos,
+        pos(k) if k_pos is None else k_pos,
+        seg(q) if q_seg is None else q_seg,
+        seg(k) if k_seg is None else k_seg,
+    )
 
 
 def visibility(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causal: bool) -> Tensor:
@@ -81,8 +92,13 @@ def tile_stats(pos: Tensor, seg: Tensor, tile: int | Sequence[int]) -> TileStats
     def reduce(x: Tensor, op: str) -> Tensor:  # amin / amax over each tile
         return getattr(x.view(B, n, tile), op)(-1) if starts is None else _segment(x, starts, S, op)
 
-    return TileStats(reduce(lo_pos, "amin"), reduce(hi_pos, "amax"), reduce(lo_seg, "amin"), reduce(hi_seg, "amax"),
-                     reduce(real.long(), "amin").bool())
+    return TileStats(
+        reduce(lo_pos, "amin"),
+        reduce(hi_pos, "amax"),
+        reduce(lo_seg, "amin"),
+        reduce(hi_seg, "amax"),
+        reduce(real.long(), "amin").bool(),
+    )
 
 
 def _segment(x: Tensor, starts: Tensor, S: int, op: str) -> Tensor:
@@ -104,8 +120,14 @@ def classify_tiles(q: TileStats, k: TileStats, causal: bool) -> Tensor:
     Q = lambda x: x[:, :, None]  # noqa: E731 - (B, n_q, 1)
     K = lambda x: x[:, None, :]  # noqa: E731 - (B, 1, n_k)
     visit = (Q(q.seg_min) <= K(k.seg_max)) & (K(k.seg_min) <= Q(q.seg_max))
-    full = visit & Q(q.complete) & K(k.complete) & Q(q.seg_min == q.seg_max) & K(k.seg_min == k.seg_max) \
+    full = (
+        visit
+        & Q(q.complete)
+        & K(k.complete)
+        & Q(q.seg_min == q.seg_max)
+        & K(k.seg_min == k.seg_max)
         & (Q(q.seg_min) == K(k.seg_min))
+    )
     if causal:
         visit = visit & (K(k.pos_min) <= Q(q.pos_max))
         full = full & (K(k.pos_max) <= Q(q.pos_min))
@@ -153,8 +175,9 @@ def _merge_pieces(pieces: list[Piece]) -> list[Piece]:
     return sorted(pieces)
 
 
-def dense_pieces(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causal: bool,
-                 max_pieces: int = 4) -> Optional[list[Piece]]:
+def dense_pieces(
+    q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causal: bool, max_pieces: int = 4
+) -> Optional[list[Piece]]:
     """The block's visible pairs as at most `max_pieces` rectangles a dense kernel computes exactly,
     or None when the block needs the element mask. Host tensors (B, S); reads their values.
 
@@ -167,11 +190,17 @@ def dense_pieces(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, cau
     if Sq == 0 or Sk == 0:
         return []
     one_seg = bool((q_seg >= 0).all()) and bool((q_seg == q_seg[:, :1]).all())
-    if causal and Sq == Sk and one_seg and torch.equal(q_pos, k_pos) and torch.equal(q_seg, k_seg) \
-            and bool((q_pos[:, 1:] > q_pos[:, :-1]).all()):
+    if (
+        causal
+        and Sq == Sk
+        and one_seg
+        and torch.equal(q_pos, k_pos)
+        and torch.equal(q_seg, k_seg)
+        and bool((q_pos[:, 1:] > q_pos[:, :-1]).all())
+    ):
         return [(0, Sq, 0, Sk, True)]
     qr, kr = runs(q_pos, q_seg, causal), runs(k_pos, k_seg, causal)
-    if len(qr) * len(kr) > 4 * max_pieces ** 2:
+    if len(qr) * len(kr) > 4 * max_pieces**2:
         return None
     qs = tile_stats(q_pos, q_seg, [a for a, _ in qr] + [Sq])
     ks = tile_stats(k_pos, k_seg, [a for a, _ in kr] + [Sk])
@@ -184,21 +213,38 @@ def dense_pieces(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, cau
                 continue
             if lo[i][j] == FULL:
                 pieces.append((qa, qb, ka, kb, False))
-            elif causal and qb - qa == kb - ka and bool((q_pos[:, qa] == k_pos[:, ka]).all()) \
-                    and bool((q_seg[:, qa] == k_seg[:, ka]).all()) and bool((q_seg[:, qa] >= 0).all()):
-                pieces.append((qa, qb, ka, kb, True))  # one real run on both sides, the same positions
+            elif (
+                causal
+                and qb - qa == kb - ka
+                and bool((q_pos[:, qa] == k_pos[:, ka]).all())
+                and bool((q_seg[:, qa] == k_seg[:, ka]).all())
+                and bool((q_seg[:, qa] >= 0).all())
+            ):
+                pieces.append(
+                    (qa, qb, ka, kb, True)
+                )  # one real run on both sides, the same positions
             else:
                 return None
     pieces = _merge_pieces(pieces)
     return pieces if len(pieces) <= max_pieces else None
 
 
-_SHIFT = 2 ** 32  # composite keys seg * 2**32 + (pos + 2**31): ordered by segment, then position
-_OFF = 2 ** 31
-_TOP = 2 ** 32 - 1  # the offset of the largest position: (seg, TOP) is above every (seg, pos)
+_SHIFT = 2**32  # composite keys seg * 2**32 + (pos + 2**31): ordered by segment, then position
+_OFF = 2**31
+_TOP = 2**32 - 1  # the offset of the largest position: (seg, TOP) is above every (seg, pos)
 _I64_MAX = torch.iinfo(torch.int64).max
 
-ROW_FIELDS = ("full_lo", "full_hi", "pure_lo", "pure_hi", "mixed_lo", "mixed_hi", "seg_lo", "seg_hi", "pos_hi")
+ROW_FIELDS = (
+    "full_lo",
+    "full_hi",
+    "pure_lo",
+    "pure_hi",
+    "mixed_lo",
+    "mixed_hi",
+    "seg_lo",
+    "seg_hi",
+    "pos_hi",
+)
 COL_FIELDS = ("tile", "seg_min", "seg_max", "pos_min")
 
 
@@ -264,7 +310,9 @@ def visit_ranges(rows: TileStats, cols: TileStats, causal: bool) -> tuple[Tensor
     pure_hi = torch.maximum(torch.minimum(pure_end, n_pure), pure_lo)
     mixed_lo = torch.minimum(find(pre_max, a, False), n_mixed)
     mixed_hi = torch.maximum(torch.minimum(mixed_end, n_mixed), mixed_lo)
-    ranges = torch.stack([full_lo, full_hi, pure_lo, pure_hi, mixed_lo + n_c, mixed_hi + n_c, a, b, p_max], -1)
+    ranges = torch.stack(
+        [full_lo, full_hi, pure_lo, pure_hi, mixed_lo + n_c, mixed_hi + n_c, a, b, p_max], -1
+    )
     ranges = ranges.masked_fill(~r_real[..., None], 0)  # an empty row visits nothing
 
     order = torch.cat([order_p, order_m], -1)  # (B, 2 n_c)
@@ -280,7 +328,9 @@ def lse_merge_(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -> No
     new = torch.logaddexp(lse, blk_lse)  # (B, H, S)
     empty = torch.isneginf(new)
     safe = new.masked_fill(empty, 0.0)
-    w_old = torch.exp(lse - safe).masked_fill_(empty, 0.0).transpose(1, 2).unsqueeze(-1)  # (B, S, H, 1)
+    w_old = (
+        torch.exp(lse - safe).masked_fill_(empty, 0.0).transpose(1, 2).unsqueeze(-1)
+    )  # (B, S, H, 1)
     w_blk = torch.exp(blk_lse - safe).masked_fill_(empty, 0.0).transpose(1, 2).unsqueeze(-1)
     out.mul_(w_old).addcmul_(blk_out.to(out.dtype), w_blk)
     lse.copy_(new)

@@ -23,12 +23,36 @@ class BlockBackend(Protocol):
     name: str
     sync_free: bool
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_seg: Tensor,
-                k_seg: Tensor, scale: float, causal: bool, plan=None) -> tuple[Tensor, Tensor]: ...
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        q_seg: Tensor,
+        k_seg: Tensor,
+        scale: float,
+        causal: bool,
+        plan=None,
+    ) -> tuple[Tensor, Tensor]: ...
 
-    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                 q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, scale: float,
-                 causal: bool, plan=None) -> tuple[Tensor, Tensor, Tensor]: ...
+    def backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        q_seg: Tensor,
+        k_seg: Tensor,
+        scale: float,
+        causal: bool,
+        plan=None,
+    ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
 _REGISTRY: dict[str, str] = {  # module:class, the module relative to this package
@@ -47,7 +71,9 @@ def available_backends() -> list[str]:
 def get_backend(name: str = "auto") -> BlockBackend:
     """The backend object for `name` (one for every device: "auto" chooses per block and device)."""
     if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend '{name}'; choose from {', '.join(available_backends())}")
+        raise ValueError(
+            f"unknown attention backend '{name}'; choose from {', '.join(available_backends())}"
+        )
     if name not in _INSTANCES:
         module, cls = _REGISTRY[name].split(":")
         _INSTANCES[name] = getattr(importlib.import_module(module, __package__), cls)()

@@ -12,8 +12,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .attention_math import (FULL as _FULL, SKIP as _SKIP, accum_dtype, classify_tiles, lse_merge_, runs,
-                             tile_stats, visibility)
+from .attention_math import (
+    FULL as _FULL,
+    SKIP as _SKIP,
+    accum_dtype,
+    classify_tiles,
+    lse_merge_,
+    runs,
+    tile_stats,
+    visibility,
+)
 
 _flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -49,8 +57,15 @@ def make_tiles(pos: Tensor, seg: Tensor, tile: int, min_tile: int) -> list[Tile]
     return [Tile(a, b, pure) for a, b, pure in merged]
 
 
-def plan(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causal: bool, tile: int,
-         min_tile: int) -> list[tuple[Tile, list[tuple[Tile, str, Tensor | None]]]]:
+def plan(
+    q_pos: Tensor,
+    k_pos: Tensor,
+    q_seg: Tensor,
+    k_seg: Tensor,
+    causal: bool,
+    tile: int,
+    min_tile: int,
+) -> list[tuple[Tile, list[tuple[Tile, str, Tensor | None]]]]:
     """Per query tile, the key tiles to compute with their kind (FULL, CAUSAL or MASKED; MASKED
     pairs carry their (B, tq, tk) visibility). Classes come from the shared tile bounds
     (attention_math.classify_tiles); a partial pair that is the same run of consecutive positions
@@ -75,12 +90,22 @@ def plan(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causal: boo
                 pairs.append((kt, FULL, None))
                 continue
             one_run = qt.pure and kt.pure and qt.stop - qt.start == kt.stop - kt.start
-            if causal and one_run and bool((q_first[:, i] == k_first[:, j]).all()) \
-                    and bool((qs.seg_min[:, i] == ks.seg_min[:, j]).all()) and bool((qs.seg_min[:, i] >= 0).all()):
+            if (
+                causal
+                and one_run
+                and bool((q_first[:, i] == k_first[:, j]).all())
+                and bool((qs.seg_min[:, i] == ks.seg_min[:, j]).all())
+                and bool((qs.seg_min[:, i] >= 0).all())
+            ):
                 pairs.append((kt, CAUSAL, None))
                 continue
-            vis = visibility(q_pos[:, qt.start:qt.stop], k_pos[:, kt.start:kt.stop], q_seg[:, qt.start:qt.stop],
-                             k_seg[:, kt.start:kt.stop], causal)
+            vis = visibility(
+                q_pos[:, qt.start : qt.stop],
+                k_pos[:, kt.start : kt.stop],
+                q_seg[:, qt.start : qt.stop],
+                k_seg[:, kt.start : kt.stop],
+                causal,
+            )
             if bool(vis.any()):
                 pairs.append((kt, MASKED, vis))
         out.append((qt, pairs))
@@ -98,7 +123,11 @@ class CpuBackend:
     def _plan(self, q_pos, k_pos, q_seg, k_seg, causal, cache=None):
         """The tile plan, kept in `cache` (an AttentionPlan shared by calls with this metadata)."""
         build = lambda: plan(q_pos, k_pos, q_seg, k_seg, causal, self.tile, self.min_tile)  # noqa: E731
-        return build() if cache is None else cache.get(("cpu", self.tile, self.min_tile, causal), build)
+        return (
+            build()
+            if cache is None
+            else cache.get(("cpu", self.tile, self.min_tile, causal), build)
+        )
 
     @staticmethod
     def _mask(vis: Tensor, dtype: torch.dtype) -> Tensor:
@@ -116,8 +145,15 @@ class CpuBackend:
             for n, (kt, kind, vis) in enumerate(pairs):
                 ks = slice(kt.start, kt.stop)
                 mask = self._mask(vis, cdt) if kind == MASKED else None
-                o, l = _flash_fwd(qc[:, :, qs], kc[:, :, ks], vc[:, :, ks], 0.0, kind == CAUSAL,
-                                  attn_mask=mask, scale=scale)  # (B, H, tq, D), (B, H, tq)
+                o, l = _flash_fwd(
+                    qc[:, :, qs],
+                    kc[:, :, ks],
+                    vc[:, :, ks],
+                    0.0,
+                    kind == CAUSAL,
+                    attn_mask=mask,
+                    scale=scale,
+                )  # (B, H, tq, D), (B, H, tq)
                 o = o.transpose(1, 2)  # (B, tq, H, D)
                 if kind == MASKED:  # rows with no visible key in this tile: empty, not garbage
                     none = ~vis.any(-1)  # (B, tq)
@@ -131,7 +167,9 @@ class CpuBackend:
         lse = lse if cdt == torch.float64 else lse.float()
         return out.to(q.dtype), lse
 
-    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
+    def backward(
+        self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None
+    ):
         cdt = accum_dtype(q.dtype)
         qc, kc, vc, doc, oc = (x.to(cdt).transpose(1, 2) for x in (q, k, v, dout, out))
         # Rows with no visible key anywhere (lse = -inf) get lse = +inf, so P = exp(S - lse) = 0.
@@ -142,8 +180,18 @@ class CpuBackend:
             for kt, kind, vis in pairs:
                 ks = slice(kt.start, kt.stop)
                 mask = self._mask(vis, cdt) if kind == MASKED else None
-                g = _flash_bwd(doc[:, :, qs], qc[:, :, qs], kc[:, :, ks], vc[:, :, ks], oc[:, :, qs],
-                               lse_c[:, :, qs], 0.0, kind == CAUSAL, attn_mask=mask, scale=scale)
+                g = _flash_bwd(
+                    doc[:, :, qs],
+                    qc[:, :, qs],
+                    kc[:, :, ks],
+                    vc[:, :, ks],
+                    oc[:, :, qs],
+                    lse_c[:, :, qs],
+                    0.0,
+                    kind == CAUSAL,
+                    attn_mask=mask,
+                    scale=scale,
+                )
                 for x, sl, gx in zip((dq, dk, dv), (qs, ks, ks), g):
                     x[:, sl] += gx.transpose(1, 2)
         return (dq, dk, dv) if cdt == torch.float64 else (dq.float(), dk.float(), dv.float())

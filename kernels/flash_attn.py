@@ -20,27 +20,40 @@ __all__ = ["TritonBackend", "flash_attn", "flash_attn_bwd", "flash_attn_fwd"]
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_seg: Tensor,
-                  k_seg: Tensor) -> None:
+def _check_inputs(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor
+) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be (B, S, H, D); got shapes {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v must be (B, S, H, D); got shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
     B, Sq, Hq, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"k/v batch and head dim must match q: q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise ValueError(
+            f"k/v batch and head dim must match q: q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
     if k.shape[2] == 0 or Hq % k.shape[2]:
         raise ValueError(f"query heads {Hq} must be a multiple of key/value heads {k.shape[2]}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"triton flash attention supports fp16, bf16 and fp32 inputs, got {q.dtype}")
+        raise ValueError(
+            f"triton flash attention supports fp16, bf16 and fp32 inputs, got {q.dtype}"
+        )
     if not 1 <= D <= _tk.MAX_HEAD_DIM:
-        raise ValueError(f"triton flash attention supports head dims 1..{_tk.MAX_HEAD_DIM}, got {D}; "
-                         f"use backend='torch' or 'cpu' for others")
-    for name, t, S in (("q_pos", q_pos, Sq), ("q_seg", q_seg, Sq), ("k_pos", k_pos, k.shape[1]),
-                       ("k_seg", k_seg, k.shape[1])):
+        raise ValueError(
+            f"triton flash attention supports head dims 1..{_tk.MAX_HEAD_DIM}, got {D}; "
+            f"use backend='torch' or 'cpu' for others"
+        )
+    for name, t, S in (
+        ("q_pos", q_pos, Sq),
+        ("q_seg", q_seg, Sq),
+        ("k_pos", k_pos, k.shape[1]),
+        ("k_seg", k_seg, k.shape[1]),
+    ):
         if tuple(t.shape) != (B, S):
             raise ValueError(f"{name} must have shape {(B, S)}, got {tuple(t.shape)}")
         if t.is_floating_point() or t.is_complex():
@@ -49,13 +62,25 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
     if q.device.type != "cuda" and not (_tk.INTERPRET and q.device.type == "cpu"):
-        raise ValueError(f"the triton backend needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 "
-                         f"set before import), got {q.device}")
+        raise ValueError(
+            f"the triton backend needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 "
+            f"set before import), got {q.device}"
+        )
 
 
 @torch.library.custom_op("longvideo::flash_attn_fwd", mutates_args=())
-def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor,
-                   scale: float, causal: bool, plan: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def flash_attn_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    q_seg: Tensor,
+    k_seg: Tensor,
+    scale: float,
+    causal: bool,
+    plan: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
     """out (B, Sq, Hq, D) in q.dtype and lse (B, Hq, Sq) float32 (-inf on empty rows).
     plan: the int32 tile plan of this shape's forward tiles (_flash_attn_triton.build_plan), or None."""
     _check_inputs(q, k, v, q_pos, k_pos, q_seg, k_seg)
@@ -69,34 +94,81 @@ def _flash_attn_fwd_fake(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, pla
 
 
 @torch.library.custom_op("longvideo::flash_attn_bwd", mutates_args=())
-def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_pos: Tensor,
-                   k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, scale: float, causal: bool,
-                   kv_plan: Optional[Tensor] = None, q_plan: Optional[Tensor] = None,
-                   variant: str = "") -> tuple[Tensor, Tensor, Tensor]:
+def flash_attn_bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    q_seg: Tensor,
+    k_seg: Tensor,
+    scale: float,
+    causal: bool,
+    kv_plan: Optional[Tensor] = None,
+    q_plan: Optional[Tensor] = None,
+    variant: str = "",
+) -> tuple[Tensor, Tensor, Tensor]:
     """dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D), float32. out/lse may be global (ring).
     kv_plan / q_plan: tile plans (see _flash_attn_triton.flash_attn_backward) or None; variant:
     "fused", "split" or "" (the launch table's)."""
     _check_inputs(q, k, v, q_pos, k_pos, q_seg, k_seg)
     if dout.shape != q.shape or out.shape != q.shape:
-        raise ValueError(f"dout and out must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}, "
-                         f"{tuple(out.shape)}")
+        raise ValueError(
+            f"dout and out must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}, "
+            f"{tuple(out.shape)}"
+        )
     if tuple(lse.shape) != (q.shape[0], q.shape[2], q.shape[1]):
-        raise ValueError(f"lse must be (B, Hq, Sq) = {(q.shape[0], q.shape[2], q.shape[1])}, got {tuple(lse.shape)}")
-    return _tk.flash_attn_backward(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal,
-                                   kv_plan, q_plan, variant)
+        raise ValueError(
+            f"lse must be (B, Hq, Sq) = {(q.shape[0], q.shape[2], q.shape[1])}, got {tuple(lse.shape)}"
+        )
+    return _tk.flash_attn_backward(
+        dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, kv_plan, q_plan, variant
+    )
 
 
 @flash_attn_bwd.register_fake
-def _flash_attn_bwd_fake(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, kv_plan=None,
-                         q_plan=None, variant=""):
+def _flash_attn_bwd_fake(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    q_pos,
+    k_pos,
+    q_seg,
+    k_seg,
+    scale,
+    causal,
+    kv_plan=None,
+    q_plan=None,
+    variant="",
+):
     f32 = torch.float32
-    return q.new_empty(q.shape, dtype=f32), k.new_empty(k.shape, dtype=f32), v.new_empty(v.shape, dtype=f32)
+    return (
+        q.new_empty(q.shape, dtype=f32),
+        k.new_empty(k.shape, dtype=f32),
+        v.new_empty(v.shape, dtype=f32),
+    )
 
 
-def flash_attn(q: Tensor, k: Tensor, v: Tensor, q_pos: Optional[Tensor] = None,
-               k_pos: Optional[Tensor] = None, q_seg: Optional[Tensor] = None,
-               k_seg: Optional[Tensor] = None, *, causal: bool = True, softmax_scale: Optional[float] = None,
-               return_lse: bool = False, plan: Optional[AttentionPlan] = None):
+def flash_attn(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Optional[Tensor] = None,
+    k_pos: Optional[Tensor] = None,
+    q_seg: Optional[Tensor] = None,
+    k_seg: Optional[Tensor] = None,
+    *,
+    causal: bool = True,
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+    plan: Optional[AttentionPlan] = None,
+):
     """Masked flash attention with the Triton kernel; differentiable in q, k, v. q: (B, Sq, Hq, D);
     k, v: (B, Sk, Hkv, D), Hq % Hkv == 0; fp16, bf16 or fp32; D from 1 to 256; metadata as for
     `block_attention`. Returns out (B, Sq, Hq, D) in q.dtype, and with return_lse also lse
@@ -116,13 +188,22 @@ class TritonBackend:
         """The forward op with its tile plan taken from (or built into) `plan`."""
         _check_inputs(q, k, v, q_pos, k_pos, q_seg, k_seg)
         tensor = None
-        if plan is not None and not _tk.uses_decode(q.shape[1]) and q.shape[1] and k.shape[1] and q.shape[-1]:
+        if (
+            plan is not None
+            and not _tk.uses_decode(q.shape[1])
+            and q.shape[1]
+            and k.shape[1]
+            and q.shape[-1]
+        ):
             c = _tk.tile_config(q.shape[-1], q.dtype).fwd
             tensor = _tk.kept_plan(plan, c, False, causal, q_pos, k_pos, q_seg, k_seg)
-        return torch.ops.longvideo.flash_attn_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, float(scale),
-                                                  bool(causal), tensor)
+        return torch.ops.longvideo.flash_attn_fwd(
+            q, k, v, q_pos, k_pos, q_seg, k_seg, float(scale), bool(causal), tensor
+        )
 
-    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
+    def backward(
+        self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None
+    ):
         """The backward op with its tile plans taken from (or built into) `plan`."""
         _check_inputs(q, k, v, q_pos, k_pos, q_seg, k_seg)
         cfg, kv_plan, q_plan = _tk.tile_config(q.shape[-1], q.dtype), None, None
@@ -130,5 +211,20 @@ class TritonBackend:
             meta = (causal, q_pos, k_pos, q_seg, k_seg)
             kv_plan = _tk.kept_plan(plan, cfg.bwd, True, *meta)
             q_plan = _tk.kept_plan(plan, cfg.dq, False, *meta) if cfg.variant == "split" else None
-        return torch.ops.longvideo.flash_attn_bwd(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg,
-                                                  float(scale), bool(causal), kv_plan, q_plan, cfg.variant)
+        return torch.ops.longvideo.flash_attn_bwd(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            q_pos,
+            k_pos,
+            q_seg,
+            k_seg,
+            float(scale),
+            bool(causal),
+            kv_plan,
+            q_plan,
+            cfg.variant,
+        )

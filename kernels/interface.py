@@ -30,9 +30,34 @@ class _BlockAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg = ctx.saved_tensors
         be = get_backend(ctx.backend)
-        dq, dk, dv = be.backward(dout.contiguous(), q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg,
-                                 ctx.scale, ctx.causal, plan=ctx.plan)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
+        dq, dk, dv = be.backward(
+            dout.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            q_pos,
+            k_pos,
+            q_seg,
+            k_seg,
+            ctx.scale,
+            ctx.causal,
+            plan=ctx.plan,
+        )
+        return (
+            dq.to(q.dtype),
+            dk.to(k.dtype),
+            dv.to(v.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def attention(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, softmax_scale, backend, plan):
@@ -42,15 +67,26 @@ def attention(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, softmax_scale, backen
     return _BlockAttention.apply(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, backend, plan)
 
 
-def block_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Optional[Tensor] = None,
-                    k_pos: Optional[Tensor] = None, q_seg: Optional[Tensor] = None,
-                    k_seg: Optional[Tensor] = None, *, causal: bool = True,
-                    softmax_scale: Optional[float] = None, backend: str = "auto",
-                    plan: Optional[AttentionPlan] = None) -> Tensor:
+def block_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Optional[Tensor] = None,
+    k_pos: Optional[Tensor] = None,
+    q_seg: Optional[Tensor] = None,
+    k_seg: Optional[Tensor] = None,
+    *,
+    causal: bool = True,
+    softmax_scale: Optional[float] = None,
+    backend: str = "auto",
+    plan: Optional[AttentionPlan] = None,
+) -> Tensor:
     """Masked attention (the mask rule of attention_math.py); differentiable in q, k, v.
 
     q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); positions and segment ids (B, S), by default 0..S-1 and
     one segment. Returns out (B, Sq, Hq, D) in q.dtype."""
     if q.shape[2] % k.shape[2]:
-        raise ValueError(f"query heads {q.shape[2]} must be a multiple of key/value heads {k.shape[2]}")
+        raise ValueError(
+            f"query heads {q.shape[2]} must be a multiple of key/value heads {k.shape[2]}"
+        )
     return attention(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, softmax_scale, backend, plan)[0]

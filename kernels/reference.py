@@ -12,10 +12,19 @@ from torch import Tensor
 from .attention_math import accum_dtype, fill_meta, visibility
 
 
-def flash_attn_ref(q: Tensor, k: Tensor, v: Tensor, q_pos: Optional[Tensor] = None,
-                   k_pos: Optional[Tensor] = None, q_seg: Optional[Tensor] = None,
-                   k_seg: Optional[Tensor] = None, *, causal: bool = True,
-                   softmax_scale: Optional[float] = None, upcast: bool = True) -> tuple[Tensor, Tensor]:
+def flash_attn_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Optional[Tensor] = None,
+    k_pos: Optional[Tensor] = None,
+    q_seg: Optional[Tensor] = None,
+    k_seg: Optional[Tensor] = None,
+    *,
+    causal: bool = True,
+    softmax_scale: Optional[float] = None,
+    upcast: bool = True,
+) -> tuple[Tensor, Tensor]:
     """Materialised masked attention: q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D) with Hq % Hkv == 0;
     metadata as for `block_attention`. upcast: compute in fp32 (fp64 stays fp64); else in the input
     dtype, as a plain same-dtype PyTorch computation would (to measure that dtype's own error).

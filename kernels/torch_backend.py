@@ -23,7 +23,9 @@ def _heads_first(q: Tensor, k: Tensor, v: Tensor, cdt: torch.dtype):
 
 def _tile_vis(q_pos, k_pos, q_seg, k_seg, causal, i: int, j: int, T: int) -> Tensor:
     """(B, 1, 1, tq, tk) visibility of query tile [i, i + T) against key tile [j, j + T)."""
-    vis = visibility(q_pos[:, i:i + T], k_pos[:, j:j + T], q_seg[:, i:i + T], k_seg[:, j:j + T], causal)
+    vis = visibility(
+        q_pos[:, i : i + T], k_pos[:, j : j + T], q_seg[:, i : i + T], k_seg[:, j : j + T], causal
+    )
     return vis[:, None, None]
 
 
@@ -42,7 +44,7 @@ class TorchBackend:
         lse = torch.full((B, Hkv, G, Sq), float("-inf"), dtype=cdt, device=q.device)
         T = self.tile
         for i in range(0, Sq, T):
-            qi = qh[:, :, :, i:i + T]
+            qi = qh[:, :, :, i : i + T]
             m = torch.full(qi.shape[:-1], float("-inf"), dtype=cdt, device=q.device)  # running max
             l = torch.zeros_like(m)  # running sum of exp(s - m)
             acc = torch.zeros_like(qi)
@@ -50,23 +52,29 @@ class TorchBackend:
                 vis = _tile_vis(q_pos, k_pos, q_seg, k_seg, causal, i, j, T)
                 if not bool(vis.any()):
                     continue  # the whole tile is masked: skip it
-                s = torch.matmul(qi, kh[:, :, :, j:j + T].transpose(-1, -2)) * scale
+                s = torch.matmul(qi, kh[:, :, :, j : j + T].transpose(-1, -2)) * scale
                 s = s.masked_fill(~vis, float("-inf"))
                 m_new = torch.maximum(m, s.amax(-1))
                 m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
                 p = torch.exp(s - m_safe[..., None])
                 alpha = torch.exp(m - m_safe)
                 l = l * alpha + p.sum(-1)
-                acc = acc * alpha[..., None] + torch.matmul(p, vh[:, :, :, j:j + T])
+                acc = acc * alpha[..., None] + torch.matmul(p, vh[:, :, :, j : j + T])
                 m = m_new
             has = l > 0
-            out[:, :, :, i:i + T] = torch.where(has[..., None], acc / l.clamp_min(1e-300)[..., None], 0.0)
-            lse[:, :, :, i:i + T] = torch.where(has, m + torch.log(l.clamp_min(1e-300)), float("-inf"))
+            out[:, :, :, i : i + T] = torch.where(
+                has[..., None], acc / l.clamp_min(1e-300)[..., None], 0.0
+            )
+            lse[:, :, :, i : i + T] = torch.where(
+                has, m + torch.log(l.clamp_min(1e-300)), float("-inf")
+            )
         out = out.permute(0, 3, 1, 2, 4).reshape(B, Sq, -1, D).to(q.dtype)
         lse = lse.reshape(B, -1, Sq)
         return out, (lse if cdt == torch.float64 else lse.float())
 
-    def backward(self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
+    def backward(
+        self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None
+    ):
         cdt = accum_dtype(q.dtype)
         qh, kh, vh = _heads_first(q, k, v, cdt)
         (B, Hkv, G, Sq, D), Sk = qh.shape, k.shape[1]
@@ -77,22 +85,24 @@ class TorchBackend:
         dk, dv = (torch.zeros(B, Hkv, Sk, D, dtype=cdt, device=q.device) for _ in range(2))
         T = self.tile
         for i in range(0, Sq, T):
-            qi, doi = qh[:, :, :, i:i + T], doh[:, :, :, i:i + T]
-            li = lse_h[:, :, :, i:i + T]
-            li = torch.where(torch.isinf(li), torch.full_like(li, float("inf")), li)  # empty rows: P = 0
-            di = delta[:, :, :, i:i + T]
+            qi, doi = qh[:, :, :, i : i + T], doh[:, :, :, i : i + T]
+            li = lse_h[:, :, :, i : i + T]
+            li = torch.where(
+                torch.isinf(li), torch.full_like(li, float("inf")), li
+            )  # empty rows: P = 0
+            di = delta[:, :, :, i : i + T]
             for j in range(0, Sk, T):
                 vis = _tile_vis(q_pos, k_pos, q_seg, k_seg, causal, i, j, T)
                 if not bool(vis.any()):
                     continue
-                kj, vj = kh[:, :, :, j:j + T], vh[:, :, :, j:j + T]
+                kj, vj = kh[:, :, :, j : j + T], vh[:, :, :, j : j + T]
                 s = torch.matmul(qi, kj.transpose(-1, -2)) * scale
                 p = torch.exp(s - li[..., None]).masked_fill(~vis, 0.0)  # (B, Hkv, G, tq, tk)
-                dv[:, :, j:j + T] += torch.matmul(p.transpose(-1, -2), doi).sum(2)
+                dv[:, :, j : j + T] += torch.matmul(p.transpose(-1, -2), doi).sum(2)
                 dp = torch.matmul(doi, vj.transpose(-1, -2))
                 ds = p * (dp - di[..., None])
-                dq[:, :, :, i:i + T] += torch.matmul(ds, kj) * scale
-                dk[:, :, j:j + T] += torch.matmul(ds.transpose(-1, -2), qi).sum(2) * scale
+                dq[:, :, :, i : i + T] += torch.matmul(ds, kj) * scale
+                dk[:, :, j : j + T] += torch.matmul(ds.transpose(-1, -2), qi).sum(2) * scale
         dq = dq.permute(0, 3, 1, 2, 4).reshape(B, Sq, -1, D)
         dk, dv = dk.permute(0, 2, 1, 3), dv.permute(0, 2, 1, 3)
         return (dq, dk, dv) if cdt == torch.float64 else (dq.float(), dk.float(), dv.float())

@@ -39,7 +39,9 @@ def fsync_tree(root: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike, mode: str = "w", *, file_mode: int = 0o644) -> Iterator[IO]:
+def atomic_open(
+    path: str | os.PathLike, mode: str = "w", *, file_mode: int = 0o644
+) -> Iterator[IO]:
     """Open a temporary file beside `path` for writing; on a clean exit it replaces `path`."""
     if not any(c in mode for c in "wx"):
         raise ValueError(f"atomic_open writes a new file; mode {mode!r} does not")

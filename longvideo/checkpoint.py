@@ -54,8 +54,12 @@ def tie(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor
 def build_model(cfg: Config) -> Transformer:
     """The project decoder of `cfg` as a run uses it: its architecture (cfg.model), its runtime chunk
     sizes (cfg.runtime) and the block-attention backend (cfg.parallel.backend)."""
-    return Transformer(cfg.model, ffn_chunk=cfg.runtime.ffn_chunk, loss_chunk=cfg.runtime.loss_chunk,
-                       backend=cfg.parallel.backend)
+    return Transformer(
+        cfg.model,
+        ffn_chunk=cfg.runtime.ffn_chunk,
+        loss_chunk=cfg.runtime.loss_chunk,
+        backend=cfg.parallel.backend,
+    )
 
 
 def check_shapes(sd: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> None:
@@ -64,25 +68,40 @@ def check_shapes(sd: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> 
         expected = Transformer(cfg).state_dict()
     missing = sorted(set(expected) - set(sd))
     if missing:
-        raise CheckpointError(f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise CheckpointError(
+            f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+        )
     extra = sorted(set(sd) - set(expected))
     if extra:
         raise CheckpointError(f"{source}: unexpected tensors {extra[:5]}")
     for k, t in expected.items():
         if tuple(sd[k].shape) != tuple(t.shape):
-            raise CheckpointError(f"{source}: tensor '{k}' has shape {tuple(sd[k].shape)}, "
-                                  f"the config expects {tuple(t.shape)}")
+            raise CheckpointError(
+                f"{source}: tensor '{k}' has shape {tuple(sd[k].shape)}, "
+                f"the config expects {tuple(t.shape)}"
+            )
 
 
-def write_weights(path: str | Path, sd: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> None:
+def write_weights(
+    path: str | Path, sd: dict[str, torch.Tensor], metadata: Optional[dict] = None
+) -> None:
     """A safetensors file, atomically (contiguous CPU copies; no shared storage)."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in sd.items()}
     write_bytes_atomic(path, save(tensors, metadata=metadata))
 
 
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                      torch.uint8: "U8", torch.bool: "BOOL"}
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 class StreamingWeights:
@@ -91,8 +110,12 @@ class StreamingWeights:
     the piece being written is in memory. `close` checks that every byte of every tensor was
     written exactly once."""
 
-    def __init__(self, f: IO[bytes], specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                 metadata: Optional[dict[str, str]] = None):
+    def __init__(
+        self,
+        f: IO[bytes],
+        specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+        metadata: Optional[dict[str, str]] = None,
+    ):
         self.f, self.specs = f, dict(specs)
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
         self.offsets: dict[str, int] = {}
@@ -100,10 +123,15 @@ class StreamingWeights:
         # wider dtypes first, as safetensors lays files out: every tensor starts aligned to its item size
         for name, (dtype, shape) in sorted(self.specs.items(), key=lambda kv: -kv[1][0].itemsize):
             if dtype not in SAFETENSORS_DTYPES:
-                raise CheckpointError(f"tensor '{name}': dtype {dtype} cannot be stored in safetensors")
+                raise CheckpointError(
+                    f"tensor '{name}': dtype {dtype} cannot be stored in safetensors"
+                )
             nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                            "data_offsets": [pos, pos + nbytes]}
+            header[name] = {
+                "dtype": SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [pos, pos + nbytes],
+            }
             self.offsets[name] = pos
             pos += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -135,7 +163,9 @@ class StreamingWeights:
             for a, b in sorted(pieces):
                 if a != end:
                     what = "overlap" if a < end else "a gap"
-                    raise CheckpointError(f"tensor '{name}': its pieces leave {what} at element {min(a, end)}")
+                    raise CheckpointError(
+                        f"tensor '{name}': its pieces leave {what} at element {min(a, end)}"
+                    )
                 end = b
             if end != (size := math.prod(self.specs[name][1])):
                 raise CheckpointError(f"tensor '{name}': only {end} of {size} elements written")
@@ -144,8 +174,11 @@ class StreamingWeights:
 
 
 @contextlib.contextmanager
-def streaming_weights(path: str | Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                      metadata: Optional[dict[str, str]] = None) -> Iterator[StreamingWeights]:
+def streaming_weights(
+    path: str | Path,
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    metadata: Optional[dict[str, str]] = None,
+) -> Iterator[StreamingWeights]:
     """Write a safetensors file atomically, tensor by tensor (see StreamingWeights)."""
     with atomic_open(path, "w+b") as f:
         w = StreamingWeights(f, specs, metadata)
@@ -153,8 +186,13 @@ def streaming_weights(path: str | Path, specs: dict[str, tuple[torch.dtype, tupl
         w.close()
 
 
-def save_project_checkpoint(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg: Config,
-                            tokenizer: Optional[TextTokenizer] = None, vq: Optional[VQModel] = None) -> Path:
+def save_project_checkpoint(
+    out_dir: str | Path,
+    state_dict: dict[str, torch.Tensor],
+    cfg: Config,
+    tokenizer: Optional[TextTokenizer] = None,
+    vq: Optional[VQModel] = None,
+) -> Path:
     """Write config.yaml + model.safetensors (+ tokenizer/, vq/) into out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -191,8 +229,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     ckpt = latest_checkpoint(path)
     if ckpt is None:
-        raise FileNotFoundError(f"{path} is neither a checkpoint ({CONFIG_FILE} + {WEIGHTS_FILE} or "
-                                f"DeepSpeed shards) nor a run directory with {CHECKPOINTS}/{LATEST}")
+        raise FileNotFoundError(
+            f"{path} is neither a checkpoint ({CONFIG_FILE} + {WEIGHTS_FILE} or "
+            f"DeepSpeed shards) nor a run directory with {CHECKPOINTS}/{LATEST}"
+        )
     return ckpt
 
 
@@ -209,13 +249,21 @@ def load_project_state(path: str | Path) -> tuple[dict[str, torch.Tensor], Confi
 
 
 _LAYER_MAP = {  # ours -> transformers' LlamaForCausalLM, per layer
-    "attn.wq.weight": "self_attn.q_proj.weight", "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wv.weight": "self_attn.v_proj.weight", "attn.wo.weight": "self_attn.o_proj.weight",
-    "ffn.w_gate.weight": "mlp.gate_proj.weight", "ffn.w_up.weight": "mlp.up_proj.weight",
-    "ffn.w_down.weight": "mlp.down_proj.weight", "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight"}
-_TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-            TIED_HEAD: "lm_head.weight"}
+    "attn.wq.weight": "self_attn.q_proj.weight",
+    "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight",
+    "attn.wo.weight": "self_attn.o_proj.weight",
+    "ffn.w_gate.weight": "mlp.gate_proj.weight",
+    "ffn.w_up.weight": "mlp.up_proj.weight",
+    "ffn.w_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_MAP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    TIED_HEAD: "lm_head.weight",
+}
 
 
 def to_hf_names(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -248,7 +296,9 @@ def from_hf_names(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
         else:
             raise CheckpointError(f"unexpected tensor '{name}' in the Hugging Face checkpoint")
     if not cfg.tie_embeddings and TIED_HEAD not in out:
-        raise CheckpointError("the checkpoint has no lm_head.weight but tie_word_embeddings is false")
+        raise CheckpointError(
+            "the checkpoint has no lm_head.weight but tie_word_embeddings is false"
+        )
     return tie(untie(out, cfg), cfg)
 
 
@@ -285,7 +335,9 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu") -> Pre
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model directory not found: {path}")
-    if (path / EXPORT_CONFIG).is_file() and (path / "config.json").is_file():  # an exported directory
+    if (path / EXPORT_CONFIG).is_file() and (
+        path / "config.json"
+    ).is_file():  # an exported directory
         cfg = load_config(path / EXPORT_CONFIG)
         sd = from_hf_names(read_safetensors_dir(path), cfg.model)
         tok_dir = path

@@ -10,12 +10,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-data": ("longvideo.data.cli:make_data_main", "write synthetic video-text shards"),
     "tokenize": ("longvideo.data.cli:tokenize_main", "VQ-encode raw shards into token shards"),
     "train-vq": ("longvideo.train.vq_cli:main", "train the VQ video tokenizer"),
-    "train": ("longvideo.train.cli:main", "train the language model (torchrun/deepspeed/accelerate)"),
+    "train": (
+        "longvideo.train.cli:main",
+        "train the language model (torchrun/deepspeed/accelerate)",
+    ),
     "chat": ("longvideo.infer.cli:chat_main", "answer questions about a video"),
-    "serve": ("longvideo.infer.serve:main", "an OpenAI-compatible chat server about videos, with a web page"),
+    "serve": (
+        "longvideo.infer.serve:main",
+        "an OpenAI-compatible chat server about videos, with a web page",
+    ),
     "eval": ("longvideo.infer.cli:eval_main", "QA accuracy and needle-in-a-haystack evaluations"),
     "import-hf": ("longvideo.export.cli:import_main", "read a Hugging Face Llama checkpoint"),
-    "import-lwm": ("longvideo.export.cli:import_lwm_main", "convert LWM's released JAX chat checkpoints"),
+    "import-lwm": (
+        "longvideo.export.cli:import_lwm_main",
+        "convert LWM's released JAX chat checkpoints",
+    ),
     "export": ("longvideo.export.cli:export_main", "write a Hugging Face checkpoint"),
     "train-tokenizer": ("longvideo.tokenizer:cli_main", "train a small BPE text tokenizer"),
 }

@@ -14,8 +14,16 @@ from typing import Optional
 import yaml
 
 from longvideo.atomic import write_text_atomic
-from longvideo.configtools import (CONFIG_DIR, ConfigError, apply_overrides, check, from_dict, load_yaml,
-                                   resolve_config_path, to_dict)
+from longvideo.configtools import (
+    CONFIG_DIR,
+    ConfigError,
+    apply_overrides,
+    check,
+    from_dict,
+    load_yaml,
+    resolve_config_path,
+    to_dict,
+)
 from longvideo.data.config import DataConfig
 from longvideo.infer.config import InferConfig
 from longvideo.model.config import ModelConfig
@@ -44,10 +52,16 @@ class Config:
     """Generation."""
 
     def __post_init__(self):
-        check(self.model.codebook_size == self.vq.codebook_size, "model.codebook_size",
-              f"must equal vq.codebook_size={self.vq.codebook_size}, got {self.model.codebook_size}")
-        check(self.model.code_init != "fsq" or self.vq.quantizer == "fsq", "model.code_init",
-              f"fsq needs an FSQ tokenizer (vq.quantizer: fsq), got vq.quantizer={self.vq.quantizer}")
+        check(
+            self.model.codebook_size == self.vq.codebook_size,
+            "model.codebook_size",
+            f"must equal vq.codebook_size={self.vq.codebook_size}, got {self.model.codebook_size}",
+        )
+        check(
+            self.model.code_init != "fsq" or self.vq.quantizer == "fsq",
+            "model.code_init",
+            f"fsq needs an FSQ tokenizer (vq.quantizer: fsq), got vq.quantizer={self.vq.quantizer}",
+        )
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
@@ -61,4 +75,12 @@ def save_config(cfg: Config, path: str | Path) -> None:
     write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
-__all__ = ["CONFIG_DIR", "Config", "ConfigError", "load_config", "save_config", "resolve_config_path", "to_dict"]
+__all__ = [
+    "CONFIG_DIR",
+    "Config",
+    "ConfigError",
+    "load_config",
+    "save_config",
+    "resolve_config_path",
+    "to_dict",
+]

@@ -123,8 +123,14 @@ def from_dict(cls, data: dict, prefix: str = ""):
             raise ConfigError(dotted, f"unknown key; allowed keys: {', '.join(sorted(fields))}")
         kwargs[key] = _coerce(value, hints[key], dotted)
     for name, f in fields.items():
-        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{prefix}.{name}" if prefix else name, "missing (the key has no default)")
+        if (
+            name not in kwargs
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        ):
+            raise ConfigError(
+                f"{prefix}.{name}" if prefix else name, "missing (the key has no default)"
+            )
     try:
         return cls(**kwargs)
     except ConfigError as e:
@@ -200,5 +206,7 @@ def load_yaml(path) -> dict:
 def deep_merge(base: dict, update: dict) -> dict:
     out = dict(base)
     for k, v in update.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = (
+            deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
     return out

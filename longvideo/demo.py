@@ -25,7 +25,14 @@ from typing import Optional
 
 from longvideo.checkpoint import latest_checkpoint
 from longvideo.config import load_config
-from longvideo.configtools import ConfigError, check, from_dict, load_yaml, resolve_config_path, to_dict
+from longvideo.configtools import (
+    ConfigError,
+    check,
+    from_dict,
+    load_yaml,
+    resolve_config_path,
+    to_dict,
+)
 from longvideo.data.synthetic import SyntheticSpec, make_sample, text_corpus
 from longvideo.export import LongVideoProcessor
 from longvideo.machine import describe, machine_info
@@ -63,8 +70,11 @@ class VideoSet:
 
     def __post_init__(self):
         check(self.n >= 1, "n", f"a set needs videos, got {self.n}")
-        check(1 <= self.min_seconds <= self.max_seconds, "max_seconds",
-              f"need 1 <= min_seconds <= max_seconds, got {self.min_seconds} and {self.max_seconds}")
+        check(
+            1 <= self.min_seconds <= self.max_seconds,
+            "max_seconds",
+            f"need 1 <= min_seconds <= max_seconds, got {self.min_seconds} and {self.max_seconds}",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,20 +148,41 @@ class DemoPlan:
         names = [v.name for v in self.sets]
         check(len(set(names)) == len(names), "sets", f"set names repeat: {names}")
         for key in ("held_out", "vq_set"):
-            check(getattr(self, key) in names, key, f"no set named {getattr(self, key)!r}; sets: {names}")
+            check(
+                getattr(self, key) in names,
+                key,
+                f"no set named {getattr(self, key)!r}; sets: {names}",
+            )
         check(len(self.stages) > 0, "stages", "the ladder needs a rung")
-        check(not self.needle_trials or len(self.needle_trials) == len(self.needle_lengths), "needle_trials",
-              f"one count per needle length ({len(self.needle_lengths)}), got {list(self.needle_trials)}")
+        check(
+            not self.needle_trials or len(self.needle_trials) == len(self.needle_lengths),
+            "needle_trials",
+            f"one count per needle length ({len(self.needle_lengths)}), got {list(self.needle_trials)}",
+        )
         _named("lm_config", load_config, self.lm_config)
         _named("vq_config", load_vq_config, self.vq_config)
         ladder = []
         for i, st in enumerate(self.stages):
             unknown = [s for s in st.sets if s not in names]
-            check(bool(st.sets) and not unknown, f"stages[{i}].sets", f"no set named {unknown}; sets: {names}")
-            c = _named(f"stages[{i}].config", load_config, st.config, [*self.lm_overrides, *st.overrides])
+            check(
+                bool(st.sets) and not unknown,
+                f"stages[{i}].sets",
+                f"no set named {unknown}; sets: {names}",
+            )
+            c = _named(
+                f"stages[{i}].config", load_config, st.config, [*self.lm_overrides, *st.overrides]
+            )
             zero = resolve_zero_stage(c.train, load_base(c.train.deepspeed_config))
-            ladder.append(dict(seq_len=c.data.seq_len, steps=c.train.steps, rope_theta=c.model.rope_theta,
-                               sp=c.parallel.sp, lr=c.train.lr, zero_stage=zero))
+            ladder.append(
+                dict(
+                    seq_len=c.data.seq_len,
+                    steps=c.train.steps,
+                    rope_theta=c.model.rope_theta,
+                    sp=c.parallel.sp,
+                    lr=c.train.lr,
+                    zero_stage=zero,
+                )
+            )
         object.__setattr__(self, "ladder", tuple(ladder))
 
     def record(self) -> dict:
@@ -193,16 +224,23 @@ class Demo:
         self.q = ["--quiet"] if quiet else []  # every command's progress bars off
         self.timings: dict[str, float] = {}
         self.machine: dict | None = None
-        self.env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
-                        TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                        PYTHONUNBUFFERED="1")
+        self.env = dict(
+            os.environ,
+            DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
+            TOKENIZERS_PARALLELISM="false",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            PYTHONUNBUFFERED="1",
+        )
 
     def run(self, args: list[str], *, threads: int | None = None) -> None:
         env = dict(self.env)
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         cmd = [str(a) for a in args]
-        print("$ " + " ".join(cmd if cmd[0] != sys.executable else ["python"] + cmd[1:]), flush=True)
+        print(
+            "$ " + " ".join(cmd if cmd[0] != sys.executable else ["python"] + cmd[1:]), flush=True
+        )
         r = subprocess.run(cmd, env=env, cwd=str(ROOT))
         if r.returncode != 0:
             raise DemoError(f"command failed with exit code {r.returncode}: {' '.join(cmd)}")
@@ -212,8 +250,19 @@ class Demo:
 
     def torchrun(self, nproc: int, *args) -> None:
         """`longvideo ARGS` in nproc processes of one thread each."""
-        self.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                  "-m", "longvideo", *args], threads=1)
+        self.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={nproc}",
+                "-m",
+                "longvideo",
+                *args,
+            ],
+            threads=1,
+        )
 
     def stage(self, name: str, done: Path, fn) -> None:
         if done.exists():
@@ -227,40 +276,104 @@ class Demo:
 
     def make_data(self) -> None:
         for v in self.plan.sets:
-            self.lv("make-data", "synthetic", "--out", self.out / "data" / v.name, "--n", v.n, "--seed", v.seed,
-                    "--fps", self.plan.source_fps, "--min-seconds", v.min_seconds, "--max-seconds", v.max_seconds,
-                    "--long-fraction", v.long_fraction, "--long-seconds", v.long_seconds,
-                    "--needle-fraction", self.plan.needle_fraction, "--flashes-per-minute", v.flashes_per_minute,
-                    "--samples-per-shard", 64, "--workers", 2, *self.q)
+            self.lv(
+                "make-data",
+                "synthetic",
+                "--out",
+                self.out / "data" / v.name,
+                "--n",
+                v.n,
+                "--seed",
+                v.seed,
+                "--fps",
+                self.plan.source_fps,
+                "--min-seconds",
+                v.min_seconds,
+                "--max-seconds",
+                v.max_seconds,
+                "--long-fraction",
+                v.long_fraction,
+                "--long-seconds",
+                v.long_seconds,
+                "--needle-fraction",
+                self.plan.needle_fraction,
+                "--flashes-per-minute",
+                v.flashes_per_minute,
+                "--samples-per-shard",
+                64,
+                "--workers",
+                2,
+                *self.q,
+            )
         (self.out / "data/.done").touch()
 
     def tokenizer(self) -> None:
         p, texts = self.plan, []
         for v in p.sets:
-            spec = SyntheticSpec(fps=p.source_fps, min_seconds=v.min_seconds, max_seconds=v.max_seconds,
-                                 long_fraction=v.long_fraction, long_seconds=v.long_seconds,
-                                 needle_fraction=p.needle_fraction)
+            spec = SyntheticSpec(
+                fps=p.source_fps,
+                min_seconds=v.min_seconds,
+                max_seconds=v.max_seconds,
+                long_fraction=v.long_fraction,
+                long_seconds=v.long_seconds,
+                needle_fraction=p.needle_fraction,
+            )
             texts += text_corpus(n=400 // len(p.sets) + 1, seed=v.seed, spec=spec)
         corpus = self.out / "tokenizer_corpus.txt"
         corpus.write_text("\n".join(texts) + "\n")
-        self.lv("train-tokenizer", "--texts", corpus, "--vocab-size", self.plan.tokenizer_vocab,
-                "--out", self.out / "tokenizer")
+        self.lv(
+            "train-tokenizer",
+            "--texts",
+            corpus,
+            "--vocab-size",
+            self.plan.tokenizer_vocab,
+            "--out",
+            self.out / "tokenizer",
+        )
 
     def train_vq(self) -> None:
         p, t0 = self.plan, time.time()
-        self.lv("train-vq", "--config", config_arg(p.vq_config), "--data", self.out / "data" / p.vq_set,
-                "--out", self.out / "vq", "--steps", p.vq_steps, "--no-tensorboard", *self.q,
-                *([] if p.vq_seed is None else [f"seed={p.vq_seed}"]))
+        self.lv(
+            "train-vq",
+            "--config",
+            config_arg(p.vq_config),
+            "--data",
+            self.out / "data" / p.vq_set,
+            "--out",
+            self.out / "vq",
+            "--steps",
+            p.vq_steps,
+            "--no-tensorboard",
+            *self.q,
+            *([] if p.vq_seed is None else [f"seed={p.vq_seed}"]),
+        )
         if p.vq_warn_seconds and time.time() - t0 > p.vq_warn_seconds:
-            print(f"warning: the VQ's {p.vq_steps} steps took {time.time() - t0:.0f} s, more than the plan's "
-                  f"{p.vq_warn_seconds:g} s: this machine is slower or busier than the plan assumes (the VQ is "
-                  "the same, the demo takes longer)", flush=True)
+            print(
+                f"warning: the VQ's {p.vq_steps} steps took {time.time() - t0:.0f} s, more than the plan's "
+                f"{p.vq_warn_seconds:g} s: this machine is slower or busier than the plan assumes (the VQ is "
+                "the same, the demo takes longer)",
+                flush=True,
+            )
 
     def tokenize(self) -> None:
         used = {name for st in self.plan.stages for name in st.sets} | {self.plan.held_out}
-        for v in (v for v in self.plan.sets if v.name in used):  # a set only the VQ trains on is not tokenized
-            self.lv("tokenize", "--vq", self.out / "vq", "--in", self.out / "data" / v.name, "--out",
-                    self.out / "tokens" / v.name, "--config", config_arg(self.plan.lm_config), "--workers", 2, *self.q)
+        for v in (
+            v for v in self.plan.sets if v.name in used
+        ):  # a set only the VQ trains on is not tokenized
+            self.lv(
+                "tokenize",
+                "--vq",
+                self.out / "vq",
+                "--in",
+                self.out / "data" / v.name,
+                "--out",
+                self.out / "tokens" / v.name,
+                "--config",
+                config_arg(self.plan.lm_config),
+                "--workers",
+                2,
+                *self.q,
+            )
         (self.out / "tokens/.done").touch()
 
     def text_size(self) -> int:
@@ -277,34 +390,84 @@ class Demo:
                 continue
             names = st.sets[0] if len(st.sets) == 1 else "{" + ",".join(st.sets) + "}"
             overrides = [
-                f"model.text_vocab_size={self.text_size()}", f"data.train_shards={self.out / 'tokens' / names}",
-                *p.lm_overrides, *st.overrides, *([] if p.lm_seed is None else [f"train.seed={p.lm_seed}"]),
-                f"train.tokenizer_dir={self.out / 'tokenizer'}", f"train.vq_dir={self.out / 'vq'}",
-                f"train.out_dir={run_dir}", *(["train.progress=false"] if self.quiet else []),
+                f"model.text_vocab_size={self.text_size()}",
+                f"data.train_shards={self.out / 'tokens' / names}",
+                *p.lm_overrides,
+                *st.overrides,
+                *([] if p.lm_seed is None else [f"train.seed={p.lm_seed}"]),
+                f"train.tokenizer_dir={self.out / 'tokenizer'}",
+                f"train.vq_dir={self.out / 'vq'}",
+                f"train.out_dir={run_dir}",
+                *(["train.progress=false"] if self.quiet else []),
             ]
-            if reached > 0:  # stopped part-way (SIGTERM, a crash): continue from its last checkpoint
+            if (
+                reached > 0
+            ):  # stopped part-way (SIGTERM, a crash): continue from its last checkpoint
                 overrides.append("--resume")
             elif prev is not None:
                 overrides += ["--init-from", prev]
-            print(f"--- stage {i + 1}/{len(p.stages)}: context {rung['seq_len']}, sp {rung['sp']}, "
-                  f"ZeRO-{rung['zero_stage']}, RoPE theta {rung['rope_theta']:g}, {rung['steps']} steps", flush=True)
+            print(
+                f"--- stage {i + 1}/{len(p.stages)}: context {rung['seq_len']}, sp {rung['sp']}, "
+                f"ZeRO-{rung['zero_stage']}, RoPE theta {rung['rope_theta']:g}, {rung['steps']} steps",
+                flush=True,
+            )
             self.torchrun(p.nproc, "train", "--config", config_arg(st.config), *overrides)
             prev = run_dir
         (self.out / "lm/final").write_text(str(prev))
 
     def export(self) -> None:
-        self.lv("export", "--ckpt", (self.out / "lm/final").read_text().strip(), "--out", self.out / "hf")
+        self.lv(
+            "export",
+            "--ckpt",
+            (self.out / "lm/final").read_text().strip(),
+            "--out",
+            self.out / "hf",
+        )
 
     def evaluate(self) -> None:
         p, quiet = self.plan, self.q
-        self.lv("eval", "qa", "--model", self.out / "hf", "--shards", self.out / "tokens" / p.held_out,
-                "--max-samples", p.eval_samples, "--out", self.out / "eval/qa", *quiet)
-        needle = ["eval", "video-niah", "--model", self.out / "hf", "--out", self.out / "eval/video_niah",
-                  "--lengths", ",".join(map(str, p.needle_lengths)), "--depths", ",".join(map(str, p.needle_depths)),
-                  "--source-fps", p.source_fps, *quiet]
+        self.lv(
+            "eval",
+            "qa",
+            "--model",
+            self.out / "hf",
+            "--shards",
+            self.out / "tokens" / p.held_out,
+            "--max-samples",
+            p.eval_samples,
+            "--out",
+            self.out / "eval/qa",
+            *quiet,
+        )
+        needle = [
+            "eval",
+            "video-niah",
+            "--model",
+            self.out / "hf",
+            "--out",
+            self.out / "eval/video_niah",
+            "--lengths",
+            ",".join(map(str, p.needle_lengths)),
+            "--depths",
+            ",".join(map(str, p.needle_depths)),
+            "--source-fps",
+            p.source_fps,
+            *quiet,
+        ]
         if p.vq_needle_trials:
-            self.lv("eval", "vq-needle", "--model", self.out / "vq", "--out", self.out / "eval/vq_needle",
-                    "--frames", 120, "--trials", p.vq_needle_trials, *quiet)
+            self.lv(
+                "eval",
+                "vq-needle",
+                "--model",
+                self.out / "vq",
+                "--out",
+                self.out / "eval/vq_needle",
+                "--frames",
+                120,
+                "--trials",
+                p.vq_needle_trials,
+                *quiet,
+            )
         if p.needle_trials:
             needle += ["--trials", ",".join(map(str, p.needle_trials))]
         if p.eval_sp > 1:  # every prompt's video prefilled by ring attention over eval_sp processes
@@ -315,13 +478,30 @@ class Demo:
     def chat(self) -> None:
         """A held-out needle video, as a plain mp4 file (what a user would bring), questioned through
         `longvideo chat` and through plain transformers."""
-        spec = SyntheticSpec(fps=self.plan.source_fps, min_seconds=self.plan.chat_seconds,
-                             max_seconds=self.plan.chat_seconds, needle_fraction=1.0, long_fraction=0.0)
+        spec = SyntheticSpec(
+            fps=self.plan.source_fps,
+            min_seconds=self.plan.chat_seconds,
+            max_seconds=self.plan.chat_seconds,
+            needle_fraction=1.0,
+            long_fraction=0.0,
+        )
         sample = make_sample(seed=7, index=0, spec=spec)
         video, qa = self.out / "held_out.mp4", sample.meta["qa"][0]
         video.write_bytes(sample.mp4())
-        self.lv("chat", "--model", self.out / "hf", "--video", video, "--fps", 1,
-                "--question", qa["question"], "--max-new-tokens", 8, *self.q)
+        self.lv(
+            "chat",
+            "--model",
+            self.out / "hf",
+            "--video",
+            video,
+            "--fps",
+            1,
+            "--question",
+            qa["question"],
+            "--max-new-tokens",
+            8,
+            *self.q,
+        )
         print(f"(the true answer: {qa['answer']})", flush=True)
         self.transformers_answer(video, qa["question"], qa["answer"])
 
@@ -329,6 +509,7 @@ class Demo:
         """Reload the export with plain transformers and answer through LongVideoProcessor."""
         import torch
         from transformers import AutoModelForCausalLM
+
         # an export with its own transformers code (attn_logn_base) names it in config.json's auto_map
         remote = "auto_map" in json.loads((self.out / "hf/config.json").read_text())
         model = AutoModelForCausalLM.from_pretrained(self.out / "hf", trust_remote_code=remote)
@@ -337,20 +518,32 @@ class Demo:
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
         answer = proc.decode(out[0], prompt_length=inputs["input_ids"].shape[1])
-        print(f"transformers.AutoModelForCausalLM + LongVideoProcessor: Q: {question}  A: {answer}  "
-              f"(truth: {truth})", flush=True)
-        (self.out / "chat.json").write_text(json.dumps({"question": question, "answer": answer, "truth": truth}))
+        print(
+            f"transformers.AutoModelForCausalLM + LongVideoProcessor: Q: {question}  A: {answer}  "
+            f"(truth: {truth})",
+            flush=True,
+        )
+        (self.out / "chat.json").write_text(
+            json.dumps({"question": question, "answer": answer, "truth": truth})
+        )
 
     def check_plan(self) -> None:
         """A run directory belongs to one plan: resuming it under another (a newer ladder, other
         video sets) would mix the two silently, so that stops here, before anything runs."""
         plan = self.plan.record()
         marker, summary = self.out / "plan.json", self.out / "summary.json"
-        before = json.loads(marker.read_text()) if marker.exists() else \
-            json.loads(summary.read_text()).get("plan") if summary.exists() else None
+        before = (
+            json.loads(marker.read_text())
+            if marker.exists()
+            else json.loads(summary.read_text()).get("plan")
+            if summary.exists()
+            else None
+        )
         if before is not None and before != plan:
-            raise DemoError(f"{self.out} holds a run of another plan (its videos, ladder or sizes differ); "
-                            "pass --fresh to start it again, or --out for a new directory")
+            raise DemoError(
+                f"{self.out} holds a run of another plan (its videos, ladder or sizes differ); "
+                "pass --fresh to start it again, or --out for a new directory"
+            )
         self.out.mkdir(parents=True, exist_ok=True)
         marker.write_text(json.dumps(plan, indent=2))
 
@@ -363,13 +556,17 @@ class Demo:
         run = run.resolve()
         marker = run / "plan.json"
         if not (run / "tokens/.done").exists() or not marker.exists():
-            raise DemoError(f"{run} has no finished tokens (tokens/.done) and plan.json to take inputs from")
+            raise DemoError(
+                f"{run} has no finished tokens (tokens/.done) and plan.json to take inputs from"
+            )
         mine, theirs = self.plan.record(), json.loads(marker.read_text())
         for record in (mine, theirs):
             record.pop("lm_seed", None)
         if mine != theirs:
-            raise DemoError(f"{run} is a run of another plan (its videos, tokenizers or sizes differ): "
-                            "its inputs are not this plan's")
+            raise DemoError(
+                f"{run} is a run of another plan (its videos, tokenizers or sizes differ): "
+                "its inputs are not this plan's"
+            )
         for name in self.INPUTS:
             dst = self.out / name
             if dst.is_symlink() and dst.resolve() == (run / name).resolve():
@@ -384,15 +581,23 @@ class Demo:
         self.check_plan()
         if inputs_from is not None:
             self.link_inputs(inputs_from)
-        self.machine = machine_info()  # measured idle, before the run: what its times are relative to
+        self.machine = (
+            machine_info()
+        )  # measured idle, before the run: what its times are relative to
         print(f"machine: {describe(self.machine)}", flush=True)
         self.stage("1/8 make-data: synthetic shards", self.out / "data/.done", self.make_data)
         self.stage("2/8 text tokenizer", self.out / "tokenizer/tokenizer.json", self.tokenizer)
         self.stage("3/8 train-vq", self.out / "vq/model.safetensors", self.train_vq)
         self.stage("4/8 tokenize", self.out / "tokens/.done", self.tokenize)
-        zero = " and ".join(f"ZeRO-{z}" for z in sorted({r["zero_stage"] for r in self.plan.ladder}))
-        self.stage(f"5/8 train the LM (ring attention over up to {max(r['sp'] for r in self.plan.ladder)} processes, "
-                   f"{zero})", self.out / "lm/final", self.train_lm)
+        zero = " and ".join(
+            f"ZeRO-{z}" for z in sorted({r["zero_stage"] for r in self.plan.ladder})
+        )
+        self.stage(
+            f"5/8 train the LM (ring attention over up to {max(r['sp'] for r in self.plan.ladder)} processes, "
+            f"{zero})",
+            self.out / "lm/final",
+            self.train_lm,
+        )
         self.stage("6/8 export a Hugging Face directory", self.out / "hf/config.json", self.export)
         self.stage("7/8 evaluate on held-out videos", self.out / "eval/video_niah", self.evaluate)
         self.stage("8/8 chat", self.out / "chat.json", self.chat)
@@ -407,12 +612,23 @@ class Demo:
             result = json.loads(files[0].read_text()) if files else {}
             return {k: result[k] for k in keys if k in result}
 
-        chat = json.loads((self.out / "chat.json").read_text()) if (self.out / "chat.json").exists() else {}
-        return {"plan": self.plan.record(), "machine": self.machine, "seconds": round(seconds, 1),
-                "stage_seconds": self.timings, "qa": load("qa", "accuracy", "chance", "n", "per_question"),
-                "video_niah": load("video_niah", "accuracy", "chance", "n", "lengths", "grid",
-                                   "needles_dropped"),
-                "vq_needle": load("vq_needle", "rate", "rate_by_offset"), "chat": chat}
+        chat = (
+            json.loads((self.out / "chat.json").read_text())
+            if (self.out / "chat.json").exists()
+            else {}
+        )
+        return {
+            "plan": self.plan.record(),
+            "machine": self.machine,
+            "seconds": round(seconds, 1),
+            "stage_seconds": self.timings,
+            "qa": load("qa", "accuracy", "chance", "n", "per_question"),
+            "video_niah": load(
+                "video_niah", "accuracy", "chance", "n", "lengths", "grid", "needles_dropped"
+            ),
+            "vq_needle": load("vq_needle", "rate", "rate_by_offset"),
+            "chat": chat,
+        }
 
     def report(self, s: dict) -> None:
         def score(r: dict) -> str:
@@ -428,41 +644,81 @@ class Demo:
                 print(f"    {q:<40} {score(r)}")
         if niah:
             print(f"video needle retrieval:        {score(niah)}")
-            if niah.get("grid") and niah.get("lengths"):  # grid[depth][length]: one column per length
+            if niah.get("grid") and niah.get(
+                "lengths"
+            ):  # grid[depth][length]: one column per length
                 cols = zip(niah["lengths"], zip(*niah["grid"]))
-                print("    by length: " + ", ".join(f"{n} frames {sum(c) / len(c):.0%}" for n, c in cols))
+                print(
+                    "    by length: "
+                    + ", ".join(f"{n} frames {sum(c) / len(c):.0%}" for n, c in cols)
+                )
             if niah.get("needles_dropped"):
-                print(f"    warning: {niah['needles_dropped']} needles did not fit the model's context (guesses)")
-        print(f"artefacts under {self.out}: eval/*/ (JSON + PNG), hf/ (Hugging Face export), "
-              "lm/ (checkpoints, loss curves)")
+                print(
+                    f"    warning: {niah['needles_dropped']} needles did not fit the model's context (guesses)"
+                )
+        print(
+            f"artefacts under {self.out}: eval/*/ (JSON + PNG), hf/ (Hugging Face export), "
+            "lm/ (checkpoints, loss curves)"
+        )
         on = f" on {describe(s['machine'])}" if s.get("machine") else ""
         print(f"demo time: {s['seconds'] / 60:.1f} min{on}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m longvideo.demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m longvideo.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     which = ap.add_mutually_exclusive_group()
-    which.add_argument("--quick", action="store_true", help="the CI-sized version (configs/demos/demo-quick.yaml)")
-    which.add_argument("--hour", action="store_true", help="the hour demo: hour-long videos in one context "
-                                                           "(make demo-hour, configs/demos/demo-hour.yaml)")
-    which.add_argument("--plan", metavar="FILE", help="a plan file of your own (see configs/demos/demo.yaml)")
-    ap.add_argument("--out", default=None, help="where everything goes (default runs/<plan name>: runs/demo, "
-                                                "runs/demo-hour, runs/demo-quick)")
+    which.add_argument(
+        "--quick", action="store_true", help="the CI-sized version (configs/demos/demo-quick.yaml)"
+    )
+    which.add_argument(
+        "--hour",
+        action="store_true",
+        help="the hour demo: hour-long videos in one context "
+        "(make demo-hour, configs/demos/demo-hour.yaml)",
+    )
+    which.add_argument(
+        "--plan", metavar="FILE", help="a plan file of your own (see configs/demos/demo.yaml)"
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="where everything goes (default runs/<plan name>: runs/demo, "
+        "runs/demo-hour, runs/demo-quick)",
+    )
     ap.add_argument("--fresh", action="store_true", help="delete --out first")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
-    ap.add_argument("--seed", type=int, default=None,
-                    help="the language model's seed (train.seed of every stage; the videos and VQ keep theirs)")
-    ap.add_argument("--vq-seed", type=int, default=None,
-                    help="the VQ's seed (its initial weights and frame sampling; recorded in the plan)")
-    ap.add_argument("--inputs-from", type=Path, default=None, metavar="RUN",
-                    help="link a finished run's videos, tokenizers and token shards instead of making them "
-                         "(a run of the same plan, e.g. another --seed); --out must be new")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="the language model's seed (train.seed of every stage; the videos and VQ keep theirs)",
+    )
+    ap.add_argument(
+        "--vq-seed",
+        type=int,
+        default=None,
+        help="the VQ's seed (its initial weights and frame sampling; recorded in the plan)",
+    )
+    ap.add_argument(
+        "--inputs-from",
+        type=Path,
+        default=None,
+        metavar="RUN",
+        help="link a finished run's videos, tokenizers and token shards instead of making them "
+        "(a run of the same plan, e.g. another --seed); --out must be new",
+    )
     a = ap.parse_args(argv)
     path = a.plan or f"demos/demo{'-hour' if a.hour else '-quick' if a.quick else ''}"
     try:
         plan = load_plan(path)
-        plan = replace(plan, **{k: v for k, v in (("lm_seed", a.seed), ("vq_seed", a.vq_seed)) if v is not None})
+        plan = replace(
+            plan,
+            **{k: v for k, v in (("lm_seed", a.seed), ("vq_seed", a.vq_seed)) if v is not None},
+        )
     except (ConfigError, FileNotFoundError) as e:
         print(f"demo: plan {path}: {e}", file=sys.stderr)
         return 2

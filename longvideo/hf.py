@@ -30,8 +30,13 @@ IGNORE_INDEX = -100
 TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 # pad values of the sequence keys shard_batch knows
-PAD_VALUES = {"input_ids": 0, "position_ids": 0, "labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX,
-              SEGMENT_KEY: -1}
+PAD_VALUES = {
+    "input_ids": 0,
+    "position_ids": 0,
+    "labels": IGNORE_INDEX,
+    "shift_labels": IGNORE_INDEX,
+    SEGMENT_KEY: -1,
+}
 
 
 class RingAttentionUnsupported(ValueError):
@@ -73,11 +78,14 @@ class DeferredMask:
 
     def materialize(self):
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
         return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**self.kwargs)
 
     def __repr__(self) -> str:
-        return (f"DeferredMask(q_length={self.kwargs.get('q_length')}, kv_length={self.kwargs.get('kv_length')}, "
-                f"padding={'yes' if self.padding is not None else 'no'})")
+        return (
+            f"DeferredMask(q_length={self.kwargs.get('q_length')}, kv_length={self.kwargs.get('kv_length')}, "
+            f"padding={'yes' if self.padding is not None else 'no'})"
+        )
 
 
 def ring_mask(**kwargs) -> DeferredMask:
@@ -88,18 +96,22 @@ def ring_mask(**kwargs) -> DeferredMask:
 def _refuse(what: str) -> RingAttentionUnsupported:
     return RingAttentionUnsupported(
         f"ring attention cannot run this model exactly: {what}. Load it with attn_implementation='sdpa' "
-        "instead (see docs/hf.md for what is supported)")
+        "instead (see docs/hf.md for what is supported)"
+    )
 
 
 def _plain_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' sdpa attention, with the mask transformers' sdpa mask function builds."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     if isinstance(attention_mask, DeferredMask):
         attention_mask = attention_mask.materialize()
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 
-def _check_call(module, query, key, value, attention_mask, seg, world, dropout, sliding_window, kwargs) -> None:
+def _check_call(
+    module, query, key, value, attention_mask, seg, world, dropout, sliding_window, kwargs
+) -> None:
     """Raise RingAttentionUnsupported for anything the ring would not compute exactly. Every check
     uses only values that are the same on every rank of the ring, so all ranks raise together."""
     B, Hq, S, D = query.shape
@@ -116,60 +128,107 @@ def _check_call(module, query, key, value, attention_mask, seg, world, dropout, 
     if not is_causal:
         raise _refuse("non-causal attention")
     if key.shape[2] != S:
-        raise _refuse(f"{S} queries against {key.shape[2]} keys (a KV cache); the ring needs a shard's own "
-                      "keys: pass use_cache=False with sharded batches")
+        raise _refuse(
+            f"{S} queries against {key.shape[2]} keys (a KV cache); the ring needs a shard's own "
+            "keys: pass use_cache=False with sharded batches"
+        )
     if value.shape[-1] != D:
         raise _refuse(f"value head dim {value.shape[-1]} differs from the query head dim {D}")
     if Hq % key.shape[1]:
         raise _refuse(f"{Hq} query heads are not a multiple of {key.shape[1]} key/value heads")
     if tuple(seg.shape) != (B, S):
-        raise ValueError(f"{SEGMENT_KEY} has shape {tuple(seg.shape)}; this rank's shard is (B, S) = ({B}, {S}). "
-                         "Make batches with longvideo.hf.shard_batch")
+        raise ValueError(
+            f"{SEGMENT_KEY} has shape {tuple(seg.shape)}; this rank's shard is (B, S) = ({B}, {S}). "
+            "Make batches with longvideo.hf.shard_batch"
+        )
     if sliding_window is not None and S * world > sliding_window:
-        raise _refuse(f"a sliding window of {sliding_window} tokens, which would mask keys of a "
-                      f"{S * world}-token sequence (ring attention is exact with a window only while the "
-                      "whole sequence fits in it)")
+        raise _refuse(
+            f"a sliding window of {sliding_window} tokens, which would mask keys of a "
+            f"{S * world}-token sequence (ring attention is exact with a window only while the "
+            "whole sequence fits in it)"
+        )
     padding = attention_mask
     if isinstance(attention_mask, DeferredMask):
         if attention_mask.has_overlay:
             raise _refuse("the model adds its own mask functions (e.g. bidirectional image tokens)")
         padding = attention_mask.padding
     if padding is not None and not (padding.dim() == 2 and tuple(padding.shape) == (B, S)):
-        raise _refuse(f"a custom attention mask of shape {tuple(padding.shape)} (only a 2D padding mask "
-                      "of the shard is supported)")
+        raise _refuse(
+            f"a custom attention mask of shape {tuple(padding.shape)} (only a 2D padding mask "
+            "of the shard is supported)"
+        )
 
 
 def seam_attention(seam, group=None):
     """A transformers attention function computing through a project seam (RingAttentionSeam over
     `group`, or LocalAttention) for calls that carry `ring_segment_ids`; others run sdpa (docs/hf.md,
     "What happens inside the forward": shapes, positions, scaling)."""
-    world = _group_size(group) if hasattr(seam, "group") else 1  # a seam without a group is one rank
+    world = (
+        _group_size(group) if hasattr(seam, "group") else 1
+    )  # a seam without a group is one rank
 
-    def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
-                  scaling: Optional[float] = None, sliding_window: Optional[int] = None, **kwargs):
+    def attention(
+        module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask,
+        dropout: float = 0.0,
+        scaling: Optional[float] = None,
+        sliding_window: Optional[int] = None,
+        **kwargs,
+    ):
         seg = kwargs.pop(SEGMENT_KEY, None)
         pos = kwargs.pop(POSITIONS_KEY, None)
         if seg is None:  # not a ring shard: generate, or a forward on whole sequences
-            return _plain_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                    sliding_window=sliding_window, **kwargs)
-        _check_call(module, query, key, value, attention_mask, seg, world, dropout, sliding_window, kwargs)
-        padding = attention_mask.padding if isinstance(attention_mask, DeferredMask) else attention_mask
+            return _plain_attention(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                dropout=dropout,
+                scaling=scaling,
+                sliding_window=sliding_window,
+                **kwargs,
+            )
+        _check_call(
+            module, query, key, value, attention_mask, seg, world, dropout, sliding_window, kwargs
+        )
+        padding = (
+            attention_mask.padding if isinstance(attention_mask, DeferredMask) else attention_mask
+        )
         B, _, S, D = query.shape
         seg = seg.to(query.device, torch.long)
         if padding is not None:
             seg = torch.where(padding.to(query.device).bool(), seg, -1)
-        pos = layout_positions(S, group, device=query.device).expand(B, S) if pos is None else pos.to(query.device)
+        pos = (
+            layout_positions(S, group, device=query.device).expand(B, S)
+            if pos is None
+            else pos.to(query.device)
+        )
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         if scaling is not None and abs(scaling * math.sqrt(D) - 1.0) > 1e-12:
             q = q * (scaling * math.sqrt(D))  # the seams scale by 1/sqrt(D)
-        out = seam(q, k, v, q_positions=pos, k_positions=pos, q_segment_ids=seg, k_segment_ids=seg, causal=True)
+        out = seam(
+            q,
+            k,
+            v,
+            q_positions=pos,
+            k_positions=pos,
+            q_segment_ids=seg,
+            k_segment_ids=seg,
+            causal=True,
+        )
         return out, None
 
     attention.seam, attention.group = seam, group
     return attention
 
 
-def enable_ring_attention(group, *, backend: str = "auto", name: str = RING, ulysses_size: int = 1) -> str:
+def enable_ring_attention(
+    group, *, backend: str = "auto", name: str = RING, ulysses_size: int = 1
+) -> str:
     """Register ring attention over `group` (None: the default group, or a world of one) as
     `attn_implementation=name`, once per process (again: replaces the group). Returns the name.
 
@@ -177,19 +236,27 @@ def enable_ring_attention(group, *, backend: str = "auto", name: str = RING, uly
     ulysses_size U > 1: heads all-to-all in groups of U neighbouring ranks, a ring across them
     (docs/hybrid.md); batches are sharded as for the ring."""
     _group_size(group)  # a group without an initialised process group is an error here
-    return _register(name, RingAttentionSeam(group, backend, split_group(group, ulysses_size)), group)
+    return _register(
+        name, RingAttentionSeam(group, backend, split_group(group, ulysses_size)), group
+    )
 
 
 def _register(name: str, seam, group) -> str:
     """Register `seam_attention(seam, group)` and `ring_mask` with transformers under `name`."""
     from transformers import AttentionInterface, AttentionMaskInterface
+
     AttentionInterface.register(name, seam_attention(seam, group))
     AttentionMaskInterface.register(name, ring_mask)
     return name
 
 
-def check_model(model_or_config, *, seq_len: Optional[int] = None, training: bool = True,
-                allow_untested: bool = False) -> None:
+def check_model(
+    model_or_config,
+    *,
+    seq_len: Optional[int] = None,
+    training: bool = True,
+    allow_untested: bool = False,
+) -> None:
     """Raise RingAttentionUnsupported, before any step, for a model the ring would not compute exactly
     (every attention call is checked as well). seq_len: the global training length (a shorter sliding
     window is refused). allow_untested: accept model types outside TESTED_MODEL_TYPES (what mixes
@@ -197,18 +264,27 @@ def check_model(model_or_config, *, seq_len: Optional[int] = None, training: boo
     cfg = getattr(model_or_config, "config", model_or_config)
     mt = getattr(cfg, "model_type", None)
     if mt not in TESTED_MODEL_TYPES and not allow_untested:
-        raise _refuse(f"model type '{mt}' is not one of the tested types {', '.join(TESTED_MODEL_TYPES)} "
-                      "(pass allow_untested=True to try it)")
+        raise _refuse(
+            f"model type '{mt}' is not one of the tested types {', '.join(TESTED_MODEL_TYPES)} "
+            "(pass allow_untested=True to try it)"
+        )
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        raise _refuse(f"attention logit soft-capping (attn_logit_softcapping={cfg.attn_logit_softcapping})")
+        raise _refuse(
+            f"attention logit soft-capping (attn_logit_softcapping={cfg.attn_logit_softcapping})"
+        )
     if training and float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0:
-        raise _refuse(f"attention dropout {cfg.attention_dropout} in training (set config.attention_dropout = 0)")
+        raise _refuse(
+            f"attention dropout {cfg.attention_dropout} in training (set config.attention_dropout = 0)"
+        )
     if getattr(cfg, "is_causal", True) is False:
         raise _refuse("non-causal attention (config.is_causal = False)")
     window = _active_window(cfg)
     if window is not None and (seq_len is None or seq_len > window):
-        raise _refuse(f"a sliding window of {window} tokens" + (f" with sequences of {seq_len}" if seq_len else "")
-                      + " (exact only while the whole sequence fits in the window; pass seq_len)")
+        raise _refuse(
+            f"a sliding window of {window} tokens"
+            + (f" with sequences of {seq_len}" if seq_len else "")
+            + " (exact only while the whole sequence fits in the window; pass seq_len)"
+        )
 
 
 def _active_window(cfg) -> Optional[int]:
@@ -229,8 +305,15 @@ def document_ids(position_ids: Tensor) -> Tensor:
     return new.long().cumsum(1) - 1
 
 
-def shard_batch(batch: Mapping[str, Any], group, *, count: bool = True, grad_group=None,
-                grad_reduction: str = "mean", pad_values: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+def shard_batch(
+    batch: Mapping[str, Any],
+    group,
+    *,
+    count: bool = True,
+    grad_group=None,
+    grad_reduction: str = "mean",
+    pad_values: Optional[Mapping[str, Any]] = None,
+) -> dict[str, Any]:
     """This rank's zigzag shard of an HF-style batch of whole sequences (B, S), the same batch on
     every rank of the ring (docs/hf.md, "The batch").
 
@@ -251,11 +334,18 @@ def shard_batch(batch: Mapping[str, Any], group, *, count: bool = True, grad_gro
     for key, t in batch.items():
         if key == "num_items_in_batch" or not torch.is_tensor(t) or t.dim() == 0:
             continue  # recomputed below / not a sequence
-        if t.dim() < 2 or tuple(t.shape[:2]) not in ((B, S), (1 if key == "position_ids" else B, S)):
-            raise ValueError(f"batch['{key}'] has shape {tuple(t.shape)}; expected (B, S, ...) = ({B}, {S}, ...) "
-                             "like input_ids")
+        if t.dim() < 2 or tuple(t.shape[:2]) not in (
+            (B, S),
+            (1 if key == "position_ids" else B, S),
+        ):
+            raise ValueError(
+                f"batch['{key}'] has shape {tuple(t.shape)}; expected (B, S, ...) = ({B}, {S}, ...) "
+                "like input_ids"
+            )
         if key not in pads and key not in ("segment_ids", "attention_mask"):
-            raise ValueError(f"no pad value for batch key '{key}'; pass pad_values={{'{key}': ...}}")
+            raise ValueError(
+                f"no pad value for batch key '{key}'; pass pad_values={{'{key}': ...}}"
+            )
         seqs[key] = t
     pos = seqs.pop("position_ids", None)
     pos = torch.arange(S, device=ids.device).expand(B, S) if pos is None else pos.expand(B, S)
@@ -269,19 +359,27 @@ def shard_batch(batch: Mapping[str, Any], group, *, count: bool = True, grad_gro
         shifted = torch.cat([labels[:, 1:], labels.new_full((B, 1), IGNORE_INDEX)], dim=1)
     full = {"input_ids": ids, "position_ids": pos, SEGMENT_KEY: seg}
     if shifted is not None:
-        full["shift_labels"] = torch.where(seg >= 0, shifted, IGNORE_INDEX)  # padding predicts nothing
+        full["shift_labels"] = torch.where(
+            seg >= 0, shifted, IGNORE_INDEX
+        )  # padding predicts nothing
     full.update(seqs)
     out = {k: shard_sequence(t, group, dim=1, pad_value=pads[k]) for k, t in full.items()}
     if "shift_labels" in out:
         out["labels"] = out["shift_labels"]
         if count:
-            out["num_items_in_batch"] = num_items_in_batch([out["shift_labels"]], grad_group=grad_group,
-                                                           grad_reduction=grad_reduction)
+            out["num_items_in_batch"] = num_items_in_batch(
+                [out["shift_labels"]], grad_group=grad_group, grad_reduction=grad_reduction
+            )
     return out
 
 
-def num_items_in_batch(shift_labels: Iterable[Tensor], *, grad_group=None, grad_reduction: str = "mean",
-                       accumulation_steps: int = 1) -> Tensor:
+def num_items_in_batch(
+    shift_labels: Iterable[Tensor],
+    *,
+    grad_group=None,
+    grad_reduction: str = "mean",
+    accumulation_steps: int = 1,
+) -> Tensor:
     """The divisor that makes transformers' loss this rank's share of the global token mean: the
     label tokens of `shift_labels` (this rank's, every micro-batch of the step) summed over
     `grad_group` (collective; None: every process), / its size for "mean", / accumulation_steps
@@ -293,7 +391,9 @@ def num_items_in_batch(shift_labels: Iterable[Tensor], *, grad_group=None, grad_
     labels = list(shift_labels)
     if not labels:
         raise ValueError("num_items_in_batch needs at least one label tensor")
-    total = torch.tensor(float(sum(int((t != IGNORE_INDEX).sum()) for t in labels)), dtype=torch.float64)
+    total = torch.tensor(
+        float(sum(int((t != IGNORE_INDEX).sum()) for t in labels)), dtype=torch.float64
+    )
     size = _sum_over(total, grad_group)
     total = total.clamp_min(1.0)
     # float64: total / size is not exact in float32 (a uniform ~1e-7 scale on the loss)
@@ -301,18 +401,32 @@ def num_items_in_batch(shift_labels: Iterable[Tensor], *, grad_group=None, grad_
     return (total / accumulation_steps).to(labels[0].device)
 
 
-def ring_loss(logits_or_outputs, shift_labels: Tensor, *, num_items: Optional[Tensor] = None, grad_group=None,
-              grad_reduction: str = "mean") -> Tensor:
+def ring_loss(
+    logits_or_outputs,
+    shift_labels: Tensor,
+    *,
+    num_items: Optional[Tensor] = None,
+    grad_group=None,
+    grad_reduction: str = "mean",
+) -> Tensor:
     """This rank's share of the global token-mean cross entropy, from its logits (or a model output
     with .logits) and its sharded `shift_labels`; the same value as `model(**batch).loss` for a
     batch from shard_batch. num_items: a precomputed num_items_in_batch (else counted here, a
     collective over grad_group)."""
     logits = getattr(logits_or_outputs, "logits", logits_or_outputs)
     if num_items is None:
-        num_items = num_items_in_batch([shift_labels], grad_group=grad_group, grad_reduction=grad_reduction)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least, fp64 stays
-    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1).to(logits.device),
-                            ignore_index=IGNORE_INDEX, reduction="sum")
+        num_items = num_items_in_batch(
+            [shift_labels], grad_group=grad_group, grad_reduction=grad_reduction
+        )
+    logits = logits.to(
+        torch.promote_types(logits.dtype, torch.float32)
+    )  # fp32 at least, fp64 stays
+    total = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        shift_labels.reshape(-1).to(logits.device),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
     return total / num_items.to(total.device, total.dtype)
 
 
@@ -343,21 +457,30 @@ class HFCausalLM(nn.Module):
         self.loss_head.weight = out.weight
 
     @classmethod
-    def from_pretrained(cls, path: str, *, seq_len: Optional[int] = None, loss_chunk: int = 4096,
-                        dtype: torch.dtype = torch.float32) -> "HFCausalLM":
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        seq_len: Optional[int] = None,
+        loss_chunk: int = 4096,
+        dtype: torch.dtype = torch.float32,
+    ) -> "HFCausalLM":
         """Load a local transformers decoder for training; RingAttentionUnsupported when the ring could
         not compute it exactly. Its attention is sdpa until `set_attention`."""
         from transformers import AutoConfig, AutoModelForCausalLM
+
         check_model(AutoConfig.from_pretrained(path, local_files_only=True), seq_len=seq_len)
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dtype,
-                                                     local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, attn_implementation="sdpa", dtype=dtype, local_files_only=True
+        )
         model.config.use_cache = False  # training: no per-layer copy of the keys and values
         return cls(model, loss_chunk=loss_chunk)
 
     def set_attention(self, seam) -> None:
         """Compute the decoder's attention with `seam` (a project seam: ring or single-device)."""
-        self.model.set_attn_implementation(_register(f"{RING}_seam_{next(self._names)}", seam,
-                                                     getattr(seam, "group", None)))
+        self.model.set_attn_implementation(
+            _register(f"{RING}_seam_{next(self._names)}", seam, getattr(seam, "group", None))
+        )
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         self.model.gradient_checkpointing_enable(**kwargs)
@@ -366,21 +489,47 @@ class HFCausalLM(nn.Module):
     def vocab_size(self) -> int:
         return int(self.loss_head.weight.shape[0])
 
-    def forward(self, input_ids: Tensor, positions: Tensor, segment_ids: Tensor, targets: Tensor,
-                loss_weights: Optional[Tensor] = None):
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        segment_ids: Tensor,
+        targets: Tensor,
+        loss_weights: Optional[Tensor] = None,
+    ):
         decoder = self.model.get_decoder()
-        out = decoder(input_ids=input_ids, position_ids=positions, use_cache=False,
-                      **{SEGMENT_KEY: segment_ids, POSITIONS_KEY: positions})
+        out = decoder(
+            input_ids=input_ids,
+            position_ids=positions,
+            use_cache=False,
+            **{SEGMENT_KEY: segment_ids, POSITIONS_KEY: positions},
+        )
         return self.loss_head(out.last_hidden_state, targets, loss_weights)
 
     def save_hf(self, out_dir, state: dict[str, Tensor]) -> None:
         """Write a transformers directory from full weights under this module's names (the model's
         own names behind "model."; the loss head is the output projection, stored once)."""
         prefix = "model."
-        own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
         self.model.save_pretrained(str(out_dir), state_dict=own, safe_serialization=True)
 
 
-__all__ = ["IGNORE_INDEX", "PAD_VALUES", "RING", "SEGMENT_KEY", "TESTED_MODEL_TYPES", "DeferredMask",
-           "HFCausalLM", "RingAttentionUnsupported", "check_model", "document_ids", "enable_ring_attention",
-           "global_loss", "seam_attention", "num_items_in_batch", "ring_loss", "ring_mask", "shard_batch"]
+__all__ = [
+    "IGNORE_INDEX",
+    "PAD_VALUES",
+    "RING",
+    "SEGMENT_KEY",
+    "TESTED_MODEL_TYPES",
+    "DeferredMask",
+    "HFCausalLM",
+    "RingAttentionUnsupported",
+    "check_model",
+    "document_ids",
+    "enable_ring_attention",
+    "global_loss",
+    "seam_attention",
+    "num_items_in_batch",
+    "ring_loss",
+    "ring_mask",
+    "shard_batch",
+]

@@ -40,19 +40,29 @@ class _FrozenDict(dict):
 def _latin1(text: str, encoding: str = "latin1", errors: str = "strict") -> bytes:
     """Stands in for _codecs.encode, which protocol-2 pickles use to spell bytes (as latin-1 text)."""
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1") or errors != "strict":
-        raise UnsafePickleError(f"_codecs.encode with {encoding!r} / {errors!r}: only latin-1 bytes are read")
+        raise UnsafePickleError(
+            f"_codecs.encode with {encoding!r} / {errors!r}: only latin-1 bytes are read"
+        )
     return text.encode("latin1")
 
 
 _CORE = np._core if hasattr(np, "_core") else np.core  # numpy 2 moved numpy.core to numpy._core
 _ALLOWED: dict[tuple[str, str], Any] = {
-    ("_codecs", "encode"): _latin1, ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype,
+    ("_codecs", "encode"): _latin1,
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): np.dtype,
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("flax.core.frozen_dict", "FrozenDict"): _FrozenDict,
     # pickles of numpy 1 and numpy 2 name different modules; _frombuffer: protocol 5
-    **{(f"{mod}.{sub}", name): getattr(getattr(_CORE, sub), name) for mod in ("numpy.core", "numpy._core")
-       for sub, name in (("multiarray", "_reconstruct"), ("multiarray", "scalar"),
-                         ("numeric", "_frombuffer"))},
+    **{
+        (f"{mod}.{sub}", name): getattr(getattr(_CORE, sub), name)
+        for mod in ("numpy.core", "numpy._core")
+        for sub, name in (
+            ("multiarray", "_reconstruct"),
+            ("multiarray", "scalar"),
+            ("numeric", "_frombuffer"),
+        )
+    },
 }
 ALLOWED_GLOBALS: tuple[str, ...] = tuple(sorted(f"{m}.{n}" for m, n in _ALLOWED))
 
@@ -61,13 +71,17 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         found = _ALLOWED.get((module, name))
         if found is None:
-            raise UnsafePickleError(f"the pickle names {module}.{name}, which is not numpy array "
-                                    f"reconstruction or a plain container; refusing to load it "
-                                    f"(allowed: {', '.join(ALLOWED_GLOBALS)})")
+            raise UnsafePickleError(
+                f"the pickle names {module}.{name}, which is not numpy array "
+                f"reconstruction or a plain container; refusing to load it "
+                f"(allowed: {', '.join(ALLOWED_GLOBALS)})"
+            )
         return found
 
     def persistent_load(self, pid):
-        raise UnsafePickleError(f"the pickle refers to a persistent object {pid!r}; refusing to load it")
+        raise UnsafePickleError(
+            f"the pickle refers to a persistent object {pid!r}; refusing to load it"
+        )
 
 
 def _check_tree(obj: Any, where: str = "") -> Any:

@@ -27,7 +27,9 @@ def _sentencepiece_model(hf):
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
         return None
-    if "Metaspace(" in repr(backend.pre_tokenizer) or f'Prepend(prepend="{SP_SPACE}")' in repr(backend.normalizer):
+    if "Metaspace(" in repr(backend.pre_tokenizer) or f'Prepend(prepend="{SP_SPACE}")' in repr(
+        backend.normalizer
+    ):
         return backend.model
     return None
 
@@ -35,6 +37,7 @@ def _sentencepiece_model(hf):
 class TextTokenizer:
     def __init__(self, hf_tokenizer, layout: str = "longvideo"):
         from tokenizers import AddedToken
+
         self.hf = hf_tokenizer
         if layout not in LAYOUTS:
             raise TokenizerError(f"unknown vocabulary layout {layout!r}; expected one of {LAYOUTS}")
@@ -46,15 +49,21 @@ class TextTokenizer:
         if missing and len(missing) != len(SPECIAL_TOKENS):
             raise TokenizerError(f"tokenizer has only some of the vision tokens; missing {missing}")
         if missing:
-            self.hf.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
-                               special_tokens=True)
+            self.hf.add_tokens(
+                [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+                special_tokens=True,
+            )
         ids = [self.hf.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS]
         self.text_size = ids[0]
         if ids != list(range(self.text_size, self.text_size + len(SPECIAL_TOKENS))):
-            raise TokenizerError(f"vision tokens must have consecutive ids, got {dict(zip(SPECIAL_TOKENS, ids))}")
+            raise TokenizerError(
+                f"vision tokens must have consecutive ids, got {dict(zip(SPECIAL_TOKENS, ids))}"
+            )
         if len(self.hf) != self.text_size + len(SPECIAL_TOKENS):
-            raise TokenizerError(f"the vision tokens must be the last ids of the tokenizer "
-                                 f"(len {len(self.hf)}, <vision> at {self.text_size})")
+            raise TokenizerError(
+                f"the vision tokens must be the last ids of the tokenizer "
+                f"(len {len(self.hf)}, <vision> at {self.text_size})"
+            )
         for t in SPECIAL_TOKENS:  # each must survive encoding as exactly one id
             enc = self.hf.encode(t, add_special_tokens=False)
             if enc != [self.hf.convert_tokens_to_ids(t)]:
@@ -64,8 +73,10 @@ class TextTokenizer:
         """LWM's text tokenizer: its own ids only; the vision vocabulary follows them in the model."""
         present = [t for t in SPECIAL_TOKENS if t in self.hf.get_vocab()]
         if present:
-            raise TokenizerError(f"an lwm-layout tokenizer has no vision tokens of its own (they are text or "
-                                 f"vision ids), but this one has {present}")
+            raise TokenizerError(
+                f"an lwm-layout tokenizer has no vision tokens of its own (they are text or "
+                f"vision ids), but this one has {present}"
+            )
         self.text_size = len(self.hf)
         self._sp_model = _sentencepiece_model(self.hf)
 
@@ -74,23 +85,30 @@ class TextTokenizer:
         """Load a local tokenizer directory: tokenizer.json, or only a LLaMA `tokenizer.model` (as LWM's
         releases ship it; converting it needs the `sentencepiece` package)."""
         from transformers import AutoTokenizer
+
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {path}")
         if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
             raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {path}")
-        if any((path / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json", "config.json")):
+        if any(
+            (path / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json", "config.json")
+        ):
             # the tokenizer never needs a directory's model code (an export with attn_logn_base has
             # some): without this transformers would stop and ask whether to run it
-            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True,
-                                               trust_remote_code=False)
+            hf = AutoTokenizer.from_pretrained(
+                str(path), local_files_only=True, use_fast=True, trust_remote_code=False
+            )
         else:
             from transformers import LlamaTokenizer
+
             try:
                 hf = LlamaTokenizer.from_pretrained(str(path), local_files_only=True)
             except ImportError as e:
-                raise TokenizerError(f"{path} holds only a SentencePiece tokenizer.model; reading it needs the "
-                                     f"sentencepiece package (pip install sentencepiece): {e}") from None
+                raise TokenizerError(
+                    f"{path} holds only a SentencePiece tokenizer.model; reading it needs the "
+                    f"sentencepiece package (pip install sentencepiece): {e}"
+                ) from None
         return cls(hf, layout)
 
     def save(self, path: str | Path) -> None:
@@ -112,8 +130,12 @@ class TextTokenizer:
 
     def vocab(self, codebook_size: int, vision_size: Optional[int] = None) -> Vocab:
         """The unified vocabulary of this tokenizer's layout (vision_size: lwm layout only)."""
-        return Vocab(text_size=self.text_size, codebook_size=codebook_size, layout=self.layout,
-                     vision_size=vision_size)
+        return Vocab(
+            text_size=self.text_size,
+            codebook_size=codebook_size,
+            layout=self.layout,
+            vision_size=vision_size,
+        )
 
     def encode(self, text: str) -> list[int]:
         """The text's ids, never with BOS (the sequence builder adds it)."""
@@ -121,7 +143,9 @@ class TextTokenizer:
         # lwm layout: SentencePiece's encoding, a word-boundary marker in front even of a leading space
         # (transformers 5's Metaspace pre-tokenizer skips it there; LWM's tokenizer did not)
         if sp is not None:
-            return [t.id for t in sp.tokenize(SP_SPACE + text.replace(" ", SP_SPACE))] if text else []
+            return (
+                [t.id for t in sp.tokenize(SP_SPACE + text.replace(" ", SP_SPACE))] if text else []
+            )
         return self.hf.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
@@ -133,20 +157,32 @@ class TextTokenizer:
         return len(self.hf)
 
 
-def train_text_tokenizer(texts: Iterable[str], vocab_size: int = 1024,
-                         out_dir: Optional[str | Path] = None) -> TextTokenizer:
+def train_text_tokenizer(
+    texts: Iterable[str], vocab_size: int = 1024, out_dir: Optional[str | Path] = None
+) -> TextTokenizer:
     """Train a byte-level BPE on `texts` (offline); round trips any string exactly."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
     base_specials = ["<unk>", "<s>", "</s>", "<pad>"]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=base_specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=base_specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(list(texts), trainer=trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                 unk_token="<unk>", pad_token="<pad>", clean_up_tokenization_spaces=False)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        clean_up_tokenization_spaces=False,
+    )
     out = TextTokenizer(hf)
     if out_dir is not None:
         out.save(out_dir)
@@ -154,8 +190,10 @@ def train_text_tokenizer(texts: Iterable[str], vocab_size: int = 1024,
 
 
 def cli_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="longvideo train-tokenizer",
-                                description="Train a byte-level BPE text tokenizer on local text files.")
+    p = argparse.ArgumentParser(
+        prog="longvideo train-tokenizer",
+        description="Train a byte-level BPE text tokenizer on local text files.",
+    )
     p.add_argument("--texts", nargs="+", required=True, help="text files, one document per line")
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--out", required=True, help="output tokenizer directory")

@@ -44,8 +44,10 @@ class Vocab:
             if self.vision_size is None:
                 object.__setattr__(self, "vision_size", self.codebook_size + LWM_EXTRA_VISION_IDS)
             if self.vision_size < self.codebook_size + 2:
-                raise ValueError(f"the lwm layout needs vision_size >= codebook_size + 2 (codes, <eof>, <eov>), "
-                                 f"got {self.vision_size} for codebook_size {self.codebook_size}")
+                raise ValueError(
+                    f"the lwm layout needs vision_size >= codebook_size + 2 (codes, <eof>, <eov>), "
+                    f"got {self.vision_size} for codebook_size {self.codebook_size}"
+                )
 
     @property
     def is_lwm(self) -> bool:
@@ -76,7 +78,11 @@ class Vocab:
     @property
     def size(self) -> int:
         """Total number of ids (the LM's vocabulary size)."""
-        return self.text_size + self.vision_size if self.is_lwm else self.vq_offset + self.codebook_size
+        return (
+            self.text_size + self.vision_size
+            if self.is_lwm
+            else self.vq_offset + self.codebook_size
+        )
 
     @property
     def video_end(self) -> int:

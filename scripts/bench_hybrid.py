@@ -16,32 +16,86 @@ import statistics
 import threading
 import time
 
-from benchreport import Section, Target, arg_parser, md_table, req, req_list, save, spawn_ranks, yes_no
+from benchreport import (
+    Section,
+    Target,
+    arg_parser,
+    md_table,
+    req,
+    req_list,
+    save,
+    spawn_ranks,
+    yes_no,
+)
 
 TITLE = "Hybrid sequence parallelism (Ulysses x ring)"
 DOCS = ["hybrid.md"]
-TARGETS = [Target("hybrid: bytes per rank, U = 2 x ring 2 / ring of 4", "<= 0.5"),
-           Target("hybrid: per-rank activation memory, U = 2 x ring 2 / ring of 4", "within 1.2x")]
+TARGETS = [
+    Target("hybrid: bytes per rank, U = 2 x ring 2 / ring of 4", "<= 0.5"),
+    Target("hybrid: per-rank activation memory, U = 2 x ring 2 / ring of 4", "within 1.2x"),
+]
 
 
 def report(result: dict) -> Section:
     rows = {int(req(r, "ulysses")): r for r in req_list(result, "rows")}
     ring, cfg = rows[1], result["config"]
-    body = [[f"{u} x {4 // u}", f"{r['step_s']:.3f}", f"{r['step_s_min']:.3f}-{r['step_s_max']:.3f}",
-             f"{r['bytes_sent'] / 2**20:.1f}", f"{r['bytes_sent'] / ring['bytes_sent']:.2f}", f"{r['peak_mib']:.1f}",
-             f"{r['peak_mib'] / ring['peak_mib']:.2f}", f"{r['saved_mib']:.1f}"] for u, r in sorted(rows.items())]
-    table = md_table(["U x ring", "step s (slowest rank, median)", "spread", "MiB sent / rank", "vs ring",
-                      "peak MiB / rank", "vs ring", "saved for backward MiB / rank"], body)
+    body = [
+        [
+            f"{u} x {4 // u}",
+            f"{r['step_s']:.3f}",
+            f"{r['step_s_min']:.3f}-{r['step_s_max']:.3f}",
+            f"{r['bytes_sent'] / 2**20:.1f}",
+            f"{r['bytes_sent'] / ring['bytes_sent']:.2f}",
+            f"{r['peak_mib']:.1f}",
+            f"{r['peak_mib'] / ring['peak_mib']:.2f}",
+            f"{r['saved_mib']:.1f}",
+        ]
+        for u, r in sorted(rows.items())
+    ]
+    table = md_table(
+        [
+            "U x ring",
+            "step s (slowest rank, median)",
+            "spread",
+            "MiB sent / rank",
+            "vs ring",
+            "peak MiB / rank",
+            "vs ring",
+            "saved for backward MiB / rank",
+        ],
+        body,
+    )
     b, m = rows[2]["bytes_sent"] / ring["bytes_sent"], rows[2]["peak_mib"] / ring["peak_mib"]
-    t = [Target(TARGETS[0].what, TARGETS[0].goal, f"{b:.2f}", yes_no(b <= 0.5)),
-         Target(TARGETS[1].what, TARGETS[1].goal, f"{m:.2f}x", yes_no(m <= 1.2))]
-    return Section(table, t, [f"S = {cfg['seq']:,}, heads {cfg['heads']}/{cfg['kv_heads']}, D = {cfg['head_dim']}, fp32; "
-                              f"{cfg['threads']} thread(s) a rank on {cfg['cores']} cores (shared: times indicative)."])
+    t = [
+        Target(TARGETS[0].what, TARGETS[0].goal, f"{b:.2f}", yes_no(b <= 0.5)),
+        Target(TARGETS[1].what, TARGETS[1].goal, f"{m:.2f}x", yes_no(m <= 1.2)),
+    ]
+    return Section(
+        table,
+        t,
+        [
+            f"S = {cfg['seq']:,}, heads {cfg['heads']}/{cfg['kv_heads']}, D = {cfg['head_dim']}, fp32; "
+            f"{cfg['threads']} thread(s) a rank on {cfg['cores']} cores (shared: times indicative)."
+        ],
+    )
 
 
 class _MallInfo(ctypes.Structure):  # glibc >= 2.33
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def malloc_peak_mib(fn) -> float:
@@ -74,13 +128,18 @@ def _rank(rank, world, args) -> dict:
     torch.set_num_threads(args.threads)
     n, H, D, out = args.seq // world, args.heads, args.head_dim, {"rows": []}
     torch.manual_seed(0)  # the layer: q, k, v and output projections around attention
-    w = [(torch.randn(H * D, h * D) / (H * D) ** 0.5).requires_grad_()
-         for h in (H, args.kv_heads, args.kv_heads, H)]
+    w = [
+        (torch.randn(H * D, h * D) / (H * D) ** 0.5).requires_grad_()
+        for h in (H, args.kv_heads, args.kv_heads, H)
+    ]
     x, dy = torch.randn(2, 1, n, H * D, generator=torch.Generator().manual_seed(rank))
     pos = zigzag_indices(args.seq, world, rank)[None]
     for u, mesh in ((u, Mesh.build(sp=world, ulysses=u)) for u in (1, 2, 4)):
+
         def step(stats, saved):
-            def pack(t):  # bytes kept for backward, each storage once (the input and weights excluded)
+            def pack(
+                t,
+            ):  # bytes kept for backward, each storage once (the input and weights excluded)
                 if t.untyped_storage().data_ptr() not in [m.data_ptr() for m in (xx, *w)]:
                     saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
                 return t
@@ -88,9 +147,17 @@ def _rank(rank, world, args) -> dict:
             xx = x.detach().requires_grad_(True)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 q, k, v = ((xx @ m).view(1, n, -1, D) for m in w[:3])
-                kw = dict(positions=pos, segment_ids=torch.zeros_like(pos), backend="cpu", comm_stats=stats)
-                o = ring_attention(q, k, v, group=mesh.sp_group, **kw) if u == 1 else \
-                    hybrid_attention(q, k, v, groups=mesh.ulysses_groups, **kw)
+                kw = dict(
+                    positions=pos,
+                    segment_ids=torch.zeros_like(pos),
+                    backend="cpu",
+                    comm_stats=stats,
+                )
+                o = (
+                    ring_attention(q, k, v, group=mesh.sp_group, **kw)
+                    if u == 1
+                    else hybrid_attention(q, k, v, groups=mesh.ulysses_groups, **kw)
+                )
                 (o.reshape(1, n, -1) @ w[3]).backward(dy)
 
         times, stats = [], CommStats()
@@ -102,23 +169,47 @@ def _rank(rank, world, args) -> dict:
             times += [time.perf_counter() - t0] if i else []
         saved: dict = {}
         peak = malloc_peak_mib(lambda: step(CommStats(), saved))
-        out["rows"].append({"ulysses": u, "step_s": statistics.median(times), "step_s_all": times,
-                            "bytes_sent": stats.bytes_sent, "peak_mib": peak,
-                            "saved_mib": sum(saved.values()) / 2**20})
+        out["rows"].append(
+            {
+                "ulysses": u,
+                "step_s": statistics.median(times),
+                "step_s_all": times,
+                "bytes_sent": stats.bytes_sent,
+                "peak_mib": peak,
+                "saved_mib": sum(saved.values()) / 2**20,
+            }
+        )
     return out
 
 
 def main(argv=None) -> None:
     p = arg_parser(__doc__, "hybrid")
-    for name, default in (("seq", 8192), ("heads", 8), ("kv-heads", 8), ("head-dim", 64), ("iters", 5), ("threads", 1)):
+    for name, default in (
+        ("seq", 8192),
+        ("heads", 8),
+        ("kv-heads", 8),
+        ("head-dim", 64),
+        ("iters", 5),
+        ("threads", 1),
+    ):
         p.add_argument(f"--{name}", type=int, default=default)
     args = p.parse_args(argv)
     ranks = spawn_ranks(_rank, 4, args, label="bench_hybrid")
     rows = []
-    for per in zip(*(r["rows"] for r in ranks)):  # per split: the slowest rank's median, the largest figures
-        rows.append({"ulysses": per[0]["ulysses"], "step_s_min": min(min(r["step_s_all"]) for r in per),
-                     "step_s_max": max(max(r["step_s_all"]) for r in per),
-                     **{k: max(r[k] for r in per) for k in ("step_s", "bytes_sent", "peak_mib", "saved_mib")}})
+    for per in zip(
+        *(r["rows"] for r in ranks)
+    ):  # per split: the slowest rank's median, the largest figures
+        rows.append(
+            {
+                "ulysses": per[0]["ulysses"],
+                "step_s_min": min(min(r["step_s_all"]) for r in per),
+                "step_s_max": max(max(r["step_s_all"]) for r in per),
+                **{
+                    k: max(r[k] for r in per)
+                    for k in ("step_s", "bytes_sent", "peak_mib", "saved_mib")
+                },
+            }
+        )
     cfg = {k: v for k, v in vars(args).items() if k != "out"} | {"cores": os.cpu_count()}
     save({"config": cfg, "rows": rows}, args.out, report=report)
 

@@ -22,7 +22,9 @@ import torch.distributed as dist
 from matplotlib.figure import Figure
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the scripts import this checkout's longvideo, whatever else is installed
+sys.path.insert(
+    0, str(ROOT)
+)  # the scripts import this checkout's longvideo, whatever else is installed
 BENCH_DIR = ROOT / "docs" / "bench"
 
 
@@ -47,7 +49,9 @@ class Section:
     table: str
     targets: list[Target] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    images: list[tuple[str, str]] = field(default_factory=list)  # (alt text, file name in the bench dir)
+    images: list[tuple[str, str]] = field(
+        default_factory=list
+    )  # (alt text, file name in the bench dir)
 
 
 def fmt_num(x, fmt: str = ".2f", unit: str = "") -> str:
@@ -115,15 +119,22 @@ def reset_peak() -> None:
 def arg_parser(doc: str, name: str) -> argparse.ArgumentParser:
     """A script's parser: described by its docstring's first paragraph, with --out (its JSON)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    p.add_argument("--out", default=str(BENCH_DIR / f"{name}.json"), help="the JSON; a plot goes beside it")
+    p.add_argument(
+        "--out", default=str(BENCH_DIR / f"{name}.json"), help="the JSON; a plot goes beside it"
+    )
     return p
 
 
 def _rank_main(queue, target, rank, world, init_file, gloo_timeout_s, *args):
     try:
         if gloo_timeout_s is not None:
-            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                    timeout=datetime.timedelta(seconds=gloo_timeout_s))
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{init_file}",
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=gloo_timeout_s),
+            )
         result = dict(target(rank, world, *args), rank=rank)
         if gloo_timeout_s is not None:
             dist.destroy_process_group()
@@ -132,14 +143,21 @@ def _rank_main(queue, target, rank, world, init_file, gloo_timeout_s, *args):
         queue.put({"rank": rank, "error": f"{e!r}\n{traceback.format_exc()}"})
 
 
-def spawn_ranks(target, world: int, *args, label: str, gloo_timeout_s: float | None = 1800.0) -> list[dict]:
+def spawn_ranks(
+    target, world: int, *args, label: str, gloo_timeout_s: float | None = 1800.0
+) -> list[dict]:
     """Run target(rank, world, *args) -> dict in `world` spawned processes of one gloo group (none with
     gloo_timeout_s=None). The dicts (each with its "rank") in rank order; raises when a rank raised."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_rank_main, args=(queue, target, r, world, f"{d}/rdzv", gloo_timeout_s,
-                                                      *args)) for r in range(world)]
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(queue, target, r, world, f"{d}/rdzv", gloo_timeout_s, *args),
+            )
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         ranks = sorted((queue.get() for _ in procs), key=lambda r: r["rank"])
@@ -163,7 +181,11 @@ def save(result: dict, out, plot=None, report=None) -> Path:
     has labels); with report, print report(result)'s table and targets first. Returns the JSON's path."""
     if report is not None:
         sec = report(result)
-        print(sec.table, *(f"{t.what}: {t.figure} (target {t.goal}): {t.met}" for t in sec.targets), sep="\n")
+        print(
+            sec.table,
+            *(f"{t.what}: {t.figure} (target {t.goal}): {t.met}" for t in sec.targets),
+            sep="\n",
+        )
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result.setdefault("date", datetime.date.today().isoformat())

@@ -9,8 +9,16 @@ from torch import Tensor
 from longvideo.kernels import flash_attn_ref
 
 
-def packed_meta(B: int, S: int, gen: torch.Generator, *, min_len: int = 1, max_len: int = 40,
-                restart: bool = True, pad: int = 0) -> tuple[Tensor, Tensor]:
+def packed_meta(
+    B: int,
+    S: int,
+    gen: torch.Generator,
+    *,
+    min_len: int = 1,
+    max_len: int = 40,
+    restart: bool = True,
+    pad: int = 0,
+) -> tuple[Tensor, Tensor]:
     """Packed documents of random lengths in [min_len, max_len], then `pad` padding tokens (segment
     -1, position 0). Positions restart at 0 per document when `restart`, else run 0..S-1."""
     pos = torch.zeros(B, S, dtype=torch.long)
@@ -20,8 +28,8 @@ def packed_meta(B: int, S: int, gen: torch.Generator, *, min_len: int = 1, max_l
         while i < S - pad:
             n = int(torch.randint(min_len, max_len + 1, (1,), generator=gen))
             n = min(n, S - pad - i)
-            seg[b, i:i + n] = s
-            pos[b, i:i + n] = torch.arange(n) if restart else torch.arange(i, i + n)
+            seg[b, i : i + n] = s
+            pos[b, i : i + n] = torch.arange(n) if restart else torch.arange(i, i + n)
             i, s = i + n, s + 1
     return pos, seg
 
@@ -31,8 +39,9 @@ def reference(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, dout, *, upcast, scal
     upcast=False in the inputs' dtype (what a plain same-dtype computation gets wrong)."""
     dt = torch.float64 if upcast else q.dtype
     q, k, v = (x.detach().to(dt).requires_grad_(True) for x in (q, k, v))
-    out, _ = flash_attn_ref(q, k, v, q_pos, k_pos, q_seg, k_seg, causal=causal, softmax_scale=scale,
-                            upcast=False)
+    out, _ = flash_attn_ref(
+        q, k, v, q_pos, k_pos, q_seg, k_seg, causal=causal, softmax_scale=scale, upcast=False
+    )
     out.backward(dout.to(dt))
     return out.detach(), q.grad, k.grad, v.grad
 

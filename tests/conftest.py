@@ -41,8 +41,9 @@ def rb():
     """scripts/run_benchmarks.py imported as a module (it is a script, not part of the package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("run_benchmarks", Path(__file__).parent.parent / "scripts"
-                                                  / "run_benchmarks.py")
+    spec = importlib.util.spec_from_file_location(
+        "run_benchmarks", Path(__file__).parent.parent / "scripts" / "run_benchmarks.py"
+    )
     mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     yield mod
@@ -58,10 +59,16 @@ def pytest_sessionfinish(session, exitstatus):
     from longvideo.machine import machine_info
 
     stats = session.config.pluginmanager.get_plugin("terminalreporter").stats
-    record = {"seconds": round(time.time() - _START, 1), "markexpr": session.config.option.markexpr or None,
-              "tests": {"passed": len([r for r in stats.get("passed", []) if r.when == "call"]),
-                        "skipped": len(stats.get("skipped", []))},
-              "machine": machine_info(), "date": time.strftime("%Y-%m-%d")}
+    record = {
+        "seconds": round(time.time() - _START, 1),
+        "markexpr": session.config.option.markexpr or None,
+        "tests": {
+            "passed": len([r for r in stats.get("passed", []) if r.when == "call"]),
+            "skipped": len(stats.get("skipped", [])),
+        },
+        "machine": machine_info(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     Path(out).write_text(json.dumps(record, indent=1) + "\n")
 
 
@@ -84,8 +91,15 @@ def vq_dir(tmp_path_factory):
     from longvideo.vq import VQConfig, VQModel
 
     torch.manual_seed(0)
-    cfg = VQConfig(mode="2d", resolution=16, downsample=4, channels=8, channel_mult=(1, 1, 1), num_res_blocks=0,
-                   codebook_size=16)
+    cfg = VQConfig(
+        mode="2d",
+        resolution=16,
+        downsample=4,
+        channels=8,
+        channel_mult=(1, 1, 1),
+        num_res_blocks=0,
+        codebook_size=16,
+    )
     d = tmp_path_factory.mktemp("vq")
     VQModel(cfg).save(d)
     return str(d)

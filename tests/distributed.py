@@ -27,8 +27,13 @@ def _worker(rank, world, init_file, fn, args, errq, threads):
     try:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         torch.set_num_threads(threads)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=120),
+        )
         try:
             fn(rank, world, *args)
         finally:
@@ -50,8 +55,10 @@ def run_ranks(fn, world: int, args: tuple = (), timeout: float = 300.0, threads:
     errq = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as d:
         init_file = os.path.join(d, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, world, init_file, fn, args, errq, threads))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, init_file, fn, args, errq, threads))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         for p in procs:

@@ -22,25 +22,45 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-LAYER_KEYS = ("attention/wq/kernel", "attention/wk/kernel", "attention/wv/kernel", "attention/wo/kernel",
-              "feed_forward/w1/kernel", "feed_forward/w2/kernel", "feed_forward/w3/kernel",
-              "attention_norm/kernel", "ffn_norm/kernel")
+LAYER_KEYS = (
+    "attention/wq/kernel",
+    "attention/wk/kernel",
+    "attention/wv/kernel",
+    "attention/wo/kernel",
+    "feed_forward/w1/kernel",
+    "feed_forward/w2/kernel",
+    "feed_forward/w3/kernel",
+    "attention_norm/kernel",
+    "ffn_norm/kernel",
+)
 
 
 # ----------------------------------------------------------------------------- the language model
 
-def random_lm(rng: np.random.Generator, *, v_text: int, v_vision: int, dim: int, layers: int, ffn: int,
-              kv_dim: int | None = None) -> dict[str, np.ndarray]:
+
+def random_lm(
+    rng: np.random.Generator,
+    *,
+    v_text: int,
+    v_vision: int,
+    dim: int,
+    layers: int,
+    ffn: int,
+    kv_dim: int | None = None,
+) -> dict[str, np.ndarray]:
     """LWM parameter names (flat, '/'-joined, per layer) -> float32 arrays (kernels are (in, out))."""
     kv_dim = kv_dim or dim
 
     def dense(i, o):
         return (rng.standard_normal((i, o)) / np.sqrt(i)).astype(np.float32)
 
-    p = {"transformer/wte/embedding": rng.standard_normal((v_text, dim)).astype(np.float32),
-         "transformer/vte/embedding": rng.standard_normal((v_vision, dim)).astype(np.float32),
-         "transformer/ln_f/kernel": (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32),
-         "lm_head/kernel": dense(dim, v_text), "vision_head/kernel": dense(dim, v_vision)}
+    p = {
+        "transformer/wte/embedding": rng.standard_normal((v_text, dim)).astype(np.float32),
+        "transformer/vte/embedding": rng.standard_normal((v_vision, dim)).astype(np.float32),
+        "transformer/ln_f/kernel": (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32),
+        "lm_head/kernel": dense(dim, v_text),
+        "vision_head/kernel": dense(dim, v_vision),
+    }
     for i in range(layers):
         h = f"transformer/h/{i}/"
         p[h + "attention/wq/kernel"] = dense(dim, dim)
@@ -63,7 +83,13 @@ def round_bf16(p: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def _ext(arr: np.ndarray, dtype: str) -> msgpack.ExtType:
     """flax's msgpack extension for one array: (shape, dtype name, raw C-order bytes)."""
     if dtype == "bfloat16":
-        raw = torch.from_numpy(np.ascontiguousarray(arr, np.float32)).bfloat16().view(torch.int16).numpy().tobytes()
+        raw = (
+            torch.from_numpy(np.ascontiguousarray(arr, np.float32))
+            .bfloat16()
+            .view(torch.int16)
+            .numpy()
+            .tobytes()
+        )
     else:
         raw = np.ascontiguousarray(arr, np.dtype(dtype)).tobytes()
     return msgpack.ExtType(1, msgpack.packb((list(arr.shape), dtype, raw), use_bin_type=True))
@@ -75,15 +101,27 @@ def flax_to_bytes(arr: np.ndarray, dtype: str, chunk_bytes: int | None = None) -
     if chunk_bytes is not None and arr.size * item > chunk_bytes:
         per = max(1, chunk_bytes // item)
         flat = arr.reshape(-1)
-        chunks = {str(i): _ext(flat[s:s + per], dtype) for i, s in enumerate(range(0, flat.size, per))}
-        tree = {"__msgpack_chunked_array__": True, "shape": {str(i): d for i, d in enumerate(arr.shape)},
-                "chunks": chunks}
+        chunks = {
+            str(i): _ext(flat[s : s + per], dtype) for i, s in enumerate(range(0, flat.size, per))
+        }
+        tree = {
+            "__msgpack_chunked_array__": True,
+            "shape": {str(i): d for i, d in enumerate(arr.shape)},
+            "chunks": chunks,
+        }
         return msgpack.packb(tree, use_bin_type=True)
     return msgpack.packb(_ext(arr, dtype), use_bin_type=True)
 
 
-def write_params(path, params: dict[str, np.ndarray], *, scan: bool, dtype: str = "float32",
-                 chunk_bytes: int | None = None, order_seed: int = 0) -> None:
+def write_params(
+    path,
+    params: dict[str, np.ndarray],
+    *,
+    scan: bool,
+    dtype: str = "float32",
+    chunk_bytes: int | None = None,
+    order_seed: int = 0,
+) -> None:
     """A tux StreamingCheckpointer file: msgpack (key path, to_bytes(array)) records, in a shuffled
     order (a flattened dict's order is not something a reader may rely on)."""
     items = dict(params)
@@ -91,7 +129,9 @@ def write_params(path, params: dict[str, np.ndarray], *, scan: bool, dtype: str 
         layers = sorted({int(k.split("/")[2]) for k in params if k.startswith("transformer/h/")})
         items = {k: v for k, v in params.items() if not k.startswith("transformer/h/")}
         for key in LAYER_KEYS:
-            items[f"transformer/h/scan_decoder/{key}"] = np.stack([params[f"transformer/h/{i}/{key}"] for i in layers])
+            items[f"transformer/h/scan_decoder/{key}"] = np.stack(
+                [params[f"transformer/h/{i}/{key}"] for i in layers]
+            )
     names = list(items)
     np.random.default_rng(order_seed).shuffle(names)
     packer = msgpack.Packer()
@@ -104,14 +144,24 @@ def _rms(x, w, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
-def lwm_logits(p: dict[str, np.ndarray], ids: np.ndarray, vision_mask: np.ndarray, *, n_heads: int,
-               theta: float, eps: float) -> tuple[np.ndarray, np.ndarray]:
+def lwm_logits(
+    p: dict[str, np.ndarray],
+    ids: np.ndarray,
+    vision_mask: np.ndarray,
+    *,
+    n_heads: int,
+    theta: float,
+    eps: float,
+) -> tuple[np.ndarray, np.ndarray]:
     """LWM's forward pass over one sequence (positions 0..S-1), float64: (text logits, vision logits).
 
     ids are LWM's ids: text ids where vision_mask is false, vision ids (0..8447) where it is true."""
     g = {k: v.astype(np.float64) for k, v in p.items()}
-    x = np.where(vision_mask[:, None], g["transformer/vte/embedding"][np.where(vision_mask, ids, 0)],
-                 g["transformer/wte/embedding"][np.where(vision_mask, 0, ids)])
+    x = np.where(
+        vision_mask[:, None],
+        g["transformer/vte/embedding"][np.where(vision_mask, ids, 0)],
+        g["transformer/wte/embedding"][np.where(vision_mask, 0, ids)],
+    )
     S, dim = x.shape
     D = dim // n_heads
     freqs = 1.0 / theta ** (np.arange(0, D, 2) / D)
@@ -141,24 +191,40 @@ def lwm_logits(p: dict[str, np.ndarray], ids: np.ndarray, vision_mask: np.ndarra
         x = x + o @ L["attention/wo/kernel"]
         h = _rms(x, L["ffn_norm/kernel"], eps)
         a1 = h @ L["feed_forward/w1/kernel"]
-        x = x + ((a1 / (1 + np.exp(-a1))) * (h @ L["feed_forward/w3/kernel"])) @ L["feed_forward/w2/kernel"]
+        x = (
+            x
+            + ((a1 / (1 + np.exp(-a1))) * (h @ L["feed_forward/w3/kernel"]))
+            @ L["feed_forward/w2/kernel"]
+        )
     x = _rms(x, g["transformer/ln_f/kernel"], eps)
     return x @ g["lm_head/kernel"], x @ g["vision_head/kernel"]
 
 
 # ----------------------------------------------------------------------------- the VQGAN
 
-def random_vqgan(rng: np.random.Generator, *, channels: int, mult: tuple[int, ...], blocks: int, z: int,
-                 codebook: int) -> dict:
+
+def random_vqgan(
+    rng: np.random.Generator,
+    *,
+    channels: int,
+    mult: tuple[int, ...],
+    blocks: int,
+    z: int,
+    codebook: int,
+) -> dict:
     """Nested flax parameters of LWM's VQGANModel (lwm/vqgan.py's module and auto-naming order)."""
 
     def conv(i, o, k=3):
-        return {"kernel": (rng.standard_normal((k, k, i, o)) / np.sqrt(k * k * i)).astype(np.float32),
-                "bias": (0.05 * rng.standard_normal(o)).astype(np.float32)}
+        return {
+            "kernel": (rng.standard_normal((k, k, i, o)) / np.sqrt(k * k * i)).astype(np.float32),
+            "bias": (0.05 * rng.standard_normal(o)).astype(np.float32),
+        }
 
     def gn(c):
-        return {"scale": (1 + 0.1 * rng.standard_normal(c)).astype(np.float32),
-                "bias": (0.1 * rng.standard_normal(c)).astype(np.float32)}
+        return {
+            "scale": (1 + 0.1 * rng.standard_normal(c)).astype(np.float32),
+            "bias": (0.1 * rng.standard_normal(c)).astype(np.float32),
+        }
 
     def resnet(i, o):
         r = {"GroupNorm_0": gn(i), "Conv_0": conv(i, o), "GroupNorm_1": gn(o), "Conv_1": conv(o, o)}
@@ -182,8 +248,13 @@ def random_vqgan(rng: np.random.Generator, *, channels: int, mult: tuple[int, ..
     enc["GroupNorm_0"] = gn(c)
     enc["Conv_1"] = conv(c, z)
     c = widths[-1]
-    dec = {"Conv_0": conv(z, c), "MidBlock_0": {"ResnetBlock_0": resnet(c, c), "ResnetBlock_1": resnet(c, c)}}
-    for k, level in enumerate(reversed(range(n))):  # created deepest first: UpsamplingBlock_0 is level n-1
+    dec = {
+        "Conv_0": conv(z, c),
+        "MidBlock_0": {"ResnetBlock_0": resnet(c, c), "ResnetBlock_1": resnet(c, c)},
+    }
+    for k, level in enumerate(
+        reversed(range(n))
+    ):  # created deepest first: UpsamplingBlock_0 is level n-1
         blk = {}
         for j in range(blocks + 1):
             blk[f"ResnetBlock_{j}"] = resnet(c, widths[level])
@@ -193,9 +264,13 @@ def random_vqgan(rng: np.random.Generator, *, channels: int, mult: tuple[int, ..
         dec[f"UpsamplingBlock_{k}"] = blk
     dec["GroupNorm_0"] = gn(c)
     dec["Conv_1"] = conv(c, 3)
-    return {"encoder": enc, "decoder": dec,
-            "quantize": {"embeddings": rng.standard_normal((codebook, z)).astype(np.float32)},
-            "quant_conv": conv(z, z, 1), "post_quant_conv": conv(z, z, 1)}
+    return {
+        "encoder": enc,
+        "decoder": dec,
+        "quantize": {"embeddings": rng.standard_normal((codebook, z)).astype(np.float32)},
+        "quant_conv": conv(z, z, 1),
+        "post_quant_conv": conv(z, z, 1),
+    }
 
 
 def write_vqgan(path, params: dict, protocol: int = pickle.HIGHEST_PROTOCOL) -> None:
@@ -240,7 +315,7 @@ def vqgan_encode(params: dict, pixels: torch.Tensor) -> torch.Tensor:
     x = _conv(x, params["quant_conv"], pad=0)
     emb = _t(params["quantize"]["embeddings"])
     z = x.permute(0, 2, 3, 1).reshape(-1, emb.shape[1])
-    d = (z ** 2).sum(1, keepdim=True) + (emb.T ** 2).sum(0, keepdim=True) - 2 * z @ emb.T
+    d = (z**2).sum(1, keepdim=True) + (emb.T**2).sum(0, keepdim=True) - 2 * z @ emb.T
     return d.argmin(1).reshape(x.shape[0], x.shape[2], x.shape[3])
 
 
@@ -264,9 +339,12 @@ def vqgan_decode(params: dict, codes: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- tokenizer and prompt
 
-TOKENIZER_TEXTS = ["You are a helpful assistant. USER: What colour was the flash frame?\n",
-                   "<vision> </vision> ASSISTANT: red green blue yellow the a an of",
-                   "What shape came first? square circle triangle\n", "Question: Answer: it was\n"] * 4
+TOKENIZER_TEXTS = [
+    "You are a helpful assistant. USER: What colour was the flash frame?\n",
+    "<vision> </vision> ASSISTANT: red green blue yellow the a an of",
+    "What shape came first? square circle triangle\n",
+    "Question: Answer: it was\n",
+] * 4
 
 
 def lwm_tokenizer(vocab_size: int = 260):
@@ -276,13 +354,18 @@ def lwm_tokenizer(vocab_size: int = 260):
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Strip(" ", 1, 0)])
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
     tok.train_from_iterator(TOKENIZER_TEXTS, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
 def lwm_prompt(hf_tokenizer, codes: np.ndarray, question: str, eof: int = 8192, eov: int = 8193):
@@ -296,12 +379,22 @@ def lwm_prompt(hf_tokenizer, codes: np.ndarray, question: str, eof: int = 8192, 
     start, end = hf_tokenizer.encode("<vision>"), hf_tokenizer.encode("</vision>")
     tail = hf_tokenizer.encode(" ASSISTANT:")
     tokens = text_1 + start + vision + end + tail
-    mask = [False] * (len(text_1) + len(start)) + [True] * len(vision) + [False] * (len(end) + len(tail))
+    mask = (
+        [False] * (len(text_1) + len(start))
+        + [True] * len(vision)
+        + [False] * (len(end) + len(tail))
+    )
     return np.asarray(tokens), np.asarray(mask)
 
 
-def write_params_streaming(path, shapes: dict[str, tuple[int, ...]], *, dtype: str = "float32", seed: int = 0,
-                           chunk_bytes: int | None = None) -> int:
+def write_params_streaming(
+    path,
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    chunk_bytes: int | None = None,
+) -> int:
     """A tux checkpoint of random arrays with the given names and shapes, generated one at a time
     (so the writer never holds more than one); returns the file's size in bytes."""
     rng = np.random.default_rng(seed)
@@ -314,14 +407,28 @@ def write_params_streaming(path, shapes: dict[str, tuple[int, ...]], *, dtype: s
         return f.tell()
 
 
-def lm_shapes(*, v_text: int, v_vision: int, dim: int, layers: int, ffn: int) -> dict[str, tuple[int, ...]]:
+def lm_shapes(
+    *, v_text: int, v_vision: int, dim: int, layers: int, ffn: int
+) -> dict[str, tuple[int, ...]]:
     """Names and shapes of an LWM-Chat params file in the scan_decoder layout."""
-    s = {"transformer/wte/embedding": (v_text, dim), "transformer/vte/embedding": (v_vision, dim),
-         "transformer/ln_f/kernel": (dim,), "lm_head/kernel": (dim, v_text), "vision_head/kernel": (dim, v_vision)}
-    per = {"attention/wq/kernel": (dim, dim), "attention/wk/kernel": (dim, dim), "attention/wv/kernel": (dim, dim),
-           "attention/wo/kernel": (dim, dim), "feed_forward/w1/kernel": (dim, ffn),
-           "feed_forward/w2/kernel": (ffn, dim), "feed_forward/w3/kernel": (dim, ffn),
-           "attention_norm/kernel": (dim,), "ffn_norm/kernel": (dim,)}
+    s = {
+        "transformer/wte/embedding": (v_text, dim),
+        "transformer/vte/embedding": (v_vision, dim),
+        "transformer/ln_f/kernel": (dim,),
+        "lm_head/kernel": (dim, v_text),
+        "vision_head/kernel": (dim, v_vision),
+    }
+    per = {
+        "attention/wq/kernel": (dim, dim),
+        "attention/wk/kernel": (dim, dim),
+        "attention/wv/kernel": (dim, dim),
+        "attention/wo/kernel": (dim, dim),
+        "feed_forward/w1/kernel": (dim, ffn),
+        "feed_forward/w2/kernel": (ffn, dim),
+        "feed_forward/w3/kernel": (dim, ffn),
+        "attention_norm/kernel": (dim,),
+        "ffn_norm/kernel": (dim,),
+    }
     for k, shape in per.items():
         s[f"transformer/h/scan_decoder/{k}"] = (layers, *shape)
     return s

@@ -1,7 +1,7 @@
 """Peak resident-memory growth of a call, sampled by a thread (for memory tests in child processes).
 
-    sys.path.insert(0, TESTS_DIR); from memwatch import growth
-    mib, result = growth(lambda: encode(...))
+sys.path.insert(0, TESTS_DIR); from memwatch import growth
+mib, result = growth(lambda: encode(...))
 """
 
 import threading

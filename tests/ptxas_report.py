@@ -46,26 +46,77 @@ def _jobs(k, D: int, dt: str, kernels):
     out = []
     if "fwd" in kernels:
         c = cfg.fwd
-        out.append(("fwd", k._fwd_kernel, dict(meta, Q=T, K=T, V=T, O=T, LSE=f32),
-                    dict(common, EVEN_D=D == pad, BLOCK_M=c.block_m, BLOCK_N=c.block_n), c))
+        out.append(
+            (
+                "fwd",
+                k._fwd_kernel,
+                dict(meta, Q=T, K=T, V=T, O=T, LSE=f32),
+                dict(common, EVEN_D=D == pad, BLOCK_M=c.block_m, BLOCK_N=c.block_n),
+                c,
+            )
+        )
     if "decode" in kernels:
         c = cfg.decode
-        out.append(("decode", k._decode_kernel, dict(meta, Q=T, K=T, V=T, OP=f32, LP=f32),
-                    dict(common, BLOCK_M=c.block_m, BLOCK_N=c.block_n), c))
+        out.append(
+            (
+                "decode",
+                k._decode_kernel,
+                dict(meta, Q=T, K=T, V=T, OP=f32, LP=f32),
+                dict(common, BLOCK_M=c.block_m, BLOCK_N=c.block_n),
+                c,
+            )
+        )
     bwd_ptrs = dict(meta, Q=T, K=T, V=T, DO=T, LSE2=f32, DELTA=f32, DQ=f32, DK=f32, DV=f32)
     c = cfg.bwd
     if "bwd_fused" in kernels:
-        out.append(("bwd_fused", k._bwd_kernel, bwd_ptrs,
-                    dict(common, EVEN_D=D == pad, BLOCK_M=c.block_m, BLOCK_N=c.block_n, PER_HEAD=True,
-                         ATOMIC_KV=True, FUSED_DQ=True, KV_SMEM=cfg.kv_smem), c))
+        out.append(
+            (
+                "bwd_fused",
+                k._bwd_kernel,
+                bwd_ptrs,
+                dict(
+                    common,
+                    EVEN_D=D == pad,
+                    BLOCK_M=c.block_m,
+                    BLOCK_N=c.block_n,
+                    PER_HEAD=True,
+                    ATOMIC_KV=True,
+                    FUSED_DQ=True,
+                    KV_SMEM=cfg.kv_smem,
+                ),
+                c,
+            )
+        )
     if "bwd_split" in kernels:
-        out.append(("bwd_split", k._bwd_kernel, bwd_ptrs,
-                    dict(common, EVEN_D=D == pad, BLOCK_M=c.block_m, BLOCK_N=c.block_n, PER_HEAD=False,
-                         ATOMIC_KV=False, FUSED_DQ=False, KV_SMEM=cfg.kv_smem), c))
+        out.append(
+            (
+                "bwd_split",
+                k._bwd_kernel,
+                bwd_ptrs,
+                dict(
+                    common,
+                    EVEN_D=D == pad,
+                    BLOCK_M=c.block_m,
+                    BLOCK_N=c.block_n,
+                    PER_HEAD=False,
+                    ATOMIC_KV=False,
+                    FUSED_DQ=False,
+                    KV_SMEM=cfg.kv_smem,
+                ),
+                c,
+            )
+        )
     if "dq" in kernels:
         c = cfg.dq
-        out.append(("dq", k._bwd_dq_kernel, dict(meta, Q=T, K=T, V=T, DO=T, LSE2=f32, DELTA=f32, DQ=f32),
-                    dict(common, EVEN_D=D == pad, BLOCK_M=c.block_m, BLOCK_N=c.block_n), c))
+        out.append(
+            (
+                "dq",
+                k._bwd_dq_kernel,
+                dict(meta, Q=T, K=T, V=T, DO=T, LSE2=f32, DELTA=f32, DQ=f32),
+                dict(common, EVEN_D=D == pad, BLOCK_M=c.block_m, BLOCK_N=c.block_n),
+                c,
+            )
+        )
     return out
 
 
@@ -83,25 +134,56 @@ def build(D: int, dt: str, kernels, cache_dir: str | None = None) -> list[dict]:
     rows = []
     for name, fn, ptrs, const, cfg in _jobs(k, D, dt, kernels):
         t0 = time.time()
-        sig = {n: ptrs.get(n, "constexpr" if n in const else "fp32" if n.endswith("scale") else "i32")
-               for n in fn.arg_names}
+        sig = {
+            n: ptrs.get(n, "constexpr" if n in const else "fp32" if n.endswith("scale") else "i32")
+            for n in fn.arg_names
+        }
         # what the launcher specialises on for aligned tensors: 16-aligned pointers and strides
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if sig[n].startswith("*") or (n.startswith("stride_") and n != "stride_plan")}
-        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},
-                        attrs=attrs)
-        ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        attrs = {
+            (i,): [["tt.divisibility", 16]]
+            for i, n in enumerate(fn.arg_names)
+            if sig[n].startswith("*") or (n.startswith("stride_") and n != "stride_plan")
+        }
+        src = ASTSource(
+            fn=fn,
+            signature=sig,
+            constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},
+            attrs=attrs,
+        )
+        ck = triton.compile(
+            src,
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        )
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(ck.asm["ptx"])
-        r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
-                           capture_output=True, text=True, check=True)
+        r = subprocess.run(
+            [ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         os.unlink(f.name)
         regs = [int(x) for x in re.findall(r"Used (\d+) registers", r.stderr)]
-        spill = [int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)]
-        rows.append(dict(kernel=name, head_dim=D, dtype=dt, block_m=cfg.block_m, block_n=cfg.block_n,
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, registers=max(regs or [0]),
-                         spill_bytes=sum(spill), shared_bytes=ck.metadata.shared, build_s=round(time.time() - t0, 1)))
+        spill = [
+            int(a) + int(b)
+            for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+        ]
+        rows.append(
+            dict(
+                kernel=name,
+                head_dim=D,
+                dtype=dt,
+                block_m=cfg.block_m,
+                block_n=cfg.block_n,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+                registers=max(regs or [0]),
+                spill_bytes=sum(spill),
+                shared_bytes=ck.metadata.shared,
+                build_s=round(time.time() - t0, 1),
+            )
+        )
     return rows
 
 
@@ -117,17 +199,26 @@ def main(argv=None) -> int:
     for D in args.head_dims:
         for row in build(D, args.dtype, args.kernels):
             rows.append(row)
-            print(f"D={row['head_dim']:>3} {row['kernel']:<9} {row['block_m']:>3}x{row['block_n']:<3} "
-                  f"w{row['num_warps']} s{row['num_stages']}: {row['registers']:>3} registers, "
-                  f"{row['spill_bytes']} bytes spilled, {row['shared_bytes'] / 1024:.0f} KiB shared "
-                  f"({row['build_s']} s)", flush=True)
+            print(
+                f"D={row['head_dim']:>3} {row['kernel']:<9} {row['block_m']:>3}x{row['block_n']:<3} "
+                f"w{row['num_warps']} s{row['num_stages']}: {row['registers']:>3} registers, "
+                f"{row['spill_bytes']} bytes spilled, {row['shared_bytes'] / 1024:.0f} KiB shared "
+                f"({row['build_s']} s)",
+                flush=True,
+            )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
-    from longvideo.kernels import _flash_attn_triton as k  # importable now: build() put ROOT on the path
+    from longvideo.kernels import (
+        _flash_attn_triton as k,
+    )  # importable now: build() put ROOT on the path
 
     kind = "fp32" if args.dtype == "fp32" else "16bit"
-    bad = [r for r in rows if r["shared_bytes"] > SHARED_LIMIT
-           or (r["spill_bytes"] and (k.head_dim_pad(r["head_dim"]), kind) not in k.GPU_TIMED)]
+    bad = [
+        r
+        for r in rows
+        if r["shared_bytes"] > SHARED_LIMIT
+        or (r["spill_bytes"] and (k.head_dim_pad(r["head_dim"]), kind) not in k.GPU_TIMED)
+    ]
     if bad and not args.no_fail:
         print("FAILED: " + ", ".join(f"D={r['head_dim']} {r['kernel']}" for r in bad))
         return 1

@@ -17,8 +17,20 @@ import contextlib
 
 import torch
 
-_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero",
-            "unique", "masked_select", "argwhere")
+_METHODS = (
+    "item",
+    "tolist",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "numpy",
+    "cpu",
+    "nonzero",
+    "unique",
+    "masked_select",
+    "argwhere",
+)
 _FUNCTIONS = ("nonzero", "unique", "masked_select", "argwhere")
 
 
@@ -42,6 +54,7 @@ def no_host_sync():
     def refuse(name):
         def guard(*args, **kwargs):
             raise HostSync(f"host sync on the attention path: {name}")
+
         return guard
 
     for name in _METHODS:

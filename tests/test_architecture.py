@@ -91,7 +91,9 @@ def layer_of(name: str) -> int:
         return 5
     pkg = package_of(name)
     if pkg == name and name not in LAYER_OF_PACKAGE:
-        raise KeyError(f"{name} has no layer: add it to tests/test_architecture.py and docs/architecture.md")
+        raise KeyError(
+            f"{name} has no layer: add it to tests/test_architecture.py and docs/architecture.md"
+        )
     if name == pkg and pkg != "longvideo.kernels":
         return 0  # a lazy package surface
     if name.endswith(".config"):
@@ -123,16 +125,25 @@ def imports() -> dict[str, list[tuple[str, str, bool]]]:
     out: dict[str, list[tuple[str, str, bool]]] = {}
     for name, path in MODULES.items():
         tree = ast.parse(path.read_text())
-        inner = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                 for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+        inner = {
+            id(n)
+            for f in ast.walk(tree)
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for n in ast.walk(f)
+            if isinstance(n, (ast.Import, ast.ImportFrom))
+        }
         found = []
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 base = _resolve(name, node, path.name == "__init__.py")
-                targets = [f"{base}.{a.name}" if _project(f"{base}.{a.name}") == f"{base}.{a.name}" else base
-                           for a in node.names]
+                targets = [
+                    f"{base}.{a.name}"
+                    if _project(f"{base}.{a.name}") == f"{base}.{a.name}"
+                    else base
+                    for a in node.names
+                ]
             else:
                 continue
             for t in targets:
@@ -191,8 +202,12 @@ def test_every_module_has_a_layer():
 
 
 def test_imports_go_down_the_layers():
-    bad = [f"{m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})"
-           for m, targets in project_edges().items() for t in targets if layer_of(t) > layer_of(m)]
+    bad = [
+        f"{m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})"
+        for m, targets in project_edges().items()
+        for t in targets
+        if layer_of(t) > layer_of(m)
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -203,8 +218,13 @@ def test_no_import_cycles_between_modules():
 def test_no_import_cycles_between_packages():
     """Components (packages, and the top-level modules) form a DAG. Config leaves and entry points
     are left out: the root config composes every component's config, and every CLI sits on top."""
+
     def node(m):
-        return None if layer_of(m) in (0, 5) and package_of(m) != "longvideo.kernels" else package_of(m)
+        return (
+            None
+            if layer_of(m) in (0, 5) and package_of(m) != "longvideo.kernels"
+            else package_of(m)
+        )
 
     edges: dict[str, set[str]] = defaultdict(set)
     for m, targets in project_edges().items():
@@ -216,46 +236,78 @@ def test_no_import_cycles_between_packages():
 
 
 def test_project_modules_are_imported_at_the_top():
-    bad = [f"{m} imports {t} inside a function" for m, found in IMPORTS.items() for _, t, inner in found
-           if inner and t]
+    bad = [
+        f"{m} imports {t} inside a function"
+        for m, found in IMPORTS.items()
+        for _, t, inner in found
+        if inner and t
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_model_never_imports_distributed_code():
-    bad = [f"{m}: {name}" for m, found in IMPORTS.items() if package_of(m) == "longvideo.model"
-           for name, _, _ in found if name.startswith(("torch.distributed", "deepspeed"))]
+    bad = [
+        f"{m}: {name}"
+        for m, found in IMPORTS.items()
+        if package_of(m) == "longvideo.model"
+        for name, _, _ in found
+        if name.startswith(("torch.distributed", "deepspeed"))
+    ]
     assert not bad, bad
 
 
 def test_model_reads_no_runtime_config():
-    bad = [f"{m}: {t}" for m, found in IMPORTS.items() if package_of(m) == "longvideo.model"
-           for _, t, _ in found if t in ("longvideo.parallel.config", "longvideo.config")]
+    bad = [
+        f"{m}: {t}"
+        for m, found in IMPORTS.items()
+        if package_of(m) == "longvideo.model"
+        for _, t, _ in found
+        if t in ("longvideo.parallel.config", "longvideo.config")
+    ]
     assert not bad, bad
 
 
 def test_only_parallelize_and_the_engine_import_deepspeed():
     allowed = {"longvideo.parallel.apply", "longvideo.parallel.engine"}
-    bad = sorted({m for m, found in IMPORTS.items() for name, _, _ in found
-                  if name.split(".")[0] == "deepspeed" and m not in allowed})
+    bad = sorted(
+        {
+            m
+            for m, found in IMPORTS.items()
+            for name, _, _ in found
+            if name.split(".")[0] == "deepspeed" and m not in allowed
+        }
+    )
     assert not bad, f"{bad} import deepspeed; go through longvideo.parallel (parallelize, Engine)"
 
 
 def test_kernels_import_nothing_else_of_the_project():
-    bad = [f"{m}: {t}" for m, found in IMPORTS.items() if package_of(m) == "longvideo.kernels"
-           for _, t, _ in found if t and package_of(t) != "longvideo.kernels"]
+    bad = [
+        f"{m}: {t}"
+        for m, found in IMPORTS.items()
+        if package_of(m) == "longvideo.kernels"
+        for _, t, _ in found
+        if t and package_of(t) != "longvideo.kernels"
+    ]
     assert not bad, bad
 
 
 def test_parallel_uses_only_the_public_kernel_interface():
-    bad = [f"{m}: {t}" for m, found in IMPORTS.items() if package_of(m) == "longvideo.parallel"
-           for _, t, _ in found if t.startswith("longvideo.kernels.")]
+    bad = [
+        f"{m}: {t}"
+        for m, found in IMPORTS.items()
+        if package_of(m) == "longvideo.parallel"
+        for _, t, _ in found
+        if t.startswith("longvideo.kernels.")
+    ]
     assert not bad, bad
 
 
 @pytest.mark.parametrize("module", ["longvideo.config", "longvideo.cli"])
 def test_composing_the_config_imports_no_runtime_code(module):
-    code = (f"import sys, {module}; heavy = [m for m in ('torch', 'deepspeed', 'av', 'decord', 'transformers') "
-            "if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)")
+    code = (
+        f"import sys, {module}; heavy = [m for m in ('torch', 'deepspeed', 'av', 'decord', 'transformers') "
+        "if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert res.returncode == 0, res.stdout + res.stderr
 
@@ -270,7 +322,9 @@ def test_lazy_surfaces_resolve_and_never_name_a_submodule(package):
     import importlib
 
     pkg = importlib.import_module(package)
-    submodules = {m.rsplit(".", 1)[1] for m in MODULES if m.startswith(package + ".") and m.count(".") == 2}
+    submodules = {
+        m.rsplit(".", 1)[1] for m in MODULES if m.startswith(package + ".") and m.count(".") == 2
+    }
     clash = sorted(set(pkg.__all__) & submodules)
     assert not clash, f"{package} exports {clash}, which are also submodule names"
     for name in pkg.__all__:
@@ -295,11 +349,17 @@ def test_the_checkouts_kernels_folder_never_takes_the_top_level_name(tmp_path, o
     if other:
         (tmp_path / "kernels").mkdir()
         (tmp_path / "kernels" / "__init__.py").write_text("")
-    done = subprocess.run([sys.executable, "-c", _SHADOW, str(tmp_path)], cwd=REPO, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]  # transformers imports, whatever `kernels` it finds
+    done = subprocess.run(
+        [sys.executable, "-c", _SHADOW, str(tmp_path)], cwd=REPO, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[
+        -2000:
+    ]  # transformers imports, whatever `kernels` it finds
     theirs, ours, distinct = done.stdout.split()
     assert Path(ours) == REPO / "kernels" / "__init__.py" and distinct == "True"
-    if other:  # an installed `kernels` (here the test's, or Hugging Face's) always wins over the folder
+    if (
+        other
+    ):  # an installed `kernels` (here the test's, or Hugging Face's) always wins over the folder
         assert Path(theirs).parent != REPO / "kernels", theirs
     if other and Path(theirs).parent.parent == tmp_path:
         assert Path(theirs) == tmp_path / "kernels" / "__init__.py"

@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
 
 from distributed import run_ranks
 from longvideo.model import ModelConfig, Transformer
@@ -22,8 +25,16 @@ from longvideo.parallel.compile import OpaqueSeam, apply_compile
 
 def _model(seed=0, layers=2):
     torch.manual_seed(seed)
-    cfg = ModelConfig(text_vocab_size=40, codebook_size=20, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2,
-                      max_seq_len=128, init_std=0.1)
+    cfg = ModelConfig(
+        text_vocab_size=40,
+        codebook_size=20,
+        dim=32,
+        n_layers=layers,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=128,
+        init_std=0.1,
+    )
     model = Transformer(cfg).train()
     model.set_attention(LocalAttention("auto"))
     return model
@@ -39,9 +50,13 @@ def _batch(S=48, seed=1):
 
 def _loss_and_grads(model, ids, pos, seg):
     model.zero_grad(set_to_none=True)
-    loss = model(ids, pos, seg).float().pow(2).mean()  # hidden states: any loss of them reaches every block
+    loss = (
+        model(ids, pos, seg).float().pow(2).mean()
+    )  # hidden states: any loss of them reaches every block
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def test_one_graph_per_block_no_graph_break():
@@ -64,12 +79,17 @@ def test_compiled_model_matches_eager(checkpointing):
     """aot_eager runs the same decompositions as inductor's front end without code generation:
     losses and gradients equal the eager model's (fp32, within rounding)."""
     eager, compiled = _model(), _model()
-    for m in (eager, compiled) if checkpointing else ():  # blocks wrapped from outside, as parallelize does
+    for m in (
+        (eager, compiled) if checkpointing else ()
+    ):  # blocks wrapped from outside, as parallelize does
         for i, block in enumerate(m.layers):
             m.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     names = [n for n, _ in compiled.named_parameters()]
     apply_compile(compiled, backend="aot_eager")
-    assert isinstance(compiled.attention_fn, OpaqueSeam) and [n for n, _ in compiled.named_parameters()] == names
+    assert (
+        isinstance(compiled.attention_fn, OpaqueSeam)
+        and [n for n, _ in compiled.named_parameters()] == names
+    )
     batch = _batch()
     for _ in range(2):  # the second step runs the cached graphs
         (le, ge), (lc, gc) = _loss_and_grads(eager, *batch), _loss_and_grads(compiled, *batch)
@@ -78,7 +98,9 @@ def test_compiled_model_matches_eager(checkpointing):
             torch.testing.assert_close(gc[n], ge[n], rtol=1e-5, atol=1e-7, msg=n)
     plans = compiled.attention_fn.inner.plans
     built = [p.builds for _, p in plans._entries.values()]
-    assert built == [1], built  # one dispatch choice for every layer of the step, forward and backward
+    assert built == [1], (
+        built
+    )  # one dispatch choice for every layer of the step, forward and backward
 
 
 @pytest.mark.slow
@@ -125,16 +147,40 @@ def _trainer_body(rank, world, tmp):
     from longvideo.config import load_config
     from longvideo.train.trainer import Trainer
 
-    overrides = ["model.text_vocab_size=64", "model.codebook_size=16", "vq.codebook_size=16", "model.dim=32",
-                 "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.multiple_of=16",
-                 "runtime.ffn_chunk=0", "runtime.loss_chunk=0", "data.seq_len=62", "train.synthetic_vocab=32",
-                 "train.lr=3e-3", "train.warmup_steps=1", "train.steps=3", "train.micro_batch_size=1",
-                 "train.grad_accum=1", "train.zero_stage=2", "train.checkpoint_every=100", "parallel.sp=2",
-                 "parallel.timeout_s=120", "parallel.backend=cpu", "train.progress=false",
-                 "train.tensorboard=false", "train.plot=false"]
+    overrides = [
+        "model.text_vocab_size=64",
+        "model.codebook_size=16",
+        "vq.codebook_size=16",
+        "model.dim=32",
+        "model.n_layers=2",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.multiple_of=16",
+        "runtime.ffn_chunk=0",
+        "runtime.loss_chunk=0",
+        "data.seq_len=62",
+        "train.synthetic_vocab=32",
+        "train.lr=3e-3",
+        "train.warmup_steps=1",
+        "train.steps=3",
+        "train.micro_batch_size=1",
+        "train.grad_accum=1",
+        "train.zero_stage=2",
+        "train.checkpoint_every=100",
+        "parallel.sp=2",
+        "parallel.timeout_s=120",
+        "parallel.backend=cpu",
+        "train.progress=false",
+        "train.tensorboard=false",
+        "train.plot=false",
+    ]
     losses = {}
     for flag in ("false", "true"):
-        t = Trainer(load_config(None, overrides + [f"runtime.compile={flag}", f"train.out_dir={tmp}/{flag}"]))
+        t = Trainer(
+            load_config(
+                None, overrides + [f"runtime.compile={flag}", f"train.out_dir={tmp}/{flag}"]
+            )
+        )
         assert isinstance(t.model.attention_fn, OpaqueSeam) == (flag == "true")
         losses[flag] = t.run().losses
     if rank == 0:
@@ -170,8 +216,12 @@ def test_runtime_compile_refuses_zero3_by_name():
     from longvideo.configtools import ConfigError
     from longvideo.parallel import parallelize
 
-    cfg = SimpleNamespace(parallel=SimpleNamespace(backend="cpu"), runtime=SimpleNamespace(
-        activation_checkpointing=False, compile=True))
+    cfg = SimpleNamespace(
+        parallel=SimpleNamespace(backend="cpu"),
+        runtime=SimpleNamespace(activation_checkpointing=False, compile=True),
+    )
     mesh = SimpleNamespace(sp=1, ulysses=1, sp_group=None, ulysses_groups=None, world_size=1)
     with pytest.raises(ConfigError, match="runtime.compile.*ZeRO-3"):
-        parallelize(_model(), mesh, cfg, optimizer=None, ds_config={"zero_optimization": {"stage": 3}})
+        parallelize(
+            _model(), mesh, cfg, optimizer=None, ds_config={"zero_optimization": {"stage": 3}}
+        )

@@ -25,21 +25,24 @@ def test_defaults_and_overrides(tmp_path):
         cfg.model.dim = 3  # frozen
 
 
-@pytest.mark.parametrize("override,key,words", [
-    (["model.n_layerz=3"], "model.n_layerz", "unknown key"),
-    (["modle.dim=3"], "modle", "unknown key"),
-    (["model.dim=abc"], "model.dim", "expected an integer"),
-    (["model.n_heads=5"], "model.n_heads", "must divide dim"),
-    (["model.n_kv_heads=3"], "model.n_kv_heads", "must divide n_heads"),
-    (["model.tie_embeddings=maybe"], "model.tie_embeddings", "true or false"),
-    (["parallel.backend=cuda"], "parallel.backend", "allowed"),
-    (["runtime.ffn_chunk=-1"], "runtime.ffn_chunk", ">= 0"),
-    (["train.lr=-1"], "train.lr", "positive"),
-    (["model.codebook_size=100"], "model.codebook_size", "vq.codebook_size"),
-    (["model.code_init=fsq", "vq.quantizer=vq"], "model.code_init", "vq.quantizer"),
-    (["model.code_init=gaussian"], "model.code_init", "fsq"),
-    (["model.dim"], "model.dim", "section.key=value"),
-])
+@pytest.mark.parametrize(
+    "override,key,words",
+    [
+        (["model.n_layerz=3"], "model.n_layerz", "unknown key"),
+        (["modle.dim=3"], "modle", "unknown key"),
+        (["model.dim=abc"], "model.dim", "expected an integer"),
+        (["model.n_heads=5"], "model.n_heads", "must divide dim"),
+        (["model.n_kv_heads=3"], "model.n_kv_heads", "must divide n_heads"),
+        (["model.tie_embeddings=maybe"], "model.tie_embeddings", "true or false"),
+        (["parallel.backend=cuda"], "parallel.backend", "allowed"),
+        (["runtime.ffn_chunk=-1"], "runtime.ffn_chunk", ">= 0"),
+        (["train.lr=-1"], "train.lr", "positive"),
+        (["model.codebook_size=100"], "model.codebook_size", "vq.codebook_size"),
+        (["model.code_init=fsq", "vq.quantizer=vq"], "model.code_init", "vq.quantizer"),
+        (["model.code_init=gaussian"], "model.code_init", "fsq"),
+        (["model.dim"], "model.dim", "section.key=value"),
+    ],
+)
 def test_bad_values_name_the_key(tmp_path, override, key, words):
     p = write(tmp_path, "model:\n  dim: 64\n  n_heads: 4\n")
     with pytest.raises(ConfigError) as e:
@@ -59,12 +62,25 @@ def test_every_shipped_config_loads():
 
 def test_model_shapes_of_named_configs():
     llama = load_config("llama2-7b").model
-    assert (llama.n_layers, llama.dim, llama.n_heads, llama.text_vocab_size) == (32, 4096, 32, 32000)
+    assert (llama.n_layers, llama.dim, llama.n_heads, llama.text_vocab_size) == (
+        32,
+        4096,
+        32,
+        32000,
+    )
     assert llama.vocab_size == 32000 + 4 + llama.codebook_size
     smol = load_config("smol-135m").model
-    assert (smol.n_layers, smol.dim, smol.n_heads, smol.n_kv_heads, smol.tie_embeddings) == (30, 576, 9, 3, True)
+    assert (smol.n_layers, smol.dim, smol.n_heads, smol.n_kv_heads, smol.tie_embeddings) == (
+        30,
+        576,
+        9,
+        3,
+        True,
+    )
 
 
 def test_configs_reference_is_fresh():
     """docs/configs.md lists every key of the dataclasses and every shipped config as they are now."""
-    assert OUT.read_text() == render(), "docs/configs.md is stale: run `python tests/config_docs.py`"
+    assert OUT.read_text() == render(), (
+        "docs/configs.md is stale: run `python tests/config_docs.py`"
+    )

@@ -44,7 +44,9 @@ def _check(be, q, k, v, dout, qp, kp, qs, ks, causal):
     out = block_attention(qq, kk, vv, qp, kp, qs, ks, causal=causal, backend=be)
     out.backward(dout)
     eps = 1e-12 if q.dtype == torch.float64 else 1e-6
-    for name, got, t, p in zip(("out", "dq", "dk", "dv"), (out, qq.grad, kk.grad, vv.grad), truth, plain):
+    for name, got, t, p in zip(
+        ("out", "dq", "dk", "dv"), (out, qq.grad, kk.grad, vv.grad), truth, plain
+    ):
         assert got.dtype == q.dtype, f"{name} dtype {got.dtype}"
         assert_within(name, got, t, p, eps)
 
@@ -98,11 +100,19 @@ def test_global_out_lse_gives_partial_grads(small_tiles):
     out, lse = small_tiles.forward(q, k, v, qp, kp, qs, ks, scale, True)
     full = small_tiles.backward(dout, q, k, v, out, lse, qp, kp, qs, ks, scale, True)
     h = Sk // 2
-    parts = [small_tiles.backward(dout, q, k[:, a:b], v[:, a:b], out, lse, qp, kp[:, a:b], qs, ks[:, a:b],
-                                  scale, True) for a, b in ((0, h), (h, Sk))]
+    parts = [
+        small_tiles.backward(
+            dout, q, k[:, a:b], v[:, a:b], out, lse, qp, kp[:, a:b], qs, ks[:, a:b], scale, True
+        )
+        for a, b in ((0, h), (h, Sk))
+    ]
     torch.testing.assert_close(parts[0][0] + parts[1][0], full[0], rtol=0, atol=1e-12)
-    torch.testing.assert_close(torch.cat([parts[0][1], parts[1][1]], 1), full[1], rtol=0, atol=1e-12)
-    torch.testing.assert_close(torch.cat([parts[0][2], parts[1][2]], 1), full[2], rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        torch.cat([parts[0][1], parts[1][1]], 1), full[1], rtol=0, atol=1e-12
+    )
+    torch.testing.assert_close(
+        torch.cat([parts[0][2], parts[1][2]], 1), full[2], rtol=0, atol=1e-12
+    )
     truth = reference(q, k, v, qp, kp, qs, ks, True, dout, upcast=True)
     for got, t in zip(full, truth[1:]):
         torch.testing.assert_close(got, t, rtol=0, atol=1e-10)
@@ -174,7 +184,9 @@ def test_plan_kept_in_an_attention_plan(small_tiles):
     plan = AttentionPlan()
     for _ in range(2):
         out, lse = small_tiles.forward(q, k, v, pos, pos, seg, seg, 0.3, True, plan=plan)
-        grads = small_tiles.backward(dout, q, k, v, out, lse, pos, pos, seg, seg, 0.3, True, plan=plan)
+        grads = small_tiles.backward(
+            dout, q, k, v, out, lse, pos, pos, seg, seg, 0.3, True, plan=plan
+        )
     assert plan.builds == 1
     out0, lse0 = small_tiles.forward(q, k, v, pos, pos, seg, seg, 0.3, True)
     grads0 = small_tiles.backward(dout, q, k, v, out0, lse0, pos, pos, seg, seg, 0.3, True)

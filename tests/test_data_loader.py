@@ -8,7 +8,13 @@ import torch
 
 from longvideo.data.config import DataConfig
 from longvideo.data.loader import TokenLoader
-from longvideo.data.shards import ShardWriter, SkipStats, iter_token_samples, npy_bytes, token_sample_members
+from longvideo.data.shards import (
+    ShardWriter,
+    SkipStats,
+    iter_token_samples,
+    npy_bytes,
+    token_sample_members,
+)
 from longvideo.data.synthetic import SyntheticSpec, make_sample, text_corpus
 from longvideo.tokenizer import train_text_tokenizer
 
@@ -31,8 +37,12 @@ def shards(tmp_path_factory):
             for i in range(s * 7, s * 7 + 7):
                 sample = make_sample(3, i, SPEC)
                 codes = np.random.default_rng(i).integers(0, K, (sample.duration, 2, 2))
-                w.write(sample.key, token_sample_members(sample.key, codes, np.arange(float(sample.duration)),
-                                                         sample.meta))
+                w.write(
+                    sample.key,
+                    token_sample_members(
+                        sample.key, codes, np.arange(float(sample.duration)), sample.meta
+                    ),
+                )
                 keys.append(sample.key)
     return root, keys
 
@@ -59,15 +69,19 @@ def test_batch_contract(shards, tok):
                 assert torch.all(b["loss_weights"][row][m] == 0)
                 continue
             idx = m.nonzero().flatten()
-            assert torch.equal(b["positions"][row][idx], torch.arange(len(idx)))  # positions restart
-            assert torch.equal(b["targets"][row][idx[:-1]], b["input_ids"][row][idx[1:]])  # shifted in-doc
+            assert torch.equal(
+                b["positions"][row][idx], torch.arange(len(idx))
+            )  # positions restart
+            assert torch.equal(
+                b["targets"][row][idx[:-1]], b["input_ids"][row][idx[1:]]
+            )  # shifted in-doc
             assert b["loss_weights"][row][idx[-1]] == 0
 
 
 def epoch_refs(loader, epoch):
     """(shard, sample) references the loader's dp rank gets in ``epoch``, in stream order (before shuffling)."""
     order = np.random.default_rng([loader.seed, epoch]).permutation(len(loader.paths)).tolist()
-    return [(s, i) for s in order for i in range(loader._len(s))][loader.dp_rank::loader.dp_size]
+    return [(s, i) for s in order for i in range(loader._len(s))][loader.dp_rank :: loader.dp_size]
 
 
 def _epoch_keys(loader, epoch):
@@ -106,7 +120,14 @@ def test_deterministic_by_seed(shards, tok):
 
 @pytest.mark.parametrize("skip", [3, 17])  # mid-epoch, and after the first epoch boundary
 def test_resume_continues_exactly(shards, tok, skip):
-    kw = dict(seed=5, template_mode="random", question_position="random", pack_bins=3, dp_rank=1, dp_size=2)
+    kw = dict(
+        seed=5,
+        template_mode="random",
+        question_position="random",
+        pack_bins=3,
+        dp_rank=1,
+        dp_size=2,
+    )
     ref = _loader(shards, tok, **kw)
     for _ in range(skip):
         next(ref)
@@ -142,12 +163,23 @@ def test_each_shard_index_read_once_per_epoch(tmp_path, tok, monkeypatch):
         with ShardWriter(tmp_path / f"part-{s:03d}.tar") as w:
             for i in range(s * 3, s * 3 + 3):
                 sample = make_sample(5, i, SPEC)
-                w.write(sample.key, token_sample_members(sample.key, np.zeros((sample.duration, 2, 2), np.int64),
-                                                         np.arange(float(sample.duration)), sample.meta))
+                w.write(
+                    sample.key,
+                    token_sample_members(
+                        sample.key,
+                        np.zeros((sample.duration, 2, 2), np.int64),
+                        np.arange(float(sample.duration)),
+                        sample.meta,
+                    ),
+                )
     reads = []
     real = loader_mod.TokenShard
-    monkeypatch.setattr(loader_mod, "TokenShard", lambda path, stats=None: reads.append(path) or real(path, stats))
-    loader = TokenLoader(str(tmp_path), tok, tok.vocab(K), DataConfig(seq_len=96, shuffle_buffer=40), batch_size=1)
+    monkeypatch.setattr(
+        loader_mod, "TokenShard", lambda path, stats=None: reads.append(path) or real(path, stats)
+    )
+    loader = TokenLoader(
+        str(tmp_path), tok, tok.vocab(K), DataConfig(seq_len=96, shuffle_buffer=40), batch_size=1
+    )
     while loader.epoch == 0:
         next(loader)
     assert len(reads) == len(set(reads)) == 30
@@ -158,14 +190,17 @@ def test_corrupt_token_samples_skipped_and_counted(tmp_path, tok):
     with ShardWriter(tmp_path / "bad.tar") as w:
         for i in range(8):
             s = make_sample(0, i, SPEC)
-            members = token_sample_members(s.key, np.zeros((s.duration, 2, 2), int), np.arange(float(s.duration)),
-                                           s.meta)
+            members = token_sample_members(
+                s.key, np.zeros((s.duration, 2, 2), int), np.arange(float(s.duration)), s.meta
+            )
             if i == 2:
                 members["codes.npy"] = _pickled_npy()
             elif i == 4:
                 del members["json"]
             elif i == 6:
-                members["codes.npy"] = npy_bytes(np.full((s.duration, 2, 2), K + 5))  # outside the codebook
+                members["codes.npy"] = npy_bytes(
+                    np.full((s.duration, 2, 2), K + 5)
+                )  # outside the codebook
             else:
                 good += 1
             w.write(s.key, members)
@@ -212,15 +247,23 @@ def _sp_rank_body(rank, world, root):
 
     tok = _ByteTokenizer()
     cfg = DataConfig(seq_len=96, shuffle_buffer=5, template_mode="all")
-    loader = TokenLoader(root, tok, tok.vocab(K), cfg, batch_size=2)  # every sp rank reads the same batch
+    loader = TokenLoader(
+        root, tok, tok.vocab(K), cfg, batch_size=2
+    )  # every sp rank reads the same batch
     for _ in range(3):
         full = next(loader)
         local = shard_batch(full, None)
         chunk = 96 // (2 * world)
-        idx = torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
-                         torch.arange((2 * world - 1 - rank) * chunk, (2 * world - rank) * chunk)])
+        idx = torch.cat(
+            [
+                torch.arange(rank * chunk, (rank + 1) * chunk),
+                torch.arange((2 * world - 1 - rank) * chunk, (2 * world - rank) * chunk),
+            ]
+        )
         for k, v in full.items():
-            assert torch.equal(local[k], v[:, idx]), k  # the ring's zigzag layout; positions/segments travel along
+            assert torch.equal(local[k], v[:, idx]), (
+                k
+            )  # the ring's zigzag layout; positions/segments travel along
 
 
 @pytest.mark.slow

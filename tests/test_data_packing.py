@@ -24,13 +24,17 @@ def test_row_invariants():
     row = pack_row(docs, 20, pad_id=0)
     assert all(v.shape == (20,) for v in row.values())
     np.testing.assert_array_equal(row["segment_ids"], [0] * 5 + [1] * 3 + [2] * 7 + [-1] * 5)
-    np.testing.assert_array_equal(row["positions"], [*range(5), *range(3), *range(7), 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(
+        row["positions"], [*range(5), *range(3), *range(7), 0, 0, 0, 0, 0]
+    )
     at = 0
     for d in docs:
         n = len(d.ids)
-        np.testing.assert_array_equal(row["input_ids"][at: at + n], d.ids)
-        np.testing.assert_array_equal(row["targets"][at: at + n - 1], d.ids[1:])  # shifted within the doc
-        np.testing.assert_array_equal(row["loss_weights"][at: at + n - 1], d.weights[1:])
+        np.testing.assert_array_equal(row["input_ids"][at : at + n], d.ids)
+        np.testing.assert_array_equal(
+            row["targets"][at : at + n - 1], d.ids[1:]
+        )  # shifted within the doc
+        np.testing.assert_array_equal(row["loss_weights"][at : at + n - 1], d.weights[1:])
         assert row["loss_weights"][at + n - 1] == 0  # never predict across a document boundary
         at += n
     assert np.all(row["loss_weights"][at:] == 0) and np.all(row["input_ids"][at:] == 0)
@@ -65,8 +69,15 @@ def test_packer_first_fit_and_state():
 
 def _tiny_model():
     torch.manual_seed(0)
-    cfg = ModelConfig(text_vocab_size=40, codebook_size=6, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                      multiple_of=16)
+    cfg = ModelConfig(
+        text_vocab_size=40,
+        codebook_size=6,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        multiple_of=16,
+    )
     return Transformer(cfg, loss_chunk=0, backend="torch").double().eval()
 
 
@@ -78,7 +89,9 @@ def test_packed_equals_unpacked_through_the_model():
     rows = [pack_row(docs[:2], 24, 0), pack_row(docs[2:], 24, 0)]
     batch = {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
     with torch.no_grad():
-        hidden = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+        hidden = model(
+            batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"]
+        )
         loss_sum = model.head(hidden, batch["targets"], batch["loss_weights"].double())
         weight_sum = token_weights(batch["targets"], batch["loss_weights"]).sum()
         ref_sum, ref_weight = 0.0, 0.0
@@ -89,8 +102,11 @@ def test_packed_equals_unpacked_through_the_model():
                 alone = pack_row([d], n, 0)  # the document alone, no padding
                 ids = torch.from_numpy(alone["input_ids"])[None]
                 h = model(ids)  # default positions 0..n-1, one segment
-                torch.testing.assert_close(hidden[b, at: at + n], h[0], rtol=1e-10, atol=1e-10)
-                t, lw = torch.from_numpy(alone["targets"])[None], torch.from_numpy(alone["loss_weights"])[None]
+                torch.testing.assert_close(hidden[b, at : at + n], h[0], rtol=1e-10, atol=1e-10)
+                t, lw = (
+                    torch.from_numpy(alone["targets"])[None],
+                    torch.from_numpy(alone["loss_weights"])[None],
+                )
                 s, w = model.head(h, t, lw.double()), token_weights(t, lw).sum()
                 ref_sum, ref_weight = ref_sum + s, ref_weight + w
                 at += n
@@ -107,9 +123,17 @@ def test_gradients_of_packed_batch_equal_unpacked():
         total_s, total_w = 0.0, 0.0
         for r in rows:
             b = {k: torch.from_numpy(v)[None] for k, v in r.items()}
-            s = model(b["input_ids"], positions=b["positions"], segment_ids=b["segment_ids"],
-                      targets=b["targets"], loss_weights=b["loss_weights"].double())
-            total_s, total_w = total_s + s, total_w + token_weights(b["targets"], b["loss_weights"]).sum()
+            s = model(
+                b["input_ids"],
+                positions=b["positions"],
+                segment_ids=b["segment_ids"],
+                targets=b["targets"],
+                loss_weights=b["loss_weights"].double(),
+            )
+            total_s, total_w = (
+                total_s + s,
+                total_w + token_weights(b["targets"], b["loss_weights"]).sum(),
+            )
         (total_s / total_w).backward()  # global normalisation by the batch's weight total
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 

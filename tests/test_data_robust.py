@@ -76,7 +76,9 @@ def test_one_list_of_extensions():
 
     assert shards.VIDEO_EXTS is VIDEO_EXTS
     assert frames.VIDEO_SUFFIXES == tuple("." + e for e in VIDEO_EXTS)
-    assert {e.ext for e in CONTAINERS} == set(VIDEO_EXTS)  # the corpus covers every accepted container
+    assert {e.ext for e in CONTAINERS} == set(
+        VIDEO_EXTS
+    )  # the corpus covers every accepted container
 
 
 @pytest.mark.parametrize("enc", CONTAINERS, ids=[e.name for e in CONTAINERS])
@@ -106,25 +108,40 @@ def test_every_container_decord_isolated(good):
         if enc.name == "ts":  # decord 0.6 returns MPEG-TS frames shifted (documented)
             assert len(got) == len(want)
         else:  # decord rounds a frame differently on MPEG-PS; elsewhere it agrees with PyAV
-            assert all(abs(g - w) <= 1 for g, w in zip(got, want)) and len(got) == len(want), enc.name
+            assert all(abs(g - w) <= 1 for g, w in zip(got, want)) and len(got) == len(want), (
+                enc.name
+            )
 
 
-MAX_RES = 1024  # the huge declared sizes (up to 65535) are refused; 4095 x 4095 MPEG frames too (fast)
+MAX_RES = (
+    1024  # the huge declared sizes (up to 65535) are refused; 4095 x 4095 MPEG frames too (fast)
+)
 
 
 def _entry_points(data, path, backend):
     """probe and read of the bytes, iter of the file: each result is 'ok' or its VideoError's reason."""
     out = []
-    for fn in (lambda: probe_video(data, backend=backend, max_resolution=MAX_RES),
-               lambda: read_video(data, fps=2.0, size=16, backend=backend, max_resolution=MAX_RES),
-               lambda: list(iter_video(path, fps=2.0, size=16, chunk_frames=3, backend=backend,
-                                       max_resolution=MAX_RES))):
+    for fn in (
+        lambda: probe_video(data, backend=backend, max_resolution=MAX_RES),
+        lambda: read_video(data, fps=2.0, size=16, backend=backend, max_resolution=MAX_RES),
+        lambda: list(
+            iter_video(
+                path, fps=2.0, size=16, chunk_frames=3, backend=backend, max_resolution=MAX_RES
+            )
+        ),
+    ):
         try:
             fn()
             out.append("ok")
         except VideoError as e:
-            assert e.reason in ("video_error", "video_empty", "video_corrupt", "video_unsupported",
-                                "decoder_crash", "decoder_timeout")
+            assert e.reason in (
+                "video_error",
+                "video_empty",
+                "video_corrupt",
+                "video_unsupported",
+                "decoder_crash",
+                "decoder_timeout",
+            )
             out.append(e.reason)
     return out
 
@@ -147,7 +164,9 @@ def test_damaged_corpus_every_entry_point_survives(corpus, backend):
 
 def test_decord_crash_on_truncated_avi_is_contained(good, monkeypatch):
     """The reported crash: decord given a truncated AVI as a file object dies by SIGSEGV."""
-    monkeypatch.setenv("LONGVIDEO_DECORD_FILEOBJ", "1")  # the child reads bytes as decord did in-process
+    monkeypatch.setenv(
+        "LONGVIDEO_DECORD_FILEOBJ", "1"
+    )  # the child reads bytes as decord did in-process
     cut = good["avi"][: 20 << 10]
     with pytest.raises(isolate.DecoderCrashError) as e:
         read_video(cut, backend="decord")
@@ -167,28 +186,49 @@ def _fake_child(tmp_path, body):
 
 
 def test_child_that_dies_or_hangs_costs_one_video(good, tmp_path, monkeypatch):
-    monkeypatch.setattr(isolate, "_CHILD", _fake_child(tmp_path, """
+    monkeypatch.setattr(
+        isolate,
+        "_CHILD",
+        _fake_child(
+            tmp_path,
+            """
         import os, signal, sys
         sys.stdin.buffer.read(4)
         os.kill(os.getpid(), signal.SIGSEGV)
-    """))
+    """,
+        ),
+    )
     with pytest.raises(isolate.DecoderCrashError, match="SIGSEGV"):
         probe_video(good["mp4"], backend="decord")
-    monkeypatch.setattr(isolate, "_CHILD", _fake_child(tmp_path, """
+    monkeypatch.setattr(
+        isolate,
+        "_CHILD",
+        _fake_child(
+            tmp_path,
+            """
         import time
         time.sleep(600)
-    """))
+    """,
+        ),
+    )
     monkeypatch.setattr(isolate, "OPEN_TIMEOUT_S", 1.0)
     t = time.time()
     with pytest.raises(isolate.DecoderTimeoutError) as e:
         probe_video(good["mp4"], backend="decord")
     assert e.value.reason == "decoder_timeout" and time.time() - t < 15
-    monkeypatch.setattr(isolate, "_CHILD", _fake_child(tmp_path, """
+    monkeypatch.setattr(
+        isolate,
+        "_CHILD",
+        _fake_child(
+            tmp_path,
+            """
         import struct, sys
         sys.stdin.buffer.read(4)
         sys.stdout.buffer.write(struct.pack(">I", 7) + b"garbage"); sys.stdout.flush()
         sys.stdin.buffer.read()
-    """))
+    """,
+        ),
+    )
     with pytest.raises(isolate.DecoderCrashError, match="malformed"):
         probe_video(good["mp4"], backend="decord")
 
@@ -200,7 +240,10 @@ def _corpus_shard(path, good, corpus):
         items = [(f"good-{n}", e.ext, good[n]) for n, e in ((e.name, e) for e in CONTAINERS)]
         items += [(f"bad-{i:03d}", ext, data) for i, (_, ext, data, _) in enumerate(corpus)]
         for key, ext, data in items:
-            for name, blob in ((f"{key}.{ext}", data), (f"{key}.json", json.dumps({"caption": key}).encode())):
+            for name, blob in (
+                (f"{key}.{ext}", data),
+                (f"{key}.json", json.dumps({"caption": key}).encode()),
+            ):
                 info = tarfile.TarInfo(name)
                 info.size = len(blob)
                 tf.addfile(info, io.BytesIO(blob))
@@ -211,20 +254,33 @@ def _corpus_shard(path, good, corpus):
 @pytest.mark.parametrize("backend", ["pyav", "decord"])
 def test_tokenize_corpus_shard(tmp_path, good, corpus, backend, monkeypatch):
     torch.manual_seed(0)
-    VQModel(VQConfig(mode="2d", resolution=16, downsample=4, channels=8, channel_mult=(1, 1, 1),
-                     num_res_blocks=0, codebook_size=16)).save(tmp_path / "vq")
+    VQModel(
+        VQConfig(
+            mode="2d",
+            resolution=16,
+            downsample=4,
+            channels=8,
+            channel_mult=(1, 1, 1),
+            num_res_blocks=0,
+            codebook_size=16,
+        )
+    ).save(tmp_path / "vq")
     vq = load_vq(tmp_path / "vq")
     raw = tmp_path / "raw.tar"
     keys = _corpus_shard(raw, good, corpus)
     if backend == "decord":
-        monkeypatch.setenv("LONGVIDEO_DECORD_FILEOBJ", "1")  # so that some videos really crash decord
+        monkeypatch.setenv(
+            "LONGVIDEO_DECORD_FILEOBJ", "1"
+        )  # so that some videos really crash decord
     opts = TokenizeOptions(fps=2.0, backend=backend, max_resolution=MAX_RES)
     stats = tokenize_shard(vq, str(raw), str(tmp_path / "tok.tar"), opts)
     got = {t.key for t in iter_token_samples(str(tmp_path / "tok.tar"), SkipStats())}
     counted = {k: v for k, v in stats.items() if k != "seconds" and k not in MEASURES}
     # every sample delivered (whole, truncated or with gaps) or counted under its reason
     assert sum(stats.get(k, 0) for k in OUTCOMES) == len(got) and sum(counted.values()) == len(keys)
-    readable = {f"good-{e.name}" for e in CONTAINERS if backend == "pyav" or e.name not in DECORD_CANNOT}
+    readable = {
+        f"good-{e.name}" for e in CONTAINERS if backend == "pyav" or e.name not in DECORD_CANNOT
+    }
     assert readable <= got
     if backend == "decord":
         assert counted.get("decoder_crash", 0) >= 8  # the truncated AVIs (msmpeg4v3 and mpeg4)
@@ -237,14 +293,30 @@ def test_train_vq_frames_from_corpus_folder(tmp_path, good, corpus, backend, mon
     for e in CONTAINERS:
         (tmp_path / f"good-{e.name}.{e.ext}").write_bytes(good[e.name])
     for i, (name, ext, data, _) in enumerate(corpus):
-        if name not in ("mpg.huge_size", "mpeg.huge_size"):  # valid 4095 x 4095 frames: slow, and no bound here
+        if name not in (
+            "mpg.huge_size",
+            "mpeg.huge_size",
+        ):  # valid 4095 x 4095 frames: slow, and no bound here
             (tmp_path / f"bad-{i:03d}.{ext}").write_bytes(data)
     if backend == "decord":
         monkeypatch.setenv("LONGVIDEO_DECORD_FILEOBJ", "1")  # paths are opened as paths anyway
-    cfg = VQConfig(mode="2d", resolution=16, downsample=4, channels=8, channel_mult=(1, 1, 1), num_res_blocks=0,
-                   codebook_size=16, fps=2.0, pool_frames=100000, eval_frames=4, video_backend=backend)
+    cfg = VQConfig(
+        mode="2d",
+        resolution=16,
+        downsample=4,
+        channels=8,
+        channel_mult=(1, 1, 1),
+        num_res_blocks=0,
+        codebook_size=16,
+        fps=2.0,
+        pool_frames=100000,
+        eval_frames=4,
+        video_backend=backend,
+    )
     src = build_frame_source(str(tmp_path), cfg)
-    assert len(src.train) + len(src.heldout) > len(CONTAINERS) - (0 if backend == "pyav" else len(DECORD_CANNOT))
+    assert len(src.train) + len(src.heldout) > len(CONTAINERS) - (
+        0 if backend == "pyav" else len(DECORD_CANNOT)
+    )
     assert sum(src.skipped.values()) > 0
 
 

@@ -21,8 +21,6 @@ from longvideo.vq import VQConfig, VQModel, encode_video, load_vq
 SPEC = SyntheticSpec(size=32, fps=4, min_seconds=2, max_seconds=4, long_fraction=0.0)
 
 
-
-
 def _add(tf, name, data, **kw):
     info = tarfile.TarInfo(name)
     info.size = len(data)
@@ -50,8 +48,18 @@ def _raw_shard(path, n, seed=0, bad=True):
         for i in range(n):
             s = make_sample(seed, i, SPEC)
             mp4, js = s.mp4(), json.dumps(s.meta).encode()
-            kind = {1: "truncated", 2: "garbage", 3: "empty", 4: "no_json", 5: "bad_json", 6: "broken_header"}.get(i) \
-                if bad else None
+            kind = (
+                {
+                    1: "truncated",
+                    2: "garbage",
+                    3: "empty",
+                    4: "no_json",
+                    5: "bad_json",
+                    6: "broken_header",
+                }.get(i)
+                if bad
+                else None
+            )
             if kind is None:
                 expect["good"].append(s.key)
             if kind == "truncated":
@@ -77,8 +85,14 @@ def _raw_shard(path, n, seed=0, bad=True):
             f.seek(header_to_break)
             f.write(b"\xff" * 20)
     if bad:
-        expect["reasons"] = {"video_corrupt": 2, "video_empty": 1, "missing_json": 1, "bad_json": 1,
-                             "missing_video": 1, "unsafe_member": 2}
+        expect["reasons"] = {
+            "video_corrupt": 2,
+            "video_empty": 1,
+            "missing_json": 1,
+            "bad_json": 1,
+            "missing_video": 1,
+            "unsafe_member": 2,
+        }
     return expect, trap
 
 
@@ -106,8 +120,16 @@ def test_bad_samples_skipped_and_counted_nothing_else_lost(tmp_path, vq_dir):
 
 def test_causal3d_timestamps_are_group_starts(tmp_path):
     torch.manual_seed(0)
-    cfg = VQConfig(mode="causal3d", temporal_downsample=2, resolution=16, downsample=4, channels=8,
-                   channel_mult=(1, 1, 1), num_res_blocks=0, codebook_size=16)
+    cfg = VQConfig(
+        mode="causal3d",
+        temporal_downsample=2,
+        resolution=16,
+        downsample=4,
+        channels=8,
+        channel_mult=(1, 1, 1),
+        num_res_blocks=0,
+        codebook_size=16,
+    )
     VQModel(cfg).save(tmp_path / "vq3")
     vq = load_vq(tmp_path / "vq3")
     raw = str(tmp_path / "raw.tar")
@@ -143,12 +165,44 @@ def test_tokenize_resumable_atomic_and_parallel(tmp_path, vq_dir):
 
 def test_cli_make_data_then_tokenize(tmp_path, vq_dir, capsys):
     raw, tok = tmp_path / "raw", tmp_path / "tok"
-    assert make_data_main(["synthetic", "--out", str(raw), "--n", "5", "--size", "32", "--fps", "4",
-                           "--min-seconds", "2", "--max-seconds", "3", "--long-fraction", "0",
-                           "--samples-per-shard", "3", "--quiet"]) == 0
+    assert (
+        make_data_main(
+            [
+                "synthetic",
+                "--out",
+                str(raw),
+                "--n",
+                "5",
+                "--size",
+                "32",
+                "--fps",
+                "4",
+                "--min-seconds",
+                "2",
+                "--max-seconds",
+                "3",
+                "--long-fraction",
+                "0",
+                "--samples-per-shard",
+                "3",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert sorted(p.name for p in raw.glob("*.tar")) == ["shard-000000.tar", "shard-000001.tar"]
-    assert tokenize_main(["--vq", vq_dir, "--in", str(raw), "--out", str(tok), "--fps", "1", "--quiet"]) == 0
+    assert (
+        tokenize_main(
+            ["--vq", vq_dir, "--in", str(raw), "--out", str(tok), "--fps", "1", "--quiet"]
+        )
+        == 0
+    )
     stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert stats["ok"] == 5
     assert sum(1 for p in tok.glob("*.tar") for _ in iter_token_samples(str(p), SkipStats())) == 5
-    assert tokenize_main(["--vq", vq_dir, "--in", str(tmp_path / "none"), "--out", str(tok), "--quiet"]) == 2
+    assert (
+        tokenize_main(
+            ["--vq", vq_dir, "--in", str(tmp_path / "none"), "--out", str(tok), "--quiet"]
+        )
+        == 2
+    )

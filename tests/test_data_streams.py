@@ -15,7 +15,13 @@ import torch
 
 from longvideo.data.config import DataConfig
 from longvideo.data.loader import TokenLoader
-from longvideo.data.shards import TOKEN_EXTS, ShardWriter, SkipStats, iter_raw_samples, token_sample_members
+from longvideo.data.shards import (
+    TOKEN_EXTS,
+    ShardWriter,
+    SkipStats,
+    iter_raw_samples,
+    token_sample_members,
+)
 from longvideo.data.streams import expand_sources, is_url, iter_tar, shard_name
 from longvideo.data.synthetic import SyntheticSpec, make_sample, text_corpus
 from longvideo.data.tokenize import TokenizeOptions, tokenize_shards
@@ -51,7 +57,9 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
 def server(tmp_path_factory):
     """(base URL, folder): an HTTP server on 127.0.0.1 serving the folder, stopped after the module."""
     root = tmp_path_factory.mktemp("www")
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Handler, directory=str(root)))
+    httpd = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(_Handler, directory=str(root))
+    )
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}", root
@@ -60,13 +68,16 @@ def server(tmp_path_factory):
     thread.join(10)
 
 
-
-
 def test_sources_and_names(server):
     base, _ = server
     urls = expand_sources(f"{base}/raw/shard-{{000..002}}.tar")
-    assert urls == [f"{base}/raw/shard-{i:03d}.tar" for i in range(3)] and all(is_url(u) for u in urls)
-    assert expand_sources([f"{base}/a.tar", f"{base}/a.tar", "pipe:cat x.tar"]) == [f"{base}/a.tar", "pipe:cat x.tar"]
+    assert urls == [f"{base}/raw/shard-{i:03d}.tar" for i in range(3)] and all(
+        is_url(u) for u in urls
+    )
+    assert expand_sources([f"{base}/a.tar", f"{base}/a.tar", "pipe:cat x.tar"]) == [
+        f"{base}/a.tar",
+        "pipe:cat x.tar",
+    ]
     assert shard_name(urls[1]) == "shard-001.tar"
     assert shard_name("pipe:curl -s https://host/d/shard-7.tar") == "shard-7.tar"
     assert not is_url("data/raw") and not is_url("C:/x.tar") and not is_url("x:y.tar")
@@ -78,12 +89,18 @@ def test_http_raw_shard_same_samples_and_counts_as_disk(server):
     base, root = server
     (root / "raw").mkdir(exist_ok=True)
     path = root / "raw" / "untrusted.tar"
-    _raw_shard(str(path), 10)  # damaged samples, a pickle trap, an escaping name, a symlink, a broken header
+    _raw_shard(
+        str(path), 10
+    )  # damaged samples, a pickle trap, an escaping name, a symlink, a broken header
     local, remote = SkipStats(), SkipStats()
     a = [(s.key, s.video, s.meta) for s in iter_raw_samples(str(path), local)]
     b = [(s.key, s.video, s.meta) for s in iter_raw_samples(f"{base}/raw/untrusted.tar", remote)]
     assert a == b and len(a) == 7 and local == remote  # 4 good + 3 whose video fails later
-    assert remote["unsafe_member"] == 2 and remote["missing_json"] == 1 and remote["missing_video"] == 1
+    assert (
+        remote["unsafe_member"] == 2
+        and remote["missing_json"] == 1
+        and remote["missing_video"] == 1
+    )
     assert not (root / "UNPICKLED").exists() and not (root.parent / "escape.json").exists()
     c = [(s.key, s.video, s.meta) for s in iter_raw_samples(f"pipe:cat {path}", SkipStats())]
     assert c == a
@@ -101,14 +118,19 @@ def test_stream_bounds_and_tar_errors(server, tmp_path):
     stats = SkipStats()
     got = list(iter_tar(f"{base}/bounds.tar", stats, ("mp4", "json"), {"mp4": 1000}))
     assert [k for k, _ in got] == ["a", "b"]
-    assert getattr(got[0][1]["mp4"], "reason", None) == "too_large" and got[1][1]["mp4"] == b"y" * 10
+    assert (
+        getattr(got[0][1]["mp4"], "reason", None) == "too_large" and got[1][1]["mp4"] == b"y" * 10
+    )
     # a shard cut short (served honestly): what precedes the cut is read, the cut is counted
-    (root / "short.tar").write_bytes(path.read_bytes()[:1536 + 700])
+    (root / "short.tar").write_bytes(path.read_bytes()[: 1536 + 700])
     stats = SkipStats()
     got = list(iter_tar(f"{base}/short.tar", stats, ("mp4", "json")))
     assert got == [] and stats["truncated_tar"] == 1
     stats = SkipStats()
-    assert list(iter_tar(f"{base}/missing.tar", stats, ("mp4",))) == [] and stats["shard_io_error"] == 1
+    assert (
+        list(iter_tar(f"{base}/missing.tar", stats, ("mp4",))) == []
+        and stats["shard_io_error"] == 1
+    )
     assert list(iter_tar("pipe:exit 3", stats, ("mp4",))) == [] and stats["shard_io_error"] == 2
 
 
@@ -122,26 +144,41 @@ def test_tokenize_disk_and_http_byte_identical_and_dropped_connection(server, vq
     base, root = server
     _write_raw(root / "tokin", 3, 3)
     opts = TokenizeOptions(fps=1.0)
-    disk = tokenize_shards(vq_dir, str(root / "tokin"), str(tmp_path / "disk"), opts, progress=False)
-    web = tokenize_shards(vq_dir, f"{base}/tokin/shard-{{000..002}}.tar", str(tmp_path / "web"), opts,
-                          progress=False)
+    disk = tokenize_shards(
+        vq_dir, str(root / "tokin"), str(tmp_path / "disk"), opts, progress=False
+    )
+    web = tokenize_shards(
+        vq_dir, f"{base}/tokin/shard-{{000..002}}.tar", str(tmp_path / "web"), opts, progress=False
+    )
     assert disk["ok"] == web["ok"] == 9 and web["shards_done"] == 3
     for name in ("shard-000.tar", "shard-001.tar", "shard-002.tar"):
         assert (tmp_path / "disk" / name).read_bytes() == (tmp_path / "web" / name).read_bytes()
     # shard 001 comes over a connection dropped a third of the way: the run goes on with shard 002,
     # counts the loss, and keeps no output for 001 so that a rerun reads it again
-    srcs = [f"{base}/tokin/shard-000.tar", f"{base}/drop/tokin/shard-001.tar", f"{base}/tokin/shard-002.tar"]
+    srcs = [
+        f"{base}/tokin/shard-000.tar",
+        f"{base}/drop/tokin/shard-001.tar",
+        f"{base}/tokin/shard-002.tar",
+    ]
     out = tmp_path / "dropped"
     res = tokenize_shards(vq_dir, srcs, str(out), opts, progress=False)
     assert res["shard_io_error"] == 1 and res["shards_failed"] == 1 and res["shards_done"] == 2
     assert sorted(p.name for p in out.glob("*.tar")) == ["shard-000.tar", "shard-002.tar"]
-    again = tokenize_shards(vq_dir, [srcs[0], srcs[2], f"pipe:cat {root}/tokin/shard-001.tar"], str(out), opts,
-                            progress=False)
+    again = tokenize_shards(
+        vq_dir,
+        [srcs[0], srcs[2], f"pipe:cat {root}/tokin/shard-001.tar"],
+        str(out),
+        opts,
+        progress=False,
+    )
     assert again["shards_done"] == 1 and again["shards_skipped"] == 2
-    assert (out / "shard-001.tar").read_bytes() == (tmp_path / "disk" / "shard-001.tar").read_bytes()
+    assert (out / "shard-001.tar").read_bytes() == (
+        tmp_path / "disk" / "shard-001.tar"
+    ).read_bytes()
 
 
 # ----------------------------------------------------------------------------- training loader
+
 
 @pytest.fixture(scope="module")
 def tok():
@@ -158,8 +195,12 @@ def token_shards(server):
             for i in range(s * 6, s * 6 + 6):
                 sample = make_sample(3, i, SPEC)
                 codes = np.random.default_rng(i).integers(0, K, (sample.duration, 2, 2))
-                w.write(sample.key, token_sample_members(sample.key, codes, np.arange(float(sample.duration)),
-                                                         sample.meta))
+                w.write(
+                    sample.key,
+                    token_sample_members(
+                        sample.key, codes, np.arange(float(sample.duration)), sample.meta
+                    ),
+                )
     return str(folder), f"{base}/tok/part-{{000..003}}.tar"
 
 
@@ -176,7 +217,9 @@ def _same(a, b):
             assert torch.equal(x[k], y[k]), k
 
 
-KW = dict(seed=5, template_mode="random", question_position="random", pack_bins=3, dp_rank=1, dp_size=2)
+KW = dict(
+    seed=5, template_mode="random", question_position="random", pack_bins=3, dp_rank=1, dp_size=2
+)
 
 
 def test_loader_http_equals_disk(token_shards, tok):
@@ -195,7 +238,9 @@ def test_loader_http_resume_matches_uninterrupted_run(token_shards, tok, skip):
     for _ in range(skip):
         next(ref)
     state = json.loads(json.dumps(ref.state_dict()))
-    assert state["cursor"][1] > 0 or state["cursor"][0] > 0  # the per-shard sample offset is recorded
+    assert (
+        state["cursor"][1] > 0 or state["cursor"][0] > 0
+    )  # the per-shard sample offset is recorded
     want = [next(ref) for _ in range(8)]
     resumed = _loader(web, tok, **KW)
     resumed.load_state_dict(state)
@@ -223,8 +268,17 @@ def test_train_vq_frames_from_http_shards_equal_disk(server):
 
     base, root = server
     _write_raw(root / "vqin", 2, 3)
-    cfg = VQConfig(mode="2d", resolution=16, downsample=4, channels=8, channel_mult=(1, 1, 1), num_res_blocks=0,
-                   codebook_size=16, fps=2.0, eval_frames=4)
+    cfg = VQConfig(
+        mode="2d",
+        resolution=16,
+        downsample=4,
+        channels=8,
+        channel_mult=(1, 1, 1),
+        num_res_blocks=0,
+        codebook_size=16,
+        fps=2.0,
+        eval_frames=4,
+    )
     disk = build_frame_source(str(root / "vqin"), cfg)
     web = build_frame_source(f"{base}/vqin/shard-{{000..001}}.tar", cfg)
     assert len(disk.train) + len(disk.heldout) == 6

@@ -4,8 +4,14 @@ import numpy as np
 import pytest
 
 from longvideo.data.shards import SkipStats, iter_raw_samples
-from longvideo.data.synthetic import (COLOURS, NEEDLE_CHOICES, NEEDLE_QUESTION, SyntheticSpec, make_sample,
-                                      write_synthetic_shards)
+from longvideo.data.synthetic import (
+    COLOURS,
+    NEEDLE_CHOICES,
+    NEEDLE_QUESTION,
+    SyntheticSpec,
+    make_sample,
+    write_synthetic_shards,
+)
 from longvideo.data.video import read_video
 from material.shapes import moving_shapes_video
 
@@ -23,9 +29,15 @@ def test_moving_shapes_video():
 
 def test_shards_reproducible_from_seed(tmp_path):
     spec = SyntheticSpec(size=32, fps=4, min_seconds=2, max_seconds=3, long_fraction=0.0)
-    a = write_synthetic_shards(tmp_path / "a", 4, seed=7, spec=spec, samples_per_shard=2, progress=False)
-    b = write_synthetic_shards(tmp_path / "b", 4, seed=7, spec=spec, samples_per_shard=2, progress=False)
-    c = write_synthetic_shards(tmp_path / "c", 4, seed=8, spec=spec, samples_per_shard=2, progress=False)
+    a = write_synthetic_shards(
+        tmp_path / "a", 4, seed=7, spec=spec, samples_per_shard=2, progress=False
+    )
+    b = write_synthetic_shards(
+        tmp_path / "b", 4, seed=7, spec=spec, samples_per_shard=2, progress=False
+    )
+    c = write_synthetic_shards(
+        tmp_path / "c", 4, seed=8, spec=spec, samples_per_shard=2, progress=False
+    )
     read = lambda p: open(p, "rb").read()  # noqa: E731
     assert [read(p) for p in a] == [read(p) for p in b]
     assert [read(p) for p in a] != [read(p) for p in c]
@@ -33,7 +45,9 @@ def test_shards_reproducible_from_seed(tmp_path):
 
 @pytest.mark.parametrize("index", range(6))
 def test_needle_and_scenes_visible_at_one_fps(index):
-    spec = SyntheticSpec(size=32, fps=8, min_seconds=3, max_seconds=8, long_fraction=0.0, needle_fraction=1.0)
+    spec = SyntheticSpec(
+        size=32, fps=8, min_seconds=3, max_seconds=8, long_fraction=0.0, needle_fraction=1.0
+    )
     s = make_sample(11, index, spec)
     meta = s.meta
     qa = {q["question"]: q for q in meta["qa"]}
@@ -80,7 +94,9 @@ def test_extra_flashes_leave_the_rest_of_the_sample_unchanged():
     stream of its own: the scenes, the needle, the QA and every other frame are those without them."""
     import dataclasses
 
-    plain = SyntheticSpec(fps=2, min_seconds=90, max_seconds=90, long_fraction=0.0, needle_fraction=1.0)
+    plain = SyntheticSpec(
+        fps=2, min_seconds=90, max_seconds=90, long_fraction=0.0, needle_fraction=1.0
+    )
     a = make_sample(4, 2, plain)
     b = make_sample(4, 2, dataclasses.replace(plain, flashes_per_minute=12))
     assert {k: v for k, v in b.meta.items() if k != "flashes"} == a.meta and len(b.flashes) > 5

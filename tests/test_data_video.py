@@ -14,8 +14,15 @@ import pytest
 import torch
 
 from longvideo.data.synthetic import decode_frame_index, frame_index_video, write_mp4
-from longvideo.data.video import (CorruptVideoError, EmptyVideoError, UnsupportedVideoError, VideoError,
-                                  iter_video, probe_video, read_video)
+from longvideo.data.video import (
+    CorruptVideoError,
+    EmptyVideoError,
+    UnsupportedVideoError,
+    VideoError,
+    iter_video,
+    probe_video,
+    read_video,
+)
 
 
 def _index_mp4(n, fps, gop=None, size=64):
@@ -40,7 +47,11 @@ def _expected(n, src_fps, fps, cap):
 
 @pytest.fixture(scope="module")
 def videos():
-    return {(8, 8): _index_mp4(100, 8, gop=8), (25, 50): _index_mp4(130, 25, gop=50), (30, None): _index_mp4(95, 30)}
+    return {
+        (8, 8): _index_mp4(100, 8, gop=8),
+        (25, 50): _index_mp4(130, 25, gop=50),
+        (30, None): _index_mp4(95, 30),
+    }
 
 
 @pytest.mark.parametrize("backend", ["decord", "pyav"])
@@ -125,8 +136,10 @@ def test_pyav_fallback_reads_what_decord_cannot():
     assert [decode_frame_index(f.numpy()) for f in clip.frames] == _expected(40, 8, 2.0, None)
 
 
-@pytest.mark.parametrize("fmt,codec", [("avi", "mpeg4"), ("matroska", "libx264"), ("mov", "libx264"),
-                                       ("mpegts", "libx264")])
+@pytest.mark.parametrize(
+    "fmt,codec",
+    [("avi", "mpeg4"), ("matroska", "libx264"), ("mov", "libx264"), ("mpegts", "libx264")],
+)
 def test_other_containers(tmp_path, fmt, codec):
     n = 48
     buf = io.BytesIO()

@@ -18,8 +18,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_quick_demo_produces_every_artefact(tmp_path):
     out = tmp_path / "demo"
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    r = subprocess.run([sys.executable, "-m", "longvideo.demo", "--quick", "--quiet", "--out", str(out)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=2300)
+    r = subprocess.run(
+        [sys.executable, "-m", "longvideo.demo", "--quick", "--quiet", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=2300,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
     assert len(list((out / "data/train").glob("shard-*.tar"))) == 2
@@ -32,14 +38,27 @@ def test_quick_demo_produces_every_artefact(tmp_path):
     assert (latest / "model.safetensors").is_file()
     for stage in sorted((out / "lm").glob("stage*")):
         assert (stage / "loss.png").is_file(), stage
-        losses = [json.loads(ln)["loss"] for ln in (stage / "metrics.jsonl").read_text().splitlines()
-                  if '"loss"' in ln]
+        losses = [
+            json.loads(ln)["loss"]
+            for ln in (stage / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in ln
+        ]
         assert losses and all(l == l for l in losses)  # recorded, no NaN
     first = sorted((out / "lm").glob("stage*"))[0]
-    losses = [json.loads(ln)["loss"] for ln in (first / "metrics.jsonl").read_text().splitlines() if '"loss"' in ln]
+    losses = [
+        json.loads(ln)["loss"]
+        for ln in (first / "metrics.jsonl").read_text().splitlines()
+        if '"loss"' in ln
+    ]
     assert min(losses[-5:]) < losses[0], losses  # the first stage learns
 
-    for f in ("config.json", "model.safetensors", "tokenizer.json", "processor_config.json", "vq/model.safetensors"):
+    for f in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "processor_config.json",
+        "vq/model.safetensors",
+    ):
         assert (out / "hf" / f).is_file(), f
     qa = json.loads((out / "eval/qa/qa.json").read_text())
     needle = json.loads((out / "eval/video_niah/video_needle.json").read_text())
@@ -47,7 +66,9 @@ def test_quick_demo_produces_every_artefact(tmp_path):
         assert 0.0 <= res["accuracy"] <= 1.0 and 0.0 < res["chance"] < 1.0
     # the model learnt something about videos it never saw: its answers beat guessing
     assert qa["accuracy"] > qa["chance"], {q: r["accuracy"] for q, r in qa["per_question"].items()}
-    assert (out / "eval/qa/qa.png").is_file() and (out / "eval/video_niah/video_needle.png").is_file()
+    assert (out / "eval/qa/qa.png").is_file() and (
+        out / "eval/video_niah/video_needle.png"
+    ).is_file()
     chat = json.loads((out / "chat.json").read_text())
     assert chat["question"] and "answer" in chat
     summary = json.loads((out / "summary.json").read_text())
@@ -83,15 +104,28 @@ def test_hour_plan_fits_an_hour_in_its_last_stage():
     HOUR = load_plan("demos/demo-hour")
 
     vq, root = load_vq_config(HOUR.vq_config), load_config(HOUR.lm_config)
-    assert (vq.mode, vq.latent_size, vq.temporal_downsample, vq.codebook_size) == \
-        (root.vq.mode, root.vq.latent_size, root.vq.temporal_downsample, root.vq.codebook_size)
+    assert (vq.mode, vq.latent_size, vq.temporal_downsample, vq.codebook_size) == (
+        root.vq.mode,
+        root.vq.latent_size,
+        root.vq.temporal_downsample,
+        root.vq.codebook_size,
+    )
     longest = max(v.max_seconds for v in HOUR.sets)
     groups = vq.num_groups(longest)  # 1 fps
-    stamps = -(-groups // root.data.timestamp_every) * 8  # "[3599.0s]" and its neighbours: at most 8 ids each
-    tokens = groups * (vq.codes_per_frame + 1) + 2 + stamps + 32  # + <vision> </vision> + the QA text
+    stamps = (
+        -(-groups // root.data.timestamp_every) * 8
+    )  # "[3599.0s]" and its neighbours: at most 8 ids each
+    tokens = (
+        groups * (vq.codes_per_frame + 1) + 2 + stamps + 32
+    )  # + <vision> </vision> + the QA text
     last = HOUR.ladder[-1]
-    assert longest == 3600 and tokens <= 20_000 and tokens <= last["seq_len"] and last["sp"] == 2, (tokens, last)
-    assert load_config(HOUR.stages[-1].config).data.seq_len == last["seq_len"]  # the stage config is the source
+    assert longest == 3600 and tokens <= 20_000 and tokens <= last["seq_len"] and last["sp"] == 2, (
+        tokens,
+        last,
+    )
+    assert (
+        load_config(HOUR.stages[-1].config).data.seq_len == last["seq_len"]
+    )  # the stage config is the source
     assert [r["rope_theta"] for r in HOUR.ladder] == sorted(r["rope_theta"] for r in HOUR.ladder)
     assert max(HOUR.needle_lengths) == 3600 and HOUR.eval_sp == 2
     assert all(n >= 20 for T, n in zip(HOUR.needle_lengths, HOUR.needle_trials) if T <= 900)
@@ -99,7 +133,9 @@ def test_hour_plan_fits_an_hour_in_its_last_stage():
     # the ring rungs shard the parameters too; the rungs without a ring shard gradients and optimizer
     # state only (what the stage configs say reaches the plan)
     assert [r["zero_stage"] for r in HOUR.ladder] == [3 if r["sp"] > 1 else 2 for r in HOUR.ladder]
-    assert [load_config(s.config).train.zero_stage for s in HOUR.stages] == [r["zero_stage"] for r in HOUR.ladder]
+    assert [load_config(s.config).train.zero_stage for s in HOUR.stages] == [
+        r["zero_stage"] for r in HOUR.ladder
+    ]
 
 
 def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_path):
@@ -117,7 +153,9 @@ def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_pat
     other = replace(QUICK, stages=QUICK.stages[:1])
     with pytest.raises(DemoError, match="another plan"):
         Demo(out, other).check_plan()
-    assert (out / "plan.json").read_text() == recorded and sorted(p.name for p in out.iterdir()) == ["plan.json"]
+    assert (out / "plan.json").read_text() == recorded and sorted(
+        p.name for p in out.iterdir()
+    ) == ["plan.json"]
     # a run finished before plan.json existed is recognised by its summary
     old = tmp_path / "old"
     old.mkdir()
@@ -143,8 +181,10 @@ def test_a_run_records_the_machine_it_ran_on(monkeypatch):
     # 2 n^3 flops each, whatever the machine's load
     for n in (32, 128):
         ticks = iter(range(100))
-        monkeypatch.setattr(machine, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 0.01))
-        assert matmul_gflops(0.05, n=n) == pytest.approx(2 * n ** 3 * 4 / 0.05 / 1e9)
+        monkeypatch.setattr(
+            machine, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 0.01)
+        )
+        assert matmul_gflops(0.05, n=n) == pytest.approx(2 * n**3 * 4 / 0.05 / 1e9)
     from longvideo.demo import Demo, load_plan
 
     demo = Demo(Path("/nonexistent-demo-dir"), load_plan("demos/demo-quick"))
@@ -188,24 +228,37 @@ def test_a_seed_reaches_every_lm_stage_and_another_seed_reuses_the_inputs(tmp_pa
     second.link_inputs(first)
     second.link_inputs(first)  # linked already: nothing to do
     assert all((second.out / n).is_symlink() for n in Demo.INPUTS)
-    assert (second.out / "vq/model.safetensors").read_bytes() == b"weights"  # the VQ stage is done there
+    assert (
+        second.out / "vq/model.safetensors"
+    ).read_bytes() == b"weights"  # the VQ stage is done there
     other = Demo(tmp_path / "other", replace(QUICK, eval_samples=QUICK.eval_samples + 1))
     other.check_plan()
     with pytest.raises(DemoError, match="another plan"):
         other.link_inputs(first)
     assert not any(p.is_symlink() for p in other.out.iterdir())
 
+
 def plan_commands(demo) -> list[list[str]]:
     """Every command a demo would run, in order, with nothing run: each stage's method is called
     with `run` recording instead (paths under the run directory written as OUT)."""
     cmds = []
-    demo.run = lambda cmd, threads=None: cmds.append([str(a).replace(str(demo.out), "OUT") for a in cmd])
+    demo.run = lambda cmd, threads=None: cmds.append(
+        [str(a).replace(str(demo.out), "OUT") for a in cmd]
+    )
     demo.text_size = lambda: 300
     demo.transformers_answer = lambda *a: None
     for d in ("data", "tokens", "lm"):
         (demo.out / d).mkdir(parents=True, exist_ok=True)
-    for stage in (demo.make_data, demo.tokenizer, demo.train_vq, demo.tokenize, demo.train_lm, demo.export,
-                  demo.evaluate, demo.chat):
+    for stage in (
+        demo.make_data,
+        demo.tokenizer,
+        demo.train_vq,
+        demo.tokenize,
+        demo.train_lm,
+        demo.export,
+        demo.evaluate,
+        demo.chat,
+    ):
         stage()
     return [["python" if a == sys.executable else a for a in c] for c in cmds]
 
@@ -226,27 +279,41 @@ def test_every_plan_file_runs_commands_bounded_by_steps(tmp_path):
         assert vq[vq.index("--steps") + 1] == str(plan.vq_steps)
         tokenized = {Path(c[c.index("--out") + 1]).name for c in cmds if "tokenize" in c}
         train = [c for c in cmds if "train" in c and "torch.distributed.run" in c]
-        assert len(train) == len(plan.stages) and tokenized >= {s for st in plan.stages for s in st.sets}
+        assert len(train) == len(plan.stages) and tokenized >= {
+            s for st in plan.stages for s in st.sets
+        }
         for cmd, rung in zip(train, plan.ladder):
             i = cmd.index("--config")
             j = next((k for k in range(i + 2, len(cmd)) if cmd[k].startswith("--")), len(cmd))
-            cfg = load_config(cmd[i + 1], cmd[i + 2:j])
-            assert (cfg.data.seq_len, cfg.train.steps, cfg.parallel.sp, cfg.train.lr) == \
-                (rung["seq_len"], rung["steps"], rung["sp"], rung["lr"]), (name, cmd[i + 1])
+            cfg = load_config(cmd[i + 1], cmd[i + 2 : j])
+            assert (cfg.data.seq_len, cfg.train.steps, cfg.parallel.sp, cfg.train.lr) == (
+                rung["seq_len"],
+                rung["steps"],
+                rung["sp"],
+                rung["lr"],
+            ), (name, cmd[i + 1])
 
 
-@pytest.mark.parametrize("text, key", [
-    ("sets: []\nheld_out: test\nstages: []\n", "held_out"),
-    ("{base}sets:\n - {{name: test, n: 1, min_seconds: 4, max_seconds: 8}}\n", "sets[0].seed"),
-    ("{base}sets:\n - {{name: test, n: 1, seed: 0, min_seconds: 9, max_seconds: 8}}\n", "sets[0].max_seconds"),
-    ("{base}vq_sett: train\n", "vq_sett"),
-    ("{base}stages:\n - {{config: stages/demo-quick-512, sets: [clips]}}\n", "stages[0].sets"),
-    ("{base}stages:\n - {{config: stages/no-such-rung, sets: [train]}}\n", "stages[0].config"),
-    ("{base}stages:\n - {{config: stages/demo-quick-512, sets: [train], overrides: [train.stepz=3]}}\n",
-     "stages[0].config"),
-    ("{base}vq_config: vq/no-such-vq\n", "vq_config"),
-    ("{base}needle_trials: [1, 2, 3]\n", "needle_trials"),
-])
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("sets: []\nheld_out: test\nstages: []\n", "held_out"),
+        ("{base}sets:\n - {{name: test, n: 1, min_seconds: 4, max_seconds: 8}}\n", "sets[0].seed"),
+        (
+            "{base}sets:\n - {{name: test, n: 1, seed: 0, min_seconds: 9, max_seconds: 8}}\n",
+            "sets[0].max_seconds",
+        ),
+        ("{base}vq_sett: train\n", "vq_sett"),
+        ("{base}stages:\n - {{config: stages/demo-quick-512, sets: [clips]}}\n", "stages[0].sets"),
+        ("{base}stages:\n - {{config: stages/no-such-rung, sets: [train]}}\n", "stages[0].config"),
+        (
+            "{base}stages:\n - {{config: stages/demo-quick-512, sets: [train], overrides: [train.stepz=3]}}\n",
+            "stages[0].config",
+        ),
+        ("{base}vq_config: vq/no-such-vq\n", "vq_config"),
+        ("{base}needle_trials: [1, 2, 3]\n", "needle_trials"),
+    ],
+)
 def test_a_bad_plan_file_names_its_key_before_anything_runs(tmp_path, capsys, text, key):
     from longvideo.configtools import ConfigError
     from longvideo.demo import load_plan, main
@@ -266,12 +333,18 @@ def test_a_users_plan_and_stage_config_are_found_from_its_directory(tmp_path, mo
     from longvideo.demo import Demo, load_plan
 
     monkeypatch.chdir(tmp_path)
-    Path("rung.yaml").write_text(f"base: {ROOT / 'configs/stages/demo-quick-512.yaml'}\ntrain:\n  steps: 7\n")
-    Path("plan.yaml").write_text(f"base: {ROOT / 'configs/demos/demo-quick.yaml'}\n"
-                                 "stages:\n - {config: rung.yaml, sets: [train], overrides: [train.lr=0.002]}\n")
+    Path("rung.yaml").write_text(
+        f"base: {ROOT / 'configs/stages/demo-quick-512.yaml'}\ntrain:\n  steps: 7\n"
+    )
+    Path("plan.yaml").write_text(
+        f"base: {ROOT / 'configs/demos/demo-quick.yaml'}\n"
+        "stages:\n - {config: rung.yaml, sets: [train], overrides: [train.lr=0.002]}\n"
+    )
     plan = load_plan("plan.yaml")
     assert (plan.ladder[0]["steps"], plan.ladder[0]["lr"]) == (7, 0.002)
-    (cmd,) = [c for c in plan_commands(Demo(tmp_path / "out", plan)) if "torch.distributed.run" in c]
+    (cmd,) = [
+        c for c in plan_commands(Demo(tmp_path / "out", plan)) if "torch.distributed.run" in c
+    ]
     assert cmd[cmd.index("--config") + 1] == str(tmp_path / "rung.yaml") and "train.lr=0.002" in cmd
 
 
@@ -292,5 +365,7 @@ def test_a_vq_seed_reaches_the_vq_and_the_plan(tmp_path):
         (cmd,) = cmds
         overrides = [a for a in cmd if "=" in a]
         assert overrides == ([] if seed is None else [f"seed={seed}"])
-        assert load_vq_config(cmd[cmd.index("--config") + 1], overrides).seed == (0 if seed is None else seed)
+        assert load_vq_config(cmd[cmd.index("--config") + 1], overrides).seed == (
+            0 if seed is None else seed
+        )
         assert demo.plan.record()["vq_seed"] == seed and "--time-budget" not in cmd

@@ -46,7 +46,12 @@ def _meta(kind, B, Sq, Sk, g):
         p = torch.arange(Sq).expand(B, Sq)
         return (p, p, z(Sq), z(Sq)), "causal"
     if kind == "dense":  # keys of an earlier block, all visible
-        return (torch.arange(Sk, Sk + Sq).expand(B, Sq), torch.arange(Sk).expand(B, Sk), z(Sq), z(Sk)), "dense"
+        return (
+            torch.arange(Sk, Sk + Sq).expand(B, Sq),
+            torch.arange(Sk).expand(B, Sk),
+            z(Sq),
+            z(Sk),
+        ), "dense"
     if kind.startswith("zigzag"):  # W = 3, S = 6 Sq / 2: rank 1's queries against rank r's keys
         r = int(kind[-1])
         qp, kp = _zigzag(3 * Sq, 3, 1).expand(B, Sq), _zigzag(3 * Sq, 3, r).expand(B, Sq)
@@ -71,8 +76,10 @@ def _meta(kind, B, Sq, Sk, g):
 
 def _inputs(B, Sq, Sk, Hq, Hkv, D, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    q, k, v, dout = (torch.randn(B, n, h, D, generator=g).to(dtype) for n, h in ((Sq, Hq), (Sk, Hkv), (Sk, Hkv),
-                                                                                  (Sq, Hq)))
+    q, k, v, dout = (
+        torch.randn(B, n, h, D, generator=g).to(dtype)
+        for n, h in ((Sq, Hq), (Sk, Hkv), (Sk, Hkv), (Sq, Hq))
+    )
     return q, k, v, dout, g
 
 
@@ -83,12 +90,24 @@ def _check(q, k, v, dout, meta, causal, what):
     out = block_attention(qq, kk, vv, *meta, causal=causal, backend="auto")
     out.backward(dout)
     eps = 1e-12 if q.dtype == torch.float64 else 1e-6 if q.dtype == torch.float32 else 1e-3
-    for name, got, t, p in zip(("out", "dq", "dk", "dv"), (out, qq.grad, kk.grad, vv.grad), truth, plain):
+    for name, got, t, p in zip(
+        ("out", "dq", "dk", "dv"), (out, qq.grad, kk.grad, vv.grad), truth, plain
+    ):
         assert got.dtype == q.dtype, f"{what}: {name} dtype {got.dtype}"
         assert_within(f"{what}: {name}", got, t, p, eps * (1 + t.abs().max().item()))
 
 
-KINDS = ["causal", "dense", "zigzag0", "zigzag1", "zigzag2", "two-docs", "packed", "padded", "shuffled"]
+KINDS = [
+    "causal",
+    "dense",
+    "zigzag0",
+    "zigzag1",
+    "zigzag2",
+    "two-docs",
+    "packed",
+    "padded",
+    "shuffled",
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -116,14 +135,20 @@ def test_different_lengths_and_non_causal(be, one_thread, causal):
     q, k, v, dout, g = _inputs(2, 20, 36, 4, 2, 16, torch.float32, seed=3)
     meta, _ = _meta("dense", 2, 20, 36, g)
     _check(q, k, v, dout, meta, causal, f"Sq != Sk causal={causal}")
-    p, s = packed_meta(2, 36, g, min_len=5, max_len=20, restart=False)  # non-causal packed: per-document pieces
+    p, s = packed_meta(
+        2, 36, g, min_len=5, max_len=20, restart=False
+    )  # non-causal packed: per-document pieces
     _check(*_inputs(2, 36, 36, 4, 2, 16, torch.float32, seed=4)[:4], (p, p, s, s), causal, "packed")
 
 
 def test_pieces_and_their_merge():
     """Zigzag steps are one call each; pieces that share a side are joined; masks give None."""
     z = torch.zeros(1, 16, dtype=torch.long)
-    for r, want in ((0, [(0, 16, 0, 8, False)]), (1, [(0, 16, 0, 16, True)]), (2, [(8, 16, 0, 16, False)])):
+    for r, want in (
+        (0, [(0, 16, 0, 8, False)]),
+        (1, [(0, 16, 0, 16, True)]),
+        (2, [(8, 16, 0, 16, False)]),
+    ):
         assert dense_pieces(_zigzag(48, 3, 1), _zigzag(48, 3, r), z, z, True) == want
     p = torch.arange(16)[None]
     assert dense_pieces(p + 16, p, z, z, True) == [(0, 16, 0, 16, False)]
@@ -131,7 +156,9 @@ def test_pieces_and_their_merge():
     s = (p >= 10).long()
     assert dense_pieces(p, p, s, s, False) == [(0, 10, 0, 10, False), (10, 16, 10, 16, False)]
     assert dense_pieces(p, p, s, 1 - s, True) == [(10, 16, 0, 10, False)]
-    assert dense_pieces(p, p, z, (p >= 5).long(), True) is None  # keys of two documents cut the triangle
+    assert (
+        dense_pieces(p, p, z, (p >= 5).long(), True) is None
+    )  # keys of two documents cut the triangle
     assert dense_pieces(p, p, z - 1, z - 1, True) == []  # padding only
 
 
@@ -147,7 +174,9 @@ def test_plan_keeps_the_choice_and_skips_empty_blocks(be):
     assert plan.builds == 1 and be.routes[("causal", "cpu-flash")] == 3
     out, lse = be.forward(q, k, v, p, p + 100, z, z, 0.3, True)
     assert (out == 0).all() and torch.isneginf(lse).all() and be.routes[("empty", "skip")] == 1
-    assert all((g == 0).all() for g in be.backward(dout, q, k, v, out, lse, p, p + 100, z, z, 0.3, True))
+    assert all(
+        (g == 0).all() for g in be.backward(dout, q, k, v, out, lse, p, p + 100, z, z, 0.3, True)
+    )
 
 
 def test_a_refusing_kernel_falls_back(be, monkeypatch, caplog):
@@ -177,9 +206,14 @@ def test_cuda_kernels_signatures_on_meta_tensors():
     for name, (fwd, bwd) in dp.KERNELS.items():
         if name == "cpu-flash":
             continue
-        for causal, kk, vv in ((False, k, v), (True, k.new_empty(B, Sq, Hkv, D), v.new_empty(B, Sq, Hkv, D))):
+        for causal, kk, vv in (
+            (False, k, v),
+            (True, k.new_empty(B, Sq, Hkv, D), v.new_empty(B, Sq, Hkv, D)),
+        ):
             out, lse = fwd(q, kk, vv, 0.125, causal)
-            assert out.shape == q.shape and lse.shape == (B, Hq, Sq) and lse.dtype == torch.float32, name
+            assert (
+                out.shape == q.shape and lse.shape == (B, Hq, Sq) and lse.dtype == torch.float32
+            ), name
             dq, dk, dv = bwd(dout, q, kk, vv, out, lse, 0.125, causal)
             assert dq.shape == q.shape and dk.shape == kk.shape and dv.shape == vv.shape, name
 
@@ -195,17 +229,27 @@ def test_auto_is_the_dispatch_and_routes_by_device():
 
 # ---- ring attention over the dispatch, W = 2 --------------------------------------------------
 
+
 def _ring_body(rank, world):
     g = torch.Generator().manual_seed(0)
     group = dist.group.WORLD
     be = get_backend("auto")
-    for kind, dtype, heads in (("one document", torch.float32, (4, 2)), ("one document", torch.bfloat16, (9, 3)),
-                               ("packed", torch.float32, (4, 2))):
-        if kind == "packed":  # the one-document blocks never needed the element mask: one dense call a step
-            assert dict(be.routes) == {("causal", "cpu-flash"): 2, ("dense", "cpu-flash"): 2}, be.routes
+    for kind, dtype, heads in (
+        ("one document", torch.float32, (4, 2)),
+        ("one document", torch.bfloat16, (9, 3)),
+        ("packed", torch.float32, (4, 2)),
+    ):
+        if (
+            kind == "packed"
+        ):  # the one-document blocks never needed the element mask: one dense call a step
+            assert dict(be.routes) == {("causal", "cpu-flash"): 2, ("dense", "cpu-flash"): 2}, (
+                be.routes
+            )
         S = 48
-        q, k, v, dout = (torch.randn(1, S, h, 16, generator=g).to(dtype) for h in (heads[0], heads[1], heads[1],
-                                                                                   heads[0]))
+        q, k, v, dout = (
+            torch.randn(1, S, h, 16, generator=g).to(dtype)
+            for h in (heads[0], heads[1], heads[1], heads[0])
+        )
         pos = torch.arange(S)[None]
         seg = torch.zeros(1, S, dtype=torch.long)
         if kind == "packed":
@@ -214,11 +258,20 @@ def _ring_body(rank, world):
         plain = reference(q, k, v, pos, pos, seg, seg, True, dout, upcast=False)
         local = lambda x: shard_sequence(x, group, dim=1)  # noqa: E731
         lq, lk, lv = (local(x).requires_grad_(True) for x in (q, k, v))
-        out = ring_attention(lq, lk, lv, group=group, positions=local(pos), segment_ids=local(seg), backend="auto")
+        out = ring_attention(
+            lq, lk, lv, group=group, positions=local(pos), segment_ids=local(seg), backend="auto"
+        )
         out.backward(local(dout))
-        for name, got, t, p in zip(("out", "dq", "dk", "dv"), (out, lq.grad, lk.grad, lv.grad), truth, plain):
-            assert_within(f"rank {rank} {kind} {dtype}: {name}", got, local(t), local(p),
-                          (1e-6 if dtype == torch.float32 else 1e-3) * (1 + t.abs().max().item()))
+        for name, got, t, p in zip(
+            ("out", "dq", "dk", "dv"), (out, lq.grad, lk.grad, lv.grad), truth, plain
+        ):
+            assert_within(
+                f"rank {rank} {kind} {dtype}: {name}",
+                got,
+                local(t),
+                local(p),
+                (1e-6 if dtype == torch.float32 else 1e-3) * (1 + t.abs().max().item()),
+            )
 
 
 @pytest.mark.distributed
@@ -230,6 +283,7 @@ def test_scale_default_matches_sdpa(be):
     """block_attention's default scale on the dense route is SDPA's (1 / sqrt(D))."""
     q, k, v, _, _ = _inputs(1, 16, 16, 2, 2, 32, torch.float32, seed=8)
     ours = block_attention(q, k, v, backend="auto")
-    theirs = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                              v.transpose(1, 2), is_causal=True).transpose(1, 2)
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+    ).transpose(1, 2)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)

@@ -29,9 +29,16 @@ def tok():
 def foreign_llama(path, vocab, tie, kv_heads, rope_theta=2e4):
     """A plain transformers Llama checkpoint, as a user would bring one."""
     torch.manual_seed(0)
-    hc = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=kv_heads, tie_word_embeddings=tie,
-                     rope_theta=rope_theta)
+    hc = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=tie,
+        rope_theta=rope_theta,
+    )
     m = LlamaForCausalLM(hc)
     m.save_pretrained(path)
     return m
@@ -49,7 +56,7 @@ def test_import_extends_vocab_and_export_round_trips(tmp_path, tok, tie, kv):
     emb = p.model.tok_embeddings.weight.detach()
     orig = src.model.embed_tokens.weight.detach()
     assert torch.equal(emb[: tok.text_size], orig)
-    torch.testing.assert_close(emb[tok.text_size:], orig.mean(0, keepdim=True).expand(20, -1))
+    torch.testing.assert_close(emb[tok.text_size :], orig.mean(0, keepdim=True).expand(20, -1))
 
     # text-only inputs give the original model's logits on the text rows
     ids = torch.randint(0, tok.text_size, (2, 11))
@@ -74,8 +81,18 @@ def test_import_extends_vocab_and_export_round_trips(tmp_path, tok, tie, kv):
 
 @pytest.mark.parametrize("tie,kv", [(False, 2), (True, 4)])
 def test_transformers_loads_export_with_same_logits(tmp_path, tok, tie, kv):
-    mc = ModelConfig(text_vocab_size=tok.text_size, codebook_size=16, dim=32, n_layers=2, n_heads=4,
-                     n_kv_heads=kv, ffn_dim=64, tie_embeddings=tie, rope_theta=3e4, max_seq_len=128)
+    mc = ModelConfig(
+        text_vocab_size=tok.text_size,
+        codebook_size=16,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=kv,
+        ffn_dim=64,
+        tie_embeddings=tie,
+        rope_theta=3e4,
+        max_seq_len=128,
+    )
     cfg = Config(model=mc, vq=VQConfig(codebook_size=16))
     torch.manual_seed(1)
     model = Transformer(mc)
@@ -95,13 +112,27 @@ def test_export_of_a_logn_model_loads_only_as_itself_with_same_logits(tmp_path, 
     """attn_logn_base > 0: the export carries its transformers code (modeling_longvideo.py); with
     trust_remote_code it gives the project's logits past the base, also when decoding from a cache;
     without it transformers refuses the directory instead of loading a plain Llama."""
-    mc = ModelConfig(text_vocab_size=tok.text_size, codebook_size=16, dim=32, n_layers=2, n_heads=4,
-                     n_kv_heads=2, ffn_dim=64, rope_theta=3e4, max_seq_len=128, attn_logn_base=4,
-                     init_std=0.3)  # attention logits large enough for their scale to show
+    mc = ModelConfig(
+        text_vocab_size=tok.text_size,
+        codebook_size=16,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=64,
+        rope_theta=3e4,
+        max_seq_len=128,
+        attn_logn_base=4,
+        init_std=0.3,
+    )  # attention logits large enough for their scale to show
     torch.manual_seed(2)
     model = Transformer(mc)
-    save_project_checkpoint(tmp_path / "ckpt", model.state_dict(), Config(model=mc, vq=VQConfig(codebook_size=16)),
-                            tokenizer=tok)
+    save_project_checkpoint(
+        tmp_path / "ckpt",
+        model.state_dict(),
+        Config(model=mc, vq=VQConfig(codebook_size=16)),
+        tokenizer=tok,
+    )
     export_hf(tmp_path / "ckpt", tmp_path / "hf")
     with pytest.raises(ValueError, match="trust_remote_code"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
@@ -112,7 +143,9 @@ def test_export_of_a_logn_model_loads_only_as_itself_with_same_logits(tmp_path, 
     torch.testing.assert_close(hf(ids).logits, ours, atol=1e-4, rtol=0)
     plain = Transformer(replace(mc, attn_logn_base=0))
     plain.load_state_dict(model.state_dict())
-    assert (plain.logits(plain(ids)) - ours).abs().max() > 1e-2  # the scale matters at these positions
+    assert (
+        plain.logits(plain(ids)) - ours
+    ).abs().max() > 1e-2  # the scale matters at these positions
     with torch.no_grad():
         first = hf(ids[:, :12], use_cache=True)
         # transformers 5 renamed the cache argument and output `cache` (the old name goes in 5.40)
@@ -121,6 +154,7 @@ def test_export_of_a_logn_model_loads_only_as_itself_with_same_logits(tmp_path, 
     torch.testing.assert_close(step.logits[:, 0], ours[:, 12], atol=1e-4, rtol=0)
     # reading its tokenizer (as LongVideoProcessor does) never asks whether to run the model code
     import builtins
+
     asked = []
     real_input, builtins.input = builtins.input, lambda *a: asked.append(a) or "n"
     try:
@@ -145,7 +179,9 @@ def test_bad_checkpoints_are_named(tmp_path, tok):
         import_hf(tmp_path / "nothing", tmp_path / "o")
     d = tmp_path / "gpt"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (d / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
     save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, str(d / "model.safetensors"))
     with pytest.raises(CheckpointError, match="LlamaForCausalLM"):
         import_hf(d, tmp_path / "o")

@@ -19,26 +19,47 @@ import torch.distributed as dist
 
 from attn_cases import assert_within, max_err, packed_meta, reference
 from longvideo.kernels import _flash_attn_triton as tk
-from longvideo.kernels import (AttentionPlan, RingPlans, block_attention, classify_tiles, flash_attn_ref,
-                               get_backend, tile_stats, transposed, visibility, visit_ranges)
+from longvideo.kernels import (
+    AttentionPlan,
+    RingPlans,
+    block_attention,
+    classify_tiles,
+    flash_attn_ref,
+    get_backend,
+    tile_stats,
+    transposed,
+    visibility,
+    visit_ranges,
+)
 from longvideo.kernels.flash_attn import TritonBackend, flash_attn
 from sync_guard import HostSync, no_host_sync
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or tk.INTERPRET),
-                                reason="needs CUDA or TRITON_INTERPRET=1")
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or tk.INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1"
+)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-EPS = {torch.float32: 2e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}  # about one ulp of O(1) values
+EPS = {
+    torch.float32: 2e-6,
+    torch.float16: 1e-4,
+    torch.bfloat16: 1e-3,
+}  # about one ulp of O(1) values
 
 
 # ---- inputs ----------------------------------------------------------------------------------
+
 
 def _blocks(layout: str, L: int, Sq: int, Sk: int, g: torch.Generator):
     """Index sets (query block, key block) into a global sequence of length L, as a ring sees them."""
     if layout == "self":
         return torch.arange(L), torch.arange(L)
-    if layout == "zigzag":  # W = 2: rank r holds chunks r and 3 - r; queries of one rank, keys of another
+    if (
+        layout == "zigzag"
+    ):  # W = 2: rank r holds chunks r and 3 - r; queries of one rank, keys of another
         c = L // 4
-        rank = [torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((3 - r) * c, (4 - r) * c)]) for r in (0, 1)]
+        rank = [
+            torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((3 - r) * c, (4 - r) * c)])
+            for r in (0, 1)
+        ]
         r_q, r_k = (int(x) for x in torch.randint(0, 2, (2,), generator=g))
         return rank[r_q], rank[r_k]
     a = int(torch.randint(0, L - Sq + 1, (1,), generator=g))  # contiguous blocks at random offsets
@@ -74,18 +95,24 @@ def check_against_reference(q, k, v, dout, meta, causal, what=""):
     _, lse_truth = flash_attn_ref(q.double(), k.double(), v.double(), *meta, causal=causal)
     _, lse_plain = flash_attn_ref(q, k, v, *meta, causal=causal, upcast=False)
     eps = EPS[dtype]
-    for name, got, t, p in zip(("out", "dq", "dk", "dv"), (out, qg.grad, kg.grad, vg.grad), truth, plain):
+    for name, got, t, p in zip(
+        ("out", "dq", "dk", "dv"), (out, qg.grad, kg.grad, vg.grad), truth, plain
+    ):
         assert got.dtype == dtype, f"{what}: {name} dtype {got.dtype}"
         assert_within(f"{what}: {name}", got, t, p, eps=eps * (1 + t.abs().max().item()))
     empty = torch.isinf(lse_truth)  # rows with no visible key
     assert lse.dtype == torch.float32 and lse.shape == lse_truth.shape
-    assert torch.equal(torch.isneginf(lse), empty), f"{what}: -inf lse rows differ from the reference"
+    assert torch.equal(torch.isneginf(lse), empty), (
+        f"{what}: -inf lse rows differ from the reference"
+    )
     assert_within(f"{what}: lse", lse[~empty], lse_truth[~empty], lse_plain[~empty], eps=eps * 10)
     # the same-dtype lse is loose (scores rounded to the dtype); the kernel's scores are fp32 dots of
     # the same rounded inputs the float64 truth starts from, so its lse is fp32-accurate in any dtype
     if (~empty).any():
         err = max_err(lse[~empty], lse_truth[~empty])
-        assert err <= 1e-5 * (1 + lse_truth[~empty].abs().max().item()), f"{what}: lse error {err:.3g}"
+        assert err <= 1e-5 * (1 + lse_truth[~empty].abs().max().item()), (
+            f"{what}: lse error {err:.3g}"
+        )
     rows = empty.transpose(1, 2)  # (B, Sq, Hq)
     assert (out[rows] == 0).all() and (qg.grad[rows] == 0).all(), f"{what}: empty rows not zero"
     return empty
@@ -105,11 +132,19 @@ CASES = [  # seed, B, Sq, Sk, Hq, Hkv, D, dtype, causal, layout
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"s{c[0]}-{c[2]}x{c[3]}-h{c[4]}/{c[5]}-d{c[6]}-"
-                         f"{str(c[7]).split('.')[1]}-{'causal' if c[8] else 'full'}-{c[9]}")
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=lambda c: (
+        f"s{c[0]}-{c[2]}x{c[3]}-h{c[4]}/{c[5]}-d{c[6]}-"
+        f"{str(c[7]).split('.')[1]}-{'causal' if c[8] else 'full'}-{c[9]}"
+    ),
+)
 def test_matches_reference(case):
     seed, B, Sq, Sk, Hq, Hkv, D, dtype, causal, layout = case
-    (q, k, v, dout), meta = make_case(seed, B, Sq, Sk, Hq, Hkv, D, dtype, layout, restart=seed % 2 == 1)
+    (q, k, v, dout), meta = make_case(
+        seed, B, Sq, Sk, Hq, Hkv, D, dtype, layout, restart=seed % 2 == 1
+    )
     assert visibility(*meta, causal).any(), "the case must have visible pairs to test anything"
     check_against_reference(q, k, v, dout, meta, causal, what=str(case))
 
@@ -156,13 +191,17 @@ def test_backward_with_global_out_and_lse():
     dk = torch.zeros(k.shape, dtype=torch.float32, device=DEV)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=DEV)
     for sl in (slice(0, 9), slice(9, 24)):  # two key blocks of uneven length
-        gq, gk, gv = be.backward(dout, q, k[:, sl], v[:, sl], out, lse, qp, kp[:, sl], qs, ks[:, sl], scale, True)
+        gq, gk, gv = be.backward(
+            dout, q, k[:, sl], v[:, sl], out, lse, qp, kp[:, sl], qs, ks[:, sl], scale, True
+        )
         assert gq.dtype == gk.dtype == gv.dtype == torch.float32
         dq += gq
         dk[:, sl] += gk
         dv[:, sl] += gv
     for name, got, t, p in zip(("dq", "dk", "dv"), (dq, dk, dv), truth[1:], plain[1:]):
-        assert_within(f"global lse: {name}", got, t, p, eps=EPS[torch.float32] * (1 + t.abs().max().item()))
+        assert_within(
+            f"global lse: {name}", got, t, p, eps=EPS[torch.float32] * (1 + t.abs().max().item())
+        )
 
 
 def test_block_attention_and_auto_backend():
@@ -173,8 +212,12 @@ def test_block_attention_and_auto_backend():
         (q, k, v, _), _ = make_case(32, 1, 40, 40, 2, 1, 32, torch.bfloat16, "self")
         pos = torch.randperm(40, device=DEV)[None]
         seg = torch.zeros_like(pos)
-        torch.testing.assert_close(block_attention(q, k, v, pos, pos, seg, seg, backend="auto"),
-                                   flash_attn(q, k, v, pos, pos, seg, seg), rtol=0, atol=0)
+        torch.testing.assert_close(
+            block_attention(q, k, v, pos, pos, seg, seg, backend="auto"),
+            flash_attn(q, k, v, pos, pos, seg, seg),
+            rtol=0,
+            atol=0,
+        )
     (q, k, v, dout), meta = make_case(31, 1, 20, 20, 2, 1, 32, torch.float32, "self")
     qa, ka, va = (x.clone().requires_grad_(True) for x in (q, k, v))
     qb, kb, vb = (x.clone().requires_grad_(True) for x in (q, k, v))
@@ -203,33 +246,58 @@ def test_raw_ops_schema_and_fake():
     scale = 0.25
     out, lse = torch.ops.longvideo.flash_attn_fwd(q, k, v, *meta, scale, True)
     tests = ("test_schema", "test_faketensor")
-    torch.library.opcheck(torch.ops.longvideo.flash_attn_fwd.default, (q, k, v, *meta, scale, True), test_utils=tests)
-    torch.library.opcheck(torch.ops.longvideo.flash_attn_bwd.default, (dout, q, k, v, out, lse, *meta, scale, True),
-                          test_utils=tests)
+    torch.library.opcheck(
+        torch.ops.longvideo.flash_attn_fwd.default, (q, k, v, *meta, scale, True), test_utils=tests
+    )
+    torch.library.opcheck(
+        torch.ops.longvideo.flash_attn_bwd.default,
+        (dout, q, k, v, out, lse, *meta, scale, True),
+        test_utils=tests,
+    )
     cfg = tk.tile_config(16, q.dtype)  # with plans passed in, and the split variant
     fwd = tk.build_plan(*meta, True, cfg.fwd.block_m, cfg.fwd.block_n)
     kv = tk.build_plan(*meta, True, cfg.bwd.block_m, cfg.bwd.block_n, transpose=True)
     dq = tk.build_plan(*meta, True, cfg.dq.block_m, cfg.dq.block_n)
-    torch.library.opcheck(torch.ops.longvideo.flash_attn_fwd.default, (q, k, v, *meta, scale, True, fwd),
-                          test_utils=tests)
-    torch.library.opcheck(torch.ops.longvideo.flash_attn_bwd.default,
-                          (dout, q, k, v, out, lse, *meta, scale, True, kv, dq, "split"), test_utils=tests)
+    torch.library.opcheck(
+        torch.ops.longvideo.flash_attn_fwd.default,
+        (q, k, v, *meta, scale, True, fwd),
+        test_utils=tests,
+    )
+    torch.library.opcheck(
+        torch.ops.longvideo.flash_attn_bwd.default,
+        (dout, q, k, v, out, lse, *meta, scale, True, kv, dq, "split"),
+        test_utils=tests,
+    )
     one = q[:, :3]  # the decode path (few queries, no plan)
-    torch.library.opcheck(torch.ops.longvideo.flash_attn_fwd.default, (one, k, v, meta[0][:, :3], meta[1],
-                                                                       meta[2][:, :3], meta[3], scale, True),
-                          test_utils=tests)
+    torch.library.opcheck(
+        torch.ops.longvideo.flash_attn_fwd.default,
+        (one, k, v, meta[0][:, :3], meta[1], meta[2][:, :3], meta[3], scale, True),
+        test_utils=tests,
+    )
 
 
 def test_rejects_bad_inputs():
     q = torch.randn(1, 8, 4, 32, device=DEV)
     k = torch.randn(1, 8, 2, 32, device=DEV)
     with pytest.raises(ValueError, match="head dims"):
-        flash_attn(torch.randn(1, 8, 2, 264, device=DEV), torch.randn(1, 8, 2, 264, device=DEV),
-                   torch.randn(1, 8, 2, 264, device=DEV))
-    with pytest.raises(ValueError, match="plan must be an int32 tensor"):  # a plan built for other tiles
+        flash_attn(
+            torch.randn(1, 8, 2, 264, device=DEV),
+            torch.randn(1, 8, 2, 264, device=DEV),
+            torch.randn(1, 8, 2, 264, device=DEV),
+        )
+    with pytest.raises(
+        ValueError, match="plan must be an int32 tensor"
+    ):  # a plan built for other tiles
         x = torch.randn(1, 20, 2, 32, device=DEV)  # more queries than the decode path takes
-        torch.ops.longvideo.flash_attn_fwd(x, x, x, *(torch.zeros(1, 20, dtype=torch.long, device=DEV),) * 4, 0.1,
-                                           True, torch.zeros(1, 5, dtype=torch.int32, device=DEV))
+        torch.ops.longvideo.flash_attn_fwd(
+            x,
+            x,
+            x,
+            *(torch.zeros(1, 20, dtype=torch.long, device=DEV),) * 4,
+            0.1,
+            True,
+            torch.zeros(1, 5, dtype=torch.int32, device=DEV),
+        )
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         flash_attn(q, torch.randn(1, 8, 3, 32, device=DEV), torch.randn(1, 8, 3, 32, device=DEV))
     with pytest.raises(ValueError, match="dtypes differ"):
@@ -244,35 +312,58 @@ def test_rejects_bad_inputs():
 
 # ---- head dims, decode, backward variants, plans, host syncs ------------------------------------
 
-@pytest.mark.parametrize("D,dtype", [(48, torch.float16), (80, torch.bfloat16), (96, torch.float32),
-                                     (256, torch.bfloat16), (8, torch.float32)])
+
+@pytest.mark.parametrize(
+    "D,dtype",
+    [
+        (48, torch.float16),
+        (80, torch.bfloat16),
+        (96, torch.float32),
+        (256, torch.bfloat16),
+        (8, torch.float32),
+    ],
+)
 def test_any_head_dim(D, dtype):
     """Head dims that are not powers of two (padded tiles, masked loads and stores), and 256."""
     (q, k, v, dout), meta = make_case(90 + D, 1, 35, 35, 4, 2, D, dtype, "self", max_len=20)
     check_against_reference(q, k, v, dout, meta, True, what=f"D={D}")
 
 
-@pytest.mark.parametrize("Sq,heads,causal", [(1, (8, 2), True), (5, (4, 1), True), (16, (6, 3), False),
-                                             (3, (32, 2), True)])
+@pytest.mark.parametrize(
+    "Sq,heads,causal",
+    [(1, (8, 2), True), (5, (4, 1), True), (16, (6, 3), False), (3, (32, 2), True)],
+)
 def test_decode_path(Sq, heads, causal):
     """Few queries take the plan-free split-K decode kernel (rows = a GQA group's heads x queries,
     several key splits merged); the backward of such a call still uses plans."""
     assert tk.uses_decode(Sq)
-    (q, k, v, dout), (qp, kp, qs, ks) = make_case(100 + Sq, 2, 48, 70, heads[0], heads[1], 32, torch.bfloat16,
-                                                  "contig", max_len=30)
+    (q, k, v, dout), (qp, kp, qs, ks) = make_case(
+        100 + Sq, 2, 48, 70, heads[0], heads[1], 32, torch.bfloat16, "contig", max_len=30
+    )
     meta = (qp[:, -Sq:] + 30, kp, qs[:, -Sq:], ks)  # the last queries of a prompt after its keys
     check_against_reference(q[:, -Sq:], k, v, dout[:, -Sq:], meta, causal, what=f"decode Sq={Sq}")
     cfg, flags = tk.tile_config(32, q.dtype), tk._flags(q.dtype)
     qq = q[:, -Sq:].contiguous()
-    one = tk._decode(qq, k, v, *(tk._meta(m) for m in meta), 0.2, causal, cfg.decode, flags, splits=1)
-    many = tk._decode(qq, k, v, *(tk._meta(m) for m in meta), 0.2, causal, cfg.decode, flags, splits=4)
+    one = tk._decode(
+        qq, k, v, *(tk._meta(m) for m in meta), 0.2, causal, cfg.decode, flags, splits=1
+    )
+    many = tk._decode(
+        qq, k, v, *(tk._meta(m) for m in meta), 0.2, causal, cfg.decode, flags, splits=4
+    )
     torch.testing.assert_close(one[0].float(), many[0].float(), atol=2e-2, rtol=0)
     torch.testing.assert_close(one[1], many[1], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("variant,per_head,kv_smem", [("fused", True, False), ("fused", False, False),
-                                                     ("split", False, False), ("split", True, True),
-                                                     ("fused", True, True)])
+@pytest.mark.parametrize(
+    "variant,per_head,kv_smem",
+    [
+        ("fused", True, False),
+        ("fused", False, False),
+        ("split", False, False),
+        ("split", True, True),
+        ("fused", True, True),
+    ],
+)
 def test_backward_variants(variant, per_head, kv_smem):
     """Both backward structures (dQ by atomics in the dK/dV kernel, or a second pass), both GQA
     layouts (a program per query head adding dK/dV by atomics, or per kv head) and both places of
@@ -280,8 +371,12 @@ def test_backward_variants(variant, per_head, kv_smem):
     variant without atomics is bitwise deterministic."""
     tk.set_backward(variant, per_head, kv_smem)
     try:
-        (q, k, v, dout), meta = make_case(120, 2, 40, 40, 6, 2, 32, torch.bfloat16, "zigzag", max_len=25)
-        check_against_reference(q, k, v, dout, meta, True, what=f"{variant} per_head={per_head} kv_smem={kv_smem}")
+        (q, k, v, dout), meta = make_case(
+            120, 2, 40, 40, 6, 2, 32, torch.bfloat16, "zigzag", max_len=25
+        )
+        check_against_reference(
+            q, k, v, dout, meta, True, what=f"{variant} per_head={per_head} kv_smem={kv_smem}"
+        )
         if variant == "split" and not per_head:
             grads = []
             for _ in range(2):
@@ -321,11 +416,16 @@ def test_plans_are_built_once_and_reused():
     assert plan.builds == 1 + n_bwd and len(plan) == 1 + n_bwd
     ref_out = flash_attn(q, k, v, *meta)
     assert all(torch.equal(o, ref_out) for o, _ in outs)
-    assert all(torch.equal(g, outs[0][1]) for _, g in outs[1:]) or tk.tile_config(32, q.dtype).variant == "fused"
+    assert (
+        all(torch.equal(g, outs[0][1]) for _, g in outs[1:])
+        or tk.tile_config(32, q.dtype).variant == "fused"
+    )
     # the block-attention entry point and the model seam share plans the same way
     plan2 = AttentionPlan()
     for _ in range(2):
-        block_attention(q.clone().requires_grad_(True), k, v, *meta, backend="triton", plan=plan2).sum().backward()
+        block_attention(
+            q.clone().requires_grad_(True), k, v, *meta, backend="triton", plan=plan2
+        ).sum().backward()
     assert plan2.builds == 1 + n_bwd
 
 
@@ -334,8 +434,15 @@ def test_model_seam_builds_one_plan_per_step():
     its positions / segment ids: a 3-layer step builds one forward and one backward plan."""
     from longvideo.model import ModelConfig, Transformer
 
-    cfg = ModelConfig(text_vocab_size=50, codebook_size=14, dim=64, n_layers=3, n_heads=4, n_kv_heads=2,
-                      ffn_dim=64)
+    cfg = ModelConfig(
+        text_vocab_size=50,
+        codebook_size=14,
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=64,
+    )
     model = Transformer(cfg, backend="triton")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 60, (1, 40), generator=g)
@@ -380,7 +487,9 @@ def test_no_host_sync_on_the_triton_path():
         for step, kpos in enumerate((kp, future)):
             forward_step(be, q, k, v, qp, kpos, qs, ks, True, scale, plans.step(step), out, lse)
         for step, kpos in enumerate((kp, future)):
-            grads = backward_step(be, dout, q, k, v, out, lse, qp, kpos, qs, ks, True, scale, plans.step(step))
+            grads = backward_step(
+                be, dout, q, k, v, out, lse, qp, kpos, qs, ks, True, scale, plans.step(step)
+            )
             assert grads is not None
     assert torch.equal(grads[0], torch.zeros_like(grads[0]))  # the empty block adds nothing
     torch.testing.assert_close(out.to(q.dtype), o, atol=0, rtol=0)
@@ -389,6 +498,7 @@ def test_no_host_sync_on_the_triton_path():
 
 
 # ---- the tile plan (pure PyTorch, no kernel) ---------------------------------------------------
+
 
 def ranges_visit(ranges: torch.Tensor, order: torch.Tensor, causal: bool) -> list:
     """The (column tile, full?) pairs the ranges of `visit_ranges` make a walker visit, per batch row
@@ -413,14 +523,25 @@ def test_visit_ranges_match_tile_classes():
     restarting, offset, padded and shuffled metadata."""
     g = torch.Generator().manual_seed(61)
     for trial in range(60):
-        B, Sq, Sk = 2, int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g))
+        B, Sq, Sk = (
+            2,
+            int(torch.randint(1, 40, (1,), generator=g)),
+            int(torch.randint(1, 40, (1,), generator=g)),
+        )
         if trial % 6 == 5:  # no order at all
             qp = torch.stack([torch.randperm(Sq, generator=g) for _ in range(B)])
             kp = torch.stack([torch.randperm(Sk, generator=g) for _ in range(B)])
-            qs, ks = torch.randint(-1, 3, (B, Sq), generator=g), torch.randint(-1, 3, (B, Sk), generator=g)
+            qs, ks = (
+                torch.randint(-1, 3, (B, Sq), generator=g),
+                torch.randint(-1, 3, (B, Sk), generator=g),
+            )
         else:
-            qp, qs = packed_meta(B, Sq, g, min_len=1, max_len=12, restart=trial % 2 == 0, pad=trial % 3)
-            kp, ks = packed_meta(B, Sk, g, min_len=1, max_len=12, restart=trial % 2 == 0, pad=trial % 4)
+            qp, qs = packed_meta(
+                B, Sq, g, min_len=1, max_len=12, restart=trial % 2 == 0, pad=trial % 3
+            )
+            kp, ks = packed_meta(
+                B, Sk, g, min_len=1, max_len=12, restart=trial % 2 == 0, pad=trial % 4
+            )
             kp = kp + int(torch.randint(-4, 5, (1,), generator=g))
         causal = trial % 5 != 0
         T, U = (int(x) for x in torch.randint(1, 7, (2,), generator=g))
@@ -432,11 +553,16 @@ def test_visit_ranges_match_tile_classes():
                 for i, seen in enumerate(visits[b]):
                     tiles = [t for t, _ in seen]
                     assert sorted(tiles) == torch.nonzero(c[b, i]).flatten().tolist(), (trial, b, i)
-                    assert sorted(t for t, full in seen if full) == torch.nonzero(c[b, i] == 2).flatten().tolist()
+                    assert (
+                        sorted(t for t, full in seen if full)
+                        == torch.nonzero(c[b, i] == 2).flatten().tolist()
+                    )
     # plain causal attention: the lower triangle, its diagonal masked
     pos = torch.arange(64)[None]
     seg = torch.zeros(1, 64, dtype=torch.long)
-    visits = ranges_visit(*visit_ranges(tile_stats(pos, seg, 16), tile_stats(pos, seg, 16), True), True)[0]
+    visits = ranges_visit(
+        *visit_ranges(tile_stats(pos, seg, 16), tile_stats(pos, seg, 16), True), True
+    )[0]
     assert [sorted(v) for v in visits] == [[(j, j < i) for j in range(i + 1)] for i in range(4)]
 
 
@@ -454,12 +580,14 @@ def _layout(layout: str, S: int):
         seg[cuts] = 1
         seg = seg.cumsum(0)
         pos = torch.arange(S) - starts[seg]
-        seg[-(S // 64):] = -1
+        seg[-(S // 64) :] = -1
         return pos[None], pos[None], seg[None]
     W, c = 4, S // 8
 
     def rank(r):
-        return torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * W - 1 - r) * c, (2 * W - r) * c)])[None]
+        return torch.cat(
+            [torch.arange(r * c, (r + 1) * c), torch.arange((2 * W - 1 - r) * c, (2 * W - r) * c)]
+        )[None]
 
     return rank(1), rank(2), torch.zeros(1, 2 * c, dtype=torch.long)
 
@@ -483,14 +611,23 @@ def test_plan_cost_is_linear(layout):
     assert cpu_s < 5.0, f"plans at 1M took {cpu_s:.1f} s of CPU"
     qp, kp, seg = _layout(layout, 1 << 16)
     n_m = -(-qp.shape[1] // bm)
-    ranges = tk.build_plan(qp, kp, seg, seg, True, bm, bn)[:, :n_m * 9].view(1, n_m, 9).long()
-    walked = int((ranges[..., 1] - ranges[..., 0] + ranges[..., 3] - ranges[..., 2] + ranges[..., 5]
-                  - ranges[..., 4]).sum())
+    ranges = tk.build_plan(qp, kp, seg, seg, True, bm, bn)[:, : n_m * 9].view(1, n_m, 9).long()
+    walked = int(
+        (
+            ranges[..., 1]
+            - ranges[..., 0]
+            + ranges[..., 3]
+            - ranges[..., 2]
+            + ranges[..., 5]
+            - ranges[..., 4]
+        ).sum()
+    )
     real = int((classify_tiles(tile_stats(qp, seg, bm), tile_stats(kp, seg, bn), True) > 0).sum())
     assert real <= walked <= real + 2 * n_m, (walked, real)
 
 
 # ---- the GPU build ------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_kernels_compile_for_hopper(tmp_path):
@@ -505,10 +642,24 @@ def test_kernels_compile_for_hopper(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, never from a cache
     root = Path(__file__).resolve().parents[1]
-    procs = [subprocess.Popen([sys.executable, str(root / "tests" / "ptxas_report.py"), "--head-dims", *dims,
-                               "--json", str(tmp_path / f"{i}.json")], env=env, cwd=root, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for i, dims in enumerate((["128", "64"], ["256", "80"]))]  # two processes: two cores
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(root / "tests" / "ptxas_report.py"),
+                "--head-dims",
+                *dims,
+                "--json",
+                str(tmp_path / f"{i}.json"),
+            ],
+            env=env,
+            cwd=root,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i, dims in enumerate((["128", "64"], ["256", "80"]))
+    ]  # two processes: two cores
     outs = [p.communicate(timeout=900)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]
@@ -516,6 +667,7 @@ def test_kernels_compile_for_hopper(tmp_path):
 
 
 # ---- ring attention over W = 2 ranks with this backend ----------------------------------------
+
 
 def _ring_case(group, seed, S, causal, dtype, heads, D):
     """Full-sequence inputs made on rank 0 and broadcast; the float64 reference on the whole
@@ -540,27 +692,55 @@ def _ring_case(group, seed, S, causal, dtype, heads, D):
     lpos, lseg, ldout = local(pos), local(seg, -1), local(dout)
     plans = RingPlans()
     with no_host_sync():  # no step of the ring reads a device value on the host with this backend
-        out = ring_attention(lq, lk, lv, group=group, causal=causal, positions=lpos, segment_ids=lseg,
-                             backend="triton", plans=plans)
+        out = ring_attention(
+            lq,
+            lk,
+            lv,
+            group=group,
+            causal=causal,
+            positions=lpos,
+            segment_ids=lseg,
+            backend="triton",
+            plans=plans,
+        )
         out.backward(ldout)
     # per step one forward plan (none on the decode path) and one backward plan (two with the split
     # variant), reused by a second layer
-    per_step = (0 if tk.uses_decode(lq.shape[1]) else 1) + (1 if tk.tile_config(D, dtype).variant == "fused" else 2)
+    per_step = (0 if tk.uses_decode(lq.shape[1]) else 1) + (
+        1 if tk.tile_config(D, dtype).variant == "fused" else 2
+    )
     assert plans.builds == 2 * per_step, plans.builds
-    again = ring_attention(lq, lk, lv, group=group, causal=causal, positions=lpos, segment_ids=lseg,
-                           backend="triton", plans=plans)
+    again = ring_attention(
+        lq,
+        lk,
+        lv,
+        group=group,
+        causal=causal,
+        positions=lpos,
+        segment_ids=lseg,
+        backend="triton",
+        plans=plans,
+    )
     again.backward(ldout)
     assert plans.builds == 2 * per_step and torch.equal(again, out)
     lq.grad = lk.grad = lv.grad = None
-    out = ring_attention(lq, lk, lv, group=group, causal=causal, positions=lpos, segment_ids=lseg, backend="triton")
+    out = ring_attention(
+        lq, lk, lv, group=group, causal=causal, positions=lpos, segment_ids=lseg, backend="triton"
+    )
     out.backward(ldout)
     what = f"ring W=2 S={S} causal={causal} {dtype} heads={heads} D={D}"
     eps = EPS[dtype]
-    for name, got, t, p in zip(("out", "dq", "dk", "dv"), (out, lq.grad, lk.grad, lv.grad), truth, plain):
+    for name, got, t, p in zip(
+        ("out", "dq", "dk", "dv"), (out, lq.grad, lk.grad, lv.grad), truth, plain
+    ):
         assert got.dtype == dtype, f"{what}: {name} dtype {got.dtype}"
-        assert_within(f"{what}: {name}", got, local(t), local(p), eps=eps * (1 + t.abs().max().item()))
+        assert_within(
+            f"{what}: {name}", got, local(t), local(p), eps=eps * (1 + t.abs().max().item())
+        )
     full = unshard_sequence(out.detach(), group, dim=1, length=S)
-    assert max_err(full, truth[0]) <= 2 * max_err(plain[0], truth[0]) + eps * (1 + truth[0].abs().max().item())
+    assert max_err(full, truth[0]) <= 2 * max_err(plain[0], truth[0]) + eps * (
+        1 + truth[0].abs().max().item()
+    )
 
 
 def _ring_body(rank, world):

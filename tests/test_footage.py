@@ -25,7 +25,13 @@ from longvideo.data.cli import tokenize_main
 from longvideo.data.shards import SkipStats, iter_token_samples
 from longvideo.data.synthetic import decode_frame_index
 from longvideo.data.tokenize import MEASURES, OUTCOMES, TokenizeOptions, trim_meta, tokenize_shard
-from longvideo.data.video import CorruptVideoError, iter_video, probe_video, read_video, sample_indices
+from longvideo.data.video import (
+    CorruptVideoError,
+    iter_video,
+    probe_video,
+    read_video,
+    sample_indices,
+)
 from longvideo.vq import VQConfig, VQModel, load_vq
 from material.footage import bad_packet_hour, ffmpeg_footage, footage, tokenize_peak_mib
 
@@ -67,8 +73,13 @@ def shown(f, stored: np.ndarray) -> torch.Tensor:
     if f.sar == 1:
         return x
     h, w = x.shape[1:3]
-    y = F.interpolate(x.permute(0, 3, 1, 2).float(), size=(h, round(w * float(f.sar))), mode="bilinear",
-                      antialias=True, align_corners=False)
+    y = F.interpolate(
+        x.permute(0, 3, 1, 2).float(),
+        size=(h, round(w * float(f.sar))),
+        mode="bilinear",
+        antialias=True,
+        align_corners=False,
+    )
     return y.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
 
 
@@ -77,7 +88,7 @@ def assert_upright(frames: torch.Tensor, numbers):
     side = min(frames.shape[1:3]) // 4 * 4
     assert [decode_frame_index(x[:side, :side].numpy()) for x in frames] == list(numbers)
     if frames.shape[1] > frames.shape[2]:
-        bar = frames[:, side + side // 4:].float().mean(dim=(0, 1, 2))
+        bar = frames[:, side + side // 4 :].float().mean(dim=(0, 1, 2))
         assert bar[0] > 150 and bar[1] < 60, bar
 
 
@@ -92,12 +103,16 @@ def test_valid_footage_equals_an_independent_decode_shown_as_made(corpus, fps):
         clip = read_video(f.data, fps=fps)
         want = shown(f, stored)
         assert clip.frames.shape == want.shape, f.name
-        torch.testing.assert_close(clip.frames, want, rtol=0, atol=0 if f.sar == 1 else 1, msg=f.name)
+        torch.testing.assert_close(
+            clip.frames, want, rtol=0, atol=0 if f.sar == 1 else 1, msg=f.name
+        )
         np.testing.assert_allclose(clip.timestamps.numpy(), times, atol=1e-6, err_msg=f.name)
         assert_upright(clip.frames, numbers)
         info = probe_video(f.data)
         assert (info.height, info.width) == tuple(want.shape[1:3]), f.name  # what a player shows
-        assert not clip.report.truncated and not clip.report.gaps and clip.report.describe() == "", f.name
+        assert (
+            not clip.report.truncated and not clip.report.gaps and clip.report.describe() == ""
+        ), f.name
 
 
 def test_streamed_chunks_and_resizing_follow_the_shown_frames(corpus):
@@ -125,7 +140,9 @@ def test_damaged_footage_is_named(corpus):
     rep = cut.report
     assert rep.truncated and rep.declared == pytest.approx(10.0) and 5.0 <= rep.duration < 7.0
     assert 0.5 < rep.fraction < 0.7 and "cut short" in rep.describe()
-    assert_upright(cut.frames, [8 * k for k in range(len(cut))])  # what is there is read, at its true times
+    assert_upright(
+        cut.frames, [8 * k for k in range(len(cut))]
+    )  # what is there is read, at its true times
     for backend in ("pyav", "decord"):
         with pytest.raises(CorruptVideoError):
             read_video(corpus["mp4_no_index"].data, backend=backend)
@@ -144,15 +161,28 @@ def test_an_hour_with_a_bad_packet_every_ten_minutes_loses_only_their_gops():
     # keyframes every 30 s: a bad packet costs the rest of its GOP and nothing else
     lost = sorted(set(range(3600)) - {round(t) for t in times})
     gops = {int(t // 30) for t in bad}
-    assert len(gops) == 6 and lost and all(t // 30 in gops and t > bad[sorted(gops).index(t // 30)] - 1 for t in lost)
+    assert (
+        len(gops) == 6
+        and lost
+        and all(t // 30 in gops and t > bad[sorted(gops).index(t // 30)] - 1 for t in lost)
+    )
     assert len(clip.report.gaps) == 6 and clip.report.lost_seconds <= 6 * 30
     assert len(clip) >= 3600 - 6 * 30 and not clip.report.truncated
 
 
 def _tiny_vq(path):
     torch.manual_seed(0)
-    VQModel(VQConfig(mode="2d", resolution=16, downsample=4, channels=8, channel_mult=(1, 1, 1),
-                     num_res_blocks=0, codebook_size=16)).save(path)
+    VQModel(
+        VQConfig(
+            mode="2d",
+            resolution=16,
+            downsample=4,
+            channels=8,
+            channel_mult=(1, 1, 1),
+            num_res_blocks=0,
+            codebook_size=16,
+        )
+    ).save(path)
     return load_vq(path)
 
 
@@ -167,35 +197,75 @@ def _shard(path, items):
 
 def test_tokenize_counts_footage_by_reason(corpus, tmp_path):
     vq = _tiny_vq(tmp_path / "vq")
-    timed = {"caption": "x", "segments": [{"start": 0, "end": 2, "text": "a"}, {"start": 2, "end": 4, "text": "b"},
-                                          {"start": 4, "end": 8, "text": "c"}],
-             "qa": [{"question": "q1", "answer": "a1"}, {"question": "q2", "answer": "a2", "time": 9.0}]}
+    timed = {
+        "caption": "x",
+        "segments": [
+            {"start": 0, "end": 2, "text": "a"},
+            {"start": 2, "end": 4, "text": "b"},
+            {"start": 4, "end": 8, "text": "c"},
+        ],
+        "qa": [{"question": "q1", "answer": "a1"}, {"question": "q2", "answer": "a2", "time": 9.0}],
+    }
     gappy, _ = bad_packet_hour(minutes=10, every_minutes=5)
-    items = [(f.name, f.ext, f.data, timed if f.name == "cut_mkv" else {"caption": f.name}) for f in corpus.values()]
+    items = [
+        (f.name, f.ext, f.data, timed if f.name == "cut_mkv" else {"caption": f.name})
+        for f in corpus.values()
+    ]
     items.append(("gappy", "webm", gappy, {"caption": "gaps"}))
     _shard(tmp_path / "raw.tar", items)
-    runs = {"default": TokenizeOptions(), "skip": ["--partial-videos", "skip"],
-            "strict": ["--min-partial-fraction", "0.9"]}
+    runs = {
+        "default": TokenizeOptions(),
+        "skip": ["--partial-videos", "skip"],
+        "strict": ["--min-partial-fraction", "0.9"],
+    }
     got = {}
     for name, opts in runs.items():
         if isinstance(opts, list):  # through the command line
-            assert tokenize_main(["--vq", str(tmp_path / "vq"), "--in", str(tmp_path / "raw.tar"), "--out",
-                                  str(tmp_path / name), "--quiet", *opts]) == 0
+            assert (
+                tokenize_main(
+                    [
+                        "--vq",
+                        str(tmp_path / "vq"),
+                        "--in",
+                        str(tmp_path / "raw.tar"),
+                        "--out",
+                        str(tmp_path / name),
+                        "--quiet",
+                        *opts,
+                    ]
+                )
+                == 0
+            )
             (tmp_path / name / "raw.tar").rename(tmp_path / f"{name}.tar")
             stats = json.loads((tmp_path / name / "tokenize_stats.json").read_text())
         else:
-            stats = tokenize_shard(vq, str(tmp_path / "raw.tar"), str(tmp_path / f"{name}.tar"), opts)
+            stats = tokenize_shard(
+                vq, str(tmp_path / "raw.tar"), str(tmp_path / f"{name}.tar"), opts
+            )
         samples = {s.key: s for s in iter_token_samples(str(tmp_path / f"{name}.tar"), SkipStats())}
         counts = {k: v for k, v in stats.items() if k not in MEASURES + ("seconds", "shards_done")}
-        assert sum(counts.values()) == len(items) and sum(stats.get(k, 0) for k in OUTCOMES) == len(samples)
+        assert sum(counts.values()) == len(items) and sum(stats.get(k, 0) for k in OUTCOMES) == len(
+            samples
+        )
         got[name] = (stats, samples)
     n_ok = len(valid(corpus))
     stats, samples = got["default"]
-    assert (stats["ok"], stats["truncated"], stats["gaps"], stats["video_corrupt"]) == (n_ok, 1, 1, 1)
+    assert (stats["ok"], stats["truncated"], stats["gaps"], stats["video_corrupt"]) == (
+        n_ok,
+        1,
+        1,
+        1,
+    )
     assert stats["seconds_declared"] == pytest.approx(10.0) and 5.0 <= stats["seconds_kept"] < 7.0
-    assert 0 < stats["seconds_lost"] <= 60 and stats["segments_dropped"] == 1 and stats["qa_dropped"] == 1
+    assert (
+        0 < stats["seconds_lost"] <= 60
+        and stats["segments_dropped"] == 1
+        and stats["qa_dropped"] == 1
+    )
     part = samples["cut_mkv"].meta
-    assert [s["text"] for s in part["segments"]] == ["a", "b"] and [q["question"] for q in part["qa"]] == ["q1"]
+    assert [s["text"] for s in part["segments"]] == ["a", "b"] and [
+        q["question"] for q in part["qa"]
+    ] == ["q1"]
     assert part["tokenized"]["partial"]["seconds_declared"] == pytest.approx(10.0)
     assert len(samples["gappy"].meta["tokenized"]["partial"]["gaps"]) == 2
     assert all("partial" not in samples[f.name].meta["tokenized"] for f in valid(corpus))
@@ -206,11 +276,18 @@ def test_tokenize_counts_footage_by_reason(corpus, tmp_path):
 
 
 def test_trim_meta_drops_what_falls_past_the_end():
-    meta = {"segments": [{"start": 0, "end": 3, "text": "a"}, {"start": 3, "end": 5.5, "text": "b"}],
-            "qa": [{"question": "q", "answer": "a", "start": 1.0, "end": 2.0}, {"question": "r", "answer": "b"}]}
+    meta = {
+        "segments": [{"start": 0, "end": 3, "text": "a"}, {"start": 3, "end": 5.5, "text": "b"}],
+        "qa": [
+            {"question": "q", "answer": "a", "start": 1.0, "end": 2.0},
+            {"question": "r", "answer": "b"},
+        ],
+    }
     out, dropped = trim_meta(meta, 5.0)
     assert [s["text"] for s in out["segments"]] == ["a"] and len(out["qa"]) == 2
-    assert dropped == {"segments_dropped": 1, "qa_dropped": 0} and len(meta["segments"]) == 2  # not changed
+    assert (
+        dropped == {"segments_dropped": 1, "qa_dropped": 0} and len(meta["segments"]) == 2
+    )  # not changed
 
 
 def test_chat_reads_footage_as_shown_and_warns_of_a_cut(corpus, tmp_path):
@@ -222,10 +299,16 @@ def test_chat_reads_footage_as_shown_and_warns_of_a_cut(corpus, tmp_path):
         path = tmp_path / f"{f.name}.{f.ext}"
         path.write_bytes(f.data)
         ref = read_video(f.data, fps=1.0, size=pre.vq.cfg.resolution)
-        with pytest.warns(UserWarning, match="partly unreadable") if f.expect == "truncated" else _no_warning():
+        with (
+            pytest.warns(UserWarning, match="partly unreadable")
+            if f.expect == "truncated"
+            else _no_warning()
+        ):
             video = encode_video_file(pre, str(path), fps=1.0, progress=False)
         assert video.num_frames == len(ref), f.name
-        np.testing.assert_allclose(video.timestamps, ref.timestamps.numpy()[: len(video.timestamps)], atol=1e-9)
+        np.testing.assert_allclose(
+            video.timestamps, ref.timestamps.numpy()[: len(video.timestamps)], atol=1e-9
+        )
 
 
 class _no_warning:
@@ -249,6 +332,7 @@ def test_tokenizing_ten_minutes_stays_small_and_flat(tmp_path):
 
 # ----------------------------------------------------------------------------- no rank waits forever
 
+
 def _loader_body(rank, world, root):
     import shutil
 
@@ -265,10 +349,25 @@ def _loader_body(rank, world, root):
     mine.mkdir()
     with ShardWriter(mine / "part-000.tar") as w:
         for i in range(40):
-            w.write(f"s{i:03d}", token_sample_members(f"s{i:03d}", np.full((3, 2, 2), i % 16), np.arange(3.0),
-                                                      {"caption": "a red circle"}))
-    loader = TokenLoader(str(mine), tok, tok.vocab(16), DataConfig(seq_len=64, shuffle_buffer=2, pack_bins=1),
-                         batch_size=1, dp_rank=rank, dp_size=world, group=dist.group.WORLD)
+            w.write(
+                f"s{i:03d}",
+                token_sample_members(
+                    f"s{i:03d}",
+                    np.full((3, 2, 2), i % 16),
+                    np.arange(3.0),
+                    {"caption": "a red circle"},
+                ),
+            )
+    loader = TokenLoader(
+        str(mine),
+        tok,
+        tok.vocab(16),
+        DataConfig(seq_len=64, shuffle_buffer=2, pack_bins=1),
+        batch_size=1,
+        dp_rank=rank,
+        dp_size=world,
+        group=dist.group.WORLD,
+    )
     next(loader)
     if rank == 1:
         shutil.rmtree(mine)  # the disk goes: this rank's next read raises
@@ -284,7 +383,11 @@ def _loader_body(rank, world, root):
     if rank == 1:
         assert isinstance(err, FileNotFoundError)
     else:
-        assert isinstance(err, RankFailedError) and "rank 1" in str(err) and "FileNotFoundError" in str(err)
+        assert (
+            isinstance(err, RankFailedError)
+            and "rank 1" in str(err)
+            and "FileNotFoundError" in str(err)
+        )
 
 
 @pytest.mark.distributed
@@ -313,14 +416,23 @@ def _needle_body(rank, world):
 
     pre = tiny_pretrained(max_seq_len=512)
     if rank == 1:
+
         def broken(*a, **k):
             raise OSError("the background cannot be read")
+
         evals.haystack_frames = broken
     t0 = time.time()
     with pytest.raises(RankFailedError if rank == 0 else OSError) as e:
-        evals.evaluate_video_needle(pre, lengths=(6,), depths=(0.0, 1.0), colours=("red", "green"), trials=4,
-                                    engine_factory=lambda p: ConstantEngine(p.tokenizer, " red"), progress=False,
-                                    encode_group=dist.group.WORLD)
+        evals.evaluate_video_needle(
+            pre,
+            lengths=(6,),
+            depths=(0.0, 1.0),
+            colours=("red", "green"),
+            trials=4,
+            engine_factory=lambda p: ConstantEngine(p.tokenizer, " red"),
+            progress=False,
+            encode_group=dist.group.WORLD,
+        )
     assert time.time() - t0 < 30 and "the background cannot be read" in str(e.value)
 
 
@@ -337,8 +449,21 @@ def _chat_body(rank, world, model, video):
     err = io.StringIO()
     t0 = time.time()
     with redirect_stderr(err):
-        rc = cli._chat(cli.chat_parser().parse_args(
-            ["--model", model, "--video", video, "--question", "what?", "--quiet", "--device", "cpu"]))
+        rc = cli._chat(
+            cli.chat_parser().parse_args(
+                [
+                    "--model",
+                    model,
+                    "--video",
+                    video,
+                    "--question",
+                    "what?",
+                    "--quiet",
+                    "--device",
+                    "cpu",
+                ]
+            )
+        )
     assert rc == cli.EXIT_ERROR and time.time() - t0 < 30
     assert "PyAV cannot open it" in err.getvalue(), err.getvalue()  # rank 0's error, on both ranks
     assert ("rank 0 failed" in err.getvalue()) == (rank == 1), err.getvalue()
@@ -352,8 +477,9 @@ def test_chat_prefill_stops_every_rank_when_rank_0_cannot_read_the_video(corpus,
     from longvideo.checkpoint import save_project_checkpoint
 
     pre = tiny_pretrained()
-    ckpt = save_project_checkpoint(tmp_path / "ckpt", pre.model.state_dict(), pre.config, tokenizer=pre.tokenizer,
-                                   vq=pre.vq)
+    ckpt = save_project_checkpoint(
+        tmp_path / "ckpt", pre.model.state_dict(), pre.config, tokenizer=pre.tokenizer, vq=pre.vq
+    )
     video = tmp_path / "phone.mp4"
     video.write_bytes(corpus["mp4_no_index"].data)
     run_ranks(_chat_body, world=2, args=(str(ckpt), str(video)), timeout=120)

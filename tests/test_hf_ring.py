@@ -56,9 +56,16 @@ PAD_TAIL = 3  # row 1 ends with this many attention_mask = 0 tokens
 def _config(kind: str, **over):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    common = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  tie_word_embeddings=False)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     common.update(over)
     if kind == "llama":
         return LlamaConfig(**common)
@@ -73,20 +80,33 @@ def _model(kind: str, attn: str, dtype, **over):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config(kind, **over), attn_implementation=attn).to(dtype)
+    model = AutoModelForCausalLM.from_config(_config(kind, **over), attn_implementation=attn).to(
+        dtype
+    )
     model.train()
     return model
 
 
-def _causal_lm_loss_keep_dtype(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
-                               shift_labels=None, **kwargs):
+def _causal_lm_loss_keep_dtype(
+    logits,
+    labels,
+    vocab_size,
+    num_items_in_batch=None,
+    ignore_index=-100,
+    shift_labels=None,
+    **kwargs,
+):
     """transformers' ForCausalLMLoss without its cast to float32, for the float64 comparisons (the
     same shift_labels / num_items_in_batch semantics)."""
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = F.cross_entropy(logits.reshape(-1, vocab_size), shift_labels.reshape(-1).to(logits.device),
-                           ignore_index=ignore_index, reduction=reduction)
+    loss = F.cross_entropy(
+        logits.reshape(-1, vocab_size),
+        shift_labels.reshape(-1).to(logits.device),
+        ignore_index=ignore_index,
+        reduction=reduction,
+    )
     return loss / num_items_in_batch.to(loss.device) if num_items_in_batch is not None else loss
 
 
@@ -120,11 +140,13 @@ def _packed_batch(seed: int = 0):
     labels[torch.rand(2, S, generator=g) < 0.2] = -100
     pos = torch.zeros(2, S, dtype=torch.long)
     mask = torch.ones(2, S, dtype=torch.long)
-    for b, lengths in enumerate(([16, 2, 1, 5, 13], [3, 1, 24, 4, 2])):  # row 1: 34 tokens + padding
-        pos[b, :sum(lengths)] = torch.cat([torch.arange(n) for n in lengths])
-    mask[1, S - PAD_TAIL:] = 0
-    labels[1, S - PAD_TAIL:] = -100
-    pos[1, S - PAD_TAIL:] = 0
+    for b, lengths in enumerate(
+        ([16, 2, 1, 5, 13], [3, 1, 24, 4, 2])
+    ):  # row 1: 34 tokens + padding
+        pos[b, : sum(lengths)] = torch.cat([torch.arange(n) for n in lengths])
+    mask[1, S - PAD_TAIL :] = 0
+    labels[1, S - PAD_TAIL :] = -100
+    pos[1, S - PAD_TAIL :] = 0
     return {"input_ids": ids, "labels": labels, "position_ids": pos, "attention_mask": mask}
 
 
@@ -132,8 +154,14 @@ def _reference_mask(batch, dtype):
     """The 4D additive mask of the reference: same document, causal, key not padding."""
     seg = torch.where(batch["attention_mask"].bool(), document_ids(batch["position_ids"]), -1)
     idx = torch.arange(S)
-    vis = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] >= 0) & (idx[None, None, :] <= idx[None, :, None])
-    vis = vis | torch.eye(S, dtype=torch.bool)  # padded queries see themselves (their rows are ignored)
+    vis = (
+        (seg[:, :, None] == seg[:, None, :])
+        & (seg[:, None, :] >= 0)
+        & (idx[None, None, :] <= idx[None, :, None])
+    )
+    vis = vis | torch.eye(
+        S, dtype=torch.bool
+    )  # padded queries see themselves (their rows are ignored)
     if dtype is None:
         return vis[:, None]  # boolean, for sdpa
     return torch.zeros(2, 1, S, S, dtype=dtype).masked_fill(~vis[:, None], torch.finfo(dtype).min)
@@ -146,8 +174,13 @@ def _reference(kind, dtype, batch):
     attn = "sdpa" if dtype == torch.float64 else "eager"
     model = _use_model_dtype_loss(_model(kind, attn, dtype))
     mask = _reference_mask(batch, None if attn == "sdpa" else dtype)
-    out = model(input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"],
-                attention_mask=mask, use_cache=False)
+    out = model(
+        input_ids=batch["input_ids"],
+        labels=batch["labels"],
+        position_ids=batch["position_ids"],
+        attention_mask=mask,
+        use_cache=False,
+    )
     out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return out.logits.detach(), out.loss.detach(), grads
@@ -185,8 +218,12 @@ def _assert_fp64(what, got, ref, batch, tol=1e-9):
     rl, rloss, rgrads = ref
     real = _real(batch)
     scale = rl[real].abs().max().item()
-    assert _max_err(logits[real], rl[real]) <= tol * scale, f"{what}: logits {_max_err(logits[real], rl[real]):.3g}"
-    assert abs(float(loss) - float(rloss)) <= tol * abs(float(rloss)), f"{what}: loss {float(loss)} vs {float(rloss)}"
+    assert _max_err(logits[real], rl[real]) <= tol * scale, (
+        f"{what}: logits {_max_err(logits[real], rl[real]):.3g}"
+    )
+    assert abs(float(loss) - float(rloss)) <= tol * abs(float(rloss)), (
+        f"{what}: loss {float(loss)} vs {float(rloss)}"
+    )
     assert set(grads) == set(rgrads)
     for n, g in rgrads.items():
         err, scale = _max_err(grads[n], g), g.abs().max().item()
@@ -199,7 +236,9 @@ def _assert_fp32(what, got, same_dtype, truth, batch, eps=1e-6):
 
     def check(name, a, b, t):
         err, base, scale = _max_err(a, t), _max_err(b, t), t.abs().max().item()
-        assert err <= 2 * base + eps * scale, f"{what}: {name} error {err:.3g} > 2 x {base:.3g} + {eps:g} x {scale:.3g}"
+        assert err <= 2 * base + eps * scale, (
+            f"{what}: {name} error {err:.3g} > 2 x {base:.3g} + {eps:g} x {scale:.3g}"
+        )
 
     check("logits", got[0][real], same_dtype[0][real], truth[0][real])
     check("loss", got[1].reshape(1), same_dtype[1].reshape(1), truth[1].reshape(1))
@@ -208,6 +247,7 @@ def _assert_fp32(what, got, same_dtype, truth, batch, eps=1e-6):
 
 
 # ---- the distributed cases ------------------------------------------------------------------
+
 
 def _deepspeed_step(rank, world, batch, truth_step, refs):
     """ZeRO-3 over the whole world (= the ring), fp32: the loss and the gradients DeepSpeed reduces
@@ -221,11 +261,23 @@ def _deepspeed_step(rank, world, batch, truth_step, refs):
     lr, clip = 1e-2, 0.05
     model = _model("llama", "ring", torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
-           "gradient_clipping": clip, "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
-           "bf16": {"enabled": False}, "fp16": {"enabled": False}, "steps_per_print": 10**9}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg, dist_init_required=False)
-    local = shard_batch(batch, None)  # grad_group None: every process, which DeepSpeed averages over
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world,
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
+        "steps_per_print": 10**9,
+    }
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=opt, config=cfg, dist_init_required=False
+    )
+    local = shard_batch(
+        batch, None
+    )  # grad_group None: every process, which DeepSpeed averages over
     out = engine(**local, use_cache=False)
     engine.backward(out.loss)
     from deepspeed.utils import safe_get_full_grad
@@ -233,7 +285,13 @@ def _deepspeed_step(rank, world, batch, truth_step, refs):
     grads = {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
     loss = torch.tensor(global_loss(out.loss))
     logits = unshard_sequence(out.logits.detach(), None, dim=1, length=S)
-    _assert_fp32("ZeRO-3", (logits, loss, grads), refs["llama", torch.float32], refs["llama", torch.float64], batch)
+    _assert_fp32(
+        "ZeRO-3",
+        (logits, loss, grads),
+        refs["llama", torch.float32],
+        refs["llama", torch.float64],
+        batch,
+    )
     engine.step()
     names = [n for n, _ in engine.module.named_parameters()]
     params = list(engine.module.parameters())
@@ -250,21 +308,34 @@ def _deepspeed_step(rank, world, batch, truth_step, refs):
             counts[0] += int(settled.sum())
             counts[1] += settled.numel()
             worst = err[settled].max().item() if settled.any() else 0.0
-            assert worst <= 1e-3 * lr, f"ZeRO-3 step: {n} differs by {worst:.3g} from the single-process step"
-            assert err.max().item() <= 2 * lr, f"ZeRO-3 step: {n} moved by more than an Adam step from the truth"
+            assert worst <= 1e-3 * lr, (
+                f"ZeRO-3 step: {n} differs by {worst:.3g} from the single-process step"
+            )
+            assert err.max().item() <= 2 * lr, (
+                f"ZeRO-3 step: {n} moved by more than an Adam step from the truth"
+            )
     # (the rows of tokens the batch does not hold have no gradient at all)
-    assert counts[0] > 0.5 * counts[1], f"only {counts[0]} of {counts[1]} gradients away from zero: the check is thin"
+    assert counts[0] > 0.5 * counts[1], (
+        f"only {counts[0]} of {counts[1]} gradients away from zero: the check is thin"
+    )
 
 
 def _single_process_adamw_step(batch):
     lr, clip = 1e-2, 0.05
     model = _model("llama", "eager", torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    out = model(input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"],
-                attention_mask=_reference_mask(batch, torch.float32), use_cache=False)
+    out = model(
+        input_ids=batch["input_ids"],
+        labels=batch["labels"],
+        position_ids=batch["position_ids"],
+        attention_mask=_reference_mask(batch, torch.float32),
+        use_cache=False,
+    )
     out.loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    assert norm > 2 * clip, f"gradient norm {float(norm):.3g}: clipping at {clip} would not be exercised"
+    assert norm > 2 * clip, (
+        f"gradient norm {float(norm):.3g}: clipping at {clip} would not be exercised"
+    )
     clipped = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, clipped
@@ -288,22 +359,39 @@ def _body(rank, world):
                 got = _ring(kind, torch.float64, batch, group, use_cache=kind == "qwen2")
                 _assert_fp64(f"W={W} {kind} fp64", got, refs[kind, torch.float64], batch)
             got = _ring("llama", torch.float64, batch, group, checkpointing=True)
-            _assert_fp64(f"W={W} llama fp64 checkpointing", got, refs["llama", torch.float64], batch)
+            _assert_fp64(
+                f"W={W} llama fp64 checkpointing", got, refs["llama", torch.float64], batch
+            )
             got = _ring("llama", torch.float32, batch, group)
-            _assert_fp32(f"W={W} llama fp32", got, refs["llama", torch.float32], refs["llama", torch.float64], batch)
+            _assert_fp32(
+                f"W={W} llama fp32",
+                got,
+                refs["llama", torch.float32],
+                refs["llama", torch.float64],
+                batch,
+            )
             if W == 3:
                 got = _ring("mistral", torch.float64, batch, group, checkpointing=True)
-                _assert_fp64(f"W={W} mistral fp64 checkpointing", got, refs["mistral", torch.float64], batch)
+                _assert_fp64(
+                    f"W={W} mistral fp64 checkpointing", got, refs["mistral", torch.float64], batch
+                )
                 # generate falls back to sdpa on each rank: the same tokens as an sdpa model
                 _generate_matches_sdpa()
                 # heads all-to-all over the 3 ranks (4 query heads padded to 6; 2 key/value heads, replicated)
                 enable_ring_attention(group, backend="cpu", ulysses_size=3)
                 for kind in ("llama", "qwen2"):
                     got = _ring(kind, torch.float64, batch, group, checkpointing=kind == "qwen2")
-                    _assert_fp64(f"W={W} ulysses=3 {kind} fp64", got, refs[kind, torch.float64], batch)
+                    _assert_fp64(
+                        f"W={W} ulysses=3 {kind} fp64", got, refs[kind, torch.float64], batch
+                    )
                 got = _ring("llama", torch.float32, batch, group)
-                _assert_fp32(f"W={W} ulysses=3 llama fp32", got, refs["llama", torch.float32],
-                             refs["llama", torch.float64], batch)
+                _assert_fp32(
+                    f"W={W} ulysses=3 llama fp32",
+                    got,
+                    refs["llama", torch.float32],
+                    refs["llama", torch.float64],
+                    batch,
+                )
         dist.barrier()
         timings[W] = time.perf_counter() - t0
     enable_ring_attention(dist.group.WORLD)
@@ -327,8 +415,13 @@ def _trainer_body(rank, world):
     clipping makes the update the gradient itself: it must be the float64 gradient of the whole
     batch's token mean."""
     # what a launcher would set; the process group exists already (the port is never used)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
     import tempfile
 
     from torch.utils.data import DataLoader
@@ -349,10 +442,21 @@ def _trainer_body(rank, world):
     model = _use_model_dtype_loss(_model("llama", "ring", torch.float64))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with tempfile.TemporaryDirectory() as d:
-        args = TrainingArguments(output_dir=d, per_device_train_batch_size=1, gradient_accumulation_steps=2,
-                                 max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
-                                 weight_decay=0.0, max_grad_norm=0.0, report_to=[], use_cpu=True,
-                                 save_strategy="no", disable_tqdm=True)
+        args = TrainingArguments(
+            output_dir=d,
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=2,
+            max_steps=1,
+            learning_rate=1.0,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            max_grad_norm=0.0,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+        )
         trainer = RingTrainer(model=model, args=args, train_dataset=rows)
         trainer.train()
         assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
@@ -360,7 +464,9 @@ def _trainer_body(rank, world):
     for n, p in model.named_parameters():
         g, want = before[n] - p.detach(), ref[2][n]
         err, scale = _max_err(g, want), want.abs().max().item()
-        assert err <= 1e-9 * scale, f"Trainer: update of {n} differs from the gradient by {err:.3g} (x {scale:.3g})"
+        assert err <= 1e-9 * scale, (
+            f"Trainer: update of {n} differs from the gradient by {err:.3g} (x {scale:.3g})"
+        )
 
 
 @pytest.mark.slow
@@ -370,6 +476,7 @@ def test_hf_trainer_recipe_on_a_ring_of_2_gives_the_whole_batch_gradient():
 
 
 # ---- single-process pieces ------------------------------------------------------------------
+
 
 def _generate_matches_sdpa():
     ring = _model("llama", "ring", torch.float32).eval()
@@ -397,8 +504,17 @@ def test_shard_batch_shifts_before_sharding_pads_and_marks_documents():
     labels[0, 4] = -100
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1]])
     mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0]])
-    out = shard_batch({"input_ids": ids, "labels": labels, "position_ids": pos, "attention_mask": mask}, None)
-    assert set(out) == {"input_ids", "position_ids", "ring_segment_ids", "labels", "shift_labels", "num_items_in_batch"}
+    out = shard_batch(
+        {"input_ids": ids, "labels": labels, "position_ids": pos, "attention_mask": mask}, None
+    )
+    assert set(out) == {
+        "input_ids",
+        "position_ids",
+        "ring_segment_ids",
+        "labels",
+        "shift_labels",
+        "num_items_in_batch",
+    }
     assert out["input_ids"].tolist() == [[10, 11, 12, 13, 14, 15, 16, 0]]
     assert out["ring_segment_ids"].tolist() == [[0, 0, 0, 1, 1, 2, -1, -1]]
     # label of token i + 1 at i; -100 where the query is padding and at the end
@@ -406,11 +522,15 @@ def test_shard_batch_shifts_before_sharding_pads_and_marks_documents():
     assert out["labels"] is out["shift_labels"]
     assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 0]]
     assert float(out["num_items_in_batch"]) == 5.0
-    assert "num_items_in_batch" not in shard_batch({"input_ids": ids, "labels": labels}, None, count=False)
+    assert "num_items_in_batch" not in shard_batch(
+        {"input_ids": ids, "labels": labels}, None, count=False
+    )
     assert document_ids(torch.tensor([[0, 1, 5, 6, 0, 0]])).tolist() == [[0, 0, 1, 1, 2, 3]]
     # already shifted labels and explicit documents (e.g. from a packing loader) pass through as given
     docs = torch.tensor([[0, 0, 1, 1, 1, -1, 2]])
-    given = shard_batch({"input_ids": ids, "shift_labels": labels, "segment_ids": docs}, None, count=False)
+    given = shard_batch(
+        {"input_ids": ids, "shift_labels": labels, "segment_ids": docs}, None, count=False
+    )
     assert given["shift_labels"].tolist() == [[10, 11, 12, 13, -100, -100, 16, -100]]
     assert given["ring_segment_ids"].tolist() == [[0, 0, 1, 1, 1, -1, 2, -1]]
     with pytest.raises(ValueError, match="no pad value for batch key 'extra'"):
@@ -426,7 +546,9 @@ def test_loss_helpers_on_one_rank():
     assert float(n) == 4.0
     want = F.cross_entropy(logits[0], shifted[0], ignore_index=-100)
     assert torch.allclose(ring_loss(logits, shifted), want)
-    assert float(num_items_in_batch([torch.full((1, 3), -100)])) == 1.0  # no tokens: loss 0, not NaN
+    assert (
+        float(num_items_in_batch([torch.full((1, 3), -100)])) == 1.0
+    )  # no tokens: loss 0, not NaN
     assert float(num_items_in_batch([shifted, shifted], accumulation_steps=2)) == 4.0
     assert global_loss(want) == float(want)
 
@@ -439,7 +561,9 @@ def test_mask_function_builds_no_mask():
     cfg._attn_implementation = "ring"
     emb = torch.zeros(2, 4096, 8)
     pos = torch.arange(4096)[None].expand(2, -1)
-    mask = create_causal_mask(config=cfg, inputs_embeds=emb, attention_mask=None, cache=None, position_ids=pos)
+    mask = create_causal_mask(
+        config=cfg, inputs_embeds=emb, attention_mask=None, cache=None, position_ids=pos
+    )
     assert isinstance(mask, DeferredMask) and mask.padding is None and not mask.has_overlay
     assert mask.kwargs["q_length"] == 4096  # the arguments are kept; nothing S x S was built
 
@@ -456,8 +580,16 @@ def test_refusals_name_the_reason():
     enable_ring_attention(None)
     batch = _sharded_toy_batch()
     # soft-capping (Gemma 2): at check_model and at the first call
-    gcfg = Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4096)
+    gcfg = Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=4096,
+    )
     gemma = Gemma2ForCausalLM._from_config(gcfg, attn_implementation="ring")
     with pytest.raises(RingAttentionUnsupported, match="not one of the tested types"):
         check_model(gemma)
@@ -470,7 +602,9 @@ def test_refusals_name_the_reason():
     with pytest.raises(RingAttentionUnsupported, match="sliding window of 8"):
         check_model(mistral, seq_len=12)
     check_model(mistral, seq_len=8)
-    with pytest.raises(RingAttentionUnsupported, match="sliding window of 8 tokens, which would mask"):
+    with pytest.raises(
+        RingAttentionUnsupported, match="sliding window of 8 tokens, which would mask"
+    ):
         mistral(**batch, use_cache=False)
     # attention dropout while training (evaluation is fine)
     drop = _model("llama", "ring", torch.float32, attention_dropout=0.1)
@@ -492,8 +626,14 @@ def test_refusals_name_the_reason():
     with torch.no_grad():
         llama(input_ids=batch["input_ids"][:, :4], cache=cache, use_cache=True)
         with pytest.raises(RingAttentionUnsupported, match="KV cache"):
-            llama(**{k: v[:, 4:] if torch.is_tensor(v) and v.dim() == 2 else v for k, v in batch.items()},
-                  cache=cache, use_cache=True)
+            llama(
+                **{
+                    k: v[:, 4:] if torch.is_tensor(v) and v.dim() == 2 else v
+                    for k, v in batch.items()
+                },
+                cache=cache,
+                use_cache=True,
+            )
     assert isinstance(llama, LlamaForCausalLM)
     check_model(llama)
     check_model(_model("qwen2", "ring", torch.float32))
@@ -511,6 +651,8 @@ def test_from_pretrained_directory_with_attn_implementation_ring(tmp_path):
     batch = _packed_batch()
     got = ring(**shard_batch(batch, None), use_cache=False).logits[:, :S]
     # transformers' own packed-sequence path: no attention_mask, positions restarting, no cache
-    want = sdpa(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    want = sdpa(
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+    ).logits
     real = _real(batch)
     assert _max_err(got[real], want[real]) <= 1e-5 * want.abs().max().item()

@@ -13,9 +13,18 @@ from longvideo.data.synthetic import SyntheticSpec, make_sample
 from longvideo.data.video import read_video
 from longvideo.checkpoint import save_project_checkpoint
 from longvideo.infer import cli
-from longvideo.infer.evals import (evaluate_qa, evaluate_text_needle, evaluate_video_needle, evaluate_vq_needle,
-                                   exact_match, flash_frame, haystack_frames, needle_index, substring_match,
-                                   text_needle_prompt)
+from longvideo.infer.evals import (
+    evaluate_qa,
+    evaluate_text_needle,
+    evaluate_video_needle,
+    evaluate_vq_needle,
+    exact_match,
+    flash_frame,
+    haystack_frames,
+    needle_index,
+    substring_match,
+    text_needle_prompt,
+)
 from longvideo.infer.generation import Generation
 from longvideo.vq import encode_video
 
@@ -43,21 +52,33 @@ class ConstantEngine:
         self.prefixes.append(ids[0].tolist())
         self.prefix_len = ids.shape[1]
 
-    def generate(self, ids, *, max_new_tokens, temperature=0.0, top_p=1.0, stop_ids=(), generator=None):
-        return Generation(tokens=torch.tensor([self.ids]), prompt_len=self.prefix_len + ids.shape[1],
-                          ttft_s=0.0, total_s=0.0)
+    def generate(
+        self, ids, *, max_new_tokens, temperature=0.0, top_p=1.0, stop_ids=(), generator=None
+    ):
+        return Generation(
+            tokens=torch.tensor([self.ids]),
+            prompt_len=self.prefix_len + ids.shape[1],
+            ttft_s=0.0,
+            total_s=0.0,
+        )
 
 
 def write_qa_shards(pre, tmp_path, n=3):
-    spec = SyntheticSpec(size=16, fps=2, min_seconds=3, max_seconds=6, long_fraction=0.0, needle_fraction=0.5)
+    spec = SyntheticSpec(
+        size=16, fps=2, min_seconds=3, max_seconds=6, long_fraction=0.0, needle_fraction=0.5
+    )
     samples = [make_sample(7, i, spec) for i in range(n)]
     with ShardWriter(tmp_path / "tokens-000.tar") as w:
         for s in samples[:-1]:
             frames = torch.from_numpy(s.frames()[::2].copy())  # 1 fps
             codes = encode_video(pre.vq, frames).numpy()
-            w.write(s.key, token_sample_members(s.key, codes, np.arange(len(codes), dtype=np.float64), s.meta))
+            w.write(
+                s.key,
+                token_sample_members(s.key, codes, np.arange(len(codes), dtype=np.float64), s.meta),
+            )
     with ShardWriter(tmp_path / "raw-000.tar") as w:
         import json as _json
+
         s = samples[-1]
         w.write(s.key, {"mp4": s.mp4(), "json": _json.dumps(s.meta).encode()})
     return samples
@@ -93,13 +114,27 @@ def test_video_needle_splicing_equals_encoding_the_spliced_video(pre):
 
 def test_scores_follow_the_answers_with_a_constant_engine(pre, tmp_path):
     factory = lambda p: ConstantEngine(p.tokenizer, " red")  # noqa: E731
-    res = evaluate_video_needle(pre, lengths=(4, 6), depths=(0.0, 1.0), colours=("red", "blue"),
-                                engine_factory=factory, progress=False)
+    res = evaluate_video_needle(
+        pre,
+        lengths=(4, 6),
+        depths=(0.0, 1.0),
+        colours=("red", "blue"),
+        engine_factory=factory,
+        progress=False,
+    )
     assert res["grid"] == [[0.5, 0.5], [0.5, 0.5]] and res["chance"] == 0.5
     assert all(c["needle_kept"] for c in res["cells"])
-    causal = tiny_pretrained(max_seq_len=512, mode="causal3d")  # re-encodes each cell instead of splicing
-    res3 = evaluate_video_needle(causal, lengths=(5,), depths=(0.5,), colours=("blue", "red", "green"),
-                                 engine_factory=factory, progress=False)
+    causal = tiny_pretrained(
+        max_seq_len=512, mode="causal3d"
+    )  # re-encodes each cell instead of splicing
+    res3 = evaluate_video_needle(
+        causal,
+        lengths=(5,),
+        depths=(0.5,),
+        colours=("blue", "red", "green"),
+        engine_factory=factory,
+        progress=False,
+    )
     assert res3["accuracy"] == pytest.approx(1 / 3) and res3["vq_mode"] == "causal3d"
     samples = write_qa_shards(pre, tmp_path)
     qa = evaluate_qa(pre, str(tmp_path), engine_factory=factory, progress=False)
@@ -108,23 +143,50 @@ def test_scores_follow_the_answers_with_a_constant_engine(pre, tmp_path):
     assert qa["accuracy"] == pytest.approx(np.mean([a == "red" for a in answers]))
     chance = np.mean([1 / len(x["choices"]) for s in samples for x in s.meta["qa"]])
     assert qa["chance"] == pytest.approx(chance)
-    text = evaluate_text_needle(pre, lengths=(64,), depths=(0.5,), rounds=2, engine_factory=factory,
-                                progress=False)
+    text = evaluate_text_needle(
+        pre, lengths=(64,), depths=(0.5,), rounds=2, engine_factory=factory, progress=False
+    )
     assert text["accuracy"] == 0.0
     number = str(text["cells"][0]["number"])
-    right = evaluate_text_needle(pre, lengths=(64,), depths=(0.5,), rounds=1,
-                                 engine_factory=lambda p: ConstantEngine(p.tokenizer, f" {number}"), progress=False)
+    right = evaluate_text_needle(
+        pre,
+        lengths=(64,),
+        depths=(0.5,),
+        rounds=1,
+        engine_factory=lambda p: ConstantEngine(p.tokenizer, f" {number}"),
+        progress=False,
+    )
     assert right["accuracy"] == 1.0  # same seed: the same first needle
 
 
 def test_eval_harness_on_a_tiny_model_writes_json_and_png(pre, tmp_path, capsys):
     write_qa_shards(pre, tmp_path / "shards", n=2)
     outs = {
-        "qa": evaluate_qa(pre, str(tmp_path / "shards"), out_dir=tmp_path / "out", max_new_tokens=3, progress=False),
-        "text_needle": evaluate_text_needle(pre, lengths=(48, 96), depths=(0.0, 1.0), rounds=1, max_new_tokens=3,
-                                            out_dir=tmp_path / "out", progress=False),
-        "video_needle": evaluate_video_needle(pre, lengths=(3, 5), depths=(0.0, 1.0), colours=("red", "blue"),
-                                              max_new_tokens=3, out_dir=tmp_path / "out", progress=False),
+        "qa": evaluate_qa(
+            pre,
+            str(tmp_path / "shards"),
+            out_dir=tmp_path / "out",
+            max_new_tokens=3,
+            progress=False,
+        ),
+        "text_needle": evaluate_text_needle(
+            pre,
+            lengths=(48, 96),
+            depths=(0.0, 1.0),
+            rounds=1,
+            max_new_tokens=3,
+            out_dir=tmp_path / "out",
+            progress=False,
+        ),
+        "video_needle": evaluate_video_needle(
+            pre,
+            lengths=(3, 5),
+            depths=(0.0, 1.0),
+            colours=("red", "blue"),
+            max_new_tokens=3,
+            out_dir=tmp_path / "out",
+            progress=False,
+        ),
     }
     for name, res in outs.items():
         data = json.loads((tmp_path / "out" / f"{name}.json").read_text())
@@ -138,14 +200,40 @@ def test_eval_harness_on_a_tiny_model_writes_json_and_png(pre, tmp_path, capsys)
     assert outs["qa"]["questions"] == sum(len(r) for r in [outs["qa"]["records"]])
 
     # the CLI on a saved checkpoint prints the accuracy with the chance level beside it
-    ckpt = save_project_checkpoint(tmp_path / "ckpt", pre.model.state_dict(), pre.config,
-                                   tokenizer=pre.tokenizer, vq=pre.vq)
-    rc = cli.eval_main(["video-niah", "--model", str(ckpt), "--out", str(tmp_path / "cli"), "--lengths", "3",
-                        "--depths", "0,1", "--colours", "red,blue", "--max-new-tokens", "2", "--quiet"])
+    ckpt = save_project_checkpoint(
+        tmp_path / "ckpt", pre.model.state_dict(), pre.config, tokenizer=pre.tokenizer, vq=pre.vq
+    )
+    rc = cli.eval_main(
+        [
+            "video-niah",
+            "--model",
+            str(ckpt),
+            "--out",
+            str(tmp_path / "cli"),
+            "--lengths",
+            "3",
+            "--depths",
+            "0,1",
+            "--colours",
+            "red,blue",
+            "--max-new-tokens",
+            "2",
+            "--quiet",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "chance 0.500" in out and (tmp_path / "cli" / "video_needle.png").is_file()
-    rc = cli.eval_main(["qa", "--model", str(ckpt), "--out", str(tmp_path / "cli"), "--shards",
-                        str(tmp_path / "none*.tar")])
+    rc = cli.eval_main(
+        [
+            "qa",
+            "--model",
+            str(ckpt),
+            "--out",
+            str(tmp_path / "cli"),
+            "--shards",
+            str(tmp_path / "none*.tar"),
+        ]
+    )
     assert rc != 0 and "no shards match" in capsys.readouterr().err
 
 
@@ -160,22 +248,43 @@ def test_video_needle_trials_per_length_and_exact_splices(pre):
             super().set_prefix(ids)
 
     factory = lambda p: Recording(p.tokenizer, " blue")  # noqa: E731
-    res = evaluate_video_needle(pre, lengths=(4, 7), depths=(0.0, 0.5, 1.0), colours=("red", "blue"),
-                                trials=(3, 2), engine_factory=factory, progress=False)
+    res = evaluate_video_needle(
+        pre,
+        lengths=(4, 7),
+        depths=(0.0, 0.5, 1.0),
+        colours=("red", "blue"),
+        trials=(3, 2),
+        engine_factory=factory,
+        progress=False,
+    )
     assert res["trials"] == [3, 2] and len(res["cells"]) == 3 * 5
     assert [c["colour"] for c in res["cells"] if c["frames"] == 4][::3] == ["red", "blue", "red"]
     assert np.allclose(res["grid"], [[1 / 3, 1 / 2]] * 3)
     causal = tiny_pretrained(max_seq_len=512, mode="causal3d")
     vocab, size = causal.model.cfg.vocab, causal.vq.cfg.resolution
-    for decoded in (True, False):  # through the training videos' codec (the default) or exactly as drawn
+    for decoded in (
+        True,
+        False,
+    ):  # through the training videos' codec (the default) or exactly as drawn
         seen.clear()
-        res3 = evaluate_video_needle(causal, lengths=(9,), depths=(0.5,), colours=("green",), trials=1,
-                                     engine_factory=factory, progress=False, decoded=decoded)
+        res3 = evaluate_video_needle(
+            causal,
+            lengths=(9,),
+            depths=(0.5,),
+            colours=("green",),
+            trials=1,
+            engine_factory=factory,
+            progress=False,
+            decoded=decoded,
+        )
         cell = res3["cells"][0]
         assert res3["decoded"] is decoded
         frames = haystack_frames(9, size, seed=0, decoded=decoded)
-        frames[cell["needle_frame"]] = (flash_frame("green", size, decoded=True).numpy() if decoded
-                                        else np.array([40, 200, 60], np.uint8))
+        frames[cell["needle_frame"]] = (
+            flash_frame("green", size, decoded=True).numpy()
+            if decoded
+            else np.array([40, 200, 60], np.uint8)
+        )
         codes = encode_video(causal.vq, torch.from_numpy(frames)).numpy()
         got = [t - vocab.vq_offset for t in seen[0] if vocab.vq_offset <= t < vocab.size]
         assert got == codes.reshape(-1).tolist()
@@ -186,16 +295,21 @@ def test_decoded_needle_pixels_are_a_training_videos(fps):
     """The evaluation's decoded flash and background are, pixel for pixel, what a generated training
     video of that frame rate gives when its mp4 is read back at 1 fps; the exact colour is not."""
     for seed in range(3):
-        spec = SyntheticSpec(size=16, fps=fps, min_seconds=12, max_seconds=12, long_fraction=0.0,
-                             needle_fraction=1.0)
+        spec = SyntheticSpec(
+            size=16, fps=fps, min_seconds=12, max_seconds=12, long_fraction=0.0, needle_fraction=1.0
+        )
         sample = make_sample(seed, 0, spec)
         sec, colour = sample.needle
         read = read_video(sample.mp4(), fps=1.0, size=16).frames.numpy()
         assert np.array_equal(read[sec], flash_frame(colour, 16, fps, decoded=True).numpy())
         assert not np.array_equal(read[sec], flash_frame(colour, 16, fps).numpy())
     hay = haystack_frames(12, 16, seed=5, source_fps=fps, decoded=True)
-    spec = SyntheticSpec(size=16, fps=fps, min_seconds=12, max_seconds=12, long_fraction=0.0, needle_fraction=0.0)
-    assert np.array_equal(hay, read_video(make_sample(5, 0, spec).mp4(), fps=1.0, size=16).frames.numpy())
+    spec = SyntheticSpec(
+        size=16, fps=fps, min_seconds=12, max_seconds=12, long_fraction=0.0, needle_fraction=0.0
+    )
+    assert np.array_equal(
+        hay, read_video(make_sample(5, 0, spec).mp4(), fps=1.0, size=16).frames.numpy()
+    )
 
 
 def _shared_encoding_body(rank, world):
@@ -209,9 +323,16 @@ def _shared_encoding_body(rank, world):
             prompts.append(ids[0].tolist())
             super().set_prefix(ids)
 
-    res = evaluate_video_needle(causal, lengths=(6, 9), depths=(0.0, 0.5, 1.0), colours=("green", "red"),
-                                trials=(3, 2), engine_factory=lambda p: Recording(p.tokenizer, " red"),
-                                progress=False, encode_group=dist.group.WORLD)
+    res = evaluate_video_needle(
+        causal,
+        lengths=(6, 9),
+        depths=(0.0, 0.5, 1.0),
+        colours=("green", "red"),
+        trials=(3, 2),
+        engine_factory=lambda p: Recording(p.tokenizer, " red"),
+        progress=False,
+        encode_group=dist.group.WORLD,
+    )
     assert len(prompts) == len(res["cells"]) == 3 * 5
     vocab = causal.model.cfg.vocab
     for ids, cell in zip(prompts, res["cells"]):
@@ -221,7 +342,9 @@ def _shared_encoding_body(rank, world):
         frames = haystack_frames(cell["frames"], size, seed=1000 * j + cell["trial"], decoded=True)
         frames[cell["needle_frame"]] = flash_frame(cell["colour"], size, decoded=True).numpy()
         codes = encode_video(causal.vq, torch.from_numpy(frames)).numpy()
-        assert [t - vocab.vq_offset for t in ids if vocab.vq_offset <= t < vocab.size] == codes.reshape(-1).tolist()
+        assert [
+            t - vocab.vq_offset for t in ids if vocab.vq_offset <= t < vocab.size
+        ] == codes.reshape(-1).tolist()
     assert [c["colour"] for c in res["cells"]][::3] == ["green", "red", "green", "green", "red"]
 
 
@@ -238,8 +361,15 @@ def test_video_needle_counts_needles_the_context_dropped(pre, tmp_path, capsys):
     """A video longer than the model's context loses whole groups; a trial whose flash went with
     them is counted, and the CLI warns, so a heatmap of guesses is not read as a result."""
     factory = lambda p: ConstantEngine(p.tokenizer, " red")  # noqa: E731
-    fits = evaluate_video_needle(pre, lengths=(6,), depths=(0.0, 0.5, 1.0), colours=("red",), trials=1,
-                                 engine_factory=factory, progress=False)
+    fits = evaluate_video_needle(
+        pre,
+        lengths=(6,),
+        depths=(0.0, 0.5, 1.0),
+        colours=("red",),
+        trials=1,
+        engine_factory=factory,
+        progress=False,
+    )
     assert fits["needles_dropped"] == 0 and all(c["needle_kept"] for c in fits["cells"])
     short = tiny_pretrained(max_seq_len=96)
     depths = tuple(np.linspace(0.0, 1.0, 9))
@@ -250,21 +380,52 @@ def test_video_needle_counts_needles_the_context_dropped(pre, tmp_path, capsys):
             prompts.append(ids[0].tolist())
             super().set_prefix(ids)
 
-    res = evaluate_video_needle(short, lengths=(40,), depths=depths, colours=("red",), trials=1,
-                                engine_factory=lambda p: Recording(p.tokenizer, " red"), progress=False)
+    res = evaluate_video_needle(
+        short,
+        lengths=(40,),
+        depths=depths,
+        colours=("red",),
+        trials=1,
+        engine_factory=lambda p: Recording(p.tokenizer, " red"),
+        progress=False,
+    )
     # independent of the bookkeeping: one background, so every prompt without its flash is the same
     # prompt, and a prompt that shows its flash differs from it
     shown = [i for i, c in enumerate(res["cells"]) if c["needle_kept"]]
     blind = [prompts[i] for i, c in enumerate(res["cells"]) if not c["needle_kept"]]
     assert all(b == blind[0] for b in blind) and all(prompts[i] != blind[0] for i in shown)
-    assert all(c["tokens"] <= 96 for c in res["cells"]) and all(c["groups"] < 40 for c in res["cells"])
+    assert all(c["tokens"] <= 96 for c in res["cells"]) and all(
+        c["groups"] < 40 for c in res["cells"]
+    )
     assert 0 < res["needles_dropped"] == len(res["cells"]) - len(shown) < len(depths)
     assert res["context"] == 96
-    ckpt = save_project_checkpoint(tmp_path / "ckpt", short.model.state_dict(), short.config,
-                                   tokenizer=short.tokenizer, vq=short.vq)
-    rc = cli.eval_main(["video-niah", "--model", str(ckpt), "--out", str(tmp_path / "cli"), "--lengths", "40",
-                        "--depths", ",".join(f"{d:g}" for d in depths), "--colours", "red", "--trials", "1",
-                        "--max-new-tokens", "8", "--quiet"])
+    ckpt = save_project_checkpoint(
+        tmp_path / "ckpt",
+        short.model.state_dict(),
+        short.config,
+        tokenizer=short.tokenizer,
+        vq=short.vq,
+    )
+    rc = cli.eval_main(
+        [
+            "video-niah",
+            "--model",
+            str(ckpt),
+            "--out",
+            str(tmp_path / "cli"),
+            "--lengths",
+            "40",
+            "--depths",
+            ",".join(f"{d:g}" for d in depths),
+            "--colours",
+            "red",
+            "--trials",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--quiet",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and f"warning: {res['needles_dropped']} of 9 needles were dropped" in out
 
@@ -274,7 +435,9 @@ def test_vq_needle_scores_what_the_decoder_returns(pre, tmp_path, monkeypatch):
     that returns the video unchanged scores 100 %, one that swaps red and blue 0 %."""
     from longvideo.infer import evals
 
-    assert evals.nearest_colour(np.full((4, 4, 3), (230, 40, 40), np.uint8), ["red", "blue"]) == "red"
+    assert (
+        evals.nearest_colour(np.full((4, 4, 3), (230, 40, 40), np.uint8), ["red", "blue"]) == "red"
+    )
     causal = tiny_pretrained(max_seq_len=512, mode="causal3d")
     res = evaluate_vq_needle(causal.vq, num_frames=13, trials=6, progress=False, out_dir=tmp_path)
     t = causal.vq.cfg.frames_per_group
@@ -283,5 +446,12 @@ def test_vq_needle_scores_what_the_decoder_returns(pre, tmp_path, monkeypatch):
     monkeypatch.setattr(evals, "encode_video", lambda vq, frames, batch_frames: frames.clone())
     monkeypatch.setattr(evals, "decode_codes", lambda vq, codes: codes)
     assert evaluate_vq_needle(causal.vq, num_frames=13, trials=6, progress=False)["rate"] == 1.0
-    monkeypatch.setattr(evals, "decode_codes", lambda vq, codes: codes.flip(-1))  # RGB -> BGR: red and blue swap
-    assert evaluate_vq_needle(causal.vq, num_frames=13, trials=6, progress=False, colours=("red", "blue"))["rate"] == 0.0
+    monkeypatch.setattr(
+        evals, "decode_codes", lambda vq, codes: codes.flip(-1)
+    )  # RGB -> BGR: red and blue swap
+    assert (
+        evaluate_vq_needle(
+            causal.vq, num_frames=13, trials=6, progress=False, colours=("red", "blue")
+        )["rate"]
+        == 0.0
+    )

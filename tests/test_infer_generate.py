@@ -3,8 +3,15 @@
 import pytest
 import torch
 
-from longvideo.infer.generation import (decode_loop, generate, logits_of, new_cache, prefill, sample_token,
-                                      trim_at_stop)
+from longvideo.infer.generation import (
+    decode_loop,
+    generate,
+    logits_of,
+    new_cache,
+    prefill,
+    sample_token,
+    trim_at_stop,
+)
 from longvideo.model import ModelConfig, Transformer
 
 
@@ -14,8 +21,16 @@ def _one_thread(one_thread):
 
 
 def tiny_model(dtype=torch.float64, seed=0, backend="torch", **kw):
-    cfg = dict(text_vocab_size=40, codebook_size=20, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-               max_seq_len=256, init_std=0.1)
+    cfg = dict(
+        text_vocab_size=40,
+        codebook_size=20,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=256,
+        init_std=0.1,
+    )
     cfg.update(kw)
     torch.manual_seed(seed)
     return Transformer(ModelConfig(**cfg), ffn_chunk=8, backend=backend).to(dtype).eval()
@@ -50,7 +65,7 @@ def test_kv_cache_generation_equals_recomputation(chunk):
     with torch.no_grad():
         logits = [logits_of(model, prefill(model, ids, cache, chunk=chunk))]
         for t in range(11):
-            logits.append(logits_of(model, model(ref_tokens[:, t:t + 1], cache=cache)))
+            logits.append(logits_of(model, model(ref_tokens[:, t : t + 1], cache=cache)))
     torch.testing.assert_close(torch.stack(logits, 1), ref_logits.float(), rtol=1e-5, atol=1e-5)
 
 
@@ -111,9 +126,16 @@ def test_top_p_restricts_to_nucleus():
 
 
 def test_decode_loop_stops_per_row():
-    script = iter([torch.tensor([1, 7]), torch.tensor([9, 2]), torch.tensor([4, 4]), torch.tensor([9, 9])])
-    tokens = decode_loop(lambda tok: torch.zeros(2, 10), torch.zeros(2, 10), max_new_tokens=10,
-                         pick=lambda logits: next(script), stop_ids=[9])
+    script = iter(
+        [torch.tensor([1, 7]), torch.tensor([9, 2]), torch.tensor([4, 4]), torch.tensor([9, 9])]
+    )
+    tokens = decode_loop(
+        lambda tok: torch.zeros(2, 10),
+        torch.zeros(2, 10),
+        max_new_tokens=10,
+        pick=lambda logits: next(script),
+        stop_ids=[9],
+    )
     assert tokens.tolist() == [[1, 9, 9, 9], [7, 2, 4, 9]]
     assert trim_at_stop(tokens[1].tolist(), [9]) == [7, 2, 4]
 

@@ -35,8 +35,17 @@ def test_merge_partials_equals_attention_over_all_keys(sq):
     cuts = [(0, 3), (3, 6), (6, 17), (17, Sk)]
     outs, lses = [], []
     for a, b in cuts:
-        o, l = be.forward(q, k[:, a:b], v[:, a:b], q_pos, k_pos[:, a:b], q_seg, k_seg[:, a:b],
-                          1 / math.sqrt(D), True)
+        o, l = be.forward(
+            q,
+            k[:, a:b],
+            v[:, a:b],
+            q_pos,
+            k_pos[:, a:b],
+            q_seg,
+            k_seg[:, a:b],
+            1 / math.sqrt(D),
+            True,
+        )
         outs.append(o)
         lses.append(l)
     assert bool(torch.isinf(lses[1]).all())
@@ -50,8 +59,16 @@ def test_merge_partials_equals_attention_over_all_keys(sq):
 def tiny_model(dtype, seed=0, backend="auto", **kw):
     from longvideo.model import ModelConfig, Transformer
 
-    cfg = dict(text_vocab_size=40, codebook_size=20, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-               max_seq_len=256, init_std=0.1)
+    cfg = dict(
+        text_vocab_size=40,
+        codebook_size=20,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=256,
+        init_std=0.1,
+    )
     cfg.update(kw)
     torch.manual_seed(seed)
     return Transformer(ModelConfig(**cfg), ffn_chunk=16, backend=backend).to(dtype).eval()
@@ -65,7 +82,9 @@ def single_process_reference():
     for name, dtype, backend in (("f64", torch.float64, "torch"), ("f32", torch.float32, "auto")):
         model = tiny_model(dtype, backend=backend)
         torch.manual_seed(1)
-        prefix = torch.randint(0, model.cfg.vocab_size, (2, 45))  # not a multiple of 2W: padded shards
+        prefix = torch.randint(
+            0, model.cfg.vocab_size, (2, 45)
+        )  # not a multiple of 2W: padded shards
         questions = [torch.randint(0, model.cfg.vocab_size, (2, n)) for n in (4, 1)]
         runs = []
         for q in questions:
@@ -87,14 +106,19 @@ def _sp_body(rank, world, ref, chat_case):
 
     heads = split_group(None, 2)
     for (name, dtype, backend), ulysses in itertools.product(
-            (("f64", torch.float64, "torch"), ("f32", torch.float32, "auto")), (None, heads)):
+        (("f64", torch.float64, "torch"), ("f32", torch.float32, "auto")), (None, heads)
+    ):
         prefix, questions, runs = ref[name]
         model = tiny_model(dtype, backend=backend)
         own = model.attention_fn
         engine = SequenceParallelEngine(model, backend=backend, ulysses=ulysses)
         engine.set_prefix(prefix)
-        assert engine.cache.length == 48 // world  # 45 tokens padded to 48, this rank's zigzag shard
-        for q, (want_tokens, want_logits) in zip(questions, runs):  # follow-ups reuse the sharded prefix
+        assert (
+            engine.cache.length == 48 // world
+        )  # 45 tokens padded to 48, this rank's zigzag shard
+        for q, (want_tokens, want_logits) in zip(
+            questions, runs
+        ):  # follow-ups reuse the sharded prefix
             start = engine.prefix_len
             engine.cache.crop(engine.local_prefix_len)
             with torch.no_grad():
@@ -105,10 +129,18 @@ def _sp_body(rank, world, ref, chat_case):
             assert torch.equal(got.tokens, want_tokens), (name, ulysses, got.tokens, want_tokens)
         # the one-call API, with the question replicated (tail) and the prefix ring-prefilled
         ids = torch.cat([prefix, questions[0]], 1)
-        got = sp_generate(model, ids, max_new_tokens=10, tail=questions[0].shape[1], backend=backend,
-                          ulysses=ulysses)
+        got = sp_generate(
+            model,
+            ids,
+            max_new_tokens=10,
+            tail=questions[0].shape[1],
+            backend=backend,
+            ulysses=ulysses,
+        )
         assert torch.equal(got.tokens, runs[0][0])
-        assert model.attention_fn is own  # the engine passes its seams per call; the model is never changed
+        assert (
+            model.attention_fn is own
+        )  # the engine passes its seams per call; the model is never changed
     assert broadcast_text("héllo" if rank == 0 else None) == "héllo"
 
     # `longvideo chat` under torchrun: rank 0 prints what the single process printed
@@ -118,9 +150,23 @@ def _sp_body(rank, world, ref, chat_case):
     for ulysses in ("1", "2"):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            rc = cli._chat(cli.chat_parser().parse_args(
-                ["--model", ckpt, "--video", video, "--question", question, "--quiet", "--device", "cpu",
-                 "--ulysses", ulysses]))
+            rc = cli._chat(
+                cli.chat_parser().parse_args(
+                    [
+                        "--model",
+                        ckpt,
+                        "--video",
+                        video,
+                        "--question",
+                        question,
+                        "--quiet",
+                        "--device",
+                        "cpu",
+                        "--ulysses",
+                        ulysses,
+                    ]
+                )
+            )
         assert rc == 0
         assert buf.getvalue().splitlines() == ([expected] if rank == 0 else []), ulysses
 
@@ -137,8 +183,9 @@ def test_sequence_parallel_w2_equals_single_process(tmp_path):
     from longvideo.infer.chat import answer
 
     pre = tiny_pretrained(max_seq_len=1024)
-    ckpt = save_project_checkpoint(tmp_path / "ckpt", pre.model.state_dict(), pre.config,
-                                   tokenizer=pre.tokenizer, vq=pre.vq)
+    ckpt = save_project_checkpoint(
+        tmp_path / "ckpt", pre.model.state_dict(), pre.config, tokenizer=pre.tokenizer, vq=pre.vq
+    )
     write_video(tmp_path / "clip.mp4")
     expected = answer(pre, str(tmp_path / "clip.mp4"), NEEDLE_QUESTION)
     chat_case = (str(ckpt), str(tmp_path / "clip.mp4"), NEEDLE_QUESTION, expected)

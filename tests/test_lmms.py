@@ -12,7 +12,9 @@ from test_infer_chat import tiny_pretrained
 from longvideo.checkpoint import save_project_checkpoint
 from longvideo.infer.mcq import evaluate_mcq
 
-lmms_eval = pytest.importorskip("lmms_eval", reason="lmms-eval comes with the dev extra (pip install -e '.[dev]')")
+lmms_eval = pytest.importorskip(
+    "lmms_eval", reason="lmms-eval comes with the dev extra (pip install -e '.[dev]')"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +25,8 @@ def _one_thread(one_thread):
 def write_tasks(root, data):
     """Two local lmms-eval tasks over the generic JSONL: option likelihood and generated letters."""
     root.mkdir()
-    (root / "utils.py").write_text(textwrap.dedent(f"""
+    (root / "utils.py").write_text(
+        textwrap.dedent(f"""
         from longvideo.infer.benchmarks import make_question
         from longvideo.infer.mcq import parse_letter, question_text
 
@@ -42,17 +45,20 @@ def write_tasks(root, data):
 
         def letters_result(doc, results):
             return {{"acc": float(parse_letter(results[0], doc["options"]) == "ABCDEFGHIJ"[doc["answer"]])}}
-    """))
+    """)
+    )
     common = f"""
         dataset_path: json
         dataset_kwargs:
           data_files:
-            test: {data / 'questions.jsonl'}
+            test: {data / "questions.jsonl"}
         test_split: test
         doc_to_visual: !function utils.doc_to_visual
         doc_to_target: answer
     """
-    (root / "tiny_mc.yaml").write_text(textwrap.dedent(common) + textwrap.dedent("""
+    (root / "tiny_mc.yaml").write_text(
+        textwrap.dedent(common)
+        + textwrap.dedent("""
         task: tiny_mc
         output_type: multiple_choice
         doc_to_text: !function utils.doc_to_text
@@ -60,8 +66,11 @@ def write_tasks(root, data):
         metric_list:
           - metric: acc
           - metric: acc_norm
-    """))
-    (root / "tiny_letters.yaml").write_text(textwrap.dedent(common) + textwrap.dedent("""
+    """)
+    )
+    (root / "tiny_letters.yaml").write_text(
+        textwrap.dedent(common)
+        + textwrap.dedent("""
         task: tiny_letters
         output_type: generate_until
         doc_to_text: !function utils.letters_text
@@ -73,7 +82,8 @@ def write_tasks(root, data):
           - metric: acc
             aggregation: mean
             higher_is_better: true
-    """))
+    """)
+    )
 
 
 def test_lmms_eval_with_our_model_makes_the_choices_of_eval_mcq(tmp_path):
@@ -85,28 +95,46 @@ def test_lmms_eval_with_our_model_makes_the_choices_of_eval_mcq(tmp_path):
 
     assert get_model("longvideo") is LongVideoLMM  # registered through the entry point
     pre = tiny_pretrained(max_seq_len=512)
-    ckpt = save_project_checkpoint(tmp_path / "ckpt", pre.model.state_dict(), pre.config, tokenizer=pre.tokenizer,
-                                   vq=pre.vq)
+    ckpt = save_project_checkpoint(
+        tmp_path / "ckpt", pre.model.state_dict(), pre.config, tokenizer=pre.tokenizer, vq=pre.vq
+    )
     data = tmp_path / "data"
     rows = write_generic(data, clips(3, seed=21), broken=False, letters=False)
     write_tasks(tmp_path / "tasks", data)
-    res = evaluator.simple_evaluate(model="longvideo", model_args=f"pretrained={ckpt},max_new_tokens=4",
-                                    tasks=["tiny_mc", "tiny_letters"], log_samples=True, bootstrap_iters=0,
-                                    task_manager=TaskManager("WARNING", include_path=str(tmp_path / "tasks")))
+    res = evaluator.simple_evaluate(
+        model="longvideo",
+        model_args=f"pretrained={ckpt},max_new_tokens=4",
+        tasks=["tiny_mc", "tiny_letters"],
+        log_samples=True,
+        bootstrap_iters=0,
+        task_manager=TaskManager("WARNING", include_path=str(tmp_path / "tasks")),
+    )
     for task, mode in (("tiny_mc", "likelihood"), ("tiny_letters", "generate")):
-        evaluate_mcq(str(ckpt), "generic", data, tmp_path / mode, mode=mode, max_new_tokens=4, progress=False)
-        ours = [json.loads(x) for x in (tmp_path / mode / "predictions.jsonl").read_text().splitlines()]
+        evaluate_mcq(
+            str(ckpt), "generic", data, tmp_path / mode, mode=mode, max_new_tokens=4, progress=False
+        )
+        ours = [
+            json.loads(x) for x in (tmp_path / mode / "predictions.jsonl").read_text().splitlines()
+        ]
         samples = sorted(res["samples"][task], key=lambda s: s["doc_id"])
-        assert [s["doc"]["question_id"] for s in samples] == [r["question_id"] for r in ours] == \
-            [r["question_id"] for r in rows]
+        assert (
+            [s["doc"]["question_id"] for s in samples]
+            == [r["question_id"] for r in ours]
+            == [r["question_id"] for r in rows]
+        )
         if mode == "likelihood":
             losses = [[float(r[0][0]) for r in s["resps"]] for s in samples]
             for x, r in zip(losses, ours):  # the loss lmms-eval gets is our log-likelihood, negated
                 assert x == pytest.approx([-v for v in r["logprobs"]], abs=1e-5)
-            chars = [[len(o) for o in s["doc"]["options"]] for s in samples]  # lmms-eval's acc_norm divides by them
-            assert ["ABCD"[int(np.argmin(np.divide(x, c)))] for x, c in zip(losses, chars)] == \
-                [r["prediction"] for r in ours]
-            assert res["results"][task]["acc_norm,none"] == pytest.approx(np.mean([r["correct"] for r in ours]))
+            chars = [
+                [len(o) for o in s["doc"]["options"]] for s in samples
+            ]  # lmms-eval's acc_norm divides by them
+            assert ["ABCD"[int(np.argmin(np.divide(x, c)))] for x, c in zip(losses, chars)] == [
+                r["prediction"] for r in ours
+            ]
+            assert res["results"][task]["acc_norm,none"] == pytest.approx(
+                np.mean([r["correct"] for r in ours])
+            )
             acc = np.mean(["ABCD"[int(np.argmin(x))] == r["answer"] for x, r in zip(losses, ours)])
         else:
             assert [s["resps"][0][0] for s in samples] == [r["response"] for r in ours]

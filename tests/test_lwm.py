@@ -22,8 +22,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lwm_files import (lm_shapes, lwm_logits, lwm_prompt, lwm_tokenizer, random_lm, random_vqgan, round_bf16,
-                       vqgan_decode, vqgan_encode, write_params, write_params_streaming, write_vqgan)
+from lwm_files import (
+    lm_shapes,
+    lwm_logits,
+    lwm_prompt,
+    lwm_tokenizer,
+    random_lm,
+    random_vqgan,
+    round_bf16,
+    vqgan_decode,
+    vqgan_encode,
+    write_params,
+    write_params_streaming,
+    write_vqgan,
+)
 from vision_ids import is_vision
 
 from longvideo import cli
@@ -53,7 +65,9 @@ def files(tmp_path_factory):
     hf = lwm_tokenizer()
     hf.save_pretrained(d / "tokenizer")
     rng = np.random.default_rng(0)
-    lm = random_lm(rng, v_text=len(hf), v_vision=V_VISION, dim=DIM, layers=LAYERS, ffn=FFN, kv_dim=KV_DIM)
+    lm = random_lm(
+        rng, v_text=len(hf), v_vision=V_VISION, dim=DIM, layers=LAYERS, ffn=FFN, kv_dim=KV_DIM
+    )
     vq = random_vqgan(rng, channels=32, mult=(1, 1, 2), blocks=2, z=8, codebook=CODEBOOK)
     write_vqgan(d / "vqgan", vq)
     return {"dir": d, "hf": hf, "lm": lm, "vq": vq, "v_text": len(hf)}
@@ -62,9 +76,23 @@ def files(tmp_path_factory):
 def write_and_import(files, out: Path, *, scan: bool, dtype: str, chunk_bytes=None) -> Path:
     params = out.parent / f"{out.name}.params"
     write_params(params, files["lm"], scan=scan, dtype=dtype, chunk_bytes=chunk_bytes)
-    rc = cli.main(["import-lwm", "--params", str(params), "--vqgan", str(files["dir"] / "vqgan"),
-                   "--tokenizer", str(files["dir"] / "tokenizer"), "--config", "lwm-chat-1m", "--out", str(out),
-                   "--quiet", *OVERRIDES])
+    rc = cli.main(
+        [
+            "import-lwm",
+            "--params",
+            str(params),
+            "--vqgan",
+            str(files["dir"] / "vqgan"),
+            "--tokenizer",
+            str(files["dir"] / "tokenizer"),
+            "--config",
+            "lwm-chat-1m",
+            "--out",
+            str(out),
+            "--quiet",
+            *OVERRIDES,
+        ]
+    )
     assert rc == 0
     return out
 
@@ -72,11 +100,17 @@ def write_and_import(files, out: Path, *, scan: bool, dtype: str, chunk_bytes=No
 @pytest.fixture(scope="module")
 def ckpt(files, tmp_path_factory):
     """The scan_decoder / bfloat16 / chunked release imported (what the chat scripts load)."""
-    return write_and_import(files, tmp_path_factory.mktemp("lwm") / "ckpt", scan=True, dtype="bfloat16",
-                            chunk_bytes=3000)
+    return write_and_import(
+        files,
+        tmp_path_factory.mktemp("lwm") / "ckpt",
+        scan=True,
+        dtype="bfloat16",
+        chunk_bytes=3000,
+    )
 
 
 # ----------------------------------------------------------------------------- weights
+
 
 def expected_tensors(lm: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The project's tensors from LWM's arrays, spelt out: stacked tables, transposed kernels, and the
@@ -84,12 +118,18 @@ def expected_tensors(lm: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     D = DIM // HEADS
 
     def halves(w_out_in, heads):
-        order = np.concatenate([h * D + np.r_[np.arange(0, D, 2), np.arange(1, D, 2)] for h in range(heads)])
+        order = np.concatenate(
+            [h * D + np.r_[np.arange(0, D, 2), np.arange(1, D, 2)] for h in range(heads)]
+        )
         return w_out_in[order]
 
-    out = {"tok_embeddings.weight": np.concatenate([lm["transformer/wte/embedding"], lm["transformer/vte/embedding"]]),
-           "head.weight": np.concatenate([lm["lm_head/kernel"].T, lm["vision_head/kernel"].T]),
-           "norm.weight": lm["transformer/ln_f/kernel"]}
+    out = {
+        "tok_embeddings.weight": np.concatenate(
+            [lm["transformer/wte/embedding"], lm["transformer/vte/embedding"]]
+        ),
+        "head.weight": np.concatenate([lm["lm_head/kernel"].T, lm["vision_head/kernel"].T]),
+        "norm.weight": lm["transformer/ln_f/kernel"],
+    }
     for i in range(LAYERS):
         h = lambda k: lm[f"transformer/h/{i}/{k}"]  # noqa: E731
         out[f"layers.{i}.attn.wq.weight"] = halves(h("attention/wq/kernel").T, HEADS)
@@ -104,8 +144,11 @@ def expected_tensors(lm: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("scan,dtype,chunk", [(False, "bfloat16", None), (True, "float32", 2000)],
-                         ids=["per-layer-bf16", "scan-fp32-chunked"])
+@pytest.mark.parametrize(
+    "scan,dtype,chunk",
+    [(False, "bfloat16", None), (True, "float32", 2000)],
+    ids=["per-layer-bf16", "scan-fp32-chunked"],
+)
 def test_every_tensor_arrives_exactly(files, tmp_path, scan, dtype, chunk):
     out = write_and_import(files, tmp_path / "ckpt", scan=scan, dtype=dtype, chunk_bytes=chunk)
     _check_tensors(files, out, dtype)
@@ -127,8 +170,18 @@ def _check_tensors(files, out: Path, dtype: str):
     p = load_pretrained(out)
     m = p.config.model
     assert (m.vocab_layout, m.text_vocab_size, m.vision_vocab_size, m.codebook_size) == (
-        "lwm", files["v_text"], V_VISION, CODEBOOK)
-    assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim) == (DIM, LAYERS, HEADS, KV_DIM // (DIM // HEADS), FFN)
+        "lwm",
+        files["v_text"],
+        V_VISION,
+        CODEBOOK,
+    )
+    assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim) == (
+        DIM,
+        LAYERS,
+        HEADS,
+        KV_DIM // (DIM // HEADS),
+        FFN,
+    )
     assert (m.rope_theta, m.norm_eps, m.max_seq_len) == (5e7, 1e-6, 1024)
     assert p.config.vq.arch == "lwm-vqgan" and p.config.data.prompt_template == "lwm"
 
@@ -142,7 +195,9 @@ def test_text_and_vision_logits_equal_lwm_forward(files, ckpt):
     vision = np.zeros(40, bool)
     vision[6:30] = True
     ids[vision] = rng.integers(0, V_VISION, int(vision.sum()))
-    text_ref, vision_ref = lwm_logits(round_bf16(files["lm"]), ids, vision, n_heads=HEADS, theta=5e7, eps=1e-6)
+    text_ref, vision_ref = lwm_logits(
+        round_bf16(files["lm"]), ids, vision, n_heads=HEADS, theta=5e7, eps=1e-6
+    )
     unified = torch.from_numpy(np.where(vision, V + ids, ids))[None]
     with torch.no_grad():
         logits = p.model.logits(p.model(unified))[0].double().numpy()
@@ -153,16 +208,28 @@ def test_text_and_vision_logits_equal_lwm_forward(files, ckpt):
 
 # ----------------------------------------------------------------------------- VQGAN
 
+
 def test_vqgan_codes_and_reconstructions_equal_lwm(files, ckpt):
     """The adapter (diffusers' VQModel) against LWM's VQGAN written on the flax arrays."""
     from diffusers import VQModel as DiffusersVQModel
 
     vq = load_pretrained(ckpt).vq
-    assert isinstance(vq.net, DiffusersVQModel) and vq.cfg.latent_size == 4 and vq.cfg.downsample == 4
-    frames = torch.from_numpy(np.random.default_rng(1).integers(0, 256, (5, 16, 16, 3)).astype(np.uint8))
+    assert (
+        isinstance(vq.net, DiffusersVQModel) and vq.cfg.latent_size == 4 and vq.cfg.downsample == 4
+    )
+    frames = torch.from_numpy(
+        np.random.default_rng(1).integers(0, 256, (5, 16, 16, 3)).astype(np.uint8)
+    )
     pixels = frames.double().div(127.5).sub(1).permute(0, 3, 1, 2)  # LWM: x / 127.5 - 1
     want_codes = vqgan_encode(files["vq"], pixels)
-    want_frames = vqgan_decode(files["vq"], want_codes).add(1).mul(127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
+    want_frames = (
+        vqgan_decode(files["vq"], want_codes)
+        .add(1)
+        .mul(127.5)
+        .round()
+        .to(torch.uint8)
+        .permute(0, 2, 3, 1)
+    )
     vq64 = vq.double()
     codes = encode_video(vq64, frames, batch_frames=2)  # the codec path chat and tokenize take
     assert torch.equal(codes, want_codes)
@@ -170,7 +237,9 @@ def test_vqgan_codes_and_reconstructions_equal_lwm(files, ckpt):
     vq32 = vq.float()  # as loaded: float32
     assert torch.equal(encode_video(vq32, frames), want_codes)
     rec = vq32.decode(vq32.codes_to_latents(want_codes[None]))[0].movedim(1, 0)
-    torch.testing.assert_close(rec.double(), vqgan_decode(files["vq"], want_codes), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        rec.double(), vqgan_decode(files["vq"], want_codes), atol=1e-5, rtol=0
+    )
 
 
 def test_pickles_that_run_code_are_refused(tmp_path, files, capsys):
@@ -190,14 +259,29 @@ def test_pickles_that_run_code_are_refused(tmp_path, files, capsys):
 
     arrays = {"encoder": {"Conv_0": {"kernel": np.zeros((3, 3, 3, 32), np.float32)}}}
     write_params(tmp_path / "params", files["lm"], scan=False)
-    for payload in (RunsCommand(), {"ok": arrays, "quantize": {"embeddings": Evaluates()}},
-                    [np.zeros(2), subprocess.Popen]):
+    for payload in (
+        RunsCommand(),
+        {"ok": arrays, "quantize": {"embeddings": Evaluates()}},
+        [np.zeros(2), subprocess.Popen],
+    ):
         data = pickle.dumps(payload)
         with pytest.raises(UnsafePickleError, match="refusing"):
             loads_array_pickle(data)
         (tmp_path / "vqgan").write_bytes(data)
-        rc = cli.main(["import-lwm", "--params", str(tmp_path / "params"), "--vqgan", str(tmp_path / "vqgan"),
-                       "--tokenizer", str(files["dir"] / "tokenizer"), "--out", str(tmp_path / "o"), "--quiet"])
+        rc = cli.main(
+            [
+                "import-lwm",
+                "--params",
+                str(tmp_path / "params"),
+                "--vqgan",
+                str(tmp_path / "vqgan"),
+                "--tokenizer",
+                str(files["dir"] / "tokenizer"),
+                "--out",
+                str(tmp_path / "o"),
+                "--quiet",
+            ]
+        )
         assert rc == 1 and "refusing" in capsys.readouterr().err
         assert not marker.exists()
     with pytest.raises(UnsafePickleError, match="Python objects"):
@@ -211,6 +295,7 @@ def test_pickles_that_run_code_are_refused(tmp_path, files, capsys):
 
 # ----------------------------------------------------------------------------- prompt
 
+
 def test_prompt_is_lwm_vision_chat_prompt(files):
     """build_prompt(template lwm) == LWM's construct_input (tokenizer.encode of its four pieces,
     each with BOS, the first reading a literal <s>), vision ids moved after the text ids."""
@@ -218,7 +303,9 @@ def test_prompt_is_lwm_vision_chat_prompt(files):
     V = files["v_text"]
     vocab = tok.vocab(CODEBOOK, V_VISION)
     codes = np.random.default_rng(2).integers(0, CODEBOOK, (3, 4, 4))
-    ours = build_prompt(tok, vocab, codes, np.arange(3.0), QUESTION, PromptOptions(template="lwm")).ids
+    ours = build_prompt(
+        tok, vocab, codes, np.arange(3.0), QUESTION, PromptOptions(template="lwm")
+    ).ids
     lwm_ids, vision = lwm_prompt(files["hf"], codes, QUESTION, eof=CODEBOOK, eov=CODEBOOK + 1)
     assert ours == np.where(vision, V + lwm_ids, lwm_ids).tolist()
     bos = files["hf"].bos_token_id
@@ -246,18 +333,38 @@ def test_lwm_tokenizer_model_encodes_as_sentencepiece(tmp_path):
     the lwm layout encodes every prompt piece exactly as SentencePiece (LWM's tokenizer) does."""
     spm = pytest.importorskip("sentencepiece")
     model = io.BytesIO()
-    texts = ["You are a helpful assistant. USER: What colour was the flash frame?",
-             "<vision> </vision> ASSISTANT: red green blue", "What shape came first? square circle"] * 20
+    texts = [
+        "You are a helpful assistant. USER: What colour was the flash frame?",
+        "<vision> </vision> ASSISTANT: red green blue",
+        "What shape came first? square circle",
+    ] * 20
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts), model_writer=model, vocab_size=360, model_type="bpe", byte_fallback=True,
-        add_dummy_prefix=True, remove_extra_whitespaces=False, normalization_rule_name="identity", unk_id=0,
-        bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+        sentence_iterator=iter(texts),
+        model_writer=model,
+        vocab_size=360,
+        model_type="bpe",
+        byte_fallback=True,
+        add_dummy_prefix=True,
+        remove_extra_whitespaces=False,
+        normalization_rule_name="identity",
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
     (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
     tok = TextTokenizer.from_dir(tmp_path, layout="lwm")
     assert (tok.text_size, tok.bos_id, tok.eos_id) == (360, 1, 2)
-    for text in (f"You are a helpful assistant. USER: {QUESTION}\n", "<vision>", "</vision>", " ASSISTANT:",
-                 "  two  spaces", "\u00fcn\u00ef"):
+    for text in (
+        f"You are a helpful assistant. USER: {QUESTION}\n",
+        "<vision>",
+        "</vision>",
+        " ASSISTANT:",
+        "  two  spaces",
+        "\u00fcn\u00ef",
+    ):
         assert tok.encode(text) == sp.encode(text), text
 
 
@@ -276,17 +383,36 @@ def added_tokens(v: Vocab) -> tuple[str, ...]:
 def test_vocab_layouts():
     v = Vocab(text_size=100, codebook_size=16, layout="lwm", vision_size=24)
     assert (v.size, v.vq_offset, v.eof, v.eov, v.vision_start, v.vision_end, v.answer_limit) == (
-        124, 100, 116, 117, None, None, 100)
-    assert v.video_end == v.eov and added_tokens(v) == () and special_ids(v) == {"<eof>": 116, "<eov>": 117}
+        124,
+        100,
+        116,
+        117,
+        None,
+        None,
+        100,
+    )
+    assert (
+        v.video_end == v.eov
+        and added_tokens(v) == ()
+        and special_ids(v) == {"<eof>": 116, "<eov>": 117}
+    )
     assert is_vision(v, torch.tensor([99, 100, 123, 124])).tolist() == [False, True, True, False]
     d = Vocab(text_size=100, codebook_size=16)
-    assert (d.size, d.vq_offset, d.eof, d.eov, d.video_end, d.answer_limit) == (120, 104, 102, 103, 101, None)
+    assert (d.size, d.vq_offset, d.eof, d.eov, d.video_end, d.answer_limit) == (
+        120,
+        104,
+        102,
+        103,
+        101,
+        None,
+    )
     assert Vocab(100, 8192, "lwm").vision_size == 8448
     with pytest.raises(ValueError, match="vision_size"):
         Vocab(100, 16, "lwm", 17)
 
 
 # ----------------------------------------------------------------------------- chat and export
+
 
 @pytest.fixture(scope="module")
 def chat_case(ckpt, tmp_path_factory):
@@ -296,8 +422,22 @@ def chat_case(ckpt, tmp_path_factory):
     write_video(clip)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = cli.main(["chat", "--model", str(ckpt), "--video", str(clip), "--question", QUESTION, "--quiet",
-                       "--max-new-tokens", "8", "--device", "cpu"])
+        rc = cli.main(
+            [
+                "chat",
+                "--model",
+                str(ckpt),
+                "--video",
+                str(clip),
+                "--question",
+                QUESTION,
+                "--quiet",
+                "--max-new-tokens",
+                "8",
+                "--device",
+                "cpu",
+            ]
+        )
     assert rc == 0
     return clip, buf.getvalue().strip()
 
@@ -312,12 +452,16 @@ def test_import_chat_export_generate_end_to_end(files, ckpt, chat_case, tmp_path
     clip, printed = chat_case
     V = files["v_text"]
     pre = load_pretrained(ckpt)
-    session = ChatSession.from_video(pre, str(clip), infer=infer_config(pre, max_new_tokens=8), progress=False)
+    session = ChatSession.from_video(
+        pre, str(clip), infer=infer_config(pre, max_new_tokens=8), progress=False
+    )
     assert session.ask(QUESTION) == printed and printed
     generated = session.last.tokens[0].tolist()
     assert max(generated) < V  # text ids only, as LWM's text head samples
     # the prompt is LWM's: its ids, from the codes chat encoded
-    lwm_ids, vision = lwm_prompt(files["hf"], session.video.codes, QUESTION, eof=CODEBOOK, eov=CODEBOOK + 1)
+    lwm_ids, vision = lwm_prompt(
+        files["hf"], session.video.codes, QUESTION, eof=CODEBOOK, eov=CODEBOOK + 1
+    )
     prompt = session.prompt(QUESTION).ids
     assert prompt == np.where(vision, V + lwm_ids, lwm_ids).tolist()
     with torch.no_grad():
@@ -330,9 +474,11 @@ def test_import_chat_export_generate_end_to_end(files, ckpt, chat_case, tmp_path
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == V + V_VISION
     inputs = proc(str(clip), QUESTION)
     assert inputs["input_ids"][0].tolist() == prompt
-    out = model.generate(**inputs, max_new_tokens=8)  # greedy, vision ids suppressed (generation_config)
+    out = model.generate(
+        **inputs, max_new_tokens=8
+    )  # greedy, vision ids suppressed (generation_config)
     eos = files["hf"].eos_token_id
-    answer_ids = out[0, len(prompt):].tolist()
+    answer_ids = out[0, len(prompt) :].tolist()
     stop = generated.index(eos) + 1 if eos in generated else len(generated)
     assert answer_ids[:stop] == generated[:stop]
     assert proc.decode(out[0], prompt_length=len(prompt)) == printed
@@ -345,7 +491,7 @@ def test_import_chat_export_generate_end_to_end(files, ckpt, chat_case, tmp_path
     session = ChatSession(pre, session.video, infer=infer_config(pre, max_new_tokens=8))
     session.ask(QUESTION)
     assert max(session.last.tokens[0].tolist()) < V
-    assert max(model.generate(**inputs, max_new_tokens=8)[0, len(prompt):].tolist()) < V
+    assert max(model.generate(**inputs, max_new_tokens=8)[0, len(prompt) :].tolist()) < V
 
 
 def _sp_body(rank, world, ckpt, clip, expected):
@@ -353,9 +499,23 @@ def _sp_body(rank, world, ckpt, clip, expected):
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = infer_cli._chat(infer_cli.chat_parser().parse_args(
-            ["--model", ckpt, "--video", clip, "--question", QUESTION, "--quiet", "--device", "cpu",
-             "--max-new-tokens", "8"]))
+        rc = infer_cli._chat(
+            infer_cli.chat_parser().parse_args(
+                [
+                    "--model",
+                    ckpt,
+                    "--video",
+                    clip,
+                    "--question",
+                    QUESTION,
+                    "--quiet",
+                    "--device",
+                    "cpu",
+                    "--max-new-tokens",
+                    "8",
+                ]
+            )
+        )
     assert rc == 0
     assert buf.getvalue().splitlines() == ([expected] if rank == 0 else [])
 
@@ -372,21 +532,44 @@ def test_sequence_parallel_chat_on_lwm_import(ckpt, chat_case):
 
 # ----------------------------------------------------------------------------- errors and memory
 
+
 def test_bad_inputs_are_named(files, tmp_path):
     lm = dict(files["lm"])
     del lm["vision_head/kernel"]
     write_params(tmp_path / "params", lm, scan=False)
     with pytest.raises(LWMImportError, match="vision_head/kernel"):
-        import_lwm(tmp_path / "params", files["dir"] / "vqgan", files["dir"] / "tokenizer", tmp_path / "o",
-                   overrides=OVERRIDES)
+        import_lwm(
+            tmp_path / "params",
+            files["dir"] / "vqgan",
+            files["dir"] / "tokenizer",
+            tmp_path / "o",
+            overrides=OVERRIDES,
+        )
     write_params(tmp_path / "params", files["lm"], scan=False)
     with pytest.raises(LWMImportError, match="model.n_heads"):  # width 64 is no standard LWM config
-        import_lwm(tmp_path / "params", files["dir"] / "vqgan", files["dir"] / "tokenizer", tmp_path / "o",
-                   overrides=["vq.resolution=16"])
+        import_lwm(
+            tmp_path / "params",
+            files["dir"] / "vqgan",
+            files["dir"] / "tokenizer",
+            tmp_path / "o",
+            overrides=["vq.resolution=16"],
+        )
     (tmp_path / "params").write_bytes(b"\x93junk")
-    rc = cli.main(["import-lwm", "--params", str(tmp_path / "params"), "--vqgan", str(files["dir"] / "vqgan"),
-                   "--tokenizer", str(files["dir"] / "tokenizer"), "--out", str(tmp_path / "o"), "--quiet",
-                   *OVERRIDES])
+    rc = cli.main(
+        [
+            "import-lwm",
+            "--params",
+            str(tmp_path / "params"),
+            "--vqgan",
+            str(files["dir"] / "vqgan"),
+            "--tokenizer",
+            str(files["dir"] / "tokenizer"),
+            "--out",
+            str(tmp_path / "o"),
+            "--quiet",
+            *OVERRIDES,
+        ]
+    )
     assert rc == 1
     assert not (tmp_path / "o" / "config.yaml").exists()
 
@@ -418,12 +601,24 @@ def test_streaming_import_needs_far_less_memory_than_the_file(tmp_path):
     shapes = lm_shapes(v_text=32000, v_vision=8448, dim=768, layers=2, ffn=2048)
     size = write_params_streaming(tmp_path / "params", shapes, chunk_bytes=1 << 25)
     assert size > 250e6
-    res = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path / "params"), str(tmp_path / "out.safetensors")],
-                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"},
-                         timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _MEASURE,
+            str(tmp_path / "params"),
+            str(tmp_path / "out.safetensors"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"},
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     growth = int(res.stdout.split()[-1])
-    assert growth < size / 2, f"peak RSS grew by {growth / 1e6:.0f} MB for a {size / 1e6:.0f} MB file"
+    assert growth < size / 2, (
+        f"peak RSS grew by {growth / 1e6:.0f} MB for a {size / 1e6:.0f} MB file"
+    )
     got = load_file(str(tmp_path / "out.safetensors"))
     assert got["tok_embeddings.weight"].shape == (32000 + 8448, 768) and len(got) == 3 + 2 * 9
 
@@ -440,8 +635,12 @@ def test_streaming_weights_writes_pieces_in_any_order_and_checks_them(tmp_path):
         w.write("c", c)
     got = load_file(str(tmp_path / "w.safetensors"))
     assert torch.equal(got["a"], a) and torch.equal(got["b"], b) and bool(got["c"])
-    for pieces, words in (([("a", a[:2], 0)], "only 2 of 3"), ([("a", a, 0), ("a", a[:1], 0)], "overlap"),
-                          ([("a", a.float(), 0)], "bfloat16"), ([("a", a, 1)], "outside")):
+    for pieces, words in (
+        ([("a", a[:2], 0)], "only 2 of 3"),
+        ([("a", a, 0), ("a", a[:1], 0)], "overlap"),
+        ([("a", a.float(), 0)], "bfloat16"),
+        ([("a", a, 1)], "outside"),
+    ):
         with pytest.raises(CheckpointError, match=words):
             with streaming_weights(tmp_path / "x.safetensors", {"a": specs["a"]}) as w:
                 for name, t, at in pieces:

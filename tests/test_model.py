@@ -13,18 +13,34 @@ from longvideo.parallel import apply_activation_checkpointing
 
 
 def tiny_cfg(**kw):
-    base = dict(text_vocab_size=90, codebook_size=10, dim=48, n_layers=2, n_heads=4, n_kv_heads=2,
-                ffn_dim=80, rope_theta=1000.0)
+    base = dict(
+        text_vocab_size=90,
+        codebook_size=10,
+        dim=48,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=80,
+        rope_theta=1000.0,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
 
 def hf_twin(model: Transformer) -> LlamaForCausalLM:
     c = model.cfg
-    hc = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim,
-                     num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
-                     num_key_value_heads=c.n_kv_heads, rope_theta=c.rope_theta, rms_norm_eps=c.norm_eps,
-                     tie_word_embeddings=c.tie_embeddings, max_position_embeddings=c.max_seq_len)
+    hc = LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.dim,
+        intermediate_size=c.ffn_dim,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads,
+        rope_theta=c.rope_theta,
+        rms_norm_eps=c.norm_eps,
+        tie_word_embeddings=c.tie_embeddings,
+        max_position_embeddings=c.max_seq_len,
+    )
     hc._attn_implementation = "eager"
     hf = LlamaForCausalLM(hc)
     sd = {k: v.detach().clone() for k, v in to_hf_names(model.state_dict(), c).items()}
@@ -138,7 +154,10 @@ def test_head_on_weighted_tokens_only_equals_every_token(kept):
     ours = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     logits = model.logits(model(ids))
-    ref = (F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1), reduction="none") * w.reshape(-1)).sum()
+    ref = (
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1), reduction="none")
+        * w.reshape(-1)
+    ).sum()
     ref.backward()
     torch.testing.assert_close(loss, ref, atol=1e-12, rtol=0)
     for n, p in model.named_parameters():
@@ -154,7 +173,9 @@ def test_head_skips_unweighted_tokens(monkeypatch):
     torch.manual_seed(7)
     model = Transformer(tiny_cfg())
     rows, real = [], head_mod.chunked_cross_entropy
-    monkeypatch.setattr(head_mod, "chunked_cross_entropy", lambda h, *a: rows.append(h.shape[0]) or real(h, *a))
+    monkeypatch.setattr(
+        head_mod, "chunked_cross_entropy", lambda h, *a: rows.append(h.shape[0]) or real(h, *a)
+    )
     w = torch.zeros(1, 10)
     w[0, [2, 7]] = 1
     ids, t = torch.randint(0, 100, (1, 10)), torch.randint(0, 100, (1, 10))
@@ -174,7 +195,7 @@ def test_kv_cache_matches_full_forward(logn_base):
     cache = KVCache(model.cfg, batch=2, max_len=32, dtype=torch.float64)
     steps = [model.logits(model(ids[:, :8], cache=cache))]
     for t in range(8, 17):
-        steps.append(model.logits(model(ids[:, t:t + 1], cache=cache)))
+        steps.append(model.logits(model(ids[:, t : t + 1], cache=cache)))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-10, rtol=0)
     assert cache.length == 17
 
@@ -195,20 +216,29 @@ def test_logn_scales_each_querys_logits_by_the_log_of_its_position():
     ours = attn(x, cos, sin, pos, seg, LocalAttention())
 
     D, H, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-    angle = torch.arange(S, dtype=torch.float64)[:, None] / cfg.rope_theta ** (torch.arange(0, D, 2) / D)
+    angle = torch.arange(S, dtype=torch.float64)[:, None] / cfg.rope_theta ** (
+        torch.arange(0, D, 2) / D
+    )
 
     def rotate(t):  # (S, heads, D), half-split pairs (t[i], t[i + D/2]) as complex numbers
-        z = torch.complex(t[..., :D // 2], t[..., D // 2:]) * torch.polar(torch.ones_like(angle), angle)[:, None]
+        z = (
+            torch.complex(t[..., : D // 2], t[..., D // 2 :])
+            * torch.polar(torch.ones_like(angle), angle)[:, None]
+        )
         return torch.cat([z.real, z.imag], dim=-1)
 
     q = rotate((x[0] @ attn.wq.weight.T).view(S, H, D))
     k = rotate((x[0] @ attn.wk.weight.T).view(S, Hkv, D)).repeat_interleave(H // Hkv, dim=1)
     v = (x[0] @ attn.wv.weight.T).view(S, Hkv, D).repeat_interleave(H // Hkv, dim=1)
-    scale = torch.tensor([max(1.0, math.log(p + 1) / math.log(base)) for p in range(S)], dtype=torch.float64)
+    scale = torch.tensor(
+        [max(1.0, math.log(p + 1) / math.log(base)) for p in range(S)], dtype=torch.float64
+    )
     logits = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(D) * scale[None, :, None]
     logits = logits.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
     ref = torch.einsum("hqk,khd->qhd", logits.softmax(-1), v).reshape(S, H * D) @ attn.wo.weight.T
-    torch.testing.assert_close(ours[0], ref, atol=1e-7, rtol=0)  # the model computes RoPE angles in fp32
+    torch.testing.assert_close(
+        ours[0], ref, atol=1e-7, rtol=0
+    )  # the model computes RoPE angles in fp32
     assert scale[-1] > 1.8  # the last queries are scaled, so ignoring the scale would fail above
 
 
@@ -224,6 +254,7 @@ def test_logn_scale_is_exactly_one_below_its_base():
 
 def test_fsq_code_init_gives_code_rows_the_tokenizers_geometry():
     from longvideo.vq.quantizer import fsq_codebook
+
     levels = (4, 3, 3)  # 36 codes in a 3-d latent
     cfg = tiny_cfg(codebook_size=36, code_init="fsq")
     torch.manual_seed(0)
@@ -233,9 +264,11 @@ def test_fsq_code_init_gives_code_rows_the_tokenizers_geometry():
     model.init_code_embeddings(latents, noise=0.0)
     w = model.tok_embeddings.weight.detach()
     off = cfg.vocab.vq_offset
-    codes = w[off: off + 36]
-    other = torch.cat([w[:off], w[off + 36:]])
-    assert torch.equal(other, torch.cat([before[:off], before[off + 36:]]))  # text and specials untouched
+    codes = w[off : off + 36]
+    other = torch.cat([w[:off], w[off + 36 :]])
+    assert torch.equal(
+        other, torch.cat([before[:off], before[off + 36 :]])
+    )  # text and specials untouched
     assert abs(codes.std().item() - cfg.init_std) < 0.3 * cfg.init_std
     # without noise the rows are a linear image of the latents: rank 3, and their pairwise distances
     # order like the latents' (a projection to 48 dimensions nearly keeps distances)
@@ -245,7 +278,7 @@ def test_fsq_code_init_gives_code_rows_the_tokenizers_geometry():
     assert torch.corrcoef(torch.stack([dz, de]))[0, 1] > 0.9
     # with the default noise the geometry still dominates, and the rows are no longer degenerate
     model.init_code_embeddings(latents)
-    noisy = model.tok_embeddings.weight.detach()[off: off + 36].double()
+    noisy = model.tok_embeddings.weight.detach()[off : off + 36].double()
     assert torch.linalg.matrix_rank(noisy) == 36
     assert torch.corrcoef(torch.stack([dz, torch.cdist(noisy, noisy).flatten()]))[0, 1] > 0.8
     with pytest.raises(ValueError, match="latents"):

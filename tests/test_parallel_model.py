@@ -9,12 +9,26 @@ import torch.distributed as dist
 from distributed import run_ranks
 from longvideo.parallel.engine import own_name
 from longvideo.model import LocalAttention, ModelConfig, Transformer, token_weights
-from longvideo.parallel import (Mesh, RingAttentionSeam, apply_activation_checkpointing, apply_attention,
-                                normalized_loss, shard_batch)
+from longvideo.parallel import (
+    Mesh,
+    RingAttentionSeam,
+    apply_activation_checkpointing,
+    apply_attention,
+    normalized_loss,
+    shard_batch,
+)
 
-CFG = dict(text_vocab_size=60, codebook_size=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-           multiple_of=16, max_seq_len=64,
-           attn_logn_base=8)  # queries past position 7 scaled: the ring gets each shard's global positions
+CFG = dict(
+    text_vocab_size=60,
+    codebook_size=16,
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    multiple_of=16,
+    max_seq_len=64,
+    attn_logn_base=8,
+)  # queries past position 7 scaled: the ring gets each shard's global positions
 
 
 def _batch(B, S, group):
@@ -30,10 +44,12 @@ def _batch(B, S, group):
         i, s = 0, 0
         while i < S - 3:  # 3 padding tokens
             n = min(int(torch.randint(2, 20, (1,), generator=g)), S - 3 - i)
-            seg[b, i:i + n], pos[b, i:i + n] = s, torch.arange(n)
+            seg[b, i : i + n], pos[b, i : i + n] = s, torch.arange(n)
             i, s = i + n, s + 1
     weights[seg < 0] = 0
-    batch = dict(input_ids=ids, targets=targets, loss_weights=weights, positions=pos, segment_ids=seg)
+    batch = dict(
+        input_ids=ids, targets=targets, loss_weights=weights, positions=pos, segment_ids=seg
+    )
     for t in batch.values():
         dist.broadcast(t, src=0, group=group)
     return batch
@@ -53,8 +69,13 @@ def _grads(model):
 def _reference(batch, dtype):
     """One process, the whole (B, S) batch, loss normalised by its weight total."""
     model = _model(dtype)
-    loss_sum = model(batch["input_ids"], batch["positions"], batch["segment_ids"],
-                     targets=batch["targets"], loss_weights=batch["loss_weights"])
+    loss_sum = model(
+        batch["input_ids"],
+        batch["positions"],
+        batch["segment_ids"],
+        targets=batch["targets"],
+        loss_weights=batch["loss_weights"],
+    )
     loss = loss_sum / token_weights(batch["targets"], batch["loss_weights"]).sum()
     loss.backward()
     return loss.detach().double(), _grads(model)
@@ -67,11 +88,16 @@ def _sharded(mesh, batch, dtype, checkpointing):
     if checkpointing:
         apply_activation_checkpointing(model)
     assert isinstance(model.attention_fn, RingAttentionSeam)
-    row = {k: v[mesh.dp_rank:mesh.dp_rank + 1] for k, v in batch.items()}
+    row = {k: v[mesh.dp_rank : mesh.dp_rank + 1] for k, v in batch.items()}
     local = shard_batch(row, mesh.sp_group)
     assert local["input_ids"].shape[1] == -(-batch["input_ids"].shape[1] // 4) * 4 // 2
-    loss_sum = model(local["input_ids"], local["positions"], local["segment_ids"],
-                     targets=local["targets"], loss_weights=local["loss_weights"])
+    loss_sum = model(
+        local["input_ids"],
+        local["positions"],
+        local["segment_ids"],
+        targets=local["targets"],
+        loss_weights=local["loss_weights"],
+    )
     weight = token_weights(local["targets"], local["loss_weights"]).sum()
     loss, total = normalized_loss(loss_sum, weight, mesh, grad_reduction="sum")
     loss.backward()
@@ -93,7 +119,9 @@ def _body(rank, world):
         loss, grads = _sharded(mesh, batch, torch.float64, checkpointing)
         torch.testing.assert_close(loss, ref64[0], rtol=1e-12, atol=0)
         for n, g in grads.items():
-            torch.testing.assert_close(g, ref64[1][n], rtol=1e-9, atol=1e-13, msg=lambda m: f"{n}: {m}")
+            torch.testing.assert_close(
+                g, ref64[1][n], rtol=1e-9, atol=1e-13, msg=lambda m: f"{n}: {m}"
+            )
     # fp32: as close to the float64 truth as 2x the single-process fp32 run, plus a small eps
     loss, grads = _sharded(mesh, batch, torch.float32, False)
     assert abs(float(loss) - float(ref64[0])) <= 2 * abs(float(ref32[0]) - float(ref64[0])) + 1e-6
@@ -110,9 +138,11 @@ def test_one_rank_gets_the_local_seam_and_wrapped_blocks():
     names = model.state_dict().keys()
     apply_activation_checkpointing(model)
     apply_activation_checkpointing(model)  # once is enough: blocks are not wrapped twice
-    assert all(type(b).__name__ == "CheckpointWrapper" and not hasattr(b._checkpoint_wrapped_module,
-                                                                        "_checkpoint_wrapped_module")
-               for b in model.layers)
+    assert all(
+        type(b).__name__ == "CheckpointWrapper"
+        and not hasattr(b._checkpoint_wrapped_module, "_checkpoint_wrapped_module")
+        for b in model.layers
+    )
     assert model.state_dict().keys() == names
 
 

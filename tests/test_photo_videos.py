@@ -8,11 +8,22 @@ import numpy as np
 import pytest
 
 from material import photo_videos as rv
-from material.photo_videos import (HELDOUT_SCENES, Camera, PhotosNotFoundError, find_photos, load_photo,
-                                      pan_zoom_video, real_videos, split_scenes, write_real_videos)
+from material.photo_videos import (
+    HELDOUT_SCENES,
+    Camera,
+    PhotosNotFoundError,
+    find_photos,
+    load_photo,
+    pan_zoom_video,
+    real_videos,
+    split_scenes,
+    write_real_videos,
+)
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("skimage") is None,
-                                reason="scikit-image (the photographs) is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("skimage") is None,
+    reason="scikit-image (the photographs) is not installed",
+)
 
 
 def test_photos_are_found_and_read():
@@ -26,9 +37,15 @@ def test_photos_are_found_and_read():
 
 
 def test_videos_are_deterministic_and_shaped():
-    a = real_videos(scenes=["astronaut", "coffee"], videos_per_scene=2, num_frames=6, size=32, seed=7)
-    b = real_videos(scenes=["astronaut", "coffee"], videos_per_scene=2, num_frames=6, size=32, seed=7)
-    c = real_videos(scenes=["astronaut", "coffee"], videos_per_scene=2, num_frames=6, size=32, seed=8)
+    a = real_videos(
+        scenes=["astronaut", "coffee"], videos_per_scene=2, num_frames=6, size=32, seed=7
+    )
+    b = real_videos(
+        scenes=["astronaut", "coffee"], videos_per_scene=2, num_frames=6, size=32, seed=7
+    )
+    c = real_videos(
+        scenes=["astronaut", "coffee"], videos_per_scene=2, num_frames=6, size=32, seed=8
+    )
     assert len(a) == 4
     for x, y, z in zip(a, b, c):
         assert x.shape == (6, 32, 32, 3) and x.dtype == np.uint8
@@ -40,8 +57,12 @@ def test_videos_are_deterministic_and_shaped():
 
 
 def test_camera_moves_smoothly():
-    v = real_videos(scenes=["astronaut"], videos_per_scene=1, num_frames=24, size=48, seed=1)[0].astype(float)
-    step = np.abs(np.diff(v, axis=0)).mean(axis=(1, 2, 3))  # mean change between neighbouring frames
+    v = real_videos(scenes=["astronaut"], videos_per_scene=1, num_frames=24, size=48, seed=1)[
+        0
+    ].astype(float)
+    step = np.abs(np.diff(v, axis=0)).mean(
+        axis=(1, 2, 3)
+    )  # mean change between neighbouring frames
     far = np.abs(v[-1] - v[0]).mean()
     assert step.min() > 0.2, "the camera should move"
     assert step.max() < far, "neighbouring frames should be closer than the ends of the clip"
@@ -79,8 +100,9 @@ def test_errors_name_what_to_install(monkeypatch):
 def test_written_files_are_real_encodes(tmp_path, fmt):
     from longvideo.data.video import read_video
 
-    paths = write_real_videos(tmp_path, scenes=["coffee"], videos_per_scene=2, num_frames=8, size=32,
-                              fmt=fmt, fps=8)
+    paths = write_real_videos(
+        tmp_path, scenes=["coffee"], videos_per_scene=2, num_frames=8, size=32, fmt=fmt, fps=8
+    )
     assert [p.name for p in paths] == [f"coffee_0.{fmt}", f"coffee_1.{fmt}"]
     clip = read_video(paths[0], fps=None)
     src = real_videos(scenes=["coffee"], videos_per_scene=1, num_frames=8, size=32)[0]

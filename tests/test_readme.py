@@ -36,12 +36,31 @@ README = ROOT / "README.md"
 # Phrases of the README whose figures are no measurement of this project (hardware constants, plan
 # parameters): a figure inside one of them, where the phrase appears, is not checked.
 NOT_MEASURED = ["312 TFLOP/s", "~990 TFLOP/s"]
-UNITS = {"%": "%", "percent": "%", "min": "min", "minute": "min", "minutes": "min", "s": "s", "sec": "s",
-         "second": "s", "seconds": "s", "ms": "ms", "x": "x", "×": "x", "GiB": "GiB", "MiB": "MiB", "KiB": "KiB",
-         "tokens/s": "tokens/s", "TFLOP/s": "TFLOP/s", "GFLOP/s": "GFLOP/s"}
+UNITS = {
+    "%": "%",
+    "percent": "%",
+    "min": "min",
+    "minute": "min",
+    "minutes": "min",
+    "s": "s",
+    "sec": "s",
+    "second": "s",
+    "seconds": "s",
+    "ms": "ms",
+    "x": "x",
+    "×": "x",
+    "GiB": "GiB",
+    "MiB": "MiB",
+    "KiB": "KiB",
+    "tokens/s": "tokens/s",
+    "TFLOP/s": "TFLOP/s",
+    "GFLOP/s": "GFLOP/s",
+}
 NUM = r"\d[\d,]*(?:\.\d+)?"
-FIGURE = re.compile(rf"(?<![\w.])((?:{NUM}\s*(?:/|-|–|to|and)\s*)*{NUM})(\s?)"
-                    rf"({'|'.join(sorted(map(re.escape, UNITS), key=len, reverse=True))})(?![\w/])")
+FIGURE = re.compile(
+    rf"(?<![\w.])((?:{NUM}\s*(?:/|-|–|to|and)\s*)*{NUM})(\s?)"
+    rf"({'|'.join(sorted(map(re.escape, UNITS), key=len, reverse=True))})(?![\w/])"
+)
 
 
 def figures(text: str) -> list[tuple[str, str, str]]:
@@ -50,7 +69,9 @@ def figures(text: str) -> list[tuple[str, str, str]]:
     for m in FIGURE.finditer(text):
         if UNITS[m.group(3)] == "x" and m.group(2):
             continue
-        out += [(n.replace(",", ""), UNITS[m.group(3)], m.group(0)) for n in re.findall(NUM, m.group(1))]
+        out += [
+            (n.replace(",", ""), UNITS[m.group(3)], m.group(0)) for n in re.findall(NUM, m.group(1))
+        ]
     return out
 
 
@@ -58,10 +79,12 @@ def test_generated_blocks_and_results_page_match_the_json(rb):
     pages, blocks = rb.render()
     readme = README.read_text()
     assert rb.BLOCK.search(readme), "README.md has no generated block"
-    assert readme == rb.fill_blocks(readme, blocks), \
+    assert readme == rb.fill_blocks(readme, blocks), (
         "README.md's generated blocks differ from docs/bench/*.json: run `make results`"
-    assert (ROOT / "docs" / "results.md").read_text() == pages["results.md"], \
+    )
+    assert (ROOT / "docs" / "results.md").read_text() == pages["results.md"], (
         "docs/results.md differs from docs/bench/*.json: run `make results`"
+    )
 
 
 def untraced(rb, readme: str) -> list[str]:
@@ -71,28 +94,37 @@ def untraced(rb, readme: str) -> list[str]:
         for n, unit, _ in figures(m.group(3)):
             generated.setdefault(unit, set()).add(Decimal(n))
     bad = []
-    for i, line in enumerate(rb.BLOCK.sub(lambda m: "\n" * m.group(0).count("\n"), readme).splitlines(), 1):
+    for i, line in enumerate(
+        rb.BLOCK.sub(lambda m: "\n" * m.group(0).count("\n"), readme).splitlines(), 1
+    ):
         for n, unit, seen in figures(line):
             places = Decimal(1).scaleb(-len(n.partition(".")[2]))  # the precision written
             exempt = any(seen in phrase and phrase in line for phrase in NOT_MEASURED)
-            if not exempt and not any(g.quantize(places) == Decimal(n) for g in generated.get(unit, ())):
+            if not exempt and not any(
+                g.quantize(places) == Decimal(n) for g in generated.get(unit, ())
+            ):
                 bad.append(f"line {i}: {seen!r} ({n} {unit})")
     return bad
 
 
 def test_figures_outside_the_blocks_are_generated_ones(rb):
     bad = untraced(rb, README.read_text())
-    assert not bad, "figures in README.md that no generated block holds (generate them, or drop them):\n" + \
-        "\n".join(bad)
+    assert not bad, (
+        "figures in README.md that no generated block holds (generate them, or drop them):\n"
+        + "\n".join(bad)
+    )
 
 
 def test_the_figure_check_finds_figures_no_block_holds(rb):
-    text = ("It took **29.4 minutes** (2 cores, 8 x W), 1.08-1.16x of SDPA and 312 TFLOP/s a GPU.\n"
-            "<!-- x:begin -->\n| `make demo` | 29.43 min | 1.08x | 98.9 % |\n<!-- x:end -->\nneedle 98.9 / 97 %\n")
+    text = (
+        "It took **29.4 minutes** (2 cores, 8 x W), 1.08-1.16x of SDPA and 312 TFLOP/s a GPU.\n"
+        "<!-- x:begin -->\n| `make demo` | 29.43 min | 1.08x | 98.9 % |\n<!-- x:end -->\nneedle 98.9 / 97 %\n"
+    )
     assert untraced(rb, text) == ["line 1: '1.08-1.16x' (1.16 x)", "line 5: '98.9 / 97 %' (97 %)"]
 
 
 # ---- the commands --------------------------------------------------------------------------------
+
 
 def code_lines(text: str, inline: bool) -> list[str]:
     """Shell lines of the fenced code blocks (continuations joined) and, with `inline`, the inline code
@@ -101,7 +133,9 @@ def code_lines(text: str, inline: bool) -> list[str]:
     for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
         if lang in ("", "bash", "sh", "shell", "console"):
             out += [ln.strip().removeprefix("$ ") for ln in body.replace("\\\n", " ").splitlines()]
-    spans = re.findall(r"(?<!`)`((?:longvideo|make|torchrun|(?:\.venv/bin/)?python3? (?:-m|scripts/))[^`]*)`", text)
+    spans = re.findall(
+        r"(?<!`)`((?:longvideo|make|torchrun|(?:\.venv/bin/)?python3? (?:-m|scripts/))[^`]*)`", text
+    )
     return out + [s for s in spans if inline and (s.startswith("make ") or " --" in s)]
 
 
@@ -126,26 +160,44 @@ def command(line: str):
     if head in ("torchrun", "deepspeed", "accelerate") or re.fullmatch(r"(\S*/)?python3?", head):
         for i, w in enumerate(words[1:-1], 1):  # a launcher's own options end at -m / --module
             if w in ("-m", "--module"):
-                return ("module", words[i + 1], words[i + 2:]) if words[i + 1].startswith("longvideo") else None
+                return (
+                    ("module", words[i + 1], words[i + 2 :])
+                    if words[i + 1].startswith("longvideo")
+                    else None
+                )
         if head.endswith(("python", "python3")) and words[1:2] and words[1].startswith("scripts/"):
             return "script", words[1], words[2:]
     return None
 
 
 def documented(paths, inline: bool = False) -> list[tuple[str, tuple]]:
-    return [(f"{p.relative_to(ROOT)}: {ln}", c) for p in paths for ln in code_lines(p.read_text(), inline)
-            if (c := command(ln)) is not None]
+    return [
+        (f"{p.relative_to(ROOT)}: {ln}", c)
+        for p in paths
+        for ln in code_lines(p.read_text(), inline)
+        if (c := command(ln)) is not None
+    ]
 
 
 def check(cmds: list[tuple[str, tuple]]) -> None:
     """Run the checks in one child (see _child) and assert every command passed."""
     targets = set(re.findall(r"^([\w.-]+):(?!=)", (ROOT / "Makefile").read_text(), re.M))
-    bad = [f"{where}: no make target {args[0] if args else '(none)'!r}" for where, (kind, _, args) in cmds
-           if kind == "make" and (not args or args[0] not in targets)]
+    bad = [
+        f"{where}: no make target {args[0] if args else '(none)'!r}"
+        for where, (kind, _, args) in cmds
+        if kind == "make" and (not args or args[0] not in targets)
+    ]
     todo = [(where, c) for where, c in cmds if c[0] != "make"]
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
-    res = subprocess.run([sys.executable, __file__], input=json.dumps([c for _, c in todo]), cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        [sys.executable, __file__],
+        input=json.dumps([c for _, c in todo]),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     results = json.loads(res.stdout.strip().splitlines()[-1])
     bad += [f"{where}: {err}" for (where, _), err in zip(todo, results) if err]
@@ -154,22 +206,37 @@ def check(cmds: list[tuple[str, tuple]]) -> None:
 
 def test_readme_commands_parse():
     cmds = documented([README], inline=True)
-    assert sum(c[1] == "longvideo" for _, c in cmds) >= 3, cmds  # the extraction found the README's commands
+    assert sum(c[1] == "longvideo" for _, c in cmds) >= 3, (
+        cmds
+    )  # the extraction found the README's commands
     from longvideo.cli import COMMANDS
 
-    check(cmds + [(f"longvideo {name} --help", ("help", "longvideo", [name])) for name in COMMANDS]
-          + [("python -m longvideo.demo --help", ("help", "longvideo.demo", []))])
+    check(
+        cmds
+        + [(f"longvideo {name} --help", ("help", "longvideo", [name])) for name in COMMANDS]
+        + [("python -m longvideo.demo --help", ("help", "longvideo.demo", []))]
+    )
 
 
 def test_the_command_check_refuses_what_the_parsers_refuse():
-    cmds = [(ln, command(ln)) for ln in (
-        "longvideo train --config tiny --no-such-option", "longvideo chat --video v.mp4",
-        "longvideo train --config tiny model.no_such_key=1", "longvideo no-such-command",
-        "python scripts/no_such.py", "make no-such-target", "torchrun --nproc_per_node 2 -m longvideo eval nope")]
+    cmds = [
+        (ln, command(ln))
+        for ln in (
+            "longvideo train --config tiny --no-such-option",
+            "longvideo chat --video v.mp4",
+            "longvideo train --config tiny model.no_such_key=1",
+            "longvideo no-such-command",
+            "python scripts/no_such.py",
+            "make no-such-target",
+            "torchrun --nproc_per_node 2 -m longvideo eval nope",
+        )
+    ]
     with pytest.raises(AssertionError) as e:
         check(cmds)
     assert all(f"{ln}: " in str(e.value) for ln, _ in cmds), str(e.value)
-    assert "unrecognized arguments: --no-such-option" in str(e.value) and "no_such_key" in str(e.value)
+    assert "unrecognized arguments: --no-such-option" in str(e.value) and "no_such_key" in str(
+        e.value
+    )
 
 
 def test_docs_commands_parse():
@@ -177,6 +244,7 @@ def test_docs_commands_parse():
 
 
 # ---- the child: argparse stops after parsing -------------------------------------------------------
+
 
 class Parsed(Exception):
     def __init__(self, namespace):
@@ -186,7 +254,13 @@ class Parsed(Exception):
 def _stop_after_parsing() -> list:
     """Patch ArgumentParser so that its outermost parse raises Parsed; returns [the last parser used]."""
     depth, last = [0], [None]
-    for name in ("parse_args", "parse_known_args", "parse_intermixed_args", "parse_known_intermixed_args"):
+    for name in (
+        "parse_args",
+        "parse_known_args",
+        "parse_intermixed_args",
+        "parse_known_intermixed_args",
+    ):
+
         def wrapped(self, *a, _orig=getattr(argparse.ArgumentParser, name), **k):
             depth[0] += 1
             last[0] = last[0] if depth[0] > 1 else self
@@ -197,6 +271,7 @@ def _stop_after_parsing() -> list:
             if depth[0] == 0:
                 raise Parsed(ns)
             return ns
+
         setattr(argparse.ArgumentParser, name, wrapped)
     return last
 
@@ -231,16 +306,29 @@ def _one(kind: str, target: str, args: list[str], last: list, subcommands: bool 
             from longvideo.vq.config import load_vq_config
 
             try:
-                (load_config if args[0] == "train" else load_vq_config)(ns["config"], list(ns.get("overrides") or []))
+                (load_config if args[0] == "train" else load_vq_config)(
+                    ns["config"], list(ns.get("overrides") or [])
+                )
             except Exception as e:  # noqa: BLE001 - the message is the point
                 return f"the config does not load: {type(e).__name__}: {e}"
         return ""
     except SystemExit as e:
         if kind == "help" and e.code in (0, None):
-            subs = [a for a in getattr(last[0], "_actions", []) if isinstance(a, argparse._SubParsersAction)]
-            return "; ".join(x for s in subs if subcommands for c in s.choices
-                             if (x := _one("help", target, args + [c], last, False)))
-        said = [ln for ln in err.getvalue().splitlines() if "error" in ln] or [err.getvalue().strip()[-300:]]
+            subs = [
+                a
+                for a in getattr(last[0], "_actions", [])
+                if isinstance(a, argparse._SubParsersAction)
+            ]
+            return "; ".join(
+                x
+                for s in subs
+                if subcommands
+                for c in s.choices
+                if (x := _one("help", target, args + [c], last, False))
+            )
+        said = [ln for ln in err.getvalue().splitlines() if "error" in ln] or [
+            err.getvalue().strip()[-300:]
+        ]
         return "" if e.code in (0, None) else f"exit {e.code}: {' '.join(said)}"
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"

@@ -31,6 +31,7 @@ from longvideo.kernels import visibility
 
 # ---- single-process pieces ------------------------------------------------------------------
 
+
 def test_zigzag_indices_cover_the_sequence_once():
     for W in (1, 2, 3, 4):
         idx = torch.cat([zigzag_indices(8 * W, W, r) for r in range(W)])
@@ -43,7 +44,10 @@ def test_world_of_one_layout_and_errors():
     x = torch.arange(10)[None]
     assert torch.equal(shard_sequence(x, None, dim=1), x)  # W = 1 without distributed: identity
     assert torch.equal(unshard_sequence(x, None, dim=1, length=7), x[:, :7])
-    assert torch.equal(shard_sequence(torch.arange(5)[None], None, pad_value=-1), torch.tensor([[0, 1, 2, 3, 4, -1]]))
+    assert torch.equal(
+        shard_sequence(torch.arange(5)[None], None, pad_value=-1),
+        torch.tensor([[0, 1, 2, 3, 4, -1]]),
+    )
     with pytest.raises(ValueError, match="not a multiple of 2 x sp = 2; pass pad_value"):
         shard_sequence(torch.arange(5)[None], None)
     assert layout_positions(6, None).tolist() == list(range(6))
@@ -59,8 +63,11 @@ def test_mesh_without_distributed():
 
 
 def test_shard_batch_pads_and_adds_metadata():
-    batch = {"input_ids": torch.arange(1, 6)[None], "targets": torch.arange(2, 7)[None],
-             "loss_weights": torch.ones(1, 5)}
+    batch = {
+        "input_ids": torch.arange(1, 6)[None],
+        "targets": torch.arange(2, 7)[None],
+        "loss_weights": torch.ones(1, 5),
+    }
     out = shard_batch(batch, None)  # world of one: pad 5 -> 6
     assert out["input_ids"].tolist() == [[1, 2, 3, 4, 5, 0]]
     assert out["loss_weights"].tolist() == [[1, 1, 1, 1, 1, 0]]
@@ -76,10 +83,13 @@ def test_block_is_empty_never_skips_visible_pairs():
     g = torch.Generator().manual_seed(0)
     skipped = 0
     for _ in range(300):
+
         def meta():  # a block of shuffled positions after a random offset, two adjacent segments
             base = torch.randint(0, 16, (2, 1), generator=g)
             pos = base + torch.stack([torch.randperm(8, generator=g) for _ in range(2)])
-            seg = torch.randint(-1, 3, (2, 1), generator=g) + torch.randint(0, 2, (2, 8), generator=g)
+            seg = torch.randint(-1, 3, (2, 1), generator=g) + torch.randint(
+                0, 2, (2, 8), generator=g
+            )
             return pos, seg
 
         (qp, qs), (kp, ks) = meta(), meta()
@@ -90,7 +100,9 @@ def test_block_is_empty_never_skips_visible_pairs():
     assert skipped > 0
     pos = torch.arange(8)[None]
     seg = torch.zeros(1, 8, dtype=torch.long)
-    assert block_is_empty(pos, seg, pos + 8, seg, True) and not block_is_empty(pos + 8, seg, pos, seg, True)
+    assert block_is_empty(pos, seg, pos + 8, seg, True) and not block_is_empty(
+        pos + 8, seg, pos, seg, True
+    )
     assert block_is_empty(pos, seg, pos, seg - 1, False)  # keys are all padding
 
 
@@ -106,6 +118,7 @@ def test_ring_attention_rejects_bad_shapes():
 
 # ---- the distributed cases ------------------------------------------------------------------
 
+
 def _broadcast(t, group):
     """Rank 0 of the ring makes the inputs; every rank of the ring uses its copy."""
     dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
@@ -116,8 +129,10 @@ def _make_case(group, kind, S, W, Hq, Hkv, dtype, seed, D=8):
     """Full-sequence inputs, broadcast from rank 0. Returns q, k, v, dout, positions, segments
     (metadata None where the ring's defaults are meant to be used)."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v, dout = (_broadcast(torch.randn(1, S, h, D, generator=g), group).to(dtype)
-                     for h in (Hq, Hkv, Hkv, Hq))
+    q, k, v, dout = (
+        _broadcast(torch.randn(1, S, h, D, generator=g), group).to(dtype)
+        for h in (Hq, Hkv, Hkv, Hq)
+    )
     q, k, v, dout = (torch.stack([x[0], x[0].flip(0)]) for x in (q, k, v, dout))  # B = 2
     if kind == "plain":
         return q, k, v, dout, None, None
@@ -132,7 +147,10 @@ def _make_case(group, kind, S, W, Hq, Hkv, dtype, seed, D=8):
     pos = torch.cat([torch.arange(n) for n in lengths])[:S]
     seg2 = torch.cat([torch.full((n,), i) for i, n in enumerate(reversed(lengths))])[:S]
     pos2 = torch.cat([torch.arange(n) for n in reversed(lengths)])[:S]
-    seg, pos = _broadcast(torch.stack([seg, seg2]), group), _broadcast(torch.stack([pos, pos2]), group)
+    seg, pos = (
+        _broadcast(torch.stack([seg, seg2]), group),
+        _broadcast(torch.stack([pos, pos2]), group),
+    )
     return q, k, v, dout, pos, seg
 
 
@@ -148,12 +166,23 @@ def _run_case(group, W, kind, causal, heads, dtype, backend, seed, D=8):
     lq, lk, lv = (local(x).requires_grad_(True) for x in (q, k, v))
     lpos, lseg = local(pos), local(seg, pad=-1)
     stats = CommStats()
-    out = ring_attention(lq, lk, lv, group=group, causal=causal, positions=lpos, segment_ids=lseg,
-                         backend=backend, comm_stats=stats)
+    out = ring_attention(
+        lq,
+        lk,
+        lv,
+        group=group,
+        causal=causal,
+        positions=lpos,
+        segment_ids=lseg,
+        backend=backend,
+        comm_stats=stats,
+    )
     out.backward(local(dout))
     what = f"W={W} {kind} causal={causal} heads={heads} {dtype} {backend}"
     real = local(torch.ones(2, S)).bool()  # (B, S_local): False on padding
-    for name, got, t, p in zip(("out", "dq", "dk", "dv"), (out, lq.grad, lk.grad, lv.grad), truth, plain):
+    for name, got, t, p in zip(
+        ("out", "dq", "dk", "dv"), (out, lq.grad, lk.grad, lv.grad), truth, plain
+    ):
         assert got.dtype == dtype, f"{what}: {name} dtype {got.dtype}"
         assert_within(f"{what}: {name}", got, local(t), local(p))
         assert (got[~real] == 0).all(), f"{what}: {name} is non-zero on padding"
@@ -192,13 +221,23 @@ def _contiguous_layout_skips_blocks(group, W, rank):
     skip every visiting block (all its keys come later)."""
     g = torch.Generator().manual_seed(1)
     S = 6 * W
-    q, k, v = (_broadcast(torch.randn(1, S, 2, 8, generator=g, dtype=torch.float64), group) for _ in range(3))
+    q, k, v = (
+        _broadcast(torch.randn(1, S, 2, 8, generator=g, dtype=torch.float64), group)
+        for _ in range(3)
+    )
     truth, _ = reference(q, k, v, None, None, None, None, True, torch.ones_like(q), upcast=True)[:2]
     n = S // W
     sl = slice(rank * n, (rank + 1) * n)
     stats = CommStats()
-    out = ring_attention(q[:, sl], k[:, sl], v[:, sl], group=group, positions=torch.arange(S)[None, sl],
-                         backend="cpu", comm_stats=stats)
+    out = ring_attention(
+        q[:, sl],
+        k[:, sl],
+        v[:, sl],
+        group=group,
+        positions=torch.arange(S)[None, sl],
+        backend="cpu",
+        comm_stats=stats,
+    )
     assert max_err(out, truth[:, sl]) < 1e-12
     assert stats.skipped == W - 1 - rank and stats.blocks == rank + 1
 
@@ -209,7 +248,12 @@ def _body(rank, world, backends):
     mesh14 = Mesh.build(dp=1, sp=4)
     mesh41 = Mesh.build(dp=4, sp=1)
     ring3 = dist.new_group([0, 1, 2])  # collective: every rank creates it
-    groups = [(1, mesh41.sp_group), (2, mesh22.sp_group), (3, ring3 if rank < 3 else None), (4, mesh14.sp_group)]
+    groups = [
+        (1, mesh41.sp_group),
+        (2, mesh22.sp_group),
+        (3, ring3 if rank < 3 else None),
+        (4, mesh14.sp_group),
+    ]
     seed = 0
     for W, group in groups:
         if group is None:

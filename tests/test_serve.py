@@ -48,21 +48,44 @@ class Server:
         self.home = root / "home"
         for d in (self.home, root / "cwd", root / "tmp"):
             d.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, HOME=str(self.home), TMPDIR=str(root / "tmp"), OMP_NUM_THREADS="1",
-                   PYTHONPATH=str(REPO))
-        launch = [sys.executable, "-m", "longvideo"] if nproc == 1 else \
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "longvideo"]
+        env = dict(
+            os.environ,
+            HOME=str(self.home),
+            TMPDIR=str(root / "tmp"),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=str(REPO),
+        )
+        launch = (
+            [sys.executable, "-m", "longvideo"]
+            if nproc == 1
+            else [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={nproc}",
+                "-m",
+                "longvideo",
+            ]
+        )
         self.dirs = [self.home, root / "cwd", root / "tmp"]
-        self.proc = subprocess.Popen([*launch, "serve", "--model", str(model), "--port", "0", "--quiet", *args],
-                                     cwd=root / "cwd", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
+        self.proc = subprocess.Popen(
+            [*launch, "serve", "--model", str(model), "--port", "0", "--quiet", *args],
+            cwd=root / "cwd",
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         got = threading.Event()
         threading.Thread(target=self._read, args=(got,), daemon=True).start()
         if not got.wait(timeout):
             self.stop()
             raise AssertionError("the server did not start:\n" + "".join(self.lines))
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
+        self.client = openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120
+        )
 
     def _read(self, got: threading.Event) -> None:
         for line in self.proc.stdout:
@@ -79,8 +102,11 @@ class Server:
     def post(self, body, raw: bool = False) -> tuple[int, dict, dict]:
         """POST /v1/chat/completions; (status, JSON, headers)."""
         data = body if raw else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + "/v1/chat/completions", data=data,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + "/v1/chat/completions",
+            data=data,
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
                 return r.status, json.loads(r.read()), dict(r.headers)
@@ -110,7 +136,11 @@ def messages(url: str, question: str, history=()) -> list[dict]:
     turns = [*history, (question, None)]
     out = []
     for i, (q, a) in enumerate(turns):
-        content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": q}] if i == 0 else q
+        content = (
+            [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": q}]
+            if i == 0
+            else q
+        )
         out.append({"role": "user", "content": content})
         if a is not None:
             out.append({"role": "assistant", "content": a})
@@ -134,8 +164,9 @@ def greedy(pre, ids: list[int], n: int) -> list[int]:
 def material(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     pre = tiny_pretrained()
-    ckpt = save_project_checkpoint(root / "ckpt", pre.model.state_dict(), pre.config, tokenizer=pre.tokenizer,
-                                   vq=pre.vq)
+    ckpt = save_project_checkpoint(
+        root / "ckpt", pre.model.state_dict(), pre.config, tokenizer=pre.tokenizer, vq=pre.vq
+    )
     media = root / "media"
     media.mkdir()
     write_video(media / "clip.mp4", seconds=6, seed=3)
@@ -146,8 +177,16 @@ def material(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(material):
-    s = Server(material["ckpt"], material["root"] / "run", "--media-dir", str(material["media"]),
-               "--max-upload-mb", "0.25", "--max-queue", "2")
+    s = Server(
+        material["ckpt"],
+        material["root"] / "run",
+        "--media-dir",
+        str(material["media"]),
+        "--max-upload-mb",
+        "0.25",
+        "--max-queue",
+        "2",
+    )
     yield s
     s.stop()
 
@@ -155,26 +194,46 @@ def server(material):
 def test_openai_client_answers_as_longvideo_chat(server, material, capsys):
     pre, clip = material["pre"], material["media"] / "clip.mp4"
     assert [m.id for m in server.client.models.list().data] == ["ckpt"]
-    assert cli.chat_main(["--model", str(material["ckpt"]), "--video", str(clip), "--question", NEEDLE_QUESTION,
-                          "--quiet"]) == 0
+    assert (
+        cli.chat_main(
+            [
+                "--model",
+                str(material["ckpt"]),
+                "--video",
+                str(clip),
+                "--question",
+                NEEDLE_QUESTION,
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     chat = capsys.readouterr().out.strip()
     url = data_url(clip.read_bytes())
     r = server.client.chat.completions.create(model="ckpt", messages=messages(url, NEEDLE_QUESTION))
     assert r.choices[0].message.content == chat
     assert r.usage.prompt_tokens_details.cached_tokens == 0
     # the same through the independent pipeline (no cache, full recomputation)
-    tokens = [t for t in greedy(pre, ids_of(pre, clip, NEEDLE_QUESTION), 6) if t != pre.tokenizer.eos_id]
+    tokens = [
+        t for t in greedy(pre, ids_of(pre, clip, NEEDLE_QUESTION), 6) if t != pre.tokenizer.eos_id
+    ]
     assert chat == pre.tokenizer.decode(tokens).strip()
     assert r.usage.completion_tokens == len(greedy(pre, ids_of(pre, clip, NEEDLE_QUESTION), 6))
     assert r.usage.prompt_tokens == len(ids_of(pre, clip, NEEDLE_QUESTION))
     # streamed: the deltas add up to the same answer; usage comes last; file:// under --media-dir too
     for u in (url, "file://clip.mp4", f"file://{clip}"):
-        stream = server.client.chat.completions.create(model="ckpt", messages=messages(u, NEEDLE_QUESTION),
-                                                       stream=True, stream_options={"include_usage": True})
+        stream = server.client.chat.completions.create(
+            model="ckpt",
+            messages=messages(u, NEEDLE_QUESTION),
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = list(stream)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat
         assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
-        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[
+            0
+        ].finish_reason
     # the frames the model was given, as thumbnails
     video = r.model_extra["video"]
     assert video["frames"] == 6 and len(video["timestamps"]) == 6
@@ -198,20 +257,30 @@ def test_follow_up_prefills_only_the_new_turn(server, material):
     gen1 = greedy(pre, first, 6)
     a1 = tok.decode([t for t in gen1 if t != tok.eos_id]).strip()
     # turn 2 as the training QA template lays it out: ... Answer: a1 <eos> Question: q2\nAnswer:
-    second = first + tok.encode(f" {a1}") + [tok.eos_id] + tok.encode(f"Question: {QUESTION_2}\nAnswer:")
+    second = (
+        first + tok.encode(f" {a1}") + [tok.eos_id] + tok.encode(f"Question: {QUESTION_2}\nAnswer:")
+    )
     want = tok.decode([t for t in greedy(pre, second, 6) if t != tok.eos_id]).strip()
     before = server.get("/health")
     url = f"file://{video.name}"
-    r1 = server.client.chat.completions.create(model="ckpt", messages=messages(url, NEEDLE_QUESTION))
+    r1 = server.client.chat.completions.create(
+        model="ckpt", messages=messages(url, NEEDLE_QUESTION)
+    )
     assert r1.choices[0].message.content == a1
-    r2 = server.client.chat.completions.create(model="ckpt", messages=messages(url, QUESTION_2, [(NEEDLE_QUESTION, a1)]))
+    r2 = server.client.chat.completions.create(
+        model="ckpt", messages=messages(url, QUESTION_2, [(NEEDLE_QUESTION, a1)])
+    )
     assert r2.choices[0].message.content == want
     assert r2.usage.prompt_tokens == len(second)
     # the cache held the first prompt and the answer's tokens fed back (all but the last one)
     held = first + gen1[:-1]
-    common = next((i for i, (a, b) in enumerate(zip(held, second)) if a != b), min(len(held), len(second)))
+    common = next(
+        (i for i, (a, b) in enumerate(zip(held, second)) if a != b), min(len(held), len(second))
+    )
     assert r2.usage.prompt_tokens_details.cached_tokens == common >= len(first)
-    assert server.get("/health")["videos_encoded"] == before["videos_encoded"] + 1  # encoded once for both turns
+    assert (
+        server.get("/health")["videos_encoded"] == before["videos_encoded"] + 1
+    )  # encoded once for both turns
 
 
 def raw_post(server, body: bytes, length: int | None = None) -> tuple[int, dict]:
@@ -232,7 +301,9 @@ def raw_post(server, body: bytes, length: int | None = None) -> tuple[int, dict]
 def png_image() -> bytes:
     """A photograph-sized PNG (FFmpeg would read it as a one-frame video)."""
     out = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(out, "PNG")
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(
+        out, "PNG"
+    )
     return out.getvalue()
 
 
@@ -248,42 +319,122 @@ def test_bad_input_is_a_clear_error_and_the_server_keeps_serving(server, materia
         (b"{not json", 400, "not JSON", None),
         (b"[1, 2]", 400, "JSON object", "body"),
         ({"model": "ckpt"}, 400, "non-empty list", "messages"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": good}}]}]},
-         400, "not supported", "messages[0].content[0].type"),
-        ({"messages": [{"role": "system", "content": "be brief"}]}, 400, "not supported", "messages[0].role"),
-        ({"messages": [{"role": "user", "content": "no video here"}]}, 400, "no video_url", "messages[0].content"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": good}}]}
+                ]
+            },
+            400,
+            "not supported",
+            "messages[0].content[0].type",
+        ),
+        (
+            {"messages": [{"role": "system", "content": "be brief"}]},
+            400,
+            "not supported",
+            "messages[0].role",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "no video here"}]},
+            400,
+            "no video_url",
+            "messages[0].content",
+        ),
         (body(temperature="hot"), 400, "number", "temperature"),
         (body(max_tokens=0), 400, ">= 1", "max_tokens"),
         (body(top_p=0), 400, "> 0", "top_p"),
         (body(n=2), 400, "only 1", "n"),
         (body(stop=[""]), 400, "non-empty string", "stop"),
         ({**body(), "model": "gpt-4o"}, 404, "not served here", "model"),
-        (body(url=data_url(b"plain text, not a video " * 40)), 400, "not a readable video",
-         "messages[0].content[0].video_url.url"),
-        (body(url=data_url(clip[: len(clip) // 2])), 400, "not a readable video",
-         "messages[0].content[0].video_url.url"),  # truncated
-        (body(url=data_url(clip[:64] + bytes(range(256)) * 8)), 400, "not a readable video",
-         "messages[0].content[0].video_url.url"),  # corrupt
-        (body(url=data_url(clip, "image/png")), 400, "must hold a video", "messages[0].content[0].video_url.url"),
-        (body(url=data_url(png_image())), 400, "a PNG image, not a video", "messages[0].content[0].video_url.url"),
-        (body(url="data:video/mp4;base64,@@@@"), 400, "not valid base64", "messages[0].content[0].video_url.url"),
-        (body(url=data_url(os.urandom(300_000))), 413, "over the server's limit", "messages[0].content[0].video_url.url"),
-        (body(url=f"file://{material['root'] / 'secret.mp4'}"), 403, "outside --media-dir",
-         "messages[0].content[0].video_url.url"),
+        (
+            body(url=data_url(b"plain text, not a video " * 40)),
+            400,
+            "not a readable video",
+            "messages[0].content[0].video_url.url",
+        ),
+        (
+            body(url=data_url(clip[: len(clip) // 2])),
+            400,
+            "not a readable video",
+            "messages[0].content[0].video_url.url",
+        ),  # truncated
+        (
+            body(url=data_url(clip[:64] + bytes(range(256)) * 8)),
+            400,
+            "not a readable video",
+            "messages[0].content[0].video_url.url",
+        ),  # corrupt
+        (
+            body(url=data_url(clip, "image/png")),
+            400,
+            "must hold a video",
+            "messages[0].content[0].video_url.url",
+        ),
+        (
+            body(url=data_url(png_image())),
+            400,
+            "a PNG image, not a video",
+            "messages[0].content[0].video_url.url",
+        ),
+        (
+            body(url="data:video/mp4;base64,@@@@"),
+            400,
+            "not valid base64",
+            "messages[0].content[0].video_url.url",
+        ),
+        (
+            body(url=data_url(os.urandom(300_000))),
+            413,
+            "over the server's limit",
+            "messages[0].content[0].video_url.url",
+        ),
+        (
+            body(url=f"file://{material['root'] / 'secret.mp4'}"),
+            403,
+            "outside --media-dir",
+            "messages[0].content[0].video_url.url",
+        ),
         (body(url="file://../secret.mp4"), 403, "'..'", "messages[0].content[0].video_url.url"),
-        (body(url="file://missing.mp4"), 404, "no such file", "messages[0].content[0].video_url.url"),
-        (body(url="http://127.0.0.1:9/clip.mp4"), 403, "--allow-remote-media", "messages[0].content[0].video_url.url"),
-        (body(max_tokens=1000), 400, "more than the model's context of 1024; no frame budget fits", "messages"),
-        (body(max_tokens=1000, fps=0.5), 400, "not one frame fits in the model's context of 1024", "messages"),
+        (
+            body(url="file://missing.mp4"),
+            404,
+            "no such file",
+            "messages[0].content[0].video_url.url",
+        ),
+        (
+            body(url="http://127.0.0.1:9/clip.mp4"),
+            403,
+            "--allow-remote-media",
+            "messages[0].content[0].video_url.url",
+        ),
+        (
+            body(max_tokens=1000),
+            400,
+            "more than the model's context of 1024; no frame budget fits",
+            "messages",
+        ),
+        (
+            body(max_tokens=1000, fps=0.5),
+            400,
+            "not one frame fits in the model's context of 1024",
+            "messages",
+        ),
     ]
     for request, status, words, param in cases:
         code, got, _ = server.post(request, raw=isinstance(request, bytes))
-        assert code == status, (request if isinstance(request, bytes) else json.dumps(request)[:300], got)
+        assert code == status, (
+            request if isinstance(request, bytes) else json.dumps(request)[:300],
+            got,
+        )
         assert words in got["error"]["message"] and got["error"]["param"] == param, got
     # too long for the context: the message says how many tokens and which frame budget would fit
     code, got, _ = server.post(body(max_tokens=940))
     assert code == 400, got
-    m = re.search(r"the prompt is (\d+) tokens .* a frame budget of (\d+) frames would fit", got["error"]["message"])
+    m = re.search(
+        r"the prompt is (\d+) tokens .* a frame budget of (\d+) frames would fit",
+        got["error"]["message"],
+    )
     assert m and int(m.group(1)) + 940 > 1024, got
     code, ok, _ = server.post(body(max_tokens=940, max_frames=int(m.group(2))))
     assert code == 200 and ok["video"]["frames"] == int(m.group(2)), ok
@@ -300,9 +451,18 @@ def _slow_stream(server, url: str, max_tokens: int = 800):
     """Open a streamed request and return the connection and response once its first event is in."""
     host, port = server.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    payload = json.dumps({"model": "ckpt", "messages": messages(url, NEEDLE_QUESTION), "max_tokens": max_tokens,
-                          "stream": True, "stop": ["never to be seen"]})
-    conn.request("POST", "/v1/chat/completions", body=payload, headers={"Content-Type": "application/json"})
+    payload = json.dumps(
+        {
+            "model": "ckpt",
+            "messages": messages(url, NEEDLE_QUESTION),
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stop": ["never to be seen"],
+        }
+    )
+    conn.request(
+        "POST", "/v1/chat/completions", body=payload, headers={"Content-Type": "application/json"}
+    )
     return conn, conn.getresponse()
 
 
@@ -323,8 +483,14 @@ def test_queue_full_is_429_and_a_client_that_leaves_frees_its_slot(server, mater
     results = []
 
     def client():
-        code, got, headers = server.post({"model": "ckpt", "messages": messages(url, NEEDLE_QUESTION),
-                                          "max_tokens": 400, "stop": ["never to be seen"]})
+        code, got, headers = server.post(
+            {
+                "model": "ckpt",
+                "messages": messages(url, NEEDLE_QUESTION),
+                "max_tokens": 400,
+                "stop": ["never to be seen"],
+            }
+        )
         results.append((code, headers.get("Retry-After"), got))
 
     threads = [threading.Thread(target=client) for _ in range(8)]
@@ -346,13 +512,18 @@ def test_queue_full_is_429_and_a_client_that_leaves_frees_its_slot(server, mater
 def test_sequence_parallel_server_answers_as_one_process(server, material):
     """Under torchrun (2 gloo ranks) the ring-prefilled, sharded answers are the single process's,
     and a follow-up extends the sharded cache (the replicated tail) instead of prefilling again."""
-    sp = Server(material["ckpt"], material["root"] / "sp", "--media-dir", str(material["media"]), nproc=2)
+    sp = Server(
+        material["ckpt"], material["root"] / "sp", "--media-dir", str(material["media"]), nproc=2
+    )
     try:
         history = []
         for q in (NEEDLE_QUESTION, QUESTION_2):
-            want = server.client.chat.completions.create(model="ckpt", messages=messages("file://clip.mp4", q, history))
-            got = sp.client.chat.completions.create(model="ckpt", messages=messages("file://clip.mp4", q, history),
-                                                    stream=False)
+            want = server.client.chat.completions.create(
+                model="ckpt", messages=messages("file://clip.mp4", q, history)
+            )
+            got = sp.client.chat.completions.create(
+                model="ckpt", messages=messages("file://clip.mp4", q, history), stream=False
+            )
             assert got.choices[0].message.content == want.choices[0].message.content
             assert got.usage.completion_tokens == want.usage.completion_tokens
             history.append((q, got.choices[0].message.content))
@@ -366,8 +537,11 @@ def test_sequence_parallel_server_answers_as_one_process(server, material):
 def test_one_rank_failing_at_start_up_stops_every_rank(material, tmp_path):
     """Under torchrun, a rank that cannot load the model makes every rank stop at start-up with one
     error line naming it (exit 2 each), instead of the others serving or waiting in a collective."""
-    shim = tmp_path / "rank1_fails.py"  # the real `longvideo serve`, except that rank 1 cannot load the model
-    shim.write_text(textwrap.dedent("""\
+    shim = (
+        tmp_path / "rank1_fails.py"
+    )  # the real `longvideo serve`, except that rank 1 cannot load the model
+    shim.write_text(
+        textwrap.dedent("""\
         import os, sys
         from longvideo.infer import serve
         load = serve.load_model
@@ -381,19 +555,41 @@ def test_one_rank_failing_at_start_up_stops_every_rank(material, tmp_path):
 
         serve.load_model = load_model
         sys.exit(serve.main(sys.argv[1:]))
-    """))
+    """)
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     # --monitor-interval: torchrun stops the other rank after the first exits; give rank 0 time to say why
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        "--monitor-interval=2", str(shim),
-                        "--model", str(material["ckpt"]), "--port", "0", "--quiet"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--monitor-interval=2",
+            str(shim),
+            "--model",
+            str(material["ckpt"]),
+            "--port",
+            "0",
+            "--quiet",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = r.stdout + r.stderr
     assert r.returncode != 0, out
     assert "longvideo serve: error (rank 1): rank 1 cannot read the model" in out, out
-    assert ("longvideo serve: error (rank 0): rank 1 failed, so every rank stops: FileNotFoundError: rank 1 "
-            "cannot read the model") in out, out
-    assert " on http://" not in out and "longvideo/infer/" not in out, out  # no rank served, none raised
+    assert (
+        "longvideo serve: error (rank 0): rank 1 failed, so every rank stops: FileNotFoundError: rank 1 "
+        "cannot read the model"
+    ) in out, out
+    assert " on http://" not in out and "longvideo/infer/" not in out, (
+        out
+    )  # no rank served, none raised
 
 
 def test_follow_up_prompt_is_the_training_layout_of_the_conversation():
@@ -402,14 +598,26 @@ def test_follow_up_prompt_is_the_training_layout_of_the_conversation():
     pre = tiny_pretrained()
     codes, times = torch.randint(0, 16, (3, 4, 4)).numpy(), np.arange(3.0)
     pairs = [(NEEDLE_QUESTION, "red"), (QUESTION_2, "a circle")]
-    doc = layout_doc(pre.tokenizer, pre.model.cfg.vocab, codes, times,
-                     {"qa": [{"question": q, "answer": a} for q, a in pairs]}, "qa", False,
-                     LayoutOptions(), max_len=1024)
-    prompt = build_prompt(pre.tokenizer, pre.model.cfg.vocab, codes, times, QUESTION_2, history=pairs[:1])
-    assert doc.ids[:len(prompt.ids)].tolist() == prompt.ids
-    assert doc.ids[len(prompt.ids):].tolist() == pre.tokenizer.encode(" a circle") + [pre.tokenizer.eos_id]
+    doc = layout_doc(
+        pre.tokenizer,
+        pre.model.cfg.vocab,
+        codes,
+        times,
+        {"qa": [{"question": q, "answer": a} for q, a in pairs]},
+        "qa",
+        False,
+        LayoutOptions(),
+        max_len=1024,
+    )
+    prompt = build_prompt(
+        pre.tokenizer, pre.model.cfg.vocab, codes, times, QUESTION_2, history=pairs[:1]
+    )
+    assert doc.ids[: len(prompt.ids)].tolist() == prompt.ids
+    assert doc.ids[len(prompt.ids) :].tolist() == pre.tokenizer.encode(" a circle") + [
+        pre.tokenizer.eos_id
+    ]
     first = build_prompt(pre.tokenizer, pre.model.cfg.vocab, codes, times, NEEDLE_QUESTION)
-    assert prompt.ids[:len(first.ids)] == first.ids and prompt.video_end == first.video_end
+    assert prompt.ids[: len(first.ids)] == first.ids and prompt.video_end == first.video_end
 
 
 class _CharTokenizer:

@@ -22,21 +22,39 @@ from longvideo.data.synthetic import NEEDLE_QUESTION
 from test_serve import QUESTION_2, REPO, Server, material, messages  # noqa: F401 (material: a fixture)
 
 ARTEFACTS = Path(os.environ.get("LONGVIDEO_TEST_ARTEFACTS", REPO / "outputs" / "test-artefacts"))
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", "--remote-debugging-pipe"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--remote-debugging-pipe",
+]
 
 
 def chromium() -> str:
     """The path of Debian's chromium, installed with apt-get if needed; skip (saying why) if impossible."""
-    found = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
+    found = shutil.which("chromium") or (
+        "/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None
+    )
     if found:
         return found
     log = []
-    for cmd in (["apt-get", "install", "-y", "-q", "chromium"], ["apt-get", "update", "-q"],
-                ["apt-get", "install", "-y", "-q", "chromium"]):
+    for cmd in (
+        ["apt-get", "install", "-y", "-q", "chromium"],
+        ["apt-get", "update", "-q"],
+        ["apt-get", "install", "-y", "-q", "chromium"],
+    ):
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                               env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+            r = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=900,
+                env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"),
+            )
             log.append(f"$ {' '.join(cmd)} -> {r.returncode}: {r.stderr.strip()[-300:]}")
         except (OSError, subprocess.TimeoutExpired) as e:
             log.append(f"$ {' '.join(cmd)} -> {e}")
@@ -58,13 +76,20 @@ class Browser:
             os.dup2(to_chrome, 3)
             os.dup2(from_chrome, 4)
 
-        self.proc = subprocess.Popen([exe, *FLAGS, f"--user-data-dir={profile}", "about:blank"], preexec_fn=fds,
-                                     close_fds=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [exe, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+            preexec_fn=fds,
+            close_fds=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(to_chrome)
         os.close(from_chrome)
         self._id, self._buf, self.session = 0, b"", None
         target = self.call("Target.createTarget", url="about:blank")["targetId"]
-        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)[
+            "sessionId"
+        ]
 
     def call(self, method: str, **params):
         self._id += 1
@@ -110,17 +135,23 @@ def test_page_uploads_a_video_and_streams_the_apis_answers(material, tmp_path):
         clip = material["media"] / "clip.mp4"
         browser.call("Page.enable")
         browser.call("Page.navigate", url=server.url + "/")
-        browser.wait("document.readyState === 'complete' && document.getElementById('model').textContent === 'ckpt'")
+        browser.wait(
+            "document.readyState === 'complete' && document.getElementById('model').textContent === 'ckpt'"
+        )
         root = browser.call("DOM.getDocument")["root"]["nodeId"]
         node = browser.call("DOM.querySelector", nodeId=root, selector="#file")["nodeId"]
         browser.call("DOM.setFileInputFiles", nodeId=node, files=[str(clip)])
         browser.wait("!document.getElementById('send').disabled")
         answers = []
         for i, q in enumerate((NEEDLE_QUESTION, QUESTION_2)):
-            browser.js(f"document.getElementById('q').value = {json.dumps(q)};"
-                       "document.getElementById('ask').requestSubmit()")
+            browser.js(
+                f"document.getElementById('q').value = {json.dumps(q)};"
+                "document.getElementById('ask').requestSubmit()"
+            )
             bubble = f"document.querySelectorAll('.assistant')[{i}]"
-            state = browser.wait(f"{bubble} && {bubble}.dataset.state !== 'streaming' && {bubble}.dataset.state")
+            state = browser.wait(
+                f"{bubble} && {bubble}.dataset.state !== 'streaming' && {bubble}.dataset.state"
+            )
             assert state == "done", browser.js(f"{bubble}.textContent")
             answers.append(browser.js(f"{bubble}.textContent"))
             # streamed: the answer arrived in several deltas (the model was asked for 6 tokens)
@@ -128,14 +159,25 @@ def test_page_uploads_a_video_and_streams_the_apis_answers(material, tmp_path):
         # the API's answers to the same conversation
         url, history = "data:video/mp4;base64," + base64.b64encode(clip.read_bytes()).decode(), []
         for q, got in zip((NEEDLE_QUESTION, QUESTION_2), answers):
-            r = server.client.chat.completions.create(model="ckpt", messages=messages(url, q, history))
+            r = server.client.chat.completions.create(
+                model="ckpt", messages=messages(url, q, history)
+            )
             assert got == r.choices[0].message.content
             history.append((q, got))
         # the strip shows the 6 frames the model was given; nothing came from another origin
-        assert browser.wait("document.getElementById('thumbs').complete && "
-                            "document.getElementById('thumbs').naturalWidth") == 6 * 48
-        assert "6 frames given to the model" in browser.js("document.getElementById('stripinfo').textContent")
-        origins = browser.js("performance.getEntriesByType('resource').map(e => new URL(e.name).origin)")
+        assert (
+            browser.wait(
+                "document.getElementById('thumbs').complete && "
+                "document.getElementById('thumbs').naturalWidth"
+            )
+            == 6 * 48
+        )
+        assert "6 frames given to the model" in browser.js(
+            "document.getElementById('stripinfo').textContent"
+        )
+        origins = browser.js(
+            "performance.getEntriesByType('resource').map(e => new URL(e.name).origin)"
+        )
         assert set(origins) <= {server.url}, origins
         ARTEFACTS.mkdir(parents=True, exist_ok=True)
         png = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])

@@ -5,8 +5,12 @@ import pytest
 from longvideo.tokenizer import TextTokenizer, train_text_tokenizer
 from longvideo.vocab import SPECIAL_TOKENS
 
-TEXTS = ["a red circle moves to the left", "What colour was the flash frame? blue",
-         "the green square bounces", "zwölf Äpfel, naïve café 🎬"] * 5
+TEXTS = [
+    "a red circle moves to the left",
+    "What colour was the flash frame? blue",
+    "the green square bounces",
+    "zwölf Äpfel, naïve café 🎬",
+] * 5
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,9 @@ def test_foreign_tokenizer_gets_the_tokens_appended(tmp_path):
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4}
     raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    hf = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     t = TextTokenizer(hf)
     assert t.text_size == 5 and t.encode("hello <eov>") == [3, 8]
 

@@ -31,16 +31,37 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 GOLDEN = Path(__file__).parent / "golden" / "train_tiny_sp2_zero3.json"
 
 TINY = [
-    "model.text_vocab_size=256", "model.codebook_size=64", "vq.codebook_size=64", "model.dim=64",
-    "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.multiple_of=32",
-    "runtime.ffn_chunk=64", "runtime.loss_chunk=64", "runtime.activation_checkpointing=true",
+    "model.text_vocab_size=256",
+    "model.codebook_size=64",
+    "vq.codebook_size=64",
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.multiple_of=32",
+    "runtime.ffn_chunk=64",
+    "runtime.loss_chunk=64",
+    "runtime.activation_checkpointing=true",
     "data.seq_len=126",  # not a multiple of 2 * sp: the zigzag layout pads
-    "train.synthetic_vocab=32", "train.lr=3e-3", "train.warmup_steps=2", "train.weight_decay=0.01",
-    "train.micro_batch_size=1", "train.progress=false", "train.tensorboard=false", "train.plot=false",
+    "train.synthetic_vocab=32",
+    "train.lr=3e-3",
+    "train.warmup_steps=2",
+    "train.weight_decay=0.01",
+    "train.micro_batch_size=1",
+    "train.progress=false",
+    "train.tensorboard=false",
+    "train.plot=false",
 ]
 # the uninterrupted run, the killed run and the resumed run all use exactly this
-SP2 = TINY + ["parallel.sp=2", "parallel.timeout_s=30", "train.zero_stage=3", "train.grad_accum=2",
-              "train.steps=20", "train.checkpoint_every=5", "train.keep_checkpoints=2"]
+SP2 = TINY + [
+    "parallel.sp=2",
+    "parallel.timeout_s=30",
+    "train.zero_stage=3",
+    "train.grad_accum=2",
+    "train.steps=20",
+    "train.checkpoint_every=5",
+    "train.keep_checkpoints=2",
+]
 DP2 = TINY + ["parallel.sp=1", "train.grad_accum=2"]
 
 
@@ -53,22 +74,40 @@ def reference_grads(overrides: list[str], dp: int) -> tuple[float, dict[str, tor
     cfg = load_config(None, overrides)
     tc = cfg.train
     torch.manual_seed(tc.seed)
-    model = build_model(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, backend="torch"))).double()
+    model = build_model(
+        dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, backend="torch"))
+    ).double()
     loss_sum, weight = 0.0, 0.0
     for r in range(dp):
-        data = SyntheticTokens(seq_len=cfg.data.seq_len, batch_size=tc.micro_batch_size, vocab=tc.synthetic_vocab,
-                               seed=tc.seed, dp_rank=r, dp_size=dp)
+        data = SyntheticTokens(
+            seq_len=cfg.data.seq_len,
+            batch_size=tc.micro_batch_size,
+            vocab=tc.synthetic_vocab,
+            seed=tc.seed,
+            dp_rank=r,
+            dp_size=dp,
+        )
         for i in range(tc.grad_accum):
             b = data.batch(i)
-            part = model(b["input_ids"], b["positions"], b["segment_ids"], targets=b["targets"],
-                         loss_weights=b["loss_weights"])
-            loss_sum, weight = loss_sum + part, weight + float(token_weights(b["targets"], b["loss_weights"]).sum())
+            part = model(
+                b["input_ids"],
+                b["positions"],
+                b["segment_ids"],
+                targets=b["targets"],
+                loss_weights=b["loss_weights"],
+            )
+            loss_sum, weight = (
+                loss_sum + part,
+                weight + float(token_weights(b["targets"], b["loss_weights"]).sum()),
+            )
     loss = loss_sum / weight
     loss.backward()
     return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
 
 
-def assert_grads_match(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], tol: float = 1e-5):
+def assert_grads_match(
+    got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], tol: float = 1e-5
+):
     assert set(got) == set(ref)
     for name, g in ref.items():
         err = float((got[name].double() - g).norm() / g.norm())
@@ -81,10 +120,14 @@ def full_grads(trainer) -> dict[str, torch.Tensor]:
 
     from longvideo.parallel.engine import own_name
 
-    return {own_name(n): safe_get_full_grad(p).detach().cpu().clone() for n, p in trainer.model.named_parameters()}
+    return {
+        own_name(n): safe_get_full_grad(p).detach().cpu().clone()
+        for n, p in trainer.model.named_parameters()
+    }
 
 
 # ---- the uninterrupted sp = 2, ZeRO-3 run ---------------------------------------------------------
+
 
 def _uninterrupted(rank, world, out):
     from longvideo.train.trainer import Trainer
@@ -122,9 +165,13 @@ def test_sp2_zero3_loss_falls_and_matches_golden(sp2_run):
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
     if os.environ.get("LONGVIDEO_UPDATE_GOLDEN"):
         GOLDEN.parent.mkdir(exist_ok=True)
-        GOLDEN.write_text(json.dumps({"overrides": SP2, "world": 2, "losses": losses}, indent=1) + "\n")
+        GOLDEN.write_text(
+            json.dumps({"overrides": SP2, "world": 2, "losses": losses}, indent=1) + "\n"
+        )
     golden = json.loads(GOLDEN.read_text())
-    assert golden["overrides"] == SP2, "the golden run's config changed: regenerate with LONGVIDEO_UPDATE_GOLDEN=1"
+    assert golden["overrides"] == SP2, (
+        "the golden run's config changed: regenerate with LONGVIDEO_UPDATE_GOLDEN=1"
+    )
     # bitwise equality holds on one machine; other CPUs may round differently in the last bits
     assert losses == pytest.approx(golden["losses"], rel=1e-5, abs=0)
 
@@ -139,8 +186,14 @@ def test_checkpoints_hold_weights_state_and_consolidate(sp2_run, tmp_path):
     assert (ckpts / "latest").read_text().strip() == "step_000020"
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000015", "step_000020"]  # keep 2
     last = latest_checkpoint(run)
-    for f in ("config.yaml", "model.safetensors", "trainer_state.json", "loader/rank_00000.json",
-              "loader/rank_00001.json", "rng/rank_00001.safetensors"):
+    for f in (
+        "config.yaml",
+        "model.safetensors",
+        "trainer_state.json",
+        "loader/rank_00000.json",
+        "loader/rank_00001.json",
+        "rng/rank_00001.safetensors",
+    ):
         assert (last / f).is_file(), f
     state = json.loads((last / "trainer_state.json").read_text())
     assert (state["step"], state["world_size"], state["sp"], state["zero_stage"]) == (20, 2, 2, 3)
@@ -160,6 +213,7 @@ def test_checkpoints_hold_weights_state_and_consolidate(sp2_run, tmp_path):
 
 
 # ---- ZeRO stages, NaN losses, world-size error, --init-from: one dp = 2 world ----------------------
+
 
 class NaNAt:
     """Synthetic batches whose loss weights hold a NaN for batch indices in [start, stop), on dp
@@ -197,8 +251,15 @@ def _many_trainers(rank, world, out):
 
     # ZeRO-1, 2, 3 from the shipped JSON files: gradients of step 1 and the first losses
     for stage in (1, 2, 3):
-        cfg = load_config(None, DP2 + [f"train.deepspeed_config=deepspeed/zero{stage}.json", "train.steps=3",
-                                       f"train.out_dir={out}/zero{stage}"])
+        cfg = load_config(
+            None,
+            DP2
+            + [
+                f"train.deepspeed_config=deepspeed/zero{stage}.json",
+                "train.steps=3",
+                f"train.out_dir={out}/zero{stage}",
+            ],
+        )
         t = Trainer(cfg)
         assert t.zero_stage == stage and (t.mesh.dp, t.mesh.sp) == (2, 1)
         stats = t.forward_backward(t.next_micro_batches())
@@ -209,12 +270,30 @@ def _many_trainers(rank, world, out):
             save_file(grads, f"{out}/grads_zero{stage}.safetensors")
 
     def nan_data(cfg, start, stop):
-        return NaNAt(SyntheticTokens(seq_len=cfg.data.seq_len, batch_size=1, vocab=32, seed=cfg.train.seed,
-                                     dp_rank=rank, dp_size=2), start, stop)
+        return NaNAt(
+            SyntheticTokens(
+                seq_len=cfg.data.seq_len,
+                batch_size=1,
+                vocab=32,
+                seed=cfg.train.seed,
+                dp_rank=rank,
+                dp_size=2,
+            ),
+            start,
+            stop,
+        )
 
     # one NaN loss (on one rank's data): every rank skips that update, then training goes on
-    cfg = load_config(None, DP2 + ["train.grad_accum=1", "train.zero_stage=3", "train.steps=4",
-                                   f"train.out_dir={out}/nan1"])
+    cfg = load_config(
+        None,
+        DP2
+        + [
+            "train.grad_accum=1",
+            "train.zero_stage=3",
+            "train.steps=4",
+            f"train.out_dir={out}/nan1",
+        ],
+    )
     t = Trainer(cfg, batches=nan_data(cfg, 1, 2))  # step 2
     m1 = t.train_step()
     w1 = t.engine.full_state(keep=True)
@@ -228,8 +307,18 @@ def _many_trainers(rank, world, out):
     assert any(not torch.equal(w2[k], w3[k]) for k in w2)
 
     # NaN from step 4 on, max_bad_steps=3: the run stops at step 6, keeping the step-2 checkpoint
-    cfg = load_config(None, DP2 + ["train.grad_accum=1", "train.zero_stage=2", "train.steps=10",
-                                   "train.checkpoint_every=2", "train.max_bad_steps=3", f"train.out_dir={out}/nan3"])
+    cfg = load_config(
+        None,
+        DP2
+        + [
+            "train.grad_accum=1",
+            "train.zero_stage=2",
+            "train.steps=10",
+            "train.checkpoint_every=2",
+            "train.max_bad_steps=3",
+            f"train.out_dir={out}/nan3",
+        ],
+    )
     t = Trainer(cfg, batches=nan_data(cfg, 3, 10**9))  # steps 4, 5, ...
     try:
         t.run()
@@ -239,8 +328,16 @@ def _many_trainers(rank, world, out):
         report["diverged_step"] = t.step
 
     # --init-from: the next stage (longer context, larger RoPE theta) starts from those weights
-    cfg = load_config(None, DP2 + ["data.seq_len=254", "model.rope_theta=1e6", "train.steps=1",
-                                   f"train.out_dir={out}/stage2"])
+    cfg = load_config(
+        None,
+        DP2
+        + [
+            "data.seq_len=254",
+            "model.rope_theta=1e6",
+            "train.steps=1",
+            f"train.out_dir={out}/stage2",
+        ],
+    )
     t = Trainer(cfg, init_from=f"{out}/nan3")
     sd, _ = load_model_state(f"{out}/nan3")
     w = t.engine.full_state(keep=True)
@@ -276,6 +373,7 @@ def test_zero_stages_nan_handling_world_errors_and_init_from(tmp_path):
 
 # ---- kill -9 while writing a checkpoint, a dead rank, and resume -----------------------------------
 
+
 def _killed_while_saving(rank, world, out):
     from longvideo.train.trainer import train
 
@@ -302,7 +400,10 @@ def _spawn_expecting_death(fn, world, args, timeout):
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     init_file = Path(args[0]) / "rendezvous"
-    procs = [ctx.Process(target=_worker, args=(r, world, str(init_file), fn, args, errq, 1)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, str(init_file), fn, args, errq, 1))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -335,9 +436,28 @@ def test_kill_during_checkpoint_then_resume_gives_identical_losses(sp2_run, tmp_
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text(yaml.safe_dump(apply_overrides({}, SP2)))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "longvideo", "train", "--config", str(cfg_file), "--resume", "--out", str(run)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "longvideo",
+            "train",
+            "--config",
+            str(cfg_file),
+            "--resume",
+            "--out",
+            str(run),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "resumed from" in proc.stdout and "step_000005" in proc.stdout
     assert not (ckpts / ".tmp_step_000010").exists()  # the stale directory was cleaned up

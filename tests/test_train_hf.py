@@ -18,20 +18,47 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _overrides(path: Path, out: Path) -> list[str]:
-    return [f"train.hf_model={path}", "model.text_vocab_size=48", "model.codebook_size=16", "vq.codebook_size=16",
-            "runtime.activation_checkpointing=true", "runtime.loss_chunk=40", "data.seq_len=94", "train.synthetic_vocab=48",
-            "train.lr=1e-3", "train.warmup_steps=1", "train.steps=2", "train.micro_batch_size=1", "train.grad_accum=2",
-            "train.zero_stage=3", "train.checkpoint_every=2", "parallel.sp=2", "parallel.timeout_s=60",
-            "parallel.backend=torch", "train.progress=false", "train.tensorboard=false", "train.plot=false",
-            f"train.out_dir={out}"]
+    return [
+        f"train.hf_model={path}",
+        "model.text_vocab_size=48",
+        "model.codebook_size=16",
+        "vq.codebook_size=16",
+        "runtime.activation_checkpointing=true",
+        "runtime.loss_chunk=40",
+        "data.seq_len=94",
+        "train.synthetic_vocab=48",
+        "train.lr=1e-3",
+        "train.warmup_steps=1",
+        "train.steps=2",
+        "train.micro_batch_size=1",
+        "train.grad_accum=2",
+        "train.zero_stage=3",
+        "train.checkpoint_every=2",
+        "parallel.sp=2",
+        "parallel.timeout_s=60",
+        "parallel.backend=torch",
+        "train.progress=false",
+        "train.tensorboard=false",
+        "train.plot=false",
+        f"train.out_dir={out}",
+    ]
 
 
 def _tiny_llama(path: Path, **kw) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, **kw)
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        **kw,
+    )
     LlamaForCausalLM(cfg).save_pretrained(str(path))
 
 
@@ -59,7 +86,9 @@ def _reference(path: Path, cfg) -> tuple[float, dict[str, torch.Tensor]]:
     from longvideo.train.synthetic_tokens import SyntheticTokens
 
     model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").double()
-    data = SyntheticTokens(seq_len=cfg.data.seq_len, batch_size=1, vocab=cfg.train.synthetic_vocab, seed=cfg.train.seed)
+    data = SyntheticTokens(
+        seq_len=cfg.data.seq_len, batch_size=1, vocab=cfg.train.synthetic_vocab, seed=cfg.train.seed
+    )
     total, weight = 0.0, 0.0
     for i in range(cfg.train.grad_accum):
         b = {k: v[0] for k, v in data.batch(i).items()}
@@ -83,7 +112,7 @@ def test_transformers_model_trains_on_the_ring_with_exact_gradients(tmp_path):
     cfg = load_config(None, _overrides(path, out))
     ref_loss, ref = _reference(path, cfg)
     assert float((out / "loss.txt").read_text()) == pytest.approx(ref_loss, rel=1e-5)
-    got = {k[len("model."):]: v for k, v in load_file(str(out / "grads.safetensors")).items()}
+    got = {k[len("model.") :]: v for k, v in load_file(str(out / "grads.safetensors")).items()}
     assert set(got) == set(ref)
     for name, g in ref.items():
         err = float((got[name].double() - g).norm() / g.norm())
@@ -94,7 +123,10 @@ def test_transformers_model_trains_on_the_ring_with_exact_gradients(tmp_path):
     latest = out / "checkpoints" / (out / "checkpoints/latest").read_text().strip()
     trained = AutoModelForCausalLM.from_pretrained(str(latest / "hf"))
     before = AutoModelForCausalLM.from_pretrained(str(path))
-    assert not torch.equal(trained.model.layers[0].self_attn.q_proj.weight, before.model.layers[0].self_attn.q_proj.weight)
+    assert not torch.equal(
+        trained.model.layers[0].self_attn.q_proj.weight,
+        before.model.layers[0].self_attn.q_proj.weight,
+    )
 
 
 def _refuse(rank, world, path, out, key):
@@ -108,10 +140,22 @@ def _refuse(rank, world, path, out, key):
 def test_models_the_ring_cannot_run_exactly_are_named_errors(tmp_path):
     small = tmp_path / "small"
     _tiny_llama(small, attention_dropout=0.1)  # dropout in training is not exact on a ring
-    run_ranks(_refuse, world=1, args=(str(small), str(tmp_path / "a"), "train.hf_model"), timeout=300)
+    run_ranks(
+        _refuse, world=1, args=(str(small), str(tmp_path / "a"), "train.hf_model"), timeout=300
+    )
     too_few = tmp_path / "vocab"
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    LlamaForCausalLM(LlamaConfig(vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(str(too_few))
-    run_ranks(_refuse, world=1, args=(str(too_few), str(tmp_path / "b"), "train.hf_model"), timeout=300)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=20,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).save_pretrained(str(too_few))
+    run_ranks(
+        _refuse, world=1, args=(str(too_few), str(tmp_path / "b"), "train.hf_model"), timeout=300
+    )

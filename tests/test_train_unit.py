@@ -23,6 +23,7 @@ from longvideo.train.synthetic_tokens import SyntheticTokens
 
 # ---- schedule -----------------------------------------------------------------------------------
 
+
 def test_warmup_then_cosine_matches_closed_form():
     kw = dict(lr=1.0, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
     assert [lr_at(s, **kw) for s in range(10)] == pytest.approx([(s + 1) / 10 for s in range(10)])
@@ -42,19 +43,30 @@ def test_schedule_state_restores_the_rate():
     opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
     b = WarmupCosine(opt2, lr=2.0, warmup_steps=3, total_steps=20, min_lr_ratio=0.0)
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
-    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == pytest.approx(lr_at(7, lr=2.0, warmup_steps=3,
-                                                                                         total_steps=20, min_lr_ratio=0.0))
+    assert (
+        opt2.param_groups[0]["lr"]
+        == opt.param_groups[0]["lr"]
+        == pytest.approx(lr_at(7, lr=2.0, warmup_steps=3, total_steps=20, min_lr_ratio=0.0))
+    )
 
 
 # ---- DeepSpeed config ---------------------------------------------------------------------------
 
+
 def test_deepspeed_config_owned_keys_and_explicit_clipping():
-    cfg = build_deepspeed_config(TrainConfig(micro_batch_size=2, grad_accum=3, grad_clip=0.0), world_size=4, bf16=False)
+    cfg = build_deepspeed_config(
+        TrainConfig(micro_batch_size=2, grad_accum=3, grad_clip=0.0), world_size=4, bf16=False
+    )
     assert cfg["train_micro_batch_size_per_gpu"] == 2 and cfg["gradient_accumulation_steps"] == 3
     assert cfg["train_batch_size"] == 2 * 3 * 4
     assert cfg["gradient_clipping"] == 0.0  # DeepSpeed's default would be 1.0
     assert cfg["zero_optimization"]["stage"] == 3 and cfg["bf16"]["enabled"] is False
-    assert build_deepspeed_config(TrainConfig(grad_clip=0.5), world_size=1, bf16=True)["gradient_clipping"] == 0.5
+    assert (
+        build_deepspeed_config(TrainConfig(grad_clip=0.5), world_size=1, bf16=True)[
+            "gradient_clipping"
+        ]
+        == 0.5
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -70,18 +82,25 @@ def test_deepspeed_config_conflicts_are_errors(tmp_path):
     f = tmp_path / "ds.json"
     f.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     with pytest.raises(ConfigError, match="train.zero_stage"):
-        build_deepspeed_config(TrainConfig(deepspeed_config=str(f), zero_stage=3), world_size=1, bf16=False)
+        build_deepspeed_config(
+            TrainConfig(deepspeed_config=str(f), zero_stage=3), world_size=1, bf16=False
+        )
     f.write_text(json.dumps({"gradient_clipping": 5.0}))
     with pytest.raises(ConfigError, match="gradient_clipping"):
-        build_deepspeed_config(TrainConfig(deepspeed_config=str(f), grad_clip=1.0), world_size=1, bf16=False)
+        build_deepspeed_config(
+            TrainConfig(deepspeed_config=str(f), grad_clip=1.0), world_size=1, bf16=False
+        )
     f.write_text(json.dumps({"optimizer": {"type": "Adam"}}))
     with pytest.raises(ConfigError, match="optimizer"):
         build_deepspeed_config(TrainConfig(deepspeed_config=str(f)), world_size=1, bf16=False)
     with pytest.raises(ConfigError, match="not found"):
-        build_deepspeed_config(TrainConfig(deepspeed_config=str(tmp_path / "missing.json")), world_size=1, bf16=False)
+        build_deepspeed_config(
+            TrainConfig(deepspeed_config=str(tmp_path / "missing.json")), world_size=1, bf16=False
+        )
 
 
 # ---- configs and ladders --------------------------------------------------------------------------
+
 
 def test_every_shipped_config_loads():
     files = sorted(CONFIG_DIR.glob("*.yaml")) + sorted((CONFIG_DIR / "stages").glob("*.yaml"))
@@ -97,14 +116,21 @@ def test_7b_text_ladder_follows_lwm():
     for name in seq:
         c = load_config(f"stages/lwm-text-{name}.yaml")
         assert (c.model.dim, c.model.n_layers, c.model.n_heads) == (4096, 32, 32)
-        assert c.data.seq_len == c.model.max_seq_len == seq[name] and c.model.rope_theta == theta[name]
+        assert (
+            c.data.seq_len == c.model.max_seq_len == seq[name] and c.model.rope_theta == theta[name]
+        )
         assert c.train.data_source == "shards"
         if prev is not None:
-            assert c.train.init_from == prev.train.out_dir  # each stage starts from the previous one
+            assert (
+                c.train.init_from == prev.train.out_dir
+            )  # each stage starts from the previous one
         prev = c
     for name in ("1k", "8k", "32k", "128k", "1m"):
         c = load_config(f"stages/lwm-vl-{name}.yaml")
-        assert c.model.rope_theta == 5e7 and c.data.text_loss_weight == c.data.vision_loss_weight == 0.5
+        assert (
+            c.model.rope_theta == 5e7
+            and c.data.text_loss_weight == c.data.vision_loss_weight == 0.5
+        )
 
 
 def test_tiny_ladder_has_the_same_form():
@@ -131,13 +157,16 @@ def test_cli_reports_config_errors_before_any_work(capsys):
 
 # ---- synthetic data -------------------------------------------------------------------------------
 
+
 def test_synthetic_batches_follow_the_loader_format():
     d = SyntheticTokens(seq_len=100, batch_size=3, vocab=50, seed=1, min_doc=7, max_doc=30)
     b = next(iter(d))
     assert set(b) == {"input_ids", "targets", "positions", "segment_ids", "loss_weights"}
     assert all(v.shape == (3, 100) for v in b.values())
     for r in range(3):
-        ids, tgt, pos, seg, w = (b[k][r] for k in ("input_ids", "targets", "positions", "segment_ids", "loss_weights"))
+        ids, tgt, pos, seg, w = (
+            b[k][r] for k in ("input_ids", "targets", "positions", "segment_ids", "loss_weights")
+        )
         for s in seg.unique().tolist():
             idx = (seg == s).nonzero().flatten()
             if s < 0:
@@ -172,6 +201,7 @@ def test_synthetic_is_deterministic_resumable_and_dp_disjoint():
 
 # ---- checkpoint files -----------------------------------------------------------------------------
 
+
 def test_latest_pointer_stale_cleanup_and_pruning(tmp_path):
     ckpts = tmp_path / fmt.CHECKPOINTS
     for s in (5, 10, 15):
@@ -195,8 +225,18 @@ def test_latest_pointer_stale_cleanup_and_pruning(tmp_path):
 def test_load_project_state_reads_a_project_checkpoint(tmp_path):
     from longvideo.model import Transformer
 
-    cfg = load_config(None, ["model.text_vocab_size=64", "model.codebook_size=16", "vq.codebook_size=16",
-                             "model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.tie_embeddings=true"])
+    cfg = load_config(
+        None,
+        [
+            "model.text_vocab_size=64",
+            "model.codebook_size=16",
+            "vq.codebook_size=16",
+            "model.dim=32",
+            "model.n_layers=1",
+            "model.n_heads=2",
+            "model.tie_embeddings=true",
+        ],
+    )
     torch.manual_seed(0)
     model = Transformer(cfg.model)
     fmt.save_project_checkpoint(tmp_path / "p", dict(model.named_parameters()), cfg)
@@ -224,6 +264,7 @@ def test_rng_state_round_trip():
 
 # ---- logging --------------------------------------------------------------------------------------
 
+
 def test_metrics_keep_bad_steps_visible_and_truncate_on_resume(tmp_path):
     log = RunLogger(tmp_path, enabled=True, total_steps=4, progress=False, tensorboard=True)
     for s, loss in enumerate([3.0, float("nan"), 2.0, 1.5], start=1):
@@ -233,7 +274,9 @@ def test_metrics_keep_bad_steps_visible_and_truncate_on_resume(tmp_path):
     assert [r["loss"] for r in rows] == [3.0, "nan", 2.0, 1.5] and rows[1]["skipped"] is True
     assert png is not None and png.stat().st_size > 1000
     assert any((tmp_path / "tb").iterdir())
-    RunLogger(tmp_path, enabled=True, total_steps=4, start_step=2, progress=False, tensorboard=False).close(plot=False)
+    RunLogger(
+        tmp_path, enabled=True, total_steps=4, start_step=2, progress=False, tensorboard=False
+    ).close(plot=False)
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     assert plot_losses(tmp_path / "nothing-here") is None
 
@@ -253,8 +296,23 @@ def test_world_size_mismatch_is_a_clear_error_before_work(tmp_path):
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, "-m", "longvideo", "train", "--config", "tiny.yaml", "parallel.sp=2",
-                           "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "longvideo",
+            "train",
+            "--config",
+            "tiny.yaml",
+            "parallel.sp=2",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "parallel.sp" in proc.stderr and "world size 1" in proc.stderr
     assert not (tmp_path / "run").exists()  # nothing was started
@@ -266,6 +324,16 @@ def test_tiny_root_config_carries_the_tiny_vq_shape():
 
     vq = from_dict(VQConfig, load_yaml(CONFIG_DIR / "vq" / "tiny.yaml"))
     root = load_config("tiny.yaml").vq
-    for f in ("mode", "resolution", "downsample", "codebook_size", "patch_size", "channels", "channel_mult",
-              "num_res_blocks", "quantizer", "codes_per_frame"):
+    for f in (
+        "mode",
+        "resolution",
+        "downsample",
+        "codebook_size",
+        "patch_size",
+        "channels",
+        "channel_mult",
+        "num_res_blocks",
+        "quantizer",
+        "codes_per_frame",
+    ):
         assert getattr(root, f) == getattr(vq, f), f

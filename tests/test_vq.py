@@ -27,8 +27,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def small_cfg(mode: str = "2d", **kw) -> VQConfig:
-    base = dict(mode=mode, resolution=32, downsample=8, temporal_downsample=4, codebook_size=64,
-                patch_size=2, channels=8, channel_mult=(1, 2, 2), num_res_blocks=1)
+    base = dict(
+        mode=mode,
+        resolution=32,
+        downsample=8,
+        temporal_downsample=4,
+        codebook_size=64,
+        patch_size=2,
+        channels=8,
+        channel_mult=(1, 2, 2),
+        num_res_blocks=1,
+    )
     return VQConfig(**{**base, **kw})
 
 
@@ -105,8 +114,12 @@ def test_fsq_codes_and_lookup_are_inverse():
 
 def test_fsq_codebook_is_the_quantizers_lookup():
     for levels in ((8, 5, 4), (8, 8, 4, 4), (2, 3)):
-        torch.testing.assert_close(fsq_codebook(levels), FSQ(levels).lookup(torch.arange(math.prod(levels))),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            fsq_codebook(levels),
+            FSQ(levels).lookup(torch.arange(math.prod(levels))),
+            rtol=0,
+            atol=0,
+        )
 
 
 def test_vq_quantizer_restarts_dead_codes():
@@ -155,7 +168,14 @@ def test_2d_shapes_and_round_trip():
     assert torch.equal(codes, ref_codes[:, 0])
     out = decode_codes(vq, codes, batch_groups=2)
     assert out.shape == (7, 32, 32, 3) and out.dtype == torch.uint8
-    ref = ref_frames.clamp(-1, 1).add(1).mul(127.5).round().permute(0, 2, 3, 4, 1).reshape(7, 32, 32, 3)
+    ref = (
+        ref_frames.clamp(-1, 1)
+        .add(1)
+        .mul(127.5)
+        .round()
+        .permute(0, 2, 3, 4, 1)
+        .reshape(7, 32, 32, 3)
+    )
     assert (out.float() - ref).abs().max() <= 1
     assert vq.group_frame_index(3) == [[0], [1], [2]]
     assert encode_video(vq, frames).equal(encode_video(vq, frames))  # deterministic
@@ -180,7 +200,10 @@ def test_causal3d_shapes(num_frames):
 
 def test_wrong_frame_size_is_named():
     vq = small_model("2d")
-    with pytest.raises(ValueError, match=r"expected uint8 frames \(T, 32, 32, 3\), got torch.uint8 \(2, 16, 16, 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"expected uint8 frames \(T, 32, 32, 3\), got torch.uint8 \(2, 16, 16, 3\)",
+    ):
         encode_video(vq, torch.zeros(2, 16, 16, 3, dtype=torch.uint8))
     with pytest.raises(ValueError, match="got torch.float32"):
         encode_video(vq, torch.zeros(2, 32, 32, 3))
@@ -204,7 +227,9 @@ def test_causal3d_first_frames_do_not_see_later_frames():
         with torch.no_grad():
             z = vq.encoder(changed.float().div(127.5).sub(1).permute(3, 0, 1, 2)[None])
         assert torch.equal(z[:, :, :intact], base[:, :, :intact]), k  # exactly the same numbers
-        assert not torch.allclose(z[:, :, intact:], base[:, :, intact:]), k  # later groups do see it
+        assert not torch.allclose(z[:, :, intact:], base[:, :, intact:]), (
+            k
+        )  # later groups do see it
         assert torch.equal(encode_video(vq, changed)[:intact], encode_video(vq, frames)[:intact])
     # the decoder is causal too: changing the last group's codes leaves earlier frames alone
     codes = encode_video(vq, frames)
@@ -221,16 +246,21 @@ def test_streaming_encode_equals_whole_video(mode):
     padded = torch.cat([frames, frames[-1:].expand(2, -1, -1, -1)])  # 25 = 1 + 4 * 6 frames
     x = (padded if mode == "causal3d" else frames).float().div(127.5).sub(1)
     with torch.no_grad():  # reference: latents of the whole video in one call
-        whole_z = vq.encoder(x.permute(3, 0, 1, 2)[None] if mode == "causal3d" else x.permute(0, 3, 1, 2)[:, :, None])
+        whole_z = vq.encoder(
+            x.permute(3, 0, 1, 2)[None] if mode == "causal3d" else x.permute(0, 3, 1, 2)[:, :, None]
+        )
     whole = encode_video(vq, frames, batch_frames=64)
     seen = []
     hook = vq.encoder.register_forward_hook(
-        lambda m, args, out: seen.append((args[0].shape[0] * args[0].shape[2], out)))
+        lambda m, args, out: seen.append((args[0].shape[0] * args[0].shape[2], out))
+    )
     for bf, cuts in [(4, [3, 1, 7, 2, 10]), (5, [23]), (9, [1] * 23)]:
         seen.clear()
         chunks = (frames[a:b] for a, b in zip([0] + list(np.cumsum(cuts)[:-1]), np.cumsum(cuts)))
         codes = encode_video(vq, chunks, batch_frames=bf)
-        assert max(n for n, _ in seen) <= bf  # never more than batch_frames frames (padding included)
+        assert (
+            max(n for n, _ in seen) <= bf
+        )  # never more than batch_frames frames (padding included)
         z = torch.cat([out for _, out in seen], dim=2 if mode == "causal3d" else 0)
         # the same latents up to float rounding (convolutions over other lengths round differently)
         torch.testing.assert_close(z, whole_z, rtol=0, atol=1e-5)
@@ -251,7 +281,10 @@ def test_streaming_encode_holds_a_bounded_number_of_frames(mode):
     vq = small_model(mode, seed=3)
     taken, encoded, in_flight = [0], [0], []
     hook = vq.encoder.register_forward_hook(
-        lambda m, args, out: encoded.__setitem__(0, encoded[0] + args[0].shape[0] * args[0].shape[2]))
+        lambda m, args, out: encoded.__setitem__(
+            0, encoded[0] + args[0].shape[0] * args[0].shape[2]
+        )
+    )
 
     def chunks(n, size=7):
         for i in range(0, n, size):
@@ -276,7 +309,7 @@ def test_streaming_encode_memory_does_not_grow_with_length(tmp_path):
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from memwatch import growth
         from longvideo.vq import load_vq, encode_video
-        vq = load_vq({str(tmp_path / 'vq')!r})
+        vq = load_vq({str(tmp_path / "vq")!r})
 
         def chunks(n):
             g = torch.Generator().manual_seed(n)
@@ -298,8 +331,9 @@ def test_streaming_encode_memory_does_not_grow_with_length(tmp_path):
         held, _ = growth(lambda: torch.cat(list(chunks(4800))).double())
         print(mid, long, held)
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     mid, long, held = map(float, out.stdout.split()[-3:])
     # streaming: flat in the video's length, so the second 9600 frames add nothing. Holding them would
@@ -339,12 +373,16 @@ def test_load_errors_name_the_problem(tmp_path):
         load_vq(tmp_path / "nowhere")
     cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
     (tmp_path / "b").mkdir()
-    (tmp_path / "b" / "model.safetensors").write_bytes((tmp_path / "ok" / "model.safetensors").read_bytes())
+    (tmp_path / "b" / "model.safetensors").write_bytes(
+        (tmp_path / "ok" / "model.safetensors").read_bytes()
+    )
     (tmp_path / "b" / "config.json").write_text(json.dumps({**cfg, "chanels": 8}))
     with pytest.raises(ConfigError, match="chanels"):
         load_vq(tmp_path / "b")
     (tmp_path / "b" / "config.json").write_text(json.dumps({**cfg, "channels": 16}))
-    with pytest.raises(ValueError, match=r"key '[a-z0-9_.]+' has shape \(16,\), the config implies \(32,\)"):
+    with pytest.raises(
+        ValueError, match=r"key '[a-z0-9_.]+' has shape \(16,\), the config implies \(32,\)"
+    ):
         load_vq(tmp_path / "b")
     from safetensors.torch import load_file, save_file
 
@@ -365,8 +403,19 @@ def _shape_videos(n: int, frames: int = 24, size: int = 32) -> list[torch.Tensor
 
 @pytest.mark.slow
 def test_training_raises_psnr_and_uses_the_codebook(tmp_path):
-    cfg = small_cfg("2d", channels=16, codebook_size=256, batch_size=8, lr=2e-3, warmup_steps=20,
-                    steps=300, eval_every=1000, eval_frames=48, log_every=50, save_every=1000)
+    cfg = small_cfg(
+        "2d",
+        channels=16,
+        codebook_size=256,
+        batch_size=8,
+        lr=2e-3,
+        warmup_steps=20,
+        steps=300,
+        eval_every=1000,
+        eval_frames=48,
+        log_every=50,
+        save_every=1000,
+    )
     result = train_vq(cfg, _shape_videos(26), tmp_path, progress=False, tensorboard=False)
     first, last = result.history[0], result.metrics
     assert first["step"] == 0 and last["step"] == 300
@@ -386,9 +435,20 @@ def test_training_raises_psnr_and_uses_the_codebook(tmp_path):
 def test_train_resume_continues_exactly(tmp_path, monkeypatch):
     from longvideo.train import vq as train_mod
 
-    cfg = small_cfg("causal3d", batch_size=2, clip_groups=2, steps=4, eval_every=2, eval_frames=5,
-                    log_every=1, save_every=2, warmup_steps=1, disc_weight=0.5, disc_start=1,
-                    disc_channels=8)
+    cfg = small_cfg(
+        "causal3d",
+        batch_size=2,
+        clip_groups=2,
+        steps=4,
+        eval_every=2,
+        eval_frames=5,
+        log_every=1,
+        save_every=2,
+        warmup_steps=1,
+        disc_weight=0.5,
+        disc_start=1,
+        disc_channels=8,
+    )
     videos = _shape_videos(3, frames=12)
     full = train_vq(cfg, videos, tmp_path / "full", progress=False, tensorboard=False)
     # a run killed while making its third batch, after the checkpoint of step 2
@@ -413,8 +473,13 @@ def test_train_resume_continues_exactly(tmp_path, monkeypatch):
     assert (tmp_path / "part" / "samples" / "step_0000004.png").is_file()
     assert list((tmp_path / "part" / "tb").glob("events.out.tfevents.*"))
     with pytest.raises(ValueError, match="channels=8"):
-        train_vq(small_cfg("causal3d", channels=16), videos, tmp_path / "part", progress=False,
-                 tensorboard=False)
+        train_vq(
+            small_cfg("causal3d", channels=16),
+            videos,
+            tmp_path / "part",
+            progress=False,
+            tensorboard=False,
+        )
 
 
 def test_cli_trains_from_a_folder_of_videos(tmp_path):
@@ -425,7 +490,8 @@ def test_cli_trains_from_a_folder_of_videos(tmp_path):
         write_mp4([moving_shapes_video(16, 32, seed=i)], fps=8, dst=tmp_path / f"v{i}.mp4")
     (tmp_path / "broken.mp4").write_bytes(b"not a video")
     cfg = tmp_path / "vq.yaml"
-    cfg.write_text(textwrap.dedent("""
+    cfg.write_text(
+        textwrap.dedent("""
         mode: 2d
         resolution: 32
         downsample: 8
@@ -434,13 +500,41 @@ def test_cli_trains_from_a_folder_of_videos(tmp_path):
         channels: 8
         channel_mult: [1, 2, 2]
         num_res_blocks: 1
-    """))
-    rc = main(["--config", str(cfg), "--data", str(tmp_path), "--out", str(tmp_path / "run"), "--quiet",
-               "--no-tensorboard", "steps=3", "eval_every=3", "batch_size=4", "fps=4", "eval_frames=4"])
+    """)
+    )
+    rc = main(
+        [
+            "--config",
+            str(cfg),
+            "--data",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "run"),
+            "--quiet",
+            "--no-tensorboard",
+            "steps=3",
+            "eval_every=3",
+            "batch_size=4",
+            "fps=4",
+            "eval_frames=4",
+        ]
+    )
     assert rc == 0
     vq = load_vq(tmp_path / "run")
     assert vq.cfg.steps == 3
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [0, 3]
-    assert main(["--config", str(cfg), "--data", str(tmp_path), "--out", str(tmp_path / "r2"),
-                 "chanels=3"]) == 2
+    assert (
+        main(
+            [
+                "--config",
+                str(cfg),
+                "--data",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "r2"),
+                "chanels=3",
+            ]
+        )
+        == 2
+    )

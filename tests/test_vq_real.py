@@ -18,14 +18,31 @@ from longvideo.data.frames import FrameSource, build_frame_source
 from longvideo.vq.monitor import USAGE_FLOOR, health_warnings, labelled_grid
 from longvideo.train.vq import random_crops
 
-needs_photos = pytest.mark.skipif(importlib.util.find_spec("skimage") is None,
-                                  reason="scikit-image (the photographs) is not installed")
+needs_photos = pytest.mark.skipif(
+    importlib.util.find_spec("skimage") is None,
+    reason="scikit-image (the photographs) is not installed",
+)
 
 
 def real_cfg(**kw) -> VQConfig:
-    base = dict(mode="2d", resolution=32, downsample=8, codebook_size=256, patch_size=2, channels=16,
-                channel_mult=(1, 2, 2), num_res_blocks=1, batch_size=8, lr=2e-3, warmup_steps=20,
-                steps=300, eval_every=50, eval_frames=48, log_every=50, save_every=10_000)
+    base = dict(
+        mode="2d",
+        resolution=32,
+        downsample=8,
+        codebook_size=256,
+        patch_size=2,
+        channels=16,
+        channel_mult=(1, 2, 2),
+        num_res_blocks=1,
+        batch_size=8,
+        lr=2e-3,
+        warmup_steps=20,
+        steps=300,
+        eval_every=50,
+        eval_frames=48,
+        log_every=50,
+        save_every=10_000,
+    )
     return VQConfig(**{**base, **kw})
 
 
@@ -38,7 +55,9 @@ def real_source(size: int = 32, train_size: int | None = None) -> FrameSource:
 
     key = (size, train_size)
     if key not in _CACHE:
-        tr = real_videos("train", videos_per_scene=2, num_frames=24, size=train_size or size, seed=0)
+        tr = real_videos(
+            "train", videos_per_scene=2, num_frames=24, size=train_size or size, seed=0
+        )
         he = real_videos("heldout", videos_per_scene=2, num_frames=24, size=size, seed=1)
         _CACHE[key] = ([torch.from_numpy(v) for v in tr], [torch.from_numpy(v) for v in he])
     tr, he = _CACHE[key]
@@ -51,7 +70,9 @@ def test_training_on_real_video_generalises_to_unseen_photographs(tmp_path, capl
     # 300 steps (about 20 s on one core): over seeds 0-4 held-out PSNR rose by 4.1-5.2 dB (from
     # 9.8-10.9 dB untrained) with 50-64 % of the codebook used; the bounds leave a 1 dB margin
     caplog.set_level(logging.WARNING, logger="longvideo.train.vq")
-    res = train_vq(real_cfg(crop_scale=1.5), real_source(32, 48), tmp_path, progress=False, tensorboard=False)
+    res = train_vq(
+        real_cfg(crop_scale=1.5), real_source(32, 48), tmp_path, progress=False, tensorboard=False
+    )
     first, last = res.history[0], res.metrics
     assert last["step"] == 300
     assert last["psnr"] >= first["psnr"] + 3.0, res.history
@@ -84,10 +105,19 @@ def test_health_warnings_thresholds():
     assert health_warnings([h0]) == []
     assert health_warnings([h0, {"step": 50, "psnr": 14.0, "usage": 0.4, "codes_used": 400}]) == []
     low = health_warnings([h0, {"step": 50, "psnr": 9.2, "usage": 0.4}], train_videos=1, lr=1e-3)
-    assert len(low) == 1 and "9.20 dB" in low[0] and "10.00 dB" in low[0] and "1 training video" in low[0]
+    assert (
+        len(low) == 1
+        and "9.20 dB" in low[0]
+        and "10.00 dB" in low[0]
+        and "1 training video" in low[0]
+    )
     assert "now 0.001" in low[0]
-    collapsed = health_warnings([h0, {"step": 50, "psnr": 12.0, "usage": USAGE_FLOOR / 2, "codes_used": 25}])
-    assert len(collapsed) == 1 and "codebook collapse" in collapsed[0] and "25 codes" in collapsed[0]
+    collapsed = health_warnings(
+        [h0, {"step": 50, "psnr": 12.0, "usage": USAGE_FLOOR / 2, "codes_used": 25}]
+    )
+    assert (
+        len(collapsed) == 1 and "codebook collapse" in collapsed[0] and "25 codes" in collapsed[0]
+    )
     # a held-out set of 2,048 codes can use at most a quarter of 8192 codes: 4 % is no collapse
     h1 = {"step": 9, "psnr": 11.5, "usage": 0.044, "codes_used": 360}
     assert health_warnings([h0, h1], max_usage=2048 / 8192) == []
@@ -99,8 +129,15 @@ def test_labelled_grid_shows_psnr_and_warnings():
     orig = torch.randint(0, 256, (10, 32, 32, 3), dtype=torch.uint8, generator=g)
     recon = orig.clone()
     recon[3:] = 128
-    img = labelled_grid(orig, recon, step=100, psnr=9.0, usage=0.02, psnr_untrained=11.0,
-                        warnings=["held-out PSNR ... below", "codebook collapse: ..."])
+    img = labelled_grid(
+        orig,
+        recon,
+        step=100,
+        psnr=9.0,
+        usage=0.02,
+        psnr_untrained=11.0,
+        warnings=["held-out PSNR ... below", "codebook collapse: ..."],
+    )
     assert img.dtype == torch.uint8 and img.ndim == 3 and img.shape[2] == 3
     rows = 2  # 10 frames in rows of 8
     assert img.shape[0] > rows * 2 * 32 and img.shape[1] >= 8 * 32
@@ -109,8 +146,9 @@ def test_labelled_grid_shows_psnr_and_warnings():
     clean = labelled_grid(orig, orig, step=0, psnr=100.0, usage=0.5)
     red2 = (clean[..., 0] > 150) & (clean[..., 1] < 60) & (clean[..., 2] < 60)
     assert not red2[:24].any()  # no warning: a 2-line black title
-    clips = labelled_grid(orig[:8].view(2, 4, 32, 32, 3), recon[:8].view(2, 4, 32, 32, 3), step=1, psnr=9.0,
-                          usage=0.5)
+    clips = labelled_grid(
+        orig[:8].view(2, 4, 32, 32, 3), recon[:8].view(2, 4, 32, 32, 3), step=1, psnr=9.0, usage=0.5
+    )
     assert clips.shape[1] >= 4 * 32
 
 

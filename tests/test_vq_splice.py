@@ -11,9 +11,20 @@ from longvideo.vq.codec import SplicingEncoder
 
 def _vq(mode: str) -> VQModel:
     torch.manual_seed(0)
-    extra = dict(temporal_downsample=4, temporal_kernel=3, downsample=8, channel_mult=(1, 2, 4)) \
-        if mode == "causal3d" else dict(downsample=4, channel_mult=(1, 2))
-    cfg = VQConfig(mode=mode, resolution=16, codebook_size=64, patch_size=2, channels=8, num_res_blocks=1, **extra)
+    extra = (
+        dict(temporal_downsample=4, temporal_kernel=3, downsample=8, channel_mult=(1, 2, 4))
+        if mode == "causal3d"
+        else dict(downsample=4, channel_mult=(1, 2))
+    )
+    cfg = VQConfig(
+        mode=mode,
+        resolution=16,
+        codebook_size=64,
+        patch_size=2,
+        channels=8,
+        num_res_blocks=1,
+        **extra,
+    )
     return VQModel(cfg).eval()
 
 
@@ -27,7 +38,14 @@ def test_spliced_codes_equal_a_full_encode(mode):
     assert torch.equal(enc.codes, encode_video(vq, frames, batch_frames=8))
     flash = torch.full((16, 16, 3), 200, dtype=torch.uint8)
     changed = 0
-    for edits in ({0: flash}, {1: flash}, {37: flash}, {40: flash, 41: flash}, {T - 1: flash}, {5: flash, 60: flash}):
+    for edits in (
+        {0: flash},
+        {1: flash},
+        {37: flash},
+        {40: flash, 41: flash},
+        {T - 1: flash},
+        {5: flash, 60: flash},
+    ):
         edited = frames.clone()
         for k, f in edits.items():
             edited[k] = f
@@ -35,7 +53,9 @@ def test_spliced_codes_equal_a_full_encode(mode):
         got = enc.codes_with(edits)
         assert torch.equal(got, want), edits
         changed += not torch.equal(got, enc.codes)
-    assert changed >= 3  # the edits are visible in the codes (a random tiny VQ may quantise one away)
+    assert (
+        changed >= 3
+    )  # the edits are visible in the codes (a random tiny VQ may quantise one away)
 
 
 def test_causal3d_splice_stops_where_the_edit_no_longer_reaches(monkeypatch):
@@ -43,7 +63,9 @@ def test_causal3d_splice_stops_where_the_edit_no_longer_reaches(monkeypatch):
     from longvideo.vq import codec
 
     vq = _vq("causal3d")
-    frames = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (401, 16, 16, 3), dtype=np.uint8))
+    frames = torch.from_numpy(
+        np.random.default_rng(2).integers(0, 256, (401, 16, 16, 3), dtype=np.uint8)
+    )
     enc = SplicingEncoder(vq, frames, batch_frames=8)
     calls = []
     real = codec._encode_piece

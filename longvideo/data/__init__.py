@@ -16,9 +16,26 @@ _MODULES = {
     "shards": ("TokenShard",),
     "streams": ("ShardError", "SkipStats", "expand_shards", "expand_sources"),
     "synthetic": ("write_synthetic_shards",),
-    "templates": ("LayoutOptions", "Prompt", "PromptOptions", "build_docs", "build_prompt", "parse_answer"),
-    "video": ("CorruptVideoError", "EmptyVideoError", "UnsupportedVideoError", "VideoClip", "VideoError",
-              "VideoInfo", "iter_video", "probe_video", "read_video", "sample_indices"),
+    "templates": (
+        "LayoutOptions",
+        "Prompt",
+        "PromptOptions",
+        "build_docs",
+        "build_prompt",
+        "parse_answer",
+    ),
+    "video": (
+        "CorruptVideoError",
+        "EmptyVideoError",
+        "UnsupportedVideoError",
+        "VideoClip",
+        "VideoError",
+        "VideoInfo",
+        "iter_video",
+        "probe_video",
+        "read_video",
+        "sample_indices",
+    ),
 }
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

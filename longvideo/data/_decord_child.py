@@ -52,15 +52,21 @@ def _facts(path):
             for f in c.decode(s):
                 matrix = display_matrix(f)
                 break
-        return {"matrix": matrix, "rotate": tag, "declared": declared,
-                "sar": float(sar) if sar else None}, None
+        return {
+            "matrix": matrix,
+            "rotate": tag,
+            "declared": declared,
+            "sar": float(sar) if sar else None,
+        }, None
     except Exception as e:  # noqa: BLE001 - reported to the parent, which refuses the video
         return None, (str(e).splitlines() or [type(e).__name__])[0][:200]
 
 
 def main():
     limit = int(float(sys.argv[1]) * (1 << 30)) if len(sys.argv) > 1 else 0
-    if limit > 0:  # a huge declared frame size fails an allocation here instead of exhausting the machine
+    if (
+        limit > 0
+    ):  # a huge declared frame size fails an allocation here instead of exhausting the machine
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     inp = sys.stdin.buffer
@@ -99,8 +105,13 @@ def main():
                 drop()
                 path = req.get("path")
                 if data is not None and os.environ.get("LONGVIDEO_DECORD_FILEOBJ") == "1":
-                    path, data = io.BytesIO(data), None  # a file object, as a reader in-process would (tests)
-                if data is not None:  # spooled: decord crashes on truncated AVIs read from a file object
+                    path, data = (
+                        io.BytesIO(data),
+                        None,
+                    )  # a file object, as a reader in-process would (tests)
+                if (
+                    data is not None
+                ):  # spooled: decord crashes on truncated AVIs read from a file object
                     fd, spool = tempfile.mkstemp(prefix="longvideo-decord-")
                     with os.fdopen(fd, "wb") as f:
                         f.write(data)
@@ -110,14 +121,27 @@ def main():
                 h, w = vr[0].shape[:2] if count > 0 else (0, 0)
                 vr.seek(0)
                 facts, why = _facts(path)
-                reply({"ok": True, "num_frames": count, "fps": fps if math.isfinite(fps) else 0.0,
-                       "width": int(w), "height": int(h), "facts": facts, "facts_error": why})
+                reply(
+                    {
+                        "ok": True,
+                        "num_frames": count,
+                        "fps": fps if math.isfinite(fps) else 0.0,
+                        "width": int(w),
+                        "height": int(h),
+                        "facts": facts,
+                        "facts_error": why,
+                    }
+                )
             elif op == "read":
                 idx = [int(i) for i in req["indices"]]
                 frames = np.ascontiguousarray(vr.get_batch(idx).asnumpy(), dtype=np.uint8)
                 times = np.asarray(vr.get_frame_timestamp(idx), np.float64).reshape(-1, 2)[:, 0]
                 payload = frames.tobytes()
-                header = {"shape": list(frames.shape), "times": times.tolist(), "nbytes": len(payload)}
+                header = {
+                    "shape": list(frames.shape),
+                    "times": times.tolist(),
+                    "nbytes": len(payload),
+                }
                 reply({"ok": True, **header}, payload)
             elif op == "close":
                 drop()

@@ -33,8 +33,9 @@ class VideoCodes:
     report: Optional[ReadReport] = None  # what the read kept (video_to_codes)
 
 
-def frames_to_codes(vq: VQModel, chunks: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
-                    batch_frames: int = 16) -> VideoCodes:
+def frames_to_codes(
+    vq: VQModel, chunks: Iterable[tuple[torch.Tensor, torch.Tensor]], *, batch_frames: int = 16
+) -> VideoCodes:
     """Encode chunks of (frames uint8 (n, H, W, 3) at the tokenizer's resolution, times (n,) seconds)."""
     stamps: list[torch.Tensor] = []
 
@@ -49,22 +50,42 @@ def frames_to_codes(vq: VQModel, chunks: Iterable[tuple[torch.Tensor, torch.Tens
     groups = vq.group_frame_index(len(times))
     codes = np.asarray(codes.cpu()).astype(np.int64)
     if codes.shape[0] != len(groups):
-        raise RuntimeError(f"VQ returned {codes.shape[0]} code groups for {len(times)} frames, "
-                           f"expected {len(groups)}")
-    return VideoCodes(codes=codes, timestamps=np.asarray([times[g[0]] for g in groups], np.float64),
-                      num_frames=len(times))
+        raise RuntimeError(
+            f"VQ returned {codes.shape[0]} code groups for {len(times)} frames, "
+            f"expected {len(groups)}"
+        )
+    return VideoCodes(
+        codes=codes,
+        timestamps=np.asarray([times[g[0]] for g in groups], np.float64),
+        num_frames=len(times),
+    )
 
 
-def video_to_codes(vq: VQModel, video: VideoSource, *, fps: float = 1.0, max_frames: Optional[int] = None,
-                   max_resolution: int = DEFAULT_MAX_RESOLUTION, batch_frames: int = 16,
-                   backend: str = "auto", progress: bool = False, total_frames: Optional[int] = None,
-                   on_frames: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> VideoCodes:
+def video_to_codes(
+    vq: VQModel,
+    video: VideoSource,
+    *,
+    fps: float = 1.0,
+    max_frames: Optional[int] = None,
+    max_resolution: int = DEFAULT_MAX_RESOLUTION,
+    batch_frames: int = 16,
+    backend: str = "auto",
+    progress: bool = False,
+    total_frames: Optional[int] = None,
+    on_frames: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
+) -> VideoCodes:
     """Decode `video` (a path or the file's bytes) at `fps` (at most `max_frames`, spread over the
     whole video) and VQ-encode it; raises a VideoError for a missing or unreadable video. progress:
     a bar of frames (`total_frames` sizes it). on_frames: called with each chunk the VQ is given
     (uint8 (t, H, W, 3)) and its times (a server's thumbnails)."""
-    reader = iter_video(video, fps=fps, max_frames=max_frames, size=vq.cfg.resolution,
-                        max_resolution=max_resolution, backend=backend)
+    reader = iter_video(
+        video,
+        fps=fps,
+        max_frames=max_frames,
+        size=vq.cfg.resolution,
+        max_resolution=max_resolution,
+        backend=backend,
+    )
     bar = tqdm(total=total_frames, unit="frame", desc="encoding video", disable=not progress)
 
     def chunks():

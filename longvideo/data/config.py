@@ -66,7 +66,10 @@ class DataConfig:
         check(self.text_loss_weight >= 0, "text_loss_weight", "must be >= 0")
         check(self.vision_loss_weight >= 0, "vision_loss_weight", "must be >= 0")
         check(self.timestamp_every >= 0, "timestamp_every", "must be >= 0")
-        check(len(self.templates) > 0 and all(t in TEMPLATES for t in self.templates), "templates",
-              f"must be a non-empty list of {', '.join(TEMPLATES)}; got {list(self.templates)}")
+        check(
+            len(self.templates) > 0 and all(t in TEMPLATES for t in self.templates),
+            "templates",
+            f"must be a non-empty list of {', '.join(TEMPLATES)}; got {list(self.templates)}",
+        )
         check(self.shuffle_buffer >= 1, "shuffle_buffer", "must be >= 1")
         check(self.pack_bins >= 1, "pack_bins", "must be >= 1")

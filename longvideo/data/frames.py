@@ -43,8 +43,10 @@ class FrameSource:
 
     def __post_init__(self):
         if not self.train:
-            raise ValueError("no training frames: every video was empty or unreadable "
-                             f"(skipped: {self.skipped or 'none'})")
+            raise ValueError(
+                "no training frames: every video was empty or unreadable "
+                f"(skipped: {self.skipped or 'none'})"
+            )
         self._lengths = torch.tensor([v.shape[0] for v in self.train])
         self._offsets = torch.cumsum(self._lengths, 0) - self._lengths
 
@@ -56,7 +58,9 @@ class FrameSource:
         """n frames drawn uniformly from all training frames: uint8 (n, H, W, 3)."""
         flat = torch.randint(self.num_frames, (n,), generator=gen)
         vid = torch.searchsorted(self._offsets, flat, right=True) - 1
-        return torch.stack([self.train[v][f - self._offsets[v]] for v, f in zip(vid.tolist(), flat.tolist())])
+        return torch.stack(
+            [self.train[v][f - self._offsets[v]] for v, f in zip(vid.tolist(), flat.tolist())]
+        )
 
     def sample_clips(self, n: int, length: int, gen: torch.Generator) -> torch.Tensor:
         """n clips of `length` consecutive frames, uint8 (n, length, H, W, 3), from videos drawn in
@@ -66,7 +70,7 @@ class FrameSource:
         for v in vids.tolist():
             video = self.train[v]
             start = int(torch.randint(max(video.shape[0] - length, 0) + 1, (1,), generator=gen))
-            out.append(_pad_to(video[start: start + length], length))
+            out.append(_pad_to(video[start : start + length], length))
         return torch.stack(out)
 
     def eval_frames(self, count: int) -> torch.Tensor:
@@ -84,7 +88,7 @@ class FrameSource:
             slots = max(video.shape[0] - length, 0)
             k, per = i // len(self.heldout), -(-n // len(self.heldout))
             start = round(slots * (k + 0.5) / per) if per > 1 else slots // 2
-            clips.append(_pad_to(video[start: start + length], length))
+            clips.append(_pad_to(video[start : start + length], length))
         return torch.stack(clips)
 
 
@@ -107,10 +111,16 @@ def _as_video(v, res: int) -> torch.Tensor:
 
 def _iter_files(source: str, cfg: VQConfig, skipped: Counter) -> Iterator[torch.Tensor]:
     """Decoded videos from a path: a video file, a folder of videos, or raw shards."""
+
     def read(src, where) -> Iterator[torch.Tensor]:
         try:
-            clip = read_video(src, fps=cfg.fps, max_frames=cfg.max_frames_per_video, size=cfg.train_size,
-                              backend=cfg.video_backend)
+            clip = read_video(
+                src,
+                fps=cfg.fps,
+                max_frames=cfg.max_frames_per_video,
+                size=cfg.train_size,
+                backend=cfg.video_backend,
+            )
         except VideoError as e:
             skipped[type(e).__name__] += 1
             log.warning("skipped %s: %s", where, e)
@@ -128,7 +138,9 @@ def _iter_files(source: str, cfg: VQConfig, skipped: Counter) -> Iterator[torch.
     else:
         files, shards = [], expand_sources(str(source))
     if not files and not shards:
-        raise FileNotFoundError(f"no videos ({', '.join(VIDEO_SUFFIXES)}) or .tar shards found at {source}")
+        raise FileNotFoundError(
+            f"no videos ({', '.join(VIDEO_SUFFIXES)}) or .tar shards found at {source}"
+        )
     for f in files:
         yield from read(str(f), str(f))
     for shard in shards:
@@ -138,7 +150,9 @@ def _iter_files(source: str, cfg: VQConfig, skipped: Counter) -> Iterator[torch.
         skipped.update({reason: n for reason, n in stats.items() if reason != "ok"})
 
 
-def build_frame_source(source: Source | FrameSource, cfg: VQConfig, *, progress: bool = False) -> FrameSource:
+def build_frame_source(
+    source: Source | FrameSource, cfg: VQConfig, *, progress: bool = False
+) -> FrameSource:
     """Load training and held-out videos from `source` (see the module docstring)."""
     if isinstance(source, FrameSource):
         return source
@@ -170,7 +184,9 @@ def build_frame_source(source: Source | FrameSource, cfg: VQConfig, *, progress:
     return split_heldout(videos, cfg, skipped)
 
 
-def split_heldout(videos: list[torch.Tensor], cfg: VQConfig, skipped: dict | None = None) -> FrameSource:
+def split_heldout(
+    videos: list[torch.Tensor], cfg: VQConfig, skipped: dict | None = None
+) -> FrameSource:
     """Hold out trailing videos: at least eval_frames frames and, when there are 10 or more videos,
     a tenth of them (at most 8) so that the evaluation sees several scenes. One video: its last fifth."""
     skipped = dict(skipped or {})
@@ -179,12 +195,16 @@ def split_heldout(videos: list[torch.Tensor], cfg: VQConfig, skipped: dict | Non
     if len(videos) == 1:
         v = videos[0]
         if v.shape[0] < 2:
-            raise ValueError("a single one-frame video cannot be split into training and held-out frames")
+            raise ValueError(
+                "a single one-frame video cannot be split into training and held-out frames"
+            )
         cut = max(1, min(v.shape[0] - 1, round(v.shape[0] * 0.8)))
         return FrameSource([v[:cut]], [_eval_size(v[cut:], cfg)], skipped)
     want_videos = min(8, max(1, len(videos) // 10))
     held: list[torch.Tensor] = []
-    while len(videos) > 1 and (sum(v.shape[0] for v in held) < cfg.eval_frames or len(held) < want_videos):
+    while len(videos) > 1 and (
+        sum(v.shape[0] for v in held) < cfg.eval_frames or len(held) < want_videos
+    ):
         held.insert(0, videos.pop())
     return FrameSource(videos, [_eval_size(v, cfg) for v in held], skipped)
 
@@ -194,12 +214,16 @@ def _eval_size(v: torch.Tensor, cfg: VQConfig) -> torch.Tensor:
     return v if v.shape[1] == cfg.resolution else resize_crop(v, cfg.resolution)
 
 
-def synthetic_videos(n: int, cfg: VQConfig, *, fps: float = 4.0, seed: int = 0) -> list[torch.Tensor]:
+def synthetic_videos(
+    n: int, cfg: VQConfig, *, fps: float = 4.0, seed: int = 0
+) -> list[torch.Tensor]:
     """n generated videos (longvideo.data.synthetic) at the tokenizer's resolution, about `fps` frames
     a second of the 8 fps renderings: uint8 (T, R, R, 3) each."""
     if n < 1:
         raise ValueError(f"need at least one synthetic video, got {n}")
     spec = SyntheticSpec(size=cfg.resolution, fps=8)
     stride = max(1, round(spec.fps / fps))
-    return [torch.from_numpy(np.ascontiguousarray(make_sample(seed, i, spec).frames()[::stride]))
-            for i in range(n)]
+    return [
+        torch.from_numpy(np.ascontiguousarray(make_sample(seed, i, spec).frames()[::stride]))
+        for i in range(n)
+    ]

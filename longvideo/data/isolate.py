@@ -24,12 +24,28 @@ from typing import Optional
 
 import numpy as np
 
-from longvideo.data.video_base import (CorruptVideoError, EmptyVideoError, Orientation, UnsupportedVideoError,
-                                      VideoError, VideoInfo, VideoSource, check_fps, check_frame_size)
+from longvideo.data.video_base import (
+    CorruptVideoError,
+    EmptyVideoError,
+    Orientation,
+    UnsupportedVideoError,
+    VideoError,
+    VideoInfo,
+    VideoSource,
+    check_fps,
+    check_frame_size,
+)
 
-OPEN_TIMEOUT_S = 120.0  # seconds the child may take to open a video (the whole file is indexed then)
-READ_TIMEOUT_S, PER_FRAME_TIMEOUT_S = 60.0, 2.0  # seconds for one read request, plus per requested frame
-MEMORY_GIB = float(os.environ.get("LONGVIDEO_DECODER_MEMORY_GIB", 16))  # a child's address space, 0: no limit
+OPEN_TIMEOUT_S = (
+    120.0  # seconds the child may take to open a video (the whole file is indexed then)
+)
+READ_TIMEOUT_S, PER_FRAME_TIMEOUT_S = (
+    60.0,
+    2.0,
+)  # seconds for one read request, plus per requested frame
+MEMORY_GIB = float(
+    os.environ.get("LONGVIDEO_DECODER_MEMORY_GIB", 16)
+)  # a child's address space, 0: no limit
 IDLE_WORKERS = 2  # idle decoder children kept for reuse per process
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_decord_child.py")
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,15 +73,22 @@ class _Worker:
         # the child imports the package's leaf video_base: from this checkout, installed or not
         path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, TMPDIR=self.spool, MALLOC_ARENA_MAX="2", PYTHONPATH=path)
-        self.proc = subprocess.Popen([sys.executable, "-P", "-u", _CHILD, str(MEMORY_GIB)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
-                                     close_fds=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-P", "-u", _CHILD, str(MEMORY_GIB)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+            close_fds=True,
+        )
         self._buf = bytearray()
 
     def _death(self, label: str, timed_out: bool = False) -> VideoError:
         if timed_out:
             self.kill()
-            return DecoderTimeoutError("decord did not answer in time; its process was killed", label)
+            return DecoderTimeoutError(
+                "decord did not answer in time; its process was killed", label
+            )
         try:
             code = self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -75,7 +98,9 @@ class _Worker:
         how = f"killed by {signal.Signals(-code).name}" if signalled else f"exit status {code}"
         tail = self.stderr_tail()
         self.kill()
-        return DecoderCrashError(f"decord's process died ({how})" + (f": {tail}" if tail else ""), label)
+        return DecoderCrashError(
+            f"decord's process died ({how})" + (f": {tail}" if tail else ""), label
+        )
 
     def reset_log(self) -> None:
         """Empty the child's stderr file (the child shares its offset), so it does not grow with reuse."""
@@ -90,7 +115,9 @@ class _Worker:
             self.log.seek(0, os.SEEK_END)
             size = self.log.tell()
             self.log.seek(max(0, size - limit))
-            lines = [ln for ln in self.log.read().decode(errors="replace").splitlines() if ln.strip()]
+            lines = [
+                ln for ln in self.log.read().decode(errors="replace").splitlines() if ln.strip()
+            ]
             return lines[-1][:200] if lines else ""
         except (OSError, ValueError):
             return ""
@@ -112,8 +139,9 @@ class _Worker:
         del self._buf[:n]
         return out
 
-    def call(self, header: dict, payload: Optional[bytes], timeout: float,
-             label: str) -> tuple[dict, bytearray]:
+    def call(
+        self, header: dict, payload: Optional[bytes], timeout: float, label: str
+    ) -> tuple[dict, bytearray]:
         """Send one request and wait for its reply (header, raw bytes)."""
         if payload is not None:
             header = dict(header, nbytes=len(payload))
@@ -129,7 +157,9 @@ class _Worker:
         (size,) = struct.unpack(">I", self._recv(4, deadline, label))
         if size > 1 << 26:
             self.kill()
-            raise DecoderCrashError(f"decord's process sent a malformed reply ({size}-byte header)", label)
+            raise DecoderCrashError(
+                f"decord's process sent a malformed reply ({size}-byte header)", label
+            )
         try:
             reply = json.loads(self._recv(size, deadline, label))
             nbytes = int(reply.get("nbytes", 0)) if reply.get("ok") else 0
@@ -216,11 +246,16 @@ class IsolatedDecordBackend:
         except (KeyError, TypeError, ValueError):
             raise self._malformed() from None
         try:
-            if facts is None:  # decord shows stored frames; without PyAV's facts it cannot tell which way up
+            if (
+                facts is None
+            ):  # decord shows stored frames; without PyAV's facts it cannot tell which way up
                 why = reply.get("facts_error")
-                raise UnsupportedVideoError("decord cannot tell how this video is shown (PyAV, which reads "
-                                            f"its display matrix for decord, cannot open it: {why}); use "
-                                            "backend=pyav", label)
+                raise UnsupportedVideoError(
+                    "decord cannot tell how this video is shown (PyAV, which reads "
+                    f"its display matrix for decord, cannot open it: {why}); use "
+                    "backend=pyav",
+                    label,
+                )
             if n <= 0:
                 raise EmptyVideoError("decord finds no frames", label)
             check_fps(fps, label)
@@ -229,8 +264,14 @@ class IsolatedDecordBackend:
             self.close()
             raise
         self.stored = (h, w)
-        self.info = VideoInfo.of_stored(w, h, o, num_frames=n, fps=fps, duration=n / fps, declared=declared)
-        self.exhausted, self.end, self.gaps = False, None, []  # decord reads every frame asked or raises
+        self.info = VideoInfo.of_stored(
+            w, h, o, num_frames=n, fps=fps, duration=n / fps, declared=declared
+        )
+        self.exhausted, self.end, self.gaps = (
+            False,
+            None,
+            [],
+        )  # decord reads every frame asked or raises
 
     def _malformed(self) -> DecoderCrashError:
         """Kill the child that sent a reply this side cannot read."""
@@ -258,8 +299,11 @@ class IsolatedDecordBackend:
     def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Stored uint8 (t, H, W, 3) frames and float64 (t,) start times of ``indices``."""
         indices = np.asarray(indices, np.int64)
-        reply, data = self._call({"op": "read", "indices": indices.tolist()}, None,
-                                 READ_TIMEOUT_S + PER_FRAME_TIMEOUT_S * len(indices))
+        reply, data = self._call(
+            {"op": "read", "indices": indices.tolist()},
+            None,
+            READ_TIMEOUT_S + PER_FRAME_TIMEOUT_S * len(indices),
+        )
         try:
             shape = tuple(int(x) for x in reply["shape"])
             times = np.asarray(reply["times"], np.float64)
@@ -267,7 +311,9 @@ class IsolatedDecordBackend:
             raise self._malformed() from None
         want = (len(indices), *self.stored, 3)
         if shape != want or len(data) != int(np.prod(shape)) or times.shape != (len(indices),):
-            raise CorruptVideoError(f"decord returned frames {shape} for a request of {want}", self.label)
+            raise CorruptVideoError(
+                f"decord returned frames {shape} for a request of {want}", self.label
+            )
         return np.frombuffer(data, np.uint8).reshape(shape), times
 
     def close(self) -> None:

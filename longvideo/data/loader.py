@@ -44,9 +44,21 @@ class TokenLoader:
     group of every rank that draws batches in step (see ``__next__``); None for one process.
     """
 
-    def __init__(self, shards, tokenizer, vocab, cfg, *, batch_size: int = 1, dp_rank: int = 0,
-                 dp_size: int = 1, seed: Optional[int] = None, seq_len: Optional[int] = None,
-                 max_indexed_shards: int = 512, group=None):
+    def __init__(
+        self,
+        shards,
+        tokenizer,
+        vocab,
+        cfg,
+        *,
+        batch_size: int = 1,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: Optional[int] = None,
+        seq_len: Optional[int] = None,
+        max_indexed_shards: int = 512,
+        group=None,
+    ):
         self.paths = expand_sources(shards if shards else cfg.train_shards)
         if not self.paths:
             raise FileNotFoundError(f"no token shards match {shards or cfg.train_shards!r}")
@@ -66,7 +78,9 @@ class TokenLoader:
         self._remote = [is_url(p) for p in self.paths]
         self._keys: dict[tuple[int, int], str] = {}  # keys of streamed samples
         self._stream = None  # the open stream of a remote shard ...
-        self._stream_at: Optional[tuple[int, int]] = None  # ... and the (order index, sample) it reads next
+        self._stream_at: Optional[tuple[int, int]] = (
+            None  # ... and the (order index, sample) it reads next
+        )
         self.stats = SkipStats()
         self.last_batch_keys: list[list[str]] = []
         self.last_batch_refs: list[list[tuple]] = []
@@ -79,7 +93,9 @@ class TokenLoader:
         self.packer: Packer[tuple] = Packer(self.seq_len, self.cfg.pack_bins)
         self.ready: list[list[tuple]] = []
         self._docs: dict[tuple, Doc] = {}
-        self._data: dict[tuple[int, int], tuple[str, dict]] = {}  # streamed samples not yet laid out
+        self._data: dict[
+            tuple[int, int], tuple[str, dict]
+        ] = {}  # streamed samples not yet laid out
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -92,10 +108,17 @@ class TokenLoader:
 
     def state_dict(self) -> dict:
         return {
-            "version": STATE_VERSION, "seed": self.seed, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
-            "seq_len": self.seq_len, "num_shards": len(self.paths),
-            "epoch": self.epoch, "pos": self.pos, "cursor": list(self._cursor),
-            "stream_done": self.stream_done, "epoch_docs": self._epoch_docs,
+            "version": STATE_VERSION,
+            "seed": self.seed,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "seq_len": self.seq_len,
+            "num_shards": len(self.paths),
+            "epoch": self.epoch,
+            "pos": self.pos,
+            "cursor": list(self._cursor),
+            "stream_done": self.stream_done,
+            "epoch_docs": self._epoch_docs,
             "buffer": [list(r) for r in self.buffer],
             "rng": self.rng.bit_generator.state,
             "packer": self.packer.state_dict(),
@@ -108,15 +131,24 @@ class TokenLoader:
             raise ValueError(f"loader state version {state.get('version')} != {STATE_VERSION}")
         for k in ("seed", "dp_rank", "dp_size", "seq_len"):
             if state[k] != getattr(self, k):
-                raise ValueError(f"loader state was saved with {k}={state[k]}, this loader has "
-                                 f"{getattr(self, k)}; an exact resume needs the same value")
+                raise ValueError(
+                    f"loader state was saved with {k}={state[k]}, this loader has "
+                    f"{getattr(self, k)}; an exact resume needs the same value"
+                )
         if state["num_shards"] != len(self.paths):
-            raise ValueError(f"loader state was saved over {state['num_shards']} shards, "
-                             f"now there are {len(self.paths)}")
+            raise ValueError(
+                f"loader state was saved over {state['num_shards']} shards, "
+                f"now there are {len(self.paths)}"
+            )
         self._reset()
         self._start_epoch(int(state["epoch"]))
-        if "cursor" in state:  # where the epoch's stream stands: shard (index into the order) and sample
-            self.pos, self._cursor = int(state["pos"]), (int(state["cursor"][0]), int(state["cursor"][1]))
+        if (
+            "cursor" in state
+        ):  # where the epoch's stream stands: shard (index into the order) and sample
+            self.pos, self._cursor = (
+                int(state["pos"]),
+                (int(state["cursor"][0]), int(state["cursor"][1])),
+            )
         else:  # states written before the cursor was recorded
             self._seek(int(state["pos"]))
         self.stream_done = bool(state["stream_done"])
@@ -126,7 +158,9 @@ class TokenLoader:
         self.packer.load_state_dict(state["packer"])
         self.ready = [[tuple(r) for r in row] for row in state["ready"]]
         self.stats = SkipStats(state["stats"])
-        rows = [r for row in self.packer.open for r, _ in row] + [r for row in self.ready for r in row]
+        rows = [r for row in self.packer.open for r, _ in row] + [
+            r for row in self.ready for r in row
+        ]
         self._refetch({(r[0], r[1]) for r in rows} | set(self.buffer))
         for ref in rows:  # (shard, sample, epoch, document)
             self._docs[ref] = self._sample_docs(*ref[:3], count=False)[ref[3]]
@@ -150,8 +184,10 @@ class TokenLoader:
                     break
             missing = sorted(want - {i for (t, i) in self._data if t == s})
             if missing:
-                raise RuntimeError(f"cannot resume exactly: samples {missing[:5]} of {self.paths[s]} could "
-                                   "not be read again (the stream failed or the shard changed)")
+                raise RuntimeError(
+                    f"cannot resume exactly: samples {missing[:5]} of {self.paths[s]} could "
+                    "not be read again (the stream failed or the shard changed)"
+                )
 
     def _close_stream(self) -> None:
         if getattr(self, "_stream", None) is not None:
@@ -255,8 +291,10 @@ class TokenLoader:
                 s, i = self.buffer.pop()
                 return s, i, self.epoch
             if self._epoch_docs == 0:
-                raise RuntimeError(f"dp rank {self.dp_rank}: epoch {self.epoch} of {len(self.paths)} shards "
-                                   f"gave no usable document (skips: {dict(self.stats)})")
+                raise RuntimeError(
+                    f"dp rank {self.dp_rank}: epoch {self.epoch} of {len(self.paths)} shards "
+                    f"gave no usable document (skips: {dict(self.stats)})"
+                )
             self._start_epoch(self.epoch + 1)
 
     def _read(self, s: int, i: int, count: bool):
@@ -277,12 +315,24 @@ class TokenLoader:
                 self.stats.skip(e.reason, where, str(e))
             return []
         rng = sample_rng(self.seed, epoch, sample.key)
-        docs, too_long = build_docs(self.tokenizer, self.vocab, sample.codes, sample.timestamps, sample.meta,
-                                    self.opts, self.seq_len, rng, sample.key)
+        docs, too_long = build_docs(
+            self.tokenizer,
+            self.vocab,
+            sample.codes,
+            sample.timestamps,
+            sample.meta,
+            self.opts,
+            self.seq_len,
+            rng,
+            sample.key,
+        )
         if count:
             if too_long:
-                self.stats.skip("text_too_long", where,
-                                f"{too_long} template(s) longer than seq_len={self.seq_len}")
+                self.stats.skip(
+                    "text_too_long",
+                    where,
+                    f"{too_long} template(s) longer than seq_len={self.seq_len}",
+                )
             if not docs and not too_long:
                 self.stats.skip("no_text", where, "json has no caption, qa or segments")
             if docs:

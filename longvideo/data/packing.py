@@ -15,7 +15,9 @@ import numpy as np
 T = TypeVar("T")
 
 
-def pack_row(docs: Sequence, seq_len: int, pad_id: int, loss_norm: str = "token") -> dict[str, np.ndarray]:
+def pack_row(
+    docs: Sequence, seq_len: int, pad_id: int, loss_norm: str = "token"
+) -> dict[str, np.ndarray]:
     """Pack documents (objects with ``ids`` int (L,) and ``weights`` float (L,)) into one row.
 
     Returns numpy arrays of shape (seq_len,): input_ids, targets, positions, segment_ids (int64) and
@@ -36,14 +38,19 @@ def pack_row(docs: Sequence, seq_len: int, pad_id: int, loss_norm: str = "token"
         w = np.asarray(doc.weights, np.float32)[1:]  # weight of predicting token j+1 from j
         if loss_norm == "sample" and w.sum() > 0:
             w = w / w.sum()
-        input_ids[at: at + n] = doc.ids
-        targets[at: at + n - 1] = doc.ids[1:]
-        loss_weights[at: at + n - 1] = w
-        positions[at: at + n] = np.arange(n)
-        segment_ids[at: at + n] = s
+        input_ids[at : at + n] = doc.ids
+        targets[at : at + n - 1] = doc.ids[1:]
+        loss_weights[at : at + n - 1] = w
+        positions[at : at + n] = np.arange(n)
+        segment_ids[at : at + n] = s
         at += n
-    return {"input_ids": input_ids, "targets": targets, "loss_weights": loss_weights,
-            "positions": positions, "segment_ids": segment_ids}
+    return {
+        "input_ids": input_ids,
+        "targets": targets,
+        "loss_weights": loss_weights,
+        "positions": positions,
+        "segment_ids": segment_ids,
+    }
 
 
 class Packer(Generic[T]):

@@ -50,7 +50,9 @@ def fail_together(error: Optional[BaseException], group=None) -> None:
     if me == src:
         raw = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:_MESSAGE_BYTES]
         text[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)
-    dist.broadcast(text, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+    dist.broadcast(
+        text, src=dist.get_global_rank(group, src) if group is not None else src, group=group
+    )
     if error is not None:
         raise error
     message = bytes(text.cpu().tolist()).rstrip(b"\0").decode("utf-8", "replace")
@@ -77,8 +79,10 @@ def together(items: Iterable, group=None) -> Iterator:
         left = torch.tensor([int(done)], dtype=torch.long, device=comm_device(group))
         dist.all_reduce(left, group=group)
         if 0 < int(left) < dist.get_world_size(group):
-            raise RankFailedError(f"{int(left)} of {dist.get_world_size(group)} ranks ran out of items while "
-                                  "the others went on (their inputs differ)")
+            raise RankFailedError(
+                f"{int(left)} of {dist.get_world_size(group)} ranks ran out of items while "
+                "the others went on (their inputs differ)"
+            )
         if done:
             return
         yield item

@@ -18,8 +18,15 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from longvideo.atomic import atomic_open
-from longvideo.data.streams import (ShardError, SkipStats, default_limits, iter_tar, part_bytes,
-                                    split_name, usable_member)
+from longvideo.data.streams import (
+    ShardError,
+    SkipStats,
+    default_limits,
+    iter_tar,
+    part_bytes,
+    split_name,
+    usable_member,
+)
 from longvideo.data.video_base import VIDEO_EXTS  # the one list of accepted video extensions
 
 log = logging.getLogger(__name__)
@@ -58,7 +65,9 @@ def index_tar(path: str, stats: Optional[SkipStats] = None) -> list[Member]:
     return out
 
 
-def group_samples(members: list[Member], exts: Iterable[str]) -> list[tuple[str, dict[str, Member]]]:
+def group_samples(
+    members: list[Member], exts: Iterable[str]
+) -> list[tuple[str, dict[str, Member]]]:
     """Consecutive members with the same key form a sample; members with other extensions are ignored."""
     wanted = set(exts)
     samples: list[tuple[str, dict[str, Member]]] = []
@@ -93,15 +102,26 @@ def parse_json(data: bytes, key: str) -> dict:
     if "caption" in meta and not isinstance(meta["caption"], str):
         raise ShardError("bad_json", f"{key}.json: caption must be a string")
     for item in meta.get("qa", []) if isinstance(meta.get("qa", []), list) else [None]:
-        if not (isinstance(item, dict) and isinstance(item.get("question"), str)
-                and isinstance(item.get("answer"), str)):
-            raise ShardError("bad_json", f"{key}.json: qa must be a list of {{question, answer}} strings")
+        if not (
+            isinstance(item, dict)
+            and isinstance(item.get("question"), str)
+            and isinstance(item.get("answer"), str)
+        ):
+            raise ShardError(
+                "bad_json", f"{key}.json: qa must be a list of {{question, answer}} strings"
+            )
     for seg in meta.get("segments", []) if isinstance(meta.get("segments", []), list) else [None]:
         ok = isinstance(seg, dict) and isinstance(seg.get("text"), str)
-        ok = ok and all(isinstance(seg.get(k), (int, float)) and not isinstance(seg.get(k), bool)
-                        and math.isfinite(seg[k]) for k in ("start", "end"))
+        ok = ok and all(
+            isinstance(seg.get(k), (int, float))
+            and not isinstance(seg.get(k), bool)
+            and math.isfinite(seg[k])
+            for k in ("start", "end")
+        )
         if not ok or seg["end"] < seg["start"]:
-            raise ShardError("bad_json", f"{key}.json: segments must be a list of {{start <= end, text}}")
+            raise ShardError(
+                "bad_json", f"{key}.json: segments must be a list of {{start <= end, text}}"
+            )
     if "fps" in meta and not (isinstance(meta["fps"], (int, float)) and meta["fps"] > 0):
         raise ShardError("bad_json", f"{key}.json: fps must be a positive number")
     return meta
@@ -149,7 +169,11 @@ class TokenSample:
 def load_npy(data: bytes, key: str) -> np.ndarray:
     try:
         return np.load(io.BytesIO(data), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:  # allow_pickle=False raises ValueError for object arrays
+    except (
+        ValueError,
+        OSError,
+        EOFError,
+    ) as e:  # allow_pickle=False raises ValueError for object arrays
         raise ShardError("bad_array", f"{key}: not a plain .npy array ({e})") from None
 
 
@@ -163,17 +187,31 @@ def decode_token_sample(key: str, parts: dict, codebook_size: Optional[int] = No
     codes = load_npy(blobs["codes.npy"], key)
     stamps = load_npy(blobs["timestamps.npy"], key)
     if codes.ndim != 3 or not np.issubdtype(codes.dtype, np.integer) or codes.shape[0] == 0:
-        raise ShardError("bad_array", f"{key}: codes must be integer (G, h, w) with G > 0, got {codes.dtype} "
-                                      f"{codes.shape}")
-    if stamps.shape != codes.shape[:1] or not np.issubdtype(stamps.dtype, np.floating) \
-            or not np.isfinite(stamps).all():
-        raise ShardError("bad_array", f"{key}: timestamps must be finite float ({codes.shape[0]},), got "
-                                      f"{stamps.dtype} {stamps.shape}")
+        raise ShardError(
+            "bad_array",
+            f"{key}: codes must be integer (G, h, w) with G > 0, got {codes.dtype} {codes.shape}",
+        )
+    if (
+        stamps.shape != codes.shape[:1]
+        or not np.issubdtype(stamps.dtype, np.floating)
+        or not np.isfinite(stamps).all()
+    ):
+        raise ShardError(
+            "bad_array",
+            f"{key}: timestamps must be finite float ({codes.shape[0]},), got "
+            f"{stamps.dtype} {stamps.shape}",
+        )
     lo, hi = int(codes.min()), int(codes.max())
     if lo < 0 or (codebook_size is not None and hi >= codebook_size):
-        raise ShardError("bad_array", f"{key}: codes span [{lo}, {hi}], outside [0, {codebook_size})")
-    return TokenSample(key=key, codes=codes.astype(np.int64), timestamps=stamps.astype(np.float64),
-                       meta=parse_json(blobs["json"], key))
+        raise ShardError(
+            "bad_array", f"{key}: codes span [{lo}, {hi}], outside [0, {codebook_size})"
+        )
+    return TokenSample(
+        key=key,
+        codes=codes.astype(np.int64),
+        timestamps=stamps.astype(np.float64),
+        meta=parse_json(blobs["json"], key),
+    )
 
 
 class TokenShard:
@@ -194,8 +232,9 @@ class TokenShard:
         return decode_token_sample(key, blobs, codebook_size)
 
 
-def iter_token_samples(path: str, stats: SkipStats,
-                       codebook_size: Optional[int] = None) -> Iterator[TokenSample]:
+def iter_token_samples(
+    path: str, stats: SkipStats, codebook_size: Optional[int] = None
+) -> Iterator[TokenSample]:
     """The valid samples of a local token shard, read by random access (the loader streams remote ones)."""
     try:
         shard = TokenShard(path, stats)
@@ -215,13 +254,17 @@ def npy_bytes(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def token_sample_members(key: str, codes: np.ndarray, timestamps: np.ndarray, meta: dict) -> dict[str, bytes]:
+def token_sample_members(
+    key: str, codes: np.ndarray, timestamps: np.ndarray, meta: dict
+) -> dict[str, bytes]:
     """The members of a token-shard sample; codes use the narrowest unsigned dtype that fits."""
     codes = np.asarray(codes)
     dtype = np.uint16 if codes.size == 0 or int(codes.max()) < (1 << 16) else np.int32
-    return {"codes.npy": npy_bytes(codes.astype(dtype)),
-            "timestamps.npy": npy_bytes(np.asarray(timestamps, np.float64)),
-            "json": json.dumps(meta, sort_keys=True).encode()}
+    return {
+        "codes.npy": npy_bytes(codes.astype(dtype)),
+        "timestamps.npy": npy_bytes(np.asarray(timestamps, np.float64)),
+        "json": json.dumps(meta, sort_keys=True).encode(),
+    }
 
 
 class ShardWriter:
@@ -232,7 +275,9 @@ class ShardWriter:
 
     def __init__(self, path: str | os.PathLike):
         self._file = atomic_open(path, "wb")
-        self._tar = tarfile.open(fileobj=self._file.__enter__(), mode="w", format=tarfile.USTAR_FORMAT)
+        self._tar = tarfile.open(
+            fileobj=self._file.__enter__(), mode="w", format=tarfile.USTAR_FORMAT
+        )
 
     def write(self, key: str, members: dict[str, bytes]) -> None:
         if "/" in key or key.startswith(".") or not key:

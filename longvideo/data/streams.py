@@ -57,10 +57,12 @@ def expand_shards(spec: str | os.PathLike | Iterable[str]) -> list[str]:
         return sorted(str(p) for p in Path(spec).glob("*.tar"))
     alt = re.search(r"\{([^{}]*,[^{}]*)\}", spec)
     if alt:
-        return expand_shards([spec[:alt.start()] + a + spec[alt.end():] for a in alt.group(1).split(",")])
+        return expand_shards(
+            [spec[: alt.start()] + a + spec[alt.end() :] for a in alt.group(1).split(",")]
+        )
     m = re.search(r"\{(\d+)\.\.(\d+)\}", spec)
     if m:
-        head, tail, width = spec[:m.start()], spec[m.end():], len(m.group(1))
+        head, tail, width = spec[: m.start()], spec[m.end() :], len(m.group(1))
         numbers = range(int(m.group(1)), int(m.group(2)) + 1)
         return expand_shards([f"{head}{i:0{width}d}{tail}" for i in numbers])
     if any(c in spec for c in "*?["):
@@ -87,7 +89,9 @@ def usable_member(info: tarfile.TarInfo, stats: Optional[SkipStats], where: str)
     return False
 
 
-HTTP_TIMEOUT_S = 60.0  # socket timeout of http(s) reads: a stalled connection fails (shard_io_error)
+HTTP_TIMEOUT_S = (
+    60.0  # socket timeout of http(s) reads: a stalled connection fails (shard_io_error)
+)
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):")
 
 Part = Union[bytes, ShardError]
@@ -152,8 +156,10 @@ def shard_name(src: str) -> str:
     else:
         name = Path(src).name
     if not name or name in (".", "..") or "/" in name or "\x00" in name:
-        raise ValueError(f"cannot name an output after {src!r}: give each shard a distinct file name "
-                         "ending in .tar")
+        raise ValueError(
+            f"cannot name an output after {src!r}: give each shard a distinct file name "
+            "ending in .tar"
+        )
     return name
 
 
@@ -171,8 +177,9 @@ class _Guarded:
         self.done += len(data)
         if not data and n != 0 and self.length is not None and self.done < self.length:
             # http.client ends a read early without an error when the connection drops
-            raise SourceIOError(f"{self.where}: the connection closed after {self.done} of {self.length} "
-                                "bytes")
+            raise SourceIOError(
+                f"{self.where}: the connection closed after {self.done} of {self.length} bytes"
+            )
         return data
 
     def close(self) -> None:
@@ -189,8 +196,9 @@ def open_source(src: str):
             return _Guarded(open(src, "rb"), src)
         scheme = _SCHEME.match(src).group(1).lower()
         if scheme in ("http", "https"):
-            req = urllib.request.Request(src, headers={"User-Agent": "longvideo",
-                                                       "Accept-Encoding": "identity"})
+            req = urllib.request.Request(
+                src, headers={"User-Agent": "longvideo", "Accept-Encoding": "identity"}
+            )
             resp = urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S)
             length = resp.headers.get("Content-Length")
             return _Guarded(resp, src, int(length) if length and length.isdigit() else None)
@@ -205,12 +213,19 @@ def open_source(src: str):
 
 def default_limits(exts: Iterable[str]) -> dict[str, int]:
     """Size bound of each extension: json 16 MiB, arrays 1 GiB, anything else (video) 8 GiB."""
-    return {e: MAX_JSON_BYTES if e == "json" else MAX_NPY_BYTES if e.endswith("npy") else MAX_VIDEO_BYTES
-            for e in exts}
+    return {
+        e: MAX_JSON_BYTES
+        if e == "json"
+        else MAX_NPY_BYTES
+        if e.endswith("npy")
+        else MAX_VIDEO_BYTES
+        for e in exts
+    }
 
 
-def iter_tar(src: str, stats: SkipStats, exts: Iterable[str],
-             limits: Optional[dict[str, int]] = None) -> Iterator[tuple[str, dict[str, Part]]]:
+def iter_tar(
+    src: str, stats: SkipStats, exts: Iterable[str], limits: Optional[dict[str, int]] = None
+) -> Iterator[tuple[str, dict[str, Part]]]:
     """The samples of one tar shard as ``(key, {ext: bytes})``, streamed front to back.
 
     Consecutive members with the same key and different extensions form a sample (as
@@ -245,8 +260,9 @@ def iter_tar(src: str, stats: SkipStats, exts: Iterable[str],
                 yield key, parts
                 key, parts = None, {}
             if info.size > limits[ext]:
-                data: Part = ShardError("too_large", f"member {k}.{ext} has {info.size} bytes "
-                                                     f"(limit {limits[ext]})")
+                data: Part = ShardError(
+                    "too_large", f"member {k}.{ext} has {info.size} bytes (limit {limits[ext]})"
+                )
             else:
                 data = tf.extractfile(info).read()
                 if len(data) != info.size:
@@ -259,16 +275,22 @@ def iter_tar(src: str, stats: SkipStats, exts: Iterable[str],
         failed = e
     except tarfile.ReadError as e:
         msg = str(e)
-        failed = ShardError("truncated_tar" if "unexpected end" in msg else "corrupt_tar", f"{src}: {msg}")
+        failed = ShardError(
+            "truncated_tar" if "unexpected end" in msg else "corrupt_tar", f"{src}: {msg}"
+        )
     except (EOFError, tarfile.TarError) as e:
         failed = ShardError("corrupt_tar", f"{src}: {type(e).__name__}: {e}")
     finally:
         try:
             f.close()
-        except SourceIOError as e:  # a pipe command that exited non-zero: the cause of any tar error
+        except (
+            SourceIOError
+        ) as e:  # a pipe command that exited non-zero: the cause of any tar error
             failed, key = e, None
     # a member cut short (truncated_tar) leaves its sample incomplete: counted with the failure
-    if key is not None and not (isinstance(failed, ShardError) and failed.reason == "truncated_tar"):
+    if key is not None and not (
+        isinstance(failed, ShardError) and failed.reason == "truncated_tar"
+    ):
         yield key, parts
     if failed is not None:
         stats.skip(failed.reason, src, str(failed))

@@ -20,7 +20,13 @@ import av
 import numpy as np
 from tqdm import tqdm
 
-from longvideo.data.templates import ANSWER_PROMPT, ANSWER_TEXT, QUESTION_TEXT, SEGMENT_TEXT, TIMESTAMP_TEXT
+from longvideo.data.templates import (
+    ANSWER_PROMPT,
+    ANSWER_TEXT,
+    QUESTION_TEXT,
+    SEGMENT_TEXT,
+    TIMESTAMP_TEXT,
+)
 from longvideo.data.shards import ShardWriter
 
 COLOURS: dict[str, tuple[int, int, int]] = {
@@ -70,9 +76,15 @@ def random_shape(rng: np.random.Generator, size: int) -> Shape:
     radius = size * rng.uniform(0.14, 0.22)
     speed = size * rng.uniform(0.01, 0.03)
     angle = rng.uniform(0, 2 * np.pi)
-    return Shape(kind=kind, colour=colour,
-                 x0=rng.uniform(radius, size - 1 - radius), y0=rng.uniform(radius, size - 1 - radius),
-                 vx=speed * np.cos(angle), vy=speed * np.sin(angle), radius=radius)
+    return Shape(
+        kind=kind,
+        colour=colour,
+        x0=rng.uniform(radius, size - 1 - radius),
+        y0=rng.uniform(radius, size - 1 - radius),
+        vx=speed * np.cos(angle),
+        vy=speed * np.sin(angle),
+        radius=radius,
+    )
 
 
 def _shape_mask(shape: Shape, cx: np.ndarray, cy: np.ndarray, size: int) -> np.ndarray:
@@ -117,13 +129,23 @@ def decode_frame_index(frame: np.ndarray) -> int:
     value = 0
     for b in range(_INDEX_BITS):
         r, c = divmod(b, 4)
-        centre = g[r * ch + ch // 4: (r + 1) * ch - ch // 4, c * cw + cw // 4: (c + 1) * cw - cw // 4]
+        centre = g[
+            r * ch + ch // 4 : (r + 1) * ch - ch // 4, c * cw + cw // 4 : (c + 1) * cw - cw // 4
+        ]
         value |= int(centre.mean() > 127) << b
     return value
 
 
-def write_mp4(chunks: Iterable[np.ndarray], fps: float, dst=None, *, codec: str = "libx264",
-              crf: int = 18, gop: Optional[int] = None, preset: str = "veryfast") -> Optional[bytes]:
+def write_mp4(
+    chunks: Iterable[np.ndarray],
+    fps: float,
+    dst=None,
+    *,
+    codec: str = "libx264",
+    crf: int = 18,
+    gop: Optional[int] = None,
+    preset: str = "veryfast",
+) -> Optional[bytes]:
     """Encode uint8 frame chunks (T, H, W, 3) (or single (H, W, 3) frames) to mp4 with PyAV.
 
     dst: a path to write, or None to return the bytes. Encoding is single-threaded so that the same
@@ -138,8 +160,9 @@ def write_mp4(chunks: Iterable[np.ndarray], fps: float, dst=None, *, codec: str 
             if chunk.ndim == 3:
                 chunk = chunk[None]
             if chunk.dtype != np.uint8 or chunk.ndim != 4 or chunk.shape[-1] != 3:
-                raise ValueError(f"write_mp4 needs uint8 (T, H, W, 3) chunks, got {chunk.dtype} "
-                                 f"{chunk.shape}")
+                raise ValueError(
+                    f"write_mp4 needs uint8 (T, H, W, 3) chunks, got {chunk.dtype} {chunk.shape}"
+                )
             if stream is None:
                 h, w = chunk.shape[1:3]
                 if h % 2 or w % 2:
@@ -177,7 +200,9 @@ class SyntheticSpec:
     needle_fraction: float = 0.5  # fraction of samples that carry the needle (flash frame) question
     scene_seconds: tuple[int, int] = (2, 4)  # inclusive range of a scene's duration
     gop_seconds: float = 1.0  # keyframe interval of the written mp4
-    needle_at: Optional[float] = None  # depth of the needle in [0, 1] (0 = first second); None: at random
+    needle_at: Optional[float] = (
+        None  # depth of the needle in [0, 1] (0 = first second); None: at random
+    )
     # extra one-second flashes of random colours, with no question about them (tokenizer training
     # data: a tokenizer that rarely sees a flash learns to drop it)
     flashes_per_minute: float = 0.0
@@ -188,8 +213,9 @@ class SyntheticSpec:
         if self.fps <= 0:
             raise ValueError(f"fps must be positive, got {self.fps}")
         if not 1 <= self.min_seconds <= self.max_seconds:
-            raise ValueError(f"need 1 <= min_seconds <= max_seconds, got {self.min_seconds}, "
-                             f"{self.max_seconds}")
+            raise ValueError(
+                f"need 1 <= min_seconds <= max_seconds, got {self.min_seconds}, {self.max_seconds}"
+            )
         if self.long_seconds < 1:
             raise ValueError(f"long_seconds must be >= 1, got {self.long_seconds}")
         lo, hi = self.scene_seconds
@@ -214,7 +240,9 @@ class SyntheticSample:
     scenes: list[tuple[int, int, Shape]]  # (start second, end second, shape)
     needle: Optional[tuple[int, str]]  # (second, colour)
     meta: dict = field(default_factory=dict)
-    flashes: list[tuple[int, str]] = field(default_factory=list)  # extra (second, colour), no question
+    flashes: list[tuple[int, str]] = field(
+        default_factory=list
+    )  # extra (second, colour), no question
 
     @property
     def num_frames(self) -> int:
@@ -239,9 +267,13 @@ class SyntheticSample:
                 part = out[sel]
                 part[mask] = np.asarray(COLOURS[shape.colour], np.uint8)
                 out[sel] = part
-        painted = self.flashes + ([self.needle] if self.needle is not None else [])  # the needle wins
+        painted = self.flashes + (
+            [self.needle] if self.needle is not None else []
+        )  # the needle wins
         for sec, colour in painted:
-            out[(idx >= sec * fps) & (idx < (sec + 1) * fps)] = np.asarray(COLOURS[colour], np.uint8)
+            out[(idx >= sec * fps) & (idx < (sec + 1) * fps)] = np.asarray(
+                COLOURS[colour], np.uint8
+            )
         return out
 
     def mp4(self) -> bytes:
@@ -254,12 +286,16 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
     """Draw sample ``index`` of the dataset with ``seed`` (independent of every other index)."""
     rng = np.random.default_rng([seed, index])
     long = rng.random() < spec.long_fraction
-    duration = spec.long_seconds if long else int(rng.integers(spec.min_seconds, spec.max_seconds + 1))
+    duration = (
+        spec.long_seconds if long else int(rng.integers(spec.min_seconds, spec.max_seconds + 1))
+    )
     scenes: list[tuple[int, int, Shape]] = []
     t = 0
     prev = None
     while t < duration:
-        length = min(int(rng.integers(spec.scene_seconds[0], spec.scene_seconds[1] + 1)), duration - t)
+        length = min(
+            int(rng.integers(spec.scene_seconds[0], spec.scene_seconds[1] + 1)), duration - t
+        )
         shape = random_shape(rng, spec.size)
         while prev is not None and (shape.kind, shape.colour) == (prev.kind, prev.colour):
             shape = random_shape(rng, spec.size)  # consecutive scenes differ, so cuts are visible
@@ -272,13 +308,28 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
             second = int(round(spec.needle_at * (duration - 1)))
         needle = (second, NEEDLE_CHOICES[rng.integers(len(NEEDLE_CHOICES))])
 
-    segments = [{"start": float(a), "end": float(b), "text": f"a {s.colour} {s.kind}"} for a, b, s in scenes]
+    segments = [
+        {"start": float(a), "end": float(b), "text": f"a {s.colour} {s.kind}"} for a, b, s in scenes
+    ]
     qa = []
     if needle is not None:
-        qa.append({"question": NEEDLE_QUESTION, "answer": needle[1], "choices": list(NEEDLE_CHOICES)})
-    qa.append({"question": FIRST_SHAPE_QUESTION, "answer": scenes[0][2].kind, "choices": list(SHAPE_KINDS)})
-    qa.append({"question": LAST_COLOUR_QUESTION, "answer": scenes[-1][2].colour,
-               "choices": list(COLOUR_NAMES)})
+        qa.append(
+            {"question": NEEDLE_QUESTION, "answer": needle[1], "choices": list(NEEDLE_CHOICES)}
+        )
+    qa.append(
+        {
+            "question": FIRST_SHAPE_QUESTION,
+            "answer": scenes[0][2].kind,
+            "choices": list(SHAPE_KINDS),
+        }
+    )
+    qa.append(
+        {
+            "question": LAST_COLOUR_QUESTION,
+            "answer": scenes[-1][2].colour,
+            "choices": list(COLOUR_NAMES),
+        }
+    )
     key = f"{seed:04d}_{index:08d}"
     meta = {
         "caption": ", then ".join(seg["text"] for seg in segments) + ".",
@@ -290,17 +341,34 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
         "duration": float(duration),
     }
     if needle is not None:
-        meta["needle"] = {"start": float(needle[0]), "end": float(needle[0] + 1), "colour": needle[1],
-                          "depth": needle[0] / duration}
+        meta["needle"] = {
+            "start": float(needle[0]),
+            "end": float(needle[0] + 1),
+            "colour": needle[1],
+            "depth": needle[0] / duration,
+        }
     flashes = []
-    if spec.flashes_per_minute > 0:  # a stream of its own: the rest of the sample is as without flashes
+    if (
+        spec.flashes_per_minute > 0
+    ):  # a stream of its own: the rest of the sample is as without flashes
         frng = np.random.default_rng([seed, index, 1])
         n = int(frng.poisson(spec.flashes_per_minute * duration / 60))
-        seconds = sorted({int(x) for x in frng.integers(0, duration, n)} - ({needle[0]} if needle else set()))
+        seconds = sorted(
+            {int(x) for x in frng.integers(0, duration, n)} - ({needle[0]} if needle else set())
+        )
         flashes = [(t, NEEDLE_CHOICES[int(frng.integers(len(NEEDLE_CHOICES)))]) for t in seconds]
-        meta["flashes"] = [{"start": float(t), "end": float(t + 1), "colour": c} for t, c in flashes]
-    return SyntheticSample(key=key, spec=spec, duration=duration, scenes=scenes, needle=needle, meta=meta,
-                           flashes=flashes)
+        meta["flashes"] = [
+            {"start": float(t), "end": float(t + 1), "colour": c} for t, c in flashes
+        ]
+    return SyntheticSample(
+        key=key,
+        spec=spec,
+        duration=duration,
+        scenes=scenes,
+        needle=needle,
+        meta=meta,
+        flashes=flashes,
+    )
 
 
 def _write_shard(args) -> tuple[str, int]:
@@ -313,8 +381,16 @@ def _write_shard(args) -> tuple[str, int]:
     return str(path), len(indices)
 
 
-def write_synthetic_shards(out_dir, n: int, *, seed: int = 0, spec: SyntheticSpec = SyntheticSpec(),
-                           samples_per_shard: int = 64, workers: int = 1, progress: bool = True) -> list[str]:
+def write_synthetic_shards(
+    out_dir,
+    n: int,
+    *,
+    seed: int = 0,
+    spec: SyntheticSpec = SyntheticSpec(),
+    samples_per_shard: int = 64,
+    workers: int = 1,
+    progress: bool = True,
+) -> list[str]:
     """Write samples 0..n-1 of the dataset with ``seed`` as raw shards ``shard-NNNNNN.tar``.
 
     Each shard is written atomically; shards that already exist are kept (a rerun completes a
@@ -330,7 +406,9 @@ def write_synthetic_shards(out_dir, n: int, *, seed: int = 0, spec: SyntheticSpe
         paths.append(str(path))
         if not path.exists():
             jobs.append((path, seed, list(range(start, min(start + samples_per_shard, n))), spec))
-    bar = tqdm(total=sum(len(j[2]) for j in jobs), unit="video", desc="make-data", disable=not progress)
+    bar = tqdm(
+        total=sum(len(j[2]) for j in jobs), unit="video", desc="make-data", disable=not progress
+    )
     if workers > 1 and len(jobs) > 1:
         with mp.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
             for _, count in pool.imap_unordered(_write_shard, jobs):
@@ -350,7 +428,11 @@ def text_corpus(n: int = 200, seed: int = 0, spec: SyntheticSpec = SyntheticSpec
         meta = make_sample(seed, i, spec).meta
         texts.append(meta["caption"])
         texts += [SEGMENT_TEXT.format(text=s["text"]) for s in meta["segments"]]
-        texts += [QUESTION_TEXT.format(question=q["question"]) + ANSWER_PROMPT
-                  + ANSWER_TEXT.format(answer=q["answer"]) for q in meta["qa"]]
+        texts += [
+            QUESTION_TEXT.format(question=q["question"])
+            + ANSWER_PROMPT
+            + ANSWER_TEXT.format(answer=q["answer"])
+            for q in meta["qa"]
+        ]
     texts += [TIMESTAMP_TEXT.format(t=float(t)) for t in range(0, 120)]
     return texts

@@ -52,8 +52,13 @@ class Eos:
     loss: bool
 
 
-def qa_parts(pairs: Sequence[tuple[str, Optional[str]]], groups: Sequence[int], *, question_first: bool,
-             vision_loss: bool) -> list:
+def qa_parts(
+    pairs: Sequence[tuple[str, Optional[str]]],
+    groups: Sequence[int],
+    *,
+    question_first: bool,
+    vision_loss: bool,
+) -> list:
     """The QA template. An answer of None ends the parts where that answer would start (a prompt)."""
     if not pairs:
         raise ValueError("qa_parts needs at least one question")
@@ -76,14 +81,27 @@ def qa_parts(pairs: Sequence[tuple[str, Optional[str]]], groups: Sequence[int], 
 def lwm_parts(question: str, groups: Sequence[int]) -> list:
     """LWM's vision-chat prompt (see the module docstring): every text piece starts with BOS, the
     first one twice; the question is taken as given (LWM does not strip it)."""
-    return [Bos(), Bos(), Text(LWM_USER_TEXT.format(question=question), False),
-            Bos(), Text(LWM_VISION_START, False), Video(tuple(groups), False),
-            Bos(), Text(LWM_VISION_END, False), Bos(), Text(LWM_ASSISTANT_TEXT, False)]
+    return [
+        Bos(),
+        Bos(),
+        Text(LWM_USER_TEXT.format(question=question), False),
+        Bos(),
+        Text(LWM_VISION_START, False),
+        Video(tuple(groups), False),
+        Bos(),
+        Text(LWM_VISION_END, False),
+        Bos(),
+        Text(LWM_ASSISTANT_TEXT, False),
+    ]
 
 
 def caption_parts(caption: str, groups: Sequence[int], *, caption_first: bool) -> list:
     video = Video(tuple(groups), True)
-    body = [Text(caption.strip(), True), video] if caption_first else [video, Text(caption.strip(), True)]
+    body = (
+        [Text(caption.strip(), True), video]
+        if caption_first
+        else [video, Text(caption.strip(), True)]
+    )
     return [Bos(), *body, Eos(True)]
 
 
@@ -105,8 +123,16 @@ def segments_parts(segments: Sequence[dict], timestamps: np.ndarray, groups: Seq
     return parts + [Eos(True)]
 
 
-def _render(parts: list, tok, vocab, codes: Optional[np.ndarray], timestamps: Optional[np.ndarray],
-            text_w: float, vision_w: float, every: int) -> tuple[np.ndarray, np.ndarray, int]:
+def _render(
+    parts: list,
+    tok,
+    vocab,
+    codes: Optional[np.ndarray],
+    timestamps: Optional[np.ndarray],
+    text_w: float,
+    vision_w: float,
+    every: int,
+) -> tuple[np.ndarray, np.ndarray, int]:
     """Ids int64 (L,) and weights float32 (L,) of ``parts``, and the number of tokens up to the end
     of the last video part (0: no video). Text pieces are tokenized one by one (no BOS/EOS added)."""
     ids: list[int] = []
@@ -194,11 +220,16 @@ class LayoutOptions:
         return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
 
 
-def choose_templates(meta: dict, opts: LayoutOptions, rng: np.random.Generator) -> list[tuple[str, bool]]:
+def choose_templates(
+    meta: dict, opts: LayoutOptions, rng: np.random.Generator
+) -> list[tuple[str, bool]]:
     """(template, text_first) pairs to lay out for a sample, following template_mode."""
     caption = meta.get("caption")
-    have = {"qa": bool(meta.get("qa")), "segments": bool(meta.get("segments")),
-            "caption": isinstance(caption, str) and bool(caption.strip())}
+    have = {
+        "qa": bool(meta.get("qa")),
+        "segments": bool(meta.get("segments")),
+        "caption": isinstance(caption, str) and bool(caption.strip()),
+    }
     avail = [t for t in opts.templates if have[t]]
     if not avail:
         return []
@@ -210,14 +241,29 @@ def choose_templates(meta: dict, opts: LayoutOptions, rng: np.random.Generator) 
         chosen = avail
     out = []
     for t in chosen:
-        pos = opts.question_position if t == "qa" else opts.caption_position if t == "caption" else "after"
+        pos = (
+            opts.question_position
+            if t == "qa"
+            else opts.caption_position
+            if t == "caption"
+            else "after"
+        )
         first = pos == "before" or (pos == "random" and bool(rng.integers(2)))
         out.append((t, first))
     return out
 
 
-def layout_doc(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta: dict, template: str,
-               text_first: bool, opts: LayoutOptions, max_len: int) -> Optional[Doc]:
+def layout_doc(
+    tokenizer,
+    vocab,
+    codes: np.ndarray,
+    timestamps: np.ndarray,
+    meta: dict,
+    template: str,
+    text_first: bool,
+    opts: LayoutOptions,
+    max_len: int,
+) -> Optional[Doc]:
     """Lay out one template, dropping whole groups uniformly until it fits ``max_len``; None when
     even one group does not fit (the text alone is too long)."""
     num_groups = int(codes.shape[0])
@@ -225,7 +271,9 @@ def layout_doc(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta
     def parts_for(groups: list[int]) -> list:
         if template == "qa":
             pairs = [(x["question"], x["answer"]) for x in meta["qa"]]
-            return qa_parts(pairs, groups, question_first=text_first, vision_loss=opts.qa_vision_loss)
+            return qa_parts(
+                pairs, groups, question_first=text_first, vision_loss=opts.qa_vision_loss
+            )
         if template == "caption":
             return caption_parts(meta["caption"], groups, caption_first=text_first)
         if template == "segments":
@@ -234,8 +282,16 @@ def layout_doc(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta
 
     def render(keep: int) -> tuple[np.ndarray, np.ndarray]:
         parts = parts_for(uniform_keep(num_groups, keep))
-        return _render(parts, tokenizer, vocab, codes, timestamps, opts.text_loss_weight, opts.vision_loss_weight,
-                       opts.timestamp_every)[:2]
+        return _render(
+            parts,
+            tokenizer,
+            vocab,
+            codes,
+            timestamps,
+            opts.text_loss_weight,
+            opts.vision_loss_weight,
+            opts.timestamp_every,
+        )[:2]
 
     keep = num_groups
     ids, w = render(keep)
@@ -249,7 +305,9 @@ def layout_doc(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta
         if keep == 0:
             return None
         ids, w = render(keep)
-    return Doc(ids=ids, weights=w, template=template, groups_kept=keep, groups_dropped=num_groups - keep)
+    return Doc(
+        ids=ids, weights=w, template=template, groups_kept=keep, groups_dropped=num_groups - keep
+    )
 
 
 def sample_rng(seed: int, epoch: int, key: str) -> np.random.Generator:
@@ -257,8 +315,17 @@ def sample_rng(seed: int, epoch: int, key: str) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, zlib.crc32(key.encode())])
 
 
-def build_docs(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta: dict, opts: LayoutOptions,
-               max_len: int, rng: np.random.Generator, key: str = "") -> tuple[list[Doc], int]:
+def build_docs(
+    tokenizer,
+    vocab,
+    codes: np.ndarray,
+    timestamps: np.ndarray,
+    meta: dict,
+    opts: LayoutOptions,
+    max_len: int,
+    rng: np.random.Generator,
+    key: str = "",
+) -> tuple[list[Doc], int]:
     """All documents of one sample; returns (docs, number of templates that did not fit)."""
     docs, too_long = [], 0
     for template, first in choose_templates(meta, opts, rng):
@@ -280,20 +347,29 @@ def build_docs(tokenizer, vocab, codes: np.ndarray, timestamps: np.ndarray, meta
 class PromptOptions:
     """How a question about a video is laid out at inference: the QA training template's settings."""
 
-    timestamp_every: int = 0  # timestamp text before every k-th code group (0: none), as in training
+    timestamp_every: int = (
+        0  # timestamp text before every k-th code group (0: none), as in training
+    )
     question_first: bool = False  # the question before the video instead of after it
-    template: str = "qa"  # qa: the QA training template; lwm: LWM's vision-chat prompt (no other options)
+    template: str = (
+        "qa"  # qa: the QA training template; lwm: LWM's vision-chat prompt (no other options)
+    )
 
     def __post_init__(self):
         if self.template not in PROMPT_TEMPLATES:
-            raise ValueError(f"prompt template must be one of {PROMPT_TEMPLATES}, got {self.template!r}")
+            raise ValueError(
+                f"prompt template must be one of {PROMPT_TEMPLATES}, got {self.template!r}"
+            )
 
     @classmethod
     def from_config(cls, data: DataConfig) -> "PromptOptions":
         """The options a model trained with `data` expects (a 'random' question position trained
         both orders; the prompt then asks after the video)."""
-        return cls(timestamp_every=data.timestamp_every, question_first=data.question_position == "before",
-                   template=data.prompt_template)
+        return cls(
+            timestamp_every=data.timestamp_every,
+            question_first=data.question_position == "before",
+            template=data.prompt_template,
+        )
 
 
 @dataclass(frozen=True)
@@ -306,24 +382,42 @@ class Prompt:
     the same for every question asked after the same video, so a KV cache of it is kept."""
 
 
-def build_prompt(tokenizer, vocab, codes, timestamps, question: str,
-                 options: PromptOptions = PromptOptions(), history: Sequence[tuple[str, str]] = ()) -> Prompt:
+def build_prompt(
+    tokenizer,
+    vocab,
+    codes,
+    timestamps,
+    question: str,
+    options: PromptOptions = PromptOptions(),
+    history: Sequence[tuple[str, str]] = (),
+) -> Prompt:
     """The prompt for one question, ending exactly where the answer starts (the module docstring).
     codes: integer (G, h, w) (numpy or torch); timestamps: (G,) seconds; history: earlier (question,
     answer) turns about the same video (docs/data.md, "Sequence layout", Inference)."""
     codes = np.asarray(codes.cpu() if hasattr(codes, "cpu") else codes).astype(np.int64)
-    timestamps = np.asarray(timestamps.cpu() if hasattr(timestamps, "cpu") else timestamps, np.float64)
+    timestamps = np.asarray(
+        timestamps.cpu() if hasattr(timestamps, "cpu") else timestamps, np.float64
+    )
     if codes.ndim != 3 or timestamps.shape != codes.shape[:1]:
-        raise ValueError(f"codes must be (G, h, w) and timestamps (G,), got {codes.shape}, "
-                         f"{timestamps.shape}")
+        raise ValueError(
+            f"codes must be (G, h, w) and timestamps (G,), got {codes.shape}, {timestamps.shape}"
+        )
     if options.template == "lwm":
         if history:
-            raise ValueError("LWM's vision-chat prompt holds one question; follow-ups need the qa template")
+            raise ValueError(
+                "LWM's vision-chat prompt holds one question; follow-ups need the qa template"
+            )
         parts = lwm_parts(question, range(codes.shape[0]))
     else:
-        parts = qa_parts([*history, (question, None)], range(codes.shape[0]),
-                         question_first=options.question_first, vision_loss=False)
-    ids, _, video_end = _render(parts, tokenizer, vocab, codes, timestamps, 0.0, 0.0, options.timestamp_every)
+        parts = qa_parts(
+            [*history, (question, None)],
+            range(codes.shape[0]),
+            question_first=options.question_first,
+            vision_loss=False,
+        )
+    ids, _, video_end = _render(
+        parts, tokenizer, vocab, codes, timestamps, 0.0, 0.0, options.timestamp_every
+    )
     return Prompt(ids=ids.tolist(), video_end=video_end)
 
 

@@ -22,8 +22,15 @@ from tqdm import tqdm
 
 from longvideo.atomic import write_json_atomic
 from longvideo.data.codes import video_to_codes
-from longvideo.data.shards import (VIDEO_EXTS, ShardWriter, SkipStats, group_samples, index_tar,
-                                   iter_raw_samples, token_sample_members)
+from longvideo.data.shards import (
+    VIDEO_EXTS,
+    ShardWriter,
+    SkipStats,
+    group_samples,
+    index_tar,
+    iter_raw_samples,
+    token_sample_members,
+)
 from longvideo.data.streams import expand_sources, is_url, shard_name
 from longvideo.data.video import VideoError
 from longvideo.vq.model import load_vq
@@ -40,7 +47,9 @@ class TokenizeOptions:
     max_resolution: int = 4096  # longest frame side accepted
     batch_frames: int = 16  # frames the VQ encodes at once
     backend: str = "auto"  # auto (= pyav, in this process), pyav, or decord (in a child process)
-    partial_videos: str = "keep"  # keep what was read of a partial video (see min_partial_fraction), or skip
+    partial_videos: str = (
+        "keep"  # keep what was read of a partial video (see min_partial_fraction), or skip
+    )
     min_partial_fraction: float = 0.5  # least share of a partial video read for it to be kept
 
 
@@ -60,8 +69,11 @@ def trim_meta(meta: dict, end: float) -> tuple[dict, dict]:
     for key, counter in (("segments", "segments_dropped"), ("qa", "qa_dropped")):
         items = meta.get(key)
         if isinstance(items, list):
-            kept = [x for x in items if not any(isinstance(x.get(k), (int, float)) and x[k] > end + 1e-3
-                                                for k in _TIMES)]
+            kept = [
+                x
+                for x in items
+                if not any(isinstance(x.get(k), (int, float)) and x[k] > end + 1e-3 for k in _TIMES)
+            ]
             out[key], dropped[counter] = kept, len(items) - len(kept)
     return out, dropped
 
@@ -92,11 +104,19 @@ def tokenize_shard(vq, src: str, dst: str, opts: TokenizeOptions, progress=None)
         with ShardWriter(dst) as writer:
             for sample in iter_raw_samples(src, stats):
                 try:
-                    vc = video_to_codes(vq, sample.video, fps=opts.fps, max_frames=opts.max_frames,
-                                        max_resolution=opts.max_resolution, batch_frames=opts.batch_frames,
-                                        backend=opts.backend)
+                    vc = video_to_codes(
+                        vq,
+                        sample.video,
+                        fps=opts.fps,
+                        max_frames=opts.max_frames,
+                        max_resolution=opts.max_resolution,
+                        batch_frames=opts.batch_frames,
+                        backend=opts.backend,
+                    )
                 except VideoError as e:
-                    stats.skip(e.reason, f"{src}:{sample.key}", str(e))  # video_corrupt, ..., decoder_crash
+                    stats.skip(
+                        e.reason, f"{src}:{sample.key}", str(e)
+                    )  # video_corrupt, ..., decoder_crash
                 else:
                     _write(writer, stats, sample, vc, vq, opts, f"{src}:{sample.key}")
                 if progress is not None:
@@ -121,17 +141,28 @@ def _write(writer, stats: SkipStats, sample, vc, vq, opts: TokenizeOptions, wher
         stats["seconds_lost"] += round(rep.lost_seconds, 3)
     if lost and (opts.partial_videos == "skip" or rep.fraction < opts.min_partial_fraction):
         why = f"{lost} ({rep.fraction:.0%} read; partial_videos={opts.partial_videos}, "
-        stats.skip("video_truncated", where, why + f"min_partial_fraction={opts.min_partial_fraction})")
+        stats.skip(
+            "video_truncated", where, why + f"min_partial_fraction={opts.min_partial_fraction})"
+        )
         return
-    meta["tokenized"] = {"num_frames": vc.num_frames, "num_groups": int(vc.codes.shape[0]),
-                         "sample_fps": opts.fps, "video_ext": sample.video_ext, "vq_mode": vq.cfg.mode,
-                         "vq_resolution": vq.cfg.resolution}
+    meta["tokenized"] = {
+        "num_frames": vc.num_frames,
+        "num_groups": int(vc.codes.shape[0]),
+        "sample_fps": opts.fps,
+        "video_ext": sample.video_ext,
+        "vq_mode": vq.cfg.mode,
+        "vq_resolution": vq.cfg.resolution,
+    }
     if lost:
         meta, dropped = trim_meta(meta, rep.duration) if rep.truncated else (meta, {})
         stats.update(dropped)
         gaps = [[round(a, 3), round(b, 3)] for a, b in rep.gaps]
-        meta["tokenized"]["partial"] = {"seconds_kept": round(rep.duration, 3),
-                                        "seconds_declared": rep.declared, "gaps": gaps, **dropped}
+        meta["tokenized"]["partial"] = {
+            "seconds_kept": round(rep.duration, 3),
+            "seconds_declared": rep.declared,
+            "gaps": gaps,
+            **dropped,
+        }
         log.warning("kept %s partly: %s", where, lost)
     members = token_sample_members(sample.key, vc.codes, vc.timestamps, meta)
     writer.write(sample.key.replace("/", "_"), members)
@@ -161,8 +192,15 @@ def _worker_job(args) -> dict:
     return tokenize_shard(_VQ, src, dst, opts, progress=lambda n: _QUEUE.put(n))
 
 
-def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = TokenizeOptions(), *,
-                    workers: int = 1, progress: bool = True) -> dict:
+def tokenize_shards(
+    vq_dir: str,
+    inputs,
+    out_dir: str,
+    opts: TokenizeOptions = TokenizeOptions(),
+    *,
+    workers: int = 1,
+    progress: bool = True,
+) -> dict:
     """Tokenize every raw shard of ``inputs`` into ``out_dir``, skipping finished outputs. Returns the
     summed counts: :data:`OUTCOMES`, skip reasons, :data:`MEASURES` and ``shards_done/skipped/failed``."""
     paths = expand_sources(inputs)
@@ -170,7 +208,9 @@ def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = T
         raise FileNotFoundError(f"no raw shards match {inputs!r}")
     names = [shard_name(p) for p in paths]
     if len(set(names)) != len(names):
-        raise ValueError("input shards must have distinct file names (outputs are named after them)")
+        raise ValueError(
+            "input shards must have distinct file names (outputs are named after them)"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     total = Counter()
@@ -181,18 +221,26 @@ def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = T
             total["shards_skipped"] += 1
             sp = stats_path(dst)
             if sp.exists():
-                total.update({k: v for k, v in json.loads(sp.read_text()).items() if k != "seconds"})
+                total.update(
+                    {k: v for k, v in json.loads(sp.read_text()).items() if k != "seconds"}
+                )
         else:
             jobs.append((src, str(dst), opts))
-    bar = tqdm(total=sum(_count_samples(j[0]) for j in jobs) or None, unit="video", desc="tokenize",
-               disable=not progress)
+    bar = tqdm(
+        total=sum(_count_samples(j[0]) for j in jobs) or None,
+        unit="video",
+        desc="tokenize",
+        disable=not progress,
+    )
     cores = os.cpu_count() or 1
     workers = max(1, min(workers, len(jobs) or 1))
 
     def done_shard(res: dict) -> None:
         total.update({k: v for k, v in res.items() if k != "seconds"})
         total["shards_failed" if res.get("shard_io_error") else "shards_done"] += 1
-        bar.set_postfix(ok=total["ok"], partial=total["truncated"] + total["gaps"], skipped=_skipped(total))
+        bar.set_postfix(
+            ok=total["ok"], partial=total["truncated"] + total["gaps"], skipped=_skipped(total)
+        )
 
     if workers == 1:
         vq = load_vq(vq_dir)
@@ -201,8 +249,9 @@ def tokenize_shards(vq_dir: str, inputs, out_dir: str, opts: TokenizeOptions = T
     else:
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
-        with ctx.Pool(workers, initializer=_init_worker,
-                      initargs=(vq_dir, max(1, cores // workers), queue)) as pool:
+        with ctx.Pool(
+            workers, initializer=_init_worker, initargs=(vq_dir, max(1, cores // workers), queue)
+        ) as pool:
             pending = [pool.apply_async(_worker_job, (job,)) for job in jobs]
             while pending:
                 while not queue.empty():

@@ -27,8 +27,21 @@ import torch.nn.functional as F
 
 from longvideo.data.isolate import IsolatedDecordBackend
 from longvideo.data.video_base import (  # noqa: F401 (VIDEO_EXTS and the errors: re-exported public names)
-    VIDEO_EXTS, CorruptVideoError, EmptyVideoError, Orientation, ReadReport, UnsupportedVideoError,
-    VideoError, VideoInfo, VideoSource, check_fps, check_frame_size, display_matrix, frame_rate, stream_facts)
+    VIDEO_EXTS,
+    CorruptVideoError,
+    EmptyVideoError,
+    Orientation,
+    ReadReport,
+    UnsupportedVideoError,
+    VideoError,
+    VideoInfo,
+    VideoSource,
+    check_fps,
+    check_frame_size,
+    display_matrix,
+    frame_rate,
+    stream_facts,
+)
 
 HARD_MAX_FRAMES = 1 << 16
 """Bound on frames returned when the caller sets no max_frames (about 18 hours at 1 fps)."""
@@ -61,8 +74,9 @@ class VideoClip:
         return int(self.frames.shape[0])
 
 
-def sample_indices(num_frames: int, src_fps: float, fps: Optional[float] = 1.0,
-                   max_frames: Optional[int] = None) -> np.ndarray:
+def sample_indices(
+    num_frames: int, src_fps: float, fps: Optional[float] = 1.0, max_frames: Optional[int] = None
+) -> np.ndarray:
     """Frame indices (int64, increasing) to take from a video of ``num_frames`` at ``src_fps``: the
     frame on screen at t_k = k / fps (fps=None: every frame), or, when more than ``max_frames``
     result, the middle frame of each of ``max_frames`` equal bins (docs/data.md, "Reading video")."""
@@ -85,8 +99,9 @@ def sample_indices(num_frames: int, src_fps: float, fps: Optional[float] = 1.0,
     return idx
 
 
-def resize_crop(frames: torch.Tensor, size: Optional[int],
-                shown: Optional[tuple[int, int]] = None) -> torch.Tensor:
+def resize_crop(
+    frames: torch.Tensor, size: Optional[int], shown: Optional[tuple[int, int]] = None
+) -> torch.Tensor:
     """Resize the short side to ``size`` (antialiased bilinear) and centre-crop to size x size.
 
     frames: uint8 (T, H, W, 3) -> uint8 (T, size, size, 3). ``shown``: the (height, width) the
@@ -104,7 +119,7 @@ def resize_crop(frames: torch.Tensor, size: Optional[int],
         x = F.interpolate(x, size=(nh, nw), mode="bilinear", antialias=True, align_corners=False)
         frames = x.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
     top, left = ((nh - size) // 2, (nw - size) // 2) if size else (0, 0)
-    return frames[:, top: top + (size or nh), left: left + (size or nw)].contiguous()
+    return frames[:, top : top + (size or nh), left : left + (size or nw)].contiguous()
 
 
 _GAP = "gap"  # stands for the frame before a frame decoded right after a loss
@@ -134,8 +149,11 @@ class _PyAVBackend:
                 raise UnsupportedVideoError(f"no decoder for the video stream ({codec})", label)
             w, h = ctx.width, ctx.height
             if w <= 0 or h <= 0:
-                raise CorruptVideoError("no frame size: a damaged header, or frames over max_resolution^2 "
-                                        "pixels that FFmpeg refused to allocate", label)
+                raise CorruptVideoError(
+                    "no frame size: a damaged header, or frames over max_resolution^2 "
+                    "pixels that FFmpeg refused to allocate",
+                    label,
+                )
             check_frame_size(w, h, max_resolution, label)
             fps = frame_rate(s)
             check_fps(fps, label)
@@ -150,14 +168,22 @@ class _PyAVBackend:
             raise
         except Exception as e:  # anything else PyAV raises on damaged input is a corrupt video too
             self.close()
-            raise CorruptVideoError(f"PyAV cannot read it: {type(e).__name__}: {str(e)[:200]}", label) from e
+            raise CorruptVideoError(
+                f"PyAV cannot read it: {type(e).__name__}: {str(e)[:200]}", label
+            ) from e
         if n <= 0:
             self.close()
             raise EmptyVideoError("no frames", label)
         self.stored = (h, w)
-        self.info = VideoInfo.of_stored(w, h, Orientation.from_container(matrix, tag, sar), num_frames=n,
-                                        fps=fps, duration=duration if duration > 0 else n / fps,
-                                        declared=declared)
+        self.info = VideoInfo.of_stored(
+            w,
+            h,
+            Orientation.from_container(matrix, tag, sar),
+            num_frames=n,
+            fps=fps,
+            duration=duration if duration > 0 else n / fps,
+            declared=declared,
+        )
         self._keys = keys  # sorted keyframe times (seconds from the start)
         self._frames = None
         self._prev = self._last = None
@@ -225,18 +251,28 @@ class _PyAVBackend:
             if packet is not None and wait_key and packet.size and not packet.is_keyframe:
                 continue
             try:
-                frames = packet.decode() if packet is not None else self.stream.codec_context.decode(None)
+                frames = (
+                    packet.decode()
+                    if packet is not None
+                    else self.stream.codec_context.decode(None)
+                )
             except av.FFmpegError:
                 if packet is None:
                     return
                 if self._lost is None:
                     pts = packet.pts
-                    self._lost = float(pts * packet.time_base) - self.start if pts is not None else t or 0.0
+                    self._lost = (
+                        float(pts * packet.time_base) - self.start if pts is not None else t or 0.0
+                    )
                 wait_key = len(self._keys) > 0
                 continue
             wait_key = wait_key and not (packet is not None and packet.size)
             for f in frames:
-                t = float(f.time) - self.start if f.time is not None else (t or 0.0) + 1.0 / self.info.fps
+                t = (
+                    float(f.time) - self.start
+                    if f.time is not None
+                    else (t or 0.0) + 1.0 / self.info.fps
+                )
                 yield t, f
             if packet is None:
                 if cut:
@@ -260,8 +296,12 @@ class _PyAVBackend:
         return nxt
 
     def _seek(self, t: float) -> None:
-        self.container.seek(round((t + self.start) / self.stream.time_base), stream=self.stream,
-                            backward=True, any_frame=False)
+        self.container.seek(
+            round((t + self.start) / self.stream.time_base),
+            stream=self.stream,
+            backward=True,
+            any_frame=False,
+        )
 
     def _key_before(self, limit: float) -> int:
         """Index of the last keyframe at or before ``limit`` (-1: none)."""
@@ -273,7 +313,7 @@ class _PyAVBackend:
         worked, or the file's first frame. A seek that lands past the target (MPEG-TS's imprecise
         index) turns seeking off."""
         j = self._key_before(limit)
-        for key in self._keys[max(j - 1, 0): j + 1][::-1] if self._seekable and j >= 0 else ():
+        for key in self._keys[max(j - 1, 0) : j + 1][::-1] if self._seekable and j >= 0 else ():
             self._seek(key)
             self._frames, self._lost, self._prev = self._decode(wait_key=True), None, None
             first = next(self._frames, None)
@@ -306,8 +346,11 @@ class _PyAVBackend:
         prev_fits = prev is not None and prev[0] <= limit
         behind = self._last is not None and self._last[0] > limit and not prev_fits
         # no frame yet means no run either (a call ends with the run done or past ``limit``)
-        if self._last is None or behind or (self._frames is not None and self._seekable
-                                            and self._keyframe_ahead(limit)):
+        if (
+            self._last is None
+            or behind
+            or (self._frames is not None and self._seekable and self._keyframe_ahead(limit))
+        ):
             self._position(limit)
         while self._frames is not None and (self._last is None or self._last[0] <= limit):
             self._next()
@@ -333,8 +376,11 @@ class _PyAVBackend:
             got = self._frame_at(target, target + 0.5 / fps)
             if got is not None:
                 f = got[1]  # a stream may change size mid-way: frames keep the first size
-                out.append(f.to_ndarray(format="rgb24") if (f.height, f.width) == (h, w)
-                           else f.to_ndarray(format="rgb24", width=w, height=h))
+                out.append(
+                    f.to_ndarray(format="rgb24")
+                    if (f.height, f.width) == (h, w)
+                    else f.to_ndarray(format="rgb24", width=w, height=h)
+                )
                 times.append(got[0])
         if not out:
             return np.zeros((0, h, w, 3), np.uint8), np.zeros(0)
@@ -363,8 +409,9 @@ def _open(src: VideoSource, max_resolution: int, backend: str = "auto"):
     return _PyAVBackend(src, label, max_resolution)
 
 
-def probe_video(src: VideoSource, *, max_resolution: int = DEFAULT_MAX_RESOLUTION,
-                backend: str = "auto") -> VideoInfo:
+def probe_video(
+    src: VideoSource, *, max_resolution: int = DEFAULT_MAX_RESOLUTION, backend: str = "auto"
+) -> VideoInfo:
     """Frame count, fps, displayed size, duration (read and declared) and orientation, without
     decoding frames (beyond the first)."""
     reader = _open(src, max_resolution, backend)
@@ -378,9 +425,17 @@ class VideoChunks:
     frames each (``chunk_frames`` to choose). ``info`` once opened; ``report`` (:class:`ReadReport`)
     once iterated to the end."""
 
-    def __init__(self, src: VideoSource, *, fps: Optional[float] = 1.0, max_frames: Optional[int] = None,
-                 size: Optional[int] = None, max_resolution: int = DEFAULT_MAX_RESOLUTION,
-                 chunk_frames: Optional[int] = None, backend: str = "auto"):
+    def __init__(
+        self,
+        src: VideoSource,
+        *,
+        fps: Optional[float] = 1.0,
+        max_frames: Optional[int] = None,
+        size: Optional[int] = None,
+        max_resolution: int = DEFAULT_MAX_RESOLUTION,
+        chunk_frames: Optional[int] = None,
+        backend: str = "auto",
+    ):
         self._reader = _open(src, max_resolution, backend)
         self.label, self.info = self._reader.label, self._reader.info
         self._indices = sample_indices(self.info.num_frames, self.info.fps, fps, max_frames)
@@ -395,16 +450,21 @@ class VideoChunks:
         try:
             for start in range(0, len(self._indices), self._chunk):
                 try:
-                    frames, times = reader.read(self._indices[start: start + self._chunk])
+                    frames, times = reader.read(self._indices[start : start + self._chunk])
                 except VideoError:
                     raise
                 except Exception as e:
                     why = f"{type(e).__name__}: {str(e)[:200]}"
-                    raise CorruptVideoError(f"{reader.name} decode failed: {why}", self.label) from e
+                    raise CorruptVideoError(
+                        f"{reader.name} decode failed: {why}", self.label
+                    ) from e
                 read += len(frames)
                 if len(frames):
                     shown = torch.from_numpy(np.ascontiguousarray(o.apply(frames)))
-                    yield resize_crop(shown, self._size, (info.height, info.width)), torch.from_numpy(times)
+                    yield (
+                        resize_crop(shown, self._size, (info.height, info.width)),
+                        torch.from_numpy(times),
+                    )
                     del frames, shown
                     if _MALLOC_TRIM is not None:
                         _MALLOC_TRIM(0)
@@ -416,8 +476,9 @@ class VideoChunks:
             if reader.end is not None and reader.end + 1.0 / info.fps < duration:
                 # the decoder stopped before the packets did: the packets' duration was claimed
                 declared, duration = max(declared or 0.0, duration), reader.end + 1.0 / info.fps
-            self.report = ReadReport(duration=duration, declared=declared, gaps=list(reader.gaps),
-                                     fps=info.fps)
+            self.report = ReadReport(
+                duration=duration, declared=declared, gaps=list(reader.gaps), fps=info.fps
+            )
         finally:
             reader.close()
 
@@ -425,13 +486,30 @@ class VideoChunks:
 iter_video = VideoChunks
 
 
-def read_video(src: VideoSource, *, fps: Optional[float] = 1.0, max_frames: Optional[int] = None,
-               size: Optional[int] = None, max_resolution: int = DEFAULT_MAX_RESOLUTION,
-               backend: str = "auto") -> VideoClip:
+def read_video(
+    src: VideoSource,
+    *,
+    fps: Optional[float] = 1.0,
+    max_frames: Optional[int] = None,
+    size: Optional[int] = None,
+    max_resolution: int = DEFAULT_MAX_RESOLUTION,
+    backend: str = "auto",
+) -> VideoClip:
     """The frames sampled at ``fps`` (None: all), capped at ``max_frames``, resized to ``size``, as a
     player shows them; what cannot be read raises a VideoError (docs/data.md, "Errors and bounds")."""
-    chunks = iter_video(src, fps=fps, max_frames=max_frames, size=size, max_resolution=max_resolution,
-                        backend=backend)
+    chunks = iter_video(
+        src,
+        fps=fps,
+        max_frames=max_frames,
+        size=size,
+        max_resolution=max_resolution,
+        backend=backend,
+    )
     parts = list(chunks)
-    return VideoClip(frames=torch.cat([p[0] for p in parts]), timestamps=torch.cat([p[1] for p in parts]),
-                     fps=chunks.info.fps, duration=chunks.report.duration, report=chunks.report)
+    return VideoClip(
+        frames=torch.cat([p[0] for p in parts]),
+        timestamps=torch.cat([p[1] for p in parts]),
+        fps=chunks.info.fps,
+        duration=chunks.report.duration,
+        report=chunks.report,
+    )

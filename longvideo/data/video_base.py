@@ -16,8 +16,22 @@ import numpy as np
 VideoSource = Union[str, os.PathLike, bytes, bytearray, memoryview]
 
 
-VIDEO_EXTS: tuple[str, ...] = ("mp4", "m4v", "mov", "mkv", "webm", "avi", "ogv", "ogg", "mpg", "mpeg", "ts",
-                               "flv", "gif", "3gp")
+VIDEO_EXTS: tuple[str, ...] = (
+    "mp4",
+    "m4v",
+    "mov",
+    "mkv",
+    "webm",
+    "avi",
+    "ogv",
+    "ogg",
+    "mpg",
+    "mpeg",
+    "ts",
+    "flv",
+    "gif",
+    "3gp",
+)
 """Accepted video file extensions (lower case, no dot): the one list for shard members, folder scans
 and ``chat --video``."""
 
@@ -66,8 +80,13 @@ class Orientation:
     sar: float = 1.0
 
     @classmethod
-    def from_container(cls, matrix: Optional[list[int]] = None, rotate_tag: Optional[str] = None,
-                       sar=None, flips: bool = True) -> "Orientation":
+    def from_container(
+        cls,
+        matrix: Optional[list[int]] = None,
+        rotate_tag: Optional[str] = None,
+        sar=None,
+        flips: bool = True,
+    ) -> "Orientation":
         """``matrix``: FFmpeg's display matrix (9 ints, row-major), which maps a stored pixel
         (column x, row y) to (a x + c y, b x + d y); ``rotate_tag``: degrees clockwise, used when
         there is no matrix; ``sar``: a number, a Fraction or None. ``flips=False``: the turn
@@ -88,7 +107,9 @@ class Orientation:
         except (TypeError, ValueError, ZeroDivisionError):
             s = 1.0
         s = s if math.isfinite(s) and 0.01 < s < 100 else 1.0
-        if abs(a) + abs(d) >= abs(b) + abs(c):  # 0 or 180 degrees (rounded to a quarter turn), flips
+        if abs(a) + abs(d) >= abs(b) + abs(
+            c
+        ):  # 0 or 180 degrees (rounded to a quarter turn), flips
             return cls(False, d < 0, a < 0, s)
         return cls(True, b < 0, c < 0, s)  # a quarter turn: (x, y) -> (c y, b x)
 
@@ -105,8 +126,11 @@ class Orientation:
         """What is left to apply to frames that another reader already turned by ``done``."""
         probe = np.arange(6).reshape(2, 3, 1)
         want = self.apply(probe)
-        return next(o for t, r, c in itertools.product((False, True), repeat=3)
-                    if np.array_equal((o := Orientation(t, r, c, self.sar)).apply(done.apply(probe)), want))
+        return next(
+            o
+            for t, r, c in itertools.product((False, True), repeat=3)
+            if np.array_equal((o := Orientation(t, r, c, self.sar)).apply(done.apply(probe)), want)
+        )
 
     def shown(self, width: int, height: int) -> tuple[int, int]:
         """(width, height) a player shows for stored frames of width x height."""
@@ -133,7 +157,9 @@ def stream_facts(container, stream, fps: float) -> tuple[Optional[float], Option
     elif fmt & {"matroska", "mov", "flv"}:
         if stream.duration and stream.time_base:
             declared = float(stream.duration * stream.time_base)
-        elif container.duration:  # Matroska's header holds the end time, not the length (AV_TIME_BASE units)
+        elif (
+            container.duration
+        ):  # Matroska's header holds the end time, not the length (AV_TIME_BASE units)
             declared = (container.duration - (container.start_time or 0)) / 1e6
     tag = next((str(v) for k, v in stream.metadata.items() if k.lower() == "rotate"), None)
     return declared, tag, stream.sample_aspect_ratio
@@ -192,8 +218,10 @@ class ReadReport:
         if self.truncated:
             out.append(f"cut short: {self.duration:.1f} of {self.declared:.1f} s could be read")
         if self.gaps:
-            out.append(f"{len(self.gaps)} gap(s) ({self.lost_seconds:.1f} s) lost to packets the decoder "
-                       "refused")
+            out.append(
+                f"{len(self.gaps)} gap(s) ({self.lost_seconds:.1f} s) lost to packets the decoder "
+                "refused"
+            )
         return "; ".join(out)
 
 
@@ -213,4 +241,5 @@ def check_frame_size(width: int, height: int, max_resolution: int, label: str) -
         raise CorruptVideoError(f"invalid frame size {width}x{height}", label)
     if max(width, height) > max_resolution:
         raise UnsupportedVideoError(
-            f"frame size {width}x{height} exceeds max_resolution={max_resolution}", label)
+            f"frame size {width}x{height} exceeds max_resolution={max_resolution}", label
+        )

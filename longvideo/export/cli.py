@@ -20,8 +20,12 @@ def _parser(prog: str, description: str, out: str = "project checkpoint director
     return p
 
 
-def _run(prog: str, convert: Callable[[], Path], errors: tuple = ERRORS,
-         done: str = "wrote project checkpoint") -> int:
+def _run(
+    prog: str,
+    convert: Callable[[], Path],
+    errors: tuple = ERRORS,
+    done: str = "wrote project checkpoint",
+) -> int:
     """convert(), then "{done} OUT"; an error of `errors` is one line and exit status 1."""
     try:
         out = convert()
@@ -33,44 +37,93 @@ def _run(prog: str, convert: Callable[[], Path], errors: tuple = ERRORS,
 
 
 def import_main(argv: list[str]) -> int:
-    p = _parser("import-hf", "Read a local Hugging Face LlamaForCausalLM into a project checkpoint, "
-                "extending its vocabulary with the vision tokens and VQ codes.")
+    p = _parser(
+        "import-hf",
+        "Read a local Hugging Face LlamaForCausalLM into a project checkpoint, "
+        "extending its vocabulary with the vision tokens and VQ codes.",
+    )
     p.add_argument("--hf", required=True, help="local Hugging Face model directory (safetensors)")
     p.add_argument("--config", default=None, help="root config to take the non-model sections from")
-    p.add_argument("--codebook-size", type=int, default=None, help="VQ codebook size (default: the config's)")
+    p.add_argument(
+        "--codebook-size", type=int, default=None, help="VQ codebook size (default: the config's)"
+    )
     a = p.parse_args(argv)
-    return _run("import-hf", lambda: import_hf(a.hf, a.out, base_config=a.config,
-                                               codebook_size=a.codebook_size))
+    return _run(
+        "import-hf",
+        lambda: import_hf(a.hf, a.out, base_config=a.config, codebook_size=a.codebook_size),
+    )
 
 
 def import_lwm_main(argv: list[str]) -> int:
-    p = _parser("import-lwm", "Convert LWM's released JAX checkpoints (LWM-Chat-32K/128K/1M: params, "
-                "vqgan, tokenizer) into a project checkpoint for `longvideo chat` and `longvideo export`. "
-                "See docs/lwm.md.")
+    p = _parser(
+        "import-lwm",
+        "Convert LWM's released JAX checkpoints (LWM-Chat-32K/128K/1M: params, "
+        "vqgan, tokenizer) into a project checkpoint for `longvideo chat` and `longvideo export`. "
+        "See docs/lwm.md.",
+    )
     p.add_argument("--params", required=True, help="LWM's params file (tux streaming checkpoint)")
-    p.add_argument("--vqgan", required=True, help="LWM's vqgan file (pickled flax parameters; read without "
-                   "running anything it names)")
-    p.add_argument("--tokenizer", required=True, help="directory with LWM's tokenizer.model (LLaMA), or a "
-                   "Hugging Face tokenizer directory")
-    p.add_argument("--config", default="lwm-chat-1m", help="what the files do not hold (RoPE theta, "
-                   "context): lwm-chat-32k, lwm-chat-128k, lwm-chat-1m (default) or a YAML path")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="dotted config overrides, e.g. model.max_seq_len=65536")
+    p.add_argument(
+        "--vqgan",
+        required=True,
+        help="LWM's vqgan file (pickled flax parameters; read without running anything it names)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        help="directory with LWM's tokenizer.model (LLaMA), or a Hugging Face tokenizer directory",
+    )
+    p.add_argument(
+        "--config",
+        default="lwm-chat-1m",
+        help="what the files do not hold (RoPE theta, "
+        "context): lwm-chat-32k, lwm-chat-128k, lwm-chat-1m (default) or a YAML path",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted config overrides, e.g. model.max_seq_len=65536",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     a = p.parse_intermixed_args(argv)
-    say = None if a.quiet else (lambda msg: print(f"import-lwm: {msg}", file=sys.stderr, flush=True))
-    return _run("import-lwm", lambda: import_lwm(a.params, a.vqgan, a.tokenizer, a.out, config=a.config,
-                                                 overrides=a.overrides, progress=say),
-                ERRORS + (UnsafePickleError,))
+    say = (
+        None if a.quiet else (lambda msg: print(f"import-lwm: {msg}", file=sys.stderr, flush=True))
+    )
+    return _run(
+        "import-lwm",
+        lambda: import_lwm(
+            a.params,
+            a.vqgan,
+            a.tokenizer,
+            a.out,
+            config=a.config,
+            overrides=a.overrides,
+            progress=say,
+        ),
+        ERRORS + (UnsafePickleError,),
+    )
 
 
 def export_main(argv: list[str]) -> int:
-    p = _parser("export", "Write a Hugging Face directory that transformers loads with no custom code.",
-                "output directory")
-    p.add_argument("--ckpt", required=True,
-                   help="project checkpoint, training run directory or ZeRO checkpoint")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: CKPT/tokenizer)")
-    p.add_argument("--vq", default=None, help="VQ tokenizer directory (default: CKPT/vq if present)")
+    p = _parser(
+        "export",
+        "Write a Hugging Face directory that transformers loads with no custom code.",
+        "output directory",
+    )
+    p.add_argument(
+        "--ckpt",
+        required=True,
+        help="project checkpoint, training run directory or ZeRO checkpoint",
+    )
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer directory (default: CKPT/tokenizer)"
+    )
+    p.add_argument(
+        "--vq", default=None, help="VQ tokenizer directory (default: CKPT/vq if present)"
+    )
     a = p.parse_args(argv)
-    return _run("export", lambda: export_hf(a.ckpt, a.out, tokenizer_dir=a.tokenizer, vq_dir=a.vq),
-                done="exported")
+    return _run(
+        "export",
+        lambda: export_hf(a.ckpt, a.out, tokenizer_dir=a.tokenizer, vq_dir=a.vq),
+        done="exported",
+    )

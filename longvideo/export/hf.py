@@ -15,9 +15,21 @@ from typing import Optional
 import torch
 from transformers import AutoTokenizer
 
-from longvideo.checkpoint import (EXPORT_CONFIG, TOKENIZER_DIR, VQ_DIR, WEIGHTS_FILE, CheckpointError,
-                                  check_shapes, from_hf_names, load_project_state, read_safetensors_dir,
-                                  save_project_checkpoint, streaming_weights, tie, to_hf_names)
+from longvideo.checkpoint import (
+    EXPORT_CONFIG,
+    TOKENIZER_DIR,
+    VQ_DIR,
+    WEIGHTS_FILE,
+    CheckpointError,
+    check_shapes,
+    from_hf_names,
+    load_project_state,
+    read_safetensors_dir,
+    save_project_checkpoint,
+    streaming_weights,
+    tie,
+    to_hf_names,
+)
 from longvideo.config import Config, load_config, save_config
 from longvideo.export.processor import LongVideoProcessor, ProcessorSettings
 from longvideo.model import ModelConfig
@@ -32,8 +44,9 @@ def rope_theta_of(hf_cfg: dict) -> float:
     if isinstance(params, dict):
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in (None, "default"):
-            raise CheckpointError(f"config.json: rope type '{rope_type}' is not supported (only default "
-                                  f"RoPE)")
+            raise CheckpointError(
+                f"config.json: rope type '{rope_type}' is not supported (only default RoPE)"
+            )
         if "rope_theta" in params:
             return float(params["rope_theta"])
     return float(hf_cfg.get("rope_theta", 10000.0))
@@ -44,25 +57,37 @@ LOGN_MODULE = "modeling_longvideo"
 LOGN_MODEL_TYPE, LOGN_ARCH = "longvideo_llama", "LongVideoLlamaForCausalLM"
 
 
-def model_config_from_hf(hf_cfg: dict, base: ModelConfig, text_vocab_size: int,
-                         codebook_size: int) -> ModelConfig:
+def model_config_from_hf(
+    hf_cfg: dict, base: ModelConfig, text_vocab_size: int, codebook_size: int
+) -> ModelConfig:
     """`base` with the architecture of a transformers config.json."""
     archs = hf_cfg.get("architectures") or []
     ours = hf_cfg.get("model_type") == LOGN_MODEL_TYPE and archs == [LOGN_ARCH]
-    if not ours and (hf_cfg.get("model_type") != "llama" or (archs and "LlamaForCausalLM" not in archs)):
-        raise CheckpointError(f"config.json: expected a LlamaForCausalLM (model_type llama), got "
-                              f"model_type={hf_cfg.get('model_type')!r} architectures={archs}")
+    if not ours and (
+        hf_cfg.get("model_type") != "llama" or (archs and "LlamaForCausalLM" not in archs)
+    ):
+        raise CheckpointError(
+            f"config.json: expected a LlamaForCausalLM (model_type llama), got "
+            f"model_type={hf_cfg.get('model_type')!r} architectures={archs}"
+        )
     dim, heads = hf_cfg["hidden_size"], hf_cfg["num_attention_heads"]
     if hf_cfg.get("head_dim") not in (None, dim // heads):
-        raise CheckpointError(f"config.json: head_dim {hf_cfg['head_dim']} != "
-                              f"hidden_size/num_attention_heads")
+        raise CheckpointError(
+            f"config.json: head_dim {hf_cfg['head_dim']} != hidden_size/num_attention_heads"
+        )
     if hf_cfg.get("attention_bias") or hf_cfg.get("mlp_bias"):
         raise CheckpointError("config.json: attention or MLP biases are not supported")
     return replace(
-        base, text_vocab_size=text_vocab_size, codebook_size=codebook_size, dim=dim,
-        n_layers=hf_cfg["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=hf_cfg.get("num_key_value_heads", heads), ffn_dim=hf_cfg["intermediate_size"],
-        norm_eps=float(hf_cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta_of(hf_cfg),
+        base,
+        text_vocab_size=text_vocab_size,
+        codebook_size=codebook_size,
+        dim=dim,
+        n_layers=hf_cfg["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=hf_cfg.get("num_key_value_heads", heads),
+        ffn_dim=hf_cfg["intermediate_size"],
+        norm_eps=float(hf_cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta_of(hf_cfg),
         max_seq_len=int(hf_cfg.get("max_position_embeddings", 4096)),
         tie_embeddings=bool(hf_cfg.get("tie_word_embeddings", False)),
         attn_logn_base=int(hf_cfg.get("attn_logn_base", 0)) if ours else 0,
@@ -73,35 +98,68 @@ def hf_config_dict(cfg: ModelConfig, tokenizer=None) -> dict:
     """config.json for LlamaForCausalLM; RoPE written in both spellings transformers reads. A model
     whose queries scale with the context is a LongVideoLlamaForCausalLM (docs/export.md, "Models
     whose queries scale with the context")."""
-    d = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=cfg.vocab_size,
-             hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
-             num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-             hidden_act="silu", rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-             max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
-             attention_bias=False, mlp_bias=False, torch_dtype="float32", dtype="float32")
+    d = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_act="silu",
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        max_position_embeddings=cfg.max_seq_len,
+        tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        torch_dtype="float32",
+        dtype="float32",
+    )
     if cfg.attn_logn_base:
-        d.update(architectures=[LOGN_ARCH], model_type=LOGN_MODEL_TYPE, attn_logn_base=cfg.attn_logn_base,
-                 auto_map={"AutoConfig": f"{LOGN_MODULE}.LongVideoLlamaConfig",
-                           "AutoModelForCausalLM": f"{LOGN_MODULE}.{LOGN_ARCH}"})
+        d.update(
+            architectures=[LOGN_ARCH],
+            model_type=LOGN_MODEL_TYPE,
+            attn_logn_base=cfg.attn_logn_base,
+            auto_map={
+                "AutoConfig": f"{LOGN_MODULE}.LongVideoLlamaConfig",
+                "AutoModelForCausalLM": f"{LOGN_MODULE}.{LOGN_ARCH}",
+            },
+        )
     if tokenizer is not None:
-        d.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+        d.update(
+            bos_token_id=tokenizer.bos_id,
+            eos_token_id=tokenizer.eos_id,
+            pad_token_id=tokenizer.pad_id,
+        )
     return d
 
 
 def generation_config(cfg: ModelConfig, tokenizer) -> dict:
     """generation_config.json: greedy decoding, the tokenizer's special ids and, where the vocabulary
     says answers are text only (LWM's layout), every other id suppressed, as `longvideo chat` does."""
-    gen = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
-           "pad_token_id": tokenizer.pad_id, "do_sample": False, "max_length": cfg.max_seq_len}
+    gen = {
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": tokenizer.eos_id,
+        "pad_token_id": tokenizer.pad_id,
+        "do_sample": False,
+        "max_length": cfg.max_seq_len,
+    }
     limit = cfg.vocab.answer_limit
     if limit is not None:
         gen["suppress_tokens"] = list(range(limit, cfg.vocab_size))
     return gen
 
 
-def import_hf(hf_dir: str | Path, out_dir: str | Path, base_config: Optional[str] = None,
-              codebook_size: Optional[int] = None) -> Path:
+def import_hf(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    base_config: Optional[str] = None,
+    codebook_size: Optional[int] = None,
+) -> Path:
     """Read a local LlamaForCausalLM (safetensors) into a project checkpoint, extending the
     vocabulary by the vision tokens and the VQ codes (new rows = mean of the existing rows)."""
     hf_dir = Path(hf_dir)
@@ -112,9 +170,13 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, base_config: Optional[str
     root = load_config(base_config) if base_config else Config()
     if (hf_dir / EXPORT_CONFIG).is_file():  # one of ours: the vocabulary is already unified
         root = load_config(hf_dir / EXPORT_CONFIG)
-        return save_project_checkpoint(out_dir, from_hf_names(read_safetensors_dir(hf_dir), root.model), root,
-                                       tokenizer=TextTokenizer.from_dir(hf_dir, root.model.vocab_layout),
-                                       vq=load_vq(hf_dir / VQ_DIR) if (hf_dir / VQ_DIR).is_dir() else None)
+        return save_project_checkpoint(
+            out_dir,
+            from_hf_names(read_safetensors_dir(hf_dir), root.model),
+            root,
+            tokenizer=TextTokenizer.from_dir(hf_dir, root.model.vocab_layout),
+            vq=load_vq(hf_dir / VQ_DIR) if (hf_dir / VQ_DIR).is_dir() else None,
+        )
     K = codebook_size or root.vq.codebook_size
     sd_hf = read_safetensors_dir(hf_dir)
     emb_key = "model.embed_tokens.weight"
@@ -130,8 +192,10 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, base_config: Optional[str
             hf_tok.add_tokens([f"<longvideo_unused_{i}>" for i in range(v0 - len(hf_tok))])
         tokenizer = TextTokenizer(hf_tok)
         if tokenizer.text_size != v0:
-            raise CheckpointError(f"{hf_dir}: the tokenizer has {tokenizer.text_size} text ids but "
-                                  f"model.embed_tokens.weight has {v0} rows")
+            raise CheckpointError(
+                f"{hf_dir}: the tokenizer has {tokenizer.text_size} text ids but "
+                f"model.embed_tokens.weight has {v0} rows"
+            )
     mcfg = model_config_from_hf(hf_cfg, root.model, text_vocab_size=v0, codebook_size=K)
     root = replace(root, model=mcfg, vq=replace(root.vq, codebook_size=K))
     if mcfg.tie_embeddings:
@@ -140,14 +204,20 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, base_config: Optional[str
     extra = mcfg.vocab_size - v0
     for key in ("tok_embeddings.weight",) + (() if mcfg.tie_embeddings else ("head.weight",)):
         w = sd[key]
-        sd[key] = torch.cat([w, w.float().mean(0, keepdim=True).to(w.dtype).expand(extra, -1)], dim=0)
+        sd[key] = torch.cat(
+            [w, w.float().mean(0, keepdim=True).to(w.dtype).expand(extra, -1)], dim=0
+        )
     sd = tie(sd, mcfg)
     check_shapes(sd, mcfg, str(hf_dir))
     return save_project_checkpoint(out_dir, sd, root, tokenizer=tokenizer)
 
 
-def export_hf(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: Optional[str | Path] = None,
-              vq_dir: Optional[str | Path] = None) -> Path:
+def export_hf(
+    ckpt: str | Path,
+    out_dir: str | Path,
+    tokenizer_dir: Optional[str | Path] = None,
+    vq_dir: Optional[str | Path] = None,
+) -> Path:
     """Write a Hugging Face directory (config.json, model.safetensors, tokenizer, generation config,
     longvideo.yaml, vq/ and the processor config) from a project checkpoint or training run."""
     ckpt = Path(ckpt)
@@ -158,8 +228,10 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: Optional[str
         raise FileNotFoundError(f"{ckpt} has no {TOKENIZER_DIR}/ directory; pass --tokenizer DIR")
     tokenizer = TextTokenizer.from_dir(tok_src, cfg.model.vocab_layout)
     if tokenizer.text_size != cfg.model.text_vocab_size:
-        raise CheckpointError(f"tokenizer {tok_src} has {tokenizer.text_size} text ids, the model "
-                              f"{cfg.model.text_vocab_size}")
+        raise CheckpointError(
+            f"tokenizer {tok_src} has {tokenizer.text_size} text ids, the model "
+            f"{cfg.model.text_vocab_size}"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf_sd = to_hf_names(sd, cfg.model)
@@ -170,11 +242,15 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: Optional[str
     (out / "config.json").write_text(json.dumps(hf_config_dict(cfg.model, tokenizer), indent=2))
     if cfg.model.attn_logn_base:
         shutil.copyfile(Path(__file__).with_name(f"{LOGN_MODULE}.py"), out / f"{LOGN_MODULE}.py")
-    (out / "generation_config.json").write_text(json.dumps(generation_config(cfg.model, tokenizer), indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps(generation_config(cfg.model, tokenizer), indent=2)
+    )
     tokenizer.save(out)
     save_config(cfg, out / EXPORT_CONFIG)
     vq_src = Path(vq_dir) if vq_dir else ckpt / VQ_DIR
     if vq_src.is_dir():  # with a video tokenizer the directory also serves LongVideoProcessor
-        processor = LongVideoProcessor(tokenizer, load_vq(vq_src), ProcessorSettings.from_config(cfg))
+        processor = LongVideoProcessor(
+            tokenizer, load_vq(vq_src), ProcessorSettings.from_config(cfg)
+        )
         processor.save_pretrained(out)
     return out

@@ -17,8 +17,14 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from longvideo.checkpoint import (CONFIG_FILE, TOKENIZER_DIR, VQ_DIR, WEIGHTS_FILE, CheckpointError,
-                                  streaming_weights)
+from longvideo.checkpoint import (
+    CONFIG_FILE,
+    TOKENIZER_DIR,
+    VQ_DIR,
+    WEIGHTS_FILE,
+    CheckpointError,
+    streaming_weights,
+)
 from longvideo.config import Config, load_config, save_config
 from longvideo.export.tux import ArrayRecord, read_elements, scan_params
 from longvideo.model import ModelConfig
@@ -37,8 +43,13 @@ LAYER_PARAMS: dict[str, tuple[str, str]] = {  # LWM block parameter -> (ours, co
     "attention_norm/kernel": ("attn_norm.weight", "vector"),
     "ffn_norm/kernel": ("ffn_norm.weight", "vector"),
 }
-TOP_PARAMS = ("transformer/wte/embedding", "transformer/vte/embedding", "transformer/ln_f/kernel",
-              "lm_head/kernel", "vision_head/kernel")
+TOP_PARAMS = (
+    "transformer/wte/embedding",
+    "transformer/vte/embedding",
+    "transformer/ln_f/kernel",
+    "lm_head/kernel",
+    "vision_head/kernel",
+)
 SCAN = "transformer/h/scan_decoder/"
 LWM_HEADS = {256: 2, 1024: 8, 2048: 16, 3200: 32, 4096: 32, 5120: 40, 6656: 52, 8192: 64}
 """Attention heads of LWM's standard LLaMA configs (lwm/llama.py), by width."""
@@ -68,8 +79,10 @@ class LWMTree:
 
     def get(self, name: str) -> ArrayRecord:
         if name not in self.arrays:
-            raise LWMImportError(f"{self.path}: no array '{name}' (an LWM-Chat params file holds "
-                                 f"{', '.join(TOP_PARAMS)} and the LLaMA blocks)")
+            raise LWMImportError(
+                f"{self.path}: no array '{name}' (an LWM-Chat params file holds "
+                f"{', '.join(TOP_PARAMS)} and the LLaMA blocks)"
+            )
         return self.arrays[name]
 
     def layer(self, param: str, i: int) -> tuple[ArrayRecord, int, tuple[int, ...]]:
@@ -104,27 +117,34 @@ def read_tree(path: str | Path) -> LWMTree:
         n_layers = norm.shape[0]
         expected = set(TOP_PARAMS) | {SCAN + p for p in LAYER_PARAMS}
     else:
-        found = sorted({int(m.group(1)) for n in arrays for m in [re.match(r"transformer/h/(\d+)/", n)] if m})
+        found = sorted(
+            {int(m.group(1)) for n in arrays for m in [re.match(r"transformer/h/(\d+)/", n)] if m}
+        )
         if not found or found != list(range(len(found))):
             raise LWMImportError(f"{path}: decoder layers {found[:8]} are not 0..n-1")
         n_layers = len(found)
         expected = set(TOP_PARAMS) | {f"transformer/h/{i}/{p}" for i in found for p in LAYER_PARAMS}
     missing, extra = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
     if missing:
-        raise LWMImportError(f"{path}: missing arrays {missing[:5]} (tied or other heads are not supported)")
+        raise LWMImportError(
+            f"{path}: missing arrays {missing[:5]} (tied or other heads are not supported)"
+        )
     if extra:
         raise LWMImportError(f"{path}: unexpected arrays {extra[:5]}")
     if scan:
         for p in LAYER_PARAMS:
             rec = arrays[SCAN + p]
             if not rec.shape or rec.shape[0] != n_layers:
-                raise LWMImportError(f"{path}: stacked '{SCAN + p}' has shape {rec.shape}; the layer axis "
-                                     f"must come first (param_scan_axis=0) with {n_layers} layers")
+                raise LWMImportError(
+                    f"{path}: stacked '{SCAN + p}' has shape {rec.shape}; the layer axis "
+                    f"must come first (param_scan_axis=0) with {n_layers} layers"
+                )
     return LWMTree(str(path), arrays, scan, n_layers)
 
 
-def model_config_from_tree(tree: LWMTree, base: ModelConfig, codebook_size: int,
-                           n_heads: Optional[int] = None) -> ModelConfig:
+def model_config_from_tree(
+    tree: LWMTree, base: ModelConfig, codebook_size: int, n_heads: Optional[int] = None
+) -> ModelConfig:
     """The ModelConfig of the arrays (widths, depth, vocabularies) on top of `base` (theta, context,
     epsilon). n_heads: given, else base's when its width matches, else LWM's standard value."""
     v_text, dim = tree.get("transformer/wte/embedding").shape
@@ -132,49 +152,74 @@ def model_config_from_tree(tree: LWMTree, base: ModelConfig, codebook_size: int,
     _, _, q_shape = tree.layer("attention/wq/kernel", 0)
     _, _, k_shape = tree.layer("attention/wk/kernel", 0)
     _, _, f_shape = tree.layer("feed_forward/w1/kernel", 0)
-    checks = {"transformer/vte/embedding": (tree.get("transformer/vte/embedding").shape, (v_vis, dim)),
-              "lm_head/kernel": (tree.get("lm_head/kernel").shape, (dim, v_text)),
-              "vision_head/kernel": (tree.get("vision_head/kernel").shape, (dim, v_vis)),
-              "transformer/ln_f/kernel": (tree.get("transformer/ln_f/kernel").shape, (dim,)),
-              "attention/wq/kernel": (q_shape, (dim, dim))}
+    checks = {
+        "transformer/vte/embedding": (tree.get("transformer/vte/embedding").shape, (v_vis, dim)),
+        "lm_head/kernel": (tree.get("lm_head/kernel").shape, (dim, v_text)),
+        "vision_head/kernel": (tree.get("vision_head/kernel").shape, (dim, v_vis)),
+        "transformer/ln_f/kernel": (tree.get("transformer/ln_f/kernel").shape, (dim,)),
+        "attention/wq/kernel": (q_shape, (dim, dim)),
+    }
     for name, (got, want) in checks.items():
         if tuple(got) != want or dim_v != dim:
-            raise LWMImportError(f"{tree.path}: '{name}' has shape {tuple(got)}, expected {want} "
-                                 f"(text vocabulary {v_text}, vision vocabulary {v_vis}, width {dim})")
+            raise LWMImportError(
+                f"{tree.path}: '{name}' has shape {tuple(got)}, expected {want} "
+                f"(text vocabulary {v_text}, vision vocabulary {v_vis}, width {dim})"
+            )
     if n_heads is None and base.dim == dim:
         n_heads = base.n_heads
     elif n_heads is None:
         n_heads = LWM_HEADS.get(dim, dim // 128 if dim % 128 == 0 else 0)
     if not n_heads or dim % n_heads:
-        raise LWMImportError(f"width {dim} is not one of LWM's standard configs; give the number of heads "
-                             f"(model.n_heads=...)")
+        raise LWMImportError(
+            f"width {dim} is not one of LWM's standard configs; give the number of heads "
+            f"(model.n_heads=...)"
+        )
     head_dim = dim // n_heads
     if k_shape[1] % head_dim:
-        raise LWMImportError(f"{tree.path}: wk has {k_shape[1]} outputs, not a multiple of head_dim "
-                             f"{head_dim}")
+        raise LWMImportError(
+            f"{tree.path}: wk has {k_shape[1]} outputs, not a multiple of head_dim {head_dim}"
+        )
     if v_vis < codebook_size + 2:
-        raise LWMImportError(f"{tree.path}: the vision vocabulary has {v_vis} ids, fewer than the VQGAN's "
-                             f"{codebook_size} codes + <eof> + <eov>")
+        raise LWMImportError(
+            f"{tree.path}: the vision vocabulary has {v_vis} ids, fewer than the VQGAN's "
+            f"{codebook_size} codes + <eof> + <eov>"
+        )
     return dataclasses.replace(
-        base, vocab_layout="lwm", text_vocab_size=v_text, vision_vocab_size=v_vis,
-        codebook_size=codebook_size, dim=dim, n_layers=tree.n_layers, n_heads=n_heads,
-        n_kv_heads=k_shape[1] // head_dim, ffn_dim=f_shape[1], tie_embeddings=False)
+        base,
+        vocab_layout="lwm",
+        text_vocab_size=v_text,
+        vision_vocab_size=v_vis,
+        codebook_size=codebook_size,
+        dim=dim,
+        n_layers=tree.n_layers,
+        n_heads=n_heads,
+        n_kv_heads=k_shape[1] // head_dim,
+        ffn_dim=f_shape[1],
+        tie_embeddings=False,
+    )
 
 
 def _plan(tree: LWMTree, cfg: ModelConfig) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Every output tensor with its dtype (its source's) and shape, in file order."""
     dt = {name: rec.torch_dtype for name, rec in tree.arrays.items()}
-    specs = {"tok_embeddings.weight": (dt["transformer/wte/embedding"], (cfg.vocab_size, cfg.dim)),
-             "norm.weight": (dt["transformer/ln_f/kernel"], (cfg.dim,)),
-             "head.weight": (dt["lm_head/kernel"], (cfg.vocab_size, cfg.dim))}
+    specs = {
+        "tok_embeddings.weight": (dt["transformer/wte/embedding"], (cfg.vocab_size, cfg.dim)),
+        "norm.weight": (dt["transformer/ln_f/kernel"], (cfg.dim,)),
+        "head.weight": (dt["lm_head/kernel"], (cfg.vocab_size, cfg.dim)),
+    }
     for i in range(cfg.n_layers):
         for param, (ours, kind) in LAYER_PARAMS.items():
             rec, _, shape = tree.layer(param, i)
-            specs[f"layers.{i}.{ours}"] = (rec.torch_dtype, shape if kind == "vector" else shape[::-1])
+            specs[f"layers.{i}.{ours}"] = (
+                rec.torch_dtype,
+                shape if kind == "vector" else shape[::-1],
+            )
     return specs
 
 
-def _copy_table(f, w, rec: ArrayRecord, name: str, row0: int, dtype: torch.dtype, kernel: bool) -> None:
+def _copy_table(
+    f, w, rec: ArrayRecord, name: str, row0: int, dtype: torch.dtype, kernel: bool
+) -> None:
     """An embedding table (rows, dim), or a head kernel (dim, rows) transposed, into rows row0.. of
     `name` (rows, dim), BLOCK_BYTES of rows at a time: a kernel's block is `dim` short reads of its
     columns, so the peak stays one block, never the whole array."""
@@ -183,7 +228,9 @@ def _copy_table(f, w, rec: ArrayRecord, name: str, row0: int, dtype: torch.dtype
     for r in range(0, rows, step):
         n = min(step, rows - r)
         if kernel:
-            block = torch.stack([read_elements(f, rec, d * rows + r, n) for d in range(dim)]).t()  # (n, dim)
+            block = torch.stack(
+                [read_elements(f, rec, d * rows + r, n) for d in range(dim)]
+            ).t()  # (n, dim)
         else:
             block = read_elements(f, rec, r * dim, n * dim)
         w.write(name, block.contiguous().to(dtype), at=(row0 + r) * dim)
@@ -199,18 +246,28 @@ def _convert(kind: str, t: torch.Tensor, shape: tuple[int, ...], cfg: ModelConfi
     return w.contiguous()
 
 
-def write_weights(tree: LWMTree, cfg: ModelConfig, out_file: Path,
-                  progress: Optional[Callable[[str], None]] = None) -> None:
+def write_weights(
+    tree: LWMTree,
+    cfg: ModelConfig,
+    out_file: Path,
+    progress: Optional[Callable[[str], None]] = None,
+) -> None:
     """Stream the params file's arrays, converted, into `out_file` (safetensors, ours names)."""
     specs = _plan(tree, cfg)
     v_text = cfg.text_vocab_size
-    with streaming_weights(out_file, specs, metadata={"format": "pt", "source": "lwm"}) as w, \
-            open(tree.path, "rb") as f:
-        for src, name, row0 in (("transformer/wte/embedding", "tok_embeddings.weight", 0),
-                                ("transformer/vte/embedding", "tok_embeddings.weight", v_text),
-                                ("lm_head/kernel", "head.weight", 0),
-                                ("vision_head/kernel", "head.weight", v_text)):
-            _copy_table(f, w, tree.get(src), name, row0, specs[name][0], kernel=src.endswith("/kernel"))
+    with (
+        streaming_weights(out_file, specs, metadata={"format": "pt", "source": "lwm"}) as w,
+        open(tree.path, "rb") as f,
+    ):
+        for src, name, row0 in (
+            ("transformer/wte/embedding", "tok_embeddings.weight", 0),
+            ("transformer/vte/embedding", "tok_embeddings.weight", v_text),
+            ("lm_head/kernel", "head.weight", 0),
+            ("vision_head/kernel", "head.weight", v_text),
+        ):
+            _copy_table(
+                f, w, tree.get(src), name, row0, specs[name][0], kernel=src.endswith("/kernel")
+            )
         w.write("norm.weight", read_elements(f, tree.get("transformer/ln_f/kernel")))
         for i in range(cfg.n_layers):
             for param, (ours, kind) in LAYER_PARAMS.items():
@@ -221,9 +278,15 @@ def write_weights(tree: LWMTree, cfg: ModelConfig, out_file: Path,
                 progress(f"layer {i + 1}/{cfg.n_layers}")
 
 
-def import_lwm(params: str | Path, vqgan: str | Path, tokenizer: str | Path, out_dir: str | Path,
-               config: str | Path = "lwm-chat-1m", overrides: Sequence[str] = (),
-               progress: Optional[Callable[[str], None]] = None) -> Path:
+def import_lwm(
+    params: str | Path,
+    vqgan: str | Path,
+    tokenizer: str | Path,
+    out_dir: str | Path,
+    config: str | Path = "lwm-chat-1m",
+    overrides: Sequence[str] = (),
+    progress: Optional[Callable[[str], None]] = None,
+) -> Path:
     """Convert LWM's `params` + `vqgan` + tokenizer into a project checkpoint at out_dir."""
     t0 = time.perf_counter()
     root = load_config(config, list(overrides))
@@ -236,11 +299,14 @@ def import_lwm(params: str | Path, vqgan: str | Path, tokenizer: str | Path, out
     explicit_heads = any(o.split("=", 1)[0].strip() == "model.n_heads" for o in overrides)
     n_heads = root.model.n_heads if explicit_heads else None
     mcfg = model_config_from_tree(tree, root.model, vq.cfg.codebook_size, n_heads)
-    cfg: Config = dataclasses.replace(root, model=mcfg, vq=vq.cfg,
-                                      data=dataclasses.replace(root.data, prompt_template="lwm"))
+    cfg: Config = dataclasses.replace(
+        root, model=mcfg, vq=vq.cfg, data=dataclasses.replace(root.data, prompt_template="lwm")
+    )
     if tok.text_size != mcfg.text_vocab_size:
-        raise LWMImportError(f"the tokenizer in {tokenizer} has {tok.text_size} ids, LWM's text embedding "
-                             f"{mcfg.text_vocab_size} rows")
+        raise LWMImportError(
+            f"the tokenizer in {tokenizer} has {tok.text_size} ids, LWM's text embedding "
+            f"{mcfg.text_vocab_size} rows"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_weights(tree, mcfg, out / WEIGHTS_FILE, progress)

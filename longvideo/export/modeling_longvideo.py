@@ -26,7 +26,9 @@ class LongVideoLlamaForCausalLM(LlamaForCausalLM):
         super().__init__(config)
         if config.attn_logn_base:
             self._logn = _QueryScale(config.attn_logn_base)
-            self.model.rotary_emb.register_forward_pre_hook(self._logn.read_positions, with_kwargs=True)
+            self.model.rotary_emb.register_forward_pre_hook(
+                self._logn.read_positions, with_kwargs=True
+            )
             for layer in self.model.layers:
                 layer.self_attn.q_proj.register_forward_hook(self._logn.scale)
 
@@ -38,7 +40,9 @@ class _QueryScale:
 
     def read_positions(self, module, args, kwargs):
         positions = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
-        self.factor = (torch.log1p(positions.double()) / self.log_base).clamp(min=1.0)[..., None]  # (B, S, 1)
+        self.factor = (torch.log1p(positions.double()) / self.log_base).clamp(min=1.0)[
+            ..., None
+        ]  # (B, S, 1)
 
     def scale(self, module, args, output):
         return output * self.factor.to(output.dtype)

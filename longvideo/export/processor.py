@@ -49,24 +49,40 @@ class ProcessorSettings:
         """What a model trained with `cfg` expects (its data section, its vocabulary)."""
         d = cfg.data
         prompt = PromptOptions.from_config(d)
-        return cls(fps=d.fps, max_frames=d.max_frames, max_resolution=d.max_resolution,
-                   timestamp_every=prompt.timestamp_every, question_first=prompt.question_first,
-                   batch_frames=cfg.infer.encode_batch_frames, prompt_template=prompt.template,
-                   vocab_layout=cfg.model.vocab_layout, vision_vocab_size=cfg.model.vision_vocab_size)
+        return cls(
+            fps=d.fps,
+            max_frames=d.max_frames,
+            max_resolution=d.max_resolution,
+            timestamp_every=prompt.timestamp_every,
+            question_first=prompt.question_first,
+            batch_frames=cfg.infer.encode_batch_frames,
+            prompt_template=prompt.template,
+            vocab_layout=cfg.model.vocab_layout,
+            vision_vocab_size=cfg.model.vision_vocab_size,
+        )
 
     @property
     def prompt(self) -> PromptOptions:
-        return PromptOptions(timestamp_every=self.timestamp_every, question_first=self.question_first,
-                             template=self.prompt_template)
+        return PromptOptions(
+            timestamp_every=self.timestamp_every,
+            question_first=self.question_first,
+            template=self.prompt_template,
+        )
 
 
 class LongVideoProcessor:
-    def __init__(self, tokenizer: TextTokenizer, vq: VQModel,
-                 settings: ProcessorSettings = ProcessorSettings()):
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        vq: VQModel,
+        settings: ProcessorSettings = ProcessorSettings(),
+    ):
         self.tokenizer, self.vq, self.settings = tokenizer, vq, settings
         if tokenizer.layout != settings.vocab_layout:
-            raise ValueError(f"the tokenizer is of the {tokenizer.layout} layout, the settings say "
-                             f"{settings.vocab_layout}")
+            raise ValueError(
+                f"the tokenizer is of the {tokenizer.layout} layout, the settings say "
+                f"{settings.vocab_layout}"
+            )
         self.vocab = tokenizer.vocab(vq.cfg.codebook_size, settings.vision_vocab_size)
 
     @classmethod
@@ -81,7 +97,9 @@ class LongVideoProcessor:
         if unknown:
             raise ValueError(f"{cfg_file}: unknown keys {unknown}; allowed: {sorted(known)}")
         settings = ProcessorSettings(**{k: v for k, v in raw.items() if k in known})
-        return cls(TextTokenizer.from_dir(path, settings.vocab_layout), load_vq(path / "vq"), settings)
+        return cls(
+            TextTokenizer.from_dir(path, settings.vocab_layout), load_vq(path / "vq"), settings
+        )
 
     def save_pretrained(self, path: str | Path) -> None:
         path = Path(path)
@@ -94,17 +112,33 @@ class LongVideoProcessor:
     def encode_video(self, video, fps: Optional[float] = None, max_frames: Optional[int] = None):
         """codes (G, h, w) and per-group timestamps (G,) of a video path or bytes."""
         s = self.settings
-        vc = video_to_codes(self.vq, video, fps=fps or s.fps, max_frames=max_frames or s.max_frames,
-                            max_resolution=s.max_resolution, batch_frames=s.batch_frames)
+        vc = video_to_codes(
+            self.vq,
+            video,
+            fps=fps or s.fps,
+            max_frames=max_frames or s.max_frames,
+            max_resolution=s.max_resolution,
+            batch_frames=s.batch_frames,
+        )
         if vc.report.describe():
-            warnings.warn(f"the video is partly unreadable ({vc.report.describe()}); encoding what was read")
+            warnings.warn(
+                f"the video is partly unreadable ({vc.report.describe()}); encoding what was read"
+            )
         return vc.codes, vc.timestamps
 
     def prompt_ids(self, codes, timestamps, question: str) -> list[int]:
-        return build_prompt(self.tokenizer, self.vocab, codes, timestamps, question, self.settings.prompt).ids
+        return build_prompt(
+            self.tokenizer, self.vocab, codes, timestamps, question, self.settings.prompt
+        ).ids
 
-    def __call__(self, video, question: str, fps: Optional[float] = None, max_frames: Optional[int] = None,
-                 return_tensors: str = "pt") -> dict:
+    def __call__(
+        self,
+        video,
+        question: str,
+        fps: Optional[float] = None,
+        max_frames: Optional[int] = None,
+        return_tensors: str = "pt",
+    ) -> dict:
         if isinstance(video, (str, Path)) and not Path(video).is_file():
             raise FileNotFoundError(f"video not found: {video}")
         codes, stamps = self.encode_video(video, fps, max_frames)

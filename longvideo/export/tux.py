@@ -21,8 +21,21 @@ import torch
 EXT_NDARRAY, EXT_NPSCALAR = 1, 3
 CHUNKED = "__msgpack_chunked_array__"
 
-TORCH_DTYPES = {name: getattr(torch, name) for name in ("bfloat16", "float16", "float32", "float64", "int8",
-                                                        "int16", "int32", "int64", "uint8", "bool")}
+TORCH_DTYPES = {
+    name: getattr(torch, name)
+    for name in (
+        "bfloat16",
+        "float16",
+        "float32",
+        "float64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "bool",
+    )
+}
 
 
 class TuxFormatError(ValueError):
@@ -31,6 +44,7 @@ class TuxFormatError(ValueError):
 
 class _Span(NamedTuple):
     """Bytes of a msgpack bin/str left in the file: `size` bytes at `offset`."""
+
     offset: int
     size: int
 
@@ -147,10 +161,14 @@ class _Reader:
         code = int.from_bytes(self._read(1), "big", signed=True)
         start = self.f.tell()
         if code not in (EXT_NDARRAY, EXT_NPSCALAR):
-            self._fail(f"msgpack extension type {code} (only flax's arrays, types 1 and 3, are read)")
+            self._fail(
+                f"msgpack extension type {code} (only flax's arrays, types 1 and 3, are read)"
+            )
         tpl = self.value(small=256)  # (shape, dtype name, raw bytes): the bytes always stay a span
         if self.f.tell() != start + n:
-            self._fail(f"array extension of {n} bytes does not hold one (shape, dtype, data) triple")
+            self._fail(
+                f"array extension of {n} bytes does not hold one (shape, dtype, data) triple"
+            )
         if not (isinstance(tpl, list) and len(tpl) == 3 and isinstance(tpl[0], list)):
             self._fail("array extension is not (shape, dtype, data)")
         shape, dtype, data = tpl
@@ -185,18 +203,26 @@ def _record(key: tuple[str, ...], value: Any, reader: _Reader) -> ArrayRecord:
             chunks = [chunk_map[str(i)] for i in range(len(chunk_map))]
         except KeyError:
             reader._fail(f"chunked array '{name}' with a gap in its shape or chunks")
-        if not chunks or not all(isinstance(c, _Array) for c in chunks) or len({c.dtype for c in chunks}) > 1:
+        if (
+            not chunks
+            or not all(isinstance(c, _Array) for c in chunks)
+            or len({c.dtype for c in chunks}) > 1
+        ):
             reader._fail(f"chunked array '{name}' without uniform array chunks")
     elif isinstance(value, _Array):
         shape, chunks = value.shape, [value]
     else:
         reader._fail(f"record '{name}' is not an array ({type(value).__name__})")
     if chunks[0].dtype not in TORCH_DTYPES:
-        reader._fail(f"array '{name}' has dtype {chunks[0].dtype}, not one of {sorted(TORCH_DTYPES)}")
+        reader._fail(
+            f"array '{name}' has dtype {chunks[0].dtype}, not one of {sorted(TORCH_DTYPES)}"
+        )
     rec = ArrayRecord(key, chunks[0].dtype, shape, [(c.data.offset, c.data.size) for c in chunks])
     if sum(n for _, n in rec.spans) != rec.nbytes:
-        reader._fail(f"array '{name}' of shape {rec.shape} {rec.dtype} holds "
-                     f"{sum(n for _, n in rec.spans)} bytes, expected {rec.nbytes}")
+        reader._fail(
+            f"array '{name}' of shape {rec.shape} {rec.dtype} holds "
+            f"{sum(n for _, n in rec.spans)} bytes, expected {rec.nbytes}"
+        )
     return rec
 
 
@@ -229,7 +255,9 @@ def scan_params(path: str | Path) -> list[ArrayRecord]:
     return records
 
 
-def read_elements(f: IO[bytes], rec: ArrayRecord, start: int = 0, count: int | None = None) -> torch.Tensor:
+def read_elements(
+    f: IO[bytes], rec: ArrayRecord, start: int = 0, count: int | None = None
+) -> torch.Tensor:
     """Elements [start, start + count) of `rec`'s flat C-order array, as a fresh 1-D tensor."""
     count = rec.numel - start if count is None else count
     if start < 0 or count < 0 or start + count > rec.numel:
@@ -241,7 +269,7 @@ def read_elements(f: IO[bytes], rec: ArrayRecord, start: int = 0, count: int | N
         a, b = max(lo, pos), min(hi, pos + n)
         if a < b:
             f.seek(off + a - pos)
-            view = memoryview(buf)[filled: filled + b - a]
+            view = memoryview(buf)[filled : filled + b - a]
             while len(view):
                 got = f.readinto(view)
                 if not got:

@@ -5,7 +5,14 @@ about a video, and the evaluations. See docs/inference.md. Names load lazily (lo
 from longvideo._lazy import lazy_exports
 
 _MODULES = {
-    "chat": ("ChatSession", "ContextWarning", "EncodedVideo", "answer", "encode_video_file", "load_model"),
+    "chat": (
+        "ChatSession",
+        "ContextWarning",
+        "EncodedVideo",
+        "answer",
+        "encode_video_file",
+        "load_model",
+    ),
     "config": ("InferConfig",),
     "evals": ("evaluate_qa", "evaluate_text_needle", "evaluate_video_needle"),
     "generation": ("Engine", "Generation", "LocalEngine", "generate", "prefill", "sample_token"),

@@ -40,7 +40,11 @@ def answer_letter(answer, options: Sequence[str]) -> str:
     """The letter of `answer`: an index, a letter, or one option's text."""
     if isinstance(answer, int) and not isinstance(answer, bool) and 0 <= answer < len(options):
         return LETTERS[answer]
-    if isinstance(answer, str) and len(answer.strip()) == 1 and answer.strip() in LETTERS[:len(options)]:
+    if (
+        isinstance(answer, str)
+        and len(answer.strip()) == 1
+        and answer.strip() in LETTERS[: len(options)]
+    ):
         return answer.strip()
     if isinstance(answer, str) and answer.strip() in options:
         return LETTERS[options.index(answer.strip())]
@@ -59,7 +63,9 @@ def make_question(qid, video, question, options, answer, groups=None, **kw) -> Q
         if not isinstance(question, str) or not question.strip():
             raise ValueError("no question text")
     except (TypeError, ValueError, AttributeError) as e:
-        return Question(str(qid), str(video), str(question), (), "", dict(groups or {}), problem=str(e))
+        return Question(
+            str(qid), str(video), str(question), (), "", dict(groups or {}), problem=str(e)
+        )
     return Question(str(qid), str(video), question.strip(), opts, letter, dict(groups or {}), **kw)
 
 
@@ -84,7 +90,9 @@ def _need(path: Path, what: str) -> Path:
     return path
 
 
-def _video(root: Path, dirs: Sequence[str], stem: str, exts: Sequence[str] = (".mp4", ".MP4", ".mkv")) -> str:
+def _video(
+    root: Path, dirs: Sequence[str], stem: str, exts: Sequence[str] = (".mp4", ".MP4", ".mkv")
+) -> str:
     """The first existing DIR/d/stem.ext; the first candidate when none exists (reported missing later)."""
     cands = [root / d / f"{stem}{e}" for d in dirs for e in exts]
     return str(next((c for c in cands if c.is_file()), cands[0]))
@@ -122,54 +130,93 @@ def _videomme(root: Path) -> list[Question]:
 
     files = sorted(root.glob("**/*.parquet"))
     if not files:
-        raise FileNotFoundError(f"no Video-MME parquet under {root} (the release: "
-                                f"videomme/test-00000-of-00001.parquet)")
+        raise FileNotFoundError(
+            f"no Video-MME parquet under {root} (the release: videomme/test-00000-of-00001.parquet)"
+        )
 
     def one(r):
         vid = r["videoID"]
-        return make_question(r["question_id"], _video(root, ("videos", "data"), vid), r["question"],
-                             split_lettered(r["options"]), r["answer"],
-                             {k: r[k] for k in ("duration", "domain", "task_type")},
-                             subtitles=str(root / "subtitle" / f"{vid}.srt"))
+        return make_question(
+            r["question_id"],
+            _video(root, ("videos", "data"), vid),
+            r["question"],
+            split_lettered(r["options"]),
+            r["answer"],
+            {k: r[k] for k in ("duration", "domain", "task_type")},
+            subtitles=str(root / "subtitle" / f"{vid}.srt"),
+        )
 
-    return _each((r for f in files for r in pq.read_table(f).to_pylist()), one, lambda r: r["question_id"])
+    return _each(
+        (r for f in files for r in pq.read_table(f).to_pylist()), one, lambda r: r["question_id"]
+    )
 
 
 def _mlvu(root: Path) -> list[Question]:
     files = sorted((root / "json").glob("*.json"))
     if not files:
-        raise FileNotFoundError(f"no MLVU json under {root / 'json'} (the release: json/1_plotQA.json ...)")
+        raise FileNotFoundError(
+            f"no MLVU json under {root / 'json'} (the release: json/1_plotQA.json ...)"
+        )
     out = []
     for f in files:
         if f.stem in ("8_sub_scene", "9_summary"):
             continue
         task = f.stem.split("_", 1)[-1]
-        out += _each(enumerate(json.loads(f.read_text())), lambda x, f=f, task=task: make_question(
-            f"{task}_{x[0]}", root / "video" / f.stem / x[1]["video"], x[1]["question"], x[1]["candidates"],
-            x[1]["answer"], {"task": task}), lambda x, task=task: f"{task}_{x[0]}")
+        out += _each(
+            enumerate(json.loads(f.read_text())),
+            lambda x, f=f, task=task: make_question(
+                f"{task}_{x[0]}",
+                root / "video" / f.stem / x[1]["video"],
+                x[1]["question"],
+                x[1]["candidates"],
+                x[1]["answer"],
+                {"task": task},
+            ),
+            lambda x, task=task: f"{task}_{x[0]}",
+        )
     return out
 
 
 def _longvideobench(root: Path) -> list[Question]:
-    rows = json.loads(_need(root / "lvb_val.json", "LongVideoBench's validation questions").read_text())
+    rows = json.loads(
+        _need(root / "lvb_val.json", "LongVideoBench's validation questions").read_text()
+    )
 
     def one(r):
-        return make_question(r["id"], root / "videos" / r["video_path"], r["question"], r["candidates"],
-                             int(r["correct_choice"]), {"duration_group": str(r["duration_group"]),
-                                                        "question_category": r["question_category"]},
-                             subtitles=str(root / "subtitles" / r["subtitle_path"]),
-                             subtitle_offset=float(r.get("starting_timestamp_for_subtitles") or 0.0))
+        return make_question(
+            r["id"],
+            root / "videos" / r["video_path"],
+            r["question"],
+            r["candidates"],
+            int(r["correct_choice"]),
+            {
+                "duration_group": str(r["duration_group"]),
+                "question_category": r["question_category"],
+            },
+            subtitles=str(root / "subtitles" / r["subtitle_path"]),
+            subtitle_offset=float(r.get("starting_timestamp_for_subtitles") or 0.0),
+        )
 
     return _each(rows, one, lambda r: r["id"])
 
 
 def _egoschema(root: Path) -> list[Question]:
     rows = json.loads(_need(root / "questions.json", "EgoSchema's questions").read_text())
-    answers = json.loads(_need(root / "subset_answers.json", "EgoSchema's published answers").read_text())
+    answers = json.loads(
+        _need(root / "subset_answers.json", "EgoSchema's published answers").read_text()
+    )
     rows = [r for r in rows if isinstance(r, dict) and r.get("q_uid") in answers]
-    return _each(rows, lambda r: make_question(r["q_uid"], _video(root, ("videos",), r["q_uid"]),
-                                               r["question"], [r[f"option {i}"] for i in range(5)],
-                                               answers[r["q_uid"]]), lambda r: r["q_uid"])
+    return _each(
+        rows,
+        lambda r: make_question(
+            r["q_uid"],
+            _video(root, ("videos",), r["q_uid"]),
+            r["question"],
+            [r[f"option {i}"] for i in range(5)],
+            answers[r["q_uid"]],
+        ),
+        lambda r: r["q_uid"],
+    )
 
 
 def _lvbench(root: Path) -> list[Question]:
@@ -181,30 +228,55 @@ def _lvbench(root: Path) -> list[Question]:
         def one(qa, v=v):
             stem, opts = split_inline(qa["question"])
             types = qa["question_type"]
-            groups = {"question_type": list(types) if isinstance(types, list) else [types],
-                      "type": v.get("type", "")}
-            return make_question(qa["uid"], _video(root, ("videos", "all_videos", "."), v["key"]), stem, opts,
-                                 qa["answer"], groups)
+            groups = {
+                "question_type": list(types) if isinstance(types, list) else [types],
+                "type": v.get("type", ""),
+            }
+            return make_question(
+                qa["uid"],
+                _video(root, ("videos", "all_videos", "."), v["key"]),
+                stem,
+                opts,
+                qa["answer"],
+                groups,
+            )
 
         out += _each(v.get("qa", []), one, lambda qa: qa["uid"])
     return out
 
 
 def _generic(root: Path) -> list[Question]:
-    path = root if root.is_file() else _need(root / "questions.jsonl", "the generic format's questions")
+    path = (
+        root
+        if root.is_file()
+        else _need(root / "questions.jsonl", "the generic format's questions")
+    )
     base = path.parent
 
     def one(r):
         subs = r.get("subtitles")
-        return make_question(r["question_id"], base / r["video"], r["question"], r["options"], r["answer"],
-                             r.get("groups") or {}, subtitles=str(base / subs) if subs else None)
+        return make_question(
+            r["question_id"],
+            base / r["video"],
+            r["question"],
+            r["options"],
+            r["answer"],
+            r.get("groups") or {},
+            subtitles=str(base / subs) if subs else None,
+        )
 
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return _each(rows, one, lambda r: r["question_id"])
 
 
-READERS = {"videomme": _videomme, "mlvu": _mlvu, "longvideobench": _longvideobench, "egoschema": _egoschema,
-           "lvbench": _lvbench, "generic": _generic}
+READERS = {
+    "videomme": _videomme,
+    "mlvu": _mlvu,
+    "longvideobench": _longvideobench,
+    "egoschema": _egoschema,
+    "lvbench": _lvbench,
+    "generic": _generic,
+}
 BENCHMARKS: tuple[str, ...] = tuple(READERS)
 
 
@@ -240,7 +312,11 @@ def read_subtitles(path: str | Path, offset: float = 0.0) -> list[tuple[float, f
         for s in json.loads(raw):
             if "timestamp" in s:
                 a, b = s["timestamp"]
-                a, b, text = float(a), float(b) if isinstance(b, (int, float)) else float("inf"), s["text"]
+                a, b, text = (
+                    float(a),
+                    float(b) if isinstance(b, (int, float)) else float("inf"),
+                    s["text"],
+                )
             else:
                 a, b, text = _seconds(s["start"]), _seconds(s["end"]), s["line"]
             out.append((a - offset, b - offset, str(text).strip()))
@@ -251,7 +327,7 @@ def read_subtitles(path: str | Path, offset: float = 0.0) -> list[tuple[float, f
         if at is None:
             continue
         a, b = lines[at].split("-->")
-        text = re.sub(r"<[^>]+>", "", " ".join(lines[at + 1:])).strip()
+        text = re.sub(r"<[^>]+>", "", " ".join(lines[at + 1 :])).strip()
         if text:
             out.append((_seconds(a) - offset, _seconds(b) - offset, text))
     return out

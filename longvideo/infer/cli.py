@@ -18,7 +18,13 @@ from longvideo.data.ranks import fail_together
 from longvideo.data.video import VIDEO_EXTS, VideoError
 from longvideo.infer import evals, mcq
 from longvideo.infer.benchmarks import BENCHMARKS
-from longvideo.infer.chat import ChatSession, encode_video_file, infer_config, load_model, share_video
+from longvideo.infer.chat import (
+    ChatSession,
+    encode_video_file,
+    infer_config,
+    load_model,
+    share_video,
+)
 from longvideo.infer.sp import SequenceParallelEngine, broadcast_text, local_device, torchrun_world
 from longvideo.parallel import split_group
 from longvideo.vq import load_vq
@@ -44,31 +50,57 @@ def _plain_warnings():
         warnings.formatwarning = saved
 
 
-def _shared_args(p: argparse.ArgumentParser, max_new_tokens: Optional[int], help_tokens: str) -> None:
+def _shared_args(
+    p: argparse.ArgumentParser, max_new_tokens: Optional[int], help_tokens: str
+) -> None:
     """The flags chat and every eval task share."""
-    p.add_argument("--model", required=True, help="exported Hugging Face directory or project checkpoint")
+    p.add_argument(
+        "--model", required=True, help="exported Hugging Face directory or project checkpoint"
+    )
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=help_tokens)
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--backend", default="auto", help="block-attention backend of sequence-parallel prefill")
-    p.add_argument("--ulysses", type=int, default=1, help="torchrun: head-parallel prefill in groups of this "
-                   "many ranks, a ring across them (docs/hybrid.md)")
+    p.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)"
+    )
+    p.add_argument(
+        "--backend", default="auto", help="block-attention backend of sequence-parallel prefill"
+    )
+    p.add_argument(
+        "--ulysses",
+        type=int,
+        default=1,
+        help="torchrun: head-parallel prefill in groups of this "
+        "many ranks, a ring across them (docs/hybrid.md)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def chat_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="longvideo chat", description="Answer questions about a video.")
+    p = argparse.ArgumentParser(
+        prog="longvideo chat", description="Answer questions about a video."
+    )
     _shared_args(p, None, "most answer tokens (default: model config)")
     p.add_argument("--video", required=True, help=f"video file ({', '.join(VIDEO_EXTS)})")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--question", help="one question; the answer is printed")
-    g.add_argument("--interactive", action="store_true", help="read questions from stdin until an empty "
-                   "line; the video is encoded and prefilled once")
-    p.add_argument("--fps", type=float, default=1.0, help="frames per second read from the video (default 1)")
-    p.add_argument("--max-frames", type=int, default=None, help="most frames read (uniform over the video)")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: model config)")
+    g.add_argument(
+        "--interactive",
+        action="store_true",
+        help="read questions from stdin until an empty "
+        "line; the video is encoded and prefilled once",
+    )
+    p.add_argument(
+        "--fps", type=float, default=1.0, help="frames per second read from the video (default 1)"
+    )
+    p.add_argument(
+        "--max-frames", type=int, default=None, help="most frames read (uniform over the video)"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=None, help="0 = greedy (default: model config)"
+    )
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
-    p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="tokens per prefill chunk (single process)")
+    p.add_argument(
+        "--prefill-chunk", type=int, default=None, help="tokens per prefill chunk (single process)"
+    )
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     return p
 
@@ -98,25 +130,47 @@ def _chat(args) -> int:
     """One process, or every rank of a torchrun world (sequence-parallel prefill and decoding); rank 0
     reads the video and the questions and prints the answers."""
     device = local_device(args.device)
-    with torchrun_world(device, timedelta(days=1) if args.interactive else timedelta(minutes=30)) as distributed:
+    with torchrun_world(
+        device, timedelta(days=1) if args.interactive else timedelta(minutes=30)
+    ) as distributed:
         rank = dist.get_rank() if distributed else 0
         try:
             error, pretrained, enc = None, None, None
             try:
                 pretrained = load_model(args.model, device)
                 heads = split_group(None, args.ulysses) if distributed else None
-                cfg = infer_config(pretrained, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                   top_p=args.top_p, prefill_chunk=args.prefill_chunk, seed=args.seed)
+                cfg = infer_config(
+                    pretrained,
+                    max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature,
+                    top_p=args.top_p,
+                    prefill_chunk=args.prefill_chunk,
+                    seed=args.seed,
+                )
                 if rank == 0:
-                    enc = encode_video_file(pretrained, args.video, fps=args.fps, max_frames=args.max_frames,
-                                            question=args.question, max_new_tokens=cfg.max_new_tokens,
-                                            batch_frames=cfg.encode_batch_frames, progress=not args.quiet)
+                    enc = encode_video_file(
+                        pretrained,
+                        args.video,
+                        fps=args.fps,
+                        max_frames=args.max_frames,
+                        question=args.question,
+                        max_new_tokens=cfg.max_new_tokens,
+                        batch_frames=cfg.encode_batch_frames,
+                        progress=not args.quiet,
+                    )
             except KNOWN_ERRORS as e:
                 error = e
-            fail_together(error)  # every rank learns of any rank's error before the collectives start
-            engine = SequenceParallelEngine(pretrained.model, backend=args.backend, ulysses=heads) \
-                if distributed else None
-            session = ChatSession(pretrained, share_video(enc) if distributed else enc, infer=cfg, engine=engine)
+            fail_together(
+                error
+            )  # every rank learns of any rank's error before the collectives start
+            engine = (
+                SequenceParallelEngine(pretrained.model, backend=args.backend, ulysses=heads)
+                if distributed
+                else None
+            )
+            session = ChatSession(
+                pretrained, share_video(enc) if distributed else enc, infer=cfg, engine=engine
+            )
             questions = _questions(args) if rank == 0 else None
             while True:
                 q, error = "", None
@@ -149,8 +203,11 @@ def _ints(text: str) -> list[int]:
 
 
 def eval_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="longvideo eval", description="QA accuracy and needle-in-a-haystack "
-                                "evaluations; each writes NAME.json and a heatmap NAME.png into --out.")
+    p = argparse.ArgumentParser(
+        prog="longvideo eval",
+        description="QA accuracy and needle-in-a-haystack "
+        "evaluations; each writes NAME.json and a heatmap NAME.png into --out.",
+    )
     sub = p.add_subparsers(dest="task", required=True)
 
     def task(name: str, help: str, lengths: Optional[list[int]] = None, unit: str = ""):
@@ -158,9 +215,15 @@ def eval_parser() -> argparse.ArgumentParser:
         _shared_args(sp, 16, "most answer tokens (default 16)")
         sp.add_argument("--out", required=True, help="output directory for the JSON and the PNG")
         if lengths:  # a needle grid
-            sp.add_argument("--lengths", type=_ints, default=lengths, help=f"{unit}, comma separated")
-            sp.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0],
-                            help="needle depths in [0, 1]")
+            sp.add_argument(
+                "--lengths", type=_ints, default=lengths, help=f"{unit}, comma separated"
+            )
+            sp.add_argument(
+                "--depths",
+                type=_floats,
+                default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                help="needle depths in [0, 1]",
+            )
             sp.add_argument("--seed", type=int, default=0)
         return sp
 
@@ -168,36 +231,80 @@ def eval_parser() -> argparse.ArgumentParser:
     qa.add_argument("--shards", required=True, help="directory, glob or brace pattern of shards")
     qa.add_argument("--max-samples", type=int, default=None)
     qa.add_argument("--fps", type=float, default=1.0, help="raw shards: frames per second read")
-    tn = task("text-niah", "text needle in a haystack (LWM's protocol)", [256, 512, 1024],
-              "context lengths in tokens")
+    tn = task(
+        "text-niah",
+        "text needle in a haystack (LWM's protocol)",
+        [256, 512, 1024],
+        "context lengths in tokens",
+    )
     tn.add_argument("--rounds", type=int, default=2, help="needles per cell")
-    vn = task("video-niah", "video needle in a haystack (needle frame at a depth)", [16, 32, 64],
-              "video lengths in frames (1 fps)")
-    vn.add_argument("--colours", default=None, help="needle colours, comma separated (default: all)")
-    vn.add_argument("--source-fps", type=int, default=8, help="frame rate the backgrounds are rendered at "
-                    "before 1 fps sampling (as the training videos)")
-    vn.add_argument("--trials", type=_ints, default=None,
-                    help="trials per cell: one number, or one per length (default: one per colour)")
-    vn.add_argument("--haystack", default=None, help="a video to cut the backgrounds from (read at 1 fps)")
-    vn.add_argument("--needle", default=None, help="an image inserted instead of the colour flashes "
-                    "(needs --question and --answer)")
+    vn = task(
+        "video-niah",
+        "video needle in a haystack (needle frame at a depth)",
+        [16, 32, 64],
+        "video lengths in frames (1 fps)",
+    )
+    vn.add_argument(
+        "--colours", default=None, help="needle colours, comma separated (default: all)"
+    )
+    vn.add_argument(
+        "--source-fps",
+        type=int,
+        default=8,
+        help="frame rate the backgrounds are rendered at "
+        "before 1 fps sampling (as the training videos)",
+    )
+    vn.add_argument(
+        "--trials",
+        type=_ints,
+        default=None,
+        help="trials per cell: one number, or one per length (default: one per colour)",
+    )
+    vn.add_argument(
+        "--haystack", default=None, help="a video to cut the backgrounds from (read at 1 fps)"
+    )
+    vn.add_argument(
+        "--needle",
+        default=None,
+        help="an image inserted instead of the colour flashes (needs --question and --answer)",
+    )
     vn.add_argument("--question", default=None, help="the question about the needle image")
     vn.add_argument("--answer", default=None, help="its answer (exact match)")
-    vn.add_argument("--exact-frames", action="store_true", help="splice the generated backgrounds and "
-                    "colour flashes exactly as drawn, not through the training videos' codec")
-    mc = task("mcq", "multiple-choice benchmarks in their release layout (docs/evaluation.md); "
-              "writes predictions.jsonl, summary.json and summary.png; resumable")
+    vn.add_argument(
+        "--exact-frames",
+        action="store_true",
+        help="splice the generated backgrounds and "
+        "colour flashes exactly as drawn, not through the training videos' codec",
+    )
+    mc = task(
+        "mcq",
+        "multiple-choice benchmarks in their release layout (docs/evaluation.md); "
+        "writes predictions.jsonl, summary.json and summary.png; resumable",
+    )
     mc.add_argument("--benchmark", required=True, choices=BENCHMARKS)
-    mc.add_argument("--data", required=True, help="the benchmark's folder as released (or generic: a .jsonl)")
-    mc.add_argument("--mode", choices=mcq.MODES, default="likelihood",
-                    help="likelihood: score each option's text; generate: parse the letter the model writes")
-    mc.add_argument("--subtitles", action="store_true",
-                    help="the subtitles at the sampled frames before the question")
+    mc.add_argument(
+        "--data", required=True, help="the benchmark's folder as released (or generic: a .jsonl)"
+    )
+    mc.add_argument(
+        "--mode",
+        choices=mcq.MODES,
+        default="likelihood",
+        help="likelihood: score each option's text; generate: parse the letter the model writes",
+    )
+    mc.add_argument(
+        "--subtitles",
+        action="store_true",
+        help="the subtitles at the sampled frames before the question",
+    )
     mc.add_argument("--fps", type=float, default=1.0, help="frames per second read (default 1)")
-    mc.add_argument("--max-frames", type=int, default=None, help="most frames a video, spread over all of it")
+    mc.add_argument(
+        "--max-frames", type=int, default=None, help="most frames a video, spread over all of it"
+    )
     mc.add_argument("--limit", type=int, default=None, help="the first N questions only")
-    vq = sub.add_parser("vq-needle", help="does a one-frame flash survive the video tokenizer (per offset "
-                        "in a group)")
+    vq = sub.add_parser(
+        "vq-needle",
+        help="does a one-frame flash survive the video tokenizer (per offset in a group)",
+    )
     vq.add_argument("--model", required=True, help="a model directory with vq/, or a VQ directory")
     vq.add_argument("--out", required=True, help="output directory for the JSON and the PNG")
     vq.add_argument("--frames", type=int, default=120, help="video length in frames (1 fps)")
@@ -218,16 +325,27 @@ def _eval(args) -> int:
     """One process, or every rank of a torchrun world running the same evaluation (rank 0 writes)."""
     if args.task == "vq-needle":
         model = Path(args.model)
-        vq_dir = (model / "config.json").is_file() and (model / "model.safetensors").is_file() \
-            and not (model / "vq").is_dir()  # a VQ directory, not a model's
+        vq_dir = (
+            (model / "config.json").is_file()
+            and (model / "model.safetensors").is_file()
+            and not (model / "vq").is_dir()
+        )  # a VQ directory, not a model's
         try:
-            res = evals.evaluate_vq_needle(load_vq(model) if vq_dir else args.model, num_frames=args.frames,
-                                           trials=args.trials, seed=args.seed, source_fps=args.source_fps,
-                                           out_dir=args.out, progress=not args.quiet)
+            res = evals.evaluate_vq_needle(
+                load_vq(model) if vq_dir else args.model,
+                num_frames=args.frames,
+                trials=args.trials,
+                seed=args.seed,
+                source_fps=args.source_fps,
+                out_dir=args.out,
+                progress=not args.quiet,
+            )
         except KNOWN_ERRORS as e:
             return _error("longvideo eval", e)
-        print(f"flash colour after the tokenizer: {res['rate']:.1%} of {res['trials']} "
-              f"(by position in the group: {res['rate_by_offset']})")
+        print(
+            f"flash colour after the tokenizer: {res['rate']:.1%} of {res['trials']} "
+            f"(by position in the group: {res['rate_by_offset']})"
+        )
         print(f"wrote {res['json']} and {res['png']}")
         return 0
     device = local_device(args.device)
@@ -237,47 +355,104 @@ def _eval(args) -> int:
             pretrained = load_model(args.model, device)
             heads = split_group(None, args.ulysses) if distributed else None
             factory = lambda p: SequenceParallelEngine(p.model, backend=args.backend, ulysses=heads)  # noqa: E731
-            run = dict(max_new_tokens=args.max_new_tokens, progress=not args.quiet and rank == 0,
-                       engine_factory=factory if distributed else None)
+            run = dict(
+                max_new_tokens=args.max_new_tokens,
+                progress=not args.quiet and rank == 0,
+                engine_factory=factory if distributed else None,
+            )
             out = args.out if rank == 0 else None
             if args.task == "mcq":
-                res = mcq.evaluate_mcq(pretrained, args.benchmark, args.data, args.out, mode=args.mode,
-                                       subtitles=args.subtitles, fps=args.fps, max_frames=args.max_frames,
-                                       limit=args.limit, group=group, **run)
+                res = mcq.evaluate_mcq(
+                    pretrained,
+                    args.benchmark,
+                    args.data,
+                    args.out,
+                    mode=args.mode,
+                    subtitles=args.subtitles,
+                    fps=args.fps,
+                    max_frames=args.max_frames,
+                    limit=args.limit,
+                    group=group,
+                    **run,
+                )
                 if not res:  # ranks > 0: the summary is rank 0's
                     return 0
                 skipped = sum(v["count"] for v in res["skipped"].values())
-                unparseable = f", {res['unparseable']} unparseable" if args.mode == "generate" else ""
-                line = (f"{args.benchmark} accuracy {res['accuracy']:.3f} (95 % interval {res['ci95'][0]:.3f}-"
-                        f"{res['ci95'][1]:.3f}; chance {res['chance']:.3f}) over {res['questions']} questions, "
-                        f"{skipped} skipped{unparseable}")
+                unparseable = (
+                    f", {res['unparseable']} unparseable" if args.mode == "generate" else ""
+                )
+                line = (
+                    f"{args.benchmark} accuracy {res['accuracy']:.3f} (95 % interval {res['ci95'][0]:.3f}-"
+                    f"{res['ci95'][1]:.3f}; chance {res['chance']:.3f}) over {res['questions']} questions, "
+                    f"{skipped} skipped{unparseable}"
+                )
             elif args.task == "qa":
-                res = evals.evaluate_qa(pretrained, args.shards, out_dir=out, max_samples=args.max_samples,
-                                        fps=args.fps, encode_group=group, **run)
-                line = (f"QA accuracy {res['accuracy']:.3f} (chance {res['chance'] or float('nan'):.3f}; "
-                        f"substring {res['substring_accuracy']:.3f}) over {res['questions']} questions "
-                        f"of {res['samples']} videos")
+                res = evals.evaluate_qa(
+                    pretrained,
+                    args.shards,
+                    out_dir=out,
+                    max_samples=args.max_samples,
+                    fps=args.fps,
+                    encode_group=group,
+                    **run,
+                )
+                line = (
+                    f"QA accuracy {res['accuracy']:.3f} (chance {res['chance'] or float('nan'):.3f}; "
+                    f"substring {res['substring_accuracy']:.3f}) over {res['questions']} questions "
+                    f"of {res['samples']} videos"
+                )
             elif args.task == "text-niah":
-                res = evals.evaluate_text_needle(pretrained, lengths=args.lengths, depths=args.depths,
-                                                 seed=args.seed, rounds=args.rounds, out_dir=out, **run)
-                line = f"text needle accuracy {res['accuracy']:.3f} over {len(res['cells'])} needles"
+                res = evals.evaluate_text_needle(
+                    pretrained,
+                    lengths=args.lengths,
+                    depths=args.depths,
+                    seed=args.seed,
+                    rounds=args.rounds,
+                    out_dir=out,
+                    **run,
+                )
+                line = (
+                    f"text needle accuracy {res['accuracy']:.3f} over {len(res['cells'])} needles"
+                )
             else:
                 colours = [c.strip() for c in args.colours.split(",")] if args.colours else None
                 trials = args.trials[0] if args.trials and len(args.trials) == 1 else args.trials
-                res = evals.evaluate_video_needle(pretrained, lengths=args.lengths, depths=args.depths,
-                                                  seed=args.seed, colours=colours, trials=trials,
-                                                  source_fps=args.source_fps,
-                                                  out_dir=out, encode_group=group, haystack=args.haystack,
-                                                  needle=args.needle, question=args.question, answer=args.answer,
-                                                  decoded=not args.exact_frames, **run)
-                line = (f"video needle accuracy {res['accuracy']:.3f} (chance {res['chance']:.3f}) "
-                        f"over {len(res['cells'])} needles")
+                res = evals.evaluate_video_needle(
+                    pretrained,
+                    lengths=args.lengths,
+                    depths=args.depths,
+                    seed=args.seed,
+                    colours=colours,
+                    trials=trials,
+                    source_fps=args.source_fps,
+                    out_dir=out,
+                    encode_group=group,
+                    haystack=args.haystack,
+                    needle=args.needle,
+                    question=args.question,
+                    answer=args.answer,
+                    decoded=not args.exact_frames,
+                    **run,
+                )
+                line = (
+                    f"video needle accuracy {res['accuracy']:.3f} (chance {res['chance']:.3f}) "
+                    f"over {len(res['cells'])} needles"
+                )
                 if res["needles_dropped"]:
-                    line += (f"\nwarning: {res['needles_dropped']} of {len(res['cells'])} needles were dropped "
-                             f"to fit the model's context of {res['context']} tokens; those trials are guesses "
-                             f"(cells: needle_kept)")
+                    line += (
+                        f"\nwarning: {res['needles_dropped']} of {len(res['cells'])} needles were dropped "
+                        f"to fit the model's context of {res['context']} tokens; those trials are guesses "
+                        f"(cells: needle_kept)"
+                    )
             if rank == 0:
-                print(line + (f" (sequence-parallel over {dist.get_world_size()} ranks)" if distributed else ""))
+                print(
+                    line
+                    + (
+                        f" (sequence-parallel over {dist.get_world_size()} ranks)"
+                        if distributed
+                        else ""
+                    )
+                )
                 print(f"wrote {res['json']} and {res['png']}")
         except KNOWN_ERRORS as e:
             return _error("longvideo eval", e)

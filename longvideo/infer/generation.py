@@ -15,8 +15,12 @@ from torch import Tensor
 from longvideo.model import KVCache, Transformer
 
 
-def sample_token(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0,
-                 generator: Optional[torch.Generator] = None) -> Tensor:
+def sample_token(
+    logits: Tensor,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> Tensor:
     """One token per row of logits (B, V) -> (B,) long: the argmax at temperature 0, else a sample of
     softmax(logits / temperature) over the smallest set of most likely tokens whose mass reaches top_p."""
     if temperature < 0 or not 0 < top_p <= 1:
@@ -51,14 +55,22 @@ def prefill(model: Transformer, ids: Tensor, cache: KVCache, *, chunk: int) -> T
         raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
     last = None
     for s in range(0, S, chunk):
-        hidden = model(ids[:, s:s + chunk], cache=cache)  # (B, c, dim); the model continues the positions
+        hidden = model(
+            ids[:, s : s + chunk], cache=cache
+        )  # (B, c, dim); the model continues the positions
         last = hidden[:, -1:]
         del hidden  # only the last token's state is needed; free the chunk before the next one
     return last
 
 
-def decode_loop(step: Callable[[Tensor], Tensor], first_logits: Tensor, *, max_new_tokens: int,
-                pick: Callable[[Tensor], Tensor], stop_ids: Sequence[int] = ()) -> Tensor:
+def decode_loop(
+    step: Callable[[Tensor], Tensor],
+    first_logits: Tensor,
+    *,
+    max_new_tokens: int,
+    pick: Callable[[Tensor], Tensor],
+    stop_ids: Sequence[int] = (),
+) -> Tensor:
     """Up to max_new_tokens tokens (B, n) long. first_logits (B, V) are the prompt's last logits;
     step(tokens (B,)) feeds one token per row and returns the next logits (B, V). A row stops at
     its first stop id and then repeats it; the loop ends when every row has stopped."""
@@ -108,8 +120,10 @@ def grown(model: Transformer, cache: KVCache, need: int, spare: int) -> KVCache:
     if need <= cache.max_len:
         return cache
     dst, n = new_cache(model, cache.positions.shape[0], need + spare), cache.length
-    for src_t, dst_t in zip([*cache.k, *cache.v, cache.positions, cache.segment_ids],
-                            [*dst.k, *dst.v, dst.positions, dst.segment_ids]):
+    for src_t, dst_t in zip(
+        [*cache.k, *cache.v, cache.positions, cache.segment_ids],
+        [*dst.k, *dst.v, dst.positions, dst.segment_ids],
+    ):
         dst_t[:, :n] = src_t[:, :n]
     dst.length = n
     return dst
@@ -128,14 +142,20 @@ class CachedEngine:
     @property
     def held(self) -> int:
         """Tokens the cache holds: the prefix, then the last generate's ids and the answer fed back."""
-        return self.prefix_len + self.cache.length - self.local_prefix_len if self.cache is not None else 0
+        return (
+            self.prefix_len + self.cache.length - self.local_prefix_len
+            if self.cache is not None
+            else 0
+        )
 
     def keep(self, n: int) -> None:
         """The first n held tokens become the prefix of the next generate (a conversation's next
         turn extends the cache instead of prefilling everything again)."""
         if self.sharded is not None and not self.sharded <= n <= self.held:
-            raise ValueError(f"can keep {self.sharded} to {self.held} tokens, not {n}: the first "
-                             f"{self.sharded} are sharded")
+            raise ValueError(
+                f"can keep {self.sharded} to {self.held} tokens, not {n}: the first "
+                f"{self.sharded} are sharded"
+            )
         local = self.local_prefix_len + n - self.prefix_len
         self.cache.crop(local)
         self.prefix_len, self.local_prefix_len = n, local
@@ -144,27 +164,49 @@ class CachedEngine:
         return tokens
 
     @torch.no_grad()
-    def generate(self, ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 stop_ids: Sequence[int] = (), generator: Optional[torch.Generator] = None,
-                 vocab_limit: Optional[int] = None) -> Generation:
+    def generate(
+        self,
+        ids: Tensor,
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop_ids: Sequence[int] = (),
+        generator: Optional[torch.Generator] = None,
+        vocab_limit: Optional[int] = None,
+    ) -> Generation:
         """Prefill ids (B, Q >= 1) after the prefix and decode (collective for the sequence-parallel
         engine); the cache returns to the prefix after. vocab_limit: sample only ids below it."""
         if self.cache is None:
             raise RuntimeError("set_prefix must be called before generate")
         Q = ids.shape[1]
         self.cache.crop(self.local_prefix_len)  # forget the previous question and answer
-        self.cache = grown(self.model, self.cache, self.local_prefix_len + Q + max_new_tokens, self.spare)
+        self.cache = grown(
+            self.model, self.cache, self.local_prefix_len + Q + max_new_tokens, self.spare
+        )
         t0 = time.perf_counter()
         first = self._logits(ids, self.prefix_len)
         ttft = time.perf_counter() - t0
         positions = itertools.count(self.prefix_len + Q)
 
         def pick(logits: Tensor) -> Tensor:
-            return self._pick(sample_token(logits[..., :vocab_limit], temperature, top_p, generator))
-        tokens = decode_loop(lambda tok: self._logits(tok[:, None], next(positions)), first,
-                             max_new_tokens=max_new_tokens, stop_ids=stop_ids, pick=pick)
-        return Generation(tokens=tokens, prompt_len=self.prefix_len + Q, ttft_s=ttft,
-                          total_s=time.perf_counter() - t0)
+            return self._pick(
+                sample_token(logits[..., :vocab_limit], temperature, top_p, generator)
+            )
+
+        tokens = decode_loop(
+            lambda tok: self._logits(tok[:, None], next(positions)),
+            first,
+            max_new_tokens=max_new_tokens,
+            stop_ids=stop_ids,
+            pick=pick,
+        )
+        return Generation(
+            tokens=tokens,
+            prompt_len=self.prefix_len + Q,
+            ttft_s=ttft,
+            total_s=time.perf_counter() - t0,
+        )
 
     @torch.no_grad()
     def extend(self, ids: Tensor, *, keep: int = 0) -> Tensor:
@@ -186,8 +228,14 @@ class LocalEngine(CachedEngine):
     """Single-process engine: chunked prefill of the prefix into one KV cache. cache: start from an
     existing cache (its tokens are the prefix) instead of calling set_prefix."""
 
-    def __init__(self, model: Transformer, *, prefill_chunk: int = 4096, spare: int = 256,
-                 cache: Optional[KVCache] = None):
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        prefill_chunk: int = 4096,
+        spare: int = 256,
+        cache: Optional[KVCache] = None,
+    ):
         self.model, self.prefill_chunk, self.spare, self.cache = model, prefill_chunk, spare, cache
         self.prefix_len = self.local_prefix_len = cache.length if cache is not None else 0
 
@@ -213,13 +261,32 @@ class LocalEngine(CachedEngine):
 
 
 @torch.no_grad()
-def generate(model: Transformer, ids: Tensor, *, max_new_tokens: int = 64, temperature: float = 0.0,
-             top_p: float = 1.0, stop_ids: Sequence[int] = (), prefill_chunk: int = 4096,
-             generator: Optional[torch.Generator] = None, cache: Optional[KVCache] = None) -> Generation:
+def generate(
+    model: Transformer,
+    ids: Tensor,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    stop_ids: Sequence[int] = (),
+    prefill_chunk: int = 4096,
+    generator: Optional[torch.Generator] = None,
+    cache: Optional[KVCache] = None,
+) -> Generation:
     """Prefill ids (B, S) in chunks into a KV cache, then decode with the cache. `cache`: continue an
     existing cache (its tokens precede ids); by default a fresh one of S + max_new_tokens."""
     B, S = ids.shape
-    engine = LocalEngine(model, prefill_chunk=prefill_chunk, spare=0,
-                         cache=cache if cache is not None else new_cache(model, B, S + max_new_tokens))
-    return engine.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                           stop_ids=stop_ids, generator=generator)
+    engine = LocalEngine(
+        model,
+        prefill_chunk=prefill_chunk,
+        spare=0,
+        cache=cache if cache is not None else new_cache(model, B, S + max_new_tokens),
+    )
+    return engine.generate(
+        ids,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop_ids=stop_ids,
+        generator=generator,
+    )

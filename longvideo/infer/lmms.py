@@ -18,17 +18,29 @@ def manifest():
     """The entry point lmms-eval loads: model id ``longvideo`` -> LongVideoLMM."""
     from lmms_eval.models.registry_v2 import ModelManifest
 
-    return ModelManifest(model_id="longvideo", simple_class_path="longvideo.infer.lmms.LongVideoLMM")
+    return ModelManifest(
+        model_id="longvideo", simple_class_path="longvideo.infer.lmms.LongVideoLMM"
+    )
 
 
 class LongVideoLMM(lmms):
     """model_args: pretrained (a model directory), device, fps, max_frames, max_new_tokens."""
 
-    def __init__(self, pretrained: str, device: Optional[str] = "cpu", fps=1.0, max_frames=None,
-                 max_new_tokens=16, **unused):
+    def __init__(
+        self,
+        pretrained: str,
+        device: Optional[str] = "cpu",
+        fps=1.0,
+        max_frames=None,
+        max_new_tokens=16,
+        **unused,
+    ):
         super().__init__()
         self.pre = load_model(pretrained, device or "cpu")
-        self.fps, self.max_frames = float(fps), None if max_frames in (None, "", "None") else int(max_frames)
+        self.fps, self.max_frames = (
+            float(fps),
+            None if max_frames in (None, "", "None") else int(max_frames),
+        )
         self.infer = infer_config(self.pre, max_new_tokens=int(max_new_tokens), temperature=0.0)
 
     def _doc(self, req):
@@ -42,12 +54,20 @@ class LongVideoLMM(lmms):
             doc, visual = self._doc(req)
             paths = visual(doc)
             if len(paths) != 1 or not isinstance(paths[0], str):
-                raise ValueError(f"longvideo answers about one video a request (a path), got {paths!r}")
+                raise ValueError(
+                    f"longvideo answers about one video a request (a path), got {paths!r}"
+                )
             by_video.setdefault(paths[0], []).append(i)
         for path, idx in by_video.items():
-            enc = fit_and_encode(self.pre, path, [requests[i].args[0] for i in idx],
-                                 max(room(requests[i]) for i in idx), self.fps, self.max_frames,
-                                 self.infer.encode_batch_frames)
+            enc = fit_and_encode(
+                self.pre,
+                path,
+                [requests[i].args[0] for i in idx],
+                max(room(requests[i]) for i in idx),
+                self.fps,
+                self.max_frames,
+                self.infer.encode_batch_frames,
+            )
             session = ChatSession(self.pre, enc, infer=self.infer)
             for i in idx:
                 yield i, session
@@ -59,7 +79,9 @@ class LongVideoLMM(lmms):
     def loglikelihood(self, requests):
         out = [None] * len(requests)
         for i, session in self._grouped(requests, lambda r: len(self._continuation(r))):
-            (logp, _, greedy), = session.score(requests[i].args[0], [self._continuation(requests[i])])
+            ((logp, _, greedy),) = session.score(
+                requests[i].args[0], [self._continuation(requests[i])]
+            )
             out[i] = GenerationResult(text=(-logp, greedy))
         return out
 
@@ -76,4 +98,6 @@ class LongVideoLMM(lmms):
         return out
 
     def generate_until_multi_round(self, requests):
-        raise NotImplementedError("longvideo answers single-round requests (loglikelihood, generate_until)")
+        raise NotImplementedError(
+            "longvideo answers single-round requests (loglikelihood, generate_until)"
+        )

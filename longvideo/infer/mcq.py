@@ -18,7 +18,13 @@ from tqdm.auto import tqdm
 from longvideo.atomic import write_json_atomic
 from longvideo.data.templates import ANSWER_TEXT, parse_answer
 from longvideo.data.video import VideoError, probe_video, sample_indices
-from longvideo.infer.benchmarks import LETTERS, Question, read_benchmark, read_subtitles, subtitles_at
+from longvideo.infer.benchmarks import (
+    LETTERS,
+    Question,
+    read_benchmark,
+    read_subtitles,
+    subtitles_at,
+)
 from longvideo.infer.chat import encode_video_file, share_video
 from longvideo.infer.evals import greedy, open_session
 from longvideo.infer.sp import broadcast_text
@@ -43,7 +49,7 @@ def question_text(q: Question, mode: str, subtitles: str = "") -> str:
 def parse_letter(text: str, options) -> Optional[str]:
     """The option letter an answer names: a leading letter ("B", "(B) ...", "B."), an option's
     exact text, or "answer is B" anywhere; None when it names none."""
-    s, letters = parse_answer(text), LETTERS[:len(options)]
+    s, letters = parse_answer(text), LETTERS[: len(options)]
     m = re.match(r"^\(?([A-J])\)?(?:$|[\s.:)])", s)
     if m and m.group(1) in letters:
         return m.group(1)
@@ -59,7 +65,9 @@ def option_ids(tokenizer, option: str) -> list[int]:
     return tokenizer.encode(ANSWER_TEXT.format(answer=option.strip()))
 
 
-def bootstrap_ci(correct, videos, *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> list[float]:
+def bootstrap_ci(
+    correct, videos, *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+) -> list[float]:
     """95 % interval of the accuracy, resampling videos (docs/evaluation.md gives the procedure)."""
     ids, inv = np.unique(np.asarray(videos, dtype=str), return_inverse=True)
     hits = np.bincount(inv, weights=np.asarray(correct, dtype=float), minlength=len(ids))
@@ -70,40 +78,64 @@ def bootstrap_ci(correct, videos, *, resamples: int = BOOTSTRAP_RESAMPLES, seed:
 
 def _score(records: list[dict]) -> dict:
     correct = [r["correct"] for r in records]
-    return {"accuracy": float(np.mean(correct)), "ci95": bootstrap_ci(correct, [r["video"] for r in records]),
-            "questions": len(records)}
+    return {
+        "accuracy": float(np.mean(correct)),
+        "ci95": bootstrap_ci(correct, [r["video"] for r in records]),
+        "questions": len(records),
+    }
 
 
 def summarise(records: list[dict]) -> dict:
     """Accuracy, interval, chance and per-breakdown scores of prediction records."""
-    out = {**_score(records), "chance": float(np.mean([1.0 / r["options"] for r in records])),
-           "unparseable": sum(r["prediction"] is None for r in records), "breakdowns": {}}
+    out = {
+        **_score(records),
+        "chance": float(np.mean([1.0 / r["options"] for r in records])),
+        "unparseable": sum(r["prediction"] is None for r in records),
+        "breakdowns": {},
+    }
     for name in sorted({k for r in records for k in r["groups"]}):
         labels: dict[str, list[dict]] = {}
         for r in records:
             lab = r["groups"].get(name)
-            for x in (lab if isinstance(lab, list) else [] if lab is None else [lab]):
+            for x in lab if isinstance(lab, list) else [] if lab is None else [lab]:
                 labels.setdefault(str(x), []).append(r)
         groups = {k: _score(v) for k, v in sorted(labels.items())}
-        out["breakdowns"][name] = {"mean_accuracy": float(np.mean([g["accuracy"] for g in groups.values()])),
-                                   "labels": groups}
+        out["breakdowns"][name] = {
+            "mean_accuracy": float(np.mean([g["accuracy"] for g in groups.values()])),
+            "labels": groups,
+        }
     return out
 
 
 def save_bars(summary: dict, path: str | Path, title: str) -> None:
     """Accuracy with its 95 % interval: overall, then one panel per breakdown; chance dashed."""
     from matplotlib.figure import Figure  # here: only the plots pay for matplotlib's import
-    panels = [("overall", {"all": summary})] + [(k, b["labels"]) for k, b in summary["breakdowns"].items()]
+
+    panels = [("overall", {"all": summary})] + [
+        (k, b["labels"]) for k, b in summary["breakdowns"].items()
+    ]
     fig = Figure(figsize=(2 + 0.45 * sum(len(g) for _, g in panels), 4))
-    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False,
-                        gridspec_kw={"width_ratios": [len(g) for _, g in panels]})
+    axes = fig.subplots(
+        1,
+        len(panels),
+        sharey=True,
+        squeeze=False,
+        gridspec_kw={"width_ratios": [len(g) for _, g in panels]},
+    )
     for ax, (name, groups) in zip(axes[0], panels):
         acc = np.array([g["accuracy"] for g in groups.values()])
         ci = np.array([g["ci95"] for g in groups.values()]).reshape(-1, 2)
-        ax.bar(range(len(acc)), acc, yerr=[acc - ci[:, 0], ci[:, 1] - acc], capsize=3, color="tab:blue")
+        ax.bar(
+            range(len(acc)), acc, yerr=[acc - ci[:, 0], ci[:, 1] - acc], capsize=3, color="tab:blue"
+        )
         ax.axhline(summary["chance"], color="grey", ls="--", lw=1)
-        ax.set_xticks(range(len(acc)), [f"{k} ({g['questions']})" for k, g in groups.items()], rotation=60,
-                      ha="right", fontsize=7)
+        ax.set_xticks(
+            range(len(acc)),
+            [f"{k} ({g['questions']})" for k, g in groups.items()],
+            rotation=60,
+            ha="right",
+            fontsize=7,
+        )
         ax.set_title(name, fontsize=9)
         ax.set_ylim(0, 1)
     axes[0][0].set_ylabel("accuracy (95 % interval)")
@@ -136,17 +168,29 @@ def _check_settings(out: Path, settings: dict) -> None:
         return write_json_atomic(out / "run.json", settings)
     old = json.loads((out / "run.json").read_text())
     for k in (k for k in SETTINGS if old.get(k) != settings.get(k)):
-        raise ValueError(f"{out} holds a run with {k}={old.get(k)!r}, this one has {k}={settings.get(k)!r}: "
-                         f"continue it with the same settings or choose another --out")
+        raise ValueError(
+            f"{out} holds a run with {k}={old.get(k)!r}, this one has {k}={settings.get(k)!r}: "
+            f"continue it with the same settings or choose another --out"
+        )
 
 
-def fit_and_encode(pretrained, video, texts: list[str], room: int, fps: float, max_frames, batch: int):
+def fit_and_encode(
+    pretrained, video, texts: list[str], room: int, fps: float, max_frames, batch: int
+):
     """The video read at fps (at most max_frames) and fitted to the longest of `texts` asked about
     it plus `room` answer tokens, VQ-encoded; raises VideoError."""
     tok = pretrained.tokenizer
     longest = max(texts, key=lambda t: len(tok.encode(t)))
-    return encode_video_file(pretrained, video, fps=fps, max_frames=max_frames, question=longest,
-                             max_new_tokens=room, batch_frames=batch, progress=False)
+    return encode_video_file(
+        pretrained,
+        video,
+        fps=fps,
+        max_frames=max_frames,
+        question=longest,
+        max_new_tokens=room,
+        batch_frames=batch,
+        progress=False,
+    )
 
 
 def _subtitles(q: Question, fps: float, max_frames) -> str:
@@ -158,23 +202,46 @@ def _subtitles(q: Question, fps: float, max_frames) -> str:
     return subtitles_at(read_subtitles(q.subtitles, q.subtitle_offset), times)
 
 
-def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihood", subtitles: bool = False,
-                 fps: float = 1.0, max_frames: Optional[int] = None, max_new_tokens: int = 16,
-                 limit: Optional[int] = None, engine_factory: Optional[Callable] = None, group=None,
-                 progress: bool = True) -> dict:
+def evaluate_mcq(
+    model,
+    benchmark: str,
+    data,
+    out_dir,
+    *,
+    mode: str = "likelihood",
+    subtitles: bool = False,
+    fps: float = 1.0,
+    max_frames: Optional[int] = None,
+    max_new_tokens: int = 16,
+    limit: Optional[int] = None,
+    engine_factory: Optional[Callable] = None,
+    group=None,
+    progress: bool = True,
+) -> dict:
     """Answer and score benchmark `benchmark` released under `data`; rank 0 writes the files and
     returns the summary. group: the sequence-parallel group every rank of which runs this call (with
     an engine_factory that builds a SequenceParallelEngine); None: one process."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    pretrained, infer = greedy(model, max_new_tokens, ("vq", "tokenizer"), "multiple-choice evaluation")
+    pretrained, infer = greedy(
+        model, max_new_tokens, ("vq", "tokenizer"), "multiple-choice evaluation"
+    )
     tok, t0 = pretrained.tokenizer, time.time()
-    rank, src = (dist.get_rank(group), dist.get_global_rank(group, 0)) if group is not None else (0, 0)
+    rank, src = (
+        (dist.get_rank(group), dist.get_global_rank(group, 0)) if group is not None else (0, 0)
+    )
     questions = read_benchmark(benchmark, data)[:limit]
     out = Path(out_dir)
     name = model if isinstance(model, (str, Path)) else pretrained.path or ""
-    settings = {"benchmark": benchmark, "mode": mode, "subtitles": subtitles, "fps": fps,
-                "max_frames": max_frames, "model": str(name), "data": str(data)}
+    settings = {
+        "benchmark": benchmark,
+        "mode": mode,
+        "subtitles": subtitles,
+        "fps": fps,
+        "max_frames": max_frames,
+        "model": str(name),
+        "data": str(data),
+    }
     pending = ""
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -186,7 +253,9 @@ def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihoo
     todo, skipped, encoded = set(json.loads(pending)), {}, 0
 
     def skip(q: Question, reason: str, detail: str) -> None:
-        skipped.setdefault(reason, []).append({"question_id": q.qid, "video": q.video, "detail": detail})
+        skipped.setdefault(reason, []).append(
+            {"question_id": q.qid, "video": q.video, "detail": detail}
+        )
 
     by_video: dict[str, list[Question]] = {}
     for q in questions:
@@ -194,8 +263,12 @@ def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihoo
             skip(q, "malformed_options", q.problem)
         elif not q.problem:
             by_video.setdefault(q.video, []).append(q)
-    bar = tqdm(total=len(todo), desc=f"{benchmark} ({mode})", unit="question",
-               disable=not progress or rank != 0)
+    bar = tqdm(
+        total=len(todo),
+        desc=f"{benchmark} ({mode})",
+        unit="question",
+        disable=not progress or rank != 0,
+    )
     for video, qs in by_video.items():
         ask = [q for q in qs if q.qid in todo]
         if not ask:
@@ -207,10 +280,14 @@ def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihoo
                     raise FileNotFoundError(video)
                 subs = {q.qid: _subtitles(q, fps, max_frames) for q in qs} if subtitles else {}
                 texts = [question_text(q, mode, subs.get(q.qid, "")) for q in qs]
-                room = infer.max_new_tokens if mode == "generate" else \
-                    max(len(option_ids(tok, o)) for q in qs for o in q.options)
-                enc = fit_and_encode(pretrained, video, texts, room, fps, max_frames,
-                                     infer.encode_batch_frames)
+                room = (
+                    infer.max_new_tokens
+                    if mode == "generate"
+                    else max(len(option_ids(tok, o)) for q in qs for o in q.options)
+                )
+                enc = fit_and_encode(
+                    pretrained, video, texts, room, fps, max_frames, infer.encode_batch_frames
+                )
                 encoded += 1
             except FileNotFoundError:
                 error = f"missing_video\tno such file: {video}"
@@ -230,13 +307,23 @@ def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihoo
         session = open_session(pretrained, enc, infer, engine_factory)
         for q in ask:
             text = question_text(q, mode, subs.get(q.qid, ""))
-            rec = {"question_id": q.qid, "answer": q.answer, "options": len(q.options), "video": video,
-                   "groups": q.groups, "frames": int(enc.codes.shape[0])}
+            rec = {
+                "question_id": q.qid,
+                "answer": q.answer,
+                "options": len(q.options),
+                "video": video,
+                "groups": q.groups,
+                "frames": int(enc.codes.shape[0]),
+            }
             if mode == "likelihood":
                 scored = session.score(text, [option_ids(tok, o) for o in q.options])
                 norm = [s / len(o) for (s, _, _), o in zip(scored, q.options)]
-                rec.update(prediction=LETTERS[int(np.argmax(norm))], scores=norm,
-                           logprobs=[s for s, _, _ in scored], tokens=[n for _, n, _ in scored])
+                rec.update(
+                    prediction=LETTERS[int(np.argmax(norm))],
+                    scores=norm,
+                    logprobs=[s for s, _, _ in scored],
+                    tokens=[n for _, n, _ in scored],
+                )
             else:
                 rec["response"] = session.ask(text)
                 rec.update(prediction=parse_letter(rec["response"], q.options), scores=None)
@@ -250,15 +337,26 @@ def evaluate_mcq(model, benchmark: str, data, out_dir, *, mode: str = "likelihoo
     asked = {q.qid for q in questions}
     records = [r for r in read_predictions(out / "predictions.jsonl") if r["question_id"] in asked]
     if not records:
-        raise ValueError(f"no question of {benchmark} under {data} could be asked "
-                         f"(skipped: { {k: len(v) for k, v in skipped.items()} })")
-    summary = {"benchmark": benchmark, "mode": mode, **summarise(records), "settings": settings,
-               "skipped": {k: {"count": len(v), "questions": v} for k, v in skipped.items()},
-               "bootstrap": {"resamples": BOOTSTRAP_RESAMPLES, "seed": 0, "unit": "video"},
-               "seconds_this_run": round(time.time() - t0, 2), "videos_encoded": encoded,
-               "json": str(out / "summary.json"), "png": str(out / "summary.png")}
-    save_bars(summary, out / "summary.png", f"{benchmark} ({mode}): {summary['accuracy']:.1%} of "
-                                            f"{summary['questions']} questions")
+        raise ValueError(
+            f"no question of {benchmark} under {data} could be asked "
+            f"(skipped: { {k: len(v) for k, v in skipped.items()} })"
+        )
+    summary = {
+        "benchmark": benchmark,
+        "mode": mode,
+        **summarise(records),
+        "settings": settings,
+        "skipped": {k: {"count": len(v), "questions": v} for k, v in skipped.items()},
+        "bootstrap": {"resamples": BOOTSTRAP_RESAMPLES, "seed": 0, "unit": "video"},
+        "seconds_this_run": round(time.time() - t0, 2),
+        "videos_encoded": encoded,
+        "json": str(out / "summary.json"),
+        "png": str(out / "summary.png"),
+    }
+    save_bars(
+        summary,
+        out / "summary.png",
+        f"{benchmark} ({mode}): {summary['accuracy']:.1%} of {summary['questions']} questions",
+    )
     write_json_atomic(out / "summary.json", summary, indent=1)
     return summary
-

@@ -31,13 +31,32 @@ class MergedAttentionSeam:
     def __init__(self, group, backend: str, *, shared_from: int, owner: bool):
         self.group, self.backend, self.shared_from, self.owner = group, backend, shared_from, owner
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_positions: Tensor,
-                 q_segment_ids: Tensor, k_segment_ids: Tensor, causal: bool = True) -> Tensor:
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        q_positions: Tensor,
+        k_positions: Tensor,
+        q_segment_ids: Tensor,
+        k_segment_ids: Tensor,
+        causal: bool = True,
+    ) -> Tensor:
         if not self.owner:
             k_segment_ids = k_segment_ids.masked_fill(k_positions >= self.shared_from, -1)
         be = get_backend(self.backend)
-        out, lse = be.forward(q, k, v, q_positions, k_positions, q_segment_ids, k_segment_ids,
-                              1.0 / math.sqrt(q.shape[-1]), causal)
+        out, lse = be.forward(
+            q,
+            k,
+            v,
+            q_positions,
+            k_positions,
+            q_segment_ids,
+            k_segment_ids,
+            1.0 / math.sqrt(q.shape[-1]),
+            causal,
+        )
         W = dist.get_world_size(self.group)
         if W == 1:
             return out
@@ -53,13 +72,22 @@ class SequenceParallelEngine(CachedEngine):
     the same methods with the same ids. ulysses: the group's split (longvideo.parallel.split_group,
     made once and shared by every engine) to prefill with the Ulysses x ring hybrid; None: one ring."""
 
-    def __init__(self, model: Transformer, group=None, *, backend: str = "auto", spare: int = 256,
-                 ulysses: Optional[UlyssesGroups] = None):
+    def __init__(
+        self,
+        model: Transformer,
+        group=None,
+        *,
+        backend: str = "auto",
+        spare: int = 256,
+        ulysses: Optional[UlyssesGroups] = None,
+    ):
         self.model, self.group, self.spare, self.backend = model, group, spare, backend
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.owner = self.world - 1  # holds the keys of the replicated tokens
         self.ring = RingAttentionSeam(group, backend, ulysses)
-        self.merged: Optional[MergedAttentionSeam] = None  # built for each prefix (it knows its length)
+        self.merged: Optional[MergedAttentionSeam] = (
+            None  # built for each prefix (it knows its length)
+        )
         self.cache: Optional[KVCache] = None
 
     @torch.no_grad()
@@ -77,14 +105,17 @@ class SequenceParallelEngine(CachedEngine):
         if n:  # the cache is empty: queries and keys are this rank's shard, as the ring needs
             self.model(ids, pos, seg, cache=self.cache, attention_fn=self.ring)
         self.prefix_len, self.local_prefix_len, self.sharded = P, n, P
-        self.merged = MergedAttentionSeam(self.group, self.backend, shared_from=P,
-                                          owner=self.rank == self.owner)
+        self.merged = MergedAttentionSeam(
+            self.group, self.backend, shared_from=P, owner=self.rank == self.owner
+        )
         self.prefix_s = time.perf_counter() - t0
 
     def _hidden(self, ids: Tensor, start: int) -> Tensor:
         """Feed ids (B, n) every rank holds at positions start..; their hidden states (B, n, dim)."""
         pos = start + torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape)
-        return self.model(ids, pos, torch.zeros_like(ids), cache=self.cache, attention_fn=self.merged)
+        return self.model(
+            ids, pos, torch.zeros_like(ids), cache=self.cache, attention_fn=self.merged
+        )
 
     def _logits(self, ids: Tensor, start: int) -> Tensor:
         if ids.shape[1] < 1:
@@ -94,24 +125,43 @@ class SequenceParallelEngine(CachedEngine):
     def _pick(self, tok: Tensor) -> Tensor:
         tok = tok.contiguous()
         if self.world > 1:
-            dist.broadcast(tok, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
-                           group=self.group)
+            dist.broadcast(
+                tok,
+                src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+                group=self.group,
+            )
         return tok
 
 
 @torch.no_grad()
-def sp_generate(model: Transformer, ids: Tensor, group=None, *, max_new_tokens: int = 64,
-                temperature: float = 0.0, top_p: float = 1.0, stop_ids: Sequence[int] = (),
-                generator: Optional[torch.Generator] = None, tail: int = 1,
-                backend: str = "auto", ulysses: Optional[UlyssesGroups] = None) -> Generation:
+def sp_generate(
+    model: Transformer,
+    ids: Tensor,
+    group=None,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    stop_ids: Sequence[int] = (),
+    generator: Optional[torch.Generator] = None,
+    tail: int = 1,
+    backend: str = "auto",
+    ulysses: Optional[UlyssesGroups] = None,
+) -> Generation:
     """Sequence-parallel `generate`: ring prefill of ids[:, :S-tail], replicated rest, sharded decoding.
     Collective over `group` (default: the world) with the same ids (B, S); ttft_s includes the prefix."""
     S = ids.shape[1]
     tail = max(1, min(tail, S))
     engine = SequenceParallelEngine(model, group, backend=backend, ulysses=ulysses)
-    engine.set_prefix(ids[:, :S - tail])
-    out = engine.generate(ids[:, S - tail:], max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_p=top_p, stop_ids=stop_ids, generator=generator)
+    engine.set_prefix(ids[:, : S - tail])
+    out = engine.generate(
+        ids[:, S - tail :],
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop_ids=stop_ids,
+        generator=generator,
+    )
     out.ttft_s += engine.prefix_s
     out.total_s += engine.prefix_s
     return out
@@ -121,7 +171,9 @@ def local_device(arg: Optional[str] = None) -> torch.device:
     """`arg`, else this rank's GPU (LOCAL_RANK) when there is one, else the CPU."""
     if arg is not None:
         return torch.device(arg)
-    return torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+    return torch.device(
+        f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    )
 
 
 @contextlib.contextmanager
@@ -155,12 +207,14 @@ def broadcast_array(arr: Optional[np.ndarray], src: int = 0, group=None) -> np.n
             raise ValueError(f"broadcast_array handles up to {_MAX_DIMS} dims, got {arr.ndim}")
         header[0] = 1 if np.issubdtype(arr.dtype, np.floating) else 0
         header[1] = arr.ndim
-        header[2:2 + arr.ndim] = torch.tensor(arr.shape, dtype=torch.long)
+        header[2 : 2 + arr.ndim] = torch.tensor(arr.shape, dtype=torch.long)
     dist.broadcast(header, src=src, group=group)
     dtype = torch.float64 if int(header[0]) else torch.long
-    shape = tuple(int(x) for x in header[2:2 + int(header[1])])
+    shape = tuple(int(x) for x in header[2 : 2 + int(header[1])])
     if dist.get_rank() == src:
-        data = torch.from_numpy(np.ascontiguousarray(arr, np.float64 if dtype == torch.float64 else np.int64))
+        data = torch.from_numpy(
+            np.ascontiguousarray(arr, np.float64 if dtype == torch.float64 else np.int64)
+        )
         data = data.to(dev)
     else:
         data = torch.empty(shape, dtype=dtype, device=dev)
@@ -170,5 +224,9 @@ def broadcast_array(arr: Optional[np.ndarray], src: int = 0, group=None) -> np.n
 
 def broadcast_text(text: Optional[str], src: int = 0, group=None) -> str:
     """Rank `src`'s string on every rank."""
-    raw = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64) if dist.get_rank() == src else None
+    raw = (
+        np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
+        if dist.get_rank() == src
+        else None
+    )
     return bytes(broadcast_array(raw, src, group).astype(np.uint8).tolist()).decode("utf-8")

@@ -28,11 +28,31 @@ class LocalAttention:
         self.backend = backend
         self.plans = PlanCache(size=2)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_positions: Tensor,
-                 q_segment_ids: Tensor, k_segment_ids: Tensor, causal: bool = True) -> Tensor:
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        q_positions: Tensor,
+        k_positions: Tensor,
+        q_segment_ids: Tensor,
+        k_segment_ids: Tensor,
+        causal: bool = True,
+    ) -> Tensor:
         plan = self.plans.lookup(q_positions, k_positions, q_segment_ids, k_segment_ids)
-        return block_attention(q, k, v, q_positions, k_positions, q_segment_ids, k_segment_ids,
-                               causal=causal, backend=self.backend, plan=plan)
+        return block_attention(
+            q,
+            k,
+            v,
+            q_positions,
+            k_positions,
+            q_segment_ids,
+            k_segment_ids,
+            causal=causal,
+            backend=self.backend,
+            plan=plan,
+        )
 
 
 class Attention(nn.Module):
@@ -45,8 +65,16 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, segment_ids: Tensor,
-                attention_fn: AttentionFn, cache_update=None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        positions: Tensor,
+        segment_ids: Tensor,
+        attention_fn: AttentionFn,
+        cache_update=None,
+    ) -> Tensor:
         B, S, _ = x.shape
         # local head counts come from the weights, so a sharded projection needs no change here
         q = self.wq(x).view(B, S, -1, self.head_dim)  # (B, S, Hq, D)
@@ -58,6 +86,14 @@ class Attention(nn.Module):
         k_pos, k_seg = positions, segment_ids
         if cache_update is not None:  # append this step's keys and attend over everything cached
             k, v, k_pos, k_seg = cache_update(k, v)
-        out = attention_fn(q, k, v, q_positions=positions, k_positions=k_pos,
-                           q_segment_ids=segment_ids, k_segment_ids=k_seg, causal=True)
+        out = attention_fn(
+            q,
+            k,
+            v,
+            q_positions=positions,
+            k_positions=k_pos,
+            q_segment_ids=segment_ids,
+            k_segment_ids=k_seg,
+            causal=True,
+        )
         return self.wo(out.reshape(B, S, -1))

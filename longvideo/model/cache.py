@@ -12,8 +12,14 @@ from longvideo.model.config import ModelConfig
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
@@ -25,15 +31,22 @@ class KVCache:
     def begin(self, positions: Tensor, segment_ids: Tensor) -> None:
         S = positions.shape[1]
         if self.length + S > self.max_len:
-            raise ValueError(f"KV cache overflow: {self.length} cached + {S} new > max_len {self.max_len}")
-        self.positions[:, self.length:self.length + S] = positions
-        self.segment_ids[:, self.length:self.length + S] = segment_ids
+            raise ValueError(
+                f"KV cache overflow: {self.length} cached + {S} new > max_len {self.max_len}"
+            )
+        self.positions[:, self.length : self.length + S] = positions
+        self.segment_ids[:, self.length : self.length + S] = segment_ids
 
     def update(self, idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Write layer idx's k, v (B, S, Hkv, D) after the cached tokens; return all it caches so far."""
         start, end = self.length, self.length + k.shape[1]
         self.k[idx][:, start:end], self.v[idx][:, start:end] = k, v
-        return self.k[idx][:, :end], self.v[idx][:, :end], self.positions[:, :end], self.segment_ids[:, :end]
+        return (
+            self.k[idx][:, :end],
+            self.v[idx][:, :end],
+            self.positions[:, :end],
+            self.segment_ids[:, :end],
+        )
 
     def commit(self, n: int) -> None:
         self.length += n
@@ -41,12 +54,14 @@ class KVCache:
     def next_position(self) -> Tensor:
         """Position of the next token for each batch row (B,)."""
         if self.length == 0:
-            return torch.zeros(self.positions.shape[0], dtype=torch.long, device=self.positions.device)
+            return torch.zeros(
+                self.positions.shape[0], dtype=torch.long, device=self.positions.device
+            )
         return self.positions[:, self.length - 1] + 1
 
     def crop(self, length: int) -> None:
         """Forget everything after the first `length` tokens (e.g. to ask a new question)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a cache of {self.length} tokens to {length}")
-        self.segment_ids[:, length:self.length] = -1
+        self.segment_ids[:, length : self.length] = -1
         self.length = length

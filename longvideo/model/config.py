@@ -56,33 +56,56 @@ class ModelConfig:
     def __post_init__(self):
         for key in ("dim", "n_layers", "n_heads"):
             check(getattr(self, key) > 0, key, f"must be positive, got {getattr(self, key)}")
-        check(self.dim % self.n_heads == 0, "n_heads",
-              f"must divide dim={self.dim}, got {self.n_heads}")
+        check(
+            self.dim % self.n_heads == 0,
+            "n_heads",
+            f"must divide dim={self.dim}, got {self.n_heads}",
+        )
         kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-        check(kv > 0 and self.n_heads % kv == 0, "n_kv_heads",
-              f"must divide n_heads={self.n_heads}, got {self.n_kv_heads}")
+        check(
+            kv > 0 and self.n_heads % kv == 0,
+            "n_kv_heads",
+            f"must divide n_heads={self.n_heads}, got {self.n_kv_heads}",
+        )
         object.__setattr__(self, "n_kv_heads", kv)
         object.__setattr__(self, "head_dim", self.dim // self.n_heads)
-        check(self.head_dim % 2 == 0, "n_heads", f"head_dim dim/n_heads={self.head_dim} must be even for RoPE")
+        check(
+            self.head_dim % 2 == 0,
+            "n_heads",
+            f"head_dim dim/n_heads={self.head_dim} must be even for RoPE",
+        )
         check_positive(self, "text_vocab_size", "codebook_size", "multiple_of")
         check(self.vocab_layout in LAYOUTS, "vocab_layout", f"must be one of {LAYOUTS}")
-        check(self.vision_vocab_size is None or self.vocab_layout == "lwm", "vision_vocab_size",
-              "is set only in the lwm vocabulary layout")
-        check(self.vision_vocab_size is None or self.vision_vocab_size >= self.codebook_size + 2,
-              "vision_vocab_size", f"must hold the codes, <eof> and <eov>: >= codebook_size + 2 = "
-              f"{self.codebook_size + 2}, got {self.vision_vocab_size}")
+        check(
+            self.vision_vocab_size is None or self.vocab_layout == "lwm",
+            "vision_vocab_size",
+            "is set only in the lwm vocabulary layout",
+        )
+        check(
+            self.vision_vocab_size is None or self.vision_vocab_size >= self.codebook_size + 2,
+            "vision_vocab_size",
+            f"must hold the codes, <eof> and <eov>: >= codebook_size + 2 = "
+            f"{self.codebook_size + 2}, got {self.vision_vocab_size}",
+        )
         if self.ffn_dim is None:
             hidden = int(2 * (4 * self.dim) / 3)
             hidden = self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
             object.__setattr__(self, "ffn_dim", hidden)
         check_positive(self, "ffn_dim", "norm_eps", "rope_theta", "max_seq_len")
-        check(self.attn_logn_base == 0 or self.attn_logn_base >= 2, "attn_logn_base",
-              f"must be 0 (off) or a context length >= 2, got {self.attn_logn_base}")
+        check(
+            self.attn_logn_base == 0 or self.attn_logn_base >= 2,
+            "attn_logn_base",
+            f"must be 0 (off) or a context length >= 2, got {self.attn_logn_base}",
+        )
 
     @property
     def vocab(self) -> Vocab:
-        return Vocab(text_size=self.text_vocab_size, codebook_size=self.codebook_size, layout=self.vocab_layout,
-                     vision_size=self.vision_vocab_size)
+        return Vocab(
+            text_size=self.text_vocab_size,
+            codebook_size=self.codebook_size,
+            layout=self.vocab_layout,
+            vision_size=self.vision_vocab_size,
+        )
 
     @property
     def vocab_size(self) -> int:

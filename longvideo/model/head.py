@@ -26,9 +26,9 @@ class _ChunkedWeightedCE(torch.autograd.Function):
         d_hidden = torch.zeros_like(hidden) if need_grad else None
         d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad else None
         for s in range(0, N, chunk):
-            h = hidden[s:s + chunk]
-            w = loss_weights[s:s + chunk].to(acc)
-            t = targets[s:s + chunk]
+            h = hidden[s : s + chunk]
+            w = loss_weights[s : s + chunk].to(acc)
+            t = targets[s : s + chunk]
             logits = (h @ weight.t()).to(acc)  # (n, V) — the only vocab-sized tensor alive
             lse = torch.logsumexp(logits, dim=-1)
             tgt_logit = logits.gather(1, t[:, None]).squeeze(1)
@@ -38,7 +38,7 @@ class _ChunkedWeightedCE(torch.autograd.Function):
                 g[torch.arange(g.shape[0], device=g.device), t] -= 1.0
                 g *= w[:, None]
                 g = g.to(h.dtype)
-                d_hidden[s:s + chunk] = g @ weight
+                d_hidden[s : s + chunk] = g @ weight
                 d_weight += (g.t() @ h).to(acc)
         if need_grad:
             ctx.save_for_backward(d_hidden, d_weight)
@@ -53,8 +53,9 @@ class _ChunkedWeightedCE(torch.autograd.Function):
         return gh, gw, None, None, None
 
 
-def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, loss_weights: Tensor,
-                          chunk: int) -> Tensor:
+def chunked_cross_entropy(
+    hidden: Tensor, weight: Tensor, targets: Tensor, loss_weights: Tensor, chunk: int
+) -> Tensor:
     """sum_i loss_weights[i] * CE(hidden[i] @ weight.T, targets[i]); hidden (N, dim), weight (V, dim)."""
     return _ChunkedWeightedCE.apply(hidden, weight, targets, loss_weights, chunk)
 
@@ -77,7 +78,9 @@ class LMHead(nn.Module):
         self.skip_unweighted = True
         """Project only the tokens with a loss (False: all of them; the benchmark's baseline)."""
 
-    def forward(self, hidden: Tensor, targets: Tensor | None = None, loss_weights: Tensor | None = None):
+    def forward(
+        self, hidden: Tensor, targets: Tensor | None = None, loss_weights: Tensor | None = None
+    ):
         """Without targets: logits (B, S, V). With targets (B, S) and loss_weights (B, S): the
         weighted loss sum, a scalar (weights by `token_weights`: a negative target has no loss)."""
         if targets is None:
@@ -88,5 +91,9 @@ class LMHead(nn.Module):
         if self.skip_unweighted:
             kept = flat_weights.nonzero().squeeze(1)  # the others add exactly 0
             if kept.numel() < flat_weights.numel():
-                hidden, targets, flat_weights = hidden.index_select(0, kept), targets[kept], flat_weights[kept]
+                hidden, targets, flat_weights = (
+                    hidden.index_select(0, kept),
+                    targets[kept],
+                    flat_weights[kept],
+                )
         return chunked_cross_entropy(hidden, self.weight, targets, flat_weights, self.loss_chunk)

@@ -23,10 +23,15 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rope_cos_sin(
+    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
     """cos, sin of shape (B, S, 1, head_dim) for integer positions (B, S): explicit, so that packed
     documents restart at 0 and sequence shards carry their global positions."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (
+        theta
+        ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    )
     freqs = positions.float()[..., None] * inv_freq  # (B, S, head_dim/2)
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # (B, S, 1, head_dim)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -41,7 +46,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def logn_scale(positions: Tensor, base: int, dtype: torch.dtype) -> Tensor:
     """max(1, ln(p + 1) / ln(base)) for positions p (B, S), shaped (B, S, 1, 1) to scale queries;
     computed in float64, so every position below the base gets exactly 1."""
-    return (torch.log1p(positions.double()) / math.log(base)).clamp(min=1.0).to(dtype)[:, :, None, None]
+    return (
+        (torch.log1p(positions.double()) / math.log(base))
+        .clamp(min=1.0)
+        .to(dtype)[:, :, None, None]
+    )
 
 
 class FeedForward(nn.Module):
@@ -64,5 +73,10 @@ class FeedForward(nn.Module):
         if self.chunk <= 0 or S <= self.chunk:
             return self._ffn(x)
         recompute = torch.is_grad_enabled() and x.requires_grad
-        return torch.cat([checkpoint(self._ffn, xc, use_reentrant=False) if recompute else self._ffn(xc)
-                          for xc in x.split(self.chunk, dim=1)], dim=1)
+        return torch.cat(
+            [
+                checkpoint(self._ffn, xc, use_reentrant=False) if recompute else self._ffn(xc)
+                for xc in x.split(self.chunk, dim=1)
+            ],
+            dim=1,
+        )

@@ -28,7 +28,9 @@ class Block(nn.Module):
         self.ffn = FeedForward(cfg.dim, cfg.ffn_dim, ffn_chunk)
 
     def forward(self, x, cos, sin, positions, segment_ids, attention_fn, cache_update=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, positions, segment_ids, attention_fn, cache_update)
+        x = x + self.attn(
+            self.attn_norm(x), cos, sin, positions, segment_ids, attention_fn, cache_update
+        )
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -37,7 +39,9 @@ class Transformer(nn.Module):
     tokens per cross-entropy chunk; backend: the default single-device seam's block backend (a run
     sets all three from its RuntimeConfig / ParallelConfig, longvideo.checkpoint.build_model)."""
 
-    def __init__(self, cfg: ModelConfig, *, ffn_chunk: int = 0, loss_chunk: int = 4096, backend: str = "auto"):
+    def __init__(
+        self, cfg: ModelConfig, *, ffn_chunk: int = 0, loss_chunk: int = 4096, backend: str = "auto"
+    ):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -68,21 +72,33 @@ class Transformer(nn.Module):
         latents: (codebook_size, D), e.g. `longvideo.vq.quantizer.fsq_codebook(levels)`."""
         vocab = self.cfg.vocab
         if latents.ndim != 2 or latents.shape[0] != vocab.codebook_size:
-            raise ValueError(f"latents must be ({vocab.codebook_size}, D), got {tuple(latents.shape)}")
+            raise ValueError(
+                f"latents must be ({vocab.codebook_size}, D), got {tuple(latents.shape)}"
+            )
         w = self.tok_embeddings.weight
-        proj = latents.to(w.device, torch.float32) @ torch.randn(latents.shape[1], self.cfg.dim).to(w.device)
+        proj = latents.to(w.device, torch.float32) @ torch.randn(latents.shape[1], self.cfg.dim).to(
+            w.device
+        )
         proj = proj / proj.pow(2).mean().sqrt()  # unit variance per coordinate
         rows = proj + noise * torch.randn(proj.shape).to(w.device)
-        w[vocab.vq_offset: vocab.vq_offset + vocab.codebook_size] = (self.cfg.init_std * rows).to(w.dtype)
+        w[vocab.vq_offset : vocab.vq_offset + vocab.codebook_size] = (self.cfg.init_std * rows).to(
+            w.dtype
+        )
 
     def set_attention(self, fn: AttentionFn) -> None:
         """Swap the attention implementation (the seam); see longvideo.model.attention."""
         self.attention_fn = fn
 
-    def forward(self, input_ids: Tensor, positions: Optional[Tensor] = None,
-                segment_ids: Optional[Tensor] = None, targets: Optional[Tensor] = None,
-                loss_weights: Optional[Tensor] = None, cache: Optional[KVCache] = None,
-                attention_fn: Optional[AttentionFn] = None):
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Optional[Tensor] = None,
+        segment_ids: Optional[Tensor] = None,
+        targets: Optional[Tensor] = None,
+        loss_weights: Optional[Tensor] = None,
+        cache: Optional[KVCache] = None,
+        attention_fn: Optional[AttentionFn] = None,
+    ):
         """input_ids (B, S). positions / segment_ids (B, S) default to 0..S-1 (after the cache) and
         one segment. Without targets: hidden states (B, S, dim) after the final norm. With targets
         (B, S): the weighted loss sum (longvideo.model.head; its normaliser is `token_weights`).

@@ -10,7 +10,10 @@ from __future__ import annotations
 from typing import Optional
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
 
 from longvideo.configtools import ConfigError
 from longvideo.model import LocalAttention
@@ -27,15 +30,25 @@ def apply_attention(model: nn.Module, mesh: Mesh, backend: str = "auto") -> None
     when sp > 1, else the single-device seam, all over `backend`'s block kernels."""
     if not hasattr(model, "set_attention"):
         raise TypeError(f"{type(model).__name__} has no attention seam (set_attention)")
-    cfg = getattr(model, "cfg", None) or getattr(getattr(model, "model", None), "config", None)  # ours, or HF's
+    cfg = getattr(model, "cfg", None) or getattr(
+        getattr(model, "model", None), "config", None
+    )  # ours, or HF's
     hq = getattr(cfg, "n_heads", None) or getattr(cfg, "num_attention_heads", None)
     if mesh.ulysses > 1 and hq:  # refuse a split the model's heads cannot take before any step
         try:
-            head_split(hq, getattr(cfg, "n_kv_heads", None) or getattr(cfg, "num_key_value_heads", None) or hq,
-                       mesh.ulysses, mesh.sp)
+            head_split(
+                hq,
+                getattr(cfg, "n_kv_heads", None) or getattr(cfg, "num_key_value_heads", None) or hq,
+                mesh.ulysses,
+                mesh.sp,
+            )
         except ValueError as e:
             raise ConfigError("parallel.ulysses", str(e)) from None
-    seam = RingAttentionSeam(mesh.sp_group, backend, mesh.ulysses_groups) if mesh.sp > 1 else LocalAttention(backend)
+    seam = (
+        RingAttentionSeam(mesh.sp_group, backend, mesh.ulysses_groups)
+        if mesh.sp > 1
+        else LocalAttention(backend)
+    )
     model.set_attention(seam)
 
 
@@ -48,14 +61,23 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         return
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__} has neither decoder `layers` nor gradient_checkpointing_enable")
+        raise TypeError(
+            f"{type(model).__name__} has neither decoder `layers` nor gradient_checkpointing_enable"
+        )
     for i, block in enumerate(layers):
         if not hasattr(block, "_checkpoint_wrapped_module"):
             layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
-def parallelize(model: nn.Module, mesh: Mesh, cfg, *, optimizer, ds_config: Optional[dict] = None,
-                bf16: bool = False) -> Engine:
+def parallelize(
+    model: nn.Module,
+    mesh: Mesh,
+    cfg,
+    *,
+    optimizer,
+    ds_config: Optional[dict] = None,
+    bf16: bool = False,
+) -> Engine:
     """Apply the seam, activation checkpointing, torch.compile and ZeRO to `model` (module docstring)
     and return the engine that trains it (collective: every rank calls it with the same config).
     cfg: the root Config (its parallel, runtime and train sections). optimizer: over the model's
@@ -68,7 +90,10 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg, *, optimizer, ds_config: Opti
         ds_config = build_deepspeed_config(cfg.train, world_size=mesh.world_size, bf16=bf16)
     if cfg.runtime.compile:
         if ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
-            raise ConfigError("runtime.compile", "ZeRO-3 gathers parameters in module hooks that the compiled "
-                              "blocks cannot trace: use train.zero_stage <= 2, or runtime.compile=false")
+            raise ConfigError(
+                "runtime.compile",
+                "ZeRO-3 gathers parameters in module hooks that the compiled "
+                "blocks cannot trace: use train.zero_stage <= 2, or runtime.compile=false",
+            )
         apply_compile(model)
     return Engine(model, optimizer, ds_config)

@@ -20,7 +20,9 @@ from longvideo.parallel.zigzag import group_size_rank
 class CommStats:
     """Per-rank accounting of ring calls (accumulates until reset)."""
 
-    exposed_s: float = 0.0  # seconds blocked waiting for transfers: communication compute did not hide
+    exposed_s: float = (
+        0.0  # seconds blocked waiting for transfers: communication compute did not hide
+    )
     compute_s: float = 0.0  # seconds in block-attention compute and merges
     bytes_sent: int = 0
     hops: int = 0  # exchanges posted
@@ -64,10 +66,18 @@ class RingComm:
         self.size, self.rank = group_size_rank(group)
         if self.size > 1:
             rank = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
-            self.next, self.prev = rank((self.rank + 1) % self.size), rank((self.rank - 1) % self.size)
+            self.next, self.prev = (
+                rank((self.rank + 1) % self.size),
+                rank((self.rank - 1) % self.size),
+            )
 
-    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], stats: Optional[CommStats] = None,
-                 tag: int = 0) -> Pending:
+    def exchange(
+        self,
+        send: Sequence[Tensor],
+        recv: Sequence[Tensor],
+        stats: Optional[CommStats] = None,
+        tag: int = 0,
+    ) -> Pending:
         """Post send[i] -> next and prev -> recv[i] for every i (tags tag + i keep them apart)."""
         if self.size == 1:
             raise RuntimeError("a ring of one rank has no one to exchange with")

@@ -26,8 +26,11 @@ class ParallelConfig:
 
     def __post_init__(self):
         check(self.sp >= 1, "sp", f"must be >= 1, got {self.sp}")
-        check(self.ulysses >= 1 and self.sp % self.ulysses == 0, "ulysses",
-              f"must be >= 1 and divide sp={self.sp}, got {self.ulysses}")
+        check(
+            self.ulysses >= 1 and self.sp % self.ulysses == 0,
+            "ulysses",
+            f"must be >= 1 and divide sp={self.sp}, got {self.ulysses}",
+        )
         check(self.dp == -1 or self.dp >= 1, "dp", f"must be >= 1 or -1 (derive), got {self.dp}")
         check(self.timeout_s > 0, "timeout_s", "must be positive")
 

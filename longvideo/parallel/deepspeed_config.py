@@ -28,9 +28,11 @@ def load_base(path: str) -> dict:
         raise ConfigError("train.deepspeed_config", f"{file} must hold a JSON object")
     for key in ("optimizer", "scheduler"):
         if key in data:
-            raise ConfigError("train.deepspeed_config",
-                              f"'{key}' in {file}: the trainer builds AdamW and the warm-up + cosine "
-                              f"schedule from TrainConfig; remove it and set train.lr etc. instead")
+            raise ConfigError(
+                "train.deepspeed_config",
+                f"'{key}' in {file}: the trainer builds AdamW and the warm-up + cosine "
+                f"schedule from TrainConfig; remove it and set train.lr etc. instead",
+            )
     return data
 
 
@@ -39,10 +41,21 @@ def resolve_zero_stage(train: TrainConfig, base: dict) -> int:
     file_stage = base.get("zero_optimization", {}).get("stage")
     if file_stage == "auto":
         file_stage = None
-    if train.zero_stage is not None and file_stage is not None and int(file_stage) != train.zero_stage:
-        raise ConfigError("train.zero_stage", f"is {train.zero_stage} but {train.deepspeed_config} "
-                                              f"sets zero_optimization.stage={file_stage}")
-    stage = train.zero_stage if train.zero_stage is not None else (file_stage if file_stage is not None else 3)
+    if (
+        train.zero_stage is not None
+        and file_stage is not None
+        and int(file_stage) != train.zero_stage
+    ):
+        raise ConfigError(
+            "train.zero_stage",
+            f"is {train.zero_stage} but {train.deepspeed_config} "
+            f"sets zero_optimization.stage={file_stage}",
+        )
+    stage = (
+        train.zero_stage
+        if train.zero_stage is not None
+        else (file_stage if file_stage is not None else 3)
+    )
     if stage not in (1, 2, 3):
         raise ConfigError("train.zero_stage", f"must be 1, 2 or 3, got {stage}")
     return int(stage)
@@ -57,14 +70,17 @@ def _set_owned(cfg: dict, path: tuple[str, ...], value: Any, source: str) -> Non
     key = path[-1]
     old = node.get(key, "auto")
     if old != "auto" and old != value:
-        raise ConfigError("train.deepspeed_config",
-                          f"{source} sets {'.'.join(path)}={old!r} but the run needs {value!r} "
-                          f"(set it through the longvideo config, or write \"auto\")")
+        raise ConfigError(
+            "train.deepspeed_config",
+            f"{source} sets {'.'.join(path)}={old!r} but the run needs {value!r} "
+            f'(set it through the longvideo config, or write "auto")',
+        )
     node[key] = value
 
 
-def build_deepspeed_config(train: TrainConfig, *, world_size: int, bf16: bool,
-                           base: Optional[dict] = None) -> dict:
+def build_deepspeed_config(
+    train: TrainConfig, *, world_size: int, bf16: bool, base: Optional[dict] = None
+) -> dict:
     """The dict handed to deepspeed.initialize. `world_size` = dp x sp (DeepSpeed's dp world)."""
     base = load_base(train.deepspeed_config) if base is None else base
     source = train.deepspeed_config or "the DeepSpeed config"

@@ -27,8 +27,11 @@ def _deepspeed():
     import deepspeed  # heavy: imported once a run has been checked
 
     # DeepSpeed 0.19 calls collectives torch 2.14 renamed: one warning per call, every step
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)")
+    warnings.filterwarnings(
+        "ignore",
+        category=FutureWarning,
+        message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)",
+    )
     return deepspeed
 
 
@@ -37,8 +40,9 @@ class Engine:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict):
         ds = _deepspeed()
-        self.ds, _, _, _ = ds.initialize(model=model, optimizer=optimizer, config=ds_config,
-                                         dist_init_required=False)
+        self.ds, _, _, _ = ds.initialize(
+            model=model, optimizer=optimizer, config=ds_config, dist_init_required=False
+        )
 
     @property
     def module(self) -> nn.Module:
@@ -91,10 +95,13 @@ class Engine:
         self.ds.save_checkpoint(str(directory), tag=tag, client_state={}, save_latest=False)
 
     def load(self, directory: Path, tag: str) -> None:
-        path, _ = self.ds.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
-                                          load_lr_scheduler_states=False)
+        path, _ = self.ds.load_checkpoint(
+            str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
         if path is None:
-            raise RuntimeError(f"DeepSpeed could not load the engine state from {Path(directory) / tag}")
+            raise RuntimeError(
+                f"DeepSpeed could not load the engine state from {Path(directory) / tag}"
+            )
 
 
 def consolidate_zero_checkpoint(checkpoints: Path, tag: str) -> dict[str, torch.Tensor]:

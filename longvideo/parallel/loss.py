@@ -18,7 +18,9 @@ def check_reduction(grad_reduction: str) -> None:
         raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
 
 
-def loss_scale(weight_sum: Tensor, mesh: Mesh, *, grad_reduction: str = "mean") -> tuple[float, float]:
+def loss_scale(
+    weight_sum: Tensor, mesh: Mesh, *, grad_reduction: str = "mean"
+) -> tuple[float, float]:
     """(factor, global weight total): multiply every loss sum this rank back-propagates in the step
     by `factor`. `weight_sum` is this rank's weight total over all of the step's micro-batches
     (collective: one all-reduce)."""
@@ -31,8 +33,9 @@ def loss_scale(weight_sum: Tensor, mesh: Mesh, *, grad_reduction: str = "mean") 
     return ranks / max(total, 1e-12), total
 
 
-def normalized_loss(loss_sum: Tensor, weight_sum: Tensor, mesh: Mesh, *,
-                    grad_reduction: str = "mean") -> tuple[Tensor, float]:
+def normalized_loss(
+    loss_sum: Tensor, weight_sum: Tensor, mesh: Mesh, *, grad_reduction: str = "mean"
+) -> tuple[Tensor, float]:
     """(this rank's loss to back-propagate, global weight total) for a step of one micro-batch; the
     losses summed over all ranks (divided by world size for "mean") equal the global loss."""
     factor, total = loss_scale(weight_sum, mesh, grad_reduction=grad_reduction)

@@ -31,14 +31,20 @@ def split_group(group, ulysses: int, timeout_s: Optional[float] = None) -> Optio
     Group rank i is member i % U of Ulysses group i // U and position i // U of ring i % U."""
     if ulysses == 1:
         return None
-    ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+    ranks = (
+        sorted(dist.get_process_group_ranks(group))
+        if group is not None
+        else list(range(dist.get_world_size()))
+    )
     if len(ranks) % ulysses:
         raise ConfigError("parallel.ulysses", f"ulysses={ulysses} does not divide sp={len(ranks)}")
     kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     i = ranks.index(dist.get_rank())
     # every member makes its Ulysses group first, then its ring: no member waits on a later one
-    heads = dist.new_group(ranks[i - i % ulysses:i - i % ulysses + ulysses], use_local_synchronization=True, **kw)
-    ring = dist.new_group(ranks[i % ulysses::ulysses], use_local_synchronization=True, **kw)
+    heads = dist.new_group(
+        ranks[i - i % ulysses : i - i % ulysses + ulysses], use_local_synchronization=True, **kw
+    )
+    ring = dist.new_group(ranks[i % ulysses :: ulysses], use_local_synchronization=True, **kw)
     return UlyssesGroups(size=ulysses, group=heads, ring=ring)
 
 
@@ -51,13 +57,17 @@ class Mesh:
     dp_rank: int  # index of this rank's sp group (which slice of the batch it reads)
     sp_rank: int  # position of this rank in its sp group (which zigzag chunks it holds)
     ulysses: int = 1  # head-parallel size inside the sp group (1: one ring over the sp group)
-    ulysses_groups: Optional[UlyssesGroups] = None  # this rank's Ulysses group and ring when ulysses > 1
+    ulysses_groups: Optional[UlyssesGroups] = (
+        None  # this rank's Ulysses group and ring when ulysses > 1
+    )
     sp_group: Any = None  # this rank's ring (None when the world is a single process)
     dp_group: Any = None  # the ranks holding the same sequence chunks in other sp groups
     world_group: Any = None  # all dp x sp ranks: the loss normaliser and ZeRO partition over it
 
     @classmethod
-    def build(cls, dp: int = -1, sp: int = 1, timeout_s: Optional[float] = None, ulysses: int = 1) -> "Mesh":
+    def build(
+        cls, dp: int = -1, sp: int = 1, timeout_s: Optional[float] = None, ulysses: int = 1
+    ) -> "Mesh":
         """Create the groups (collective: every rank calls it with the same arguments). Without an
         initialised process group only dp * sp == 1 is allowed (a single process)."""
         if sp < 1:
@@ -67,8 +77,11 @@ class Mesh:
         if not dist.is_available() or not dist.is_initialized():
             dp_ = 1 if dp == -1 else dp
             if dp_ * sp != 1:
-                raise ConfigError("parallel", f"dp={dp} x sp={sp} needs {dp_ * sp} ranks, but torch.distributed "
-                                              "is not initialised (a world of one process); launch with torchrun")
+                raise ConfigError(
+                    "parallel",
+                    f"dp={dp} x sp={sp} needs {dp_ * sp} ranks, but torch.distributed "
+                    "is not initialised (a world of one process); launch with torchrun",
+                )
             return cls(world_size=1, rank=0, dp=1, sp=1, dp_rank=0, sp_rank=0)
         world, rank = dist.get_world_size(), dist.get_rank()
         if dp == -1:
@@ -76,16 +89,28 @@ class Mesh:
                 raise ConfigError("parallel.sp", f"sp={sp} does not divide the world size {world}")
             dp = world // sp
         if dp < 1 or dp * sp != world:
-            raise ConfigError("parallel", f"dp={dp} x sp={sp} = {dp * sp} does not match the world size {world}")
+            raise ConfigError(
+                "parallel", f"dp={dp} x sp={sp} = {dp * sp} does not match the world size {world}"
+            )
         kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         # new_group is collective over the whole world: every rank creates every group, in order
         sp_groups = [dist.new_group(list(range(i * sp, (i + 1) * sp)), **kw) for i in range(dp)]
         dp_groups = [dist.new_group(list(range(j, world, sp)), **kw) for j in range(sp)]
         sp_group, dp_group = sp_groups[rank // sp], dp_groups[rank % sp]
         split = split_group(sp_group, ulysses, timeout_s)
-        return cls(world_size=world, rank=rank, dp=dp, sp=sp, dp_rank=rank // sp, sp_rank=rank % sp,
-                   ulysses=ulysses, ulysses_groups=split, sp_group=sp_group, dp_group=dp_group,
-                   world_group=dist.group.WORLD)
+        return cls(
+            world_size=world,
+            rank=rank,
+            dp=dp,
+            sp=sp,
+            dp_rank=rank // sp,
+            sp_rank=rank % sp,
+            ulysses=ulysses,
+            ulysses_groups=split,
+            sp_group=sp_group,
+            dp_group=dp_group,
+            world_group=dist.group.WORLD,
+        )
 
     @classmethod
     def from_config(cls, cfg) -> "Mesh":
@@ -97,5 +122,9 @@ class Mesh:
         return self.world_size > 1
 
     def __repr__(self) -> str:
-        return (f"Mesh(world={self.world_size}, rank={self.rank}, dp={self.dp}[{self.dp_rank}], "
-                f"sp={self.sp}[{self.sp_rank}]" + (f", ulysses={self.ulysses}" if self.ulysses > 1 else "") + ")")
+        return (
+            f"Mesh(world={self.world_size}, rank={self.rank}, dp={self.dp}[{self.dp_rank}], "
+            f"sp={self.sp}[{self.sp_rank}]"
+            + (f", ulysses={self.ulysses}" if self.ulysses > 1 else "")
+            + ")"
+        )

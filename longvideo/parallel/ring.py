@@ -18,7 +18,9 @@ from longvideo.parallel.comm import CommStats, DoubleBuffer, RingComm
 from longvideo.parallel.zigzag import layout_positions
 
 
-def block_is_empty(q_pos: Tensor, q_seg: Tensor, k_pos: Tensor, k_seg: Tensor, causal: bool) -> bool:
+def block_is_empty(
+    q_pos: Tensor, q_seg: Tensor, k_pos: Tensor, k_seg: Tensor, causal: bool
+) -> bool:
     """True when no key of the block can be visible to any query: its tile class (kernels.block_class,
     the bounds every backend uses) is SKIP in every batch row. Never True when some pair is visible."""
     return bool((block_class(q_pos, k_pos, q_seg, k_seg, causal) == SKIP).all())
@@ -43,24 +45,67 @@ def _counted(be, pos, seg, kp, ks, causal, stats: Optional[CommStats]) -> bool:
     return not skip
 
 
-def forward_step(be, q, kk, vv, pos, kp, seg, ks, causal, scale, plan, out, lse, stats: Optional[CommStats] = None):
+def forward_step(
+    be,
+    q,
+    kk,
+    vv,
+    pos,
+    kp,
+    seg,
+    ks,
+    causal,
+    scale,
+    plan,
+    out,
+    lse,
+    stats: Optional[CommStats] = None,
+):
     """One ring step of the forward: attention of the local queries to one key block, merged into
     (out, lse) in place (unless skipped)."""
     if _counted(be, pos, seg, kp, ks, causal, stats):
-        o, l = be.forward(q, kk, vv, pos, kp, seg, ks, scale, causal, plan=plan)  # (B, S, Hq, D), (B, Hq, S)
+        o, l = be.forward(
+            q, kk, vv, pos, kp, seg, ks, scale, causal, plan=plan
+        )  # (B, S, Hq, D), (B, Hq, S)
         lse_merge_(out, lse, o, l)
 
 
-def backward_step(be, dout, q, kk, vv, out, lse, pos, kp, seg, ks, causal, scale, plan,
-                  stats: Optional[CommStats] = None):
+def backward_step(
+    be,
+    dout,
+    q,
+    kk,
+    vv,
+    out,
+    lse,
+    pos,
+    kp,
+    seg,
+    ks,
+    causal,
+    scale,
+    plan,
+    stats: Optional[CommStats] = None,
+):
     """One ring step of the backward: (dq, dk, dv) shares of one key block, or None when skipped."""
     if _counted(be, pos, seg, kp, ks, causal, stats):
         return be.backward(dout, q, kk, vv, out, lse, pos, kp, seg, ks, scale, causal, plan=plan)
     return None
 
 
-def ring_forward(q, k, v, pos, seg, group, causal, scale, backend, stats: Optional[CommStats] = None,
-                 plans: Optional[RingPlans] = None):
+def ring_forward(
+    q,
+    k,
+    v,
+    pos,
+    seg,
+    group,
+    causal,
+    scale,
+    backend,
+    stats: Optional[CommStats] = None,
+    plans: Optional[RingPlans] = None,
+):
     """(out in q.dtype, lse (B, Hq, S) in fp32/fp64) of attention over the whole ring.
     plans: tile plans per step (RingPlans), filled on first use; None makes a new one."""
     be = get_backend(backend)
@@ -78,7 +123,9 @@ def ring_forward(q, k, v, pos, seg, group, causal, scale, backend, stats: Option
         pending = ring.exchange(kv.current, kv.incoming, stats) if step < ring.size - 1 else None
         (kk, vv), (kp, ks) = kv.current
         t0 = time.perf_counter()
-        forward_step(be, q, kk, vv, pos, kp, seg, ks, causal, scale, plans.step(step), out, lse, stats)
+        forward_step(
+            be, q, kk, vv, pos, kp, seg, ks, causal, scale, plans.step(step), out, lse, stats
+        )
         if stats is not None:
             stats.compute_s += time.perf_counter() - t0
         if pending is not None:
@@ -87,15 +134,45 @@ def ring_forward(q, k, v, pos, seg, group, causal, scale, backend, stats: Option
     return out.to(q.dtype), lse
 
 
-def ring_backward(dout, q, k, v, out, lse, pos, seg, group, causal, scale, backend,
-                  stats: Optional[CommStats] = None, plans: Optional[RingPlans] = None):
+def ring_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    pos,
+    seg,
+    group,
+    causal,
+    scale,
+    backend,
+    stats: Optional[CommStats] = None,
+    plans: Optional[RingPlans] = None,
+):
     """(dq, dk, dv) in the accumulation dtype (fp32, or fp64 for fp64 inputs) for this rank's shard.
     plans: the forward's RingPlans (step i sees the same key block in both directions)."""
     be = get_backend(backend)
     plans = plans if plans is not None else RingPlans()
     ring = RingComm(group)
     if ring.size == 1:
-        return _timed(stats, be.backward, dout, q, k, v, out, lse, pos, pos, seg, seg, scale, causal, plans.step(0))
+        return _timed(
+            stats,
+            be.backward,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            pos,
+            pos,
+            seg,
+            seg,
+            scale,
+            causal,
+            plans.step(0),
+        )
     acc = accum_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = DoubleBuffer([torch.stack([k, v]), torch.stack([pos, seg]).long()])
@@ -106,7 +183,9 @@ def ring_backward(dout, q, k, v, out, lse, pos, seg, group, causal, scale, backe
         kv_pending = ring.exchange(kv.current, kv.incoming, stats) if step < ring.size - 1 else None
         (kk, vv), (kp, ks) = kv.current
         t0 = time.perf_counter()
-        grads = backward_step(be, dout, q, kk, vv, out, lse, pos, kp, seg, ks, causal, scale, plans.step(step), stats)
+        grads = backward_step(
+            be, dout, q, kk, vv, out, lse, pos, kp, seg, ks, causal, scale, plans.step(step), stats
+        )
         if grads is not None:
             dq += grads[0]
         if stats is not None:
@@ -117,7 +196,9 @@ def ring_backward(dout, q, k, v, out, lse, pos, seg, group, causal, scale, backe
         if grads is not None:
             dkv.current[0][0] += grads[1]
             dkv.current[0][1] += grads[2]
-        dkv_pending = ring.exchange(dkv.current, dkv.incoming, stats, tag=2)  # the W-th hop brings it home
+        dkv_pending = ring.exchange(
+            dkv.current, dkv.incoming, stats, tag=2
+        )  # the W-th hop brings it home
         if kv_pending is not None:
             kv_pending.wait()
             kv.swap()
@@ -140,22 +221,49 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, pos, seg = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, pos, seg, *ctx.args)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
+        return (
+            dq.to(q.dtype),
+            dk.to(k.dtype),
+            dv.to(v.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group, causal: bool = True, positions: Optional[Tensor] = None,
-                   segment_ids: Optional[Tensor] = None, softmax_scale: Optional[float] = None, backend: str = "auto",
-                   comm_stats: Optional[CommStats] = None, plans: Optional[RingPlans] = None) -> Tensor:
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group,
+    causal: bool = True,
+    positions: Optional[Tensor] = None,
+    segment_ids: Optional[Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    backend: str = "auto",
+    comm_stats: Optional[CommStats] = None,
+    plans: Optional[RingPlans] = None,
+) -> Tensor:
     """Exact masked attention of a sequence sharded over `group` (collective: every rank calls it);
     the arguments as in docs/ring_attention.md. q (B, S, Hq, D); k, v (B, S, Hkv, D), S the same on
     every rank. plans: a RingPlans kept across calls with the same metadata (else one per call and
     its backward). Returns out (B, S, Hq, D) in q.dtype; differentiable in q, k, v."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be (B, S, H, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v must be (B, S, H, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     B, S, Hq, D = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[1] != S or k.shape[3] != D:
-        raise ValueError(f"k and v must be (B, S, Hkv, D) = ({B}, {S}, Hkv, {D}) like q's local shard; "
-                         f"got {tuple(k.shape)}, {tuple(v.shape)} (ring attention needs Sq == Sk)")
+        raise ValueError(
+            f"k and v must be (B, S, Hkv, D) = ({B}, {S}, Hkv, {D}) like q's local shard; "
+            f"got {tuple(k.shape)}, {tuple(v.shape)} (ring attention needs Sq == Sk)"
+        )
     if Hq % k.shape[2]:
         raise ValueError(f"query heads {Hq} must be a multiple of key/value heads {k.shape[2]}")
     if positions is None:
@@ -166,5 +274,16 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group, causal: bool = Tru
         if tuple(t.shape) != (B, S):
             raise ValueError(f"{name} must be (B, S) = ({B}, {S}); got {tuple(t.shape)}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    return _RingAttention.apply(q, k, v, positions.long(), segment_ids.long(), group, causal, scale, backend,
-                                comm_stats, plans)
+    return _RingAttention.apply(
+        q,
+        k,
+        v,
+        positions.long(),
+        segment_ids.long(),
+        group,
+        causal,
+        scale,
+        backend,
+        comm_stats,
+        plans,
+    )

@@ -23,18 +23,49 @@ class RingAttentionSeam:
         self.plans = PlanCache(size=2, factory=RingPlans)
         self.metadata = PlanCache(size=2, factory=dict)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_positions: Tensor,
-                 q_segment_ids: Tensor, k_segment_ids: Tensor, causal: bool = True) -> Tensor:
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        q_positions: Tensor,
+        k_positions: Tensor,
+        q_segment_ids: Tensor,
+        k_segment_ids: Tensor,
+        causal: bool = True,
+    ) -> Tensor:
         if k.shape[1] != q.shape[1] or k_positions.shape != q_positions.shape:
-            raise RuntimeError(f"ring attention needs queries and keys of the same shard (got {q.shape[1]} "
-                               f"queries, {k.shape[1]} keys); decoding with a KV cache is served by "
-                               "longvideo.infer.sp")
+            raise RuntimeError(
+                f"ring attention needs queries and keys of the same shard (got {q.shape[1]} "
+                f"queries, {k.shape[1]} keys); decoding with a KV cache is served by "
+                "longvideo.infer.sp"
+            )
         plans = self.plans.lookup(q_positions, q_segment_ids)
         if self.ulysses is None:
-            return ring_attention(q, k, v, group=self.group, causal=causal, positions=q_positions,
-                                  segment_ids=q_segment_ids, backend=self.backend, plans=plans)
+            return ring_attention(
+                q,
+                k,
+                v,
+                group=self.group,
+                causal=causal,
+                positions=q_positions,
+                segment_ids=q_segment_ids,
+                backend=self.backend,
+                plans=plans,
+            )
         kept = self.metadata.lookup(q_positions, q_segment_ids)
         if "meta" not in kept:
             kept["meta"] = gather_metadata(q_positions, q_segment_ids, self.ulysses.group)
-        return hybrid_attention(q, k, v, groups=self.ulysses, positions=q_positions, segment_ids=q_segment_ids,
-                                causal=causal, backend=self.backend, plans=plans, group_meta=kept["meta"])
+        return hybrid_attention(
+            q,
+            k,
+            v,
+            groups=self.ulysses,
+            positions=q_positions,
+            segment_ids=q_segment_ids,
+            causal=causal,
+            backend=self.backend,
+            plans=plans,
+            group_meta=kept["meta"],
+        )

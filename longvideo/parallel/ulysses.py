@@ -26,8 +26,10 @@ def head_split(hq: int, hkv: int, ulysses: int, sp: Optional[int] = None) -> tup
     u * Hkv' .. in groups of Qu / Hkv'. Raises ValueError when U > Hq (a member without a head)."""
     if ulysses > hq:
         fits = [u for u in range(1, (sp or ulysses) + 1) if (sp or ulysses) % u == 0 and u <= hq]
-        raise ValueError(f"ulysses={ulysses} exceeds the model's {hq} query heads ({hkv} key/value heads); "
-                         f"use ulysses in {fits}" + (f" (dividing sp={sp})" if sp else ""))
+        raise ValueError(
+            f"ulysses={ulysses} exceeds the model's {hq} query heads ({hkv} key/value heads); "
+            f"use ulysses in {fits}" + (f" (dividing sp={sp})" if sp else "")
+        )
     qu = -(-hq // ulysses)
     group = hq // hkv
     d = math.gcd(qu, group)
@@ -42,9 +44,13 @@ def _a2a(x: Tensor, group, to_heads: bool, stats: Optional[CommStats]) -> Tensor
     *lead, S, H, D = x.shape
     L = math.prod(lead)
     if to_heads:
-        send = x.reshape(L, S, U, H // U, D).permute(2, 0, 1, 3, 4)  # (U, L, S, h, D): piece j to member j
+        send = x.reshape(L, S, U, H // U, D).permute(
+            2, 0, 1, 3, 4
+        )  # (U, L, S, h, D): piece j to member j
     else:
-        send = x.reshape(L, U, S // U, H, D).permute(1, 0, 2, 3, 4)  # (U, L, S/U, H, D): tokens of member j
+        send = x.reshape(L, U, S // U, H, D).permute(
+            1, 0, 2, 3, 4
+        )  # (U, L, S/U, H, D): tokens of member j
     send = send.contiguous()
     recv = torch.empty_like(send)
     t0 = time.perf_counter()
@@ -54,7 +60,9 @@ def _a2a(x: Tensor, group, to_heads: bool, stats: Optional[CommStats]) -> Tensor
         stats.bytes_sent += send.numel() * send.element_size() * (U - 1) // U
     if to_heads:  # recv[i]: member i's tokens, my heads
         return recv.permute(1, 0, 2, 3, 4).reshape(*lead, U * S, H // U, D)
-    return recv.permute(1, 2, 0, 3, 4).reshape(*lead, S // U, U * H, D)  # recv[i]: my tokens, member i's heads
+    return recv.permute(1, 2, 0, 3, 4).reshape(
+        *lead, S // U, U * H, D
+    )  # recv[i]: my tokens, member i's heads
 
 
 class _AllToAll(torch.autograd.Function):
@@ -77,7 +85,9 @@ class _HeadsRing(torch.autograd.Function):
     def forward(ctx, q, k, v, pos, seg, groups, causal, backend, stats, plans):
         plans = plans if plans is not None else RingPlans()
         scale = 1.0 / math.sqrt(q.shape[-1])
-        out, lse = ring_forward(q, k, v, pos, seg, groups.ring, causal, scale, backend, stats, plans)
+        out, lse = ring_forward(
+            q, k, v, pos, seg, groups.ring, causal, scale, backend, stats, plans
+        )
         out = _a2a(out, groups.group, False, stats)
         ctx.save_for_backward(q, k, v, out, lse, pos, seg)
         ctx.args = (groups, causal, scale, backend, stats, plans)
@@ -88,12 +98,26 @@ class _HeadsRing(torch.autograd.Function):
         q, k, v, out, lse, pos, seg = ctx.saved_tensors
         groups, causal, scale, backend, stats, plans = ctx.args
         dout, out = (_a2a(x.contiguous(), groups.group, True, stats) for x in (dout, out))
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, pos, seg, groups.ring, causal, scale, backend, stats, plans)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+        dq, dk, dv = ring_backward(
+            dout, q, k, v, out, lse, pos, seg, groups.ring, causal, scale, backend, stats, plans
+        )
+        return (
+            dq.to(q.dtype),
+            dk.to(k.dtype),
+            dv.to(v.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def gather_metadata(positions: Tensor, segment_ids: Tensor, group,
-                    stats: Optional[CommStats] = None) -> tuple[Tensor, Tensor]:
+def gather_metadata(
+    positions: Tensor, segment_ids: Tensor, group, stats: Optional[CommStats] = None
+) -> tuple[Tensor, Tensor]:
     """The Ulysses group's positions and segment ids (B, U * S), in member order (collective)."""
     meta = torch.stack([positions, segment_ids]).long().contiguous()
     parts = [torch.empty_like(meta) for _ in range(dist.get_world_size(group))]
@@ -104,10 +128,20 @@ def gather_metadata(positions: Tensor, segment_ids: Tensor, group,
     return pos, seg
 
 
-def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, groups: UlyssesGroups, positions: Tensor,
-                     segment_ids: Tensor, causal: bool = True, backend: str = "auto",
-                     comm_stats: Optional[CommStats] = None, plans: Optional[RingPlans] = None,
-                     group_meta: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
+def hybrid_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    groups: UlyssesGroups,
+    positions: Tensor,
+    segment_ids: Tensor,
+    causal: bool = True,
+    backend: str = "auto",
+    comm_stats: Optional[CommStats] = None,
+    plans: Optional[RingPlans] = None,
+    group_meta: Optional[tuple[Tensor, Tensor]] = None,
+) -> Tensor:
     """Exact attention of a sequence sharded over a Ulysses x ring split (collective over the sp group).
     q (B, S, Hq, D); k, v (B, S, Hkv, D); positions, segment_ids (B, S): this rank's shard, as for
     ring_attention. group_meta: gather_metadata's result when the caller keeps it across layers.
@@ -116,10 +150,22 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, groups: UlyssesGroups, 
     qu, idx = head_split(Hq, k.shape[2], U, U * dist.get_world_size(groups.ring))
     same = torch.equal(idx, torch.arange(k.shape[2]))
 
-    def to_heads(x: Tensor) -> Tensor:  # (B, S, U * h, D) -> (B, U * S, h, D); with B = 1 the result is
-        return _AllToAll.apply(x, groups.group, True, comm_stats)  # the receive buffer itself, no copy
+    def to_heads(
+        x: Tensor,
+    ) -> Tensor:  # (B, S, U * h, D) -> (B, U * S, h, D); with B = 1 the result is
+        return _AllToAll.apply(
+            x, groups.group, True, comm_stats
+        )  # the receive buffer itself, no copy
 
     qh = to_heads(F.pad(q, (0, 0, 0, U * qu - Hq)) if U * qu != Hq else q)  # (B, U*S, Qu, D)
-    kh, vh = (to_heads(x if same else x.index_select(2, idx.to(x.device))) for x in (k, v))  # (B, U*S, Hkv', D)
-    pos, seg = group_meta if group_meta is not None else gather_metadata(positions, segment_ids, groups.group, comm_stats)
-    return _HeadsRing.apply(qh, kh, vh, pos, seg, groups, causal, backend, comm_stats, plans)[:, :, :Hq]
+    kh, vh = (
+        to_heads(x if same else x.index_select(2, idx.to(x.device))) for x in (k, v)
+    )  # (B, U*S, Hkv', D)
+    pos, seg = (
+        group_meta
+        if group_meta is not None
+        else gather_metadata(positions, segment_ids, groups.group, comm_stats)
+    )
+    return _HeadsRing.apply(qh, kh, vh, pos, seg, groups, causal, backend, comm_stats, plans)[
+        :, :, :Hq
+    ]

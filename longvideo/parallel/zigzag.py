@@ -12,7 +12,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 # pad values of the training batch keys: padding is token 0 with zero loss weight, segment -1
-BATCH_PAD_VALUES = {"input_ids": 0, "targets": 0, "loss_weights": 0, "positions": 0, "segment_ids": -1}
+BATCH_PAD_VALUES = {
+    "input_ids": 0,
+    "targets": 0,
+    "loss_weights": 0,
+    "positions": 0,
+    "segment_ids": -1,
+}
 
 
 def group_size_rank(group) -> tuple[int, int]:
@@ -34,16 +40,22 @@ def zigzag_indices(length: int, world: int, rank: int, device=None) -> Tensor:
     if length % (2 * world):
         raise ValueError(f"sequence length {length} is not a multiple of 2 x world = {2 * world}")
     c = length // (2 * world)
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c, device=device),
-                      torch.arange((2 * world - 1 - rank) * c, (2 * world - rank) * c, device=device)])
+    return torch.cat(
+        [
+            torch.arange(rank * c, (rank + 1) * c, device=device),
+            torch.arange((2 * world - 1 - rank) * c, (2 * world - rank) * c, device=device),
+        ]
+    )
 
 
 def layout_positions(local_len: int, group, device=None) -> Tensor:
     """Global positions (local_len,) of this rank's shard of a zigzag-sharded sequence."""
     W, r = group_size_rank(group)
     if local_len % 2 and W > 1:
-        raise ValueError(f"a zigzag shard holds two equal chunks, but its length is {local_len} (odd); "
-                         "shard the sequence with shard_sequence")
+        raise ValueError(
+            f"a zigzag shard holds two equal chunks, but its length is {local_len} (odd); "
+            "shard the sequence with shard_sequence"
+        )
     return zigzag_indices(local_len * W, W, r, device=device)
 
 
@@ -56,8 +68,10 @@ def shard_sequence(x: Tensor, group, dim: int = 1, pad_value: Optional[float] = 
     P = padded_length(S, W)
     if P != S:
         if pad_value is None:
-            raise ValueError(f"sequence length {S} along dim {dim} is not a multiple of 2 x sp = {2 * W}; "
-                             f"pass pad_value (and mark the padding with segment id -1)")
+            raise ValueError(
+                f"sequence length {S} along dim {dim} is not a multiple of 2 x sp = {2 * W}; "
+                f"pass pad_value (and mark the padding with segment id -1)"
+            )
         pad_shape = list(x.shape)
         pad_shape[dim] = P - S
         x = torch.cat([x, x.new_full(pad_shape, pad_value)], dim=dim)
@@ -73,15 +87,23 @@ def unshard_sequence(x: Tensor, group, dim: int = 1, length: Optional[int] = Non
         full = x
     else:
         if x.shape[dim] % 2:
-            raise ValueError(f"a zigzag shard holds two equal chunks, but its length is {x.shape[dim]} (odd)")
+            raise ValueError(
+                f"a zigzag shard holds two equal chunks, but its length is {x.shape[dim]} (odd)"
+            )
         parts = [torch.empty_like(x) for _ in range(W)]
         dist.all_gather(parts, x.contiguous(), group=group)
-        order = torch.cat([zigzag_indices(x.shape[dim] * W, W, r, device=x.device) for r in range(W)])
-        full = torch.cat(parts, dim=dim).index_select(dim, order.argsort())  # every token at its index
+        order = torch.cat(
+            [zigzag_indices(x.shape[dim] * W, W, r, device=x.device) for r in range(W)]
+        )
+        full = torch.cat(parts, dim=dim).index_select(
+            dim, order.argsort()
+        )  # every token at its index
     return full if length is None else full.narrow(dim, 0, length)
 
 
-def shard_batch(batch: dict[str, Tensor], group, pad_values: Optional[dict[str, float]] = None) -> dict[str, Tensor]:
+def shard_batch(
+    batch: dict[str, Tensor], group, pad_values: Optional[dict[str, float]] = None
+) -> dict[str, Tensor]:
     """Shard every (B, S, ...) tensor of a training batch along dim 1 with the zigzag layout, padded
     by key (BATCH_PAD_VALUES, updated by pad_values). Positions (0..S-1) and one segment are added
     when missing: a shard's tokens are not at positions 0..S/W-1, so the model must be told."""
@@ -92,10 +114,14 @@ def shard_batch(batch: dict[str, Tensor], group, pad_values: Optional[dict[str, 
     B, S = batch[ref_key].shape[:2]
     for key, t in batch.items():
         if t.dim() < 2 or tuple(t.shape[:2]) != (B, S):
-            raise ValueError(f"batch['{key}'] has shape {tuple(t.shape)}; expected (B, S, ...) = ({B}, {S}, ...) "
-                             f"like batch['{ref_key}']")
+            raise ValueError(
+                f"batch['{key}'] has shape {tuple(t.shape)}; expected (B, S, ...) = ({B}, {S}, ...) "
+                f"like batch['{ref_key}']"
+            )
         if key not in pads:
-            raise ValueError(f"no pad value for batch key '{key}'; pass pad_values={{'{key}': ...}}")
+            raise ValueError(
+                f"no pad value for batch key '{key}'; pass pad_values={{'{key}': ...}}"
+            )
     dev = batch[ref_key].device
     full = dict(batch)
     if "positions" not in full:

@@ -3,8 +3,17 @@ tokenizer's trainer (`train_vq`, docs/vq.md, "Training"). Names load lazily (lon
 
 from longvideo._lazy import lazy_exports
 
-_EXPORTS = {"TrainConfig": "config", "train": "trainer", "Trainer": "trainer", "TrainResult": "trainer",
-            "TrainingError": "trainer", "LossDiverged": "trainer", "lr_at": "schedule",
-            "SyntheticTokens": "synthetic_tokens", "train_vq": "vq", "VQTrainResult": "vq:TrainResult"}
+_EXPORTS = {
+    "TrainConfig": "config",
+    "train": "trainer",
+    "Trainer": "trainer",
+    "TrainResult": "trainer",
+    "TrainingError": "trainer",
+    "LossDiverged": "trainer",
+    "lr_at": "schedule",
+    "SyntheticTokens": "synthetic_tokens",
+    "train_vq": "vq",
+    "VQTrainResult": "vq:TrainResult",
+}
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)

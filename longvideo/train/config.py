@@ -80,12 +80,18 @@ class TrainConfig:
 
     def __post_init__(self):
         check_positive(self, "steps", "lr", "adam_eps")
-        check_at_least(self, 0, "warmup_steps", "weight_decay", "grad_clip", "peak_flops", "synthetic_vocab")
+        check_at_least(
+            self, 0, "warmup_steps", "weight_decay", "grad_clip", "peak_flops", "synthetic_vocab"
+        )
         check_at_least(self, 1, "micro_batch_size", "grad_accum", "max_bad_steps", "log_every")
         check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         check(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
         check(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
-        check(self.zero_stage in (None, 1, 2, 3), "zero_stage", f"must be 1, 2 or 3, got {self.zero_stage}")
+        check(
+            self.zero_stage in (None, 1, 2, 3),
+            "zero_stage",
+            f"must be 1, 2 or 3, got {self.zero_stage}",
+        )
         check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0 = only at the end)")
         check(self.keep_checkpoints >= 0, "keep_checkpoints", "must be >= 0 (0 = keep all)")
         check(bool(self.out_dir), "out_dir", "must not be empty")

@@ -13,8 +13,18 @@ import torch
 METRICS_FILE = "metrics.jsonl"
 
 # dense bf16 peak FLOP/s per device, by a substring of torch.cuda.get_device_name()
-GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12,
-                  "A6000": 155e12, "L4": 121e12, "A10": 125e12, "4090": 165e12, "V100": 125e12}
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "GH200": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A6000": 155e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "4090": 165e12,
+    "V100": 125e12,
+}
 
 
 def peak_flops_per_device(configured: float) -> float:
@@ -49,7 +59,10 @@ def plot_losses(run_dir: str | Path, out: Optional[str | Path] = None) -> Option
     if not rows:
         return None
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, nothing to close
-    losses = [v if math.isfinite(v) else float("nan") for v in (float(r["loss"]) for r in rows)]  # gaps
+
+    losses = [
+        v if math.isfinite(v) else float("nan") for v in (float(r["loss"]) for r in rows)
+    ]  # gaps
     fig = Figure(figsize=(6, 3.5), dpi=120)
     ax = fig.subplots()
     ax.plot([r["step"] for r in rows], losses, lw=1.2)
@@ -64,9 +77,20 @@ def plot_losses(run_dir: str | Path, out: Optional[str | Path] = None) -> Option
 
 
 class RunLogger:
-    def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, start_step: int = 0,
-                 progress: bool = True, tensorboard: bool = True, wandb_mode: str = "disabled",
-                 wandb_project: str = "longvideo", run_name: str = "", config: Optional[dict] = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        start_step: int = 0,
+        progress: bool = True,
+        tensorboard: bool = True,
+        wandb_mode: str = "disabled",
+        wandb_project: str = "longvideo",
+        run_name: str = "",
+        config: Optional[dict] = None,
+    ):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.bar = self.tb = self.wandb = None
@@ -79,21 +103,35 @@ class RunLogger:
         self.metrics = open(self.run_dir / METRICS_FILE, "a")
         if progress:
             from tqdm.auto import tqdm
+
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+
             self.tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=start_step + 1)
         if wandb_mode != "disabled":
             import wandb  # checked at start-up by the trainer
-            self.wandb = wandb.init(project=wandb_project, name=run_name or None, mode=wandb_mode,
-                                    dir=str(self.run_dir), config=config, resume="allow")
+
+            self.wandb = wandb.init(
+                project=wandb_project,
+                name=run_name or None,
+                mode=wandb_mode,
+                dir=str(self.run_dir),
+                config=config,
+                resume="allow",
+            )
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
         # JSON has no NaN/inf: write them as the strings "nan", "inf" so a bad step stays visible
-        row = {"step": step, **{k: (repr(v) if isinstance(v, float) and not math.isfinite(v) else v)
-                                for k, v in metrics.items()}}
+        row = {
+            "step": step,
+            **{
+                k: (repr(v) if isinstance(v, float) and not math.isfinite(v) else v)
+                for k, v in metrics.items()
+            },
+        }
         self.metrics.write(json.dumps(row) + "\n")
         self.metrics.flush()
         if self.tb is not None:
@@ -101,7 +139,10 @@ class RunLogger:
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(f"train/{k}", v, step)
         if self.wandb is not None:
-            self.wandb.log({f"train/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+            self.wandb.log(
+                {f"train/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))},
+                step=step,
+            )
 
     def progress(self, metrics: dict) -> None:
         if self.bar is None:

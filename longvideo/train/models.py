@@ -10,8 +10,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from longvideo.checkpoint import (CONFIG_FILE, CheckpointError, build_model, check_shapes, load_project_state,
-                                  save_project_checkpoint)
+from longvideo.checkpoint import (
+    CONFIG_FILE,
+    CheckpointError,
+    build_model,
+    check_shapes,
+    load_project_state,
+    save_project_checkpoint,
+)
 from longvideo.config import Config, save_config
 from longvideo.configtools import ConfigError
 from longvideo.hf import HFCausalLM, RingAttentionUnsupported
@@ -28,7 +34,11 @@ class ProjectDecoder:
     name = "longvideo"
 
     def build(self, cfg: Config, *, init_from: Optional[str], fresh: bool, log) -> nn.Module:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         with device:
             model = build_model(cfg)
         if init_from and fresh:
@@ -38,8 +48,10 @@ class ProjectDecoder:
             except CheckpointError as e:
                 raise ConfigError("train.init_from", f"does not fit this model: {e}") from None
             model.load_state_dict(sd, strict=True)
-            log(f"initialised from {init_from} (its rope_theta {old.model.rope_theta:g}, now "
-                f"{cfg.model.rope_theta:g})")
+            log(
+                f"initialised from {init_from} (its rope_theta {old.model.rope_theta:g}, now "
+                f"{cfg.model.rope_theta:g})"
+            )
         elif cfg.model.code_init == "fsq" and fresh:  # a resumed run loads its weights
             model.init_code_embeddings(fsq_codebook(cfg.vq.levels))
         return model
@@ -61,19 +73,26 @@ class TransformersDecoder:
         if not Path(self.path).is_dir():
             raise ConfigError("train.hf_model", f"not a directory: {self.path}")
         if init_from:
-            raise ConfigError("train.init_from", "with train.hf_model the run starts from that model's weights")
+            raise ConfigError(
+                "train.init_from", "with train.hf_model the run starts from that model's weights"
+            )
         try:
-            model = HFCausalLM.from_pretrained(self.path, seq_len=cfg.data.seq_len, loss_chunk=cfg.runtime.loss_chunk)
+            model = HFCausalLM.from_pretrained(
+                self.path, seq_len=cfg.data.seq_len, loss_chunk=cfg.runtime.loss_chunk
+            )
         except RingAttentionUnsupported as e:
             raise ConfigError("train.hf_model", str(e)) from None
         tc = cfg.train
         shards = tc.data_source == "shards" or (tc.data_source == "auto" and cfg.data.train_shards)
         need = cfg.model.vocab_size if shards else (tc.synthetic_vocab or cfg.model.text_vocab_size)
         if model.vocab_size < need:
-            raise ConfigError("train.hf_model", f"{self.path} predicts {model.vocab_size} ids, but the data uses "
-                                                f"{need} (text, the vision tokens and the VQ codes): extend its "
-                                                "vocabulary with `longvideo import-hf` and train the project "
-                                                "checkpoint instead")
+            raise ConfigError(
+                "train.hf_model",
+                f"{self.path} predicts {model.vocab_size} ids, but the data uses "
+                f"{need} (text, the vision tokens and the VQ codes): extend its "
+                "vocabulary with `longvideo import-hf` and train the project "
+                "checkpoint instead",
+            )
         return model
 
     def save(self, ckpt: Path, weights: dict, cfg: Config, module: nn.Module) -> None:

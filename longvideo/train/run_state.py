@@ -68,8 +68,10 @@ def rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
     """Python / NumPy (as json) and torch (as tensors) RNG states: no pickles."""
     py = random.getstate()
     npy = np.random.get_state()
-    meta = {"python": [py[0], list(py[1]), py[2]],
-            "numpy": [npy[0], npy[1].tolist(), int(npy[2]), int(npy[3]), float(npy[4])]}
+    meta = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [npy[0], npy[1].tolist(), int(npy[2]), int(npy[3]), float(npy[4])],
+    }
     tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
@@ -89,11 +91,20 @@ def set_rng_state(meta: dict, tensors: dict[str, torch.Tensor]) -> None:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def save_training_checkpoint(*, engine, cfg, run_dir: Path, step: int, rank: int, trainer_state: dict,
-                             loader_state: dict, barrier: Callable[[], None],
-                             save_weights: Callable[[Path, dict, object, object], None],
-                             assets: Optional[dict[str, Path]] = None,
-                             on_staged: Optional[Callable[[Path], None]] = None) -> Path:
+def save_training_checkpoint(
+    *,
+    engine,
+    cfg,
+    run_dir: Path,
+    step: int,
+    rank: int,
+    trainer_state: dict,
+    loader_state: dict,
+    barrier: Callable[[], None],
+    save_weights: Callable[[Path, dict, object, object], None],
+    assets: Optional[dict[str, Path]] = None,
+    on_staged: Optional[Callable[[Path], None]] = None,
+) -> Path:
     """Write OUT/checkpoints/step_N atomically (a collective: every rank calls it). `engine`: a
     longvideo.parallel.Engine; `save_weights(dir, full_state, cfg, module)` writes the weights as
     the model's kind keeps them (longvideo.train.models). `assets` (name -> directory) are copied
@@ -146,10 +157,14 @@ def load_training_checkpoint(*, engine, ckpt: Path, rank: int) -> dict:
     state = json.loads((ckpt / STATE_FILE).read_text())
     loader_file = ckpt / "loader" / f"rank_{rank:05d}.json"
     if not loader_file.is_file():
-        raise FileNotFoundError(f"{ckpt} holds no data state for rank {rank}: it was written by a run with "
-                                f"world size {state.get('world_size')}; resume with the same world size")
+        raise FileNotFoundError(
+            f"{ckpt} holds no data state for rank {rank}: it was written by a run with "
+            f"world size {state.get('world_size')}; resume with the same world size"
+        )
     engine.load(ckpt.parent, ckpt.name)
-    set_rng_state(json.loads((ckpt / "rng" / f"rank_{rank:05d}.json").read_text()),
-                  load_file(str(ckpt / "rng" / f"rank_{rank:05d}.safetensors")))
+    set_rng_state(
+        json.loads((ckpt / "rng" / f"rank_{rank:05d}.json").read_text()),
+        load_file(str(ckpt / "rng" / f"rank_{rank:05d}.safetensors")),
+    )
     state["loader"] = json.loads(loader_file.read_text())
     return state

@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 
 
-def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+def lr_at(
+    step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float
+) -> float:
     """Learning rate for optimizer step `step` (0-based: the rate used by the (step+1)-th update)."""
     if warmup_steps > 0 and step < warmup_steps:
         return lr * (step + 1) / warmup_steps
@@ -22,9 +24,13 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_r
 class WarmupCosine:
     """Sets the learning rate of an optimizer's param groups from the step count."""
 
-    def __init__(self, optimizer, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float):
+    def __init__(
+        self, optimizer, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float
+    ):
         self.optimizer = optimizer
-        self.kw = dict(lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
+        self.kw = dict(
+            lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio
+        )
         self.step_count = 0
         self.apply()
 

@@ -17,8 +17,18 @@ STRIDES = (1, 2, 3, 5)
 class SyntheticTokens:
     """Infinite iterable of batches of packed arithmetic-progression documents."""
 
-    def __init__(self, *, seq_len: int, batch_size: int, vocab: int, seed: int = 0, dp_rank: int = 0,
-                 dp_size: int = 1, min_doc: int | None = None, max_doc: int | None = None):
+    def __init__(
+        self,
+        *,
+        seq_len: int,
+        batch_size: int,
+        vocab: int,
+        seed: int = 0,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        min_doc: int | None = None,
+        max_doc: int | None = None,
+    ):
         if vocab < 2:
             raise ValueError(f"SyntheticTokens needs vocab >= 2, got {vocab}")
         if not 0 <= dp_rank < dp_size:
@@ -39,18 +49,25 @@ class SyntheticTokens:
         w = torch.zeros(S, dtype=torch.float32)
         start, doc = 0, 0
         while start < S:
-            n = min(int(torch.randint(self.min_doc, self.max_doc + 1, (1,), generator=g)), S - start)
+            n = min(
+                int(torch.randint(self.min_doc, self.max_doc + 1, (1,), generator=g)), S - start
+            )
             if n < 2 and doc > 0:  # too short to hold a prediction: leave it as padding
                 break
             first = int(torch.randint(0, self.vocab, (1,), generator=g))
             stride = STRIDES[int(torch.randint(0, len(STRIDES), (1,), generator=g))]
-            ids[start:start + n] = (first + stride * torch.arange(n)) % self.vocab
-            pos[start:start + n] = torch.arange(n)
-            seg[start:start + n] = doc
-            w[start:start + n - 1] = 1.0  # the last token's target is not part of this document
+            ids[start : start + n] = (first + stride * torch.arange(n)) % self.vocab
+            pos[start : start + n] = torch.arange(n)
+            seg[start : start + n] = doc
+            w[start : start + n - 1] = 1.0  # the last token's target is not part of this document
             start, doc = start + n, doc + 1
-        return {"input_ids": ids[:S].clone(), "targets": ids[1:].clone(), "positions": pos,
-                "segment_ids": seg, "loss_weights": w}
+        return {
+            "input_ids": ids[:S].clone(),
+            "targets": ids[1:].clone(),
+            "positions": pos,
+            "segment_ids": seg,
+            "loss_weights": w,
+        }
 
     def batch(self, batch_index: int) -> dict[str, torch.Tensor]:
         """Batch number `batch_index` of this dp rank: dict of (B, seq_len) tensors."""
@@ -65,11 +82,17 @@ class SyntheticTokens:
             yield out
 
     def state_dict(self) -> dict:
-        return {"batches_done": self.batches_done, "seed": self.seed, "dp_rank": self.dp_rank,
-                "dp_size": self.dp_size}
+        return {
+            "batches_done": self.batches_done,
+            "seed": self.seed,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if (state.get("dp_size"), state.get("seed")) != (self.dp_size, self.seed):
-            raise ValueError(f"synthetic data state was saved with dp_size={state.get('dp_size')}, "
-                             f"seed={state.get('seed')}; this run has dp_size={self.dp_size}, seed={self.seed}")
+            raise ValueError(
+                f"synthetic data state was saved with dp_size={state.get('dp_size')}, "
+                f"seed={state.get('seed')}; this run has dp_size={self.dp_size}, seed={self.seed}"
+            )
         self.batches_done = int(state["batches_done"])

@@ -88,8 +88,13 @@ def init_distributed(timeout_s: float) -> None:
         os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
         return
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
     if torch.cuda.is_available():
         # tear the process down when a collective times out or fails, so it cannot hang
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
@@ -101,13 +106,20 @@ def init_distributed(timeout_s: float) -> None:
 class Trainer:
     """One training run. `train()` below is the usual entry; tests drive the pieces directly:
 
-        t = Trainer(cfg)
-        stats = t.forward_backward(t.next_micro_batches())   # gradients reduced, not applied
-        metrics = t.optimizer_step(stats)                    # update (or skip), schedule
+    t = Trainer(cfg)
+    stats = t.forward_backward(t.next_micro_batches())   # gradients reduced, not applied
+    metrics = t.optimizer_step(stats)                    # update (or skip), schedule
     """
 
-    def __init__(self, cfg: Config, *, resume: bool = False, init_from: Optional[str] = None,
-                 batches: Optional[Iterable[dict]] = None, callbacks: Iterable[Callable] = ()):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        resume: bool = False,
+        init_from: Optional[str] = None,
+        batches: Optional[Iterable[dict]] = None,
+        callbacks: Iterable[Callable] = (),
+    ):
         self.cfg = cfg
         tc = cfg.train
         self.callbacks = list(callbacks)
@@ -125,10 +137,14 @@ class Trainer:
             try:
                 import wandb  # noqa: F401
             except ImportError:
-                raise ConfigError("train.wandb", f"'{tc.wandb}' needs the wandb package "
-                                  "(pip install 'longvideo[wandb]')") from None
+                raise ConfigError(
+                    "train.wandb",
+                    f"'{tc.wandb}' needs the wandb package (pip install 'longvideo[wandb]')",
+                ) from None
         # copied into the run and every checkpoint (chat reads them there)
-        self.assets = {name: src for name, src in (("tokenizer", tc.tokenizer_dir), ("vq", tc.vq_dir)) if src}
+        self.assets = {
+            name: src for name, src in (("tokenizer", tc.tokenizer_dir), ("vq", tc.vq_dir)) if src
+        }
         for name, src in self.assets.items():
             if not Path(src).is_dir():
                 raise ConfigError(f"train.{name}_dir", f"not a directory: {src}")
@@ -138,14 +154,28 @@ class Trainer:
 
         torch.manual_seed(tc.seed)  # identical initial weights on every rank
         init_from = init_from if init_from is not None else (tc.init_from or None)
-        model = self.kind.build(cfg, init_from=init_from, fresh=self.resume_from is None, log=self._say)
-        self.optimizer = SkippableAdamW(self._param_groups(model), lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2),
-                                        eps=tc.adam_eps, weight_decay=tc.weight_decay)
-        self.engine = parallelize(model, self.mesh, cfg, optimizer=self.optimizer, ds_config=ds_config)
+        model = self.kind.build(
+            cfg, init_from=init_from, fresh=self.resume_from is None, log=self._say
+        )
+        self.optimizer = SkippableAdamW(
+            self._param_groups(model),
+            lr=tc.lr,
+            betas=(tc.adam_beta1, tc.adam_beta2),
+            eps=tc.adam_eps,
+            weight_decay=tc.weight_decay,
+        )
+        self.engine = parallelize(
+            model, self.mesh, cfg, optimizer=self.optimizer, ds_config=ds_config
+        )
         self.model = self.engine.module
         self.device = self.engine.device
-        self.schedule = WarmupCosine(self.optimizer, lr=tc.lr, warmup_steps=tc.warmup_steps, total_steps=tc.steps,
-                                     min_lr_ratio=tc.min_lr_ratio)
+        self.schedule = WarmupCosine(
+            self.optimizer,
+            lr=tc.lr,
+            warmup_steps=tc.warmup_steps,
+            total_steps=tc.steps,
+            min_lr_ratio=tc.min_lr_ratio,
+        )
         self._batches = None
         self.step = 0
         self.tokens_seen = 0
@@ -163,11 +193,17 @@ class Trainer:
         if self.rank == 0:
             stale = ckpt_io.clean_stale(self.run_dir)
             if stale:
-                print(f"removed {len(stale)} incomplete checkpoint(s) left by an interrupted write: "
-                      f"{', '.join(p.name for p in stale)}", flush=True)
+                print(
+                    f"removed {len(stale)} incomplete checkpoint(s) left by an interrupted write: "
+                    f"{', '.join(p.name for p in stale)}",
+                    flush=True,
+                )
         if not resume and latest_checkpoint(self.run_dir) is not None:
-            raise ConfigError("train.out_dir", f"{self.run_dir} already holds checkpoints; pass --resume "
-                                               f"to continue that run, or choose another out_dir")
+            raise ConfigError(
+                "train.out_dir",
+                f"{self.run_dir} already holds checkpoints; pass --resume "
+                f"to continue that run, or choose another out_dir",
+            )
 
     def _say(self, msg: str) -> None:
         if self.rank == 0:
@@ -183,18 +219,35 @@ class Trainer:
     def _make_loader(self):
         cfg, tc = self.cfg, self.cfg.train
         if tc.data_source == "shards" and not cfg.data.train_shards:
-            raise ConfigError("data.train_shards", "train.data_source is 'shards' but no shards are set")
+            raise ConfigError(
+                "data.train_shards", "train.data_source is 'shards' but no shards are set"
+            )
         if tc.data_source == "shards" or (tc.data_source == "auto" and cfg.data.train_shards):
             if not tc.tokenizer_dir:
-                raise ConfigError("train.tokenizer_dir", "data.train_shards needs the text tokenizer directory")
+                raise ConfigError(
+                    "train.tokenizer_dir", "data.train_shards needs the text tokenizer directory"
+                )
             tok = TextTokenizer.from_dir(tc.tokenizer_dir)
             # every rank draws a batch each micro step: one whose shard fails makes them all fail at once
-            return TokenLoader(cfg.data.train_shards, tok, cfg.model.vocab, cfg.data,
-                               batch_size=tc.micro_batch_size, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp,
-                               group=self.mesh.world_group if self.mesh.distributed else None)
+            return TokenLoader(
+                cfg.data.train_shards,
+                tok,
+                cfg.model.vocab,
+                cfg.data,
+                batch_size=tc.micro_batch_size,
+                dp_rank=self.mesh.dp_rank,
+                dp_size=self.mesh.dp,
+                group=self.mesh.world_group if self.mesh.distributed else None,
+            )
         vocab = tc.synthetic_vocab or cfg.model.text_vocab_size
-        return SyntheticTokens(seq_len=cfg.data.seq_len, batch_size=tc.micro_batch_size, vocab=vocab,
-                               seed=tc.seed, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp)
+        return SyntheticTokens(
+            seq_len=cfg.data.seq_len,
+            batch_size=tc.micro_batch_size,
+            vocab=vocab,
+            seed=tc.seed,
+            dp_rank=self.mesh.dp_rank,
+            dp_size=self.mesh.dp,
+        )
 
     def _emit(self, event: str, **info) -> None:
         for cb in self.callbacks:
@@ -216,15 +269,24 @@ class Trainer:
         reduced gradients are in the engine (deepspeed.utils.safe_get_full_grad reads them) and
         `optimizer_step` applies them."""
         if len(micro_batches) != self.cfg.train.grad_accum:
-            raise ValueError(f"expected {self.cfg.train.grad_accum} micro-batches, got {len(micro_batches)}")
-        local_weight = sum(token_weights(mb["targets"], mb["loss_weights"]).sum() for mb in micro_batches)
+            raise ValueError(
+                f"expected {self.cfg.train.grad_accum} micro-batches, got {len(micro_batches)}"
+            )
+        local_weight = sum(
+            token_weights(mb["targets"], mb["loss_weights"]).sum() for mb in micro_batches
+        )
         # the whole step's weight total, known before the first backward (all micro-batches count);
         # DeepSpeed averages gradients over all dp x sp ranks ("mean")
         scale, total_weight = loss_scale(local_weight, self.mesh, grad_reduction="mean")
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro_batches):
-            part = self.engine(mb["input_ids"], mb["positions"], mb["segment_ids"],
-                               targets=mb["targets"], loss_weights=mb["loss_weights"])
+            part = self.engine(
+                mb["input_ids"],
+                mb["positions"],
+                mb["segment_ids"],
+                targets=mb["targets"],
+                loss_weights=mb["loss_weights"],
+            )
             self.engine.backward(part * scale)
             loss_sum += part.detach().double()
             if i < len(micro_batches) - 1:
@@ -234,8 +296,12 @@ class Trainer:
     def optimizer_step(self, stats: dict) -> dict:
         """Apply the step (or skip it on a NaN/inf loss), advance the schedule; return metrics."""
         # one all-reduce: the loss (every rank then makes the same skip decision) and a stop request
-        summed = torch.stack([stats["loss_sum"], torch.tensor(float(self.stop_requested), dtype=torch.float64,
-                                                              device=self.device)])
+        summed = torch.stack(
+            [
+                stats["loss_sum"],
+                torch.tensor(float(self.stop_requested), dtype=torch.float64, device=self.device),
+            ]
+        )
         dist.all_reduce(summed)
         total = stats["total_weight"]
         loss = float(summed[0]) / total if total > 0 else float("nan")
@@ -252,10 +318,21 @@ class Trainer:
         self.schedule.step()
         self.step += 1
         self.bad_in_a_row = 0 if applied else self.bad_in_a_row + 1
-        tokens = self.cfg.train.micro_batch_size * self.cfg.train.grad_accum * self.mesh.dp * self.seq_len
+        tokens = (
+            self.cfg.train.micro_batch_size
+            * self.cfg.train.grad_accum
+            * self.mesh.dp
+            * self.seq_len
+        )
         self.tokens_seen += tokens
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm,
-                "skipped": not applied, "tokens": tokens, "stop": stop}
+        return {
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "skipped": not applied,
+            "tokens": tokens,
+            "stop": stop,
+        }
 
     def train_step(self) -> dict:
         t0 = time.perf_counter()
@@ -263,23 +340,43 @@ class Trainer:
         metrics = self.optimizer_step(stats)
         dt = time.perf_counter() - t0
         tokens_per_s = metrics["tokens"] / dt
-        return {**metrics, "step_time": dt, "tokens_per_s": tokens_per_s,
-                "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.world),
-                "peak_mem_gb": peak_memory_gb(self.device)}
+        return {
+            **metrics,
+            "step_time": dt,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.world),
+            "peak_mem_gb": peak_memory_gb(self.device),
+        }
 
     def trainer_state(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "bad_in_a_row": self.bad_in_a_row,
-                "schedule": self.schedule.state_dict(), "world_size": self.world, "dp": self.mesh.dp,
-                "sp": self.mesh.sp, "zero_stage": self.zero_stage, "time": time.time()}
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "bad_in_a_row": self.bad_in_a_row,
+            "schedule": self.schedule.state_dict(),
+            "world_size": self.world,
+            "dp": self.mesh.dp,
+            "sp": self.mesh.sp,
+            "zero_stage": self.zero_stage,
+            "time": time.time(),
+        }
 
     def save(self) -> Path:
         """A complete checkpoint of the current step (collective)."""
         loader_state = self.loader.state_dict() if hasattr(self.loader, "state_dict") else {}
         path = ckpt_io.save_training_checkpoint(
-            engine=self.engine, cfg=self.cfg, run_dir=self.run_dir, step=self.step, rank=self.rank,
-            trainer_state=self.trainer_state(), loader_state=loader_state, barrier=dist.barrier,
+            engine=self.engine,
+            cfg=self.cfg,
+            run_dir=self.run_dir,
+            step=self.step,
+            rank=self.rank,
+            trainer_state=self.trainer_state(),
+            loader_state=loader_state,
+            barrier=dist.barrier,
             assets=self.assets,
-            save_weights=self.kind.save, on_staged=lambda p: self._emit("checkpoint_staged", path=p))
+            save_weights=self.kind.save,
+            on_staged=lambda p: self._emit("checkpoint_staged", path=p),
+        )
         if self.rank == 0:
             ckpt_io.prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
         self.last_saved, self.last_checkpoint = self.step, path
@@ -290,9 +387,12 @@ class Trainer:
         state = ckpt_io.load_training_checkpoint(engine=self.engine, ckpt=ckpt, rank=self.rank)
         shape = (state["world_size"], state["dp"], state["sp"])
         if shape != (self.world, self.mesh.dp, self.mesh.sp):
-            raise ConfigError("parallel", f"{ckpt} was written with world {shape[0]} (dp {shape[1]} x sp "
-                                          f"{shape[2]}); an exact resume needs the same, this run has "
-                                          f"world {self.world} (dp {self.mesh.dp} x sp {self.mesh.sp})")
+            raise ConfigError(
+                "parallel",
+                f"{ckpt} was written with world {shape[0]} (dp {shape[1]} x sp "
+                f"{shape[2]}); an exact resume needs the same, this run has "
+                f"world {self.world} (dp {self.mesh.dp} x sp {self.mesh.sp})",
+            )
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.bad_in_a_row = int(state["bad_in_a_row"])
@@ -329,10 +429,18 @@ class Trainer:
             for name, src in self.assets.items():
                 if not (self.run_dir / name).exists():
                     shutil.copytree(src, self.run_dir / name)
-        log = RunLogger(self.run_dir, enabled=self.rank == 0, total_steps=tc.steps, start_step=self.step,
-                        progress=tc.progress, tensorboard=tc.tensorboard, wandb_mode=tc.wandb,
-                        wandb_project=tc.wandb_project, run_name=self.cfg.name,
-                        config=to_dict(self.cfg) if tc.wandb != "disabled" else None)
+        log = RunLogger(
+            self.run_dir,
+            enabled=self.rank == 0,
+            total_steps=tc.steps,
+            start_step=self.step,
+            progress=tc.progress,
+            tensorboard=tc.tensorboard,
+            wandb_mode=tc.wandb,
+            wandb_project=tc.wandb_project,
+            run_name=self.cfg.name,
+            config=to_dict(self.cfg) if tc.wandb != "disabled" else None,
+        )
         result = TrainResult(status="completed", step=self.step, run_dir=self.run_dir)
         try:
             with self._graceful_signals():
@@ -344,18 +452,30 @@ class Trainer:
                     log.progress(m)
                     self._emit("step_end", step=self.step, metrics=m)
                     if m["skipped"]:
-                        log.write(f"warning: step {self.step}: loss {m['loss']}; update skipped "
-                                  f"({self.bad_in_a_row} in a row, the run stops at {tc.max_bad_steps})")
+                        log.write(
+                            f"warning: step {self.step}: loss {m['loss']}; update skipped "
+                            f"({self.bad_in_a_row} in a row, the run stops at {tc.max_bad_steps})"
+                        )
                         if self.bad_in_a_row >= tc.max_bad_steps:
-                            kept = self.last_checkpoint.name if self.last_checkpoint else "none written"
-                            raise LossDiverged(f"{self.bad_in_a_row} non-finite losses in a row (step "
-                                               f"{self.step}); stopping. Last good checkpoint: {kept}")
+                            kept = (
+                                self.last_checkpoint.name
+                                if self.last_checkpoint
+                                else "none written"
+                            )
+                            raise LossDiverged(
+                                f"{self.bad_in_a_row} non-finite losses in a row (step "
+                                f"{self.step}); stopping. Last good checkpoint: {kept}"
+                            )
                     if m["stop"]:
                         result.status = "interrupted"
                         log.write(f"stop requested: writing a checkpoint at step {self.step}")
                         break
                     # no periodic checkpoint inside a streak of bad steps: the last one stays the good one
-                    if tc.checkpoint_every and self.step % tc.checkpoint_every == 0 and self.bad_in_a_row == 0:
+                    if (
+                        tc.checkpoint_every
+                        and self.step % tc.checkpoint_every == 0
+                        and self.bad_in_a_row == 0
+                    ):
                         self.save()
                 if self.last_saved != self.step:
                     self.save()
@@ -372,12 +492,20 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def train(cfg: Config, *, resume: bool = False, init_from: Optional[str] = None,
-          batches: Optional[Iterable[dict]] = None, callbacks: Iterable[Callable] = ()) -> TrainResult:
+def train(
+    cfg: Config,
+    *,
+    resume: bool = False,
+    init_from: Optional[str] = None,
+    batches: Optional[Iterable[dict]] = None,
+    callbacks: Iterable[Callable] = (),
+) -> TrainResult:
     """Train `cfg` in this process as one rank of the launcher's world (or a world of one).
 
     resume: continue from OUT/checkpoints/latest when there is one (same world shape). init_from: the
     model weights of a checkpoint or run dir. batches: (B, S) batch dicts instead of the configured
     data. callbacks: `cb(event, trainer, **info)` on step_end(step, metrics), checkpoint_staged(path)
     and checkpoint_saved(path)."""
-    return Trainer(cfg, resume=resume, init_from=init_from, batches=batches, callbacks=callbacks).run()
+    return Trainer(
+        cfg, resume=resume, init_from=init_from, batches=batches, callbacks=callbacks
+    ).run()

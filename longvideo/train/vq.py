@@ -29,9 +29,21 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "train_state.pt"
 METRICS_FILE = "metrics.jsonl"
-ARCH_KEYS = ("mode", "resolution", "downsample", "temporal_downsample", "codebook_size", "patch_size",
-             "channels", "channel_mult", "num_res_blocks", "temporal_kernel", "quantizer",
-             "fsq_levels", "codebook_dim")
+ARCH_KEYS = (
+    "mode",
+    "resolution",
+    "downsample",
+    "temporal_downsample",
+    "codebook_size",
+    "patch_size",
+    "channels",
+    "channel_mult",
+    "num_res_blocks",
+    "temporal_kernel",
+    "quantizer",
+    "fsq_levels",
+    "codebook_dim",
+)
 """Config fields that shape the weights: a resumed run must keep them."""
 
 
@@ -75,8 +87,10 @@ def evaluate(vq: VQModel, batch: torch.Tensor) -> tuple[dict, torch.Tensor]:
             recons.append(output_to_frames(rec)[None] if clips else output_to_frames(rec))
             codes.append(c.cpu())
     recon = torch.cat(recons)
-    metrics = {"psnr": psnr(recon, batch), **codebook_usage(torch.cat([c.flatten() for c in codes]),
-                                                           vq.cfg.codebook_size)}
+    metrics = {
+        "psnr": psnr(recon, batch),
+        **codebook_usage(torch.cat([c.flatten() for c in codes]), vq.cfg.codebook_size),
+    }
     return metrics, recon
 
 
@@ -85,9 +99,11 @@ def _check_resume(cfg: VQConfig, out: Path) -> None:
     now = to_dict(cfg)
     diff = [k for k in ARCH_KEYS if k in saved and saved[k] != now[k]]
     if diff:
-        raise ValueError(f"cannot resume {out}: its tokenizer has different "
-                         + ", ".join(f"{k}={saved[k]!r} (now {now[k]!r})" for k in diff)
-                         + "; pass resume=False (--no-resume) or another output directory")
+        raise ValueError(
+            f"cannot resume {out}: its tokenizer has different "
+            + ", ".join(f"{k}={saved[k]!r} (now {now[k]!r})" for k in diff)
+            + "; pass resume=False (--no-resume) or another output directory"
+        )
 
 
 def random_crops(x: torch.Tensor, size: int, gen: torch.Generator) -> torch.Tensor:
@@ -100,7 +116,7 @@ def random_crops(x: torch.Tensor, size: int, gen: torch.Generator) -> torch.Tens
     for item in x:
         c = int(torch.randint(min(size, s), s + 1, (1,), generator=gen))
         y0, x0 = (int(v) for v in torch.randint(s - c + 1, (2,), generator=gen))
-        crop = resize_crop(item[..., y0: y0 + c, x0: x0 + c, :].reshape(-1, c, c, 3), size)
+        crop = resize_crop(item[..., y0 : y0 + c, x0 : x0 + c, :].reshape(-1, c, c, 3), size)
         out.append(crop.reshape(*item.shape[:-3], size, size, 3))
     return torch.stack(out)
 
@@ -130,9 +146,18 @@ class _Batches:
         return self.src.eval_clips(self.cfg.eval_frames, self.clip_len)
 
 
-def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: int | None = None,
-             time_budget_s: float | None = None, resume: bool = True, device: str | None = None,
-             progress: bool = True, tensorboard: bool = True) -> TrainResult:
+def train_vq(
+    cfg,
+    source: Source | FrameSource,
+    out_dir: str | Path,
+    *,
+    steps: int | None = None,
+    time_budget_s: float | None = None,
+    resume: bool = True,
+    device: str | None = None,
+    progress: bool = True,
+    tensorboard: bool = True,
+) -> TrainResult:
     """Train a tokenizer from scratch, or resume the run in `out_dir` (docs/vq.md, "Training").
 
     cfg: a VQConfig or a root Config (its `vq`). source: what `--data` takes, uint8 videos (T, H, W, 3)
@@ -151,9 +176,14 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
     torch.manual_seed(cfg.seed)
     vq = VQModel(cfg).to(device)
     disc = PatchDiscriminator(cfg.disc_channels).to(device) if cfg.disc_weight > 0 else None
-    opt = torch.optim.AdamW(vq.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
-    d_opt = (torch.optim.AdamW(disc.parameters(), lr=cfg.lr, betas=(0.5, 0.9), weight_decay=0.0)
-             if disc is not None else None)
+    opt = torch.optim.AdamW(
+        vq.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay
+    )
+    d_opt = (
+        torch.optim.AdamW(disc.parameters(), lr=cfg.lr, betas=(0.5, 0.9), weight_decay=0.0)
+        if disc is not None
+        else None
+    )
     gen = torch.Generator().manual_seed(cfg.seed)
     step, elapsed, history = 0, 0.0, []
 
@@ -174,30 +204,44 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
     batches = _Batches(src, cfg, gen)
     eval_set = batches.eval_set()
     # codes the held-out set holds: 8 frames of 256 codes can use at most a quarter of 8192 codes
-    groups = eval_set.shape[0] * (cfg.num_groups(eval_set.shape[1]) if cfg.mode == "causal3d" else 1)
+    groups = eval_set.shape[0] * (
+        cfg.num_groups(eval_set.shape[1]) if cfg.mode == "causal3d" else 1
+    )
     held_codes = groups * cfg.codes_per_frame
 
     writer = None
     if tensorboard:
         from torch.utils.tensorboard import SummaryWriter
+
         writer = SummaryWriter(str(out / "tb"))
 
     def run_eval() -> dict:
         from PIL import Image
+
         metrics, recon = evaluate(vq, eval_set)
         png = out / "samples" / f"step_{step:07d}.png"
         metrics = {"step": step, "seconds": round(elapsed, 2), **metrics}
         history.append(metrics)
         # guard rails: compare with the untrained model (history[0]) and say what to try
-        metrics["warnings"] = health_warnings(history, train_videos=len(src.train), lr=cfg.lr,
-                                              max_usage=held_codes / cfg.codebook_size)
+        metrics["warnings"] = health_warnings(
+            history,
+            train_videos=len(src.train),
+            lr=cfg.lr,
+            max_usage=held_codes / cfg.codebook_size,
+        )
         for w in metrics["warnings"]:
             log.warning("train-vq: %s (%s)", w, png)
         with open(out / METRICS_FILE, "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        grid = labelled_grid(eval_set, recon, step=step, psnr=metrics["psnr"], usage=metrics["usage"],
-                             psnr_untrained=history[0]["psnr"] if step > history[0]["step"] else None,
-                             warnings=metrics["warnings"])
+        grid = labelled_grid(
+            eval_set,
+            recon,
+            step=step,
+            psnr=metrics["psnr"],
+            usage=metrics["usage"],
+            psnr_untrained=history[0]["psnr"] if step > history[0]["step"] else None,
+            warnings=metrics["warnings"],
+        )
         png.parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(grid.numpy()).save(png)
         if writer is not None:
@@ -209,8 +253,14 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
 
     def save() -> None:
         vq.save(out)
-        state = {"model": vq.state_dict(), "optimizer": opt.state_dict(), "sampler": gen.get_state(),
-                 "step": step, "seconds": elapsed, "history": json.dumps(history)}
+        state = {
+            "model": vq.state_dict(),
+            "optimizer": opt.state_dict(),
+            "sampler": gen.get_state(),
+            "step": step,
+            "seconds": elapsed,
+            "history": json.dumps(history),
+        }
         if disc is not None:
             state["disc"], state["disc_optimizer"] = disc.state_dict(), d_opt.state_dict()
         tmp = state_path.with_suffix(".tmp")
@@ -222,6 +272,7 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
     last_weight = vq.decoder.layers[-1].conv.weight
 
     from tqdm import tqdm
+
     desc = "train-vq" + (f" (stops after {time_budget_s:g} s)" if time_budget_s else "")
     bar = tqdm(total=cfg.steps, initial=step, unit="step", desc=desc, disable=not progress)
     post: dict[str, str] = {}
@@ -241,8 +292,12 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
     while step < cfg.steps and not (time_budget_s is not None and elapsed >= time_budget_s):
         t0 = time.perf_counter()
         frames = batches.next()
-        x = frames_to_input(frames, device, as_clip=cfg.mode != "2d")  # (B, 3, L, H, W); L = 1 in 2d
-        lr = lr_at(cfg, step, max(step / cfg.steps, elapsed / time_budget_s if time_budget_s else 0.0))
+        x = frames_to_input(
+            frames, device, as_clip=cfg.mode != "2d"
+        )  # (B, 3, L, H, W); L = 1 in 2d
+        lr = lr_at(
+            cfg, step, max(step / cfg.steps, elapsed / time_budget_s if time_budget_s else 0.0)
+        )
         for g in opt.param_groups:
             g["lr"] = lr
 
@@ -276,8 +331,14 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
             used = (hist > 0).float().mean().item()
             show(loss=f"{loss.item():.4f}", batch_psnr=f"{batch_psnr:.1f}", usage=f"{used:.2f}")
             if writer is not None:
-                scalars = {"loss": loss.item(), "rec_loss": rec_loss.item(), "quant_loss": float(aux),
-                           "psnr": batch_psnr, "usage": used, "lr": lr}
+                scalars = {
+                    "loss": loss.item(),
+                    "rec_loss": rec_loss.item(),
+                    "quant_loss": float(aux),
+                    "psnr": batch_psnr,
+                    "usage": used,
+                    "lr": lr,
+                }
                 if gan_on:
                     scalars["d_loss"] = d_loss.item()
                 for k, v in scalars.items():
@@ -294,4 +355,6 @@ def train_vq(cfg, source: Source | FrameSource, out_dir: str | Path, *, steps: i
     save()
     if writer is not None:
         writer.close()
-    return TrainResult(out_dir=out, step=step, seconds=elapsed, metrics=history[-1], history=history)
+    return TrainResult(
+        out_dir=out, step=step, seconds=elapsed, metrics=history[-1], history=history
+    )

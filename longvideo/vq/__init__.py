@@ -4,8 +4,17 @@ the Python API). Its trainer is `longvideo.train.vq`; `LWMVQGAN` runs LWM's rele
 
 from longvideo._lazy import lazy_exports
 
-_EXPORTS = {"VQConfig": "config", "load_vq_config": "config", "VQModel": "model", "load_vq": "model",
-            "build_vq": "model", "LWMVQGAN": "vqgan", "encode_video": "codec", "decode_codes": "codec",
-            "iter_decode": "codec", "codebook_usage": "quantizer"}
+_EXPORTS = {
+    "VQConfig": "config",
+    "load_vq_config": "config",
+    "VQModel": "model",
+    "load_vq": "model",
+    "build_vq": "model",
+    "LWMVQGAN": "vqgan",
+    "encode_video": "codec",
+    "decode_codes": "codec",
+    "iter_decode": "codec",
+    "codebook_usage": "quantizer",
+}
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)

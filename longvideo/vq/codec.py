@@ -36,8 +36,9 @@ def _check_frames(chunk, res: int) -> torch.Tensor:
     if chunk.ndim == 3:  # one frame
         chunk = chunk.unsqueeze(0)
     if chunk.dtype != torch.uint8 or chunk.ndim != 4 or tuple(chunk.shape[1:]) != (res, res, 3):
-        raise ValueError(f"expected uint8 frames (T, {res}, {res}, 3), got {chunk.dtype} "
-                         f"{tuple(chunk.shape)}")
+        raise ValueError(
+            f"expected uint8 frames (T, {res}, {res}, 3), got {chunk.dtype} {tuple(chunk.shape)}"
+        )
     return chunk
 
 
@@ -107,8 +108,9 @@ def _check_batch(vq: VQModel, batch_frames: int) -> None:
         raise ValueError(f"batch_frames must be >= 1, got {batch_frames}")
     t = vq.cfg.frames_per_group
     if batch_frames < t:
-        raise ValueError(f"batch_frames must be >= temporal_downsample={t} in causal3d mode, "
-                         f"got {batch_frames}")
+        raise ValueError(
+            f"batch_frames must be >= temporal_downsample={t} in causal3d mode, got {batch_frames}"
+        )
 
 
 def _empty_codes(vq: VQModel) -> torch.Tensor:
@@ -128,11 +130,15 @@ def encode_video(vq: VQModel, frames: Frames, *, batch_frames: int = 16) -> torc
     # process grows with the video's length though the codes themselves are a few KB a second
     codes, n = _empty_codes(vq), 0
     with eval_mode(vq):
-        for i, piece in enumerate(_pieces(_chunks(frames, vq.cfg.resolution), _piece_sizes(vq.cfg, batch_frames))):
+        for i, piece in enumerate(
+            _pieces(_chunks(frames, vq.cfg.resolution), _piece_sizes(vq.cfg, batch_frames))
+        ):
             c = _encode_piece(vq, piece, state, i == 0)
             if n + c.shape[0] > codes.shape[0]:
-                codes = torch.cat([codes[:n], codes.new_empty((max(n, 64, c.shape[0]),) + codes.shape[1:])])
-            codes[n: n + c.shape[0]] = c
+                codes = torch.cat(
+                    [codes[:n], codes.new_empty((max(n, 64, c.shape[0]),) + codes.shape[1:])]
+                )
+            codes[n : n + c.shape[0]] = c
             n += c.shape[0]
     return codes[:n].clone()
 
@@ -156,7 +162,9 @@ class SplicingEncoder:
                 n = next(sizes)
                 self.starts.append(start)
                 self.contexts.append({k: v.clone() for k, v in state.items()})
-                self.piece_codes.append(_encode_piece(vq, self.frames[start: start + n], state, start == 0))
+                self.piece_codes.append(
+                    _encode_piece(vq, self.frames[start : start + n], state, start == 0)
+                )
                 start += n
         self.starts.append(self.frames.shape[0])
         self.codes = torch.cat(self.piece_codes) if self.piece_codes else _empty_codes(vq)
@@ -189,8 +197,14 @@ class SplicingEncoder:
                 a, b = self.starts[p], self.starts[p + 1]
                 parts.append(_encode_piece(self.vq, edited[a:b], state, a == 0))
                 p += 1
-                if b > last_edit and p < len(self.piece_codes) and _same_context(state, self.contexts[p]):
-                    parts += self.piece_codes[p:]  # the edit no longer reaches: the rest is unchanged
+                if (
+                    b > last_edit
+                    and p < len(self.piece_codes)
+                    and _same_context(state, self.contexts[p])
+                ):
+                    parts += self.piece_codes[
+                        p:
+                    ]  # the edit no longer reaches: the rest is unchanged
                     break
         return torch.cat(parts)
 
@@ -203,9 +217,18 @@ def _check_codes(vq: VQModel, codes) -> torch.Tensor:
     if isinstance(codes, np.ndarray):
         codes = torch.from_numpy(codes)
     h = vq.cfg.latent_size
-    if (not isinstance(codes, torch.Tensor) or codes.ndim != 3 or tuple(codes.shape[1:]) != (h, h)
-            or codes.dtype.is_floating_point or codes.dtype == torch.bool):
-        got = f"{codes.dtype} {tuple(codes.shape)}" if hasattr(codes, "shape") else type(codes).__name__
+    if (
+        not isinstance(codes, torch.Tensor)
+        or codes.ndim != 3
+        or tuple(codes.shape[1:]) != (h, h)
+        or codes.dtype.is_floating_point
+        or codes.dtype == torch.bool
+    ):
+        got = (
+            f"{codes.dtype} {tuple(codes.shape)}"
+            if hasattr(codes, "shape")
+            else type(codes).__name__
+        )
         raise ValueError(f"expected integer codes (G, {h}, {h}), got {got}")
     return codes.long()
 
@@ -220,7 +243,7 @@ def iter_decode(vq: VQModel, codes, *, batch_groups: int = 16) -> Iterator[torch
     state: dict = {}
     with eval_mode(vq):
         for g in range(0, codes.shape[0], batch_groups):
-            part = codes[g: g + batch_groups].to(device)
+            part = codes[g : g + batch_groups].to(device)
             # 2d: n one-group clips (n, D, 1, h, w), which keep no state; causal3d: one clip (1, D, n, h, w)
             z = vq.codes_to_latents(part.unsqueeze(1 if vq.cfg.mode == "2d" else 0))
             yield output_to_frames(vq.decode(z, state))

@@ -7,8 +7,15 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from longvideo.configtools import (apply_overrides, check, check_at_least, check_positive, from_dict,
-                                   load_yaml, resolve_config_path)
+from longvideo.configtools import (
+    apply_overrides,
+    check,
+    check_at_least,
+    check_positive,
+    from_dict,
+    load_yaml,
+    resolve_config_path,
+)
 
 
 def _is_pow2(n: int) -> bool:
@@ -25,8 +32,11 @@ def fsq_levels_for(codebook_size: int) -> tuple[int, ...] | None:
         return None
     dims = max(1, math.ceil(math.log(codebook_size) / math.log(8) - 1e-9))
     for d in range(dims, dims + 3):  # a prime factor > 8 makes any split impossible
-        splits = [lv for lv in itertools.combinations_with_replacement(range(8, 1, -1), d)
-                  if math.prod(lv) == codebook_size]
+        splits = [
+            lv
+            for lv in itertools.combinations_with_replacement(range(8, 1, -1), d)
+            if math.prod(lv) == codebook_size
+        ]
         if splits:  # the most even; of those the first, largest levels first
             return min(splits, key=lambda lv: max(lv) - min(lv))
     return None
@@ -117,46 +127,104 @@ class VQConfig:
         check(self.arch in ("longvideo", "lwm-vqgan"), "arch", "must be longvideo or lwm-vqgan")
         if self.arch == "lwm-vqgan":  # a taming-style VQGAN: frames alone, a codebook, no patching
             check(self.mode == "2d", "mode", "must be 2d for arch lwm-vqgan")
-            check(self.quantizer == "vq", "quantizer",
-                  "must be vq for arch lwm-vqgan (codebook_dim = its embedding width)")
+            check(
+                self.quantizer == "vq",
+                "quantizer",
+                "must be vq for arch lwm-vqgan (codebook_dim = its embedding width)",
+            )
             check(self.patch_size == 1, "patch_size", "must be 1 for arch lwm-vqgan")
-            check(self.channels % 32 == 0, "channels",  # then so is every level's (channels x a multiple)
-                  "arch lwm-vqgan normalises in 32 groups: every level's width must be a multiple of 32")
-        check_positive(self, "resolution", "channels", "codebook_dim", "disc_channels", "steps", "lr", "fps")
-        check_at_least(self, 0, "num_res_blocks", "dead_code_threshold", "l1_weight", "l2_weight",
-                       "commit_weight", "disc_weight", "disc_start", "warmup_steps", "grad_clip")
-        check_at_least(self, 1, "temporal_downsample", "batch_size", "clip_groups", "eval_every",
-                       "eval_frames", "log_every", "save_every", "max_frames_per_video", "pool_frames")
-        check(_is_pow2(self.downsample) and self.downsample >= 2, "downsample",
-              f"must be a power of 2 >= 2, got {self.downsample}")
-        check(self.resolution % self.downsample == 0, "downsample",
-              f"must divide resolution={self.resolution}, got {self.downsample}")
-        check(_is_pow2(self.patch_size) and self.patch_size <= self.downsample, "patch_size",
-              f"must be a power of 2 <= downsample = {self.downsample}, got {self.patch_size}")
+            check(
+                self.channels % 32 == 0,
+                "channels",  # then so is every level's (channels x a multiple)
+                "arch lwm-vqgan normalises in 32 groups: every level's width must be a multiple of 32",
+            )
+        check_positive(
+            self, "resolution", "channels", "codebook_dim", "disc_channels", "steps", "lr", "fps"
+        )
+        check_at_least(
+            self,
+            0,
+            "num_res_blocks",
+            "dead_code_threshold",
+            "l1_weight",
+            "l2_weight",
+            "commit_weight",
+            "disc_weight",
+            "disc_start",
+            "warmup_steps",
+            "grad_clip",
+        )
+        check_at_least(
+            self,
+            1,
+            "temporal_downsample",
+            "batch_size",
+            "clip_groups",
+            "eval_every",
+            "eval_frames",
+            "log_every",
+            "save_every",
+            "max_frames_per_video",
+            "pool_frames",
+        )
+        check(
+            _is_pow2(self.downsample) and self.downsample >= 2,
+            "downsample",
+            f"must be a power of 2 >= 2, got {self.downsample}",
+        )
+        check(
+            self.resolution % self.downsample == 0,
+            "downsample",
+            f"must divide resolution={self.resolution}, got {self.downsample}",
+        )
+        check(
+            _is_pow2(self.patch_size) and self.patch_size <= self.downsample,
+            "patch_size",
+            f"must be a power of 2 <= downsample = {self.downsample}, got {self.patch_size}",
+        )
         if self.mode == "causal3d":
-            check(_is_pow2(self.temporal_downsample), "temporal_downsample",
-                  f"must be a power of 2, got {self.temporal_downsample}")
-            check(self.temporal_downsample <= self.downsample // self.patch_size, "temporal_downsample",
-                  f"must be <= downsample / patch_size = {self.downsample // self.patch_size} "
-                  "(one halving per level)")
+            check(
+                _is_pow2(self.temporal_downsample),
+                "temporal_downsample",
+                f"must be a power of 2, got {self.temporal_downsample}",
+            )
+            check(
+                self.temporal_downsample <= self.downsample // self.patch_size,
+                "temporal_downsample",
+                f"must be <= downsample / patch_size = {self.downsample // self.patch_size} "
+                "(one halving per level)",
+            )
             check(self.temporal_kernel >= 1, "temporal_kernel", "must be >= 1")
         check(self.codebook_size >= 2, "codebook_size", "must be >= 2")
         levels = int(math.log2(self.downsample // self.patch_size)) + 1
-        check(len(self.channel_mult) == levels and all(m >= 1 for m in self.channel_mult),
-              "channel_mult", f"needs log2(downsample / patch_size) + 1 = {levels} positive entries, "
-              f"got {list(self.channel_mult)}")
+        check(
+            len(self.channel_mult) == levels and all(m >= 1 for m in self.channel_mult),
+            "channel_mult",
+            f"needs log2(downsample / patch_size) + 1 = {levels} positive entries, "
+            f"got {list(self.channel_mult)}",
+        )
         if self.quantizer == "fsq":
             if self.fsq_levels:
-                check(all(lv >= 2 for lv in self.fsq_levels), "fsq_levels", "each level must be >= 2")
-                check(math.prod(self.fsq_levels) == self.codebook_size, "fsq_levels",
-                      f"product {math.prod(self.fsq_levels)} must equal codebook_size={self.codebook_size}")
+                check(
+                    all(lv >= 2 for lv in self.fsq_levels), "fsq_levels", "each level must be >= 2"
+                )
+                check(
+                    math.prod(self.fsq_levels) == self.codebook_size,
+                    "fsq_levels",
+                    f"product {math.prod(self.fsq_levels)} must equal codebook_size={self.codebook_size}",
+                )
             else:
-                check(fsq_levels_for(self.codebook_size) is not None, "codebook_size",
-                      f"{self.codebook_size} has no split into FSQ levels 2..8; set fsq_levels "
-                      "or use quantizer: vq")
+                check(
+                    fsq_levels_for(self.codebook_size) is not None,
+                    "codebook_size",
+                    f"{self.codebook_size} has no split into FSQ levels 2..8; set fsq_levels "
+                    "or use quantizer: vq",
+                )
         check(0 < self.ema_decay < 1, "ema_decay", "must be in (0, 1)")
         check(self.l1_weight + self.l2_weight > 0, "l1_weight", "l1_weight + l2_weight must be > 0")
-        check(1.0 <= self.crop_scale <= 4.0, "crop_scale", f"must be in [1, 4], got {self.crop_scale}")
+        check(
+            1.0 <= self.crop_scale <= 4.0, "crop_scale", f"must be in [1, 4], got {self.crop_scale}"
+        )
 
     @property
     def train_size(self) -> int:

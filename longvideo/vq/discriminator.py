@@ -15,9 +15,14 @@ class PatchDiscriminator(nn.Module):
         super().__init__()
         c = channels
         self.net = nn.Sequential(
-            nn.Conv2d(3, c, 4, 2, 1), nn.LeakyReLU(0.2),
-            nn.Conv2d(c, 2 * c, 4, 2, 1), nn.GroupNorm(min(32, 2 * c), 2 * c), nn.LeakyReLU(0.2),
-            nn.Conv2d(2 * c, 4 * c, 4, 1, 1), nn.GroupNorm(min(32, 4 * c), 4 * c), nn.LeakyReLU(0.2),
+            nn.Conv2d(3, c, 4, 2, 1),
+            nn.LeakyReLU(0.2),
+            nn.Conv2d(c, 2 * c, 4, 2, 1),
+            nn.GroupNorm(min(32, 2 * c), 2 * c),
+            nn.LeakyReLU(0.2),
+            nn.Conv2d(2 * c, 4 * c, 4, 1, 1),
+            nn.GroupNorm(min(32, 4 * c), 4 * c),
+            nn.LeakyReLU(0.2),
             nn.Conv2d(4 * c, 1, 4, 1, 1),
         )
 
@@ -29,7 +34,9 @@ def hinge_d_loss(real_logits: torch.Tensor, fake_logits: torch.Tensor) -> torch.
     return 0.5 * (F.relu(1 - real_logits).mean() + F.relu(1 + fake_logits).mean())
 
 
-def adaptive_weight(rec_loss: torch.Tensor, gan_loss: torch.Tensor, last_weight: torch.Tensor) -> torch.Tensor:
+def adaptive_weight(
+    rec_loss: torch.Tensor, gan_loss: torch.Tensor, last_weight: torch.Tensor
+) -> torch.Tensor:
     """||d rec / d w|| / ||d gan / d w|| at the decoder's last layer: balances the two gradients."""
     g_rec = torch.autograd.grad(rec_loss, last_weight, retain_graph=True)[0]
     g_gan = torch.autograd.grad(gan_loss, last_weight, retain_graph=True)[0]

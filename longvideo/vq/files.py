@@ -26,8 +26,10 @@ class VideoTokenizer(nn.Module):
     def codes_to_latents(self, codes: torch.Tensor) -> torch.Tensor:
         """(B, G, h, w) long -> (B, D, G, h, w)."""
         if codes.min() < 0 or codes.max() >= self.cfg.codebook_size:
-            raise ValueError(f"codes must lie in [0, {self.cfg.codebook_size}), got "
-                             f"[{int(codes.min())}, {int(codes.max())}]")
+            raise ValueError(
+                f"codes must lie in [0, {self.cfg.codebook_size}), got "
+                f"[{int(codes.min())}, {int(codes.max())}]"
+            )
         return self._lookup(codes).movedim(-1, 1)
 
     def forward(self, x: torch.Tensor):
@@ -38,6 +40,7 @@ class VideoTokenizer(nn.Module):
     def save(self, out_dir: str | Path) -> None:
         """Write `model.safetensors` (the state dict) and `config.json` (cfg) into out_dir."""
         from safetensors.torch import save_file
+
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
@@ -64,17 +67,22 @@ def read_vq_config(path: str | Path) -> VQConfig:
 def load_weights_into(model: nn.Module, path: str | Path) -> None:
     """Load `path/model.safetensors` into `model`, which must expect exactly its tensors and shapes."""
     from safetensors.torch import load_file
+
     path = Path(path)
     state = load_file(str(path / WEIGHTS_FILE))
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise KeyError(f"VQ checkpoint {path / WEIGHTS_FILE} does not match its config: "
-                       f"missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+        raise KeyError(
+            f"VQ checkpoint {path / WEIGHTS_FILE} does not match its config: "
+            f"missing keys {missing[:5]}, unexpected keys {unexpected[:5]}"
+        )
     for k, v in state.items():
         if v.shape != expected[k].shape:
-            raise ValueError(f"VQ checkpoint {path / WEIGHTS_FILE}: key '{k}' has shape "
-                             f"{tuple(v.shape)}, the config implies {tuple(expected[k].shape)}")
+            raise ValueError(
+                f"VQ checkpoint {path / WEIGHTS_FILE}: key '{k}' has shape "
+                f"{tuple(v.shape)}, the config implies {tuple(expected[k].shape)}"
+            )
     with torch.no_grad():
         model.load_state_dict(state)

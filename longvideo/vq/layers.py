@@ -18,8 +18,9 @@ class Conv(nn.Module):
     """k x k spatial convolution with an optional causal temporal extent kt and temporal stride;
     weight (C_out, C_in, kt, k, k). kt == 1 on one frame runs conv2d (faster on CPU than conv3d)."""
 
-    def __init__(self, c_in: int, c_out: int, k: int = 3, *, kt: int = 1, stride: int = 1,
-                 tstride: int = 1):
+    def __init__(
+        self, c_in: int, c_out: int, k: int = 3, *, kt: int = 1, stride: int = 1, tstride: int = 1
+    ):
         super().__init__()
         self.k, self.kt, self.stride, self.tstride = k, kt, stride, tstride
         self.weight = nn.Parameter(torch.empty(c_out, c_in, kt, k, k))
@@ -43,13 +44,16 @@ class Conv(nn.Module):
             prev = x[:, :, :1].expand(-1, -1, self.kt - 1, -1, -1)
         xp = torch.cat([prev, x], dim=2)  # (B, C, kt - 1 + T, H, W)
         if (xp.shape[2] - self.kt) % self.tstride:
-            raise ValueError(f"temporal length {x.shape[2]} does not fit stride {self.tstride} "
-                             "(chunks must follow group boundaries)")
+            raise ValueError(
+                f"temporal length {x.shape[2]} does not fit stride {self.tstride} "
+                "(chunks must follow group boundaries)"
+            )
         if state is not None:
             keep = max(self.kt - self.tstride, 0)
-            state[self] = xp[:, :, xp.shape[2] - keep:].detach()
-        return F.conv3d(xp, self.weight, self.bias, (self.tstride, self.stride, self.stride),
-                        (0, pad, pad))
+            state[self] = xp[:, :, xp.shape[2] - keep :].detach()
+        return F.conv3d(
+            xp, self.weight, self.bias, (self.tstride, self.stride, self.stride), (0, pad, pad)
+        )
 
 
 class FrameNorm(nn.GroupNorm):
@@ -113,7 +117,11 @@ class Upsample(nn.Module):
             first = state is None or self.tconv not in state
             y = self.tconv(x, state)  # (B, 2C, T, H, W)
             b, c2, t, h, w = y.shape
-            y = y.view(b, 2, c2 // 2, t, h, w).permute(0, 2, 3, 1, 4, 5).reshape(b, c2 // 2, 2 * t, h, w)
+            y = (
+                y.view(b, 2, c2 // 2, t, h, w)
+                .permute(0, 2, 3, 1, 4, 5)
+                .reshape(b, c2 // 2, 2 * t, h, w)
+            )
             x = y[:, :, 1:] if first else y
         if x.shape[2] == 1:
             x = F.interpolate(x[:, :, 0], scale_factor=2, mode="nearest").unsqueeze(2)

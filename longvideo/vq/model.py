@@ -12,7 +12,13 @@ from torch import nn
 
 from longvideo.configtools import ConfigError
 from longvideo.vq.config import VQConfig
-from longvideo.vq.files import CONFIG_FILE, WEIGHTS_FILE, VideoTokenizer, load_weights_into, read_vq_config
+from longvideo.vq.files import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    VideoTokenizer,
+    load_weights_into,
+    read_vq_config,
+)
 from longvideo.vq.layers import Conv, Downsample, ResBlock, Upsample, norm
 from longvideo.vq.vqgan import LWMVQGAN
 from longvideo.vq.quantizer import build_quantizer
@@ -107,7 +113,10 @@ class VQModel(VideoTokenizer):
     def __init__(self, cfg: VQConfig):
         super().__init__()
         if cfg.arch != "longvideo":
-            raise ConfigError("arch", f"VQModel implements arch longvideo, got {cfg.arch!r} (build_vq builds either)")
+            raise ConfigError(
+                "arch",
+                f"VQModel implements arch longvideo, got {cfg.arch!r} (build_vq builds either)",
+            )
         self.cfg = cfg
         self.encoder = Encoder(cfg)
         self.quantizer = build_quantizer(cfg)

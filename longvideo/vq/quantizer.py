@@ -61,8 +61,14 @@ class EMAVectorQuantizer(nn.Module):
     `ema_sum` (K, D) moving sum of assigned vectors, `ema_count` (K,) moving assignment count.
     """
 
-    def __init__(self, codebook_size: int, dim: int, decay: float = 0.99,
-                 dead_threshold: float = 0.5, commit_weight: float = 0.25):
+    def __init__(
+        self,
+        codebook_size: int,
+        dim: int,
+        decay: float = 0.99,
+        dead_threshold: float = 0.5,
+        commit_weight: float = 0.25,
+    ):
         super().__init__()
         self.codebook_size, self.dim = codebook_size, dim
         self.decay, self.dead_threshold, self.commit_weight = decay, dead_threshold, commit_weight
@@ -118,8 +124,13 @@ class EMAVectorQuantizer(nn.Module):
 def build_quantizer(cfg: VQConfig) -> nn.Module:
     if cfg.quantizer == "fsq":
         return FSQ(cfg.levels)
-    return EMAVectorQuantizer(cfg.codebook_size, cfg.codebook_dim, cfg.ema_decay,
-                              cfg.dead_code_threshold, cfg.commit_weight)
+    return EMAVectorQuantizer(
+        cfg.codebook_size,
+        cfg.codebook_dim,
+        cfg.ema_decay,
+        cfg.dead_code_threshold,
+        cfg.commit_weight,
+    )
 
 
 def codebook_usage(codes: torch.Tensor, codebook_size: int) -> dict[str, float]:
@@ -128,5 +139,8 @@ def codebook_usage(codes: torch.Tensor, codebook_size: int) -> dict[str, float]:
     hist = torch.bincount(codes.reshape(-1).long().cpu(), minlength=codebook_size).double()
     p = hist / hist.sum().clamp_min(1)
     entropy = -(p[p > 0] * p[p > 0].log()).sum().item()
-    return {"usage": (hist > 0).double().mean().item(), "perplexity": math.exp(entropy),
-            "codes_used": int((hist > 0).sum().item())}
+    return {
+        "usage": (hist > 0).double().mean().item(),
+        "perplexity": math.exp(entropy),
+        "codes_used": int((hist > 0).sum().item()),
+    }

@@ -27,11 +27,22 @@ class LWMVQGANError(ValueError):
 def diffusers_config(cfg: VQConfig) -> dict:
     """Keyword arguments of diffusers' VQModel for the VQGAN `cfg` describes."""
     widths = tuple(cfg.channels * m for m in cfg.channel_mult)
-    return dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * len(widths),
-                up_block_types=("UpDecoderBlock2D",) * len(widths), block_out_channels=widths,
-                layers_per_block=cfg.num_res_blocks, act_fn="silu", latent_channels=cfg.codebook_dim,
-                sample_size=cfg.resolution, num_vq_embeddings=cfg.codebook_size, norm_num_groups=GROUPS,
-                vq_embed_dim=cfg.codebook_dim, mid_block_add_attention=False, lookup_from_codebook=True)
+    return dict(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * len(widths),
+        up_block_types=("UpDecoderBlock2D",) * len(widths),
+        block_out_channels=widths,
+        layers_per_block=cfg.num_res_blocks,
+        act_fn="silu",
+        latent_channels=cfg.codebook_dim,
+        sample_size=cfg.resolution,
+        num_vq_embeddings=cfg.codebook_size,
+        norm_num_groups=GROUPS,
+        vq_embed_dim=cfg.codebook_dim,
+        mid_block_add_attention=False,
+        lookup_from_codebook=True,
+    )
 
 
 class LWMVQGAN(VideoTokenizer):
@@ -43,6 +54,7 @@ class LWMVQGAN(VideoTokenizer):
         if cfg.arch != "lwm-vqgan":
             raise ConfigError("arch", f"LWMVQGAN implements arch lwm-vqgan, got {cfg.arch!r}")
         from diffusers import VQModel as DiffusersVQModel  # a heavy import, needed only here
+
         self.cfg = cfg
         self.net = DiffusersVQModel(**diffusers_config(cfg))
 
@@ -95,10 +107,16 @@ def vq_config_from_flax(params: dict, base: Optional[VQConfig] = None) -> VQConf
     """The VQConfig of LWM's VQGAN parameters: widths, levels, residual blocks and codebook read
     from the arrays; the frame resolution (which the weights do not hold) from `base` (256)."""
     flat = flatten(params)
-    for need in ("encoder/Conv_0/kernel", "quantize/embeddings", "quant_conv/kernel", "decoder/Conv_0/kernel"):
+    for need in (
+        "encoder/Conv_0/kernel",
+        "quantize/embeddings",
+        "quant_conv/kernel",
+        "decoder/Conv_0/kernel",
+    ):
         if need not in flat:
-            raise LWMVQGANError(f"no '{need}': not the parameters of LWM's VQGAN "
-                                f"(top level: {sorted(params)[:8]})")
+            raise LWMVQGANError(
+                f"no '{need}': not the parameters of LWM's VQGAN (top level: {sorted(params)[:8]})"
+            )
     attn = sorted(k for k in flat if "AttnBlock" in k)
     if attn:
         raise LWMVQGANError(f"VQGANs with attention blocks are not supported (found {attn[0]})")
@@ -106,37 +124,61 @@ def vq_config_from_flax(params: dict, base: Optional[VQConfig] = None) -> VQConf
     if not levels or levels != list(range(len(levels))):
         raise LWMVQGANError(f"encoder levels {levels} are not 0..n-1")
     channels = int(flat["encoder/Conv_0/kernel"].shape[-1])
-    widths = [int(flat[f"encoder/DownsamplingBlock_{i}/ResnetBlock_0/Conv_0/kernel"].shape[-1]) for i in levels]
+    widths = [
+        int(flat[f"encoder/DownsamplingBlock_{i}/ResnetBlock_0/Conv_0/kernel"].shape[-1])
+        for i in levels
+    ]
     if any(w % channels for w in widths):
-        raise LWMVQGANError(f"level widths {widths} are not multiples of the first conv's {channels}")
+        raise LWMVQGANError(
+            f"level widths {widths} are not multiples of the first conv's {channels}"
+        )
     blocks = len(_levels(flat, r"encoder/DownsamplingBlock_0/ResnetBlock_(\d+)/"))
     codebook_size, dim = (int(n) for n in flat["quantize/embeddings"].shape)
     z = int(flat["encoder/Conv_1/kernel"].shape[-1])
     if z != dim:
-        raise LWMVQGANError(f"the encoder emits {z} channels but the codebook is {dim} wide; only VQGANs "
-                            f"with z_channels == quantized_embed_dim (as LWM's) are supported")
+        raise LWMVQGANError(
+            f"the encoder emits {z} channels but the codebook is {dim} wide; only VQGANs "
+            f"with z_channels == quantized_embed_dim (as LWM's) are supported"
+        )
     return dataclasses.replace(
-        base or VQConfig(), arch="lwm-vqgan", mode="2d", quantizer="vq", patch_size=1,
-        downsample=2 ** (len(levels) - 1), channels=channels, channel_mult=tuple(w // channels for w in widths),
-        num_res_blocks=blocks, codebook_size=codebook_size, codebook_dim=dim)
+        base or VQConfig(),
+        arch="lwm-vqgan",
+        mode="2d",
+        quantizer="vq",
+        patch_size=1,
+        downsample=2 ** (len(levels) - 1),
+        channels=channels,
+        channel_mult=tuple(w // channels for w in widths),
+        num_res_blocks=blocks,
+        codebook_size=codebook_size,
+        codebook_dim=dim,
+    )
 
 
 def _conv(flat, src: str) -> dict[str, torch.Tensor]:
     """A flax conv (kernel (kh, kw, in, out)) as torch's weight (out, in, kh, kw) and bias."""
     k = np.asarray(flat[f"{src}/kernel"])
-    return {"weight": torch.from_numpy(np.ascontiguousarray(k.transpose(3, 2, 0, 1))),
-            "bias": torch.from_numpy(np.asarray(flat[f"{src}/bias"]))}
+    return {
+        "weight": torch.from_numpy(np.ascontiguousarray(k.transpose(3, 2, 0, 1))),
+        "bias": torch.from_numpy(np.asarray(flat[f"{src}/bias"])),
+    }
 
 
 def _norm(flat, src: str) -> dict[str, torch.Tensor]:
     """A flax GroupNorm (scale, bias) as torch's (weight, bias)."""
-    return {"weight": torch.from_numpy(np.asarray(flat[f"{src}/scale"])),
-            "bias": torch.from_numpy(np.asarray(flat[f"{src}/bias"]))}
+    return {
+        "weight": torch.from_numpy(np.asarray(flat[f"{src}/scale"])),
+        "bias": torch.from_numpy(np.asarray(flat[f"{src}/bias"])),
+    }
 
 
 def _resnet(flat, src: str) -> dict[str, dict[str, torch.Tensor]]:
-    out = {"norm1": _norm(flat, f"{src}/GroupNorm_0"), "conv1": _conv(flat, f"{src}/Conv_0"),
-           "norm2": _norm(flat, f"{src}/GroupNorm_1"), "conv2": _conv(flat, f"{src}/Conv_1")}
+    out = {
+        "norm1": _norm(flat, f"{src}/GroupNorm_0"),
+        "conv1": _conv(flat, f"{src}/Conv_0"),
+        "norm2": _norm(flat, f"{src}/GroupNorm_1"),
+        "conv2": _conv(flat, f"{src}/Conv_1"),
+    }
     if f"{src}/Conv_2/kernel" in flat:  # 1x1 shortcut where the width changes
         out["conv_shortcut"] = _conv(flat, f"{src}/Conv_2")
     return out
@@ -159,13 +201,18 @@ def state_dict_from_flax(params: dict, cfg: VQConfig) -> dict[str, torch.Tensor]
             parts[f"{side}.conv_out"] = _conv(flat, f"{side}/Conv_1")
         for i in range(n):
             for j in range(cfg.num_res_blocks):
-                for sub, t in _resnet(flat, f"encoder/DownsamplingBlock_{i}/ResnetBlock_{j}").items():
+                for sub, t in _resnet(
+                    flat, f"encoder/DownsamplingBlock_{i}/ResnetBlock_{j}"
+                ).items():
                     parts[f"encoder.down_blocks.{i}.resnets.{j}.{sub}"] = t
             if i < n - 1:
                 parts[f"encoder.down_blocks.{i}.downsamplers.0.conv"] = _conv(
-                    flat, f"encoder/DownsamplingBlock_{i}/Downsample_0/Conv_0")
+                    flat, f"encoder/DownsamplingBlock_{i}/Downsample_0/Conv_0"
+                )
         parts["quant_conv"] = _conv(flat, "quant_conv")
-        parts["quantize.embedding"] = {"weight": torch.from_numpy(np.asarray(flat["quantize/embeddings"]))}
+        parts["quantize.embedding"] = {
+            "weight": torch.from_numpy(np.asarray(flat["quantize/embeddings"]))
+        }
         parts["post_quant_conv"] = _conv(flat, "post_quant_conv")
         # flax names compact submodules by class and creation order: UpsamplingBlock_k is created
         # first for the deepest level, as diffusers' up_blocks.k
@@ -175,14 +222,19 @@ def state_dict_from_flax(params: dict, cfg: VQConfig) -> dict[str, torch.Tensor]
                     parts[f"decoder.up_blocks.{k}.resnets.{j}.{sub}"] = t
             if k < n - 1:
                 parts[f"decoder.up_blocks.{k}.upsamplers.0.conv"] = _conv(
-                    flat, f"decoder/UpsamplingBlock_{k}/Upsample_0/Conv_0")
+                    flat, f"decoder/UpsamplingBlock_{k}/Upsample_0/Conv_0"
+                )
     except KeyError as e:
         raise LWMVQGANError(f"LWM VQGAN parameters: missing {e.args[0]}") from None
-    sd = {f"net.{name}.{p}": t.float() for name, tensors in parts.items() for p, t in tensors.items()}
+    sd = {
+        f"net.{name}.{p}": t.float() for name, tensors in parts.items() for p, t in tensors.items()
+    }
     used = sum(len(t) for t in parts.values())
     if used != len(flat):
-        raise LWMVQGANError(f"LWM VQGAN parameters: {len(flat) - used} arrays left unused "
-                            f"(the structure does not match the config read from them)")
+        raise LWMVQGANError(
+            f"LWM VQGAN parameters: {len(flat) - used} arrays left unused "
+            f"(the structure does not match the config read from them)"
+        )
     return sd
 
 
@@ -197,7 +249,9 @@ def vqgan_from_flax(params: dict, base: Optional[VQConfig] = None) -> LWMVQGAN:
         raise LWMVQGANError(f"LWM VQGAN parameters do not fill the model: {bad[:5]}")
     for k, t in sd.items():
         if tuple(t.shape) != tuple(expected[k].shape):
-            raise LWMVQGANError(f"LWM VQGAN parameter for {k} has shape {tuple(t.shape)}, "
-                                f"expected {tuple(expected[k].shape)}")
+            raise LWMVQGANError(
+                f"LWM VQGAN parameter for {k} has shape {tuple(t.shape)}, "
+                f"expected {tuple(expected[k].shape)}"
+            )
     model.load_state_dict(sd)
     return model.eval()

@@ -78,12 +78,17 @@ def encode(enc: Encoding, frames: np.ndarray | None = None) -> bytes:
         s.pix_fmt = enc.pix_fmt
         s.thread_count = 1
         if enc.codec == "libx264":
-            s.options = {"x264-params": "threads=1:info=0:keyint=16:min-keyint=16", "preset": "veryfast"}
+            s.options = {
+                "x264-params": "threads=1:info=0:keyint=16:min-keyint=16",
+                "preset": "veryfast",
+            }
         else:
             s.codec_context.gop_size = 16
             s.bit_rate = 2_000_000  # files of tens of KB, like short real clips
         for img in frames:
-            for p in s.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")):
+            for p in s.encode(
+                av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")
+            ):
                 c.mux(p)
         for p in s.encode(None):
             c.mux(p)
@@ -97,18 +102,22 @@ def encode_all() -> dict[str, bytes]:
 
 # ----------------------------------------------------------------------------- damage
 
+
 def _flip(data: bytes, start: int, length: int, seed: int) -> bytes:
     out = bytearray(data)
     start = max(0, min(start, len(out) - 1))
     end = min(len(out), start + length)
     rng = np.random.default_rng(seed)
-    out[start:end] = (np.frombuffer(bytes(out[start:end]), np.uint8) ^ rng.integers(1, 256, end - start, dtype=np.uint8)).tobytes()
+    out[start:end] = (
+        np.frombuffer(bytes(out[start:end]), np.uint8)
+        ^ rng.integers(1, 256, end - start, dtype=np.uint8)
+    ).tobytes()
     return bytes(out)
 
 
 def _patch_u(out: bytearray, pos: int, fmt: str, value: int) -> None:
     if 0 <= pos and pos + struct.calcsize(fmt) <= len(out):
-        out[pos: pos + struct.calcsize(fmt)] = struct.pack(fmt, value)
+        out[pos : pos + struct.calcsize(fmt)] = struct.pack(fmt, value)
 
 
 def huge_frame_size(data: bytes, ext: str, side: int = 30000) -> bytes | None:
@@ -144,13 +153,17 @@ def huge_frame_size(data: bytes, ext: str, side: int = 30000) -> bytes | None:
             _patch_u(out, m + 8 + 8, "<i", side)
             hit = True
     elif ext in ("webm", "ogv", "ogg", "mkv"):
-        for m in re.finditer(rb"\x9d\x01\x2a", data):  # VP8 keyframe start code, then 14-bit width/height
+        for m in re.finditer(
+            rb"\x9d\x01\x2a", data
+        ):  # VP8 keyframe start code, then 14-bit width/height
             _patch_u(out, m.end(), "<H", 0x3FFF)
             _patch_u(out, m.end() + 2, "<H", 0x3FFF)
             hit = True
     elif ext in ("mpg", "mpeg"):
-        for m in re.finditer(rb"\x00\x00\x01\xb3", data):  # sequence header: 12-bit width, 12-bit height
-            out[m.end(): m.end() + 3] = b"\xff\xff\xff"[: max(0, len(out) - m.end())]
+        for m in re.finditer(
+            rb"\x00\x00\x01\xb3", data
+        ):  # sequence header: 12-bit width, 12-bit height
+            out[m.end() : m.end() + 3] = b"\xff\xff\xff"[: max(0, len(out) - m.end())]
             hit = True
     elif ext == "gif":
         _patch_u(out, 6, "<H", 0xFFFF)
@@ -163,7 +176,7 @@ def huge_frame_size(data: bytes, ext: str, side: int = 30000) -> bytes | None:
         for key in (b"width", b"height"):
             m = data.find(key + b"\x00")
             if m >= 0:
-                out[m + len(key) + 1: m + len(key) + 9] = struct.pack(">d", float(side))
+                out[m + len(key) + 1 : m + len(key) + 9] = struct.pack(">d", float(side))
                 hit = True
     return bytes(out) if hit else None
 
@@ -181,8 +194,8 @@ def damaged(data: bytes, ext: str, seed: int = 0) -> Iterator[tuple[str, bytes]]
     yield "flip_middle", _flip(data, n // 2, 256, seed + 2)
     yield "flip_sprinkle", bytes(b ^ (0x10 if i % 97 == 13 else 0) for i, b in enumerate(data))
     yield "flip_tail", _flip(data, n - 256, 256, seed + 3)
-    yield "zero_middle", data[: n // 3] + bytes(n // 3) + data[2 * (n // 3):]
-    yield "shuffled_halves", data[n // 2:] + data[: n // 2]
+    yield "zero_middle", data[: n // 3] + bytes(n // 3) + data[2 * (n // 3) :]
+    yield "shuffled_halves", data[n // 2 :] + data[: n // 2]
     big = huge_frame_size(data, ext)
     if big is not None:
         yield "huge_size", big

@@ -54,9 +54,11 @@ def scene(n: int, width: int, height: int, start: int = 0) -> np.ndarray:
     out = np.zeros((n, height, width, 3), np.uint8)
     out[..., 0] = 200  # the red bar (and, under the pattern, nothing)
     out[:, :side, :side] = frame_index_video(start, start + n, side)
-    out[:, :side, :side] = np.where(out[:, :side, :side] > 127, 230, 25)  # away from the clipping ends
+    out[:, :side, :side] = np.where(
+        out[:, :side, :side] > 127, 230, 25
+    )  # away from the clipping ends
     dot = max(2, side // 8)
-    out[:, side: side + dot, :dot] = 255 if height > side else out[:, side: side + dot, :dot]
+    out[:, side : side + dot, :dot] = 255 if height > side else out[:, side : side + dot, :dot]
     return out
 
 
@@ -67,11 +69,24 @@ def stored(shown: np.ndarray, turns: int = 0, flip: bool = False) -> np.ndarray:
     return np.ascontiguousarray(np.rot90(shown, -turns, axes=(1, 2)))
 
 
-def encode(frames: np.ndarray, *, fmt: str, codec: str, times: Sequence[float], pix_fmt: str = "yuv420p",
-           options: Optional[dict] = None, mux_options: Optional[dict] = None, rotation: Optional[float] = None,
-           hflip: bool = False, rotate_tag: Optional[str] = None, sar: Optional[Fraction] = None,
-           keys: Optional[set] = None, fake_keys: Sequence[int] = (), rate: Fraction = Fraction(25),
-           tb: Optional[Fraction] = None) -> bytes:
+def encode(
+    frames: np.ndarray,
+    *,
+    fmt: str,
+    codec: str,
+    times: Sequence[float],
+    pix_fmt: str = "yuv420p",
+    options: Optional[dict] = None,
+    mux_options: Optional[dict] = None,
+    rotation: Optional[float] = None,
+    hflip: bool = False,
+    rotate_tag: Optional[str] = None,
+    sar: Optional[Fraction] = None,
+    keys: Optional[set] = None,
+    fake_keys: Sequence[int] = (),
+    rate: Fraction = Fraction(25),
+    tb: Optional[Fraction] = None,
+) -> bytes:
     """Encode uint8 (T, H, W, 3) frames shown at ``times`` (seconds), single-threaded.
 
     rotation / hflip: the display matrix (PyAV's ``set_display_rotation``: degrees counterclockwise);
@@ -109,14 +124,19 @@ def encode(frames: np.ndarray, *, fmt: str, codec: str, times: Sequence[float], 
             f = av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")
             f.pts, f.time_base = round(times[i] / tb), tb
             if keys is not None:
-                f.pict_type = av.video.frame.PictureType.I if i in keys else av.video.frame.PictureType.NONE
+                f.pict_type = (
+                    av.video.frame.PictureType.I if i in keys else av.video.frame.PictureType.NONE
+                )
             mux(s.encode(f))
         mux(s.encode(None))
     return buf.getvalue()
 
 
 def _x264(keyint: int) -> dict:
-    return {"x264-params": f"threads=1:info=0:keyint={keyint}:min-keyint={keyint}:scenecut=0", "preset": "veryfast"}
+    return {
+        "x264-params": f"threads=1:info=0:keyint={keyint}:min-keyint={keyint}:scenecut=0",
+        "preset": "veryfast",
+    }
 
 
 def _grid(n: int, fps: float, start: float = 0.0) -> list[float]:
@@ -128,57 +148,232 @@ def footage() -> list[Footage]:
     out = []
     # a phone held upright: portrait scene stored landscape, a display matrix turning it a quarter clockwise
     frames = scene(48, 64, 96)  # widths decord 0.6 copies (it fails on some, e.g. 48)
-    out.append(Footage("phone_portrait", "mp4", encode(stored(frames, -1), fmt="mp4", codec="libx264",
-                       times=_grid(48, 12), options=_x264(12), rotation=-90, rate=Fraction(12)),
-                       turns=-1, note="H.264 MP4, display matrix -90 (portrait phone clip)"))
-    out.append(Footage("upside_down", "mov", encode(stored(frames, 2), fmt="mov", codec="libx264",
-                       times=_grid(48, 12), options=_x264(12), rotation=180, rate=Fraction(12)),
-                       turns=2, note="H.264 MOV, display matrix 180"))
-    out.append(Footage("mirrored", "mp4", encode(stored(frames, 1, flip=True), fmt="mp4", codec="libx264",
-                       times=_grid(48, 12), options=_x264(12), rotation=90, hflip=True, rate=Fraction(12)),
-                       turns=1, flip=True, note="H.264 MP4, display matrix 90 with a horizontal flip (front camera)"))
-    out.append(Footage("rotate_tag", "mkv", encode(stored(frames, -1), fmt="matroska", codec="libx264",
-                       times=_grid(48, 12), options=_x264(12), rotate_tag="90", rate=Fraction(12)),
-                       turns=-1, note="H.264 Matroska with only the legacy rotate=90 tag"))
+    out.append(
+        Footage(
+            "phone_portrait",
+            "mp4",
+            encode(
+                stored(frames, -1),
+                fmt="mp4",
+                codec="libx264",
+                times=_grid(48, 12),
+                options=_x264(12),
+                rotation=-90,
+                rate=Fraction(12),
+            ),
+            turns=-1,
+            note="H.264 MP4, display matrix -90 (portrait phone clip)",
+        )
+    )
+    out.append(
+        Footage(
+            "upside_down",
+            "mov",
+            encode(
+                stored(frames, 2),
+                fmt="mov",
+                codec="libx264",
+                times=_grid(48, 12),
+                options=_x264(12),
+                rotation=180,
+                rate=Fraction(12),
+            ),
+            turns=2,
+            note="H.264 MOV, display matrix 180",
+        )
+    )
+    out.append(
+        Footage(
+            "mirrored",
+            "mp4",
+            encode(
+                stored(frames, 1, flip=True),
+                fmt="mp4",
+                codec="libx264",
+                times=_grid(48, 12),
+                options=_x264(12),
+                rotation=90,
+                hflip=True,
+                rate=Fraction(12),
+            ),
+            turns=1,
+            flip=True,
+            note="H.264 MP4, display matrix 90 with a horizontal flip (front camera)",
+        )
+    )
+    out.append(
+        Footage(
+            "rotate_tag",
+            "mkv",
+            encode(
+                stored(frames, -1),
+                fmt="matroska",
+                codec="libx264",
+                times=_grid(48, 12),
+                options=_x264(12),
+                rotate_tag="90",
+                rate=Fraction(12),
+            ),
+            turns=-1,
+            note="H.264 Matroska with only the legacy rotate=90 tag",
+        )
+    )
     # anamorphic: 64 stored columns shown as 96 (SAR 3:2)
     wide = scene(36, 96, 96)
     thin = np.ascontiguousarray(wide[:, :, ::3][:, :, :32].repeat(2, axis=2))  # 96 x 64 stored
-    out.append(Footage("anamorphic", "mp4", encode(thin, fmt="mp4", codec="libx264", times=_grid(36, 12),
-                       options=_x264(12), sar=Fraction(3, 2), rate=Fraction(12)), sar=Fraction(3, 2),
-                       note="H.264 MP4, 64x96 stored with sample aspect ratio 3:2"))
+    out.append(
+        Footage(
+            "anamorphic",
+            "mp4",
+            encode(
+                thin,
+                fmt="mp4",
+                codec="libx264",
+                times=_grid(36, 12),
+                options=_x264(12),
+                sar=Fraction(3, 2),
+                rate=Fraction(12),
+            ),
+            sar=Fraction(3, 2),
+            note="H.264 MP4, 64x96 stored with sample aspect ratio 3:2",
+        )
+    )
     # variable frame rate: bursts at 30 fps, stills held for up to 1.5 s
     steps = [1 / 30] * 20 + [0.5, 1.5, 0.25] + [1 / 30] * 15 + [0.7] + [1 / 10] * 10
     times = np.concatenate([[0.0], np.cumsum(steps)]).tolist()
-    out.append(Footage("vfr", "mp4", encode(scene(len(times), 64, 64), fmt="mp4", codec="libx264", times=times,
-                       options=_x264(15), rate=Fraction(30), tb=Fraction(1, 1000)), note="H.264 MP4, variable frame rate (30 fps bursts, stills)"))
-    out.append(Footage("hevc_10bit", "mp4", encode(scene(30, 64, 64), fmt="mp4", codec="libx265", times=_grid(30, 10),
-                       pix_fmt="yuv420p10le", options={"x265-params": "log-level=none:pools=1:frame-threads=1:keyint=10"},
-                       rate=Fraction(10)), note="HEVC Main 10 (yuv420p10le) in MP4"))
+    out.append(
+        Footage(
+            "vfr",
+            "mp4",
+            encode(
+                scene(len(times), 64, 64),
+                fmt="mp4",
+                codec="libx264",
+                times=times,
+                options=_x264(15),
+                rate=Fraction(30),
+                tb=Fraction(1, 1000),
+            ),
+            note="H.264 MP4, variable frame rate (30 fps bursts, stills)",
+        )
+    )
+    out.append(
+        Footage(
+            "hevc_10bit",
+            "mp4",
+            encode(
+                scene(30, 64, 64),
+                fmt="mp4",
+                codec="libx265",
+                times=_grid(30, 10),
+                pix_fmt="yuv420p10le",
+                options={"x265-params": "log-level=none:pools=1:frame-threads=1:keyint=10"},
+                rate=Fraction(10),
+            ),
+            note="HEVC Main 10 (yuv420p10le) in MP4",
+        )
+    )
     odd = scene(30, 67, 45)
-    out.append(Footage("odd_vp9", "webm", encode(odd, fmt="webm", codec="libvpx-vp9", times=_grid(30, 10),
-                       options={"b": "400k", "g": "10"}, rate=Fraction(10)), note="VP9 WebM, 67x45 (odd sides)"))
-    out.append(Footage("interlaced_ts", "ts", encode(scene(50, 64, 48), fmt="mpegts", codec="mpeg2video",
-                       times=_grid(50, 25), options={"flags": "+ildct+ilme", "top": "1", "g": "12", "b": "2M"},
-                       tb=Fraction(1, 25)),
-                       note="interlaced MPEG-2 (top field first) in MPEG-TS"))
-    out.append(Footage("late_start", "mkv", encode(scene(40, 64, 64), fmt="matroska", codec="libx264",
-                       times=_grid(40, 8, start=10.0), options=_x264(8), rate=Fraction(8)),
-                       note="H.264 Matroska whose timestamps start at 10 s"))
+    out.append(
+        Footage(
+            "odd_vp9",
+            "webm",
+            encode(
+                odd,
+                fmt="webm",
+                codec="libvpx-vp9",
+                times=_grid(30, 10),
+                options={"b": "400k", "g": "10"},
+                rate=Fraction(10),
+            ),
+            note="VP9 WebM, 67x45 (odd sides)",
+        )
+    )
+    out.append(
+        Footage(
+            "interlaced_ts",
+            "ts",
+            encode(
+                scene(50, 64, 48),
+                fmt="mpegts",
+                codec="mpeg2video",
+                times=_grid(50, 25),
+                options={"flags": "+ildct+ilme", "top": "1", "g": "12", "b": "2M"},
+                tb=Fraction(1, 25),
+            ),
+            note="interlaced MPEG-2 (top field first) in MPEG-TS",
+        )
+    )
+    out.append(
+        Footage(
+            "late_start",
+            "mkv",
+            encode(
+                scene(40, 64, 64),
+                fmt="matroska",
+                codec="libx264",
+                times=_grid(40, 8, start=10.0),
+                options=_x264(8),
+                rate=Fraction(8),
+            ),
+            note="H.264 Matroska whose timestamps start at 10 s",
+        )
+    )
     # screen recordings: 15 fps, keyframes at irregular times, the index pointing at an inter frame
     # between the last keyframe and a seek near the end (the decoder refuses it when a seek lands there)
     for codec, name in (("libvpx", "screencast_vp8"), ("libvpx-vp9", "screencast_vp9")):
-        out.append(Footage(name, "webm", encode(scene(557, 64, 64), fmt="webm", codec=codec, times=_grid(557, 15),
-                           options={"b": "300k"}, keys={0, 40, 47, 200, 410, 535}, fake_keys=(537,),
-                           rate=Fraction(15)), note=f"{codec} WebM, 37 s at 15 fps, sparse keyframes, "
-                                                     "an index entry on an inter frame at 35.8 s"))
-    whole = encode(scene(80, 64, 64), fmt="matroska", codec="libx264", times=_grid(80, 8), options=_x264(8),
-                   rate=Fraction(8))
-    out.append(Footage("cut_mkv", "mkv", whole[: len(whole) * 7 // 10], expect="truncated",
-                       note="H.264 Matroska (10 s declared) cut after 70 % of its bytes (6 s of frames)"))
-    mp4 = encode(scene(40, 64, 64), fmt="mp4", codec="libx264", times=_grid(40, 8), options=_x264(8),
-                 rate=Fraction(8))
-    out.append(Footage("mp4_no_index", "mp4", mp4[: mp4.rfind(b"moov") - 4], expect="corrupt",
-                       note="H.264 MP4 whose index (moov) was never written"))
+        out.append(
+            Footage(
+                name,
+                "webm",
+                encode(
+                    scene(557, 64, 64),
+                    fmt="webm",
+                    codec=codec,
+                    times=_grid(557, 15),
+                    options={"b": "300k"},
+                    keys={0, 40, 47, 200, 410, 535},
+                    fake_keys=(537,),
+                    rate=Fraction(15),
+                ),
+                note=f"{codec} WebM, 37 s at 15 fps, sparse keyframes, "
+                "an index entry on an inter frame at 35.8 s",
+            )
+        )
+    whole = encode(
+        scene(80, 64, 64),
+        fmt="matroska",
+        codec="libx264",
+        times=_grid(80, 8),
+        options=_x264(8),
+        rate=Fraction(8),
+    )
+    out.append(
+        Footage(
+            "cut_mkv",
+            "mkv",
+            whole[: len(whole) * 7 // 10],
+            expect="truncated",
+            note="H.264 Matroska (10 s declared) cut after 70 % of its bytes (6 s of frames)",
+        )
+    )
+    mp4 = encode(
+        scene(40, 64, 64),
+        fmt="mp4",
+        codec="libx264",
+        times=_grid(40, 8),
+        options=_x264(8),
+        rate=Fraction(8),
+    )
+    out.append(
+        Footage(
+            "mp4_no_index",
+            "mp4",
+            mp4[: mp4.rfind(b"moov") - 4],
+            expect="corrupt",
+            note="H.264 MP4 whose index (moov) was never written",
+        )
+    )
     return out
 
 
@@ -190,25 +385,63 @@ def ffmpeg_footage() -> list[Footage]:
         return []
     with tempfile.TemporaryDirectory() as d:
         src, dst = Path(d) / "in.mkv", Path(d) / "out.mp4"
-        src.write_bytes(encode(stored(scene(24, 64, 96), -1), fmt="matroska", codec="libx264", times=_grid(24, 12),
-                               options=_x264(12), rate=Fraction(12)))
-        done = subprocess.run([exe, "-v", "error", "-y", "-i", str(src), "-c", "copy", "-metadata:s:v:0", "rotate=90",
-                               str(dst)], capture_output=True)
+        src.write_bytes(
+            encode(
+                stored(scene(24, 64, 96), -1),
+                fmt="matroska",
+                codec="libx264",
+                times=_grid(24, 12),
+                options=_x264(12),
+                rate=Fraction(12),
+            )
+        )
+        done = subprocess.run(
+            [
+                exe,
+                "-v",
+                "error",
+                "-y",
+                "-i",
+                str(src),
+                "-c",
+                "copy",
+                "-metadata:s:v:0",
+                "rotate=90",
+                str(dst),
+            ],
+            capture_output=True,
+        )
         if done.returncode != 0 or not dst.is_file():
             return []
-        return [Footage("ffmpeg_rotate", "mp4", dst.read_bytes(), turns=-1,
-                        note="H.264 MP4 given rotate=90 by the ffmpeg command")]
+        return [
+            Footage(
+                "ffmpeg_rotate",
+                "mp4",
+                dst.read_bytes(),
+                turns=-1,
+                note="H.264 MP4 given rotate=90 by the ffmpeg command",
+            )
+        ]
 
 
-def bad_packet_hour(minutes: int = 60, every_minutes: int = 10, fps: int = 2, keyint_s: int = 30,
-                    size: int = 16) -> tuple[bytes, list[float]]:
+def bad_packet_hour(
+    minutes: int = 60, every_minutes: int = 10, fps: int = 2, keyint_s: int = 30, size: int = 16
+) -> tuple[bytes, list[float]]:
     """A ``minutes``-long VP8 WebM (fps frames a second, a keyframe every keyint_s seconds) with
     the frame tag of one inter-frame packet in every ``every_minutes`` overwritten; returns the file
     and the damaged packets' times (seconds). VP8's decoder refuses such a packet."""
     n = minutes * 60 * fps
-    data = bytearray(encode(scene(n, size, size), fmt="webm", codec="libvpx", times=_grid(n, fps),
-                            options={"b": "50k", "deadline": "realtime", "cpu-used": "8"},
-                            keys=set(range(0, n, keyint_s * fps)), rate=Fraction(fps)))
+    data = bytearray(
+        encode(
+            scene(n, size, size),
+            fmt="webm",
+            codec="libvpx",
+            times=_grid(n, fps),
+            options={"b": "50k", "deadline": "realtime", "cpu-used": "8"},
+            keys=set(range(0, n, keyint_s * fps)),
+            rate=Fraction(fps),
+        )
+    )
     want = [60.0 * every_minutes * (k + 0.5) for k in range(minutes // every_minutes)]
     hit = []
     with av.open(io.BytesIO(bytes(data))) as c:
@@ -218,7 +451,9 @@ def bad_packet_hour(minutes: int = 60, every_minutes: int = 10, fps: int = 2, ke
             t = float(p.pts * p.time_base)
             if len(hit) < len(want) and t >= want[len(hit)]:
                 at = bytes(data).find(bytes(p), p.pos)
-                data[at: at + 3] = b"\xff\xff\xff"  # VP8's frame tag: a first partition longer than the frame
+                data[at : at + 3] = (
+                    b"\xff\xff\xff"  # VP8's frame tag: a first partition longer than the frame
+                )
                 hit.append(t)
     return bytes(data), hit
 
@@ -237,8 +472,13 @@ print(mib)
 """
 
 
-def tokenize_peak_mib(seconds: int, folder, size: int = 256, src_fps: int = 4,
-                      vq_config: str = "vq/causal3d-hour.yaml") -> float:
+def tokenize_peak_mib(
+    seconds: int,
+    folder,
+    size: int = 256,
+    src_fps: int = 4,
+    vq_config: str = "vq/causal3d-hour.yaml",
+) -> float:
     """Peak resident memory (MiB above the start, PyAV and torch already imported) of
     ``tokenize_shard`` over one raw sample: a ``seconds``-long size x size mp4 of moving shapes
     (src_fps frames a second, a keyframe every 2 s), sampled at 1 fps and encoded by a random VQ
@@ -260,10 +500,16 @@ def tokenize_peak_mib(seconds: int, folder, size: int = 256, src_fps: int = 4,
     folder.mkdir(parents=True, exist_ok=True)
     raw = folder / f"raw-{seconds}s-{size}.tar"
     if not raw.exists():
-        video = write_mp4((moving_shapes_video(10 * src_fps, size, seed=s) for s in range(0, seconds, 10)),
-                          src_fps, gop=2 * src_fps)
+        video = write_mp4(
+            (moving_shapes_video(10 * src_fps, size, seed=s) for s in range(0, seconds, 10)),
+            src_fps,
+            gop=2 * src_fps,
+        )
         with tarfile.open(raw, "w") as tf:
-            for name, blob in (("clip.mp4", video), ("clip.json", json.dumps({"caption": "shapes"}).encode())):
+            for name, blob in (
+                ("clip.mp4", video),
+                ("clip.json", json.dumps({"caption": "shapes"}).encode()),
+            ):
                 info = tarfile.TarInfo(name)
                 info.size = len(blob)
                 tf.addfile(info, io.BytesIO(blob))
@@ -273,9 +519,20 @@ def tokenize_peak_mib(seconds: int, folder, size: int = 256, src_fps: int = 4,
         VQModel(from_dict(VQConfig, load_yaml(resolve_config_path(vq_config)))).save(vq_dir)
     out = folder / f"tok-{seconds}s-{size}.tar"
     out.unlink(missing_ok=True)
-    done = subprocess.run([sys.executable, "-c", _PEAK, str(vq_dir), str(raw), str(out),
-                           os.path.dirname(os.path.dirname(os.path.abspath(__file__)))], capture_output=True,
-                          text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _PEAK,
+            str(vq_dir),
+            str(raw),
+            str(out),
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     if done.returncode != 0:
         raise RuntimeError(f"the memory probe failed: {done.stderr[-2000:]}")
     return float(done.stdout.strip().splitlines()[-1])

@@ -39,7 +39,10 @@ SCENES: dict[str, tuple[tuple[str, str], ...]] = {
     "chelsea": (("skimage", "data/chelsea.png"),),
     "coffee": (("skimage", "data/coffee.png"),),
     "rocket": (("skimage", "data/rocket.jpg"),),
-    "motorcycle": (("skimage", "data/motorcycle_left.png"), ("skimage", "data/motorcycle_right.png")),
+    "motorcycle": (
+        ("skimage", "data/motorcycle_left.png"),
+        ("skimage", "data/motorcycle_right.png"),
+    ),
     "hubble": (("skimage", "data/hubble_deep_field.jpg"),),
     "ihc": (("skimage", "data/ihc.png"),),
     "retina": (("skimage", "data/retina.jpg"),),
@@ -54,8 +57,10 @@ SCENES: dict[str, tuple[tuple[str, str], ...]] = {
 }
 HELDOUT_SCENES: tuple[str, ...] = ("chelsea", "coffee", "grace_hopper")
 """Held-out photographs: a cat's face, a cup on a table, a portrait in front of a flag."""
-INSTALL_HINT = ("install scikit-image (`pip install scikit-image`, or the project's dev extra: "
-                "`pip install -e '.[dev]'`); matplotlib's sample data adds one more photograph")
+INSTALL_HINT = (
+    "install scikit-image (`pip install scikit-image`, or the project's dev extra: "
+    "`pip install -e '.[dev]'`); matplotlib's sample data adds one more photograph"
+)
 
 
 class PhotosNotFoundError(FileNotFoundError):
@@ -97,7 +102,9 @@ def find_photos(scenes: Optional[Sequence[str]] = None) -> dict[str, list[Path]]
         if files:
             found[name] = files
     if not found:
-        raise PhotosNotFoundError(f"no photographs found for the real-video scenes {names}: {INSTALL_HINT}")
+        raise PhotosNotFoundError(
+            f"no photographs found for the real-video scenes {names}: {INSTALL_HINT}"
+        )
     return found
 
 
@@ -107,8 +114,10 @@ def split_scenes(heldout: Sequence[str] = HELDOUT_SCENES) -> tuple[list[str], li
     held = [s for s in found if s in set(heldout)]
     train = [s for s in found if s not in set(heldout)]
     if not train or not held:
-        raise PhotosNotFoundError(f"need photographs on both sides of the split, found training scenes "
-                                  f"{train} and held-out scenes {held}: {INSTALL_HINT}")
+        raise PhotosNotFoundError(
+            f"need photographs on both sides of the split, found training scenes "
+            f"{train} and held-out scenes {held}: {INSTALL_HINT}"
+        )
     return train, held
 
 
@@ -138,7 +147,9 @@ class Camera:
         if not 0 <= self.max_roll_deg <= 10:
             raise ValueError(f"max_roll_deg must be in [0, 10], got {self.max_roll_deg}")
         if not 0 < self.period_frames[0] <= self.period_frames[1]:
-            raise ValueError(f"period_frames must be positive and increasing, got {self.period_frames}")
+            raise ValueError(
+                f"period_frames must be positive and increasing, got {self.period_frames}"
+            )
 
 
 def camera_path(num_frames: int, rng: np.random.Generator, camera: Camera = Camera()) -> np.ndarray:
@@ -162,8 +173,9 @@ def camera_path(num_frames: int, rng: np.random.Generator, camera: Camera = Came
     return out
 
 
-def pan_zoom_video(photo: np.ndarray, num_frames: int, size: int = 64, *, seed: int = 0,
-                   camera: Camera = Camera()) -> np.ndarray:
+def pan_zoom_video(
+    photo: np.ndarray, num_frames: int, size: int = 64, *, seed: int = 0, camera: Camera = Camera()
+) -> np.ndarray:
     """Frames a camera sees moving over `photo` (uint8 (H, W, 3)): uint8 (num_frames, size, size, 3).
 
     Each frame is the view's square region, rolled, resampled to size x size with an antialiased
@@ -181,10 +193,12 @@ def pan_zoom_video(photo: np.ndarray, num_frames: int, size: int = 64, *, seed: 
     path = camera_path(num_frames, np.random.default_rng(seed), camera)
     img = torch.from_numpy(photo).permute(2, 0, 1).float()[None]  # (1, 3, H, W)
     frames = np.empty((num_frames, size, size, 3), np.uint8)
-    pix = (torch.arange(size, dtype=torch.float64) + 0.5 - size / 2)  # output pixel centres
+    pix = torch.arange(size, dtype=torch.float64) + 0.5 - size / 2  # output pixel centres
     for i, (ux, uy, zoom, roll) in enumerate(path):
         side = zoom * short  # the view's side in photo pixels
-        half = side / 2 * (abs(math.cos(roll)) + abs(math.sin(roll)))  # half-extent of the rolled view
+        half = (
+            side / 2 * (abs(math.cos(roll)) + abs(math.sin(roll)))
+        )  # half-extent of the rolled view
         cx = half + ux * max(w - 2 * half, 0.0)
         cy = half + uy * max(h - 2 * half, 0.0)
         # crop a margin around the view, resize it to the output's scale, then rotate-sample
@@ -192,8 +206,13 @@ def pan_zoom_video(photo: np.ndarray, num_frames: int, size: int = 64, *, seed: 
         y0, y1 = max(0, int(cy - half) - 2), min(h, int(math.ceil(cy + half)) + 2)
         scale = size / side
         rh, rw = max(2, round((y1 - y0) * scale)), max(2, round((x1 - x0) * scale))
-        crop = F.interpolate(img[:, :, y0:y1, x0:x1], size=(rh, rw), mode="bilinear",
-                             antialias=True, align_corners=False)
+        crop = F.interpolate(
+            img[:, :, y0:y1, x0:x1],
+            size=(rh, rw),
+            mode="bilinear",
+            antialias=True,
+            align_corners=False,
+        )
         sy, sx = rh / (y1 - y0), rw / (x1 - x0)  # the exact scales after rounding
         ccx, ccy = (cx - x0) * sx, (cy - y0) * sy
         c, s = math.cos(roll), math.sin(roll)
@@ -210,9 +229,17 @@ def _scene_seed(seed: int, scene: str, index: int) -> list[int]:
     return [seed, zlib.crc32(scene.encode()), index]
 
 
-def real_videos(split: str = "train", *, videos_per_scene: int = 2, num_frames: int = 48, size: int = 64,
-                seed: int = 0, camera: Camera = Camera(), scenes: Optional[Sequence[str]] = None,
-                heldout: Sequence[str] = HELDOUT_SCENES) -> list[np.ndarray]:
+def real_videos(
+    split: str = "train",
+    *,
+    videos_per_scene: int = 2,
+    num_frames: int = 48,
+    size: int = 64,
+    seed: int = 0,
+    camera: Camera = Camera(),
+    scenes: Optional[Sequence[str]] = None,
+    heldout: Sequence[str] = HELDOUT_SCENES,
+) -> list[np.ndarray]:
     """Videos over the photographs of `split` ("train", "heldout" or "all"): uint8 (T, size, size, 3) each.
 
     `videos_per_scene` camera paths per scene; a scene with several photographs (a stereo pair)
@@ -227,7 +254,9 @@ def real_videos(split: str = "train", *, videos_per_scene: int = 2, num_frames: 
     found = find_photos(scenes)
     missing = [s for s in scenes if s not in found]
     if missing:
-        raise PhotosNotFoundError(f"photographs of scene(s) {missing} are not installed: {INSTALL_HINT}")
+        raise PhotosNotFoundError(
+            f"photographs of scene(s) {missing} are not installed: {INSTALL_HINT}"
+        )
     videos = []
     photos: dict[Path, np.ndarray] = {}
     for scene in scenes:
@@ -241,8 +270,9 @@ def real_videos(split: str = "train", *, videos_per_scene: int = 2, num_frames: 
     return videos
 
 
-def write_real_videos(out_dir, split: str = "train", *, fmt: str = "mp4", fps: float = 8.0,
-                      crf: int = 18, **kwargs) -> list[Path]:
+def write_real_videos(
+    out_dir, split: str = "train", *, fmt: str = "mp4", fps: float = 8.0, crf: int = 18, **kwargs
+) -> list[Path]:
     """Encode `real_videos(split, **kwargs)` as files in out_dir: `<scene>_<k>.mp4` (h264) or .webm (VP9).
 
     Returns the paths written. The files are real lossy encodes (yuv420p), as a camera's would be.
@@ -283,7 +313,9 @@ def _write_webm(video: np.ndarray, fps: float, dst: Path, crf: int) -> None:
         stream.thread_count = 1
         stream.options = {"crf": str(crf), "b": "0", "deadline": "realtime", "cpu-used": "8"}
         for img in video:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")):
+            for packet in stream.encode(
+                av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")
+            ):
                 container.mux(packet)
         for packet in stream.encode(None):
             container.mux(packet)

@@ -17,5 +17,7 @@ def moving_shapes_video(num_frames: int, size: int = 64, seed: int = 0) -> np.nd
     t = np.arange(num_frames, dtype=np.float64)
     out = np.zeros((num_frames, size, size, 3), np.uint8)
     for shape in [random_shape(rng, size) for _ in range(2)]:
-        out[_shape_mask(shape, *shape.centre(t, size), size)] = np.asarray(COLOURS[shape.colour], np.uint8)
+        out[_shape_mask(shape, *shape.centre(t, size), size)] = np.asarray(
+            COLOURS[shape.colour], np.uint8
+        )
     return out
