@@ -5,6 +5,7 @@ that both run it (docs/inference.md, "Python API" and "Chunked prefill").
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -15,19 +16,53 @@ from torch import Tensor
 from longvideo.model import KVCache, Transformer
 
 
+GREEDY_BELOW = 1e-5
+"""A temperature below this is greedy decoding (vLLM's `_SAMPLING_EPS`)."""
+MIN_TEMPERATURE = 1e-2
+"""A sampling temperature is at least this (vLLM's `_MAX_TEMP`): lower ones are raised to it."""
+
+
+def clamp_temperature(temperature: float) -> float:
+    """The temperature sampling uses: 0 (greedy) below GREEDY_BELOW, else at least MIN_TEMPERATURE."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    return 0.0 if temperature < GREEDY_BELOW else max(temperature, MIN_TEMPERATURE)
+
+
 def sample_token(
     logits: Tensor,
     temperature: float = 0.0,
     top_p: float = 1.0,
     generator: Optional[torch.Generator] = None,
+    top_k: int = 0,
 ) -> Tensor:
-    """One token per row of logits (B, V) -> (B,) long: the argmax at temperature 0, else a sample of
-    softmax(logits / temperature) over the smallest set of most likely tokens whose mass reaches top_p."""
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    """One token per row of logits (B, V) -> (B,) long: the argmax when greedy, else a sample of
+    softmax(logits / temperature) over the `top_k` most likely tokens (0: all) and, of those, the
+    smallest set whose mass reaches top_p.
+
+    Clamped as vLLM does: a temperature below 1e-5 is greedy, one below 1e-2 is raised to 1e-2.
+    The sampling never sees NaN or infinity: NaN logits count as -inf, +inf ones are the only
+    candidates of their row, and the logits are shifted by their row's maximum before dividing by
+    the temperature. A row with no finite logit at all raises ValueError (a broken model)."""
+    if not 0 < top_p <= 1:
+        raise ValueError(f"need 0 < top_p <= 1, got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"need top_k >= 0 (0: every token), got {top_k}")
+    temperature = clamp_temperature(temperature)
+    x = torch.nan_to_num(logits.float(), nan=-math.inf)  # (B, V)
+    top = x.amax(dim=-1, keepdim=True)
+    if bool(torch.isneginf(top).any()):
+        raise ValueError("the model gave a row of logits with no finite value (NaN or -inf)")
+    inf_rows = torch.isposinf(top)
+    # a row with +inf logits: those tokens alone, equally likely; else shift by the row's maximum
+    x = torch.where(inf_rows, torch.where(torch.isposinf(x), 0.0, -math.inf), x - top)
     if temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
+        return x.argmax(dim=-1)
+    x = x / temperature  # <= 0 everywhere, 0 at the maximum: softmax is finite
+    if 0 < top_k < x.shape[-1]:
+        kth = x.topk(top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, -math.inf)
+    probs = torch.softmax(x, dim=-1)
     if top_p < 1:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # drop a token when the tokens ranked above it already carry top_p: the first token stays
@@ -174,9 +209,11 @@ class CachedEngine:
         stop_ids: Sequence[int] = (),
         generator: Optional[torch.Generator] = None,
         vocab_limit: Optional[int] = None,
+        top_k: int = 0,
     ) -> Generation:
         """Prefill ids (B, Q >= 1) after the prefix and decode (collective for the sequence-parallel
-        engine); the cache returns to the prefix after. vocab_limit: sample only ids below it."""
+        engine); the cache returns to the prefix after. vocab_limit: sample only ids below it; top_k:
+        only the k most likely (0: all; `sample_token`)."""
         if self.cache is None:
             raise RuntimeError("set_prefix must be called before generate")
         Q = ids.shape[1]
@@ -191,7 +228,7 @@ class CachedEngine:
 
         def pick(logits: Tensor) -> Tensor:
             return self._pick(
-                sample_token(logits[..., :vocab_limit], temperature, top_p, generator)
+                sample_token(logits[..., :vocab_limit], temperature, top_p, generator, top_k)
             )
 
         tokens = decode_loop(
