@@ -1,17 +1,24 @@
-"""The OpenAI chat-completions request as `longvideo serve` reads it, and the video it names; every
-refusal is an `ApiError` with its HTTP status and the field it is about (docs/serving.md)."""
+"""The OpenAI chat-completions request as `longvideo serve` reads it: pydantic models of the body,
+the checks the schema cannot say (roles alternate, one video in the first message), and the
+sampling settings validated and clamped as vLLM does. Every refusal is an `ApiError` with its HTTP
+status and the field it is about (docs/serving.md, "The API"; docs/security.md)."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+from longvideo.infer.generation import clamp_temperature
+
+INT64 = (-(2**63), 2**63 - 1)
+MAX_STOP_CHARS = 256
+"""Longest stop string (characters)."""
+MAX_SALT_CHARS = 256
+"""Longest `cache_salt`."""
 
 
 class ApiError(Exception):
@@ -23,11 +30,150 @@ class ApiError(Exception):
         super().__init__(f"{param}: {message}" if param else message)
         self.status, self.param, self.headers = status, param, headers or {}
 
-    def body(self) -> dict:
+    def body(self, request_id: Optional[str] = None) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {
-            "error": {"message": str(self), "type": kind, "param": self.param, "code": self.status}
-        }
+        err = {"message": str(self), "type": kind, "param": self.param, "code": self.status}
+        if request_id is not None:
+            err["request_id"] = request_id
+        return {"error": err}
+
+
+class _Strict(BaseModel):
+    """Strict types (no "1" for 1, no true for 1), no NaN or infinity; unknown fields ignored, as
+    the OpenAI servers ignore the options they do not implement."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, frozen=True)
+
+
+class VideoURL(_Strict):
+    url: str = Field(min_length=1)
+
+
+class ContentPart(_Strict):
+    model_config = ConfigDict(extra="allow")  # image_url, input_audio ...: refused by name below
+    type: str
+    text: Optional[str] = None
+    video_url: Optional[VideoURL] = None
+
+    @field_validator("video_url", mode="before")
+    @classmethod
+    def _url_string(cls, v: Any) -> Any:
+        return {"url": v} if isinstance(v, str) else v
+
+
+class Message(_Strict):
+    role: str
+    content: list[ContentPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [{"type": "text", "text": v}]
+        if not isinstance(v, list):
+            raise PydanticCustomError("content", "must be a string or a list of content parts")
+        return v
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatCompletionBody(_Strict):
+    """The body of POST /v1/chat/completions, as far as this server reads it."""
+
+    messages: list[Message] = Field(min_length=1)
+    model: Optional[str] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    max_tokens: Optional[int] = Field(None, ge=1, le=INT64[1])
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=INT64[1])
+    temperature: Optional[float] = Field(None, ge=0)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1, le=INT64[1])
+    seed: Optional[int] = Field(None, ge=INT64[0], le=INT64[1])
+    stop: Optional[list[str]] = Field(None, max_length=4)
+    n: Optional[int] = Field(None, ge=1, le=1)
+    fps: Optional[float] = Field(None, gt=0, le=1000)
+    max_frames: Optional[int] = Field(None, ge=1, le=INT64[1])
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: Optional[list[str]]) -> Optional[list[str]]:
+        if v is not None and not all(0 < len(s) <= MAX_STOP_CHARS for s in v):
+            raise PydanticCustomError(
+                "stop",
+                f"must be a non-empty string or a list of up to 4 of them, each at most "
+                f"{MAX_STOP_CHARS} characters",
+            )
+        return v
+
+
+_MESSAGES = {
+    "missing": "is required",
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "finite_number": "must be a finite number",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+}
+
+
+def _where(loc: tuple) -> str:
+    """('messages', 0, 'content', 1, 'video_url', 'url') -> 'messages[0].content[1].video_url.url'."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "body"
+
+
+def _explain(err: dict) -> str:
+    kind, ctx = err["type"], err.get("ctx") or {}
+    if err["loc"] == ("messages",) and kind in ("missing", "too_short", "list_type"):
+        return "must be a non-empty list"
+    if kind in _MESSAGES:
+        return _MESSAGES[kind]
+    bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<="}
+    if kind in bounds:
+        value = next(iter(ctx.values()), "?")
+        if err["loc"] == ("n",):
+            return "only 1 is supported"
+        shown = f"{value:g}" if isinstance(value, float) else value
+        return f"must be {bounds[kind]} {shown}"
+    if kind == "string_too_short":
+        return "must be a non-empty string"
+    if kind == "too_short":
+        return "must not be empty"
+    if kind == "too_long":
+        return f"must have at most {ctx.get('max_length')} items"
+    if kind == "string_too_long":
+        return f"must be at most {ctx.get('max_length')} characters"
+    return err["msg"]  # a custom error's own message, or pydantic's
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one answer is sampled, after validation and clamping (`resolve_sampling`)."""
+
+    temperature: float = 0.0
+    """0: greedy (any temperature below 1e-5); otherwise at least 1e-2."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0: every token."""
+    seed: int = 0
+    max_tokens: int = 64
 
 
 @dataclass
@@ -47,6 +193,10 @@ class ChatRequest:
     fps: Optional[float] = None
     """Extensions (openai-python: extra_body): fps and max_frames, else the server's --fps, --max-frames."""
     max_frames: Optional[int] = None
+    top_k: Optional[int] = None
+    """vLLM's extension: -1 or 0 for every token."""
+    cache_salt: Optional[str] = None
+    """vLLM's extension: requests with different salts never share a cache."""
 
 
 def _check(ok: bool, param: str, message: str) -> None:
@@ -54,54 +204,20 @@ def _check(ok: bool, param: str, message: str) -> None:
         raise ApiError(400, message, param)
 
 
-def _number(
-    body: dict,
-    key: str,
-    integer: bool = False,
-    low: Optional[float] = None,
-    high: Optional[float] = None,
-    open_low: bool = False,
-):
-    """body[key] (None when absent), checked to be a number (an integer) in range."""
-    v = body.get(key)
-    if v is not None:
-        _check(
-            isinstance(v, int if integer else (int, float)) and not isinstance(v, bool),
-            key,
-            f"must be {'an integer' if integer else 'a number'}",
-        )
-        _check(
-            low is None or (v > low if open_low else v >= low),
-            key,
-            f"must be {'>' if open_low else '>='} {low}",
-        )
-        _check(high is None or v <= high, key, f"must be <= {high}")
-    return v
-
-
-def _content(content, where: str, user: bool) -> tuple[str, list[tuple[str, str]]]:
+def _text(parts: list[ContentPart], where: str, user: bool) -> tuple[str, list[tuple[str, str]]]:
     """A message's text and its video URLs [(url, field)]."""
-    if isinstance(content, str):
-        return content.strip(), []
-    _check(isinstance(content, list), where, "must be a string or a list of content parts")
     texts, videos = [], []
-    for j, part in enumerate(content):
-        at, kind = f"{where}[{j}]", part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
-            _check(isinstance(part.get("text"), str), f"{at}.text", "must be a string")
-            texts.append(part["text"].strip())
-        elif kind == "video_url" and user:
-            url = part.get("video_url")
-            url = url.get("url") if isinstance(url, dict) else url
-            _check(
-                isinstance(url, str) and bool(url),
-                f"{at}.video_url.url",
-                "must be a non-empty string",
-            )
-            videos.append((url, f"{at}.video_url.url"))
+    for j, part in enumerate(parts):
+        at = f"{where}[{j}]"
+        if part.type == "text":
+            _check(part.text is not None, f"{at}.text", "must be a string")
+            texts.append(part.text.strip())
+        elif part.type == "video_url" and user:
+            _check(part.video_url is not None, f"{at}.video_url.url", "must be a non-empty string")
+            videos.append((part.video_url.url, f"{at}.video_url.url"))
         else:
             allowed = "text and video_url" if user else "text"
-            _check(False, f"{at}.type", f"{kind!r} is not supported here ({allowed} parts)")
+            _check(False, f"{at}.type", f"{part.type!r} is not supported here ({allowed} parts)")
     return "\n".join(t for t in texts if t), videos
 
 
@@ -109,28 +225,32 @@ def parse_request(raw: bytes) -> ChatRequest:
     """Check a chat-completions body; ApiError(400) naming the field otherwise."""
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not JSON: {e}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise ApiError(400, f"the request body is not JSON: {reason}") from None
     _check(isinstance(body, dict), "body", "must be a JSON object")
-    msgs = body.get("messages")
-    _check(isinstance(msgs, list) and len(msgs) > 0, "messages", "must be a non-empty list")
+    try:
+        req = ChatCompletionBody.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        raise ApiError(400, _explain(err), _where(err["loc"])) from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
     turns, videos = [], []
-    for i, m in enumerate(msgs):
-        role, want = (
-            m.get("role") if isinstance(m, dict) else None,
-            "assistant" if i % 2 else "user",
-        )
+    for i, m in enumerate(req.messages):
+        want = "assistant" if i % 2 else "user"
         _check(
-            role not in ("system", "developer"),
+            m.role not in ("system", "developer"),
             f"messages[{i}].role",
-            f"{role!r} messages are not supported: the model's prompt template has no place for them",
+            f"{m.role!r} messages are not supported: the model's prompt template has no place for "
+            "them",
         )
         _check(
-            role == want,
+            m.role == want,
             f"messages[{i}].role",
             f"must be {want!r}: messages alternate user and assistant",
         )
-        text, found = _content(m.get("content"), f"messages[{i}].content", role == "user")
+        text, found = _text(m.content, f"messages[{i}].content", m.role == "user")
         if found:
             _check(
                 i == 0 and len(found) == 1,
@@ -138,136 +258,52 @@ def parse_request(raw: bytes) -> ChatRequest:
                 "one video per conversation, in the first user message",
             )
             videos = found
-        if role == "user":
+        if m.role == "user":
             _check(bool(text), f"messages[{i}].content", "has no text: ask a question")
             turns.append((text, None))
         else:
             turns[-1] = (turns[-1][0], text)
-    _check(
-        len(msgs) % 2 == 1, f"messages[{len(msgs) - 1}].role", "the last message must be the user's"
-    )
+    n = len(req.messages)
+    _check(n % 2 == 1, f"messages[{n - 1}].role", "the last message must be the user's")
     _check(
         bool(videos),
         "messages[0].content",
         "has no video_url part: the model answers questions about a video",
     )
-    _check(body.get("n", 1) == 1, "n", "only 1 is supported")
-    _check(isinstance(body.get("model", ""), str), "model", "must be a string")
-    _check(isinstance(body.get("stream", False), bool), "stream", "must be true or false")
-    opts = body.get("stream_options") or {}
-    _check(isinstance(opts, dict), "stream_options", "must be an object")
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    _check(
-        isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop),
-        "stop",
-        "must be a non-empty string or a list of up to 4 of them",
-    )
-    max_tokens = _number(body, "max_completion_tokens", True, 1) or _number(
-        body, "max_tokens", True, 1
-    )
     return ChatRequest(
-        turns,
-        videos[0][0],
-        videos[0][1],
-        body.get("model"),
-        body.get("stream", False),
-        bool(opts.get("include_usage")),
-        max_tokens,
-        _number(body, "temperature", low=0),
-        _number(body, "top_p", low=0, high=1, open_low=True),
-        _number(body, "seed", True),
-        stop,
-        _number(body, "fps", low=0, open_low=True),
-        _number(body, "max_frames", True, 1),
+        turns=turns,
+        video_url=videos[0][0],
+        video_field=videos[0][1],
+        model=req.model,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        max_tokens=req.max_completion_tokens or req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        stop=list(req.stop or []),
+        fps=req.fps,
+        max_frames=req.max_frames,
+        top_k=req.top_k,
+        cache_salt=req.cache_salt,
     )
 
 
-@dataclass(frozen=True)
-class MediaPolicy:
-    max_bytes: int
-    """Largest video accepted (413 above it)."""
-    media_dir: Optional[Path] = None
-    """file:// URLs are read from inside it only (403 otherwise, and without it)."""
-    allow_remote: bool = False
-    """http(s) URLs are fetched only when set (403 otherwise)."""
-    timeout_s: float = 30.0
-
-
-IMAGES = {b"\x89PNG": "a PNG image", b"\xff\xd8\xff": "a JPEG image", b"BM": "a BMP image"}
-"""Still images FFmpeg would read as one-frame videos: refused (an animated GIF is a video)."""
-
-
-def load_video(url: str, where: str, policy: MediaPolicy) -> bytes:
-    """The bytes of the video at `url` within the policy; ApiError otherwise."""
-    data = _fetch(url, where, policy)
-    kind = next((k for magic, k in IMAGES.items() if data.startswith(magic)), None)
-    kind = kind or ("a WebP image" if data[:4] == b"RIFF" and data[8:12] == b"WEBP" else None)
-    _check(kind is None, where, f"this is {kind}, not a video")
-    return data
-
-
-def _fetch(url: str, where: str, policy: MediaPolicy) -> bytes:
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-
-    def size_ok(n: int) -> None:
-        if n > policy.max_bytes:
-            raise ApiError(
-                413,
-                f"the video is {n / 2**20:.1f} MiB, over the server's limit of "
-                f"{policy.max_bytes / 2**20:.1f} MiB (--max-upload-mb)",
-                where,
-            )
-
-    if scheme == "data":
-        head, _, payload = url.partition(",")
-        _check(
-            head.lower().endswith(";base64"), where, "a data URL must be data:video/...;base64,..."
-        )
-        _check(
-            head[5:].lower().startswith("video/"),
-            where,
-            f"a data URL must hold a video, not {head[5:].split(';')[0]!r}",
-        )
-        size_ok(len(payload) * 3 // 4)
-        try:
-            return base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise ApiError(400, f"the data URL is not valid base64: {e}", where) from None
-    if scheme == "file":
-        if policy.media_dir is None:
-            raise ApiError(
-                403, "file:// URLs are refused: the server was started without --media-dir", where
-            )
-        rest = url[5:].split("?", 1)[0].split("#", 1)[0]
-        rest = rest[2:] if rest.startswith("//") else rest  # file:///abs, file://rel
-        path = Path(urllib.parse.unquote(rest))
-        root = policy.media_dir.resolve()
-        full = (root / path).resolve()  # an absolute path replaces the root
-        if ".." in path.parts or not full.is_relative_to(root):
-            raise ApiError(
-                403,
-                "a file:// path may not contain '..'"
-                if ".." in path.parts
-                else "the file is outside --media-dir",
-                where,
-            )
-        if not full.is_file():
-            raise ApiError(404, "no such file in --media-dir", where)
-        size_ok(full.stat().st_size)
-        return full.read_bytes()
-    if scheme in ("http", "https"):
-        if not policy.allow_remote:
-            raise ApiError(
-                403, "remote media are refused: start the server with --allow-remote-media", where
-            )
-        try:
-            with urllib.request.urlopen(url, timeout=policy.timeout_s) as r:
-                data = r.read(policy.max_bytes + 1)
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise ApiError(400, f"cannot fetch the video: {e}", where) from None
-        size_ok(len(data))
-        return data
-    raise ApiError(
-        400, "must be a data:video/...;base64, URL, a file:// path or an http(s) URL", where
+def resolve_sampling(
+    req: ChatRequest, *, temperature: float, top_p: float, seed: int, max_tokens: int, cap: int
+) -> Sampling:
+    """The request's sampling, the server's defaults (the model's `infer:` settings) where it says
+    nothing, clamped as vLLM's SamplingParams clamps: a temperature below 1e-5 is greedy (top_p and
+    top_k then do nothing), one below 1e-2 is raised to 1e-2; top_k -1 is 0 (every token).
+    `max_tokens` above `cap` (--max-tokens) is refused, naming the field."""
+    asked = req.max_tokens if req.max_tokens is not None else min(max_tokens, cap)
+    _check(asked <= cap, "max_tokens", f"must be <= {cap} (the server's --max-tokens)")
+    t = clamp_temperature(temperature if req.temperature is None else req.temperature)
+    greedy = t == 0
+    return Sampling(
+        temperature=t,
+        top_p=1.0 if greedy else (top_p if req.top_p is None else req.top_p),
+        top_k=0 if greedy or req.top_k is None else max(0, req.top_k),
+        seed=seed if req.seed is None else req.seed,
+        max_tokens=asked,
     )
