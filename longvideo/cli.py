@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "chat": ("longvideo.infer.cli:chat_main", "answer questions about a video"),
     "serve": (
-        "longvideo.infer.serve:main",
+        "longvideo.infer.serve_cli:main",
         "an OpenAI-compatible chat server about videos, with a web page",
     ),
     "eval": ("longvideo.infer.cli:eval_main", "QA accuracy and needle-in-a-haystack evaluations"),

@@ -99,19 +99,19 @@ class Server:
         with urllib.request.urlopen(self.url + path, timeout=30) as r:
             return json.loads(r.read())
 
-    def post(self, body, raw: bool = False) -> tuple[int, dict, dict]:
-        """POST /v1/chat/completions; (status, JSON, headers)."""
+    def post(self, body, raw: bool = False, headers: dict | None = None) -> tuple[int, dict, dict]:
+        """POST /v1/chat/completions; (status, JSON, headers (case-insensitive))."""
         data = body if raw else json.dumps(body).encode()
         req = urllib.request.Request(
             self.url + "/v1/chat/completions",
             data=data,
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **(headers or {})},
         )
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
-                return r.status, json.loads(r.read()), dict(r.headers)
+                return r.status, json.loads(r.read()), r.headers
         except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read()), dict(e.headers)
+            return e.code, json.loads(e.read()), e.headers
 
     def written(self) -> list[str]:
         """Files the server left in its working directory, home or temporary directory (importing
@@ -471,8 +471,8 @@ def test_queue_full_is_429_and_a_client_that_leaves_frees_its_slot(server, mater
     # a client that disconnects mid-stream: generation stops (counted as cancelled), the server goes on
     before = server.get("/health")
     conn, r = _slow_stream(server, url)
-    assert r.status == 200 and r.fp.readline().startswith(b"data: ")
-    r.close()  # the response owns the socket (Connection: close): this hangs up
+    assert r.status == 200 and r.readline().startswith(b"data: ")
+    r.close()  # this hangs up
     conn.close()
     deadline = time.time() + 60
     while (h := server.get("/health"))["busy"] or h["cancelled"] == before["cancelled"]:
@@ -543,7 +543,7 @@ def test_one_rank_failing_at_start_up_stops_every_rank(material, tmp_path):
     shim.write_text(
         textwrap.dedent("""\
         import os, sys
-        from longvideo.infer import serve
+        from longvideo.infer import serve_cli as serve
         load = serve.load_model
 
 
