@@ -44,7 +44,18 @@ def _one_thread(one_thread):
 class Server:
     """`python -m longvideo serve ...` (or under torchrun) on a free port, in an empty working directory."""
 
-    def __init__(self, model, root: Path, *args: str, nproc: int = 1, timeout: float = 240):
+    def __init__(
+        self,
+        model,
+        root: Path,
+        *args: str,
+        nproc: int = 1,
+        timeout: float = 240,
+        api_key: str = "none",
+        entry: list[str] | None = None,
+        env: dict | None = None,
+    ):
+        """entry: what runs instead of `-m longvideo serve` (a script that takes serve's flags)."""
         self.home = root / "home"
         for d in (self.home, root / "cwd", root / "tmp"):
             d.mkdir(parents=True, exist_ok=True)
@@ -54,6 +65,7 @@ class Server:
             TMPDIR=str(root / "tmp"),
             OMP_NUM_THREADS="1",
             PYTHONPATH=str(REPO),
+            **(env or {}),
         )
         launch = (
             [sys.executable, "-m", "longvideo"]
@@ -69,8 +81,12 @@ class Server:
             ]
         )
         self.dirs = [self.home, root / "cwd", root / "tmp"]
+        if entry is not None:
+            launch = [*launch[:-2], *entry] if nproc > 1 else [sys.executable, *entry]
+        else:
+            launch = [*launch, "serve"]
         self.proc = subprocess.Popen(
-            [*launch, "serve", "--model", str(model), "--port", "0", "--quiet", *args],
+            [*launch, "--model", str(model), "--port", "0", "--quiet", *args],
             cwd=root / "cwd",
             env=env,
             stdout=subprocess.PIPE,
@@ -84,7 +100,7 @@ class Server:
             self.stop()
             raise AssertionError("the server did not start:\n" + "".join(self.lines))
         self.client = openai.OpenAI(
-            base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120
+            base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120
         )
 
     def _read(self, got: threading.Event) -> None:
@@ -95,8 +111,9 @@ class Server:
                 self.url = m.group(1)
                 got.set()
 
-    def get(self, path: str) -> dict:
-        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+    def get(self, path: str, headers: dict | None = None) -> dict:
+        req = urllib.request.Request(self.url + path, headers=headers or {})
+        with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read())
 
     def post(self, body, raw: bool = False, headers: dict | None = None) -> tuple[int, dict, dict]:

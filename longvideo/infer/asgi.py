@@ -161,9 +161,10 @@ async def send_json(send, status: int, payload: dict, headers: Optional[dict] = 
 
 
 async def refuse(scope, receive, send, err: ApiError) -> None:
-    """Answer `err` (JSON, its headers), the body read to its end first where that is bounded."""
+    """Answer `err` (JSON, its headers), the body read to its end first where that is bounded
+    (not for 408: a client too slow to send its body is not waited for again)."""
     state = scope["state"]
-    complete = await drain(scope, receive, state["body"])
+    complete = err.status != 408 and await drain(scope, receive, state["body"])
     await send_json(
         send, err.status, err.body(state["request_id"]), err.headers, close=not complete
     )

@@ -84,10 +84,10 @@ def is_public(address: str) -> bool:
         ip = ipaddress.ip_address(address.split("%", 1)[0])
     except ValueError:
         return False
-    if not ip.is_global or ip.is_multicast or ip.is_reserved or ip.is_unspecified:
-        return False
     inner = _embedded_v4(ip) if isinstance(ip, ipaddress.IPv6Address) else None
-    return inner is None or is_public(str(inner))
+    if inner is not None:  # where it goes is the IPv4 address it carries
+        return is_public(str(inner))
+    return ip.is_global and not (ip.is_multicast or ip.is_reserved or ip.is_unspecified)
 
 
 def _literal(host: str) -> Optional[str]:
@@ -172,7 +172,7 @@ class _PinnedHTTP(http.client.HTTPConnection):
         self.address = address
 
     def connect(self) -> None:
-        self.sock = socket.create_connection((self.address, self.port), self.timeout)
+        self.sock = self.pinned = socket.create_connection((self.address, self.port), self.timeout)
 
 
 class _PinnedHTTPS(http.client.HTTPSConnection):
@@ -184,7 +184,7 @@ class _PinnedHTTPS(http.client.HTTPSConnection):
 
     def connect(self) -> None:
         sock = socket.create_connection((self.address, self.port), self.timeout)
-        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
+        self.sock = self.pinned = self._context.wrap_socket(sock, server_hostname=self.host)
 
 
 def _too_big(n: int, policy: MediaPolicy, where: str) -> FetchError:
@@ -255,7 +255,7 @@ def _get(t: _Target, address: str, deadline: float, policy, where, cancelled):
         if size is not None and size.isdigit() and int(size) > policy.max_bytes:
             raise _too_big(int(size), policy, where)
         out = bytearray()
-        while chunk := r.read1(CHUNK) if hasattr(r, "read1") else r.read(CHUNK):
+        while chunk := r.read1(CHUNK):
             out += chunk
             if len(out) > policy.max_bytes:
                 raise _too_big(len(out), policy, where)
@@ -266,7 +266,7 @@ def _get(t: _Target, address: str, deadline: float, policy, where, cancelled):
                 raise FetchError(
                     504, f"the download took longer than {policy.timeout_s:g} s", where
                 )
-            conn.sock.settimeout(min(left, 10.0))
+            conn.pinned.settimeout(min(left, 10.0))  # conn.sock may be handed to the response
         return 200, None, bytes(out)
     except FetchError:
         raise
