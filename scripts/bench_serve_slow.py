@@ -9,9 +9,9 @@ The server runs as its own process (`python -m longvideo serve`, its defaults: -
 already encoded (a data: URL, as the page sends it), one request at a time; a trial is the median of
 `--requests` such requests, and each phase is `--trials` trials. The attackers (one thread, one
 selector) open `--slow` connections, send `GET / HTTP/1.1` and then one header byte per connection
-every `--drip` seconds; a connection the server closes (its header deadline) is opened again at once,
-so `--slow` stay open throughout. Quiet and loaded trials alternate. Reported: the median of the
-trials and their spread, and the ratio loaded / quiet. Writes docs/bench/serve_slow.json.
+every `--drip` seconds; a connection the server closes (its header deadline) is opened again at
+once, so `--slow` stay open throughout. Quiet and loaded trials alternate. Reported: the median of
+the trials and their spread, and the ratio loaded / quiet. Writes docs/bench/serve_slow.json.
 """
 
 from __future__ import annotations

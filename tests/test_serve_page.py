@@ -187,3 +187,50 @@ def test_page_uploads_a_video_and_streams_the_apis_answers(material, tmp_path):
     finally:
         browser.close()
         server.stop()
+
+
+def test_page_asks_for_the_api_key_and_sends_it(material, tmp_path):
+    """A server started with --api-key: the page shows its key field, and with the key typed in
+    it asks, streams the answer and shows the thumbnails (fetched with the key too)."""
+    exe = chromium()
+    server = Server(material["ckpt"], material["root"] / "page-key", "--api-key", "k-123")
+    browser = Browser(exe, tmp_path / "profile")
+    try:
+        browser.call("Page.enable")
+        browser.call("Page.navigate", url=server.url + "/")
+        browser.wait(
+            "document.readyState === 'complete' && !document.getElementById('keybox').hidden"
+        )
+        root = browser.call("DOM.getDocument")["root"]["nodeId"]
+        node = browser.call("DOM.querySelector", nodeId=root, selector="#file")["nodeId"]
+        browser.call(
+            "DOM.setFileInputFiles", nodeId=node, files=[str(material["media"] / "clip.mp4")]
+        )
+        browser.wait("!document.getElementById('send').disabled")
+
+        def ask(i: int) -> str:
+            browser.js(
+                f"document.getElementById('q').value = {json.dumps(NEEDLE_QUESTION)};"
+                "document.getElementById('ask').requestSubmit()"
+            )
+            bubble = f"document.querySelectorAll('.assistant')[{i}]"
+            return browser.wait(
+                f"{bubble} && {bubble}.dataset.state !== 'streaming' && {bubble}.dataset.state"
+            )
+
+        assert ask(0) == "error"  # no key yet: the server's 401, shown
+        assert "API key" in browser.js("document.querySelectorAll('.assistant')[0].textContent")
+        browser.js(
+            "const k = document.getElementById('key'); k.value = 'k-123';"
+            "k.dispatchEvent(new Event('change'))"
+        )
+        assert ask(1) == "done"
+        assert (
+            browser.wait(
+                "document.getElementById('thumbs').complete && document.getElementById('thumbs').naturalWidth"
+            )
+            == 6 * 48
+        )
+    finally:
+        browser.close()
+        server.stop()

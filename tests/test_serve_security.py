@@ -103,8 +103,8 @@ class MediaServer:
 
 
 SHIM = textwrap.dedent('''\
-    """`longvideo serve` with two injected failures, for the failure-agreement tests."""
-    import os, sys
+    """`longvideo serve` with injected failures (and a slow model), for the tests that need them."""
+    import os, sys, time
     from longvideo.infer import generation, serve, serve_cli
 
     real_sample, real_prepare = generation.sample_token, serve.Service._prepare
@@ -113,6 +113,8 @@ SHIM = textwrap.dedent('''\
     def sample_token(logits, temperature=0.0, top_p=1.0, generator=None, top_k=0):
         if abs(temperature - 0.777) < 1e-9:  # every rank fails in the same step
             raise FloatingPointError("injected: sampling failed on every rank")
+        if abs(temperature - 0.555) < 1e-9:  # a slow model: 50 ms a token
+            time.sleep(0.05)
         return real_sample(logits, temperature, top_p, generator, top_k)
 
 
@@ -446,7 +448,8 @@ def test_slow_clients_are_cut_off_and_others_are_answered(guarded):
     with socket.create_connection((host, int(port)), timeout=30) as s:
         s.sendall(
             f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer "
-            f"{KEYS[0]}\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{".encode()
+            f"{KEYS[0]}\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+            "{".encode()
         )
         reply = read_all(s)
     assert reply.startswith(b"HTTP/1.1 408 ") and b"--body-timeout" in reply, reply[:300]
@@ -486,7 +489,7 @@ def test_request_deadline_covers_generation_and_500s_carry_only_an_id(open_serve
     s = open_server
     url = "file://clip.mp4"
     before = s.get("/health")
-    long = body(url, max_tokens=900, stop=["never to be seen"])
+    long = body(url, max_tokens=900, temperature=0.555)  # 45 s of tokens, over the 4 s deadline
     err, _ = refused(s, long, 504, None, "--request-timeout")
     code, ok, hdrs = s.post(body(url))
     assert code == 200, ok

@@ -132,7 +132,7 @@ _MESSAGES = {
 
 
 def _where(loc: tuple) -> str:
-    """('messages', 0, 'content', 1, 'video_url', 'url') -> 'messages[0].content[1].video_url.url'."""
+    """('messages', 0, 'content', 1, 'video_url', 'url') -> messages[0].content[1].video_url.url"""
     out = ""
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
@@ -191,7 +191,8 @@ class ChatRequest:
     seed: Optional[int] = None
     stop: list[str] = field(default_factory=list)
     fps: Optional[float] = None
-    """Extensions (openai-python: extra_body): fps and max_frames, else the server's --fps, --max-frames."""
+    """Extensions (openai-python: extra_body): fps and max_frames, else the server's --fps and
+    --max-frames."""
     max_frames: Optional[int] = None
     top_k: Optional[int] = None
     """vLLM's extension: -1 or 0 for every token."""

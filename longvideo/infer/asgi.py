@@ -52,6 +52,8 @@ DRAIN_MAX_BYTES = 64 * 2**20
 """Most bytes of an unwanted body read and discarded before a refusal is sent."""
 DRAIN_MAX_S = 30.0
 """Longest time spent discarding such a body."""
+DRAIN_IDLE_S = 2.0
+"""A client that sends nothing for this long is not sending its body: it is answered at once."""
 EVENT_GRACE_S = 5.0
 """How long past the request's deadline the HTTP side waits for the worker's word."""
 
@@ -128,7 +130,8 @@ async def receive_body(receive, body: BodyState) -> dict:
 
 
 async def drain(scope, receive, body: BodyState) -> bool:
-    """Read and discard the rest of the body (bounded); whether it was read to its end."""
+    """Read and discard the rest of the body (at most DRAIN_MAX_BYTES within DRAIN_MAX_S, while
+    it keeps coming); whether it was read to its end."""
     if body.done:
         return True
     expects = (_header(scope, b"expect") or "").lower() == "100-continue"
@@ -138,13 +141,13 @@ async def drain(scope, receive, body: BodyState) -> bool:
     if declared is not None and declared.isdigit():
         if int(declared) - body.received > DRAIN_MAX_BYTES:
             return False
-    start = body.received
+    start, until = body.received, time.monotonic() + DRAIN_MAX_S
     try:
-        with anyio.fail_after(DRAIN_MAX_S):
-            while not body.done:
+        while not body.done:
+            with anyio.fail_after(max(0.0, min(DRAIN_IDLE_S, until - time.monotonic()))):
                 msg = await receive_body(receive, body)
-                if msg["type"] != "http.request" or body.received - start > DRAIN_MAX_BYTES:
-                    return False
+            if msg["type"] != "http.request" or body.received - start > DRAIN_MAX_BYTES:
+                return False
     except TimeoutError:
         return False
     return True

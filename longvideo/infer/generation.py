@@ -23,7 +23,8 @@ MIN_TEMPERATURE = 1e-2
 
 
 def clamp_temperature(temperature: float) -> float:
-    """The temperature sampling uses: 0 (greedy) below GREEDY_BELOW, else at least MIN_TEMPERATURE."""
+    """The temperature sampling uses: 0 (greedy) below GREEDY_BELOW, else at least
+    MIN_TEMPERATURE."""
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     return 0.0 if temperature < GREEDY_BELOW else max(temperature, MIN_TEMPERATURE)

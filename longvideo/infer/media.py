@@ -63,7 +63,7 @@ class FetchError(ApiError):
 
 
 def _embedded_v4(ip: ipaddress.IPv6Address) -> Optional[ipaddress.IPv4Address]:
-    """The IPv4 address an IPv6 one carries (mapped, 6to4, Teredo, NAT64), which is where it goes."""
+    """The IPv4 address an IPv6 one carries (mapped, 6to4, Teredo, NAT64): where it goes."""
     if ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
     if ip.sixtofour is not None:

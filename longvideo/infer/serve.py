@@ -1,7 +1,8 @@
 """`longvideo serve`, the model side: the settings, the queue of checked requests, one worker that
 answers them a token at a time, the caches (encoded videos and KV caches within one budget), and
 under torchrun the typed messages rank 0 sends the other ranks and the agreement on every request's
-failure (docs/serving.md; the HTTP side is longvideo.infer.asgi, the command longvideo.infer.serve_cli).
+failure (docs/serving.md; the HTTP side is longvideo.infer.asgi, the command
+longvideo.infer.serve_cli).
 
 One request's life on the worker, in named steps: `_encode` (decode and VQ-encode the video, or
 take it from the cache), `_prompt` (the conversation's ids, refused when too long), `_plan` (which
@@ -118,7 +119,8 @@ class ServeSettings:
 
 
 class Stopped(Exception):
-    """A request ended early: the client went away ("cancelled") or its deadline passed ("timeout")."""
+    """A request ended early: the client went away ("cancelled") or its deadline passed
+    ("timeout")."""
 
     def __init__(self, reason: str):
         super().__init__(reason)
@@ -165,7 +167,8 @@ class VideoEntry:
 class KVState:
     engine: Engine
     ids: list[int]
-    """The ids the engine's cache holds; the first `base` (the video part) were prefilled together."""
+    """The ids the engine's cache holds; the first `base` (the video part) were prefilled
+    together."""
     base: int
 
     def nbytes(self) -> int:
@@ -231,7 +234,8 @@ class Kind(IntEnum):
 @dataclass(frozen=True)
 class RankMessage:
     """What rank 0 tells the other ranks, once per request (GENERATE), when idle (IDLE) and at the
-    end (STOP); sent as one int64 array (no pickle), laid out by `encode` and read by `decode` only."""
+    end (STOP); sent as one int64 array (no pickle), laid out by `encode` and read by `decode`
+    only."""
 
     kind: Kind
     request_id: str = ""
@@ -659,7 +663,8 @@ class Service:
         if (n := len(prompt.ids)) + max_tokens > limit:
             k = fit_frames(self.pre, v.num_frames, question, max_tokens, v.duration, history)
             hint = (
-                f"a frame budget of {k} frames would fit (the request's max_frames, or --max-frames)"
+                f"a frame budget of {k} frames would fit (the request's max_frames, or "
+                "--max-frames)"
                 if k
                 else "no frame budget fits: shorten the conversation or lower max_tokens"
             )
