@@ -225,12 +225,8 @@ def test_page_asks_for_the_api_key_and_sends_it(material, tmp_path):
             "k.dispatchEvent(new Event('change'))"
         )
         assert ask(1) == "done"
-        assert (
-            browser.wait(
-                "document.getElementById('thumbs').complete && document.getElementById('thumbs').naturalWidth"
-            )
-            == 6 * 48
-        )
+        thumbs = "document.getElementById('thumbs')"
+        assert browser.wait(f"{thumbs}.complete && {thumbs}.naturalWidth") == 6 * 48
     finally:
         browser.close()
         server.stop()
