@@ -593,6 +593,7 @@ def test_uploads_naming_files_beside_the_server_are_refused(guarded, material):
 # ---------------------------------------------------------------- two ranks
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_survive_failed_requests(material, tmp_path):
     """Under torchrun (2 gloo ranks): temperature 1e-300 is answered (greedy), a failure on every
