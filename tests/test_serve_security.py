@@ -504,6 +504,15 @@ def test_request_deadline_covers_generation_and_500s_carry_only_an_id(open_serve
     assert any(err["request_id"] in line for line in s.lines)
     assert any("injected: sampling failed" in line for line in s.lines)
     err, _ = refused(s, body(url, seed=4242), 500, None, "model's side")
+    # streamed: the deadline ends the stream with an error event
+    host, port = s.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({**long, "stream": True}))
+    r = conn.getresponse()
+    events = [json.loads(x[6:]) for x in r.read().decode().split("\n\n") if x.startswith("data: {")]
+    conn.close()
+    assert r.status == 200 and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-1]["error"]["code"] == 504 and events[-1]["error"]["request_id"]
     code, again, _ = s.post(body(url))
     assert code == 200 and again["choices"][0]["message"] == ok["choices"][0]["message"]
     assert s.get("/health")["status"] == "ok"
@@ -770,3 +779,62 @@ def test_decoding_stops_when_the_client_leaves_or_the_deadline_passes(material):
             svc._encode(job, [], NEEDLE_QUESTION)
         assert e.value.reason == reason
         assert svc.stats.videos_encoded == 0 and svc.caches.nbytes() == 0
+
+
+def test_flags_become_settings_and_bad_ones_are_named(monkeypatch, capsys):
+    from longvideo.infer import serve_cli
+    from longvideo.infer.asgi import _host_ok
+
+    monkeypatch.setenv("LONGVIDEO_API_KEY", ENV_KEY)
+    args = serve_cli.parser().parse_args(["--model", "m", "--api-key", "a", "--host", "0.0.0.0"])
+    s = serve_cli.settings_from_args(args)
+    assert s.api_keys == ("a", ENV_KEY) and s.host_allow_list() is None  # not loopback: any
+    s = serve_cli.settings_from_args(serve_cli.parser().parse_args(["--model", "m"]))
+    assert set(s.host_allow_list()) == {"127.0.0.1", "localhost", "::1"}
+    argv = ["--model", "m", "--allowed-hosts", "*"]
+    assert (
+        serve_cli.settings_from_args(serve_cli.parser().parse_args(argv)).host_allow_list() is None
+    )
+    for bad, flag in (
+        (["--max-queue", "0"], "--max-queue"),
+        (["--request-timeout", "0"], "--request-timeout"),
+        (["--max-tokens", "0"], "--max-tokens"),
+        (["--api-key", ""], "--api-key"),
+        (["--allowed-media-domains", "host:port"], "--allowed-media-domains"),
+        (["--media-timeout", "-1"], "--media-timeout"),
+    ):
+        assert serve_cli.main(["--model", "m", *bad]) == 2
+        assert f"longvideo serve: error: {flag}" in capsys.readouterr().err
+    # Host headers as the allow-list reads them
+    scope = lambda host: {"headers": [(b"host", host.encode())]}  # noqa: E731
+    allowed = ("localhost", "[::1]:8000", "videos.example.org:443")
+    for host, ok in (
+        ("localhost", True),
+        ("LOCALHOST:9", True),
+        ("localhost.:9", True),
+        ("[::1]:8000", True),
+        ("[::1]:8001", False),
+        ("videos.example.org:443", True),
+        ("videos.example.org", False),
+        ("evil.localhost", False),
+        ("", False),
+    ):
+        assert _host_ok(scope(host), allowed) == ok, host
+
+
+def test_health_says_when_the_server_cannot_serve(material):
+    from longvideo.infer.serve import ServeSettings, Service
+
+    svc = Service(
+        material["pre"],
+        ServeSettings(model="m", name="m", media=MediaPolicy(1 << 20), request_timeout=1),
+    )
+    assert svc.health()[0] == 200 and svc.health()[1]["status"] == "ok"
+    svc.last_failure = {"request_id": "req-x", "at": 0.0}
+    assert svc.health()[1]["status"] == "degraded"
+    svc.last_failure, svc.busy_since = None, time.monotonic() - 1000  # stuck past its deadline
+    status, health = svc.health()
+    assert status == 200 and health["status"] == "degraded" and "past" in health["reason"]
+    svc.worker_alive = False
+    status, health = svc.health()
+    assert status == 503 and health["status"] == "unavailable"
