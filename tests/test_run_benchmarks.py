@@ -214,6 +214,7 @@ def test_pages_from_fabricated_results(rb, tmp_path):
         "| [hybrid: bytes per rank, U = 2 x ring 2 / ring of 4",
         "| [mcq: 1,000 questions over 1-minute videos",
         "| [serve: follow-up / first question, 10-minute video",
+        "| [serve: latency with 200 slow-header connections / quiet server",
         "| [gpu-check",
     ]
     assert "(docs/benchmarks.md#infer)" in blocks["benchmarks"]
