@@ -296,6 +296,7 @@ def test_sampling_extremes_are_clamped_and_bad_values_refused(guarded, material)
         ("seed", 2**63, "<="),
         ("fps", float("inf"), "finite"),
         ("cache_salt", "", "non-empty"),
+        ("messages", [{"role": "user", "content": "?"}] * 4097, "at most 4096"),
     ):
         raw = json.dumps(body(url, **{field: value})).encode()  # inf is written Infinity
         refused(guarded, raw, 400, field, words, auth(), raw=True)

@@ -19,6 +19,8 @@ MAX_STOP_CHARS = 256
 """Longest stop string (characters)."""
 MAX_SALT_CHARS = 256
 """Longest `cache_salt`."""
+MAX_MESSAGES = 4096
+"""Most messages in one conversation."""
 
 
 class ApiError(Exception):
@@ -82,7 +84,7 @@ class StreamOptions(_Strict):
 class ChatCompletionBody(_Strict):
     """The body of POST /v1/chat/completions, as far as this server reads it."""
 
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     model: Optional[str] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None

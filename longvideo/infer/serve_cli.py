@@ -177,6 +177,10 @@ def _serve_rank0(svc: Service, settings: ServeSettings) -> int:
     notes = [f"{svc.world} rank{'s' * (svc.world > 1)}"]
     if settings.api_keys:
         notes.append(f"{len(settings.api_keys)} API key{'s' * (len(settings.api_keys) > 1)}")
+    elif settings.host_allow_list() is None:
+        notes.append("no API key: anyone who reaches this address may use it (--api-key)")
+    if settings.host_allow_list() is None:
+        notes.append("any Host header accepted (--allowed-hosts)")
     print(f"longvideo serve: {svc.name} on http://{shown}:{port}/ ({', '.join(notes)})", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
