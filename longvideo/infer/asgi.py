@@ -30,7 +30,7 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import anyio
@@ -367,7 +367,7 @@ class ChatCompletions:
             return await refuse(scope, receive, send, e)
         cancelled, watcher = threading.Event(), None
         try:
-            raw = await self._read(scope, receive, state["body"])
+            raw = await self._read(scope, receive, state["body"], deadline)
             req = await asyncio.to_thread(parse_request, raw)
             if req.model not in (None, svc.name):
                 raise ApiError(
@@ -376,12 +376,12 @@ class ChatCompletions:
             sampling = svc.sampling(req)
             watcher = asyncio.ensure_future(_watch(receive, cancelled))
             try:
+                left = max(0.001, deadline - time.monotonic())  # the download's share of it
+                media = replace(
+                    self.settings.media, timeout_s=min(self.settings.media.timeout_s, left)
+                )
                 data = await asyncio.to_thread(
-                    load_video,
-                    req.video_url,
-                    req.video_field,
-                    self.settings.media,
-                    cancelled.is_set,
+                    load_video, req.video_url, req.video_field, media, cancelled.is_set
                 )
             except FetchError as e:
                 if e.detail:
@@ -412,9 +412,9 @@ class ChatCompletions:
             if watcher is not None:
                 watcher.cancel()
 
-    async def _read(self, scope, receive, body: BodyState) -> bytes:
+    async def _read(self, scope, receive, body: BodyState, deadline: float) -> bytes:
         """The whole body: 413 over --max-upload-mb's worth (declared or counted), 408 past
-        --body-timeout, 400 for a bad Content-Length."""
+        --body-timeout (or the request's deadline), 400 for a bad Content-Length."""
         limit = self.settings.max_body
         declared = _header(scope, b"content-length")
         if declared is not None and not declared.isdigit():
@@ -432,7 +432,8 @@ class ChatCompletions:
             raise too_big(int(declared))
         chunks = []
         try:
-            with anyio.fail_after(self.settings.body_timeout):
+            left = max(0.0, deadline - time.monotonic())
+            with anyio.fail_after(min(self.settings.body_timeout, left)):
                 while not body.done:
                     msg = await receive_body(receive, body)
                     if msg["type"] != "http.request":
