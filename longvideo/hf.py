@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from longvideo.distributed import group_size_rank
 from longvideo.model.head import LMHead
 from longvideo.parallel import RingAttentionSeam, layout_positions, shard_sequence, split_group
 from longvideo.parallel.loss import check_reduction
-from longvideo.parallel.zigzag import group_size_rank
 
 RING = "ring"
 SEGMENT_KEY = "ring_segment_ids"

@@ -4,19 +4,20 @@ it replicated and merged exactly over the shards (docs/inference.md, "Sequence-p
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import time
-from datetime import timedelta
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longvideo.data.ranks import comm_device
+# the helpers ranks share live in longvideo.distributed; these names are kept for existing imports
+from longvideo.distributed import broadcast_array as broadcast_array
+from longvideo.distributed import broadcast_text as broadcast_text
+from longvideo.distributed import comm_device as comm_device
+from longvideo.distributed import local_device as local_device
+from longvideo.distributed import torchrun_world as torchrun_world
 from longvideo.infer.generation import CachedEngine, Generation, logits_of, new_cache
 from longvideo.kernels import get_backend, merge_partials
 from longvideo.model import KVCache, Transformer
@@ -165,68 +166,3 @@ def sp_generate(
     out.ttft_s += engine.prefix_s
     out.total_s += engine.prefix_s
     return out
-
-
-def local_device(arg: Optional[str] = None) -> torch.device:
-    """`arg`, else this rank's GPU (LOCAL_RANK) when there is one, else the CPU."""
-    if arg is not None:
-        return torch.device(arg)
-    return torch.device(
-        f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
-    )
-
-
-@contextlib.contextmanager
-def torchrun_world(device: torch.device, timeout: timedelta) -> Iterator[bool]:
-    """Whether this is one rank of several (WORLD_SIZE > 1, or the caller's process group); torchrun's world
-    joined (nccl on a GPU, else gloo) unless the caller has, and left after. `timeout` bounds a
-    collective: the other ranks wait in one while rank 0 reads the next input."""
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized()
-    owns = distributed and not dist.is_initialized()
-    if distributed and device.type == "cuda":
-        torch.cuda.set_device(device)
-    if owns:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
-    try:
-        yield distributed
-    finally:
-        if owns:
-            dist.destroy_process_group()
-
-
-_MAX_DIMS = 6
-
-
-def broadcast_array(arr: Optional[np.ndarray], src: int = 0, group=None) -> np.ndarray:
-    """Rank `src`'s integer or float array on every rank (sent as int64 / float64 tensors, no pickling)."""
-    dev = comm_device(group)
-    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.long, device=dev)
-    if dist.get_rank() == src:
-        arr = np.asarray(arr)
-        if arr.ndim > _MAX_DIMS:
-            raise ValueError(f"broadcast_array handles up to {_MAX_DIMS} dims, got {arr.ndim}")
-        header[0] = 1 if np.issubdtype(arr.dtype, np.floating) else 0
-        header[1] = arr.ndim
-        header[2 : 2 + arr.ndim] = torch.tensor(arr.shape, dtype=torch.long)
-    dist.broadcast(header, src=src, group=group)
-    dtype = torch.float64 if int(header[0]) else torch.long
-    shape = tuple(int(x) for x in header[2 : 2 + int(header[1])])
-    if dist.get_rank() == src:
-        data = torch.from_numpy(
-            np.ascontiguousarray(arr, np.float64 if dtype == torch.float64 else np.int64)
-        )
-        data = data.to(dev)
-    else:
-        data = torch.empty(shape, dtype=dtype, device=dev)
-    dist.broadcast(data, src=src, group=group)
-    return data.cpu().numpy()
-
-
-def broadcast_text(text: Optional[str], src: int = 0, group=None) -> str:
-    """Rank `src`'s string on every rank."""
-    raw = (
-        np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
-        if dist.get_rank() == src
-        else None
-    )
-    return bytes(broadcast_array(raw, src, group).astype(np.uint8).tolist()).decode("utf-8")

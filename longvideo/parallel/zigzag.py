@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from longvideo.distributed import group_size_rank
+
 # pad values of the training batch keys: padding is token 0 with zero loss weight, segment -1
 BATCH_PAD_VALUES = {
     "input_ids": 0,
@@ -19,14 +21,6 @@ BATCH_PAD_VALUES = {
     "positions": 0,
     "segment_ids": -1,
 }
-
-
-def group_size_rank(group) -> tuple[int, int]:
-    """(W, r) of a process group; None means the default group, or a world of one when
-    torch.distributed is not initialised."""
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def padded_length(length: int, world: int) -> int:
