@@ -1,22 +1,33 @@
 """Block-attention backends behind one interface, `BlockBackend` (docs/architecture.md, decision 4;
-docs/kernels.md). plan: an optional AttentionPlan (plans.py) shared by calls with the same
-metadata. sync_free: no call reads a device value on the host once its plan is built, so callers
-must not either. Names: "torch" (exact reference), "cpu", "triton" (CUDA, or CPU under
-TRITON_INTERPRET=1) and "auto" (dispatch.py, the default).
+docs/kernels.md). Every call takes the block's AttentionMeta (meta.py), whose plan store keeps
+what the backend builds from it. sync_free: no call reads a device value on the host once its
+plan is built, so callers must not either. Names: "torch" (exact reference), "cpu", "triton"
+(CUDA, or CPU under TRITON_INTERPRET=1) and "auto" (dispatch.py, the default).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
-import torch
 from torch import Tensor
+
+from .meta import AttentionMeta
+
+
+class Upstream(NamedTuple):
+    """What a backward receives besides q, k, v and the metadata: the gradient of the output, and
+    the forward's out and lse (a ring's global ones)."""
+
+    dout: Tensor
+    out: Tensor
+    lse: Tensor
 
 
 class BlockBackend(Protocol):
-    """q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); q_pos, q_seg (B, Sq); k_pos, k_seg (B, Sk). forward:
-    out (B, Sq, Hq, D) in q.dtype, lse (B, Hq, Sq) float32 (-inf on rows with no visible key).
+    """q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); meta: the AttentionMeta of this block (queries
+    (B, Sq), keys (B, Sk), causal, scale; its `plans` keep what the backend builds). forward: out
+    (B, Sq, Hq, D) in q.dtype, lse (B, Hq, Sq) float32 (-inf on rows with no visible key).
     backward: dq, dk, dv in float32; `out`/`lse` may be a ring's global ones, the result then this
     block's exact share of the global gradients (P = exp(S - lse), D = rowsum(dout * out))."""
 
@@ -24,17 +35,7 @@ class BlockBackend(Protocol):
     sync_free: bool
 
     def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        q_pos: Tensor,
-        k_pos: Tensor,
-        q_seg: Tensor,
-        k_seg: Tensor,
-        scale: float,
-        causal: bool,
-        plan=None,
+        self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMeta
     ) -> tuple[Tensor, Tensor]: ...
 
     def backward(
@@ -45,13 +46,7 @@ class BlockBackend(Protocol):
         v: Tensor,
         out: Tensor,
         lse: Tensor,
-        q_pos: Tensor,
-        k_pos: Tensor,
-        q_seg: Tensor,
-        k_seg: Tensor,
-        scale: float,
-        causal: bool,
-        plan=None,
+        meta: AttentionMeta,
     ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 

@@ -4,7 +4,6 @@ it replicated and merged exactly over the shards (docs/inference.md, "Sequence-p
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Optional, Sequence
 
@@ -19,7 +18,7 @@ from longvideo.distributed import comm_device as comm_device
 from longvideo.distributed import local_device as local_device
 from longvideo.distributed import torchrun_world as torchrun_world
 from longvideo.infer.generation import CachedEngine, Generation, logits_of, new_cache
-from longvideo.kernels import get_backend, merge_partials
+from longvideo.kernels import AttentionMeta, Side, get_backend, merge_partials
 from longvideo.model import KVCache, Transformer
 from longvideo.parallel import RingAttentionSeam, UlyssesGroups, shard_sequence
 
@@ -32,32 +31,21 @@ class MergedAttentionSeam:
     def __init__(self, group, backend: str, *, shared_from: int, owner: bool):
         self.group, self.backend, self.shared_from, self.owner = group, backend, shared_from, owner
 
-    def __call__(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        q_positions: Tensor,
-        k_positions: Tensor,
-        q_segment_ids: Tensor,
-        k_segment_ids: Tensor,
-        causal: bool = True,
-    ) -> Tensor:
-        if not self.owner:
-            k_segment_ids = k_segment_ids.masked_fill(k_positions >= self.shared_from, -1)
-        be = get_backend(self.backend)
-        out, lse = be.forward(
-            q,
-            k,
-            v,
-            q_positions,
-            k_positions,
-            q_segment_ids,
-            k_segment_ids,
-            1.0 / math.sqrt(q.shape[-1]),
-            causal,
-        )
+    def _own_keys(self, meta: AttentionMeta) -> AttentionMeta:
+        """The metadata with the replicated keys made padding on every rank but the owner; made
+        once per forward (kept in the metadata's plan store) and shared by its layers."""
+        if self.owner:
+            return meta
+
+        def mask() -> AttentionMeta:
+            keys = meta.keys
+            shared = keys.positions >= self.shared_from
+            return meta.with_keys(Side(keys.positions, keys.segment_ids.masked_fill(shared, -1)))
+
+        return meta.plans.get(("replicated keys on the owner", self.shared_from), mask)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMeta) -> Tensor:
+        out, lse = get_backend(self.backend).forward(q, k, v, self._own_keys(meta))
         W = dist.get_world_size(self.group)
         if W == 1:
             return out

@@ -44,13 +44,17 @@ def zigzag_indices(length: int, world: int, rank: int, device=None) -> Tensor:
 
 def layout_positions(local_len: int, group, device=None) -> Tensor:
     """Global positions (local_len,) of this rank's shard of a zigzag-sharded sequence."""
-    W, r = group_size_rank(group)
-    if local_len % 2 and W > 1:
+    return shard_positions(local_len, *group_size_rank(group), device=device)
+
+
+def shard_positions(local_len: int, world: int, rank: int, device=None) -> Tensor:
+    """Global positions (local_len,) of shard `rank` of `world` in the zigzag layout."""
+    if local_len % 2 and world > 1:
         raise ValueError(
             f"a zigzag shard holds two equal chunks, but its length is {local_len} (odd); "
             "shard the sequence with shard_sequence"
         )
-    return zigzag_indices(local_len * W, W, r, device=device)
+    return zigzag_indices(local_len * world, world, rank, device=device)
 
 
 def shard_sequence(x: Tensor, group, dim: int = 1, pad_value: Optional[float] = None) -> Tensor:
