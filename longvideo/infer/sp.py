@@ -5,7 +5,7 @@ it replicated and merged exactly over the shards (docs/inference.md, "Sequence-p
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -128,29 +128,20 @@ def sp_generate(
     ids: Tensor,
     group=None,
     *,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    stop_ids: Sequence[int] = (),
-    generator: Optional[torch.Generator] = None,
     tail: int = 1,
     backend: str = "auto",
     ulysses: Optional[UlyssesGroups] = None,
+    **sampling,
 ) -> Generation:
-    """Sequence-parallel `generate`: ring prefill of ids[:, :S-tail], replicated rest, sharded decoding.
-    Collective over `group` (default: the world) with the same ids (B, S); ttft_s includes the prefix."""
+    """Sequence-parallel `generate`: ring prefill of ids[:, :S-tail], replicated rest, sharded
+    decoding. Collective over `group` (default: the world) with the same ids (B, S); ttft_s includes
+    the prefix. sampling: the engine's `generate` keywords (max_new_tokens, default 64;
+    temperature, top_p, stop_ids, generator)."""
     S = ids.shape[1]
     tail = max(1, min(tail, S))
     engine = SequenceParallelEngine(model, group, backend=backend, ulysses=ulysses)
     engine.set_prefix(ids[:, : S - tail])
-    out = engine.generate(
-        ids[:, S - tail :],
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        stop_ids=stop_ids,
-        generator=generator,
-    )
+    out = engine.generate(ids[:, S - tail :], **{"max_new_tokens": 64, **sampling})
     out.ttft_s += engine.prefix_s
     out.total_s += engine.prefix_s
     return out
