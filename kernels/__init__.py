@@ -40,7 +40,7 @@ else:
         visibility,
         visit_ranges,
     )
-    from .backends import BlockBackend, Upstream, available_backends, get_backend
+    from .backends import BlockBackend, Upstream, available_backends, get_backend, register_backend
     from .interface import block_attention
     from .meta import AttentionMeta, Side, default_scale
     from .plans import AttentionPlan
@@ -63,6 +63,7 @@ __all__ = [
     "merge_partials",
     "merge_stacked",
     "PARTIAL",
+    "register_backend",
     "Side",
     "SKIP",
     "tile_stats",

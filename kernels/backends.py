@@ -2,13 +2,14 @@
 docs/kernels.md). Every call takes the block's AttentionMeta (meta.py), whose plan store keeps
 what the backend builds from it. sync_free: no call reads a device value on the host once its
 plan is built, so callers must not either. Names: "torch" (exact reference), "cpu", "triton"
-(CUDA, or CPU under TRITON_INTERPRET=1) and "auto" (dispatch.py, the default).
+(CUDA, or CPU under TRITON_INTERPRET=1) and "auto" (dispatch.py, the default); `register_backend`
+serves a name with another object (tests record calls that way).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Optional, Protocol
 
 from torch import Tensor
 
@@ -60,16 +61,26 @@ _INSTANCES: dict[str, BlockBackend] = {}
 
 
 def available_backends() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(set(_REGISTRY) | set(_INSTANCES))
 
 
 def get_backend(name: str = "auto") -> BlockBackend:
     """The backend object for `name` (one for every device: "auto" chooses per block and device)."""
-    if name not in _REGISTRY:
-        raise ValueError(
-            f"unknown attention backend '{name}'; choose from {', '.join(available_backends())}"
-        )
     if name not in _INSTANCES:
+        if name not in _REGISTRY:
+            raise ValueError(
+                f"unknown attention backend '{name}'; choose from {', '.join(available_backends())}"
+            )
         module, cls = _REGISTRY[name].split(":")
         _INSTANCES[name] = getattr(importlib.import_module(module, __package__), cls)()
     return _INSTANCES[name]
+
+
+def register_backend(name: str, backend: Optional[BlockBackend]) -> Optional[BlockBackend]:
+    """Serve `name` with `backend` (a new name, or in place of a built-in one: every caller of
+    get_backend(name), the dispatch's routes included, then gets it); None restores the built-in
+    (or removes a new name). Returns the object it replaces, if one was made."""
+    old = _INSTANCES.pop(name, None)
+    if backend is not None:
+        _INSTANCES[name] = backend
+    return old

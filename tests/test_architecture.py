@@ -13,13 +13,15 @@ packages; project modules are imported at the top of a file (never inside a func
 never imports torch.distributed or deepspeed, nor the runtime config (how it runs is applied from
 outside); only `parallelize` (longvideo.parallel.apply) and the engine wrapper
 (longvideo.parallel.engine) import deepspeed; the kernels import nothing of the project but
-themselves; the ring reaches the kernels only through their public package surface. What ranks
-do together outside attention has one home (longvideo/distributed.py).
+themselves; the ring reaches the kernels only through their public package surface. Each idea
+has one home: the attention metadata and its default scale (kernels/meta.py), what ranks do
+together outside attention (longvideo/distributed.py).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -349,6 +351,43 @@ def test_distributed_helpers_have_one_home():
     assert set(homes) == DISTRIBUTED_HELPERS
     assert _calls("init_process_group") == ["longvideo.distributed"] * 2
     assert _calls("broadcast_object_list") == _calls("all_gather_object") == []
+
+
+ATTENTION_PATH = (
+    "longvideo.model.attention",
+    "longvideo.model.transformer",
+    "longvideo.hf",
+    "longvideo.infer.sp",
+)
+_SCALE = re.compile(r"1(\.0)?\s*/\s*(math|torch|np)\.sqrt\(|\*\*\s*-0\.5")
+
+
+def test_the_attention_metadata_and_default_scale_have_one_home():
+    """AttentionMeta, Side and default_scale are defined in kernels/meta.py only; no other module
+    on the attention path (kernels, parallel, the model's attention, inference's seams, hf) writes
+    1/sqrt(d), and none keys plans by tensor versions (the plan stores are the metadata's)."""
+    homes = _defined({"AttentionMeta", "Side", "default_scale", "PlanCache", "RingPlans"})
+    assert homes == {
+        n: ["longvideo.kernels.meta"] for n in ("AttentionMeta", "Side", "default_scale")
+    }
+    path_modules = [
+        m
+        for m in MODULES
+        if package_of(m) in ("longvideo.kernels", "longvideo.parallel") or m in ATTENTION_PATH
+    ]
+    restating = [
+        m
+        for m in path_modules
+        if m != "longvideo.kernels.meta" and _SCALE.search(MODULES[m].read_text())
+    ]
+    assert not restating, f"{restating} write the default softmax scale (use default_scale)"
+    versions = [
+        m
+        for m in path_modules
+        for node in ast.walk(ast.parse(MODULES[m].read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "_version"
+    ]
+    assert not versions, f"{versions} key something by tensor versions"
 
 
 @pytest.mark.parametrize("module", ["longvideo.config", "longvideo.cli"])
