@@ -32,7 +32,6 @@ else:
         accum_dtype,
         block_class,
         classify_tiles,
-        fill_meta,
         lse_merge_,
         merge_partials,
         merge_stacked,
@@ -41,20 +40,22 @@ else:
         visibility,
         visit_ranges,
     )
-    from .backends import BlockBackend, available_backends, get_backend
+    from .backends import BlockBackend, Upstream, available_backends, get_backend, register_backend
     from .interface import block_attention
-    from .plans import AttentionPlan, PlanCache, RingPlans
+    from .meta import AttentionMeta, Side, default_scale
+    from .plans import AttentionPlan
     from .reference import flash_attn_ref
 
 __all__ = [
     "accum_dtype",
+    "AttentionMeta",
     "AttentionPlan",
     "available_backends",
     "block_attention",
     "block_class",
     "BlockBackend",
     "classify_tiles",
-    "fill_meta",
+    "default_scale",
     "flash_attn_ref",
     "FULL",
     "get_backend",
@@ -62,12 +63,13 @@ __all__ = [
     "merge_partials",
     "merge_stacked",
     "PARTIAL",
-    "PlanCache",
-    "RingPlans",
+    "register_backend",
+    "Side",
     "SKIP",
     "tile_stats",
     "TileStats",
     "transposed",
+    "Upstream",
     "visibility",
     "visit_ranges",
 ]

@@ -19,6 +19,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .attention_math import merge_stacked, tile_stats, transposed, visit_ranges
+from .backends import Upstream
+from .meta import AttentionMeta
 
 # Triton's interpreter computes tl.dot on bf16 wrongly: under it every dot takes fp32 operands
 # (docs/kernels.md, "Under the interpreter"). Read at import, when triton.jit reads it too.
@@ -989,24 +991,17 @@ def _bwd_dq_kernel(
 # ----------------------------------------------------------------------------- tile plans (torch)
 
 
-def build_plan(
-    q_pos: Tensor,
-    k_pos: Tensor,
-    q_seg: Tensor,
-    k_seg: Tensor,
-    causal: bool,
-    block_m: int,
-    block_n: int,
-    transpose: bool = False,
-) -> Tensor:
+def build_plan(meta: AttentionMeta, block_m: int, block_n: int, transpose: bool = False) -> Tensor:
     """The plan of a (query tiles of block_m) x (key tiles of block_n) grid as one int32 tensor
     (B, n_rows * 9 + 2 * n_cols * 4): per query tile the key tiles to visit, or with `transpose`
     per key tile the query tiles. No host sync; O((n_q + n_k) log) time and O(n_q + n_k) memory."""
-    qs, ks = tile_stats(q_pos, q_seg, block_m), tile_stats(k_pos, k_seg, block_n)
+    queries, keys = meta.queries, meta.keys
+    qs = tile_stats(queries.positions, queries.segment_ids, block_m)
+    ks = tile_stats(keys.positions, keys.segment_ids, block_n)
     if transpose:
-        ranges, order = visit_ranges(transposed(ks), transposed(qs), causal)
+        ranges, order = visit_ranges(transposed(ks), transposed(qs), meta.causal)
     else:
-        ranges, order = visit_ranges(qs, ks, causal)
+        ranges, order = visit_ranges(qs, ks, meta.causal)
     B = ranges.shape[0]
     return torch.cat([ranges.reshape(B, -1), order.reshape(B, -1)], 1).to(torch.int32).contiguous()
 
@@ -1159,8 +1154,9 @@ def tile_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
     return replace(cfg, **_override) if _override else cfg
 
 
-def _meta(x: Tensor) -> Tensor:
-    return x.to(torch.int32).contiguous()
+def _int32(meta: AttentionMeta) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q_pos, k_pos, q_seg, k_seg) as the kernels read them: int32, contiguous."""
+    return tuple(x.to(torch.int32).contiguous() for x in meta.tensors())
 
 
 def _unit_last(x: Tensor) -> Tensor:
@@ -1188,41 +1184,33 @@ def uses_decode(Sq: int) -> bool:
     return 0 < Sq <= DECODE_MAX_Q
 
 
-def kept_plan(
-    plan,
-    c: LaunchConfig,
-    transpose: bool,
-    causal: bool,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    q_seg: Tensor,
-    k_seg: Tensor,
-) -> Tensor:
-    """The tile plan of launch shape `c` from the AttentionPlan `plan`, built there on first use:
-    per query tile (a forward or dQ kernel), or with `transpose` per key tile (the dK/dV kernel)."""
-    key = ("triton-bwd" if transpose else "triton-fwd", c.block_m, c.block_n, causal)
-    return plan.get(
-        key, lambda: build_plan(q_pos, k_pos, q_seg, k_seg, causal, *key[1:3], transpose)
+def _plan_key(launch: LaunchConfig, transpose: bool, causal: bool) -> tuple:
+    return ("triton-bwd" if transpose else "triton-fwd", launch.block_m, launch.block_n, causal)
+
+
+def kept_plan(meta: AttentionMeta, launch: LaunchConfig, transpose: bool) -> Tensor:
+    """The tile plan of launch shape `launch` from the metadata's plan store, built there on first
+    use: per query tile (a forward or dQ kernel), or with `transpose` per key tile (dK/dV)."""
+    return meta.plans.get(
+        _plan_key(launch, transpose, meta.causal),
+        lambda: build_plan(meta, launch.block_m, launch.block_n, transpose),
     )
+
+
+def keep_plan(meta: AttentionMeta, launch: LaunchConfig, transpose: bool, plan: Tensor) -> None:
+    """Store a plan built elsewhere (a custom op's argument) where `kept_plan` finds it."""
+    meta.plans.get(_plan_key(launch, transpose, meta.causal), lambda: plan)
 
 
 # ----------------------------------------------------------------------------- launchers
 
 
 def flash_attn_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    q_seg: Tensor,
-    k_seg: Tensor,
-    scale: float,
-    causal: bool,
-    plan: Optional[Tensor] = None,
+    q: Tensor, k: Tensor, v: Tensor, meta: AttentionMeta
 ) -> tuple[Tensor, Tensor]:
-    """out (B, Sq, Hq, D) in q.dtype, lse (B, Hq, Sq) float32. `plan`: from `build_plan` with this
-    shape's forward tiles (built here when None); unused by the decode path."""
+    """out (B, Sq, Hq, D) in q.dtype, lse (B, Hq, Sq) float32. The tile plan of this shape's forward
+    tiles comes from the metadata's store (`kept_plan`, built there when missing); the decode path
+    uses none."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -1233,16 +1221,16 @@ def flash_attn_forward(
         lse.fill_(float("-inf"))
     if Sq == 0 or Sk == 0 or B * Hq == 0:
         return out, lse
-    q_pos, k_pos, q_seg, k_seg = _meta(q_pos), _meta(k_pos), _meta(q_seg), _meta(k_seg)
     cfg = tile_config(D, q.dtype)
+    if uses_decode(Sq):
+        return _decode(q, k, v, meta, cfg.decode)
+    q_pos, k_pos, q_seg, k_seg = _int32(meta)
+    scale, causal = meta.scale_for(D), meta.causal
     flags = _flags(q.dtype)
     pad = head_dim_pad(D)
-    if uses_decode(Sq):
-        return _decode(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, cfg.decode, flags)
     c = cfg.fwd
     n_m, n_n = triton.cdiv(Sq, c.block_m), triton.cdiv(Sk, c.block_n)
-    if plan is None:
-        plan = build_plan(q_pos, k_pos, q_seg, k_seg, causal, c.block_m, c.block_n)
+    plan = kept_plan(meta, c, False)
     cols_off = _plan_geometry(plan, B, n_m, n_n, "forward")
     _fwd_kernel[(n_m, B * Hq)](
         q,
@@ -1281,19 +1269,16 @@ def flash_attn_forward(
 
 
 def _decode(
-    q,
-    k,
-    v,
-    q_pos,
-    k_pos,
-    q_seg,
-    k_seg,
-    scale,
-    causal,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    meta: AttentionMeta,
     c: LaunchConfig,
-    flags,
     splits: Optional[int] = None,
 ) -> tuple[Tensor, Tensor]:
+    """The decode kernel (split-K over `splits` programs per head group, merged); no plan."""
+    q_pos, k_pos, q_seg, k_seg = _int32(meta)
+    scale, causal, flags = meta.scale_for(q.shape[-1]), meta.causal, _flags(q.dtype)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -1349,29 +1334,16 @@ def _decode(
 
 
 def flash_attn_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    q_seg: Tensor,
-    k_seg: Tensor,
-    scale: float,
-    causal: bool,
-    kv_plan: Optional[Tensor] = None,
-    q_plan: Optional[Tensor] = None,
-    variant: str = "",
+    upstream: Upstream, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMeta, variant: str = ""
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D), all float32. `out`/`lse` may be global ones.
-    kv_plan: the transposed plan of the bwd tiles; q_plan: the forward plan of the dq tiles (split
-    variant only); built here when None. variant: "fused" / "split" / "" (the table's)."""
+    """dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D), all float32. upstream: dout and the forward's
+    out/lse, which may be global ones. The plans (the transposed plan of the bwd tiles; the
+    forward plan of the dq tiles, split variant only) come from the metadata's store (`kept_plan`,
+    built there when missing). variant: "fused" / "split" / "" (the table's)."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     # delta = rowsum(dO * O) reads dout/out as given (a ring passes fp32 ones); the dots read dout
     # in the input dtype, like every other operand
-    dout, out = _unit_last(dout), _unit_last(out)
+    dout, out, lse = _unit_last(upstream.dout), _unit_last(upstream.out), upstream.lse
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -1387,7 +1359,8 @@ def flash_attn_backward(
     dk, dv = ((torch.zeros if per_head else torch.empty)(B, Sk, Hkv, D, **f32) for _ in range(2))
     if Sq == 0 or Sk == 0 or B * Hq == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    q_pos, k_pos, q_seg, k_seg = _meta(q_pos), _meta(k_pos), _meta(q_seg), _meta(k_seg)
+    q_pos, k_pos, q_seg, k_seg = _int32(meta)
+    scale, causal = meta.scale_for(D), meta.causal
     lse = lse.to(torch.float32).contiguous()
     flags = _flags(q.dtype)
     pad = head_dim_pad(D)
@@ -1414,10 +1387,7 @@ def flash_attn_backward(
     dout = dout.to(q.dtype)
     c = cfg.bwd
     n_m, n_n = triton.cdiv(Sq, c.block_m), triton.cdiv(Sk, c.block_n)
-    if kv_plan is None:
-        kv_plan = build_plan(
-            q_pos, k_pos, q_seg, k_seg, causal, c.block_m, c.block_n, transpose=True
-        )
+    kv_plan = kept_plan(meta, c, True)
     cols_off = _plan_geometry(kv_plan, B, n_n, n_m, "backward (dK/dV)")
     _bwd_kernel[(n_n, B * (Hq if per_head else Hkv))](
         q,
@@ -1465,8 +1435,7 @@ def flash_attn_backward(
     if variant == "split":
         c = cfg.dq
         n_m, n_n = triton.cdiv(Sq, c.block_m), triton.cdiv(Sk, c.block_n)
-        if q_plan is None:
-            q_plan = build_plan(q_pos, k_pos, q_seg, k_seg, causal, c.block_m, c.block_n)
+        q_plan = kept_plan(meta, c, False)
         cols_off = _plan_geometry(q_plan, B, n_m, n_n, "backward (dQ)")
         _bwd_dq_kernel[(n_m, B * Hq)](
             q,

@@ -19,10 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .meta import Side
+
 SKIP, PARTIAL, FULL = 0, 1, 2
 """Tile classes returned by `classify_tiles` (int8)."""
 
 _BIG = 2**62  # beyond any position or segment id: the min of an empty tile, minus the max
+
+
+def _tensors(side: Side) -> tuple[Tensor, Tensor]:
+    return side.positions, side.segment_ids
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -30,33 +36,9 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def fill_meta(
-    q: Tensor,
-    k: Tensor,
-    q_pos: Optional[Tensor],
-    k_pos: Optional[Tensor],
-    q_seg: Optional[Tensor],
-    k_seg: Optional[Tensor],
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(q_pos, k_pos, q_seg, k_seg), each None replaced by its default: positions 0..S-1 and one
-    segment (id 0), (B, S) int64. q (B, Sq, ...), k (B, Sk, ...)."""
-
-    def pos(x: Tensor) -> Tensor:
-        return torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
-
-    def seg(x: Tensor) -> Tensor:
-        return torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
-
-    return (
-        pos(q) if q_pos is None else q_pos,
-        pos(k) if k_pos is None else k_pos,
-        seg(q) if q_seg is None else q_seg,
-        seg(k) if k_seg is None else k_seg,
-    )
-
-
-def visibility(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causal: bool) -> Tensor:
+def visibility(queries: Side, keys: Side, causal: bool) -> Tensor:
     """Boolean mask (B, Sq, Sk): True where the key is visible to the query."""
+    q_pos, q_seg, k_pos, k_seg = (*_tensors(queries), *_tensors(keys))
     vis = (q_seg[:, :, None] == k_seg[:, None, :]) & (k_seg[:, None, :] >= 0)
     if causal:
         vis = vis & (k_pos[:, None, :] <= q_pos[:, :, None])
@@ -134,10 +116,10 @@ def classify_tiles(q: TileStats, k: TileStats, causal: bool) -> Tensor:
     return visit.to(torch.int8) + full.to(torch.int8)
 
 
-def block_class(q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causal: bool) -> Tensor:
+def block_class(queries: Side, keys: Side, causal: bool) -> Tensor:
     """(B,) int8 class of a whole query block against a whole key block (one tile each)."""
-    q = tile_stats(q_pos, q_seg, max(1, q_pos.shape[1]))
-    k = tile_stats(k_pos, k_seg, max(1, k_pos.shape[1]))
+    q = tile_stats(*_tensors(queries), max(1, queries.length))
+    k = tile_stats(*_tensors(keys), max(1, keys.length))
     return classify_tiles(q, k, causal)[:, 0, 0]
 
 
@@ -176,7 +158,7 @@ def _merge_pieces(pieces: list[Piece]) -> list[Piece]:
 
 
 def dense_pieces(
-    q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor, causal: bool, max_pieces: int = 4
+    queries: Side, keys: Side, causal: bool, max_pieces: int = 4
 ) -> Optional[list[Piece]]:
     """The block's visible pairs as at most `max_pieces` rectangles a dense kernel computes exactly,
     or None when the block needs the element mask. Host tensors (B, S); reads their values.
@@ -186,6 +168,7 @@ def dense_pieces(
     visible pair lies in one piece, every query row of a piece sees a key there; [] means nothing is
     visible. Both sides are cut into `runs`, run pairs classified with the tile bounds, and
     pieces sharing a side joined (a visiting zigzag block: one rectangle)."""
+    q_pos, q_seg, k_pos, k_seg = (*_tensors(queries), *_tensors(keys))
     Sq, Sk = q_pos.shape[1], k_pos.shape[1]
     if Sq == 0 or Sk == 0:
         return []

@@ -22,6 +22,7 @@ from .attention_math import (
     tile_stats,
     visibility,
 )
+from .meta import AttentionMeta, Side
 
 _flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -39,10 +40,10 @@ class Tile:
     """One segment and consecutive positions in every batch row (a single run)."""
 
 
-def make_tiles(pos: Tensor, seg: Tensor, tile: int, min_tile: int) -> list[Tile]:
-    """Cut (B, S) metadata into tiles of at most `tile` tokens (see the module docstring)."""
+def make_tiles(side: Side, tile: int, min_tile: int) -> list[Tile]:
+    """Cut one side's (B, S) metadata into tiles of at most `tile` tokens (module docstring)."""
     pieces: list[tuple[int, int, bool]] = []  # (start, stop, pure)
-    for a, b in runs(pos, seg, True, real_only=False):
+    for a, b in runs(side.positions, side.segment_ids, True, real_only=False):
         n = -(-(b - a) // tile)  # equal pieces of at most `tile` tokens
         edges = [a + (b - a) * i // n for i in range(n + 1)]
         pieces += [(edges[i], edges[i + 1], True) for i in range(n)]
@@ -58,20 +59,18 @@ def make_tiles(pos: Tensor, seg: Tensor, tile: int, min_tile: int) -> list[Tile]
 
 
 def plan(
-    q_pos: Tensor,
-    k_pos: Tensor,
-    q_seg: Tensor,
-    k_seg: Tensor,
-    causal: bool,
-    tile: int,
-    min_tile: int,
+    meta: AttentionMeta, tile: int, min_tile: int
 ) -> list[tuple[Tile, list[tuple[Tile, str, Tensor | None]]]]:
     """Per query tile, the key tiles to compute with their kind (FULL, CAUSAL or MASKED; MASKED
     pairs carry their (B, tq, tk) visibility). Classes come from the shared tile bounds
     (attention_math.classify_tiles); a partial pair that is the same run of consecutive positions
     in one segment on both sides is CAUSAL: the op's top-left triangle is then exactly the rule."""
-    qts = make_tiles(q_pos, q_seg, tile, min_tile)
-    kts = make_tiles(k_pos, k_seg, tile, min_tile)
+    queries, keys, causal = meta.queries, meta.keys, meta.causal
+    (q_pos, q_seg), (k_pos, k_seg) = (
+        (side.positions, side.segment_ids) for side in (queries, keys)
+    )
+    qts = make_tiles(queries, tile, min_tile)
+    kts = make_tiles(keys, tile, min_tile)
     if not qts or not kts:
         return [(qt, []) for qt in qts]
     qs = tile_stats(q_pos, q_seg, [t.start for t in qts] + [qts[-1].stop])
@@ -99,13 +98,7 @@ def plan(
             ):
                 pairs.append((kt, CAUSAL, None))
                 continue
-            vis = visibility(
-                q_pos[:, qt.start : qt.stop],
-                k_pos[:, kt.start : kt.stop],
-                q_seg[:, qt.start : qt.stop],
-                k_seg[:, kt.start : kt.stop],
-                causal,
-            )
+            vis = visibility(queries.span(qt.start, qt.stop), keys.span(kt.start, kt.stop), causal)
             if bool(vis.any()):
                 pairs.append((kt, MASKED, vis))
         out.append((qt, pairs))
@@ -120,27 +113,24 @@ class CpuBackend:
         self.tile = tile
         self.min_tile = min_tile
 
-    def _plan(self, q_pos, k_pos, q_seg, k_seg, causal, cache=None):
-        """The tile plan, kept in `cache` (an AttentionPlan shared by calls with this metadata)."""
-        build = lambda: plan(q_pos, k_pos, q_seg, k_seg, causal, self.tile, self.min_tile)  # noqa: E731
-        return (
-            build()
-            if cache is None
-            else cache.get(("cpu", self.tile, self.min_tile, causal), build)
-        )
+    def _plan(self, meta: AttentionMeta):
+        """The tile plan, kept in the metadata's plan store."""
+        key = ("cpu", self.tile, self.min_tile, meta.causal)
+        return meta.plans.get(key, lambda: plan(meta, self.tile, self.min_tile))
 
     @staticmethod
     def _mask(vis: Tensor, dtype: torch.dtype) -> Tensor:
         """(B, tq, tk) bool -> additive (B, 1, tq, tk) mask in the op dtype."""
         return torch.zeros(vis.shape, dtype=dtype).masked_fill_(~vis, float("-inf")).unsqueeze(1)
 
-    def forward(self, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
+    def forward(self, q, k, v, meta: AttentionMeta):
         B, Sq, Hq, D = q.shape
+        scale = meta.scale_for(D)
         cdt = accum_dtype(q.dtype)
         qc, kc, vc = (x.to(cdt).transpose(1, 2) for x in (q, k, v))  # (B, H, S, D) views
         out = torch.zeros(B, Sq, Hq, D, dtype=cdt)
         lse = torch.full((B, Hq, Sq), float("-inf"), dtype=cdt)
-        for qt, pairs in self._plan(q_pos, k_pos, q_seg, k_seg, causal, plan):
+        for qt, pairs in self._plan(meta):
             qs = slice(qt.start, qt.stop)
             for n, (kt, kind, vis) in enumerate(pairs):
                 ks = slice(kt.start, kt.stop)
@@ -167,15 +157,13 @@ class CpuBackend:
         lse = lse if cdt == torch.float64 else lse.float()
         return out.to(q.dtype), lse
 
-    def backward(
-        self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None
-    ):
-        cdt = accum_dtype(q.dtype)
+    def backward(self, dout, q, k, v, out, lse, meta: AttentionMeta):
+        cdt, scale = accum_dtype(q.dtype), meta.scale_for(q.shape[-1])
         qc, kc, vc, doc, oc = (x.to(cdt).transpose(1, 2) for x in (q, k, v, dout, out))
         # Rows with no visible key anywhere (lse = -inf) get lse = +inf, so P = exp(S - lse) = 0.
         lse_c = lse.to(cdt).masked_fill(torch.isneginf(lse), float("inf"))
         dq, dk, dv = (torch.zeros(x.shape, dtype=cdt) for x in (q, k, v))
-        for qt, pairs in self._plan(q_pos, k_pos, q_seg, k_seg, causal, plan):
+        for qt, pairs in self._plan(meta):
             qs = slice(qt.start, qt.stop)
             for kt, kind, vis in pairs:
                 ks = slice(kt.start, kt.stop)

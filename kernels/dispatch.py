@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional, Sequence, TypeVar
 
 import torch
 from torch import Tensor
 
 from .attention_math import Piece, accum_dtype, dense_pieces, lse_merge_
-from .backends import get_backend
+from .backends import Upstream, get_backend
+from .meta import AttentionMeta, Side
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 DECODE_MAX_Q = (
@@ -23,30 +27,41 @@ DECODE_MAX_Q = (
 _A = torch.ops.aten
 _t = lambda x: x.transpose(1, 2)  # noqa: E731 - (B, S, H, D) <-> (B, H, S, D) views, as a model hands SDPA its heads
 _repeat = lambda x, g: x if g == 1 else x.repeat_interleave(g, dim=2)  # noqa: E731 - kv head h // g serves head h
+_pair = lambda side: (side.positions, side.segment_ids)  # noqa: E731
 
 
-def _cpu_fwd(q, k, v, scale, causal):
+class DenseCall(NamedTuple):
+    """How a dense kernel computes one piece: the softmax scale, and whether the piece is the
+    aligned causal triangle (the kernel's is_causal) or a rectangle every query sees whole."""
+
+    scale: float
+    causal: bool
+
+
+def _cpu_fwd(q, k, v, call: DenseCall):
     o, lse = _A._scaled_dot_product_flash_attention_for_cpu(
-        _t(q), _t(k), _t(v), 0.0, causal, scale=scale
+        _t(q), _t(k), _t(v), 0.0, call.causal, scale=call.scale
     )
     return _t(o), lse
 
 
-def _cpu_bwd(dout, q, k, v, out, lse, scale, causal):
+def _cpu_bwd(dout, q, k, v, out, lse, call: DenseCall):
     return tuple(
         _t(x)
         for x in _A._scaled_dot_product_flash_attention_for_cpu_backward(
-            _t(dout), _t(q), _t(k), _t(v), _t(out), lse, 0.0, causal, scale=scale
+            _t(dout), _t(q), _t(k), _t(v), _t(out), lse, 0.0, call.causal, scale=call.scale
         )
     )
 
 
-def _flash_fwd(q, k, v, scale, causal):
-    r = _A._scaled_dot_product_flash_attention(_t(q), _t(k), _t(v), 0.0, causal, False, scale=scale)
+def _flash_fwd(q, k, v, call: DenseCall):
+    r = _A._scaled_dot_product_flash_attention(
+        _t(q), _t(k), _t(v), 0.0, call.causal, False, scale=call.scale
+    )
     return _t(r[0]), r[1]
 
 
-def _flash_bwd(dout, q, k, v, out, lse, scale, causal):
+def _flash_bwd(dout, q, k, v, out, lse, call: DenseCall):
     seed, offset = (
         torch.empty(s, dtype=torch.uint64, device=q.device) for s in ((2,), ())
     )  # read with dropout only
@@ -64,33 +79,39 @@ def _flash_bwd(dout, q, k, v, out, lse, scale, causal):
             q.shape[1],
             k.shape[1],
             0.0,
-            causal,
+            call.causal,
             seed,
             offset,
-            scale=scale,
+            scale=call.scale,
         )
     )
 
 
-def _cudnn_fwd(q, k, v, scale, causal):
-    G = q.shape[2] // k.shape[2]
+def _cudnn_fwd(q, k, v, call: DenseCall):
+    group = q.shape[2] // k.shape[2]
     r = _A._scaled_dot_product_cudnn_attention(
-        _t(q), _t(_repeat(k, G)), _t(_repeat(v, G)), None, True, 0.0, causal, False, scale=scale
+        _t(q),
+        _t(_repeat(k, group)),
+        _t(_repeat(v, group)),
+        None,
+        True,
+        0.0,
+        call.causal,
+        False,
+        scale=call.scale,
     )
     return _t(r[0]), r[1][..., 0]  # lse (B, H, Sq, 1) -> (B, H, Sq)
 
 
-def _cudnn_bwd(dout, q, k, v, out, lse, scale, causal):
+def _cudnn_bwd(dout, q, k, v, out, lse, call: DenseCall):
     B, Sk, Hkv, D = k.shape
-    G, seed = (
-        q.shape[2] // Hkv,
-        torch.empty((), dtype=torch.int64, device=q.device),
-    )  # read with dropout only
+    group = q.shape[2] // Hkv
+    seed = torch.empty((), dtype=torch.int64, device=q.device)  # read with dropout only
     dq, dk, dv = _A._scaled_dot_product_cudnn_attention_backward(
         _t(dout),
         _t(q),
-        _t(_repeat(k, G)),
-        _t(_repeat(v, G)),
+        _t(_repeat(k, group)),
+        _t(_repeat(v, group)),
         _t(out),
         lse.contiguous().unsqueeze(-1),
         seed,
@@ -101,12 +122,12 @@ def _cudnn_bwd(dout, q, k, v, out, lse, scale, causal):
         q.shape[1],
         Sk,
         0.0,
-        causal,
-        scale=scale,
+        call.causal,
+        scale=call.scale,
     )
     return (
         _t(dq),
-        *(_t(x).float().reshape(B, Sk, Hkv, G, D).sum(3) for x in (dk, dv)),
+        *(_t(x).float().reshape(B, Sk, Hkv, group, D).sum(3) for x in (dk, dv)),
     )  # a kv head: its group's sum
 
 
@@ -140,16 +161,18 @@ class DispatchBackend:
         """Forward calls per (block kind, implementation): kinds causal, dense (one rectangle), pieces,
         empty, masked (needs the element mask), decode; e.g. ("causal", "cudnn"), ("masked", "triton")."""
 
-    def _pieces(self, q, q_pos, k_pos, q_seg, k_seg, causal, plan) -> Optional[list[Piece]]:
-        """The block's dense pieces (None: it needs the mask), kept in the plan."""
+    def _pieces(self, q: Tensor, meta: AttentionMeta) -> Optional[list[Piece]]:
+        """The block's dense pieces (None: it needs the mask), kept in the metadata's plans."""
         if q.device.type == "cuda" and q.shape[1] <= DECODE_MAX_Q:
             return None
-        sizes = [t.shape[1] for t in (q_pos, k_pos, q_seg, k_seg)]
-        build = lambda: dense_pieces(
-            *torch.cat([t.long() for t in (q_pos, k_pos, q_seg, k_seg)], 1).cpu().split(sizes, 1),  # noqa: E731
-            causal,
-        )
-        return build() if plan is None else plan.get(("auto", causal), build)
+
+        def build():
+            queries, keys = meta.queries, meta.keys
+            host = torch.cat([t.long() for t in (*_pair(queries), *_pair(keys))], 1).cpu()
+            q_pos, q_seg, k_pos, k_seg = host.split([queries.length] * 2 + [keys.length] * 2, 1)
+            return dense_pieces(Side(q_pos, q_seg), Side(k_pos, k_seg), meta.causal)
+
+        return meta.plans.get(("auto", meta.causal), build)
 
     def _kernels(self, q: Tensor) -> list[str]:
         names = (
@@ -179,11 +202,11 @@ class DispatchBackend:
         if self.routes[(kind, impl)] == 1:
             log.info("attention dispatch: %s blocks -> %s", kind, impl)
 
-    def _try(self, i: int, q, pieces, *args):
-        """The dense route (i = 0 forward, 1 backward) on the first kernel that takes it, else None."""
+    def _try(self, q: Tensor, pieces, run: Callable[[DenseRoute], T]) -> Optional[tuple[str, T]]:
+        """(kernel name, run(route)) on the first dense kernel that takes the pieces, else None."""
         for name in self._kernels(q) if pieces else ():
             try:
-                return name, self._dense(i, KERNELS[name][i], q, pieces, *args)
+                return name, run(DenseRoute(name, pieces))
             except RuntimeError as e:
                 self._refused.add((name, q.dtype, q.shape[-1]))
                 log.warning(
@@ -195,90 +218,95 @@ class DispatchBackend:
                 )
         return None
 
-    def forward(self, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
-        pieces = self._pieces(q, q_pos, k_pos, q_seg, k_seg, causal, plan)
+    def forward(self, q, k, v, meta: AttentionMeta):
+        pieces = self._pieces(q, meta)
         if pieces == []:
             self._note(q, pieces, "skip")
             B, Sq, Hq, _ = q.shape
             return q.new_zeros(q.shape), q.new_full(
                 (B, Hq, Sq), float("-inf"), dtype=accum_dtype(q.dtype)
             )
-        done = self._try(0, q, pieces, k, v, scale)
-        be = None if done else _general(q)
-        self._note(q, pieces, done[0] if done else be.name)
-        return (
-            done[1]
-            if done
-            else be.forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=plan)
-        )
+        scale = meta.scale_for(q.shape[-1])
+        done = self._try(q, pieces, lambda route: route.forward(q, k, v, scale))
+        if done is not None:
+            self._note(q, pieces, done[0])
+            return done[1]
+        general = _general(q)
+        self._note(q, pieces, general.name)
+        return general.forward(q, k, v, meta)
 
-    def backward(
-        self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None
-    ):
-        pieces = self._pieces(q, q_pos, k_pos, q_seg, k_seg, causal, plan)
+    def backward(self, dout, q, k, v, out, lse, meta: AttentionMeta):
+        pieces = self._pieces(q, meta)
         if pieces == []:
             return tuple(
                 torch.zeros(x.shape, dtype=accum_dtype(q.dtype), device=x.device) for x in (q, k, v)
             )
-        done = self._try(1, q, pieces, k, v, scale, dout, out, lse)
-        return (
-            done[1]
-            if done
-            else _general(q).backward(
-                dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=plan
-            )
-        )
+        scale = meta.scale_for(q.shape[-1])
+        upstream = Upstream(dout, out, lse)
+        done = self._try(q, pieces, lambda route: route.backward(upstream, q, k, v, scale))
+        if done is not None:
+            return done[1]
+        return _general(q).backward(dout, q, k, v, out, lse, meta)
 
-    @staticmethod
-    def _dense(i: int, fn, q, pieces, k, v, scale, dout=None, out=None, lse=None):
-        """Forward (i = 0: out in q.dtype, lse) or backward (i = 1: fp32 grads) of the dense pieces. The
-        CPU op computes in fp32 for 16-bit inputs (its bf16 backward is ~9x slower on CPUs without bf16
-        matrix units)."""
-        acc = accum_dtype(q.dtype)
-        cdt = acc if q.device.type == "cpu" else q.dtype
-        qc, kc, vc = (x.to(cdt) for x in (q, k, v))
+
+@dataclass(frozen=True)
+class DenseRoute:
+    """A block's dense pieces on one dense kernel (KERNELS' name). The CPU op computes in fp32 for
+    16-bit inputs (its bf16 backward is ~9x slower on CPUs without bf16 matrix units)."""
+
+    kernel: str
+    pieces: list[Piece]
+
+    def _inputs(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+        compute = accum_dtype(q.dtype) if q.device.type == "cpu" else q.dtype
+        return tuple(x.to(compute) for x in (q, k, v))
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """out in q.dtype and lse in the accumulation dtype."""
+        fn, pieces, acc = KERNELS[self.kernel][0], self.pieces, accum_dtype(q.dtype)
+        qc, kc, vc = self._inputs(q, k, v)
         B, Sq, Hq, D = q.shape
-        if i == 1:
-            doc, oc, lse = (
-                dout.to(cdt),
-                out.to(cdt),
-                lse.to(torch.float32 if q.device.type == "cuda" else cdt),
-            )
-            if pieces == [(0, Sq, 0, k.shape[1], pieces[0][4])]:
-                return tuple(g.to(acc) for g in fn(doc, qc, kc, vc, oc, lse, scale, pieces[0][4]))
-            grads = tuple(torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
-            for q0, q1, k0, k1, c in pieces:
-                g = fn(
-                    doc[:, q0:q1],
-                    qc[:, q0:q1],
-                    kc[:, k0:k1],
-                    vc[:, k0:k1],
-                    oc[:, q0:q1],
-                    lse[:, :, q0:q1],
-                    scale,
-                    c,
-                )
-                for x, sl, gx in zip(grads, (slice(q0, q1), slice(k0, k1), slice(k0, k1)), g):
-                    x[:, sl] += gx
-            return grads
         if len(pieces) == 1 and pieces[0][:2] == (0, Sq):  # one call covers every query: no copies
-            o, lse = fn(
-                qc,
-                kc[:, pieces[0][2] : pieces[0][3]],
-                vc[:, pieces[0][2] : pieces[0][3]],
-                scale,
-                pieces[0][4],
-            )
+            q0, q1, k0, k1, causal = pieces[0]
+            o, lse = fn(qc, kc[:, k0:k1], vc[:, k0:k1], DenseCall(scale, causal))
             return o.to(q.dtype), lse.to(acc)
         overlap = any(
             b[0] < a[1] for a, b in zip(pieces, pieces[1:])
         )  # pieces sharing query rows merge in fp32
         out = q.new_zeros(q.shape, dtype=acc if overlap else q.dtype)
         lse = q.new_full((B, Hq, Sq), float("-inf"), dtype=acc)
-        for q0, q1, k0, k1, c in pieces:
-            o, l = fn(qc[:, q0:q1], kc[:, k0:k1], vc[:, k0:k1], scale, c)
+        for q0, q1, k0, k1, causal in pieces:
+            o, piece_lse = fn(qc[:, q0:q1], kc[:, k0:k1], vc[:, k0:k1], DenseCall(scale, causal))
             if overlap:  # merging into zeros / -inf rows is exact
-                lse_merge_(out[:, q0:q1], lse[:, :, q0:q1], o, l)
+                lse_merge_(out[:, q0:q1], lse[:, :, q0:q1], o, piece_lse)
             else:
-                out[:, q0:q1], lse[:, :, q0:q1] = o, l
+                out[:, q0:q1], lse[:, :, q0:q1] = o, piece_lse
         return out.to(q.dtype), lse
+
+    def backward(
+        self, upstream: Upstream, q: Tensor, k: Tensor, v: Tensor, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """dq, dk, dv in the accumulation dtype."""
+        fn, pieces, acc = KERNELS[self.kernel][1], self.pieces, accum_dtype(q.dtype)
+        qc, kc, vc = self._inputs(q, k, v)
+        compute = qc.dtype
+        doc, oc = upstream.dout.to(compute), upstream.out.to(compute)
+        lse = upstream.lse.to(torch.float32 if q.device.type == "cuda" else compute)
+        Sq = q.shape[1]
+        if pieces == [(0, Sq, 0, k.shape[1], pieces[0][4])]:
+            call = DenseCall(scale, pieces[0][4])
+            return tuple(g.to(acc) for g in fn(doc, qc, kc, vc, oc, lse, call))
+        grads = tuple(torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
+        for q0, q1, k0, k1, causal in pieces:
+            piece = fn(
+                doc[:, q0:q1],
+                qc[:, q0:q1],
+                kc[:, k0:k1],
+                vc[:, k0:k1],
+                oc[:, q0:q1],
+                lse[:, :, q0:q1],
+                DenseCall(scale, causal),
+            )
+            for x, rows, gx in zip(grads, (slice(q0, q1), slice(k0, k1), slice(k0, k1)), piece):
+                x[:, rows] += gx
+        return grads

@@ -12,17 +12,16 @@ import torch
 from torch import Tensor
 
 from . import _flash_attn_triton as _tk
+from .backends import Upstream
 from .interface import attention
-from .plans import AttentionPlan
+from .meta import AttentionMeta
 
 __all__ = ["TritonBackend", "flash_attn", "flash_attn_bwd", "flash_attn_fwd"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_inputs(
-    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_seg: Tensor, k_seg: Tensor
-) -> None:
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, meta: AttentionMeta) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k, v must be (B, S, H, D); got shapes {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -48,17 +47,8 @@ def _check_inputs(
             f"triton flash attention supports head dims 1..{_tk.MAX_HEAD_DIM}, got {D}; "
             f"use backend='torch' or 'cpu' for others"
         )
-    for name, t, S in (
-        ("q_pos", q_pos, Sq),
-        ("q_seg", q_seg, Sq),
-        ("k_pos", k_pos, k.shape[1]),
-        ("k_seg", k_seg, k.shape[1]),
-    ):
-        if tuple(t.shape) != (B, S):
-            raise ValueError(f"{name} must have shape {(B, S)}, got {tuple(t.shape)}")
-        if t.is_floating_point() or t.is_complex():
-            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
-    devices = {t.device for t in (q, k, v, q_pos, k_pos, q_seg, k_seg)}
+    meta.check(q, k)
+    devices = {t.device for t in (q, k, v, *meta.tensors())}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
     if q.device.type != "cuda" and not (_tk.INTERPRET and q.device.type == "cpu"):
@@ -73,22 +63,23 @@ def flash_attn_fwd(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    q_seg: Tensor,
-    k_seg: Tensor,
+    meta: list[Tensor],
     scale: float,
     causal: bool,
     plan: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    """out (B, Sq, Hq, D) in q.dtype and lse (B, Hq, Sq) float32 (-inf on empty rows).
-    plan: the int32 tile plan of this shape's forward tiles (_flash_attn_triton.build_plan), or None."""
-    _check_inputs(q, k, v, q_pos, k_pos, q_seg, k_seg)
-    return _tk.flash_attn_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan)
+    """out (B, Sq, Hq, D) in q.dtype and lse (B, Hq, Sq) float32 (-inf on empty rows). meta: the
+    metadata's tensors (AttentionMeta.tensors()); plan: the int32 tile plan of this shape's
+    forward tiles (_flash_attn_triton.build_plan), or None."""
+    attention_meta = AttentionMeta.from_tensors(meta, causal=causal, scale=scale)
+    _check_inputs(q, k, v, attention_meta)
+    if plan is not None:
+        _tk.keep_plan(attention_meta, _tk.tile_config(q.shape[-1], q.dtype).fwd, False, plan)
+    return _tk.flash_attn_forward(q, k, v, attention_meta)
 
 
 @flash_attn_fwd.register_fake
-def _flash_attn_fwd_fake(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
+def _flash_attn_fwd_fake(q, k, v, meta, scale, causal, plan=None):
     B, Sq, Hq, D = q.shape
     return q.new_empty(B, Sq, Hq, D), q.new_empty(B, Hq, Sq, dtype=torch.float32)
 
@@ -101,10 +92,7 @@ def flash_attn_bwd(
     v: Tensor,
     out: Tensor,
     lse: Tensor,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    q_seg: Tensor,
-    k_seg: Tensor,
+    meta: list[Tensor],
     scale: float,
     causal: bool,
     kv_plan: Optional[Tensor] = None,
@@ -114,7 +102,8 @@ def flash_attn_bwd(
     """dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D), float32. out/lse may be global (ring).
     kv_plan / q_plan: tile plans (see _flash_attn_triton.flash_attn_backward) or None; variant:
     "fused", "split" or "" (the launch table's)."""
-    _check_inputs(q, k, v, q_pos, k_pos, q_seg, k_seg)
+    attention_meta = AttentionMeta.from_tensors(meta, causal=causal, scale=scale)
+    _check_inputs(q, k, v, attention_meta)
     if dout.shape != q.shape or out.shape != q.shape:
         raise ValueError(
             f"dout and out must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}, "
@@ -124,28 +113,16 @@ def flash_attn_bwd(
         raise ValueError(
             f"lse must be (B, Hq, Sq) = {(q.shape[0], q.shape[2], q.shape[1])}, got {tuple(lse.shape)}"
         )
-    return _tk.flash_attn_backward(
-        dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, kv_plan, q_plan, variant
-    )
+    cfg = _tk.tile_config(q.shape[-1], q.dtype)
+    for launch, transpose, plan in ((cfg.bwd, True, kv_plan), (cfg.dq, False, q_plan)):
+        if plan is not None:
+            _tk.keep_plan(attention_meta, launch, transpose, plan)
+    return _tk.flash_attn_backward(Upstream(dout, out, lse), q, k, v, attention_meta, variant)
 
 
 @flash_attn_bwd.register_fake
 def _flash_attn_bwd_fake(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    q_pos,
-    k_pos,
-    q_seg,
-    k_seg,
-    scale,
-    causal,
-    kv_plan=None,
-    q_plan=None,
-    variant="",
+    dout, q, k, v, out, lse, meta, scale, causal, kv_plan=None, q_plan=None, variant=""
 ):
     f32 = torch.float32
     return (
@@ -159,21 +136,15 @@ def flash_attn(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    q_pos: Optional[Tensor] = None,
-    k_pos: Optional[Tensor] = None,
-    q_seg: Optional[Tensor] = None,
-    k_seg: Optional[Tensor] = None,
+    meta: Optional[AttentionMeta] = None,
     *,
-    causal: bool = True,
-    softmax_scale: Optional[float] = None,
     return_lse: bool = False,
-    plan: Optional[AttentionPlan] = None,
 ):
     """Masked flash attention with the Triton kernel; differentiable in q, k, v. q: (B, Sq, Hq, D);
-    k, v: (B, Sk, Hkv, D), Hq % Hkv == 0; fp16, bf16 or fp32; D from 1 to 256; metadata as for
+    k, v: (B, Sk, Hkv, D), Hq % Hkv == 0; fp16, bf16 or fp32; D from 1 to 256; meta as for
     `block_attention`. Returns out (B, Sq, Hq, D) in q.dtype, and with return_lse also lse
     (B, Hq, Sq) float32 (-inf on rows with no visible key, whose out is 0)."""
-    out, lse = attention(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, softmax_scale, "triton", plan)
+    out, lse = attention(q, k, v, meta, "triton")
     return (out, lse) if return_lse else out
 
 
@@ -184,33 +155,25 @@ class TritonBackend:
     name = "triton"
     sync_free = True
 
-    def forward(self, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
-        """The forward op with its tile plan taken from (or built into) `plan`."""
-        _check_inputs(q, k, v, q_pos, k_pos, q_seg, k_seg)
-        tensor = None
-        if (
-            plan is not None
-            and not _tk.uses_decode(q.shape[1])
-            and q.shape[1]
-            and k.shape[1]
-            and q.shape[-1]
-        ):
-            c = _tk.tile_config(q.shape[-1], q.dtype).fwd
-            tensor = _tk.kept_plan(plan, c, False, causal, q_pos, k_pos, q_seg, k_seg)
+    def forward(self, q, k, v, meta: AttentionMeta):
+        """The forward op with its tile plan taken from (or built into) the metadata's store."""
+        _check_inputs(q, k, v, meta)
+        plan = None
+        if not _tk.uses_decode(q.shape[1]) and q.shape[1] and k.shape[1] and q.shape[-1]:
+            plan = _tk.kept_plan(meta, _tk.tile_config(q.shape[-1], q.dtype).fwd, False)
+        scale = float(meta.scale_for(q.shape[-1]))
         return torch.ops.longvideo.flash_attn_fwd(
-            q, k, v, q_pos, k_pos, q_seg, k_seg, float(scale), bool(causal), tensor
+            q, k, v, meta.tensors(), scale, bool(meta.causal), plan
         )
 
-    def backward(
-        self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None
-    ):
-        """The backward op with its tile plans taken from (or built into) `plan`."""
-        _check_inputs(q, k, v, q_pos, k_pos, q_seg, k_seg)
+    def backward(self, dout, q, k, v, out, lse, meta: AttentionMeta):
+        """The backward op with its tile plans taken from (or built into) the metadata's store."""
+        _check_inputs(q, k, v, meta)
         cfg, kv_plan, q_plan = _tk.tile_config(q.shape[-1], q.dtype), None, None
-        if plan is not None and q.shape[1] and k.shape[1] and q.shape[-1]:
-            meta = (causal, q_pos, k_pos, q_seg, k_seg)
-            kv_plan = _tk.kept_plan(plan, cfg.bwd, True, *meta)
-            q_plan = _tk.kept_plan(plan, cfg.dq, False, *meta) if cfg.variant == "split" else None
+        if q.shape[1] and k.shape[1] and q.shape[-1]:
+            kv_plan = _tk.kept_plan(meta, cfg.bwd, True)
+            q_plan = _tk.kept_plan(meta, cfg.dq, False) if cfg.variant == "split" else None
+        scale = float(meta.scale_for(q.shape[-1]))
         return torch.ops.longvideo.flash_attn_bwd(
             dout,
             q,
@@ -218,12 +181,9 @@ class TritonBackend:
             v,
             out,
             lse,
-            q_pos,
-            k_pos,
-            q_seg,
-            k_seg,
-            float(scale),
-            bool(causal),
+            meta.tensors(),
+            scale,
+            bool(meta.causal),
             kv_plan,
             q_plan,
             cfg.variant,

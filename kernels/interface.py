@@ -2,91 +2,58 @@
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .attention_math import fill_meta
 from .backends import get_backend
-from .plans import AttentionPlan
+from .meta import AttentionMeta
 
 
 class _BlockAttention(torch.autograd.Function):
-    """(out, lse) of one backend; gradients for q, k, v only."""
+    """(out, lse) of one backend; gradients for q, k, v only. The metadata object is kept for the
+    backward, so its plans serve both directions."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, backend, plan):
-        be = get_backend(backend)
-        plan = plan if plan is not None else AttentionPlan()
-        out, lse = be.forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=plan)
-        ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg)
-        ctx.scale, ctx.causal, ctx.backend, ctx.plan = scale, causal, backend, plan
+    def forward(ctx, q, k, v, meta: AttentionMeta, backend: str):
+        out, lse = get_backend(backend).forward(q, k, v, meta)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta, ctx.backend = meta, backend
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg = ctx.saved_tensors
-        be = get_backend(ctx.backend)
-        dq, dk, dv = be.backward(
-            dout.contiguous(),
-            q,
-            k,
-            v,
-            out,
-            lse,
-            q_pos,
-            k_pos,
-            q_seg,
-            k_seg,
-            ctx.scale,
-            ctx.causal,
-            plan=ctx.plan,
-        )
-        return (
-            dq.to(q.dtype),
-            dk.to(k.dtype),
-            dv.to(v.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        q, k, v, out, lse = ctx.saved_tensors
+        backend = get_backend(ctx.backend)
+        dq, dk, dv = backend.backward(dout.contiguous(), q, k, v, out, lse, ctx.meta)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def attention(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, softmax_scale, backend, plan):
-    """(out, lse (B, Hq, Sq)) of `block_attention`'s arguments, all positional (defaults filled here)."""
-    q_pos, k_pos, q_seg, k_seg = fill_meta(q, k, q_pos, k_pos, q_seg, k_seg)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _BlockAttention.apply(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, backend, plan)
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, meta: Optional[AttentionMeta], backend: str
+) -> tuple[Tensor, Tensor]:
+    """(out, lse (B, Hq, Sq)) of `block_attention`'s arguments; meta None: the default metadata."""
+    meta = meta if meta is not None else AttentionMeta.default(q, k)
+    return _BlockAttention.apply(q, k, v, meta, backend)
 
 
 def block_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    q_pos: Optional[Tensor] = None,
-    k_pos: Optional[Tensor] = None,
-    q_seg: Optional[Tensor] = None,
-    k_seg: Optional[Tensor] = None,
+    meta: Optional[AttentionMeta] = None,
     *,
-    causal: bool = True,
-    softmax_scale: Optional[float] = None,
     backend: str = "auto",
-    plan: Optional[AttentionPlan] = None,
 ) -> Tensor:
     """Masked attention (the mask rule of attention_math.py); differentiable in q, k, v.
 
-    q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); positions and segment ids (B, S), by default 0..S-1 and
-    one segment. Returns out (B, Sq, Hq, D) in q.dtype."""
+    q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); meta: the positions and segment ids of both sides,
+    causal, scale and plans (None: positions 0..S-1, one segment, causal, 1/sqrt(D)). Returns out
+    (B, Sq, Hq, D) in q.dtype."""
     if q.shape[2] % k.shape[2]:
         raise ValueError(
             f"query heads {q.shape[2]} must be a multiple of key/value heads {k.shape[2]}"
         )
-    return attention(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, softmax_scale, backend, plan)[0]
+    return attention(q, k, v, meta, backend)[0]

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .attention_math import accum_dtype, visibility
+from .meta import AttentionMeta
 
 
 def _heads_first(q: Tensor, k: Tensor, v: Tensor, cdt: torch.dtype):
@@ -21,11 +22,9 @@ def _heads_first(q: Tensor, k: Tensor, v: Tensor, cdt: torch.dtype):
     return qh, kh, vh
 
 
-def _tile_vis(q_pos, k_pos, q_seg, k_seg, causal, i: int, j: int, T: int) -> Tensor:
+def _tile_visibility(meta: AttentionMeta, i: int, j: int, T: int) -> Tensor:
     """(B, 1, 1, tq, tk) visibility of query tile [i, i + T) against key tile [j, j + T)."""
-    vis = visibility(
-        q_pos[:, i : i + T], k_pos[:, j : j + T], q_seg[:, i : i + T], k_seg[:, j : j + T], causal
-    )
+    vis = visibility(meta.queries.span(i, i + T), meta.keys.span(j, j + T), meta.causal)
     return vis[:, None, None]
 
 
@@ -36,8 +35,8 @@ class TorchBackend:
     def __init__(self, tile: int = 512):
         self.tile = tile
 
-    def forward(self, q, k, v, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None):
-        cdt = accum_dtype(q.dtype)
+    def forward(self, q, k, v, meta: AttentionMeta):
+        cdt, scale = accum_dtype(q.dtype), meta.scale_for(q.shape[-1])
         qh, kh, vh = _heads_first(q, k, v, cdt)
         (B, Hkv, G, Sq, D), Sk = qh.shape, k.shape[1]
         out = torch.zeros(B, Hkv, G, Sq, D, dtype=cdt, device=q.device)
@@ -49,7 +48,7 @@ class TorchBackend:
             l = torch.zeros_like(m)  # running sum of exp(s - m)
             acc = torch.zeros_like(qi)
             for j in range(0, Sk, T):
-                vis = _tile_vis(q_pos, k_pos, q_seg, k_seg, causal, i, j, T)
+                vis = _tile_visibility(meta, i, j, T)
                 if not bool(vis.any()):
                     continue  # the whole tile is masked: skip it
                 s = torch.matmul(qi, kh[:, :, :, j : j + T].transpose(-1, -2)) * scale
@@ -72,10 +71,8 @@ class TorchBackend:
         lse = lse.reshape(B, -1, Sq)
         return out, (lse if cdt == torch.float64 else lse.float())
 
-    def backward(
-        self, dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, scale, causal, plan=None
-    ):
-        cdt = accum_dtype(q.dtype)
+    def backward(self, dout, q, k, v, out, lse, meta: AttentionMeta):
+        cdt, scale = accum_dtype(q.dtype), meta.scale_for(q.shape[-1])
         qh, kh, vh = _heads_first(q, k, v, cdt)
         (B, Hkv, G, Sq, D), Sk = qh.shape, k.shape[1]
         doh, oh = (_heads_first(x, k, v, cdt)[0] for x in (dout, out))  # (B, Hkv, G, Sq, D)
@@ -92,7 +89,7 @@ class TorchBackend:
             )  # empty rows: P = 0
             di = delta[:, :, :, i : i + T]
             for j in range(0, Sk, T):
-                vis = _tile_vis(q_pos, k_pos, q_seg, k_seg, causal, i, j, T)
+                vis = _tile_visibility(meta, i, j, T)
                 if not bool(vis.any()):
                     continue
                 kj, vj = kh[:, :, :, j : j + T], vh[:, :, :, j : j + T]

@@ -15,14 +15,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from longvideo.distributed import group_size_rank
+from longvideo.kernels import AttentionMeta, default_scale
 from longvideo.model.head import LMHead
 from longvideo.parallel import RingAttentionSeam, layout_positions, shard_sequence, split_group
 from longvideo.parallel.loss import check_reduction
-from longvideo.parallel.zigzag import group_size_rank
 
 RING = "ring"
 SEGMENT_KEY = "ring_segment_ids"
 POSITIONS_KEY = "ring_positions"
+META_KEY = "ring_attention_meta"
 IGNORE_INDEX = -100
 
 # model types whose every cross-token interaction is attention with RoPE from position_ids, and
@@ -109,20 +111,22 @@ def _plain_attention(module, query, key, value, attention_mask, **kwargs):
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 
-def _check_call(
-    module, query, key, value, attention_mask, seg, world, dropout, sliding_window, kwargs
-) -> None:
-    """Raise RingAttentionUnsupported for anything the ring would not compute exactly. Every check
-    uses only values that are the same on every rank of the ring, so all ranks raise together."""
+def _check_call(module, qkv: tuple[Tensor, Tensor, Tensor], seg: Tensor, world: int, call: dict):
+    """Raise RingAttentionUnsupported for anything the ring would not compute exactly. qkv: the
+    call's (B, H, S, D) query, key and value; seg: the shard's segment ids; call: the call's other
+    keywords (attention_mask, dropout, sliding_window, ...). Every check uses only values that are
+    the same on every rank of the ring, so all ranks raise together."""
+    query, key, value = qkv
     B, Hq, S, D = query.shape
-    if kwargs.get("softcap") is not None:
-        raise _refuse(f"attention logit soft-capping (softcap={kwargs['softcap']})")
+    if call.get("softcap") is not None:
+        raise _refuse(f"attention logit soft-capping (softcap={call['softcap']})")
     for name in ("s_aux", "sinks", "position_bias"):
-        if kwargs.get(name) is not None:
+        if call.get(name) is not None:
             raise _refuse(f"the attention function receives '{name}' (attention sinks or biases)")
+    dropout = call.get("dropout")
     if dropout:
         raise _refuse(f"attention dropout {dropout} in training (set config.attention_dropout = 0)")
-    is_causal = kwargs.get("is_causal")
+    is_causal = call.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     if not is_causal:
@@ -141,17 +145,18 @@ def _check_call(
             f"{SEGMENT_KEY} has shape {tuple(seg.shape)}; this rank's shard is (B, S) = ({B}, {S}). "
             "Make batches with longvideo.hf.shard_batch"
         )
+    sliding_window = call.get("sliding_window")
     if sliding_window is not None and S * world > sliding_window:
         raise _refuse(
             f"a sliding window of {sliding_window} tokens, which would mask keys of a "
             f"{S * world}-token sequence (ring attention is exact with a window only while the "
             "whole sequence fits in it)"
         )
-    padding = attention_mask
-    if isinstance(attention_mask, DeferredMask):
-        if attention_mask.has_overlay:
+    padding = call.get("attention_mask")
+    if isinstance(padding, DeferredMask):
+        if padding.has_overlay:
             raise _refuse("the model adds its own mask functions (e.g. bidirectional image tokens)")
-        padding = attention_mask.padding
+        padding = padding.padding
     if padding is not None and not (padding.dim() == 2 and tuple(padding.shape) == (B, S)):
         raise _refuse(
             f"a custom attention mask of shape {tuple(padding.shape)} (only a 2D padding mask "
@@ -159,68 +164,63 @@ def _check_call(
         )
 
 
+def attention_meta(positions: Tensor, segment_ids: Tensor) -> AttentionMeta:
+    """The attention metadata of a shard from `shard_batch` (its `position_ids` and
+    `ring_segment_ids`), to pass as `ring_attention_meta=`: every layer of the forward then shares
+    one object and its plans (without it each layer plans its own blocks; exact either way)."""
+    return AttentionMeta.self_attention(positions, segment_ids.long())
+
+
+def _shard_meta(query: Tensor, call: dict, group) -> AttentionMeta:
+    """The call's metadata: `ring_attention_meta` when given, else one made from `ring_positions`
+    (or the zigzag layout's) and `ring_segment_ids` with the call's padding as segment -1."""
+    meta = call.pop(META_KEY, None)
+    seg, pos = call.pop(SEGMENT_KEY, None), call.pop(POSITIONS_KEY, None)
+    padding = call.get("attention_mask")
+    padding = padding.padding if isinstance(padding, DeferredMask) else padding
+    if meta is not None:
+        if padding is not None:
+            raise ValueError(
+                f"{META_KEY} comes with an attention_mask: mark the padding in its segment ids (-1)"
+            )
+        return meta
+    B, _, S, _ = query.shape
+    seg = seg.to(query.device, torch.long)
+    if padding is not None:
+        seg = torch.where(padding.to(query.device).bool(), seg, -1)
+    pos = (
+        layout_positions(S, group, device=query.device).expand(B, S)
+        if pos is None
+        else pos.to(query.device)
+    )
+    return AttentionMeta.self_attention(pos, seg)
+
+
 def seam_attention(seam, group=None):
     """A transformers attention function computing through a project seam (RingAttentionSeam over
-    `group`, or LocalAttention) for calls that carry `ring_segment_ids`; others run sdpa (docs/hf.md,
-    "What happens inside the forward": shapes, positions, scaling)."""
+    `group`, or LocalAttention) for calls that carry `ring_attention_meta` or `ring_segment_ids`;
+    others run sdpa (docs/hf.md, "What happens inside the forward": shapes, positions, scaling)."""
     world = (
         _group_size(group) if hasattr(seam, "group") else 1
     )  # a seam without a group is one rank
 
-    def attention(
-        module,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        attention_mask,
-        dropout: float = 0.0,
-        scaling: Optional[float] = None,
-        sliding_window: Optional[int] = None,
-        **kwargs,
-    ):
-        seg = kwargs.pop(SEGMENT_KEY, None)
-        pos = kwargs.pop(POSITIONS_KEY, None)
-        if seg is None:  # not a ring shard: generate, or a forward on whole sequences
-            return _plain_attention(
-                module,
-                query,
-                key,
-                value,
-                attention_mask,
-                dropout=dropout,
-                scaling=scaling,
-                sliding_window=sliding_window,
-                **kwargs,
-            )
-        _check_call(
-            module, query, key, value, attention_mask, seg, world, dropout, sliding_window, kwargs
-        )
-        padding = (
-            attention_mask.padding if isinstance(attention_mask, DeferredMask) else attention_mask
-        )
-        B, _, S, D = query.shape
-        seg = seg.to(query.device, torch.long)
-        if padding is not None:
-            seg = torch.where(padding.to(query.device).bool(), seg, -1)
-        pos = (
-            layout_positions(S, group, device=query.device).expand(B, S)
-            if pos is None
-            else pos.to(query.device)
-        )
+    def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
+        call = dict(kwargs, attention_mask=attention_mask)
+        if call.get(META_KEY) is None and call.get(SEGMENT_KEY) is None:
+            # not a ring shard: generate, or a forward on whole sequences
+            for name in (META_KEY, SEGMENT_KEY, POSITIONS_KEY):
+                kwargs.pop(name, None)
+            return _plain_attention(module, query, key, value, attention_mask, **kwargs)
+        given = call.get(META_KEY)
+        seg = given.queries.segment_ids if given is not None else call[SEGMENT_KEY]
+        _check_call(module, (query, key, value), seg, world, call)
+        meta = _shard_meta(query, call, group)
+        D = query.shape[-1]
+        scaling = call.get("scaling")
+        if scaling is not None and not math.isclose(scaling, default_scale(D), rel_tol=1e-12):
+            meta = meta.with_scale(scaling)  # the same plans; the kernels scale by it
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        if scaling is not None and abs(scaling * math.sqrt(D) - 1.0) > 1e-12:
-            q = q * (scaling * math.sqrt(D))  # the seams scale by 1/sqrt(D)
-        out = seam(
-            q,
-            k,
-            v,
-            q_positions=pos,
-            k_positions=pos,
-            q_segment_ids=seg,
-            k_segment_ids=seg,
-            causal=True,
-        )
-        return out, None
+        return seam(q, k, v, meta), None
 
     attention.seam, attention.group = seam, group
     return attention
@@ -502,7 +502,7 @@ class HFCausalLM(nn.Module):
             input_ids=input_ids,
             position_ids=positions,
             use_cache=False,
-            **{SEGMENT_KEY: segment_ids, POSITIONS_KEY: positions},
+            **{META_KEY: attention_meta(positions, segment_ids)},
         )
         return self.loss_head(out.last_hidden_state, targets, loss_weights)
 
@@ -516,11 +516,13 @@ class HFCausalLM(nn.Module):
 
 __all__ = [
     "IGNORE_INDEX",
+    "META_KEY",
     "PAD_VALUES",
     "RING",
     "SEGMENT_KEY",
     "TESTED_MODEL_TYPES",
     "DeferredMask",
+    "attention_meta",
     "HFCausalLM",
     "RingAttentionUnsupported",
     "check_model",

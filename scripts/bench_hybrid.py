@@ -123,6 +123,7 @@ def _rank(rank, world, args) -> dict:
     import torch
     import torch.distributed as dist
 
+    from longvideo.kernels import AttentionMeta
     from longvideo.parallel import CommStats, Mesh, hybrid_attention, ring_attention, zigzag_indices
 
     torch.set_num_threads(args.threads)
@@ -147,17 +148,13 @@ def _rank(rank, world, args) -> dict:
             xx = x.detach().requires_grad_(True)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 q, k, v = ((xx @ m).view(1, n, -1, D) for m in w[:3])
-                kw = dict(
-                    positions=pos,
-                    segment_ids=torch.zeros_like(pos),
-                    backend="cpu",
-                    comm_stats=stats,
-                )
-                o = (
-                    ring_attention(q, k, v, group=mesh.sp_group, **kw)
+                meta = AttentionMeta.self_attention(pos, torch.zeros_like(pos))
+                attend, group = (
+                    (ring_attention, mesh.sp_group)
                     if u == 1
-                    else hybrid_attention(q, k, v, groups=mesh.ulysses_groups, **kw)
-                )
+                    else (hybrid_attention, mesh.ulysses_groups)
+                )  # the same arguments
+                o = attend(q, k, v, meta, group=group, backend="cpu", comm_stats=stats)
                 (o.reshape(1, n, -1) @ w[3]).backward(dy)
 
         times, stats = [], CommStats()

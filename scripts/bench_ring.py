@@ -154,6 +154,7 @@ def _exposed_transfer(timeline: list, group) -> float:
 
 def _rank(rank, world, args, layout) -> dict:
     import torch.nn.functional as F
+    from longvideo.kernels import AttentionMeta
     from longvideo.parallel import CommStats, ring_attention, zigzag_indices
 
     torch.set_num_threads(args.threads)
@@ -177,8 +178,9 @@ def _rank(rank, world, args, layout) -> dict:
         with torch.autograd.graph.saved_tensors_hooks(
             pack if hooks else (lambda t: t), lambda t: t
         ):
+            meta = AttentionMeta.self_attention(pos, torch.zeros_like(pos))  # one per step
             out = ring_attention(
-                qq, kk, vv, group=group, positions=pos, backend=args.backend, comm_stats=stats
+                qq, kk, vv, meta, group=group, backend=args.backend, comm_stats=stats
             )
         out.backward(dout)
 

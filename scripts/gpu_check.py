@@ -45,13 +45,14 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from longvideo.config import load_config  # noqa: E402
 from longvideo.export.hf import hf_config_dict  # noqa: E402
-from longvideo.kernels import (
-    AttentionPlan,
+from longvideo.kernels import (  # noqa: E402
+    AttentionMeta,
+    Side,
     block_attention,
     flash_attn_ref,
     get_backend,
     lse_merge_,
-)  # noqa: E402
+)
 from longvideo.kernels import _flash_attn_triton as tk  # noqa: E402
 from longvideo.kernels.dispatch import DispatchBackend  # noqa: E402
 from longvideo.model import Transformer  # noqa: E402
@@ -147,7 +148,7 @@ def make_inputs(B, S, Hq, Hkv, D, seed, docs=1, pad=0):
         torch.cat([seg, torch.full((pad,), -1, dtype=torch.long)]).expand(B, S).contiguous().to(DEV)
     )
     q, k, v, dout = (torch.randn(B, S, h, D, generator=g).to(DEV, BF16) for h in (Hq, Hkv, Hkv, Hq))
-    return q, k, v, dout, (pos, pos, seg, seg)
+    return q, k, v, dout, AttentionMeta.self_attention(pos, seg)
 
 
 def reference(q, k, v, dout, meta, upcast: bool):
@@ -158,7 +159,7 @@ def reference(q, k, v, dout, meta, upcast: bool):
             x.detach().to(dt).requires_grad_(True)
             for x in (q[:, :, h * G : (h + 1) * G], k[:, :, h : h + 1], v[:, :, h : h + 1])
         )
-        out, _ = flash_attn_ref(qq, kk, vv, *meta, causal=True, upcast=False)
+        out, _ = flash_attn_ref(qq, kk, vv, meta, upcast=False)
         out.backward(dout[:, :, h * G : (h + 1) * G].to(dt))
         parts.append((out.detach(), qq.grad, kk.grad, vv.grad))
     return [torch.cat(x, 2) for x in zip(*parts)]
@@ -186,7 +187,7 @@ def via_autograd(backend: str, bwd_variant: str | None = None):
         qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
         try:
             tk.set_backward(bwd_variant)
-            (out := block_attention(qg, kg, vg, *meta, backend=backend)).backward(dout)
+            (out := block_attention(qg, kg, vg, meta, backend=backend)).backward(dout)
         finally:
             tk.set_backward(None)
         return dict(out=out.detach(), dq=qg.grad, dk=kg.grad, dv=vg.grad)
@@ -194,39 +195,28 @@ def via_autograd(backend: str, bwd_variant: str | None = None):
     return run
 
 
-def ring_steps(be, W: int):
+def ring_steps(backend, W: int):
     """All ranks' zigzag ring steps of W on this device: per rank the forward of every key block merged
-    in fp32, then every block's backward from that global out/lse; the whole sequence reassembled."""
+    in fp32, then every block's backward from that global out/lse; the whole sequence reassembled.
+    Each rank's blocks get the views its ring would pass (`AttentionMeta.visiting`)."""
 
     def run(q, k, v, dout, meta):
-        (pos, _, seg, _), idx = meta, [zigzag_indices(q.shape[1], W, r).to(DEV) for r in range(W)]
+        pos, seg = meta.queries.positions, meta.queries.segment_ids
+        idx = [zigzag_indices(q.shape[1], W, r).to(DEV) for r in range(W)]
         acc = {
             n: torch.zeros(x.shape, device=DEV)
             for n, x in (("out", q), ("dq", q), ("dk", k), ("dv", v))
         }
         for qi in idx:
-            o, plans = torch.zeros(q[:, qi].shape, device=DEV), [AttentionPlan() for _ in idx]
+            o = torch.zeros(q[:, qi].shape, device=DEV)
             lse = torch.full((q.shape[0], q.shape[2], len(qi)), float("-inf"), device=DEV)
-            meta_of = lambda ki: (
-                pos[:, qi],
-                pos[:, ki],
-                seg[:, qi],
-                seg[:, ki],
-                q.shape[-1] ** -0.5,
-                True,
-            )  # noqa: E731
-            for ki, plan in zip(idx, plans):
-                lse_merge_(
-                    o, lse, *be.forward(q[:, qi], k[:, ki], v[:, ki], *meta_of(ki), plan=plan)
-                )
-            for ki, plan in zip(idx, plans):
-                for name, i, g in zip(
-                    ("dq", "dk", "dv"),
-                    (qi, ki, ki),
-                    be.backward(
-                        dout[:, qi], q[:, qi], k[:, ki], v[:, ki], o, lse, *meta_of(ki), plan=plan
-                    ),
-                ):
+            shard = AttentionMeta.self_attention(pos[:, qi], seg[:, qi])
+            views = [shard.visiting(Side(pos[:, ki], seg[:, ki]), i) for i, ki in enumerate(idx)]
+            for ki, view in zip(idx, views):
+                lse_merge_(o, lse, *backend.forward(q[:, qi], k[:, ki], v[:, ki], view))
+            for ki, view in zip(idx, views):
+                grads = backend.backward(dout[:, qi], q[:, qi], k[:, ki], v[:, ki], o, lse, view)
+                for name, i, g in zip(("dq", "dk", "dv"), (qi, ki, ki), grads):
                     acc[name][:, i] += g
             acc["out"][:, qi] = o
         return {n: t.to(BF16) for n, t in acc.items()}
@@ -333,11 +323,16 @@ def part_syncs(ok, entry, args):
             "run the Triton path under tests/sync_guard.py, which fails on any read of a tensor",
         )
     q, k, v, dout, meta = make_inputs(1, 4096, 32, 8, 128, 6, docs=3, pad=64)
-    qg, kept = q.clone().requires_grad_(True), {b: AttentionPlan() for b in ("triton", "auto")}
+    qg = q.clone().requires_grad_(True)
+    kept = {b: AttentionMeta(meta.queries, meta.keys) for b in ("triton", "auto")}
+
+    def fresh():  # a new metadata object: its plans are built in the call
+        return AttentionMeta(meta.queries, meta.keys)
+
     calls = {
         f"{b} fwd+bwd, plan {how}": (
             lambda b=b, how=how: block_attention(
-                qg, k, v, *meta, backend=b, plan=kept[b] if how == "kept" else None
+                qg, k, v, kept[b] if how == "kept" else fresh(), backend=b
             ).backward(dout)
         )
         for b in kept
@@ -369,8 +364,8 @@ def _calls(who: str, q, k, v, meta, group: int):
     """Implementation `who` as a function of (q, k, v) in (B, S, H, D): ours through block_attention
     with a kept plan; SDPA with GQA natively where the backend takes it, else K/V repeated in the call."""
     if who in ("triton", "auto"):
-        plan = AttentionPlan()  # kept across calls, as a model step keeps it across layers
-        return lambda q, k, v: block_attention(q, k, v, *meta, backend=who, plan=plan)
+        kept = AttentionMeta(meta.queries, meta.keys)  # its plans kept across calls, as a model
+        return lambda q, k, v: block_attention(q, k, v, kept, backend=who)  # step's across layers
 
     def call(q, k, v, expand=False):
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
@@ -397,14 +392,16 @@ def bench_case(
     Packed rows (docs > 1, equal documents, positions restarting) run ours only."""
     B, n = max(1, tokens // S), S // docs
     seg = torch.clamp(torch.arange(S, device=DEV) // n, max=docs - 1)
-    meta = ((torch.arange(S, device=DEV) - seg * n).expand(B, S), seg.expand(B, S))
+    meta = AttentionMeta.self_attention(
+        (torch.arange(S, device=DEV) - seg * n).expand(B, S), seg.expand(B, S)
+    )
     flops = 4.0 * B * H * (docs * n * (n + 1) / 2 + (S - docs * n) * n) * D
     row = dict(seqlen=S, batch=B, shape=f"{D} {H}/{Hkv}", docs=docs, fwd_tflop=flops / 1e12)
     q, k, v, dout = (torch.randn(B, S, h, D, device=DEV, dtype=BF16) for h in (H, Hkv, Hkv, H))
     [x.requires_grad_(True) for x in (q, k, v)]
     for who in IMPLS if docs == 1 else ("triton", "auto"):
         try:
-            fn = _calls(who, q, k, v, (meta[0], meta[0], meta[1], meta[1]), H // Hkv)
+            fn = _calls(who, q, k, v, meta, H // Hkv)
             with torch.no_grad():
                 fwd = time_fn(lambda: fn(q, k, v), warmup, reps)
             out = fn(q, k, v)
@@ -462,8 +459,8 @@ def part_speed(ok, entry, args):
 def part_ring(ok, entry, args):
     """The two zigzag block kinds timed; from them and a link's bandwidth the exposed communication of
     W ranks, predicted (docs/kernels.md, "The GPU check", gives the model)."""
-    S_local, be = 64 if DRY else 16384, get_backend("auto")
-    be.routes.clear()
+    S_local, auto = 64 if DRY else 16384, get_backend("auto")
+    auto.routes.clear()
     for D, H, Hkv in ((64, 9, 3), (128, 32, 8)) if ok(5) else ():
         q, k, v, dout, _ = make_inputs(1, S_local, H, Hkv, D, 8)
         z, (r0, r1) = (
@@ -471,12 +468,12 @@ def part_ring(ok, entry, args):
             (zigzag_indices(4 * S_local, 4, r).to(DEV)[None] for r in (0, 1)),
         )
         t = {}
-        for kind, kp in (("local", r0), ("visiting", r1)):  # one causal call; one dense rectangle
-            plan, a = AttentionPlan(), (r0, kp, z, z, D**-0.5, True)
-            o, lse = be.forward(q, k, v, *a, plan=plan)
+        for kind, key_pos in (("local", r0), ("visiting", r1)):  # one causal call; a rectangle
+            block = AttentionMeta(Side(r0, z), Side(key_pos, z))
+            o, lse = auto.forward(q, k, v, block)
             t[kind] = (
-                TIME(lambda: be.forward(q, k, v, *a, plan=plan)),
-                TIME(lambda: be.backward(dout, q, k, v, o, lse, *a, plan=plan)),
+                TIME(lambda: auto.forward(q, k, v, block)),
+                TIME(lambda: auto.backward(dout, q, k, v, o, lse, block)),
             )
         hop_bytes, rows = (
             2 * S_local * Hkv * D * 2 + 2 * S_local * 8,
@@ -504,7 +501,7 @@ def part_ring(ok, entry, args):
             s_local=S_local,
             block_ms={k_: dict(fwd=f, bwd=b) for k_, (f, b) in t.items()},
             predicted=rows,
-            routes={f"{a} -> {b}": n for (a, b), n in be.routes.items()},
+            routes={f"{a} -> {b}": n for (a, b), n in auto.routes.items()},
         )
         _free()
 
@@ -687,8 +684,8 @@ def part_tune(ok, entry, args):
                 kv_smem=smem,
             )
             tk.set_tile_table({key: cfg})
-            plan, row = (
-                AttentionPlan(),
+            candidate, row = (
+                AttentionMeta(meta.queries, meta.keys),  # plans of this launch shape
                 dict(
                     head_dim=D,
                     heads=[H, Hkv],
@@ -699,7 +696,7 @@ def part_tune(ok, entry, args):
                     kv_smem=smem,
                 ),
             )
-            attn = lambda: block_attention(q, k, v, *meta, backend="triton", plan=plan)  # noqa: E731
+            attn = lambda: block_attention(q, k, v, candidate, backend="triton")  # noqa: E731
             try:
                 row["ms"] = (
                     TIME(

@@ -6,7 +6,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from longvideo.kernels import flash_attn_ref
+from longvideo.kernels import AttentionMeta, Side, flash_attn_ref
+
+
+def meta_of(q_pos, k_pos, q_seg, k_seg, causal=True, scale=None) -> AttentionMeta:
+    """The AttentionMeta of the four metadata tensors in the order the cases list them."""
+    return AttentionMeta(Side(q_pos, q_seg), Side(k_pos, k_seg), causal, scale)
 
 
 def packed_meta(
@@ -34,14 +39,12 @@ def packed_meta(
     return pos, seg
 
 
-def reference(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, dout, *, upcast, scale=None):
+def reference(q, k, v, meta: AttentionMeta, dout, *, upcast):
     """Materialised attention and its autograd gradients: upcast=True in float64 (the truth),
     upcast=False in the inputs' dtype (what a plain same-dtype computation gets wrong)."""
     dt = torch.float64 if upcast else q.dtype
     q, k, v = (x.detach().to(dt).requires_grad_(True) for x in (q, k, v))
-    out, _ = flash_attn_ref(
-        q, k, v, q_pos, k_pos, q_seg, k_seg, causal=causal, softmax_scale=scale, upcast=False
-    )
+    out, _ = flash_attn_ref(q, k, v, meta, upcast=False)
     out.backward(dout.to(dt))
     return out.detach(), q.grad, k.grad, v.grad
 

@@ -6,19 +6,22 @@
     2  longvideo.data, longvideo.parallel
     1  longvideo.model, longvideo.vq, longvideo.tokenizer
     0  longvideo.kernels, configs (every `config` module and the root config), vocab, configtools,
-       atomic, safepickle, _lazy, package __init__ files (lazy surfaces)
+       atomic, safepickle, distributed, _lazy, package __init__ files (lazy surfaces)
 
 A module may import its own layer or lower ones; no cycle may exist between modules or between
 packages; project modules are imported at the top of a file (never inside a function); the model
 never imports torch.distributed or deepspeed, nor the runtime config (how it runs is applied from
 outside); only `parallelize` (longvideo.parallel.apply) and the engine wrapper
 (longvideo.parallel.engine) import deepspeed; the kernels import nothing of the project but
-themselves; the ring reaches the kernels only through their public package surface.
+themselves; the ring reaches the kernels only through their public package surface. Each idea
+has one home: the attention metadata and its default scale (kernels/meta.py), what ranks do
+together outside attention (longvideo/distributed.py).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -48,6 +51,7 @@ LAYER_OF_MODULE = {
     "longvideo.vocab": 0,
     "longvideo.safepickle": 0,
     "longvideo.machine": 0,
+    "longvideo.distributed": 0,
     "longvideo.tokenizer": 1,
     "longvideo.checkpoint": 3,
     "longvideo.hf": 4,
@@ -300,6 +304,90 @@ def test_parallel_uses_only_the_public_kernel_interface():
         if t.startswith("longvideo.kernels.")
     ]
     assert not bad, bad
+
+
+def _defined(names: set[str]) -> dict[str, list[str]]:
+    """name -> the modules defining a top-level function or class of that name."""
+    out: dict[str, list[str]] = defaultdict(list)
+    for m, path in MODULES.items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in names:
+                out[node.name].append(m)
+    return out
+
+
+def _calls(attribute: str) -> list[str]:
+    """The modules that call `<something>.<attribute>(...)`."""
+    return sorted(
+        m
+        for m, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == attribute
+    )
+
+
+DISTRIBUTED_HELPERS = {
+    "init_distributed",
+    "torchrun_world",
+    "local_device",
+    "group_size_rank",
+    "comm_device",
+    "broadcast_array",
+    "broadcast_text",
+    "fail_together",
+    "together",
+    "RankFailedError",
+}
+
+
+def test_distributed_helpers_have_one_home():
+    """Process-group start-up, broadcasts and failure agreement are defined in longvideo.distributed
+    only (other modules may re-export them under an older name); nothing else starts a process
+    group, and nothing pickles objects across ranks."""
+    homes = _defined(DISTRIBUTED_HELPERS)
+    assert {n: ms for n, ms in homes.items() if ms != ["longvideo.distributed"]} == {}
+    assert set(homes) == DISTRIBUTED_HELPERS
+    assert _calls("init_process_group") == ["longvideo.distributed"] * 2
+    assert _calls("broadcast_object_list") == _calls("all_gather_object") == []
+
+
+ATTENTION_PATH = (
+    "longvideo.model.attention",
+    "longvideo.model.transformer",
+    "longvideo.hf",
+    "longvideo.infer.sp",
+)
+_SCALE = re.compile(r"1(\.0)?\s*/\s*(math|torch|np)\.sqrt\(|\*\*\s*-0\.5")
+
+
+def test_the_attention_metadata_and_default_scale_have_one_home():
+    """AttentionMeta, Side and default_scale are defined in kernels/meta.py only; no other module
+    on the attention path (kernels, parallel, the model's attention, inference's seams, hf) writes
+    1/sqrt(d), and none keys plans by tensor versions (the plan stores are the metadata's)."""
+    homes = _defined({"AttentionMeta", "Side", "default_scale", "PlanCache", "RingPlans"})
+    assert homes == {
+        n: ["longvideo.kernels.meta"] for n in ("AttentionMeta", "Side", "default_scale")
+    }
+    path_modules = [
+        m
+        for m in MODULES
+        if package_of(m) in ("longvideo.kernels", "longvideo.parallel") or m in ATTENTION_PATH
+    ]
+    restating = [
+        m
+        for m in path_modules
+        if m != "longvideo.kernels.meta" and _SCALE.search(MODULES[m].read_text())
+    ]
+    assert not restating, f"{restating} write the default softmax scale (use default_scale)"
+    versions = [
+        m
+        for m in path_modules
+        for node in ast.walk(ast.parse(MODULES[m].read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "_version"
+    ]
+    assert not versions, f"{versions} key something by tensor versions"
 
 
 @pytest.mark.parametrize("module", ["longvideo.config", "longvideo.cli"])

@@ -16,6 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from distributed import run_ranks
+from longvideo.kernels import AttentionMeta
 from longvideo.model import ModelConfig, Transformer
 from longvideo.model.attention import LocalAttention
 from longvideo.model.layers import rope_cos_sin
@@ -65,12 +66,14 @@ def test_one_graph_per_block_no_graph_break():
     ids, pos, seg = _batch()
     x = model.tok_embeddings(ids)
     cos, sin = rope_cos_sin(pos, model.cfg.head_dim, model.cfg.rope_theta, x.dtype)
-    ex = torch._dynamo.explain(model.layers[0])(x, cos, sin, pos, seg, seam)
+    meta = AttentionMeta.self_attention(pos, seg)
+    ex = torch._dynamo.explain(model.layers[0])(x, cos, sin, meta, seam)
     assert ex.graph_break_count == 0 and ex.graph_count == 1, ex.break_reasons
     targets = [str(n.target) for g in ex.graphs for n in g.graph.nodes if n.op == "call_function"]
     assert sum("seam_attention" in t for t in targets) == 1, targets
     # the seam without the wrapper is not opaque: Dynamo traces into its host-side planning and breaks
-    ex = torch._dynamo.explain(model.layers[0])(x, cos, sin, pos, seg, model.attention_fn)
+    fresh = AttentionMeta.self_attention(pos, seg)  # its plans not built yet
+    ex = torch._dynamo.explain(model.layers[0])(x, cos, sin, fresh, model.attention_fn)
     assert ex.graph_break_count > 0
 
 
@@ -96,11 +99,9 @@ def test_compiled_model_matches_eager(checkpointing):
         torch.testing.assert_close(lc, le, rtol=1e-6, atol=1e-7)
         for n in ge:
             torch.testing.assert_close(gc[n], ge[n], rtol=1e-5, atol=1e-7, msg=n)
-    plans = compiled.attention_fn.inner.plans
-    built = [p.builds for _, p in plans._entries.values()]
-    assert built == [1], (
-        built
-    )  # one dispatch choice for every layer of the step, forward and backward
+    built = [meta.plans.builds for meta in compiled.attention_fn.recent.values()]
+    # one metadata object a step, one dispatch choice for every layer of it, forward and backward
+    assert built == [1, 1], built
 
 
 @pytest.mark.slow

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from attn_cases import assert_within, packed_meta, reference
-from longvideo.kernels import block_attention, get_backend
+from attn_cases import assert_within, meta_of, packed_meta, reference
+from longvideo.kernels import AttentionMeta, Side, block_attention, get_backend
 from longvideo.kernels.cpu_backend import CAUSAL, FULL, MASKED, CpuBackend, lse_merge_, make_tiles
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
@@ -38,10 +38,11 @@ def _meta(kind, B, S, g):
 
 def _check(be, q, k, v, dout, qp, kp, qs, ks, causal):
     """Forward, and backward through the differentiable op, within the dtype tolerance."""
-    truth = reference(q, k, v, qp, kp, qs, ks, causal, dout, upcast=True)
-    plain = reference(q, k, v, qp, kp, qs, ks, causal, dout, upcast=False)
+    meta = meta_of(qp, kp, qs, ks, causal)
+    truth = reference(q, k, v, meta, dout, upcast=True)
+    plain = reference(q, k, v, meta, dout, upcast=False)
     qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
-    out = block_attention(qq, kk, vv, qp, kp, qs, ks, causal=causal, backend=be)
+    out = block_attention(qq, kk, vv, meta, backend=be)
     out.backward(dout)
     eps = 1e-12 if q.dtype == torch.float64 else 1e-6
     for name, got, t, p in zip(
@@ -96,13 +97,13 @@ def test_global_out_lse_gives_partial_grads(small_tiles):
     q, k, v, dout, g = _inputs(B, Sq, Sk, H, 2, D, torch.float64, seed=5)
     qp, qs = packed_meta(B, Sq, g, min_len=3, max_len=40, restart=False, pad=3)
     kp, ks = packed_meta(B, Sk, g, min_len=3, max_len=40, restart=False, pad=2)
-    scale = 1 / math.sqrt(D)
-    out, lse = small_tiles.forward(q, k, v, qp, kp, qs, ks, scale, True)
-    full = small_tiles.backward(dout, q, k, v, out, lse, qp, kp, qs, ks, scale, True)
+    meta = meta_of(qp, kp, qs, ks, True, 1 / math.sqrt(D))
+    out, lse = small_tiles.forward(q, k, v, meta)
+    full = small_tiles.backward(dout, q, k, v, out, lse, meta)
     h = Sk // 2
     parts = [
         small_tiles.backward(
-            dout, q, k[:, a:b], v[:, a:b], out, lse, qp, kp[:, a:b], qs, ks[:, a:b], scale, True
+            dout, q, k[:, a:b], v[:, a:b], out, lse, meta.with_keys(meta.keys.span(a, b))
         )
         for a, b in ((0, h), (h, Sk))
     ]
@@ -113,7 +114,7 @@ def test_global_out_lse_gives_partial_grads(small_tiles):
     torch.testing.assert_close(
         torch.cat([parts[0][2], parts[1][2]], 1), full[2], rtol=0, atol=1e-12
     )
-    truth = reference(q, k, v, qp, kp, qs, ks, True, dout, upcast=True)
+    truth = reference(q, k, v, meta, dout, upcast=True)
     for got, t in zip(full, truth[1:]):
         torch.testing.assert_close(got, t, rtol=0, atol=1e-10)
 
@@ -124,10 +125,11 @@ def test_fully_masked_rows_are_empty(small_tiles):
     pos = torch.arange(32)[None]
     seg = torch.zeros(1, 32, dtype=torch.long)
     seg[:, 20:] = -1  # padding
-    out, lse = small_tiles.forward(q, k, v, pos, pos, seg, seg, 0.3, True)
+    meta = AttentionMeta.self_attention(pos, seg, scale=0.3)
+    out, lse = small_tiles.forward(q, k, v, meta)
     assert (out[:, 20:] == 0).all() and torch.isneginf(lse[:, :, 20:]).all()
     assert torch.isfinite(lse[:, :, :20]).all()
-    dq, dk, dv = small_tiles.backward(dout, q, k, v, out, lse, pos, pos, seg, seg, 0.3, True)
+    dq, dk, dv = small_tiles.backward(dout, q, k, v, out, lse, meta)
     assert (dq[:, 20:] == 0).all() and (dk[:, 20:] == 0).all() and (dv[:, 20:] == 0).all()
     assert dq[:, :20].abs().sum() > 0
 
@@ -141,15 +143,16 @@ def test_zigzag_chunk_pairs_take_fast_paths():
     seg = torch.zeros(1, 2 * c, dtype=torch.long)
     kinds = []
     for qp, kp in ((r0, r0), (r0, r1), (r1, r0), (r1, r1)):
-        kinds += [kind for _, pairs in be._plan(qp, kp, seg, seg, True) for _, kind, _ in pairs]
+        meta = meta_of(qp, kp, seg, seg)
+        kinds += [kind for _, pairs in be._plan(meta) for _, kind, _ in pairs]
     assert MASKED not in kinds and CAUSAL in kinds and FULL in kinds
     # rank 1's chunks 1 and 2 are consecutive, so they form one run: the local block is one causal tile
-    assert len(make_tiles(r1, seg, 1024, 4)) == 1
+    assert len(make_tiles(Side(r1, seg), 1024, 4)) == 1
 
 
 def test_short_runs_are_pooled():
     pos, seg = packed_meta(1, 200, torch.Generator().manual_seed(0), min_len=1, max_len=3)
-    tiles = make_tiles(pos, seg, tile=64, min_tile=16)
+    tiles = make_tiles(Side(pos, seg), tile=64, min_tile=16)
     assert len(tiles) <= 200 // 16 + 2
     assert [t.start for t in tiles][0] == 0 and tiles[-1].stop == 200
     assert all(a.stop == b.start for a, b in zip(tiles, tiles[1:]))
@@ -162,9 +165,10 @@ def test_lse_merge_matches_joint_softmax():
     pos_q, seg_q = torch.arange(100, 116)[None], torch.zeros(1, 16, dtype=torch.long)
     seg_q[:, -2:] = -1
     kp, ks = torch.arange(32)[None], torch.zeros(1, 32, dtype=torch.long)
-    full_o, full_l = be.forward(q, k, v, pos_q, kp, seg_q, ks, 0.5, False)
-    o, l = be.forward(q, k[:, :16], v[:, :16], pos_q, kp[:, :16], seg_q, ks[:, :16], 0.5, False)
-    o2, l2 = be.forward(q, k[:, 16:], v[:, 16:], pos_q, kp[:, 16:], seg_q, ks[:, 16:], 0.5, False)
+    meta = meta_of(pos_q, kp, seg_q, ks, False, 0.5)
+    full_o, full_l = be.forward(q, k, v, meta)
+    o, l = be.forward(q, k[:, :16], v[:, :16], meta.with_keys(meta.keys.span(0, 16)))
+    o2, l2 = be.forward(q, k[:, 16:], v[:, 16:], meta.with_keys(meta.keys.span(16, 32)))
     lse_merge_(o, l, o2, l2)
     torch.testing.assert_close(o, full_o, rtol=0, atol=1e-13)
     torch.testing.assert_close(l, full_l, rtol=0, atol=1e-13)
@@ -175,19 +179,16 @@ def test_lse_merge_matches_joint_softmax():
 
 
 def test_plan_kept_in_an_attention_plan(small_tiles):
-    """With an AttentionPlan the host tile plan is built once for every call with the same metadata
-    (forward and backward, several layers), and the results are the same bits as without."""
-    from longvideo.kernels import AttentionPlan
-
+    """The host tile plan is built once per metadata object for every call with it (forward and
+    backward, several layers), and the results are the same bits as with a fresh object a call."""
     q, k, v, dout, g = _inputs(1, 40, 40, 4, 2, 8, torch.float32, seed=13)
     pos, seg = packed_meta(1, 40, g, min_len=3, max_len=20, restart=True, pad=2)
-    plan = AttentionPlan()
+    meta = AttentionMeta.self_attention(pos, seg, scale=0.3)
     for _ in range(2):
-        out, lse = small_tiles.forward(q, k, v, pos, pos, seg, seg, 0.3, True, plan=plan)
-        grads = small_tiles.backward(
-            dout, q, k, v, out, lse, pos, pos, seg, seg, 0.3, True, plan=plan
-        )
-    assert plan.builds == 1
-    out0, lse0 = small_tiles.forward(q, k, v, pos, pos, seg, seg, 0.3, True)
-    grads0 = small_tiles.backward(dout, q, k, v, out0, lse0, pos, pos, seg, seg, 0.3, True)
+        out, lse = small_tiles.forward(q, k, v, meta)
+        grads = small_tiles.backward(dout, q, k, v, out, lse, meta)
+    assert meta.plans.builds == 1
+    fresh = lambda: AttentionMeta.self_attention(pos, seg, scale=0.3)  # noqa: E731
+    out0, lse0 = small_tiles.forward(q, k, v, fresh())
+    grads0 = small_tiles.backward(dout, q, k, v, out0, lse0, fresh())
     assert torch.equal(out, out0) and all(torch.equal(a, b) for a, b in zip(grads, grads0))

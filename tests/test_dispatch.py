@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from attn_cases import assert_within, packed_meta, reference
+from attn_cases import assert_within, meta_of, packed_meta, reference
 from distributed import run_ranks
-from longvideo.kernels import AttentionPlan, block_attention, get_backend
+from longvideo.kernels import AttentionMeta, Side, block_attention, get_backend
 from longvideo.kernels import dispatch as dp
 from longvideo.kernels.attention_math import dense_pieces
 from longvideo.parallel import ring_attention, shard_sequence, zigzag_indices
@@ -83,11 +83,12 @@ def _inputs(B, Sq, Sk, Hq, Hkv, D, dtype, seed):
     return q, k, v, dout, g
 
 
-def _check(q, k, v, dout, meta, causal, what):
-    truth = reference(q, k, v, *meta, causal, dout, upcast=True)
-    plain = reference(q, k, v, *meta, causal, dout, upcast=False)
+def _check(q, k, v, dout, tensors, causal, what):
+    meta = meta_of(*tensors, causal)
+    truth = reference(q, k, v, meta, dout, upcast=True)
+    plain = reference(q, k, v, meta, dout, upcast=False)
     qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
-    out = block_attention(qq, kk, vv, *meta, causal=causal, backend="auto")
+    out = block_attention(qq, kk, vv, meta, backend="auto")
     out.backward(dout)
     eps = 1e-12 if q.dtype == torch.float64 else 1e-6 if q.dtype == torch.float32 else 1e-3
     for name, got, t, p in zip(
@@ -144,22 +145,24 @@ def test_different_lengths_and_non_causal(be, one_thread, causal):
 def test_pieces_and_their_merge():
     """Zigzag steps are one call each; pieces that share a side are joined; masks give None."""
     z = torch.zeros(1, 16, dtype=torch.long)
+
+    def pieces(q_pos, k_pos, q_seg, k_seg, causal):
+        return dense_pieces(Side(q_pos, q_seg), Side(k_pos, k_seg), causal)
+
     for r, want in (
         (0, [(0, 16, 0, 8, False)]),
         (1, [(0, 16, 0, 16, True)]),
         (2, [(8, 16, 0, 16, False)]),
     ):
-        assert dense_pieces(_zigzag(48, 3, 1), _zigzag(48, 3, r), z, z, True) == want
+        assert pieces(_zigzag(48, 3, 1), _zigzag(48, 3, r), z, z, True) == want
     p = torch.arange(16)[None]
-    assert dense_pieces(p + 16, p, z, z, True) == [(0, 16, 0, 16, False)]
-    assert dense_pieces(p, p + 16, z, z, True) == []  # every key in the future
+    assert pieces(p + 16, p, z, z, True) == [(0, 16, 0, 16, False)]
+    assert pieces(p, p + 16, z, z, True) == []  # every key in the future
     s = (p >= 10).long()
-    assert dense_pieces(p, p, s, s, False) == [(0, 10, 0, 10, False), (10, 16, 10, 16, False)]
-    assert dense_pieces(p, p, s, 1 - s, True) == [(10, 16, 0, 10, False)]
-    assert (
-        dense_pieces(p, p, z, (p >= 5).long(), True) is None
-    )  # keys of two documents cut the triangle
-    assert dense_pieces(p, p, z - 1, z - 1, True) == []  # padding only
+    assert pieces(p, p, s, s, False) == [(0, 10, 0, 10, False), (10, 16, 10, 16, False)]
+    assert pieces(p, p, s, 1 - s, True) == [(10, 16, 0, 10, False)]
+    assert pieces(p, p, z, (p >= 5).long(), True) is None  # keys of two documents cut the triangle
+    assert pieces(p, p, z - 1, z - 1, True) == []  # padding only
 
 
 def test_plan_keeps_the_choice_and_skips_empty_blocks(be):
@@ -167,16 +170,15 @@ def test_plan_keeps_the_choice_and_skips_empty_blocks(be):
     q, k, v, dout, _ = _inputs(1, 32, 32, 2, 2, 8, torch.float32, seed=5)
     p = torch.arange(32)[None]
     z = torch.zeros(1, 32, dtype=torch.long)
-    plan = AttentionPlan()
+    meta = AttentionMeta.self_attention(p, z, scale=0.3)
     for _ in range(3):
-        out, lse = be.forward(q, k, v, p, p, z, z, 0.3, True, plan=plan)
-        be.backward(dout, q, k, v, out, lse, p, p, z, z, 0.3, True, plan=plan)
-    assert plan.builds == 1 and be.routes[("causal", "cpu-flash")] == 3
-    out, lse = be.forward(q, k, v, p, p + 100, z, z, 0.3, True)
+        out, lse = be.forward(q, k, v, meta)
+        be.backward(dout, q, k, v, out, lse, meta)
+    assert meta.plans.builds == 1 and be.routes[("causal", "cpu-flash")] == 3
+    future = meta_of(p, p + 100, z, z, True, 0.3)
+    out, lse = be.forward(q, k, v, future)
     assert (out == 0).all() and torch.isneginf(lse).all() and be.routes[("empty", "skip")] == 1
-    assert all(
-        (g == 0).all() for g in be.backward(dout, q, k, v, out, lse, p, p + 100, z, z, 0.3, True)
-    )
+    assert all((g == 0).all() for g in be.backward(dout, q, k, v, out, lse, future))
 
 
 def test_a_refusing_kernel_falls_back(be, monkeypatch, caplog):
@@ -210,11 +212,11 @@ def test_cuda_kernels_signatures_on_meta_tensors():
             (False, k, v),
             (True, k.new_empty(B, Sq, Hkv, D), v.new_empty(B, Sq, Hkv, D)),
         ):
-            out, lse = fwd(q, kk, vv, 0.125, causal)
+            out, lse = fwd(q, kk, vv, dp.DenseCall(0.125, causal))
             assert (
                 out.shape == q.shape and lse.shape == (B, Hq, Sq) and lse.dtype == torch.float32
             ), name
-            dq, dk, dv = bwd(dout, q, kk, vv, out, lse, 0.125, causal)
+            dq, dk, dv = bwd(dout, q, kk, vv, out, lse, dp.DenseCall(0.125, causal))
             assert dq.shape == q.shape and dk.shape == kk.shape and dv.shape == vv.shape, name
 
 
@@ -254,17 +256,15 @@ def _ring_body(rank, world):
         seg = torch.zeros(1, S, dtype=torch.long)
         if kind == "packed":
             pos, seg = packed_meta(1, S, g, min_len=5, max_len=20, restart=True)
-        truth = reference(q, k, v, pos, pos, seg, seg, True, dout, upcast=True)
-        plain = reference(q, k, v, pos, pos, seg, seg, True, dout, upcast=False)
+        truth = reference(q, k, v, AttentionMeta.self_attention(pos, seg), dout, upcast=True)
+        plain = reference(q, k, v, AttentionMeta.self_attention(pos, seg), dout, upcast=False)
         local = lambda x: shard_sequence(x, group, dim=1)  # noqa: E731
-        lq, lk, lv = (local(x).requires_grad_(True) for x in (q, k, v))
-        out = ring_attention(
-            lq, lk, lv, group=group, positions=local(pos), segment_ids=local(seg), backend="auto"
-        )
+        local_q, local_k, local_v = (local(x).requires_grad_(True) for x in (q, k, v))
+        shard = AttentionMeta.self_attention(local(pos), local(seg))
+        out = ring_attention(local_q, local_k, local_v, shard, group=group, backend="auto")
         out.backward(local(dout))
-        for name, got, t, p in zip(
-            ("out", "dq", "dk", "dv"), (out, lq.grad, lk.grad, lv.grad), truth, plain
-        ):
+        grads = (local_q.grad, local_k.grad, local_v.grad)
+        for name, got, t, p in zip(("out", "dq", "dk", "dv"), (out, *grads), truth, plain):
             assert_within(
                 f"rank {rank} {kind} {dtype}: {name}",
                 got,

@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from attn_cases import assert_within, max_err, packed_meta, reference
+from attn_cases import assert_within, max_err, meta_of, packed_meta, reference
 from longvideo.kernels import _flash_attn_triton as tk
 from longvideo.kernels import (
-    AttentionPlan,
-    RingPlans,
+    AttentionMeta,
+    Side,
     block_attention,
     classify_tiles,
     flash_attn_ref,
@@ -88,12 +88,12 @@ def check_against_reference(q, k, v, dout, meta, causal, what=""):
     dtype = q.dtype
     qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
     with no_host_sync():
-        out, lse = flash_attn(qg, kg, vg, *meta, causal=causal, return_lse=True)
+        out, lse = flash_attn(qg, kg, vg, meta_of(*meta, causal), return_lse=True)
         out.backward(dout)
-    truth = reference(q, k, v, *meta, causal, dout, upcast=True)
-    plain = reference(q, k, v, *meta, causal, dout, upcast=False)
-    _, lse_truth = flash_attn_ref(q.double(), k.double(), v.double(), *meta, causal=causal)
-    _, lse_plain = flash_attn_ref(q, k, v, *meta, causal=causal, upcast=False)
+    truth = reference(q, k, v, meta_of(*meta, causal), dout, upcast=True)
+    plain = reference(q, k, v, meta_of(*meta, causal), dout, upcast=False)
+    _, lse_truth = flash_attn_ref(q.double(), k.double(), v.double(), meta_of(*meta, causal))
+    _, lse_plain = flash_attn_ref(q, k, v, meta_of(*meta, causal), upcast=False)
     eps = EPS[dtype]
     for name, got, t, p in zip(
         ("out", "dq", "dk", "dv"), (out, qg.grad, kg.grad, vg.grad), truth, plain
@@ -145,7 +145,10 @@ def test_matches_reference(case):
     (q, k, v, dout), meta = make_case(
         seed, B, Sq, Sk, Hq, Hkv, D, dtype, layout, restart=seed % 2 == 1
     )
-    assert visibility(*meta, causal).any(), "the case must have visible pairs to test anything"
+    queries, keys = Side(meta[0], meta[2]), Side(meta[1], meta[3])
+    assert visibility(queries, keys, causal).any(), (
+        "the case must have visible pairs to test anything"
+    )
     check_against_reference(q, k, v, dout, meta, causal, what=str(case))
 
 
@@ -180,20 +183,19 @@ def test_fully_masked_rows_and_tiles():
 def test_backward_with_global_out_and_lse():
     """Ring attention calls the backend backward per key block with the GLOBAL out and lse: the
     blocks' gradients must add up to the gradients of attention over all keys."""
-    (q, k, v, dout), (qp, kp, qs, ks) = make_case(21, 2, 24, 24, 4, 2, 32, torch.float32, "self")
-    truth = reference(q, k, v, qp, kp, qs, ks, True, dout, upcast=True)
-    plain = reference(q, k, v, qp, kp, qs, ks, True, dout, upcast=False)
-    be = get_backend("triton")
-    assert isinstance(be, TritonBackend) and be.name == "triton"
-    scale = 1 / math.sqrt(q.shape[-1])
-    out, lse = be.forward(q, k, v, qp, kp, qs, ks, scale, True)  # global: all keys in one call
+    (q, k, v, dout), tensors = make_case(21, 2, 24, 24, 4, 2, 32, torch.float32, "self")
+    meta = meta_of(*tensors, True, 1 / math.sqrt(q.shape[-1]))
+    truth = reference(q, k, v, meta, dout, upcast=True)
+    plain = reference(q, k, v, meta, dout, upcast=False)
+    triton = get_backend("triton")
+    assert isinstance(triton, TritonBackend) and triton.name == "triton"
+    out, lse = triton.forward(q, k, v, meta)  # global: all keys in one call
     dq = torch.zeros(q.shape, dtype=torch.float32, device=DEV)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=DEV)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=DEV)
     for sl in (slice(0, 9), slice(9, 24)):  # two key blocks of uneven length
-        gq, gk, gv = be.backward(
-            dout, q, k[:, sl], v[:, sl], out, lse, qp, kp[:, sl], qs, ks[:, sl], scale, True
-        )
+        block = meta.with_keys(meta.keys.span(sl.start, sl.stop))
+        gq, gk, gv = triton.backward(dout, q, k[:, sl], v[:, sl], out, lse, block)
         assert gq.dtype == gk.dtype == gv.dtype == torch.float32
         dq += gq
         dk[:, sl] += gk
@@ -213,16 +215,16 @@ def test_block_attention_and_auto_backend():
         pos = torch.randperm(40, device=DEV)[None]
         seg = torch.zeros_like(pos)
         torch.testing.assert_close(
-            block_attention(q, k, v, pos, pos, seg, seg, backend="auto"),
-            flash_attn(q, k, v, pos, pos, seg, seg),
+            block_attention(q, k, v, AttentionMeta.self_attention(pos, seg), backend="auto"),
+            flash_attn(q, k, v, AttentionMeta.self_attention(pos, seg)),
             rtol=0,
             atol=0,
         )
     (q, k, v, dout), meta = make_case(31, 1, 20, 20, 2, 1, 32, torch.float32, "self")
     qa, ka, va = (x.clone().requires_grad_(True) for x in (q, k, v))
     qb, kb, vb = (x.clone().requires_grad_(True) for x in (q, k, v))
-    oa = block_attention(qa, ka, va, *meta, backend="triton")
-    ob = flash_attn(qb, kb, vb, *meta)
+    oa = block_attention(qa, ka, va, meta_of(*meta), backend="triton")
+    ob = flash_attn(qb, kb, vb, meta_of(*meta))
     oa.backward(dout)
     ob.backward(dout)
     for a, b in ((oa, ob), (qa.grad, qb.grad), (ka.grad, kb.grad), (va.grad, vb.grad)):
@@ -244,34 +246,36 @@ def test_raw_ops_schema_and_fake():
     """The custom ops' fake implementations agree with the real ones (torch.compile traces them)."""
     (q, k, v, dout), meta = make_case(51, 1, 16, 16, 2, 1, 16, torch.float32, "self")
     scale = 0.25
-    out, lse = torch.ops.longvideo.flash_attn_fwd(q, k, v, *meta, scale, True)
+    meta = list(meta)  # the ops take AttentionMeta.tensors(): q_pos, k_pos, q_seg, k_seg
+    out, lse = torch.ops.longvideo.flash_attn_fwd(q, k, v, meta, scale, True)
     tests = ("test_schema", "test_faketensor")
     torch.library.opcheck(
-        torch.ops.longvideo.flash_attn_fwd.default, (q, k, v, *meta, scale, True), test_utils=tests
+        torch.ops.longvideo.flash_attn_fwd.default, (q, k, v, meta, scale, True), test_utils=tests
     )
     torch.library.opcheck(
         torch.ops.longvideo.flash_attn_bwd.default,
-        (dout, q, k, v, out, lse, *meta, scale, True),
+        (dout, q, k, v, out, lse, meta, scale, True),
         test_utils=tests,
     )
     cfg = tk.tile_config(16, q.dtype)  # with plans passed in, and the split variant
-    fwd = tk.build_plan(*meta, True, cfg.fwd.block_m, cfg.fwd.block_n)
-    kv = tk.build_plan(*meta, True, cfg.bwd.block_m, cfg.bwd.block_n, transpose=True)
-    dq = tk.build_plan(*meta, True, cfg.dq.block_m, cfg.dq.block_n)
+    whole = meta_of(*meta)
+    fwd = tk.build_plan(whole, cfg.fwd.block_m, cfg.fwd.block_n)
+    kv = tk.build_plan(whole, cfg.bwd.block_m, cfg.bwd.block_n, transpose=True)
+    dq = tk.build_plan(whole, cfg.dq.block_m, cfg.dq.block_n)
     torch.library.opcheck(
         torch.ops.longvideo.flash_attn_fwd.default,
-        (q, k, v, *meta, scale, True, fwd),
+        (q, k, v, meta, scale, True, fwd),
         test_utils=tests,
     )
     torch.library.opcheck(
         torch.ops.longvideo.flash_attn_bwd.default,
-        (dout, q, k, v, out, lse, *meta, scale, True, kv, dq, "split"),
+        (dout, q, k, v, out, lse, meta, scale, True, kv, dq, "split"),
         test_utils=tests,
     )
     one = q[:, :3]  # the decode path (few queries, no plan)
     torch.library.opcheck(
         torch.ops.longvideo.flash_attn_fwd.default,
-        (one, k, v, meta[0][:, :3], meta[1], meta[2][:, :3], meta[3], scale, True),
+        (one, k, v, [meta[0][:, :3], meta[1], meta[2][:, :3], meta[3]], scale, True),
         test_utils=tests,
     )
 
@@ -293,7 +297,7 @@ def test_rejects_bad_inputs():
             x,
             x,
             x,
-            *(torch.zeros(1, 20, dtype=torch.long, device=DEV),) * 4,
+            [torch.zeros(1, 20, dtype=torch.long, device=DEV)] * 4,
             0.1,
             True,
             torch.zeros(1, 5, dtype=torch.int32, device=DEV),
@@ -304,10 +308,13 @@ def test_rejects_bad_inputs():
         flash_attn(q, k.half(), k.half())
     with pytest.raises(ValueError, match="supports fp16, bf16 and fp32"):
         flash_attn(q.double(), k.double(), k.double())
-    with pytest.raises(ValueError, match="k_pos must have shape"):
-        flash_attn(q, k, k, k_pos=torch.zeros(1, 7, dtype=torch.long, device=DEV))
-    with pytest.raises(ValueError, match="must be an integer tensor"):
-        flash_attn(q, k, k, q_seg=torch.zeros(1, 8, device=DEV))
+    good = AttentionMeta.default(q, k)
+    short = Side(torch.zeros(1, 7, dtype=torch.long, device=DEV), good.keys.segment_ids)
+    with pytest.raises(ValueError, match="keys.positions must have shape"):
+        flash_attn(q, k, k, good.with_keys(short))
+    floats = Side(good.queries.positions, torch.zeros(1, 8, device=DEV))
+    with pytest.raises(ValueError, match="queries.segment_ids must be an integer tensor"):
+        flash_attn(q, k, k, AttentionMeta(floats, good.keys))
 
 
 # ---- head dims, decode, backward variants, plans, host syncs ------------------------------------
@@ -342,14 +349,10 @@ def test_decode_path(Sq, heads, causal):
     )
     meta = (qp[:, -Sq:] + 30, kp, qs[:, -Sq:], ks)  # the last queries of a prompt after its keys
     check_against_reference(q[:, -Sq:], k, v, dout[:, -Sq:], meta, causal, what=f"decode Sq={Sq}")
-    cfg, flags = tk.tile_config(32, q.dtype), tk._flags(q.dtype)
+    cfg = tk.tile_config(32, q.dtype)
     qq = q[:, -Sq:].contiguous()
-    one = tk._decode(
-        qq, k, v, *(tk._meta(m) for m in meta), 0.2, causal, cfg.decode, flags, splits=1
-    )
-    many = tk._decode(
-        qq, k, v, *(tk._meta(m) for m in meta), 0.2, causal, cfg.decode, flags, splits=4
-    )
+    one = tk._decode(qq, k, v, meta_of(*meta, causal, 0.2), cfg.decode, splits=1)
+    many = tk._decode(qq, k, v, meta_of(*meta, causal, 0.2), cfg.decode, splits=4)
     torch.testing.assert_close(one[0].float(), many[0].float(), atol=2e-2, rtol=0)
     torch.testing.assert_close(one[1], many[1], atol=1e-5, rtol=0)
 
@@ -381,7 +384,7 @@ def test_backward_variants(variant, per_head, kv_smem):
             grads = []
             for _ in range(2):
                 qg = q.clone().requires_grad_(True)
-                flash_attn(qg, k, v, *meta).backward(dout)
+                flash_attn(qg, k, v, meta_of(*meta)).backward(dout)
                 grads.append(qg.grad)
             assert torch.equal(*grads)
     finally:
@@ -402,36 +405,36 @@ def test_split_backward_means_no_atomics():
 
 
 def test_plans_are_built_once_and_reused():
-    """An AttentionPlan passed to every call with the same metadata is built once per kind: the
-    forward plan by the first forward, the backward's by the first backward."""
-    (q, k, v, dout), meta = make_case(130, 1, 40, 40, 4, 2, 32, torch.float32, "self")
-    plan = AttentionPlan()
+    """A metadata object passed to every call with the same metadata builds its plans once per
+    kind: the forward plan by the first forward, the backward's by the first backward."""
+    (q, k, v, dout), tensors = make_case(130, 1, 40, 40, 4, 2, 32, torch.float32, "self")
+    meta = meta_of(*tensors)
     outs = []
     for _ in range(3):  # three "layers"
         qg = q.clone().requires_grad_(True)
-        out = flash_attn(qg, k, v, *meta, plan=plan)
+        out = flash_attn(qg, k, v, meta)
         out.backward(dout)
         outs.append((out, qg.grad))
     n_bwd = 1 if tk.tile_config(32, q.dtype).variant == "fused" else 2
-    assert plan.builds == 1 + n_bwd and len(plan) == 1 + n_bwd
-    ref_out = flash_attn(q, k, v, *meta)
+    assert meta.plans.builds == 1 + n_bwd and len(meta.plans) == 1 + n_bwd
+    ref_out = flash_attn(q, k, v, meta_of(*tensors))
     assert all(torch.equal(o, ref_out) for o, _ in outs)
     assert (
         all(torch.equal(g, outs[0][1]) for _, g in outs[1:])
         or tk.tile_config(32, q.dtype).variant == "fused"
     )
     # the block-attention entry point and the model seam share plans the same way
-    plan2 = AttentionPlan()
+    meta2 = meta_of(*tensors)
     for _ in range(2):
         block_attention(
-            q.clone().requires_grad_(True), k, v, *meta, backend="triton", plan=plan2
+            q.clone().requires_grad_(True), k, v, meta2, backend="triton"
         ).sum().backward()
-    assert plan2.builds == 1 + n_bwd
+    assert meta2.plans.builds == 1 + n_bwd
 
 
 def test_model_seam_builds_one_plan_per_step():
-    """The model's single-device seam (LocalAttention) finds the plan of a step by the identity of
-    its positions / segment ids: a 3-layer step builds one forward and one backward plan."""
+    """The model builds one metadata object per forward and hands it to every layer's seam
+    (LocalAttention): a 3-layer step builds one forward and one backward plan, in that object."""
     from longvideo.model import ModelConfig, Transformer
 
     cfg = ModelConfig(
@@ -444,17 +447,23 @@ def test_model_seam_builds_one_plan_per_step():
         ffn_dim=64,
     )
     model = Transformer(cfg, backend="triton")
+    seam, seen = model.attention_fn, []
+
+    def recording(q, k, v, meta):
+        seen.append(meta)
+        return seam(q, k, v, meta)
+
+    model.set_attention(recording)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 60, (1, 40), generator=g)
     pos, seg = packed_meta(1, 40, g, min_len=5, max_len=20)
     loss = model(ids, pos, seg, targets=ids)
     loss.backward()
-    plans = list(model.attention_fn.plans._entries.values())
-    assert len(plans) == 1
+    assert len(seen) == 3 and all(m is seen[0] for m in seen)  # one object for every layer
     n_bwd = 1 if tk.tile_config(16, torch.float32).variant == "fused" else 2
-    assert plans[0][1].builds == 1 + n_bwd
-    model(ids, pos.clone(), seg)  # new tensors: a new plan
-    assert len(model.attention_fn.plans._entries) == 2
+    assert seen[0].plans.builds == 1 + n_bwd
+    model(ids, pos, seg)  # the next forward: a new object with plans of its own
+    assert seen[-1] is not seen[0] and seen[-1].plans.builds == 1
 
 
 def test_launch_table_round_trips_through_json(tmp_path):
@@ -468,33 +477,33 @@ def test_no_host_sync_on_the_triton_path():
     (what would wait for the GPU): every conversion to a Python value raises inside no_host_sync.
     Covers functional and block-backend calls with and without plans, the decode path, and the
     ring's step functions on a block with visible keys and on one with none (launched, merged)."""
-    from longvideo.parallel.ring import backward_step, block_is_empty, forward_step
+    from longvideo.parallel.ring import Ring, block_is_empty
 
     (q, k, v, dout), (qp, kp, qs, ks) = make_case(140, 1, 40, 40, 4, 2, 32, torch.bfloat16, "self")
-    be = get_backend("triton")
-    scale = 1 / math.sqrt(q.shape[-1])
+    triton = get_backend("triton")
+    ring = Ring(None, "triton")  # its step methods, as each rank of a ring runs them
     with no_host_sync():
         qg = q.clone().requires_grad_(True)
-        flash_attn(qg, k, v, qp, kp, qs, ks).backward(dout)
-        flash_attn(q[:, :2], k, v, qp[:, :2], kp, qs[:, :2], ks)  # decode
-        plan = AttentionPlan()
-        o, l = be.forward(q, k, v, qp, kp, qs, ks, scale, True, plan=plan)
-        be.backward(dout, q, k, v, o, l, qp, kp, qs, ks, scale, True, plan=plan)
+        flash_attn(qg, k, v, meta_of(qp, kp, qs, ks)).backward(dout)
+        flash_attn(q[:, :2], k, v, meta_of(qp[:, :2], kp, qs[:, :2], ks))  # decode
+        meta = meta_of(qp, kp, qs, ks, True, 1 / math.sqrt(q.shape[-1]))
+        o, l = triton.forward(q, k, v, meta)
+        triton.backward(dout, q, k, v, o, l, meta)
         out = torch.zeros(q.shape, dtype=torch.float32)
         lse = torch.full(l.shape, float("-inf"))
-        plans = RingPlans()
         future = kp + 1000  # a block whose keys all come later: nothing visible, launched anyway
-        for step, kpos in enumerate((kp, future)):
-            forward_step(be, q, k, v, qp, kpos, qs, ks, True, scale, plans.step(step), out, lse)
-        for step, kpos in enumerate((kp, future)):
-            grads = backward_step(
-                be, dout, q, k, v, out, lse, qp, kpos, qs, ks, True, scale, plans.step(step)
-            )
+        views = [
+            meta.visiting(Side(key_pos, ks), step) for step, key_pos in enumerate((kp, future))
+        ]
+        for view in views:
+            ring.forward_step(q, k, v, view, out, lse)
+        for view in views:
+            grads = ring.backward_step(dout, q, k, v, out, lse, view)
             assert grads is not None
     assert torch.equal(grads[0], torch.zeros_like(grads[0]))  # the empty block adds nothing
     torch.testing.assert_close(out.to(q.dtype), o, atol=0, rtol=0)
     with pytest.raises(HostSync), no_host_sync():  # the guard does catch a host test
-        block_is_empty(qp, qs, kp, ks, True)
+        block_is_empty(meta)
 
 
 # ---- the tile plan (pure PyTorch, no kernel) ---------------------------------------------------
@@ -603,15 +612,15 @@ def test_plan_cost_is_linear(layout):
     bm, bn = 128, 64
     qp, kp, seg = _layout(layout, 1 << 20)
     t0 = time.process_time()
-    plan = tk.build_plan(qp, kp, seg, seg, True, bm, bn)
-    tk.build_plan(qp, kp, seg, seg, True, 32, 128, transpose=True)
+    plan = tk.build_plan(meta_of(qp, kp, seg, seg), bm, bn)
+    tk.build_plan(meta_of(qp, kp, seg, seg), 32, 128, transpose=True)
     cpu_s = time.process_time() - t0
     n_m, n_n = -(-qp.shape[1] // bm), -(-kp.shape[1] // bn)
     assert plan.numel() == n_m * 9 + 2 * n_n * 4
     assert cpu_s < 5.0, f"plans at 1M took {cpu_s:.1f} s of CPU"
     qp, kp, seg = _layout(layout, 1 << 16)
     n_m = -(-qp.shape[1] // bm)
-    ranges = tk.build_plan(qp, kp, seg, seg, True, bm, bn)[:, : n_m * 9].view(1, n_m, 9).long()
+    ranges = tk.build_plan(meta_of(qp, kp, seg, seg), bm, bn)[:, : n_m * 9].view(1, n_m, 9).long()
     walked = int(
         (
             ranges[..., 1]
@@ -682,57 +691,36 @@ def _ring_case(group, seed, S, causal, dtype, heads, D):
     for t in (q, k, v, dout, pos, seg):
         dist.broadcast(t, src=0, group=group)
     q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
-    truth = reference(q, k, v, pos, pos, seg, seg, causal, dout, upcast=True)
-    plain = reference(q, k, v, pos, pos, seg, seg, causal, dout, upcast=False)
+    whole = AttentionMeta.self_attention(pos, seg, causal=causal)
+    truth = reference(q, k, v, whole, dout, upcast=True)
+    plain = reference(q, k, v, whole, dout, upcast=False)
 
     def local(x, pad=0):
         return shard_sequence(x, group, dim=1, pad_value=pad)
 
-    lq, lk, lv = (local(x).requires_grad_(True) for x in (q, k, v))
-    lpos, lseg, ldout = local(pos), local(seg, -1), local(dout)
-    plans = RingPlans()
+    local_q, local_k, local_v = (local(x).requires_grad_(True) for x in (q, k, v))
+    local_dout = local(dout)
+    shard = AttentionMeta.self_attention(local(pos), local(seg, -1), causal=causal)
     with no_host_sync():  # no step of the ring reads a device value on the host with this backend
-        out = ring_attention(
-            lq,
-            lk,
-            lv,
-            group=group,
-            causal=causal,
-            positions=lpos,
-            segment_ids=lseg,
-            backend="triton",
-            plans=plans,
-        )
-        out.backward(ldout)
+        out = ring_attention(local_q, local_k, local_v, shard, group=group, backend="triton")
+        out.backward(local_dout)
     # per step one forward plan (none on the decode path) and one backward plan (two with the split
     # variant), reused by a second layer
-    per_step = (0 if tk.uses_decode(lq.shape[1]) else 1) + (
+    per_step = (0 if tk.uses_decode(local_q.shape[1]) else 1) + (
         1 if tk.tile_config(D, dtype).variant == "fused" else 2
     )
-    assert plans.builds == 2 * per_step, plans.builds
-    again = ring_attention(
-        lq,
-        lk,
-        lv,
-        group=group,
-        causal=causal,
-        positions=lpos,
-        segment_ids=lseg,
-        backend="triton",
-        plans=plans,
-    )
-    again.backward(ldout)
-    assert plans.builds == 2 * per_step and torch.equal(again, out)
-    lq.grad = lk.grad = lv.grad = None
-    out = ring_attention(
-        lq, lk, lv, group=group, causal=causal, positions=lpos, segment_ids=lseg, backend="triton"
-    )
-    out.backward(ldout)
+    assert shard.plans.builds == 2 * per_step, shard.plans.builds
+    again = ring_attention(local_q, local_k, local_v, shard, group=group, backend="triton")
+    again.backward(local_dout)
+    assert shard.plans.builds == 2 * per_step and torch.equal(again, out)
+    local_q.grad = local_k.grad = local_v.grad = None
+    fresh = AttentionMeta.self_attention(local(pos), local(seg, -1), causal=causal)
+    out = ring_attention(local_q, local_k, local_v, fresh, group=group, backend="triton")
+    out.backward(local_dout)
     what = f"ring W=2 S={S} causal={causal} {dtype} heads={heads} D={D}"
     eps = EPS[dtype]
-    for name, got, t, p in zip(
-        ("out", "dq", "dk", "dv"), (out, lq.grad, lk.grad, lv.grad), truth, plain
-    ):
+    grads = (local_q.grad, local_k.grad, local_v.grad)
+    for name, got, t, p in zip(("out", "dq", "dk", "dv"), (out, *grads), truth, plain):
         assert got.dtype == dtype, f"{what}: {name} dtype {got.dtype}"
         assert_within(
             f"{what}: {name}", got, local(t), local(p), eps=eps * (1 + t.abs().max().item())

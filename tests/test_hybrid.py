@@ -31,6 +31,7 @@ from test_ring_attention import _make_case
 from test_train_distributed import TINY, assert_grads_match, full_grads, reference_grads
 from longvideo.config import load_config
 from longvideo.configtools import ConfigError
+from longvideo.kernels import AttentionMeta
 from longvideo.model import ModelConfig, Transformer
 from longvideo.parallel import (
     CommStats,
@@ -78,31 +79,26 @@ def _run_split(groups, sp_group, kind, causal, heads, dtype, backend, seed):
     q, k, v, dout, pos, seg = _make_case(sp_group, kind, S, W, heads[0], heads[1], dtype, seed)
     pos = torch.arange(S).expand(2, S) if pos is None else pos
     seg = torch.zeros(2, S, dtype=torch.long) if seg is None else seg
-    truth = reference(q, k, v, pos, pos, seg, seg, causal, dout, upcast=True)
-    plain = reference(q, k, v, pos, pos, seg, seg, causal, dout, upcast=False)
+    whole = AttentionMeta.self_attention(pos, seg, causal=causal)
+    truth = reference(q, k, v, whole, dout, upcast=True)
+    plain = reference(q, k, v, whole, dout, upcast=False)
 
     def local(x, pad=0):  # the ordinary zigzag shard over the whole sp group
         return shard_sequence(x, sp_group, dim=1, pad_value=pad)
 
-    lq, lk, lv = (local(x).requires_grad_(True) for x in (q, k, v))
+    local_q, local_k, local_v = (local(x).requires_grad_(True) for x in (q, k, v))
+    shard = AttentionMeta.self_attention(local(pos), local(seg, -1), causal=causal)
+    if kind == "plain" and causal:
+        shard = None  # the hybrid's defaults: the layout's positions over the sp group, as above
     stats = CommStats()
     out = hybrid_attention(
-        lq,
-        lk,
-        lv,
-        groups=groups,
-        positions=local(pos),
-        segment_ids=local(seg, -1),
-        causal=causal,
-        backend=backend,
-        comm_stats=stats,
+        local_q, local_k, local_v, shard, group=groups, backend=backend, comm_stats=stats
     )
     out.backward(local(dout))
     what = f"U={groups.size} x ring {W // groups.size} {kind} causal={causal} heads={heads} {dtype} {backend}"
     real = local(torch.ones(2, S)).bool()
-    for name, got, t, p in zip(
-        ("out", "dq", "dk", "dv"), (out, lq.grad, lk.grad, lv.grad), truth, plain
-    ):
+    grads = (local_q.grad, local_k.grad, local_v.grad)
+    for name, got, t, p in zip(("out", "dq", "dk", "dv"), (out, *grads), truth, plain):
         assert got.dtype == dtype, f"{what}: {name} dtype {got.dtype}"
         # eps relative to the tensor's size, as in test_hf_ring: the single-device kernels on the whole
         # sequence are themselves 1.55e-6 off (|dk| 3.8, 2 x base + 1e-6 = 1.54e-6) on one of these cases

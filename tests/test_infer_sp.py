@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from longvideo.kernels import flash_attn_ref, get_backend
+from longvideo.kernels import AttentionMeta, Side, flash_attn_ref, get_backend
 from longvideo.kernels import merge_partials
 
 
@@ -29,23 +29,14 @@ def test_merge_partials_equals_attention_over_all_keys(sq):
     q_seg = torch.zeros(B, sq, dtype=torch.long)
     k_seg = torch.zeros(B, Sk, dtype=torch.long)
     k_seg[:, 3:6] = -1  # padding inside a shard
-    want, _ = flash_attn_ref(q, k, v, q_pos, k_pos, q_seg, k_seg, causal=True)
-    be = get_backend("torch")
+    meta = AttentionMeta(Side(q_pos, q_seg), Side(k_pos, k_seg), True, 1 / math.sqrt(D))
+    want, _ = flash_attn_ref(q, k, v, meta)
+    exact = get_backend("torch")
     # three uneven key sets, one of them entirely invisible (only padding)
     cuts = [(0, 3), (3, 6), (6, 17), (17, Sk)]
     outs, lses = [], []
     for a, b in cuts:
-        o, l = be.forward(
-            q,
-            k[:, a:b],
-            v[:, a:b],
-            q_pos,
-            k_pos[:, a:b],
-            q_seg,
-            k_seg[:, a:b],
-            1 / math.sqrt(D),
-            True,
-        )
+        o, l = exact.forward(q, k[:, a:b], v[:, a:b], meta.with_keys(meta.keys.span(a, b)))
         outs.append(o)
         lses.append(l)
     assert bool(torch.isinf(lses[1]).all())

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from attn_cases import assert_within, max_err, reference
+from attn_cases import assert_within, max_err, meta_of, reference
 from distributed import run_ranks
 from longvideo.configtools import ConfigError
 from longvideo.parallel import (
@@ -26,7 +26,7 @@ from longvideo.parallel import (
     unshard_sequence,
     zigzag_indices,
 )
-from longvideo.kernels import visibility
+from longvideo.kernels import AttentionMeta, Side, visibility
 
 
 # ---- single-process pieces ------------------------------------------------------------------
@@ -94,16 +94,16 @@ def test_block_is_empty_never_skips_visible_pairs():
 
         (qp, qs), (kp, ks) = meta(), meta()
         causal = bool(torch.randint(0, 2, (1,), generator=g))
-        if block_is_empty(qp, qs, kp, ks, causal):
+        if block_is_empty(meta_of(qp, kp, qs, ks, causal)):
             skipped += 1
-            assert not visibility(qp, kp, qs, ks, causal).any()
+            assert not visibility(Side(qp, qs), Side(kp, ks), causal).any()
     assert skipped > 0
     pos = torch.arange(8)[None]
     seg = torch.zeros(1, 8, dtype=torch.long)
-    assert block_is_empty(pos, seg, pos + 8, seg, True) and not block_is_empty(
-        pos + 8, seg, pos, seg, True
+    assert block_is_empty(meta_of(pos, pos + 8, seg, seg)) and not block_is_empty(
+        meta_of(pos + 8, pos, seg, seg)
     )
-    assert block_is_empty(pos, seg, pos, seg - 1, False)  # keys are all padding
+    assert block_is_empty(meta_of(pos, pos, seg, seg - 1, False))  # keys are all padding
 
 
 def test_ring_attention_rejects_bad_shapes():
@@ -112,8 +112,9 @@ def test_ring_attention_rejects_bad_shapes():
         ring_attention(q, torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8), group=None)
     with pytest.raises(ValueError, match="needs Sq == Sk"):
         ring_attention(q, torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8), group=None)
-    with pytest.raises(ValueError, match="positions must be"):
-        ring_attention(q, q, q, group=None, positions=torch.zeros(1, 3, dtype=torch.long))
+    short = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="positions must have shape"):
+        ring_attention(q, q, q, AttentionMeta.self_attention(short, short), group=None)
 
 
 # ---- the distributed cases ------------------------------------------------------------------
@@ -157,32 +158,36 @@ def _make_case(group, kind, S, W, Hq, Hkv, dtype, seed, D=8):
 def _run_case(group, W, kind, causal, heads, dtype, backend, seed, D=8):
     S = {"plain": 8 * W, "uneven": 8 * W + 3, "packed": 9 * W + 5}[kind]
     q, k, v, dout, pos, seg = _make_case(group, kind, S, W, heads[0], heads[1], dtype, seed, D)
-    truth = reference(q, k, v, pos, pos, seg, seg, causal, dout, upcast=True)
-    plain = reference(q, k, v, pos, pos, seg, seg, causal, dout, upcast=False)
+    whole = AttentionMeta.self_attention(
+        torch.arange(S).expand(2, S) if pos is None else pos,
+        torch.zeros(2, S, dtype=torch.long) if seg is None else seg,
+        causal=causal,
+    )
+    truth = reference(q, k, v, whole, dout, upcast=True)
+    plain = reference(q, k, v, whole, dout, upcast=False)
 
     def local(x, pad=0):
         return None if x is None else shard_sequence(x, group, dim=1, pad_value=pad)
 
-    lq, lk, lv = (local(x).requires_grad_(True) for x in (q, k, v))
-    lpos, lseg = local(pos), local(seg, pad=-1)
+    local_q, local_k, local_v = (local(x).requires_grad_(True) for x in (q, k, v))
+    S_local = local_q.shape[1]
+    if pos is None and seg is None and causal:
+        shard = None  # the ring's defaults: the layout's positions, one segment, causal
+    else:
+        shard = AttentionMeta.self_attention(
+            layout_positions(S_local, group).expand(2, S_local) if pos is None else local(pos),
+            torch.zeros(2, S_local, dtype=torch.long) if seg is None else local(seg, pad=-1),
+            causal=causal,
+        )
     stats = CommStats()
     out = ring_attention(
-        lq,
-        lk,
-        lv,
-        group=group,
-        causal=causal,
-        positions=lpos,
-        segment_ids=lseg,
-        backend=backend,
-        comm_stats=stats,
+        local_q, local_k, local_v, shard, group=group, backend=backend, comm_stats=stats
     )
     out.backward(local(dout))
     what = f"W={W} {kind} causal={causal} heads={heads} {dtype} {backend}"
     real = local(torch.ones(2, S)).bool()  # (B, S_local): False on padding
-    for name, got, t, p in zip(
-        ("out", "dq", "dk", "dv"), (out, lq.grad, lk.grad, lv.grad), truth, plain
-    ):
+    grads = (local_q.grad, local_k.grad, local_v.grad)
+    for name, got, t, p in zip(("out", "dq", "dk", "dv"), (out, *grads), truth, plain):
         assert got.dtype == dtype, f"{what}: {name} dtype {got.dtype}"
         assert_within(f"{what}: {name}", got, local(t), local(p))
         assert (got[~real] == 0).all(), f"{what}: {name} is non-zero on padding"
@@ -225,18 +230,16 @@ def _contiguous_layout_skips_blocks(group, W, rank):
         _broadcast(torch.randn(1, S, 2, 8, generator=g, dtype=torch.float64), group)
         for _ in range(3)
     )
-    truth, _ = reference(q, k, v, None, None, None, None, True, torch.ones_like(q), upcast=True)[:2]
+    whole = AttentionMeta.default(q, k)
+    truth, _ = reference(q, k, v, whole, torch.ones_like(q), upcast=True)[:2]
     n = S // W
     sl = slice(rank * n, (rank + 1) * n)
     stats = CommStats()
+    shard = AttentionMeta.self_attention(
+        torch.arange(S)[None, sl], torch.zeros(1, n, dtype=torch.long)
+    )
     out = ring_attention(
-        q[:, sl],
-        k[:, sl],
-        v[:, sl],
-        group=group,
-        positions=torch.arange(S)[None, sl],
-        backend="cpu",
-        comm_stats=stats,
+        q[:, sl], k[:, sl], v[:, sl], shard, group=group, backend="cpu", comm_stats=stats
     )
     assert max_err(out, truth[:, sl]) < 1e-12
     assert stats.skipped == W - 1 - rank and stats.blocks == rank + 1

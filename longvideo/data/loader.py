@@ -18,9 +18,9 @@ import torch
 
 from longvideo.data.templates import Doc, LayoutOptions, build_docs, sample_rng
 from longvideo.data.packing import Packer, pack_row
-from longvideo.data.ranks import fail_together
 from longvideo.data.shards import TOKEN_EXTS, ShardError, SkipStats, TokenShard, decode_token_sample
 from longvideo.data.streams import expand_sources, is_url, iter_tar
+from longvideo.distributed import fail_together
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
@@ -359,7 +359,7 @@ class TokenLoader:
 
     def __next__(self) -> dict[str, torch.Tensor]:
         """The next batch. With ``group``, the ranks agree first that each has one: a rank whose
-        reading raised makes every rank raise (longvideo.data.ranks), instead of the others
+        reading raised makes every rank raise (longvideo.distributed), instead of the others
         waiting for it in the training step's collectives."""
         if self.group is None:
             return self._batch()

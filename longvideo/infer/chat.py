@@ -18,9 +18,9 @@ from longvideo.checkpoint import Pretrained, load_pretrained
 from longvideo.data.codes import video_to_codes
 from longvideo.data.templates import Prompt, PromptOptions, build_prompt, uniform_keep
 from longvideo.data.video import EmptyVideoError, probe_video, sample_indices
+from longvideo.distributed import broadcast_array
 from longvideo.infer.config import InferConfig
 from longvideo.infer.generation import Engine, Generation, LocalEngine, trim_at_stop
-from longvideo.infer.sp import broadcast_array
 
 QUESTION_RESERVE = 64
 """Tokens kept free for a question when the video is fitted to the context before one is known."""

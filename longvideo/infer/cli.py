@@ -14,8 +14,8 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
-from longvideo.data.ranks import fail_together
 from longvideo.data.video import VIDEO_EXTS, VideoError
+from longvideo.distributed import broadcast_text, fail_together, local_device, torchrun_world
 from longvideo.infer import evals, mcq
 from longvideo.infer.benchmarks import BENCHMARKS
 from longvideo.infer.chat import (
@@ -25,7 +25,7 @@ from longvideo.infer.chat import (
     load_model,
     share_video,
 )
-from longvideo.infer.sp import SequenceParallelEngine, broadcast_text, local_device, torchrun_world
+from longvideo.infer.sp import SequenceParallelEngine
 from longvideo.parallel import split_group
 from longvideo.vq import load_vq
 

@@ -18,7 +18,6 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from longvideo.data.codes import video_to_codes
-from longvideo.data.ranks import fail_together, together
 from longvideo.data.templates import build_prompt, parse_answer
 from longvideo.data.shards import index_tar, iter_raw_samples, iter_token_samples
 from longvideo.data.streams import ShardError, SkipStats, expand_shards
@@ -31,6 +30,7 @@ from longvideo.data.synthetic import (
     write_mp4,
 )
 from longvideo.data.video import VideoError, read_video, resize_crop
+from longvideo.distributed import broadcast_array, fail_together, together
 from longvideo.infer.chat import (
     ChatSession,
     EncodedVideo,
@@ -40,7 +40,6 @@ from longvideo.infer.chat import (
     load_model,
 )
 from longvideo.infer.generation import Engine, LocalEngine
-from longvideo.infer.sp import broadcast_array
 from longvideo.vq.codec import SplicingEncoder, decode_codes, encode_video
 
 EngineFactory = Callable[[object], Engine]
@@ -185,7 +184,7 @@ def evaluate_qa(
 ) -> dict:
     """Accuracy over every question of the samples in `shards` (token shards, or raw shards that the
     model's VQ encodes). encode_group: the ranks of a sequence-parallel prefill; they read the
-    samples each and agree after every one (longvideo.data.ranks.together)."""
+    samples each and agree after every one (longvideo.distributed.together)."""
     pretrained, infer = greedy(model, max_new_tokens)
     stats = SkipStats()
     records = []

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from longvideo.atomic import write_json_atomic
 from longvideo.data.templates import ANSWER_TEXT, parse_answer
 from longvideo.data.video import VideoError, probe_video, sample_indices
+from longvideo.distributed import broadcast_text
 from longvideo.infer.benchmarks import (
     LETTERS,
     Question,
@@ -27,7 +28,6 @@ from longvideo.infer.benchmarks import (
 )
 from longvideo.infer.chat import encode_video_file, share_video
 from longvideo.infer.evals import greedy, open_session
-from longvideo.infer.sp import broadcast_text
 
 MODES: tuple[str, ...] = ("likelihood", "generate")
 LETTER_PROMPT = "Answer with the option's letter from the given choices directly."

@@ -4,21 +4,21 @@ it replicated and merged exactly over the shards (docs/inference.md, "Sequence-p
 
 from __future__ import annotations
 
-import contextlib
-import math
-import os
 import time
-from datetime import timedelta
-from typing import Iterator, Optional, Sequence
+from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longvideo.data.ranks import comm_device
+# the helpers ranks share live in longvideo.distributed; these names are kept for existing imports
+from longvideo.distributed import broadcast_array as broadcast_array
+from longvideo.distributed import broadcast_text as broadcast_text
+from longvideo.distributed import comm_device as comm_device
+from longvideo.distributed import local_device as local_device
+from longvideo.distributed import torchrun_world as torchrun_world
 from longvideo.infer.generation import CachedEngine, Generation, logits_of, new_cache
-from longvideo.kernels import get_backend, merge_partials
+from longvideo.kernels import AttentionMeta, Side, get_backend, merge_partials
 from longvideo.model import KVCache, Transformer
 from longvideo.parallel import RingAttentionSeam, UlyssesGroups, shard_sequence
 
@@ -31,32 +31,21 @@ class MergedAttentionSeam:
     def __init__(self, group, backend: str, *, shared_from: int, owner: bool):
         self.group, self.backend, self.shared_from, self.owner = group, backend, shared_from, owner
 
-    def __call__(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        q_positions: Tensor,
-        k_positions: Tensor,
-        q_segment_ids: Tensor,
-        k_segment_ids: Tensor,
-        causal: bool = True,
-    ) -> Tensor:
-        if not self.owner:
-            k_segment_ids = k_segment_ids.masked_fill(k_positions >= self.shared_from, -1)
-        be = get_backend(self.backend)
-        out, lse = be.forward(
-            q,
-            k,
-            v,
-            q_positions,
-            k_positions,
-            q_segment_ids,
-            k_segment_ids,
-            1.0 / math.sqrt(q.shape[-1]),
-            causal,
-        )
+    def _own_keys(self, meta: AttentionMeta) -> AttentionMeta:
+        """The metadata with the replicated keys made padding on every rank but the owner; made
+        once per forward (kept in the metadata's plan store) and shared by its layers."""
+        if self.owner:
+            return meta
+
+        def mask() -> AttentionMeta:
+            keys = meta.keys
+            shared = keys.positions >= self.shared_from
+            return meta.with_keys(Side(keys.positions, keys.segment_ids.masked_fill(shared, -1)))
+
+        return meta.plans.get(("replicated keys on the owner", self.shared_from), mask)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMeta) -> Tensor:
+        out, lse = get_backend(self.backend).forward(q, k, v, self._own_keys(meta))
         W = dist.get_world_size(self.group)
         if W == 1:
             return out
@@ -139,94 +128,20 @@ def sp_generate(
     ids: Tensor,
     group=None,
     *,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    stop_ids: Sequence[int] = (),
-    generator: Optional[torch.Generator] = None,
     tail: int = 1,
     backend: str = "auto",
     ulysses: Optional[UlyssesGroups] = None,
+    **sampling,
 ) -> Generation:
-    """Sequence-parallel `generate`: ring prefill of ids[:, :S-tail], replicated rest, sharded decoding.
-    Collective over `group` (default: the world) with the same ids (B, S); ttft_s includes the prefix."""
+    """Sequence-parallel `generate`: ring prefill of ids[:, :S-tail], replicated rest, sharded
+    decoding. Collective over `group` (default: the world) with the same ids (B, S); ttft_s includes
+    the prefix. sampling: the engine's `generate` keywords (max_new_tokens, default 64;
+    temperature, top_p, stop_ids, generator)."""
     S = ids.shape[1]
     tail = max(1, min(tail, S))
     engine = SequenceParallelEngine(model, group, backend=backend, ulysses=ulysses)
     engine.set_prefix(ids[:, : S - tail])
-    out = engine.generate(
-        ids[:, S - tail :],
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        stop_ids=stop_ids,
-        generator=generator,
-    )
+    out = engine.generate(ids[:, S - tail :], **{"max_new_tokens": 64, **sampling})
     out.ttft_s += engine.prefix_s
     out.total_s += engine.prefix_s
     return out
-
-
-def local_device(arg: Optional[str] = None) -> torch.device:
-    """`arg`, else this rank's GPU (LOCAL_RANK) when there is one, else the CPU."""
-    if arg is not None:
-        return torch.device(arg)
-    return torch.device(
-        f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
-    )
-
-
-@contextlib.contextmanager
-def torchrun_world(device: torch.device, timeout: timedelta) -> Iterator[bool]:
-    """Whether this is one rank of several (WORLD_SIZE > 1, or the caller's process group); torchrun's world
-    joined (nccl on a GPU, else gloo) unless the caller has, and left after. `timeout` bounds a
-    collective: the other ranks wait in one while rank 0 reads the next input."""
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized()
-    owns = distributed and not dist.is_initialized()
-    if distributed and device.type == "cuda":
-        torch.cuda.set_device(device)
-    if owns:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
-    try:
-        yield distributed
-    finally:
-        if owns:
-            dist.destroy_process_group()
-
-
-_MAX_DIMS = 6
-
-
-def broadcast_array(arr: Optional[np.ndarray], src: int = 0, group=None) -> np.ndarray:
-    """Rank `src`'s integer or float array on every rank (sent as int64 / float64 tensors, no pickling)."""
-    dev = comm_device(group)
-    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.long, device=dev)
-    if dist.get_rank() == src:
-        arr = np.asarray(arr)
-        if arr.ndim > _MAX_DIMS:
-            raise ValueError(f"broadcast_array handles up to {_MAX_DIMS} dims, got {arr.ndim}")
-        header[0] = 1 if np.issubdtype(arr.dtype, np.floating) else 0
-        header[1] = arr.ndim
-        header[2 : 2 + arr.ndim] = torch.tensor(arr.shape, dtype=torch.long)
-    dist.broadcast(header, src=src, group=group)
-    dtype = torch.float64 if int(header[0]) else torch.long
-    shape = tuple(int(x) for x in header[2 : 2 + int(header[1])])
-    if dist.get_rank() == src:
-        data = torch.from_numpy(
-            np.ascontiguousarray(arr, np.float64 if dtype == torch.float64 else np.int64)
-        )
-        data = data.to(dev)
-    else:
-        data = torch.empty(shape, dtype=dtype, device=dev)
-    dist.broadcast(data, src=src, group=group)
-    return data.cpu().numpy()
-
-
-def broadcast_text(text: Optional[str], src: int = 0, group=None) -> str:
-    """Rank `src`'s string on every rank."""
-    raw = (
-        np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
-        if dist.get_rank() == src
-        else None
-    )
-    return bytes(broadcast_array(raw, src, group).astype(np.uint8).tolist()).decode("utf-8")

@@ -1,6 +1,6 @@
 """Multi-head attention with GQA and RoPE, calling the attention seam (docs/architecture.md,
-decision 2): `attention_fn(q, k, v, *, q_positions, k_positions, q_segment_ids, k_segment_ids,
-causal=True)`, q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), metadata (B, S) -> out (B, Sq, Hq, D).
+decision 2): `attention_fn(q, k, v, meta)`, q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), meta the
+step's AttentionMeta (built once per forward by the Transformer) -> out (B, Sq, Hq, D).
 `LocalAttention` is the single-device implementation; ring attention is swapped in by
 `longvideo.parallel.apply`.
 """
@@ -11,48 +11,23 @@ from typing import Callable
 
 from torch import Tensor, nn
 
-from longvideo.kernels import PlanCache, block_attention
+from longvideo.kernels import AttentionMeta, block_attention
 from longvideo.model.config import ModelConfig
 from longvideo.model.layers import apply_rope, logn_scale
 
-AttentionFn = Callable[..., Tensor]
+AttentionFn = Callable[[Tensor, Tensor, Tensor, AttentionMeta], Tensor]
 
 
 class LocalAttention:
-    """Single-device masked attention over the block-attention backends (kernels/), as a seam object
-    that keeps tile plans across calls: every layer of a step gets the same metadata tensors, so the
-    first layer's plan (and the first backward's) serves all of them, found by identity and version
-    (kernels.PlanCache), never by contents."""
+    """Single-device masked attention over the block-attention backends (kernels/), as a seam
+    object. Every layer of a step gets the same metadata object, so the first layer's plan (and the
+    first backward's) serves all of them: the plans live in that object."""
 
     def __init__(self, backend: str = "auto"):
         self.backend = backend
-        self.plans = PlanCache(size=2)
 
-    def __call__(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        q_positions: Tensor,
-        k_positions: Tensor,
-        q_segment_ids: Tensor,
-        k_segment_ids: Tensor,
-        causal: bool = True,
-    ) -> Tensor:
-        plan = self.plans.lookup(q_positions, k_positions, q_segment_ids, k_segment_ids)
-        return block_attention(
-            q,
-            k,
-            v,
-            q_positions,
-            k_positions,
-            q_segment_ids,
-            k_segment_ids,
-            causal=causal,
-            backend=self.backend,
-            plan=plan,
-        )
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMeta) -> Tensor:
+        return block_attention(q, k, v, meta, backend=self.backend)
 
 
 class Attention(nn.Module):
@@ -70,11 +45,13 @@ class Attention(nn.Module):
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        positions: Tensor,
-        segment_ids: Tensor,
+        meta: AttentionMeta,
         attention_fn: AttentionFn,
         cache_update=None,
     ) -> Tensor:
+        """x (B, S, dim); cos, sin the RoPE tables of its positions; meta: the step's metadata (the
+        queries are x's tokens, the keys those of the cache when there is one); cache_update(k, v):
+        append this step's keys and values and return every cached one."""
         B, S, _ = x.shape
         # local head counts come from the weights, so a sharded projection needs no change here
         q = self.wq(x).view(B, S, -1, self.head_dim)  # (B, S, Hq, D)
@@ -82,18 +59,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, S, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.logn_base:  # sharper attention past logn_base keys (ModelConfig.attn_logn_base)
-            q = q * logn_scale(positions, self.logn_base, q.dtype)
-        k_pos, k_seg = positions, segment_ids
+            q = q * logn_scale(meta.queries.positions, self.logn_base, q.dtype)
         if cache_update is not None:  # append this step's keys and attend over everything cached
-            k, v, k_pos, k_seg = cache_update(k, v)
-        out = attention_fn(
-            q,
-            k,
-            v,
-            q_positions=positions,
-            k_positions=k_pos,
-            q_segment_ids=segment_ids,
-            k_segment_ids=k_seg,
-            causal=True,
-        )
+            k, v = cache_update(k, v)
+        out = attention_fn(q, k, v, meta)
         return self.wo(out.reshape(B, S, -1))

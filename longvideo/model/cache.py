@@ -1,6 +1,7 @@
 """A preallocated key/value cache for generation: per layer K and V (B, max_len, Hkv, D), for all
 layers the cached tokens' positions and segment ids (B, max_len). The model calls `begin`, then
-`update(i, k, v)` in each layer i, then `commit(S)`.
+`update(i, k, v)` in each layer i, then `commit(S)`; `begin` returns the keys' side of the step's
+attention metadata (every cached token and the new ones), which all layers share.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from longvideo.kernels import Side
 from longvideo.model.config import ModelConfig
 
 
@@ -28,7 +30,10 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
 
-    def begin(self, positions: Tensor, segment_ids: Tensor) -> None:
+    def begin(self, new: Side) -> Side:
+        """Record the new tokens' positions and segment ids; return those of every key of the step
+        (the cached tokens and the new ones)."""
+        positions, segment_ids = new.positions, new.segment_ids
         S = positions.shape[1]
         if self.length + S > self.max_len:
             raise ValueError(
@@ -36,17 +41,14 @@ class KVCache:
             )
         self.positions[:, self.length : self.length + S] = positions
         self.segment_ids[:, self.length : self.length + S] = segment_ids
+        end = self.length + S
+        return Side(self.positions[:, :end], self.segment_ids[:, :end])
 
-    def update(self, idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def update(self, idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write layer idx's k, v (B, S, Hkv, D) after the cached tokens; return all it caches so far."""
         start, end = self.length, self.length + k.shape[1]
         self.k[idx][:, start:end], self.v[idx][:, start:end] = k, v
-        return (
-            self.k[idx][:, :end],
-            self.v[idx][:, :end],
-            self.positions[:, :end],
-            self.segment_ids[:, :end],
-        )
+        return self.k[idx][:, :end], self.v[idx][:, :end]
 
     def commit(self, n: int) -> None:
         self.length += n

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from longvideo.kernels import AttentionMeta, Side
 from longvideo.model.attention import Attention, AttentionFn, LocalAttention
 from longvideo.model.cache import KVCache
 from longvideo.model.config import ModelConfig
@@ -27,10 +28,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = FeedForward(cfg.dim, cfg.ffn_dim, ffn_chunk)
 
-    def forward(self, x, cos, sin, positions, segment_ids, attention_fn, cache_update=None):
-        x = x + self.attn(
-            self.attn_norm(x), cos, sin, positions, segment_ids, attention_fn, cache_update
-        )
+    def forward(self, x, cos, sin, meta: AttentionMeta, attention_fn, cache_update=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, meta, attention_fn, cache_update)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -111,12 +110,13 @@ class Transformer(nn.Module):
             segment_ids = torch.zeros(B, S, dtype=torch.long, device=input_ids.device)
         x = self.tok_embeddings(input_ids)  # (B, S, dim)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        if cache is not None:
-            cache.begin(positions, segment_ids)
+        queries = Side(positions, segment_ids)
+        keys = cache.begin(queries) if cache is not None else queries
+        meta = AttentionMeta(queries, keys, causal=True)  # one per forward: every layer's plans
         attn = attention_fn or self.attention_fn
         for i, layer in enumerate(self.layers):
             update = partial(cache.update, i) if cache is not None else None
-            x = layer(x, cos, sin, positions, segment_ids, attn, update)
+            x = layer(x, cos, sin, meta, attn, update)
         if cache is not None:
             cache.commit(S)
         hidden = self.norm(x)

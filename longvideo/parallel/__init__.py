@@ -24,7 +24,7 @@ _EXPORTS = {
         "config": ("ParallelConfig", "RuntimeConfig"),
         "seam": ("RingAttentionSeam",),
         "apply": ("apply_activation_checkpointing", "apply_attention", "parallelize"),
-        "ring": ("block_is_empty", "ring_attention"),
+        "ring": ("Ring", "block_is_empty", "ring_attention"),
     }.items()
     for name in names
 }

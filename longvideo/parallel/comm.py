@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from longvideo.parallel.zigzag import group_size_rank
+from longvideo.distributed import group_size_rank
 
 
 @dataclass

@@ -8,17 +8,17 @@ communication out of the graphs.
 from __future__ import annotations
 
 import itertools
-import math
 import weakref
+from collections import OrderedDict
 
 import torch
 from torch import Tensor, nn
 
 from longvideo.configtools import ConfigError
-from longvideo.kernels import accum_dtype, get_backend
+from longvideo.kernels import AttentionMeta, accum_dtype, get_backend
 from longvideo.model.attention import LocalAttention
+from longvideo.parallel.ring import Ring
 from longvideo.parallel.seam import RingAttentionSeam
-from longvideo.parallel.ring import ring_backward, ring_forward
 
 _SEAMS: "weakref.WeakValueDictionary[int, OpaqueSeam]" = weakref.WeakValueDictionary()
 """The live OpaqueSeams by handle: how the custom ops (which take no Python objects) reach theirs."""
@@ -27,9 +27,12 @@ _HANDLES = itertools.count()
 
 class OpaqueSeam:
     """An attention seam as one custom op. inner: a LocalAttention or RingAttentionSeam (the other
-    seams serve decoding, which is not compiled). Called like the model's seam."""
+    seams serve decoding, which is not compiled). Called like the model's seam. The op takes the
+    metadata's `handle` (a tensor: a compiled graph passes it through without specialising on it)
+    and finds the object by it, so the plans it owns serve every layer and the backward; the seam
+    keeps the metadata of its last `keep` forwards alive until their backward."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, keep: int = 8):
         if not isinstance(inner, (LocalAttention, RingAttentionSeam)):
             raise TypeError(
                 f"cannot make {type(inner).__name__} opaque: apply_compile takes a model whose seam "
@@ -42,83 +45,29 @@ class OpaqueSeam:
                 "parallel.ulysses=1 or runtime.compile=false",
             )
         self.inner = inner
+        ring = isinstance(inner, RingAttentionSeam)
+        self.compute = Ring(inner.group, inner.backend) if ring else get_backend(inner.backend)
+        """What computes a call: the ring, or the block backend (the same interface)."""
+        self.keep, self.recent = keep, OrderedDict()
         self.handle = next(_HANDLES)
         _SEAMS[self.handle] = self
 
-    def __call__(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        q_positions: Tensor,
-        k_positions: Tensor,
-        q_segment_ids: Tensor,
-        k_segment_ids: Tensor,
-        causal: bool = True,
-    ) -> Tensor:
-        return torch.ops.longvideo.seam_attention(
-            q, k, v, q_positions, k_positions, q_segment_ids, k_segment_ids, causal, self.handle
-        )[0]
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMeta) -> Tensor:
+        return torch.ops.longvideo.seam_attention(q, k, v, meta.handle, self.handle)[0]
 
-    def forward(self, q, k, v, qp, kp, qs, ks, causal: bool) -> tuple[Tensor, Tensor]:
-        s, scale = self.inner, 1.0 / math.sqrt(q.shape[-1])
-        if isinstance(s, RingAttentionSeam):
-            return ring_forward(
-                q,
-                k,
-                v,
-                qp.long(),
-                qs.long(),
-                s.group,
-                causal,
-                scale,
-                s.backend,
-                None,
-                s.plans.lookup(qp, qs),
+    def meta(self, handle: Tensor) -> AttentionMeta:
+        """The metadata object of `handle`, kept among the recent ones."""
+        number = int(handle)  # a CPU tensor: no device sync
+        meta = self.recent.pop(number, None) or AttentionMeta.find(handle)
+        if meta is None:
+            raise RuntimeError(
+                f"the attention metadata of this call is gone: a compiled model keeps the "
+                f"metadata of its last {self.keep} forwards alive for their backward"
             )
-        be = get_backend(s.backend)
-        return be.forward(
-            q, k, v, qp, kp, qs, ks, scale, causal, plan=s.plans.lookup(qp, kp, qs, ks)
-        )
-
-    def backward(
-        self, dout, q, k, v, out, lse, qp, kp, qs, ks, causal: bool
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        s, scale = self.inner, 1.0 / math.sqrt(q.shape[-1])
-        if isinstance(s, RingAttentionSeam):
-            return ring_backward(
-                dout,
-                q,
-                k,
-                v,
-                out,
-                lse,
-                qp.long(),
-                qs.long(),
-                s.group,
-                causal,
-                scale,
-                s.backend,
-                None,
-                s.plans.lookup(qp, qs),
-            )
-        be = get_backend(s.backend)
-        return be.backward(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            qp,
-            kp,
-            qs,
-            ks,
-            scale,
-            causal,
-            plan=s.plans.lookup(qp, kp, qs, ks),
-        )
+        self.recent[number] = meta
+        while len(self.recent) > self.keep:
+            self.recent.popitem(last=False)
+        return meta
 
 
 def _own(t: Tensor) -> Tensor:
@@ -133,68 +82,49 @@ def _own(t: Tensor) -> Tensor:
 
 @torch.library.custom_op("longvideo::seam_attention", mutates_args=())
 def seam_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    q_seg: Tensor,
-    k_seg: Tensor,
-    causal: bool,
-    handle: int,
+    q: Tensor, k: Tensor, v: Tensor, meta: Tensor, seam: int
 ) -> tuple[Tensor, Tensor]:
-    """out (B, Sq, Hq, D) in q.dtype and lse (B, Hq, Sq) (fp32; fp64 for fp64) of seam `handle`."""
-    out, lse = _SEAMS[handle].forward(q, k, v, q_pos, k_pos, q_seg, k_seg, causal)
+    """out (B, Sq, Hq, D) in q.dtype and lse (B, Hq, Sq) (fp32; fp64 for fp64) of OpaqueSeam
+    `seam` for the metadata whose handle is `meta`."""
+    opaque = _SEAMS[seam]
+    out, lse = opaque.compute.forward(q, k, v, opaque.meta(meta))
     return _own(out), _own(lse)
 
 
 @seam_attention.register_fake
-def _seam_attention_fake(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, handle):
-    return q.new_empty(q.shape), q.new_empty(
-        q.shape[0], q.shape[2], q.shape[1], dtype=accum_dtype(q.dtype)
-    )
+def _seam_attention_fake(q, k, v, meta, seam):
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=accum_dtype(q.dtype))
 
 
 @torch.library.custom_op("longvideo::seam_attention_bwd", mutates_args=())
 def seam_attention_bwd(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    q_seg: Tensor,
-    k_seg: Tensor,
-    causal: bool,
-    handle: int,
+    q: Tensor, k: Tensor, v: Tensor, upstream: list[Tensor], meta: Tensor, seam: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv in the inputs' dtypes, from the saved out/lse."""
-    grads = _SEAMS[handle].backward(
-        dout.contiguous(), q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, causal
-    )
+    """dq, dk, dv in the inputs' dtypes; upstream: [dout, the saved out, the saved lse]
+    (kernels.Upstream's order)."""
+    opaque = _SEAMS[seam]
+    dout, out, lse = upstream
+    grads = opaque.compute.backward(dout.contiguous(), q, k, v, out, lse, opaque.meta(meta))
     return tuple(_own(g.to(x.dtype)) for g, x in zip(grads, (q, k, v)))
 
 
 @seam_attention_bwd.register_fake
-def _seam_attention_bwd_fake(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, causal, handle):
+def _seam_attention_bwd_fake(q, k, v, upstream, meta, seam):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, q_pos, k_pos, q_seg, k_seg, causal, handle = inputs
-    ctx.save_for_backward(q, k, v, *output, q_pos, k_pos, q_seg, k_seg)
-    ctx.causal, ctx.handle = causal, handle
+    q, k, v, meta, seam = inputs
+    ctx.save_for_backward(q, k, v, *output, meta)
+    ctx.seam = seam
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg = ctx.saved_tensors
-    dq, dk, dv = seam_attention_bwd(
-        dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, ctx.causal, ctx.handle
-    )
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, out, lse, meta = ctx.saved_tensors
+    dq, dk, dv = seam_attention_bwd(q, k, v, [dout, out, lse], meta, ctx.seam)
+    return dq, dk, dv, None, None
 
 
 seam_attention.register_autograd(_backward, setup_context=_setup)

@@ -7,65 +7,28 @@ from typing import Optional
 
 from torch import Tensor
 
-from longvideo.kernels import PlanCache, RingPlans
+from longvideo.kernels import AttentionMeta
 from longvideo.parallel.mesh import UlyssesGroups
 from longvideo.parallel.ring import ring_attention
-from longvideo.parallel.ulysses import gather_metadata, hybrid_attention
+from longvideo.parallel.ulysses import hybrid_attention
 
 
 class RingAttentionSeam:
     """Ring attention over one process group, or the hybrid when `ulysses` splits it; q, k, v of the
-    same local shard (training: no KV cache). Plans and the hybrid's gathered metadata are kept per
-    metadata tensors (kernels.PlanCache), so the layers of a step and their backward share them."""
+    same local shard (training: no KV cache). The plans, and the hybrid's gathered metadata, live in
+    the metadata object the model builds once per step, so its layers and their backward share
+    them."""
 
     def __init__(self, group, backend: str = "auto", ulysses: Optional[UlyssesGroups] = None):
         self.group, self.backend, self.ulysses = group, backend, ulysses
-        self.plans = PlanCache(size=2, factory=RingPlans)
-        self.metadata = PlanCache(size=2, factory=dict)
 
-    def __call__(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        q_positions: Tensor,
-        k_positions: Tensor,
-        q_segment_ids: Tensor,
-        k_segment_ids: Tensor,
-        causal: bool = True,
-    ) -> Tensor:
-        if k.shape[1] != q.shape[1] or k_positions.shape != q_positions.shape:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMeta) -> Tensor:
+        if k.shape[1] != q.shape[1] or meta.keys.length != meta.queries.length:
             raise RuntimeError(
                 f"ring attention needs queries and keys of the same shard (got {q.shape[1]} "
                 f"queries, {k.shape[1]} keys); decoding with a KV cache is served by "
                 "longvideo.infer.sp"
             )
-        plans = self.plans.lookup(q_positions, q_segment_ids)
         if self.ulysses is None:
-            return ring_attention(
-                q,
-                k,
-                v,
-                group=self.group,
-                causal=causal,
-                positions=q_positions,
-                segment_ids=q_segment_ids,
-                backend=self.backend,
-                plans=plans,
-            )
-        kept = self.metadata.lookup(q_positions, q_segment_ids)
-        if "meta" not in kept:
-            kept["meta"] = gather_metadata(q_positions, q_segment_ids, self.ulysses.group)
-        return hybrid_attention(
-            q,
-            k,
-            v,
-            groups=self.ulysses,
-            positions=q_positions,
-            segment_ids=q_segment_ids,
-            causal=causal,
-            backend=self.backend,
-            plans=plans,
-            group_meta=kept["meta"],
-        )
+            return ring_attention(q, k, v, meta, group=self.group, backend=self.backend)
+        return hybrid_attention(q, k, v, meta, group=self.ulysses, backend=self.backend)

@@ -14,10 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from longvideo.kernels import RingPlans
+from longvideo.kernels import AttentionMeta
 from longvideo.parallel.comm import CommStats
 from longvideo.parallel.mesh import UlyssesGroups
-from longvideo.parallel.ring import ring_backward, ring_forward
+from longvideo.parallel.ring import Ring, check_shard, layout_meta
 
 
 def head_split(hq: int, hkv: int, ulysses: int, sp: Optional[int] = None) -> tuple[int, Tensor]:
@@ -79,93 +79,84 @@ class _AllToAll(torch.autograd.Function):
 class _HeadsRing(torch.autograd.Function):
     """Ring attention over the head-split tensors, returning the output in the sequence layout. It
     saves that output (which the output projection keeps anyway), not the ring's head-layout copy,
-    and re-forms the latter in the backward with one more all-to-all (scripts/bench_hybrid.py)."""
+    and re-forms the latter in the backward with one more all-to-all (scripts/bench_hybrid.py).
+    meta: the Ulysses group's metadata; ring: the ring across the groups; heads: the group."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pos, seg, groups, causal, backend, stats, plans):
-        plans = plans if plans is not None else RingPlans()
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        out, lse = ring_forward(
-            q, k, v, pos, seg, groups.ring, causal, scale, backend, stats, plans
-        )
-        out = _a2a(out, groups.group, False, stats)
-        ctx.save_for_backward(q, k, v, out, lse, pos, seg)
-        ctx.args = (groups, causal, scale, backend, stats, plans)
+    def forward(ctx, q, k, v, meta: AttentionMeta, ring: Ring, heads):
+        out, lse = ring.forward(q, k, v, meta)
+        out = _a2a(out, heads, False, ring.stats)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta, ctx.ring, ctx.heads = meta, ring, heads
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, pos, seg = ctx.saved_tensors
-        groups, causal, scale, backend, stats, plans = ctx.args
-        dout, out = (_a2a(x.contiguous(), groups.group, True, stats) for x in (dout, out))
-        dq, dk, dv = ring_backward(
-            dout, q, k, v, out, lse, pos, seg, groups.ring, causal, scale, backend, stats, plans
-        )
-        return (
-            dq.to(q.dtype),
-            dk.to(k.dtype),
-            dv.to(v.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, heads = ctx.ring, ctx.heads
+        dout, out = (_a2a(x.contiguous(), heads, True, ring.stats) for x in (dout, out))
+        dq, dk, dv = ring.backward(dout, q, k, v, out, lse, ctx.meta)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def gather_metadata(
-    positions: Tensor, segment_ids: Tensor, group, stats: Optional[CommStats] = None
-) -> tuple[Tensor, Tensor]:
-    """The Ulysses group's positions and segment ids (B, U * S), in member order (collective)."""
-    meta = torch.stack([positions, segment_ids]).long().contiguous()
-    parts = [torch.empty_like(meta) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, meta, group=group)
-    if stats is not None:  # what a ring all-gather sends: U - 1 pieces
-        stats.bytes_sent += meta.numel() * meta.element_size() * (len(parts) - 1)
-    pos, seg = torch.cat(parts, dim=-1)
-    return pos, seg
+def group_meta(
+    meta: AttentionMeta, group: UlyssesGroups, stats: Optional[CommStats] = None
+) -> AttentionMeta:
+    """The Ulysses group's metadata: every member's positions and segment ids (B, U * S) in member
+    order, queries and keys alike, with this shard's causal and scale. Gathered once per metadata
+    object (collective on first use) and kept in its plan store, so every layer of a step and the
+    backward share it and its ring plans."""
+
+    def gather() -> AttentionMeta:
+        stacked = meta.queries.stacked().contiguous()
+        parts = [torch.empty_like(stacked) for _ in range(group.size)]
+        dist.all_gather(parts, stacked, group=group.group)
+        if stats is not None:  # what a ring all-gather sends: U - 1 pieces
+            stats.bytes_sent += stacked.numel() * stacked.element_size() * (len(parts) - 1)
+        positions, segment_ids = torch.cat(parts, dim=-1)
+        return AttentionMeta.self_attention(
+            positions, segment_ids, causal=meta.causal, scale=meta.scale
+        )
+
+    return meta.plans.get(("ulysses", id(group.group)), gather)
+
+
+def _layout_meta(q: Tensor, group: UlyssesGroups) -> AttentionMeta:
+    """The default metadata of this rank's zigzag shard over the whole sp group: its rank there is
+    ring position x U + member (longvideo.parallel.split_group)."""
+    rings = dist.get_world_size(group.ring)
+    sp_rank = dist.get_rank(group.ring) * group.size + dist.get_rank(group.group)
+    return layout_meta(q, rings * group.size, sp_rank)
 
 
 def hybrid_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    meta: Optional[AttentionMeta] = None,
     *,
-    groups: UlyssesGroups,
-    positions: Tensor,
-    segment_ids: Tensor,
-    causal: bool = True,
+    group: UlyssesGroups,
     backend: str = "auto",
     comm_stats: Optional[CommStats] = None,
-    plans: Optional[RingPlans] = None,
-    group_meta: Optional[tuple[Tensor, Tensor]] = None,
 ) -> Tensor:
-    """Exact attention of a sequence sharded over a Ulysses x ring split (collective over the sp group).
-    q (B, S, Hq, D); k, v (B, S, Hkv, D); positions, segment_ids (B, S): this rank's shard, as for
-    ring_attention. group_meta: gather_metadata's result when the caller keeps it across layers.
-    plans: RingPlans for the ring over the group's metadata. Returns out (B, S, Hq, D) in q.dtype."""
-    Hq, U = q.shape[2], groups.size
-    qu, idx = head_split(Hq, k.shape[2], U, U * dist.get_world_size(groups.ring))
+    """Exact attention of a sequence sharded over a Ulysses x ring split (collective over the sp
+    group), with ring_attention's arguments: q (B, S, Hq, D); k, v (B, S, Hkv, D); meta this rank's
+    shard (None: the zigzag layout's positions over the sp group, one segment, causal); group: the
+    split (Mesh.ulysses_groups, split_group). Returns out (B, S, Hq, D) in q.dtype."""
+    meta = meta if meta is not None else _layout_meta(q, group)
+    check_shard(q, k, v, meta)
+    Hq, U = q.shape[2], group.size
+    qu, idx = head_split(Hq, k.shape[2], U, U * dist.get_world_size(group.ring))
     same = torch.equal(idx, torch.arange(k.shape[2]))
 
-    def to_heads(
-        x: Tensor,
-    ) -> Tensor:  # (B, S, U * h, D) -> (B, U * S, h, D); with B = 1 the result is
-        return _AllToAll.apply(
-            x, groups.group, True, comm_stats
-        )  # the receive buffer itself, no copy
+    def to_heads(x: Tensor) -> Tensor:
+        """(B, S, U * h, D) -> (B, U * S, h, D); with B = 1 the receive buffer itself, no copy."""
+        return _AllToAll.apply(x, group.group, True, comm_stats)
 
     qh = to_heads(F.pad(q, (0, 0, 0, U * qu - Hq)) if U * qu != Hq else q)  # (B, U*S, Qu, D)
     kh, vh = (
         to_heads(x if same else x.index_select(2, idx.to(x.device))) for x in (k, v)
     )  # (B, U*S, Hkv', D)
-    pos, seg = (
-        group_meta
-        if group_meta is not None
-        else gather_metadata(positions, segment_ids, groups.group, comm_stats)
-    )
-    return _HeadsRing.apply(qh, kh, vh, pos, seg, groups, causal, backend, comm_stats, plans)[
-        :, :, :Hq
-    ]
+    ring = Ring(group.ring, backend, comm_stats)
+    heads_meta = group_meta(meta, group, comm_stats)
+    return _HeadsRing.apply(qh, kh, vh, heads_meta, ring, group.group)[:, :, :Hq]

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from longvideo.distributed import group_size_rank
+
 # pad values of the training batch keys: padding is token 0 with zero loss weight, segment -1
 BATCH_PAD_VALUES = {
     "input_ids": 0,
@@ -19,14 +21,6 @@ BATCH_PAD_VALUES = {
     "positions": 0,
     "segment_ids": -1,
 }
-
-
-def group_size_rank(group) -> tuple[int, int]:
-    """(W, r) of a process group; None means the default group, or a world of one when
-    torch.distributed is not initialised."""
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def padded_length(length: int, world: int) -> int:
@@ -50,13 +44,17 @@ def zigzag_indices(length: int, world: int, rank: int, device=None) -> Tensor:
 
 def layout_positions(local_len: int, group, device=None) -> Tensor:
     """Global positions (local_len,) of this rank's shard of a zigzag-sharded sequence."""
-    W, r = group_size_rank(group)
-    if local_len % 2 and W > 1:
+    return shard_positions(local_len, *group_size_rank(group), device=device)
+
+
+def shard_positions(local_len: int, world: int, rank: int, device=None) -> Tensor:
+    """Global positions (local_len,) of shard `rank` of `world` in the zigzag layout."""
+    if local_len % 2 and world > 1:
         raise ValueError(
             f"a zigzag shard holds two equal chunks, but its length is {local_len} (odd); "
             "shard the sequence with shard_sequence"
         )
-    return zigzag_indices(local_len * W, W, r, device=device)
+    return zigzag_indices(local_len * world, world, rank, device=device)
 
 
 def shard_sequence(x: Tensor, group, dim: int = 1, pad_value: Optional[float] = None) -> Tensor:

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import resource
 import shutil
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -27,6 +24,7 @@ from longvideo.config import Config, save_config
 from longvideo.configtools import ConfigError, to_dict
 from longvideo.checkpoint import latest_checkpoint
 from longvideo.data.loader import TokenLoader
+from longvideo.distributed import init_distributed
 from longvideo.model import token_weights
 from longvideo.parallel import Mesh, build_deepspeed_config, parallelize, shard_batch
 from longvideo.parallel.loss import loss_scale
@@ -71,36 +69,6 @@ class SkippableAdamW(torch.optim.AdamW):
 
     def step(self, closure=None):
         return None if self.skip else super().step(closure)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed(timeout_s: float) -> None:
-    """Join the process group the launcher describes (torchrun, deepspeed, accelerate all set
-    RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT); a plain `python` start is a world of one.
-    A rank that dies or hangs makes the others fail after `timeout_s` instead of waiting forever."""
-    if dist.is_initialized():
-        # started by a test harness or a notebook: DeepSpeed still wants LOCAL_RANK (one node)
-        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
-        return
-    if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-        )
-    if torch.cuda.is_available():
-        # tear the process down when a collective times out or fails, so it cannot hang
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
 class Trainer:

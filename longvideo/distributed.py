@@ -1,0 +1,210 @@
+"""Everything ranks do together outside attention, in one place (docs/architecture.md): joining the
+process group (`init_distributed` for training, `torchrun_world` for inference), which device a
+rank and its collectives use, a group's size and rank, broadcasts of arrays and text (tensors, no
+pickling), and failure agreement (`fail_together`, `together`): a rank whose own I/O raised never
+leaves the others waiting at the collective that follows (until the process group's timeout).
+
+    codes, error = None, None
+    try:
+        codes = encode_my_part()
+    except Exception as e:
+        error = e
+    fail_together(error, group)  # e on its rank, RankFailedError("rank 1 failed ...") elsewhere
+    codes = broadcast_array(codes, src=0, group=group)
+
+The ring's point-to-point exchange is attention's own (longvideo.parallel.comm).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from datetime import timedelta
+from typing import Iterable, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_MESSAGE_BYTES = 2048
+_MAX_DIMS = 6
+
+
+class RankFailedError(RuntimeError):
+    """Another rank's I/O raised; the message names that rank and its error."""
+
+
+# ---- process groups ---------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_s: float) -> None:
+    """Join the process group the launcher describes (torchrun, deepspeed, accelerate all set
+    RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT); a plain `python` start is a world of one.
+    A rank that dies or hangs makes the others fail after `timeout_s` instead of waiting forever.
+    The group stays until the process leaves it (training: the CLI's exit)."""
+    if dist.is_initialized():
+        # started by a test harness or a notebook: DeepSpeed still wants LOCAL_RANK (one node)
+        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
+    if torch.cuda.is_available():
+        # tear the process down when a collective times out or fails, so it cannot hang
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def local_device(arg: Optional[str] = None) -> torch.device:
+    """`arg`, else this rank's GPU (LOCAL_RANK) when there is one, else the CPU."""
+    if arg is not None:
+        return torch.device(arg)
+    return torch.device(
+        f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    )
+
+
+@contextlib.contextmanager
+def torchrun_world(device: torch.device, timeout: timedelta) -> Iterator[bool]:
+    """Whether this is one rank of several (WORLD_SIZE > 1, or the caller's process group);
+    torchrun's world joined (nccl on a GPU, else gloo) unless the caller has, and left after.
+    `timeout` bounds a collective: the other ranks wait in one while rank 0 reads the next input."""
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized()
+    owns = distributed and not dist.is_initialized()
+    if distributed and device.type == "cuda":
+        torch.cuda.set_device(device)
+    if owns:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    try:
+        yield distributed
+    finally:
+        if owns:
+            dist.destroy_process_group()
+
+
+def group_size_rank(group) -> tuple[int, int]:
+    """(W, r) of a process group; None means the default group, or a world of one when
+    torch.distributed is not initialised."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def comm_device(group=None) -> torch.device:
+    """Where tensors for collectives must live: the current GPU under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ---- broadcasts -------------------------------------------------------------------------------
+
+
+def broadcast_array(arr: Optional[np.ndarray], src: int = 0, group=None) -> np.ndarray:
+    """Rank `src`'s integer or float array on every rank of `group` (src a global rank, as in
+    torch.distributed; sent as int64 / float64 tensors, no pickling)."""
+    dev = comm_device(group)
+    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.long, device=dev)
+    if dist.get_rank() == src:
+        arr = np.asarray(arr)
+        if arr.ndim > _MAX_DIMS:
+            raise ValueError(f"broadcast_array handles up to {_MAX_DIMS} dims, got {arr.ndim}")
+        header[0] = 1 if np.issubdtype(arr.dtype, np.floating) else 0
+        header[1] = arr.ndim
+        header[2 : 2 + arr.ndim] = torch.tensor(arr.shape, dtype=torch.long)
+    dist.broadcast(header, src=src, group=group)
+    dtype = torch.float64 if int(header[0]) else torch.long
+    shape = tuple(int(x) for x in header[2 : 2 + int(header[1])])
+    if dist.get_rank() == src:
+        data = torch.from_numpy(
+            np.ascontiguousarray(arr, np.float64 if dtype == torch.float64 else np.int64)
+        )
+        data = data.to(dev)
+    else:
+        data = torch.empty(shape, dtype=dtype, device=dev)
+    dist.broadcast(data, src=src, group=group)
+    return data.cpu().numpy()
+
+
+def broadcast_text(text: Optional[str], src: int = 0, group=None) -> str:
+    """Rank `src`'s string on every rank of `group` (src a global rank)."""
+    raw = (
+        np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
+        if dist.get_rank() == src
+        else None
+    )
+    return bytes(broadcast_array(raw, src, group).astype(np.uint8).tolist()).decode("utf-8")
+
+
+# ---- failure agreement ------------------------------------------------------------------------
+
+
+def fail_together(error: Optional[BaseException], group=None) -> None:
+    """Every rank of ``group`` (None: the default group) calls this with its own error (or None).
+    Returns when none failed; otherwise re-raises this rank's error, or raises RankFailedError with
+    the first failing rank's message on the others. Two collectives on failure, one otherwise.
+    Without a process group (one process) there is no one to tell: it only re-raises ``error``."""
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    dev, world, me = comm_device(group), dist.get_world_size(group), dist.get_rank(group)
+    first = torch.tensor([me if error is not None else world], dtype=torch.long, device=dev)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+    src = int(first)
+    if src == world:
+        return
+    text = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=dev)
+    if me == src:
+        raw = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:_MESSAGE_BYTES]
+        text[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)
+    dist.broadcast(
+        text, src=dist.get_global_rank(group, src) if group is not None else src, group=group
+    )
+    if error is not None:
+        raise error
+    message = bytes(text.cpu().tolist()).rstrip(b"\0").decode("utf-8", "replace")
+    raise RankFailedError(f"rank {src} failed, so every rank stops: {message}")
+
+
+def together(items: Iterable, group=None) -> Iterator:
+    """The items of a per-rank iterator, the ranks agreeing after each step: one rank's error
+    stops every rank at that step (:func:`fail_together`), and so does one rank running out of
+    items while the others go on. ``group=None``: no ranks to agree with, the items unchanged."""
+    if group is None:
+        yield from items
+        return
+    it = iter(items)
+    while True:
+        item, error, done = None, None, False
+        try:
+            item = next(it)
+        except StopIteration:
+            done = True
+        except Exception as e:  # noqa: BLE001 - raised on every rank by fail_together
+            error = e
+        fail_together(error, group)
+        left = torch.tensor([int(done)], dtype=torch.long, device=comm_device(group))
+        dist.all_reduce(left, group=group)
+        if 0 < int(left) < dist.get_world_size(group):
+            raise RankFailedError(
+                f"{int(left)} of {dist.get_world_size(group)} ranks ran out of items while "
+                "the others went on (their inputs differ)"
+            )
+        if done:
+            return
+        yield item
