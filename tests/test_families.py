@@ -136,11 +136,11 @@ def tok():
     return train_text_tokenizer(TEXT, vocab_size=280)
 
 
-def hf_config(name: str, vocab: int):
+def hf_config(name: str, vocab: int, **over):
     import transformers
 
     cls, kw, _ = CASES[name]
-    return getattr(transformers, cls)(vocab_size=vocab, **{**COMMON, **kw})
+    return getattr(transformers, cls)(vocab_size=vocab, **{**COMMON, **kw, **over})
 
 
 def randomize_vectors(model: torch.nn.Module, seed: int = 0) -> None:
@@ -153,12 +153,14 @@ def randomize_vectors(model: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(centre + 0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
 
 
-def make_hf_model(name: str, path: Path, vocab: int, tok=None, seed: int = 0):
-    """A random transformers model of case `name`, saved (as a user brings one) into `path`."""
+def make_hf_model(name: str, path: Path, vocab: int, tok=None, seed: int = 0, **over):
+    """A random transformers model of case `name` (config arguments `over` replaced), saved (as a
+    user brings one) into `path`."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(name, vocab), attn_implementation="eager")
+    cfg = hf_config(name, vocab, **over)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     randomize_vectors(model, seed)
     model.save_pretrained(path)
     extra = CASES[name][2]
@@ -469,3 +471,271 @@ def test_hf_causal_lm_keeps_float64_in_float64(tmp_path, tok):
         lm = HFCausalLM(plain)
         hidden = lm.model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
         assert rel(lm.model.lm_head(hidden), want) <= 1e-12
+
+
+# ----------------------------------------------------------------------------- rings (slow)
+
+
+def _packed_batch(vocab: int) -> dict:
+    """2 rows of S = 2 x ORIGINAL + 5 tokens (not a multiple of 2W for W = 2, 3): row 0 one
+    document of 2 x ORIGINAL + 2 tokens (positions past the original context) and padding; row 1
+    packed documents of 40, 3, 1, 20 and 5 tokens, the last zero-weighted."""
+    S = 2 * ORIGINAL + 5
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, S), generator=g)
+    targets = torch.randint(0, vocab, (2, S), generator=g)
+    weights = torch.randint(1, 3, (2, S), generator=g).double() / 2  # 0.5, 1
+    seg = torch.full((2, S), -1)
+    pos = torch.zeros(2, S, dtype=torch.long)
+    n0 = 2 * ORIGINAL + 2
+    seg[0, :n0], pos[0, :n0] = 0, torch.arange(n0)
+    i = 0
+    for d, n in enumerate((40, 3, 1, 20, 5)):
+        seg[1, i : i + n], pos[1, i : i + n] = d, torch.arange(n)
+        i += n
+    weights[1, i - 5 : i] = 0
+    weights[seg < 0] = 0
+    return dict(
+        input_ids=ids, targets=targets, loss_weights=weights, positions=pos, segment_ids=seg
+    )
+
+
+def _project_step(cfg: ModelConfig, batch: dict, seam=None, group=None, weights=None):
+    """(loss, grads) of one float64 step of the project's decoder (random weights, or `weights`)
+    on `batch` (the whole batch, or this rank's zigzag shard over `group` with `seam`), the loss
+    normalised by the whole batch's weight total and the gradients summed over the group."""
+    import torch.distributed as dist
+
+    from longvideo.parallel import shard_batch
+
+    torch.manual_seed(0)
+    model = Transformer(cfg, ffn_chunk=16, loss_chunk=24).double().train()
+    randomize_vectors(model)
+    if weights is not None:
+        model.load_state_dict(weights)
+    total = float(batch["loss_weights"].sum())
+    if seam is not None:
+        model.set_attention(seam)
+        batch = shard_batch(batch, group)
+    loss = (
+        model(
+            batch["input_ids"],
+            batch["positions"],
+            batch["segment_ids"],
+            targets=batch["targets"],
+            loss_weights=batch["loss_weights"],
+        )
+        / total
+    )
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    value = loss.detach().clone()
+    if group is not None or seam is not None:
+        dist.all_reduce(value, group=group)
+        for g in grads.values():
+            dist.all_reduce(g, group=group)
+    return value, grads
+
+
+def _assert_same(what, got, ref, tol=1e-10):
+    (loss, grads), (rloss, rgrads) = got, ref
+    assert abs(float(loss - rloss)) <= tol * abs(float(rloss)), f"{what}: loss {loss} vs {rloss}"
+    assert grads.keys() == rgrads.keys(), sorted(set(grads) ^ set(rgrads))
+    worst = 0.0
+    for n, g in rgrads.items():
+        err = rel(grads[n], g)
+        worst = max(worst, err)
+        assert err <= tol, f"{what}: gradient {n} relative error {err:.3g}"
+    return worst
+
+
+def _rings_body(rank, world, configs, smol):
+    import torch.distributed as dist
+
+    from longvideo.parallel import RingAttentionSeam, split_group
+
+    two = dist.new_group([0, 1])
+    hybrid = split_group(dist.group.WORLD, 3)  # collective: every rank
+    worst = {}
+    for name, cfg in configs.items():
+        batch = _packed_batch(cfg.text_vocab_size)
+        ref = _project_step(cfg, batch)
+        seams = [("ring of 3", RingAttentionSeam(None, "torch"), None)]
+        seams.append(("Ulysses 3 x ring 1", RingAttentionSeam(None, "cpu", hybrid), None))
+        if rank < 2:
+            seams.insert(0, ("ring of 2", RingAttentionSeam(two, "cpu"), two))
+        for what, seam, group in seams:
+            err = _assert_same(f"{name}, {what}", _project_step(cfg, batch, seam, group), ref)
+            worst[name] = max(worst.get(name, 0.0), err)
+        dist.barrier()
+    # transformers' SmolLM2-shaped model through train.hf_model's wrapper, float64, ring of 3
+    src, mcfg, weights = smol
+    batch = _packed_batch(mcfg.vocab_size)
+    ref = _project_step(mcfg, batch, weights=weights)
+    got = _hf_step(src, batch, RingAttentionSeam(None, "auto"))
+    worst["smollm2 HFCausalLM ring of 3"] = _assert_same("HFCausalLM ring of 3", got, ref)
+    if rank == 0:
+        print("largest relative gradient error:", {k: f"{v:.1e}" for k, v in worst.items()})
+
+
+def _hf_step(src, batch, seam):
+    """(loss, grads under the project's names) of HFCausalLM (train.hf_model's wrapper around
+    transformers' own model, float64) on this rank's shard, as _project_step."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from longvideo.model.families import own_name
+    from longvideo.parallel import shard_batch
+
+    model = AutoModelForCausalLM.from_pretrained(src, attn_implementation="sdpa")
+    lm = HFCausalLM(model.double().train(), loss_chunk=24)
+    lm.set_attention(seam)
+    total = float(batch["loss_weights"].sum())
+    local = shard_batch(batch, None)
+    loss = (
+        lm(
+            local["input_ids"],
+            local["positions"],
+            local["segment_ids"],
+            local["targets"],
+            local["loss_weights"],
+        )
+        / total
+    )
+    loss.backward()
+    grads = {}
+    for n, p in lm.model.named_parameters():
+        g = p.grad.detach().clone()
+        dist.all_reduce(g)
+        grads[own_name(n)] = g
+    value = loss.detach().clone()
+    dist.all_reduce(value)
+    return value, grads
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_each_family_trains_on_rings_as_one_process(tmp_path, tok):
+    """One float64 training step per family on a ring of 2, a ring of 3 and the Ulysses hybrid
+    (3 ranks, heads all-to-all): the loss and every gradient equal one process to 1e-10 relative;
+    transformers' own SmolLM2-shaped model through HFCausalLM on a ring of 3 equals the project's
+    decoder one process (float64 stays float64 on every route)."""
+    from distributed import run_ranks
+
+    from longvideo.checkpoint import from_hf_names, read_safetensors_dir
+
+    configs = {}
+    for name in CASES:
+        mc = model_config_from_hf(
+            hf_config(name, 64).to_dict(), ModelConfig(), text_vocab_size=44, codebook_size=16
+        )
+        configs[name] = mc if mc.max_seq_len >= 2 * ORIGINAL else replace(mc, max_seq_len=80)
+    src = tmp_path / "smol"
+    make_hf_model("smollm2", src, 64)
+    hf = json.loads((src / "config.json").read_text())
+    mcfg = model_config_from_hf(hf, ModelConfig(), text_vocab_size=44, codebook_size=16)
+    sd = {k: v.double() for k, v in from_hf_names(read_safetensors_dir(src), mcfg).items()}
+    run_ranks(_rings_body, world=3, args=(configs, (str(src), mcfg, sd)), timeout=600)
+
+
+# ----------------------------------------------------------------------------- chat (slow)
+
+QUESTION = "what colour was the flash frame"
+
+
+def _chat_checkpoint(name: str, tmp_path: Path, tok) -> Path:
+    """An imported model of case `name` (context 256, its original context still ORIGINAL) with a
+    random tiny VQ: a checkpoint `longvideo chat` reads."""
+    from longvideo.config import load_config, save_config
+    from longvideo.vq import VQConfig, VQModel
+
+    src = tmp_path / f"{name}_hf"
+    make_hf_model(name, src, tok.text_size, tok, max_position_embeddings=256)
+    ckpt = import_hf(src, tmp_path / f"{name}_ckpt", codebook_size=16)
+    vq_cfg = VQConfig(
+        mode="2d",
+        resolution=16,
+        downsample=4,
+        temporal_downsample=2,
+        codebook_size=16,
+        channels=8,
+        channel_mult=(1, 1, 1),
+        num_res_blocks=1,
+    )
+    torch.manual_seed(1)
+    VQModel(vq_cfg).eval().save(ckpt / "vq")
+    cfg = load_config(ckpt / "config.yaml")
+    save_config(replace(cfg, vq=vq_cfg), ckpt / "config.yaml")
+    return ckpt
+
+
+def _chat_ring_body(rank, world, cases):
+    from longvideo.infer import cli
+
+    for ckpt, clip, expected in cases:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = cli._chat(
+                cli.chat_parser().parse_args(
+                    [
+                        "--model",
+                        ckpt,
+                        "--video",
+                        clip,
+                        "--question",
+                        QUESTION,
+                        "--quiet",
+                        "--device",
+                        "cpu",
+                        "--max-new-tokens",
+                        "8",
+                    ]
+                )
+            )
+        assert rc == 0
+        assert buf.getvalue().splitlines() == ([expected] if rank == 0 else []), ckpt
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_chat_on_imported_models_answers_as_transformers_generate(tmp_path, tok, one_thread):
+    """`longvideo chat` on a real encoded clip (tests/material: an H.264 mp4) with an imported
+    Qwen2.5 (yarn) and Llama 3.x model: its greedy answer ids are transformers' `generate` on the
+    export with the same prompt ids (which the export's processor also builds), and a ring of 2
+    prints the same answer."""
+    from transformers import AutoModelForCausalLM
+
+    from distributed import run_ranks
+    from longvideo.export import LongVideoProcessor
+    from longvideo.infer.chat import ChatSession, infer_config
+    from material.corpus import CONTAINERS, encode
+
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(encode(CONTAINERS[0]))
+    ring_cases = []
+    for name in ("qwen2_yarn", "llama3"):
+        ckpt = _chat_checkpoint(name, tmp_path, tok)
+        pre = load_pretrained(ckpt)
+        assert pre.config.model.rope_scaling.type in ("yarn", "llama3")
+        session = ChatSession.from_video(
+            pre, str(clip), infer=infer_config(pre, max_new_tokens=8), progress=False
+        )
+        text = session.ask(QUESTION)
+        prompt = session.prompt(QUESTION).ids
+        assert len(prompt) > 2 * ORIGINAL  # positions past the original context
+        generated = session.last.tokens[0].tolist()
+
+        out = export_hf(ckpt, tmp_path / f"{name}_out")
+        model = AutoModelForCausalLM.from_pretrained(out).eval()
+        assert type(model).__name__ == FAMILIES[FAMILY_OF[name]].architecture
+        proc = LongVideoProcessor.from_pretrained(out)
+        inputs = proc(str(clip), QUESTION)
+        assert inputs["input_ids"][0].tolist() == prompt
+        with torch.no_grad():
+            ids = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+        answer = ids[0, len(prompt) :].tolist()
+        eos = pre.tokenizer.eos_id
+        stop = generated.index(eos) + 1 if eos in generated else len(generated)
+        assert stop >= 2 and answer[:stop] == generated[:stop], (name, answer, generated)
+        ring_cases.append((str(ckpt), str(clip), text))
+    run_ranks(_chat_ring_body, world=2, args=(ring_cases,), timeout=400)
