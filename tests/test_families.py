@@ -45,6 +45,7 @@ from longvideo.model.families import (
     architecture_fields,
     model_config_from_hf,
 )
+from longvideo.model.config import RopeScaling
 from longvideo.model.layers import rope_frequencies
 from longvideo.tokenizer import train_text_tokenizer
 
@@ -303,6 +304,16 @@ def test_dynamic_rope_is_transformers_at_the_context(context):
     assert torch.equal(got, want)
     if context > original:
         assert not torch.equal(got, rope_frequencies(head_dim, 1e4)[0])
+
+
+def test_dynamic_at_a_context_is_default_rope_with_a_larger_theta():
+    """What docs/models.md says to freeze a dynamic model: at context L its frequencies are the
+    default RoPE's with rope_theta = theta ((factor L / original) - (factor - 1))^(d / (d - 2)),
+    computed in float32 as transformers does, bit for bit."""
+    s = RopeScaling(type="dynamic", factor=2.0, original_max_seq_len=2048)
+    for L in (3000, 8192, 100000):
+        base = 1e4 * ((2.0 * torch.tensor(L) / 2048) - (2.0 - 1)) ** (64 / 62)
+        assert torch.equal(rope_frequencies(64, 1e4, s, L)[0], rope_frequencies(64, float(base))[0])
 
 
 # ----------------------------------------------------------------------------- import / export
@@ -739,3 +750,212 @@ def test_chat_on_imported_models_answers_as_transformers_generate(tmp_path, tok,
         assert stop >= 2 and answer[:stop] == generated[:stop], (name, answer, generated)
         ring_cases.append((str(ckpt), str(clip), text))
     run_ranks(_chat_ring_body, world=2, args=(ring_cases,), timeout=400)
+
+
+# ----------------------------------------------------------------------------- released models
+
+PUBLISHED = {
+    # the config.json keys and values these releases publish (no weights are read)
+    "Llama-2-7b-hf": {
+        "architectures": ["LlamaForCausalLM"],
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 4096,
+        "model_type": "llama",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 32,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "transformers_version": "4.31.0.dev0",
+        "use_cache": True,
+        "vocab_size": 32000,
+    },
+    "Llama-3.2-1B": {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 8192,
+        "max_position_embeddings": 131072,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 16,
+        "num_key_value_heads": 8,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.45.0.dev0",
+        "use_cache": True,
+        "vocab_size": 128256,
+    },
+    "SmolLM2-135M": {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "hidden_act": "silu",
+        "hidden_size": 576,
+        "initializer_range": 0.041666666666666664,
+        "intermediate_size": 1536,
+        "is_llama_config": True,
+        "max_position_embeddings": 8192,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": 9,
+        "num_hidden_layers": 30,
+        "num_key_value_heads": 3,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_interleaved": False,
+        "rope_scaling": None,
+        "rope_theta": 100000,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16", "fp16": "float16"}},
+        "transformers_version": "4.42.3",
+        "use_cache": True,
+        "vocab_size": 49152,
+    },
+    "Qwen2.5-0.5B-Instruct": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "hidden_act": "silu",
+        "hidden_size": 896,
+        "initializer_range": 0.02,
+        "intermediate_size": 4864,
+        "max_position_embeddings": 32768,
+        "max_window_layers": 21,
+        "model_type": "qwen2",
+        "num_attention_heads": 14,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.43.1",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+    "Qwen3-0.6B": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 1024,
+        "initializer_range": 0.02,
+        "intermediate_size": 3072,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 28,
+        "model_type": "qwen3",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+    "Mistral-7B-v0.3": {
+        "architectures": ["MistralForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 32768,
+        "model_type": "mistral",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.42.0.dev0",
+        "use_cache": True,
+        "vocab_size": 32768,
+    },
+}
+
+
+def test_published_configs_are_read_whole():
+    """The config.json of each family's releases maps onto the decoder (no key refused); Qwen2.5's
+    documented YaRN setting for 128K too; Mistral 7B v0.1's 4K window under a 32K context is
+    refused; the shipped configs/llama3.2-1b.yaml is Llama 3.2 1B as import-hf reads it, and its
+    ladder changes only the scaling factor and the context."""
+    from longvideo.config import load_config
+
+    got = {
+        name: model_config_from_hf(hf, ModelConfig(), text_vocab_size=100, codebook_size=16)
+        for name, hf in PUBLISHED.items()
+    }
+    assert got["Qwen3-0.6B"].head_dim == 128 and got["Qwen3-0.6B"].qk_norm
+    assert got["Qwen2.5-0.5B-Instruct"].qkv_bias and got["Qwen2.5-0.5B-Instruct"].tie_embeddings
+    assert got["Mistral-7B-v0.3"].family == "mistral"
+    assert got["SmolLM2-135M"].n_kv_heads == 3 and got["SmolLM2-135M"].rope_theta == 1e5
+    yarn = dict(
+        PUBLISHED["Qwen2.5-0.5B-Instruct"],
+        rope_scaling={"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
+    )
+    scaled = model_config_from_hf(yarn, ModelConfig(), text_vocab_size=100, codebook_size=16)
+    assert (scaled.rope_scaling.type, scaled.rope_scaling.factor) == ("yarn", 4.0)
+    v01 = dict(PUBLISHED["Mistral-7B-v0.3"], sliding_window=4096, vocab_size=32000)
+    _refused(v01, "sliding_window")
+
+    shipped = load_config("llama3.2-1b").model
+    llama = model_config_from_hf(
+        PUBLISHED["Llama-3.2-1B"],
+        shipped,
+        text_vocab_size=shipped.text_vocab_size,
+        codebook_size=shipped.codebook_size,
+    )
+    assert llama == shipped
+    for stage, factor, context in (
+        ("llama3-text-256k", 64.0, 262144),
+        ("llama3-text-1m", 256.0, 2**20),
+    ):
+        m = load_config(f"stages/{stage}").model
+        assert m == replace(
+            shipped, rope_scaling=replace(shipped.rope_scaling, factor=factor), max_seq_len=context
+        )

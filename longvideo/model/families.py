@@ -364,6 +364,9 @@ DEFAULTS = {
 }
 """transformers' defaults of the COMMON keys a config.json may leave out (per family: `defaults`)."""
 
+NULLABLE = frozenset({"sliding_window", "head_dim", "num_key_value_heads", "layer_types"})
+"""Keys whose null is a value (no window, derived head_dim, MHA, layer types from the window)."""
+
 REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -471,8 +474,12 @@ def model_config_from_hf(
         raise FamilyError(missing[0], "required")
     defaults = {**DEFAULTS, **fam.defaults}
 
-    def get(key: str):
-        return hf[key] if hf.get(key) is not None else defaults.get(key)
+    def get(
+        key: str,
+    ):  # what the config.json sets (null where null means something), else the default
+        if key in hf and (hf[key] is not None or key in NULLABLE):
+            return hf[key]
+        return defaults.get(key)
 
     act = get("hidden_act")
     if act not in ("silu", "swish"):

@@ -50,9 +50,16 @@ class ProjectDecoder:
             except CheckpointError as e:
                 raise ConfigError("train.init_from", f"does not fit this model: {e}") from None
             model.load_state_dict(sd, strict=True)
+            rope = [
+                f"{k} {getattr(old.model, k)} -> {getattr(cfg.model, k)}"
+                for k in ("rope_theta", "rope_scaling", "max_seq_len", "family")
+                if getattr(old.model, k) != getattr(cfg.model, k)
+            ]
             log(
                 f"initialised from {init_from} (its rope_theta {old.model.rope_theta:g}, now "
-                f"{cfg.model.rope_theta:g})"
+                f"{cfg.model.rope_theta:g}"
+                + (f"; changed: {'; '.join(rope)}" if rope else "")
+                + ")"
             )
         elif cfg.model.code_init == "fsq" and fresh:  # a resumed run loads its weights
             model.init_code_embeddings(fsq_codebook(cfg.vq.levels))
