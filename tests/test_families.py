@@ -358,9 +358,11 @@ def test_import_logits_export_and_back(tmp_path, tok, name):
     with torch.no_grad():
         want = model.logits(model(all_ids))
         torch.testing.assert_close(exported(all_ids).logits, want, atol=1e-4, rtol=0)
+        errors["export fp32"] = (exported(all_ids).logits - want).abs().max().item()
         ex64 = transformers_model(tmp_path / "out", torch.float64)
         m64 = model.double()
-        assert rel(ex64(all_ids).logits, m64.logits(m64(all_ids))) <= 1e-10
+        errors["export fp64"] = rel(ex64(all_ids).logits, m64.logits(m64(all_ids)))
+        assert errors["export fp64"] <= 1e-10
     # the text rows and every other tensor of the source, bit for bit
     a, b = (
         load_file(str(src / "model.safetensors")),
@@ -381,7 +383,10 @@ def test_import_logits_export_and_back(tmp_path, tok, name):
         load_file(str(tmp_path / "ckpt2" / "model.safetensors")),
     )
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-    print(f"{name}: fp32 max abs {errors[torch.float32]:.2e}, fp64 rel {errors[torch.float64]:.2e}")
+    print(
+        f"{name}: fp32 max abs {errors[torch.float32]:.2e}, fp64 rel {errors[torch.float64]:.2e}; "
+        f"export: fp32 {errors['export fp32']:.2e}, fp64 rel {errors['export fp64']:.2e}"
+    )
 
 
 def _hf_dict(name: str, **over) -> dict:
@@ -398,6 +403,9 @@ def _refused(hf: dict, key: str) -> None:
 
 
 def test_what_is_not_computed_is_refused_naming_the_key():
+    from longvideo.model.config import FAMILY_NAMES
+
+    assert tuple(FAMILIES) == FAMILY_NAMES  # model.family's values are the families' names
     for name in CASES:  # what transformers itself writes is read whole
         model_config_from_hf(_hf_dict(name), ModelConfig(), text_vocab_size=64, codebook_size=4)
     _refused(_hf_dict("llama2", quantization_config={"bits": 4}), "quantization_config")

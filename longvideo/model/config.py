@@ -14,7 +14,7 @@ from longvideo.configtools import check, check_positive
 from longvideo.vocab import LAYOUTS, Vocab
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,7 +131,7 @@ class ModelConfig:
             "attn_head_dim",
             f"must be positive or null, got {self.attn_head_dim}",
         )
-        check(self.family in FAMILIES, "family", f"must be one of {FAMILIES}")
+        check(self.family in FAMILY_NAMES, "family", f"must be one of {FAMILY_NAMES}")
         kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
         check(
             kv > 0 and self.n_heads % kv == 0,

@@ -553,7 +553,7 @@ def rope_parameters(cfg: ModelConfig) -> dict:
 
 def hf_config(cfg: ModelConfig) -> dict:
     """The config.json of cfg's family (without the tokenizer's ids). RoPE in both spellings: 5.x
-    reads rope_parameters, 4.x rope_theta and rope_scaling. `dynamic` writes its original context as
+    reads rope_parameters, 4.x rope_theta and (scaled) rope_scaling. `dynamic` writes its original context as
     max_position_embeddings, which transformers scales past (docs/models.md)."""
     check_family(cfg)
     fam = FAMILIES[cfg.family]
@@ -572,14 +572,13 @@ def hf_config(cfg: ModelConfig) -> dict:
         rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta,
         rope_parameters=params,
-        rope_scaling=None
-        if s.type == "default"
-        else {k: v for k, v in params.items() if k != "rope_theta"},
         max_position_embeddings=s.original_max_seq_len if s.type == "dynamic" else cfg.max_seq_len,
         tie_word_embeddings=cfg.tie_embeddings,
         attention_dropout=0.0,
         **fam.write(cfg),
     )
+    if s.type != "default":  # transformers 4 reads scaling only from here (5 warns, reads the same)
+        d["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
     if cfg.attn_logn_base:
         d.update(
             architectures=[LOGN_ARCH],
