@@ -764,6 +764,27 @@ def test_chat_on_imported_models_answers_as_transformers_generate(tmp_path, tok,
 
 PUBLISHED = {
     # the config.json keys and values these releases publish (no weights are read)
+    "llama-7b (Llama 1, converted)": {
+        "architectures": ["LlamaForCausalLM"],
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 2048,
+        "max_sequence_length": 2048,
+        "model_type": "llama",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "pad_token_id": 0,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "transformers_version": "4.28.0.dev0",
+        "use_cache": True,
+        "vocab_size": 32000,
+    },
     "Llama-2-7b-hf": {
         "architectures": ["LlamaForCausalLM"],
         "bos_token_id": 1,

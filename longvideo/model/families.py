@@ -274,6 +274,9 @@ FAMILIES: dict[str, Family] = {
                     "mlp_bias",
                     # transformers 4 split these matmuls in pretraining_tp pieces: the same sum
                     "pretraining_tp",
+                    # Llama 1 conversions write it beside max_position_embeddings; transformers
+                    # never reads it
+                    "max_sequence_length",
                     "rope_interleaved",  # SmolLM2 writes false (refused when true)
                     "is_llama_config",  # SmolLM2's marker
                     "transformers.js_config",  # SmolLM2's settings for transformers.js
