@@ -1,10 +1,9 @@
 """Ring attention inside transformers models (longvideo.hf) against transformers' own eager attention.
 
 Tiny random LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM (2 layers,
-hidden 48, GQA 4/2 heads) built from configs. One spawned world of 3 gloo ranks runs rings of W = 1, 2, 3, and
-the head-parallel split of W = 3 (ulysses_size=3: heads not a multiple of 3, fewer key/value heads
-than ranks), on a
-batch of packed documents of random lengths (one longer than a shard, several shorter than a
+hidden 48, GQA 4/2 heads) built from configs. One spawned world of 3 gloo ranks runs rings of
+W = 1, 2, 3, and the head-parallel split of W = 3 (ulysses_size=3: heads not a multiple of 3, fewer
+key/value heads than ranks), on a batch of packed documents of random lengths (one longer than a shard, several shorter than a
 zigzag chunk; one row padded through attention_mask; a length that is not a multiple of 2W).
 Every rank computes the single-process reference itself: the same weights with
 attn_implementation="eager" on the unsharded batch, with an explicit 4D mask (same document,

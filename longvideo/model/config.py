@@ -19,11 +19,12 @@ FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral")
 
 @dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-    """RoPE frequency scaling, computed as transformers computes it (docs/models.md, "RoPE scaling").
+    """RoPE frequency scaling, computed as transformers computes it (docs/models.md, "RoPE
+    scaling").
     The keys are those of transformers' `rope_parameters` of the same type."""
 
     type: Literal["default", "linear", "dynamic", "yarn", "llama3"] = "default"
-    """default: plain RoPE; linear: positions / factor; dynamic: NTK base at the context max_seq_len;
+    """default: plain RoPE; linear: positions / factor; dynamic: NTK base at max_seq_len;
     yarn: YaRN ramp and attention factor; llama3: Llama 3.1's band-wise scaling."""
     factor: float = 1.0
     """The scaling factor (linear, dynamic, yarn, llama3)."""
@@ -93,7 +94,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """RoPE base; LWM raises it with the context stage (1e6 at 32K ... 5e7 at 1M)."""
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
-    """RoPE frequency scaling of an imported model (linear, dynamic, yarn, llama3; docs/models.md)."""
+    """RoPE frequency scaling of an imported model (linear, dynamic, yarn, llama3; models.md)."""
     attn_head_dim: Optional[int] = None
     """Width of each attention head where it is not dim / n_heads (Qwen3); null = dim // n_heads."""
     qkv_bias: bool = False

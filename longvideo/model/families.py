@@ -365,7 +365,8 @@ DEFAULTS = {
     "attention_dropout": 0.0,
     "rope_theta": 10000.0,
 }
-"""transformers' defaults of the COMMON keys a config.json may leave out (per family: `defaults`)."""
+"""transformers' defaults of the COMMON keys a config.json may leave out (per family too:
+`Family.defaults`)."""
 
 NULLABLE = frozenset({"sliding_window", "head_dim", "num_key_value_heads", "layer_types"})
 """Keys whose null is a value (no window, derived head_dim, MHA, layer types from the window)."""
@@ -387,7 +388,8 @@ def family_of(hf: dict) -> tuple[Family, bool]:
         names = ", ".join(f"{f.architecture} ({f.model_type})" for f in FAMILIES.values())
         raise FamilyError(
             "model_type",
-            f"{mt!r} (architectures {archs}) is not a family the decoder computes; supported: {names}",
+            f"{mt!r} (architectures {archs}) is not a family the decoder computes; "
+            f"supported: {names}",
         )
     fam = by_type[mt]
     if archs and archs != [fam.architecture]:
@@ -556,7 +558,8 @@ def rope_parameters(cfg: ModelConfig) -> dict:
 
 def hf_config(cfg: ModelConfig) -> dict:
     """The config.json of cfg's family (without the tokenizer's ids). RoPE in both spellings: 5.x
-    reads rope_parameters, 4.x rope_theta and (scaled) rope_scaling. `dynamic` writes its original context as
+    reads rope_parameters, 4.x rope_theta and (scaled) rope_scaling. `dynamic` writes its original
+    context as
     max_position_embeddings, which transformers scales past (docs/models.md)."""
     check_family(cfg)
     fam = FAMILIES[cfg.family]

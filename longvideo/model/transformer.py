@@ -1,5 +1,5 @@
-"""The LLaMA-style decoder: embeddings -> n x (RMSNorm, attention, RMSNorm, SwiGLU) -> RMSNorm -> head,
-with the optional terms of the families it imports (docs/models.md).
+"""The LLaMA-style decoder: embeddings -> n x (RMSNorm, attention, RMSNorm, SwiGLU) -> RMSNorm ->
+head, with the optional terms of the families it imports (docs/models.md).
 No distributed code lives here: the seam, activation checkpointing and the engine are applied from
 outside (`longvideo.parallel.apply`; docs/architecture.md, decision 5).
 """
