@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save
 from longvideo.atomic import atomic_open, write_bytes_atomic
 from longvideo.config import Config, load_config, save_config
 from longvideo.model import ModelConfig, Transformer
+from longvideo.model.families import check_family, hf_name, own_name
 from longvideo.parallel.engine import consolidate_zero_checkpoint
 from longvideo.tokenizer import TextTokenizer
 from longvideo.vq import VQModel, load_vq
@@ -28,6 +29,9 @@ WEIGHTS_FILE = "model.safetensors"
 EXPORT_CONFIG = "longvideo.yaml"
 TOKENIZER_DIR = "tokenizer"
 VQ_DIR = "vq"
+HF_DIR = "hf"
+"""A `train.hf_model` checkpoint's weights: a transformers directory (config.yaml's model section
+is its architecture, written by the trainer)."""
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 
@@ -53,7 +57,9 @@ def tie(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor
 
 def build_model(cfg: Config) -> Transformer:
     """The project decoder of `cfg` as a run uses it: its architecture (cfg.model), its runtime chunk
-    sizes (cfg.runtime) and the block-attention backend (cfg.parallel.backend)."""
+    sizes (cfg.runtime) and the block-attention backend (cfg.parallel.backend). A model its family
+    cannot express (model.family) is a ConfigError here, before a run starts, not at export."""
+    check_family(cfg.model)
     return Transformer(
         cfg.model,
         ffn_chunk=cfg.runtime.ffn_chunk,
@@ -225,12 +231,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     engine_files = any(path.glob("*model_states.pt"))
-    if (path / CONFIG_FILE).is_file() and ((path / WEIGHTS_FILE).is_file() or engine_files):
+    weights = (path / WEIGHTS_FILE).is_file() or (path / HF_DIR / "config.json").is_file()
+    if (path / CONFIG_FILE).is_file() and (weights or engine_files):
         return path
     ckpt = latest_checkpoint(path)
     if ckpt is None:
         raise FileNotFoundError(
-            f"{path} is neither a checkpoint ({CONFIG_FILE} + {WEIGHTS_FILE} or "
+            f"{path} is neither a checkpoint ({CONFIG_FILE} + {WEIGHTS_FILE}, {HF_DIR}/ or "
             f"DeepSpeed shards) nor a run directory with {CHECKPOINTS}/{LATEST}"
         )
     return ckpt
@@ -238,63 +245,47 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def load_project_state(path: str | Path) -> tuple[dict[str, torch.Tensor], Config]:
     """(state dict with the model's own names, tied where the config ties, Config) of a project
-    checkpoint, or of the latest checkpoint of a training run."""
+    checkpoint, or of the latest checkpoint of a training run (a `train.hf_model` run's too: its
+    `hf/` directory, under config.yaml's model section)."""
     ckpt = resolve_checkpoint(path)
     cfg = load_config(ckpt / CONFIG_FILE)
+    if (ckpt / HF_DIR / "config.json").is_file() and not (ckpt / WEIGHTS_FILE).is_file():
+        return from_hf_names(read_safetensors_dir(ckpt / HF_DIR), cfg.model), cfg
     if (ckpt / WEIGHTS_FILE).is_file():
         sd = load_file(str(ckpt / WEIGHTS_FILE))
     else:  # ZeRO shards only
         sd = consolidate_zero_checkpoint(ckpt.parent, ckpt.name)
+        if cfg.train.hf_model:  # a transformers decoder's names behind "model." (hf.HFCausalLM)
+            prefix = "model."
+            sd = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
+            return from_hf_names(sd, cfg.model), cfg
     return tie(sd, cfg.model), cfg
 
 
-_LAYER_MAP = {  # ours -> transformers' LlamaForCausalLM, per layer
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wv.weight": "self_attn.v_proj.weight",
-    "attn.wo.weight": "self_attn.o_proj.weight",
-    "ffn.w_gate.weight": "mlp.gate_proj.weight",
-    "ffn.w_up.weight": "mlp.up_proj.weight",
-    "ffn.w_down.weight": "mlp.down_proj.weight",
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_MAP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    TIED_HEAD: "lm_head.weight",
-}
-
-
 def to_hf_names(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our names -> transformers' LlamaForCausalLM names (a tied head is left out: transformers re-ties it)."""
+    """Our names -> transformers' names (longvideo.model.families; a tied head is left out:
+    transformers re-ties it)."""
     out = {}
     for name, t in untie(sd, cfg).items():
-        if name in _TOP_MAP:
-            out[_TOP_MAP[name]] = t
-            continue
-        parts = name.split(".", 2)
-        if parts[0] != "layers" or len(parts) < 3 or parts[2] not in _LAYER_MAP:
-            raise CheckpointError(f"unexpected parameter '{name}'")
-        out[f"model.layers.{parts[1]}.{_LAYER_MAP[parts[2]]}"] = t
+        try:
+            out[hf_name(name)] = t
+        except KeyError:
+            raise CheckpointError(f"unexpected parameter '{name}'") from None
     return out
 
 
 def from_hf_names(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """transformers' LlamaForCausalLM names -> ours (tied as the config says)."""
-    inv_top = {v: k for k, v in _TOP_MAP.items()}
-    inv_layer = {v: k for k, v in _LAYER_MAP.items()}
+    """transformers' names -> ours (tied as the config says)."""
     out = {}
     for name, t in sd.items():
-        if "rotary_emb" in name:
-            continue  # a buffer some versions save; recomputed from the config
-        parts = name.split(".", 3)  # model.layers.N.rest
-        if name in inv_top:
-            out[inv_top[name]] = t
-        elif parts[:2] == ["model", "layers"] and len(parts) == 4 and parts[3] in inv_layer:
-            out[f"layers.{parts[2]}.{inv_layer[parts[3]]}"] = t
-        else:
-            raise CheckpointError(f"unexpected tensor '{name}' in the Hugging Face checkpoint")
+        try:
+            own = own_name(name)
+        except KeyError:
+            raise CheckpointError(
+                f"unexpected tensor '{name}' in the Hugging Face checkpoint"
+            ) from None
+        if own is not None:  # None: a rotary buffer some versions save; recomputed from the config
+            out[own] = t
     if not cfg.tie_embeddings and TIED_HEAD not in out:
         raise CheckpointError(
             "the checkpoint has no lm_head.weight but tie_word_embeddings is false"

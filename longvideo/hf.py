@@ -29,7 +29,7 @@ IGNORE_INDEX = -100
 
 # model types whose every cross-token interaction is attention with RoPE from position_ids, and
 # which the tests run against transformers' own eager attention
-TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # pad values of the sequence keys shard_batch knows
 PAD_VALUES = {
@@ -278,6 +278,13 @@ def check_model(
         )
     if getattr(cfg, "is_causal", True) is False:
         raise _refuse("non-causal attention (config.is_causal = False)")
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if rope_type == "dynamic":
+        raise _refuse(
+            "dynamic RoPE scaling (its frequencies follow the longest position of each forward, "
+            "which a shard does not see, so every rank of a ring would rotate differently)"
+        )
     window = _active_window(cfg)
     if window is not None and (seq_len is None or seq_len > window):
         raise _refuse(
@@ -295,6 +302,30 @@ def _active_window(cfg) -> Optional[int]:
     if layer_types is not None:
         return int(window) if "sliding_attention" in layer_types else None
     return None if getattr(cfg, "use_sliding_window", None) is False else int(window)
+
+
+def _rms_norm_in_input_dtype(self, hidden_states: Tensor) -> Tensor:
+    """transformers' RMSNorm (x * rsqrt(mean(x^2) + eps) * weight) in float32 at least, the input's
+    dtype when wider: for 16-bit and float32 inputs the same operations as transformers'."""
+    dtype = hidden_states.dtype
+    h = hidden_states.to(torch.promote_types(dtype, torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * h.to(dtype)
+
+
+def keep_float64(model: nn.Module) -> nn.Module:
+    """Make float64 stay float64 through `model`'s RMSNorms: transformers' Llama, Qwen2, Qwen3 and
+    Mistral norms cast to float32 whatever the dtype, so a float64 model is float32-accurate, and
+    the attention's last-bit differences between one process and a ring (another summation order)
+    come out as float32 roundings (~1e-7) after the next norm. Replaces `forward` on each RMSNorm
+    instance (the classes are untouched) by the same computation in max(float32, input dtype): for
+    float32 and 16-bit models the very same operations. `HFCausalLM` does it; use it on a model you
+    run with attn_implementation="ring" in float64 (and `ring_loss`, which keeps float64, for the
+    loss: transformers' own casts the logits to float32). Returns the model."""
+    for m in model.modules():
+        if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon"):
+            m.forward = _rms_norm_in_input_dtype.__get__(m)
+    return model
 
 
 def document_ids(position_ids: Tensor) -> Tensor:
@@ -449,7 +480,7 @@ class HFCausalLM(nn.Module):
 
     def __init__(self, model: nn.Module, *, loss_chunk: int = 4096):
         super().__init__()
-        self.model = model
+        self.model = keep_float64(model)
         out = model.get_output_embeddings()
         # a module of its own around the same Parameter (as a tied head): ZeRO-3 gathers a module's
         # parameters when the module is called, and the chunked loss needs the whole weight
@@ -529,6 +560,7 @@ __all__ = [
     "document_ids",
     "enable_ring_attention",
     "global_loss",
+    "keep_float64",
     "seam_attention",
     "num_items_in_batch",
     "ring_loss",

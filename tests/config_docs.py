@@ -57,8 +57,11 @@ def section(name: str, cls) -> list[str]:
         "| key | type | default | meaning |",
         "|---|---|---|---|",
     ]
+    nested = []
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
+            if name != "(root)":  # a section inside a section (model.rope_scaling)
+                nested.append((f"{name}.{f.name}", hints[f.name]))
             continue
         default = (
             repr(f.default)
@@ -74,7 +77,7 @@ def section(name: str, cls) -> list[str]:
             " ".join(docs.get(f.name, "").split()),
         )
         lines.append(f"| `{key}` | {_type_name(hints[f.name])} | `{default}` | {doc} |")
-    return lines + [""]
+    return lines + [""] + [x for sub, sub_cls in nested for x in section(sub, sub_cls)]
 
 
 def render() -> str:

@@ -19,7 +19,6 @@ from distributed import run_ranks
 from longvideo.kernels import AttentionMeta
 from longvideo.model import ModelConfig, Transformer
 from longvideo.model.attention import LocalAttention
-from longvideo.model.layers import rope_cos_sin
 from longvideo.parallel import RingAttentionSeam, shard_batch
 from longvideo.parallel.compile import OpaqueSeam, apply_compile
 
@@ -65,7 +64,7 @@ def test_one_graph_per_block_no_graph_break():
     seam = OpaqueSeam(model.attention_fn)
     ids, pos, seg = _batch()
     x = model.tok_embeddings(ids)
-    cos, sin = rope_cos_sin(pos, model.cfg.head_dim, model.cfg.rope_theta, x.dtype)
+    cos, sin = model.rope(pos, x.dtype)
     meta = AttentionMeta.self_attention(pos, seg)
     ex = torch._dynamo.explain(model.layers[0])(x, cos, sin, meta, seam)
     assert ex.graph_break_count == 0 and ex.graph_count == 1, ex.break_reasons

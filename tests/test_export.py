@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from longvideo.config import Config
 from longvideo.checkpoint import CheckpointError, load_pretrained, save_project_checkpoint
 from longvideo.export import export_hf, import_hf
-from longvideo.export.hf import rope_theta_of
+from longvideo.model.families import FamilyError
 from longvideo.model import ModelConfig, Transformer
 from longvideo.tokenizer import TextTokenizer, train_text_tokenizer
 from longvideo.vq.config import VQConfig
@@ -168,10 +168,25 @@ def test_export_of_a_logn_model_loads_only_as_itself_with_same_logits(tmp_path, 
 
 
 def test_rope_theta_both_spellings():
-    assert rope_theta_of({"rope_theta": 5e5}) == 5e5
-    assert rope_theta_of({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}) == 1e6
-    with pytest.raises(CheckpointError, match="rope type"):
-        rope_theta_of({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6}})
+    from longvideo.model.families import model_config_from_hf
+
+    def theta(**kw):
+        hf = dict(
+            model_type="llama",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            **kw,
+        )
+        return model_config_from_hf(
+            hf, ModelConfig(), text_vocab_size=10, codebook_size=4
+        ).rope_theta
+
+    assert theta(rope_theta=5e5) == 5e5
+    assert theta(rope_parameters={"rope_type": "default", "rope_theta": 1e6}) == 1e6
+    with pytest.raises(FamilyError, match="rope_parameters.rope_type"):
+        theta(rope_parameters={"rope_type": "longrope", "rope_theta": 1e6})
 
 
 def test_bad_checkpoints_are_named(tmp_path, tok):
@@ -183,7 +198,7 @@ def test_bad_checkpoints_are_named(tmp_path, tok):
         json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
     )
     save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, str(d / "model.safetensors"))
-    with pytest.raises(CheckpointError, match="LlamaForCausalLM"):
+    with pytest.raises(FamilyError, match="model_type.*gpt2.*LlamaForCausalLM"):
         import_hf(d, tmp_path / "o")
     hf_dir = tmp_path / "hf"
     foreign_llama(hf_dir, vocab=tok.text_size, tie=False, kv_heads=4)

@@ -1,17 +1,16 @@
 """Ring attention inside transformers models (longvideo.hf) against transformers' own eager attention.
 
-Tiny random LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM (2 layers, hidden 48, GQA
-4/2 heads) built from configs. One spawned world of 3 gloo ranks runs rings of W = 1, 2, 3, and
-the head-parallel split of W = 3 (ulysses_size=3: heads not a multiple of 3, fewer key/value heads
-than ranks), on a
-batch of packed documents of random lengths (one longer than a shard, several shorter than a
+Tiny random LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM (2 layers,
+hidden 48, GQA 4/2 heads) built from configs. One spawned world of 3 gloo ranks runs rings of
+W = 1, 2, 3, and the head-parallel split of W = 3 (ulysses_size=3: heads not a multiple of 3, fewer
+key/value heads than ranks), on a batch of packed documents of random lengths (one longer than a shard, several shorter than a
 zigzag chunk; one row padded through attention_mask; a length that is not a multiple of 2W).
 Every rank computes the single-process reference itself: the same weights with
 attn_implementation="eager" on the unsharded batch, with an explicit 4D mask (same document,
 causal, key not padding). Checked:
 
-* float64: logits (reassembled), the global loss and the gradient of every parameter (averaged
-  over the ring) within 1e-9 of the reference, relative to each tensor's largest value; the same
+* float64 (Llama, Qwen2, Qwen3): logits (reassembled), the global loss and the gradient of every
+  parameter (averaged over the ring) within 1e-9 of the reference, relative to each tensor's largest value; the same
   with gradient checkpointing on;
 * float32: the error against the float64 reference within 2x the error of the same-dtype eager
   run, plus 1e-6 relative to each tensor's largest value;
@@ -27,7 +26,6 @@ from __future__ import annotations
 
 import os
 import time
-import types
 
 import pytest
 import torch
@@ -42,6 +40,7 @@ from longvideo.hf import (
     document_ids,
     enable_ring_attention,
     global_loss,
+    keep_float64,
     num_items_in_batch,
     ring_loss,
     shard_batch,
@@ -54,7 +53,7 @@ PAD_TAIL = 3  # row 1 ends with this many attention_mask = 0 tokens
 
 
 def _config(kind: str, **over):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=VOCAB,
@@ -71,6 +70,8 @@ def _config(kind: str, **over):
         return LlamaConfig(**common)
     if kind == "qwen2":
         return Qwen2Config(use_sliding_window=False, **common)
+    if kind == "qwen3":  # per-head q/k norms, head_dim apart from hidden / heads
+        return Qwen3Config(use_sliding_window=False, head_dim=16, **common)
     if kind == "mistral":
         return MistralConfig(**{"sliding_window": 64, **common})  # a window the sequence fits in
     raise ValueError(kind)
@@ -110,23 +111,16 @@ def _causal_lm_loss_keep_dtype(
     return loss / num_items_in_batch.to(loss.device) if num_items_in_batch is not None else loss
 
 
-def _rms_norm_keep_dtype(self, hidden_states):
-    """The models' RMSNorm (x * rsqrt(mean(x^2) + eps) * weight) without the cast to float32."""
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-
 def _use_model_dtype_loss(model):
     """For float64 models: the loss and every RMSNorm in float64. transformers computes both in
     float32 whatever the model's dtype, so a float64 model's gradients are rounded to float32 at
     every norm, on the reference as on the ring; rounding the same values differently by one float32
     ulp would then be indistinguishable from an error of the ring. Set on the instances (reference
-    and ring alike); the attention path under test is untouched."""
+    and ring alike; the norms by longvideo.hf.keep_float64); the attention path under test is
+    untouched."""
     if next(model.parameters()).dtype == torch.float64:
         model.loss_function = _causal_lm_loss_keep_dtype
-        for m in model.modules():
-            if type(m).__name__.endswith("RMSNorm"):
-                m.forward = types.MethodType(_rms_norm_keep_dtype, m)
+        keep_float64(model)
     return model
 
 
@@ -346,7 +340,7 @@ def _body(rank, world):
     groups = {1: dist.new_group([0]), 2: dist.new_group([0, 1]), 3: dist.group.WORLD}
     batch = _packed_batch()
     refs = {}
-    for kind in ("llama", "qwen2"):
+    for kind in ("llama", "qwen2", "qwen3"):
         refs[kind, torch.float64] = _reference(kind, torch.float64, batch)
     refs["llama", torch.float32] = _reference("llama", torch.float32, batch)
     refs["mistral", torch.float64] = _reference("mistral", torch.float64, batch)
@@ -355,7 +349,7 @@ def _body(rank, world):
         t0 = time.perf_counter()
         if rank < W:
             enable_ring_attention(group, backend="torch" if W == 2 else "cpu")
-            for kind in ("llama", "qwen2"):
+            for kind in ("llama", "qwen2", "qwen3"):
                 got = _ring(kind, torch.float64, batch, group, use_cache=kind == "qwen2")
                 _assert_fp64(f"W={W} {kind} fp64", got, refs[kind, torch.float64], batch)
             got = _ring("llama", torch.float64, batch, group, checkpointing=True)

@@ -205,7 +205,7 @@ def test_logn_scales_each_querys_logits_by_the_log_of_its_position():
     complex rotation, every query's logits multiplied by max(1, ln(p + 1) / ln(base))."""
     from longvideo.kernels import AttentionMeta
     from longvideo.model.attention import Attention, LocalAttention
-    from longvideo.model.layers import rope_cos_sin
+    from longvideo.model.layers import rope_cos_sin, rope_frequencies
 
     torch.manual_seed(6)
     base, S = 4, 13
@@ -213,7 +213,7 @@ def test_logn_scales_each_querys_logits_by_the_log_of_its_position():
     attn = Attention(cfg).double()
     x = torch.randn(1, S, cfg.dim, dtype=torch.float64)
     pos, seg = torch.arange(S)[None], torch.zeros(1, S, dtype=torch.long)
-    cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, torch.float64)
+    cos, sin = rope_cos_sin(pos, rope_frequencies(cfg.head_dim, cfg.rope_theta)[0], torch.float64)
     ours = attn(x, cos, sin, AttentionMeta.self_attention(pos, seg), LocalAttention())
 
     D, H, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads

@@ -1,6 +1,8 @@
 """`longvideo train` on a transformers model directory (train.hf_model): ring attention over sp = 2 with
 ZeRO-3, packed documents; the first step's loss and every gradient equal transformers' own forward
-run document by document in float64; checkpoints hold a transformers directory."""
+run document by document in float64; checkpoints hold a transformers directory that every tool
+reads (load_pretrained: chat, eval, serve, sequence-parallel inference; export) with transformers'
+logits; models no tool could read, or the ring could not compute, are named errors."""
 
 from __future__ import annotations
 
@@ -44,12 +46,12 @@ def _overrides(path: Path, out: Path) -> list[str]:
     ]
 
 
-def _tiny_llama(path: Path, **kw) -> None:
+def _tiny_llama(path: Path, vocab_size: int = 50, **kw) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=50,
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -106,8 +108,13 @@ def _reference(path: Path, cfg) -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def test_transformers_model_trains_on_the_ring_with_exact_gradients(tmp_path):
+    from longvideo.tokenizer import train_text_tokenizer
+
     path, out = tmp_path / "llama", tmp_path / "run"
-    _tiny_llama(path)
+    tok = train_text_tokenizer(["the red circle moves", "blue green"] * 5, vocab_size=260)
+    tok.save(tmp_path / "tok")
+    # its text ids, then as many as the run's vision tokens and codes (as an exported import has)
+    _tiny_llama(path, vocab_size=tok.text_size + 4 + 16)
     run_ranks(_train, world=2, args=(str(path), str(out)), timeout=600)
     cfg = load_config(None, _overrides(path, out))
     ref_loss, ref = _reference(path, cfg)
@@ -127,6 +134,34 @@ def test_transformers_model_trains_on_the_ring_with_exact_gradients(tmp_path):
         trained.model.layers[0].self_attn.q_proj.weight,
         before.model.layers[0].self_attn.q_proj.weight,
     )
+    _every_tool_reads_the_run(out, trained, tmp_path, tok.text_size)
+
+
+def _every_tool_reads_the_run(out: Path, trained, tmp_path: Path, text: int) -> None:
+    """The run's checkpoints are read as the project's decoder (load_pretrained: chat, eval, serve
+    and sequence-parallel inference; load_project_state: export and init_from), with
+    transformers' logits; the export is the same family again, with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from longvideo.checkpoint import load_pretrained
+    from longvideo.export import export_hf
+
+    pre = load_pretrained(out)  # the run directory: its latest checkpoint
+    mc = pre.config.model
+    assert (mc.family, mc.dim, mc.n_kv_heads) == ("llama", 32, 2)
+    assert (mc.text_vocab_size, mc.vocab_size) == (text, text + 20)
+    assert mc.max_seq_len == 256  # the model's context (data.seq_len is shorter)
+    ids = torch.randint(0, text + 20, (2, 60), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = trained(ids).logits
+        torch.testing.assert_close(pre.model.logits(pre.model(ids)), want, atol=1e-4, rtol=0)
+    tok_dir = tmp_path / "tok"
+    exported = AutoModelForCausalLM.from_pretrained(
+        export_hf(out, tmp_path / "exported", tokenizer_dir=tok_dir)
+    )
+    assert type(exported).__name__ == "LlamaForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, want, atol=1e-4, rtol=0)
 
 
 def _refuse(rank, world, path, out, key):
@@ -143,6 +178,14 @@ def test_models_the_ring_cannot_run_exactly_are_named_errors(tmp_path):
     run_ranks(
         _refuse, world=1, args=(str(small), str(tmp_path / "a"), "train.hf_model"), timeout=300
     )
+    # frequencies that follow each forward's longest position: a shard does not see it
+    dyn = tmp_path / "dynamic"
+    _tiny_llama(dyn, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
+    run_ranks(_refuse, world=1, args=(str(dyn), str(tmp_path / "c"), "train.hf_model"), timeout=300)
+    # a model the project's decoder could not read back (feed-forward biases) is refused too
+    mlp = tmp_path / "mlp_bias"
+    _tiny_llama(mlp, mlp_bias=True)
+    run_ranks(_refuse, world=1, args=(str(mlp), str(tmp_path / "d"), "train.hf_model"), timeout=300)
     too_few = tmp_path / "vocab"
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -39,8 +39,9 @@ def _run(
 def import_main(argv: list[str]) -> int:
     p = _parser(
         "import-hf",
-        "Read a local Hugging Face LlamaForCausalLM into a project checkpoint, "
-        "extending its vocabulary with the vision tokens and VQ codes.",
+        "Read a local transformers decoder (Llama 1-3.x, SmolLM2, Qwen2/2.5, Qwen3, Mistral; "
+        "docs/models.md) into a project checkpoint, extending its vocabulary with the vision "
+        "tokens and VQ codes.",
     )
     p.add_argument("--hf", required=True, help="local Hugging Face model directory (safetensors)")
     p.add_argument("--config", default=None, help="root config to take the non-model sections from")

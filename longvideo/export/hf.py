@@ -1,7 +1,8 @@
-"""Hugging Face Llama <-> project checkpoints: `longvideo import-hf` and `longvideo export`.
+"""Hugging Face decoders <-> project checkpoints: `longvideo import-hf` and `longvideo export`.
 
-The formats (project checkpoints, exported directories, the name mapping) are longvideo.checkpoint's;
-this module converts between them. docs/export.md.
+The formats (project checkpoints, exported directories) are longvideo.checkpoint's, the families
+(config.json and tensor names of Llama, Qwen2, Qwen3, Mistral) longvideo.model.families'; this
+module converts between them. docs/export.md, docs/models.md.
 """
 
 from __future__ import annotations
@@ -32,103 +33,29 @@ from longvideo.checkpoint import (
 )
 from longvideo.config import Config, load_config, save_config
 from longvideo.export.processor import LongVideoProcessor, ProcessorSettings
-from longvideo.model import ModelConfig
+from longvideo.model import ModelConfig, families
+from longvideo.model.families import LOGN_MODULE
 from longvideo.tokenizer import TextTokenizer
 from longvideo.vocab import SPECIAL_TOKENS
 from longvideo.vq import load_vq
 
 
-def rope_theta_of(hf_cfg: dict) -> float:
-    """Read RoPE theta from either spelling transformers writes (rope_theta or rope_parameters)."""
-    params = hf_cfg.get("rope_parameters") or hf_cfg.get("rope_scaling") or {}
-    if isinstance(params, dict):
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in (None, "default"):
-            raise CheckpointError(
-                f"config.json: rope type '{rope_type}' is not supported (only default RoPE)"
-            )
-        if "rope_theta" in params:
-            return float(params["rope_theta"])
-    return float(hf_cfg.get("rope_theta", 10000.0))
-
-
-# the transformers code of an export whose queries scale with the context (ModelConfig.attn_logn_base)
-LOGN_MODULE = "modeling_longvideo"
-LOGN_MODEL_TYPE, LOGN_ARCH = "longvideo_llama", "LongVideoLlamaForCausalLM"
-
-
 def model_config_from_hf(
     hf_cfg: dict, base: ModelConfig, text_vocab_size: int, codebook_size: int
 ) -> ModelConfig:
-    """`base` with the architecture of a transformers config.json."""
-    archs = hf_cfg.get("architectures") or []
-    ours = hf_cfg.get("model_type") == LOGN_MODEL_TYPE and archs == [LOGN_ARCH]
-    if not ours and (
-        hf_cfg.get("model_type") != "llama" or (archs and "LlamaForCausalLM" not in archs)
-    ):
-        raise CheckpointError(
-            f"config.json: expected a LlamaForCausalLM (model_type llama), got "
-            f"model_type={hf_cfg.get('model_type')!r} architectures={archs}"
-        )
-    dim, heads = hf_cfg["hidden_size"], hf_cfg["num_attention_heads"]
-    if hf_cfg.get("head_dim") not in (None, dim // heads):
-        raise CheckpointError(
-            f"config.json: head_dim {hf_cfg['head_dim']} != hidden_size/num_attention_heads"
-        )
-    if hf_cfg.get("attention_bias") or hf_cfg.get("mlp_bias"):
-        raise CheckpointError("config.json: attention or MLP biases are not supported")
-    return replace(
-        base,
-        text_vocab_size=text_vocab_size,
-        codebook_size=codebook_size,
-        dim=dim,
-        n_layers=hf_cfg["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=hf_cfg.get("num_key_value_heads", heads),
-        ffn_dim=hf_cfg["intermediate_size"],
-        norm_eps=float(hf_cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta_of(hf_cfg),
-        max_seq_len=int(hf_cfg.get("max_position_embeddings", 4096)),
-        tie_embeddings=bool(hf_cfg.get("tie_word_embeddings", False)),
-        attn_logn_base=int(hf_cfg.get("attn_logn_base", 0)) if ours else 0,
+    """`base` with the architecture of a transformers config.json of a supported family
+    (longvideo.model.families; FamilyError, a ValueError, naming the key otherwise)."""
+    return families.model_config_from_hf(
+        hf_cfg, base, text_vocab_size=text_vocab_size, codebook_size=codebook_size
     )
 
 
 def hf_config_dict(cfg: ModelConfig, tokenizer=None) -> dict:
-    """config.json for LlamaForCausalLM; RoPE written in both spellings transformers reads. A model
-    whose queries scale with the context is a LongVideoLlamaForCausalLM (docs/export.md, "Models
-    whose queries scale with the context")."""
-    d = dict(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.dim,
-        intermediate_size=cfg.ffn_dim,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
-        head_dim=cfg.head_dim,
-        hidden_act="silu",
-        rms_norm_eps=cfg.norm_eps,
-        rope_theta=cfg.rope_theta,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        max_position_embeddings=cfg.max_seq_len,
-        tie_word_embeddings=cfg.tie_embeddings,
-        attention_bias=False,
-        mlp_bias=False,
-        torch_dtype="float32",
-        dtype="float32",
-    )
-    if cfg.attn_logn_base:
-        d.update(
-            architectures=[LOGN_ARCH],
-            model_type=LOGN_MODEL_TYPE,
-            attn_logn_base=cfg.attn_logn_base,
-            auto_map={
-                "AutoConfig": f"{LOGN_MODULE}.LongVideoLlamaConfig",
-                "AutoModelForCausalLM": f"{LOGN_MODULE}.{LOGN_ARCH}",
-            },
-        )
+    """config.json of the model's family (longvideo.model.families.hf_config), with the tokenizer's
+    special ids. A model whose queries scale with the context is a LongVideoLlamaForCausalLM
+    (docs/export.md, "Models whose queries scale with the context")."""
+    d = families.hf_config(cfg)
+    d.update(torch_dtype="float32", dtype="float32")
     if tokenizer is not None:
         d.update(
             bos_token_id=tokenizer.bos_id,
@@ -160,8 +87,9 @@ def import_hf(
     base_config: Optional[str] = None,
     codebook_size: Optional[int] = None,
 ) -> Path:
-    """Read a local LlamaForCausalLM (safetensors) into a project checkpoint, extending the
-    vocabulary by the vision tokens and the VQ codes (new rows = mean of the existing rows)."""
+    """Read a local transformers decoder of a supported family (safetensors) into a project
+    checkpoint, extending the vocabulary by the vision tokens and the VQ codes (new rows = mean of
+    the existing rows)."""
     hf_dir = Path(hf_dir)
     cfg_file = hf_dir / "config.json"
     if not cfg_file.is_file():
@@ -183,6 +111,10 @@ def import_hf(
     if emb_key not in sd_hf:
         raise CheckpointError(f"{hf_dir}: no tensor '{emb_key}'")
     v0 = sd_hf[emb_key].shape[0]
+    if hf_cfg.get("vocab_size") not in (None, v0):
+        raise families.FamilyError(
+            "vocab_size", f"{hf_cfg['vocab_size']}, but {emb_key} has {v0} rows"
+        )
     tokenizer = None
     if any((hf_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         hf_tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True, use_fast=True)

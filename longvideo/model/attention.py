@@ -1,6 +1,7 @@
-"""Multi-head attention with GQA and RoPE, calling the attention seam (docs/architecture.md,
-decision 2): `attention_fn(q, k, v, meta)`, q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), meta the
-step's AttentionMeta (built once per forward by the Transformer) -> out (B, Sq, Hq, D).
+"""Multi-head attention with GQA, RoPE, optional q/k/v/output biases and per-head q/k RMSNorm (the
+terms the imported families need, docs/models.md), calling the attention seam (docs/architecture.md,
+decision 2): `attention_fn(q, k, v, meta)`, q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), meta the step's
+AttentionMeta (built once per forward by the Transformer) -> out (B, Sq, Hq, D).
 `LocalAttention` is the single-device implementation; ring attention is swapped in by
 `longvideo.parallel.apply`.
 """
@@ -13,7 +14,7 @@ from torch import Tensor, nn
 
 from longvideo.kernels import AttentionMeta, block_attention
 from longvideo.model.config import ModelConfig
-from longvideo.model.layers import apply_rope, logn_scale
+from longvideo.model.layers import RMSNorm, apply_rope, logn_scale
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor, AttentionMeta], Tensor]
 
@@ -35,10 +36,14 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.logn_base = cfg.attn_logn_base
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.attn_out_bias)
+        if cfg.qk_norm:  # over each head's D features, before RoPE (Qwen3)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(
         self,
@@ -57,6 +62,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, S, -1, self.head_dim)  # (B, S, Hq, D)
         k = self.wk(x).view(B, S, -1, self.head_dim)  # (B, S, Hkv, D)
         v = self.wv(x).view(B, S, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.logn_base:  # sharper attention past logn_base keys (ModelConfig.attn_logn_base)
             q = q * logn_scale(meta.queries.positions, self.logn_base, q.dtype)

@@ -1,4 +1,5 @@
-"""The LLaMA-style decoder: embeddings -> n x (RMSNorm, attention, RMSNorm, SwiGLU) -> RMSNorm -> head.
+"""The LLaMA-style decoder: embeddings -> n x (RMSNorm, attention, RMSNorm, SwiGLU) -> RMSNorm ->
+head, with the optional terms of the families it imports (docs/models.md).
 No distributed code lives here: the seam, activation checkpointing and the engine are applied from
 outside (`longvideo.parallel.apply`; docs/architecture.md, decision 5).
 """
@@ -17,7 +18,7 @@ from longvideo.model.attention import Attention, AttentionFn, LocalAttention
 from longvideo.model.cache import KVCache
 from longvideo.model.config import ModelConfig
 from longvideo.model.head import LMHead
-from longvideo.model.layers import FeedForward, RMSNorm, rope_cos_sin
+from longvideo.model.layers import FeedForward, RMSNorm, rope_cos_sin, rope_frequencies
 
 
 class Block(nn.Module):
@@ -50,12 +51,20 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.tok_embeddings.weight
         self.attention_fn: AttentionFn = LocalAttention(backend)
+        # RoPE's frequencies, float32 on the CPU (a plain attribute, not a buffer: no dtype cast or
+        # ZeRO partitioning reaches it), copied once to each device a forward runs on
+        self._inv_freq, self._rope_factor = rope_frequencies(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_seq_len
+        )
+        self._inv_freq_on: dict[torch.device, Tensor] = {}
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         std = self.cfg.init_std
         for name, p in self.named_parameters():
-            if p.dim() == 1:
+            if name.endswith(".bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 1:
                 nn.init.ones_(p)  # norm weights
             elif name.endswith(("wo.weight", "w_down.weight")):
                 # residual projections scaled down with depth, as GPT-2 does
@@ -109,7 +118,7 @@ class Transformer(nn.Module):
         if segment_ids is None:
             segment_ids = torch.zeros(B, S, dtype=torch.long, device=input_ids.device)
         x = self.tok_embeddings(input_ids)  # (B, S, dim)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = self.rope(positions, x.dtype)
         queries = Side(positions, segment_ids)
         keys = cache.begin(queries) if cache is not None else queries
         meta = AttentionMeta(queries, keys, causal=True)  # one per forward: every layer's plans
@@ -121,6 +130,13 @@ class Transformer(nn.Module):
             cache.commit(S)
         hidden = self.norm(x)
         return hidden if targets is None else self.head(hidden, targets, loss_weights)
+
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin (B, S, 1, head_dim) of the model's RoPE (with its scaling) at `positions`."""
+        inv_freq = self._inv_freq_on.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_on[positions.device] = self._inv_freq.to(positions.device)
+        return rope_cos_sin(positions, inv_freq, dtype, self._rope_factor)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """(B, S, dim) -> (B, S, V). Only for short spans (generation); training passes targets."""

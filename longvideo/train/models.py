@@ -1,9 +1,12 @@
 """The model a run trains, chosen in one place (`model_kind`): the project's decoder, or a
-transformers decoder directory (`train.hf_model`, docs/hf.md). A kind builds the model and writes
-its weights into a checkpoint; the trainer, ZeRO and the loss are the same for both."""
+transformers decoder directory (`train.hf_model`, docs/hf.md). A kind builds the model, says the
+config its checkpoints carry, and writes its weights into a checkpoint; the trainer, ZeRO and the
+loss are the same for both."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -12,6 +15,7 @@ from torch import nn
 
 from longvideo.checkpoint import (
     CONFIG_FILE,
+    HF_DIR,
     CheckpointError,
     build_model,
     check_shapes,
@@ -21,10 +25,8 @@ from longvideo.checkpoint import (
 from longvideo.config import Config, save_config
 from longvideo.configtools import ConfigError
 from longvideo.hf import HFCausalLM, RingAttentionUnsupported
+from longvideo.model.families import FamilyError, model_config_from_hf
 from longvideo.vq.quantizer import fsq_codebook
-
-HF_DIR = "hf"
-"""A transformers kind's weights in a checkpoint: a transformers directory of this name."""
 
 
 class ProjectDecoder:
@@ -48,26 +50,67 @@ class ProjectDecoder:
             except CheckpointError as e:
                 raise ConfigError("train.init_from", f"does not fit this model: {e}") from None
             model.load_state_dict(sd, strict=True)
+            rope = [
+                f"{k} {getattr(old.model, k)} -> {getattr(cfg.model, k)}"
+                for k in ("rope_theta", "rope_scaling", "max_seq_len", "family")
+                if getattr(old.model, k) != getattr(cfg.model, k)
+            ]
             log(
                 f"initialised from {init_from} (its rope_theta {old.model.rope_theta:g}, now "
-                f"{cfg.model.rope_theta:g})"
+                f"{cfg.model.rope_theta:g}"
+                + (f"; changed: {'; '.join(rope)}" if rope else "")
+                + ")"
             )
         elif cfg.model.code_init == "fsq" and fresh:  # a resumed run loads its weights
             model.init_code_embeddings(fsq_codebook(cfg.vq.levels))
         return model
+
+    def checkpoint_config(self, cfg: Config) -> Config:
+        """The config the run's checkpoints carry: the run's own."""
+        return cfg
 
     def save(self, ckpt: Path, weights: dict, cfg: Config, module: nn.Module) -> None:
         save_project_checkpoint(ckpt, weights, cfg)
 
 
 class TransformersDecoder:
-    """A transformers causal LM (Llama, Mistral, Qwen2) behind the project's training contract
-    (longvideo.hf.HFCausalLM); checkpoints hold it as a transformers directory."""
+    """A transformers causal LM (Llama, Mistral, Qwen2, Qwen3) behind the project's training
+    contract (longvideo.hf.HFCausalLM); checkpoints hold it as a transformers directory (`hf/`)
+    under a config.yaml whose model section is that directory's architecture in the project's
+    terms (longvideo.model.families), so every tool that reads a project checkpoint reads them."""
 
     name = "transformers"
 
     def __init__(self, path: str):
         self.path = path
+
+    def checkpoint_config(self, cfg: Config) -> Config:
+        """The run's config with the model section of the transformers directory: its family's
+        architecture, the run's vocabulary layout and codebook, the text ids the rest (a model
+        imported with `longvideo import-hf` and exported has exactly the run's vocabulary), and a
+        context of at least data.seq_len. ConfigError naming train.hf_model where the project's
+        decoder could not compute the model (then no tool could read its checkpoints)."""
+        hf_cfg = json.loads((Path(self.path) / "config.json").read_text())
+        rows = int(hf_cfg.get("vocab_size") or 0)
+        non_text = cfg.model.vocab_size - cfg.model.text_vocab_size
+        if rows <= non_text:
+            raise ConfigError(
+                "train.hf_model",
+                f"{self.path} has {rows} ids, not more than the {non_text} vision tokens and "
+                "codes of model.codebook_size: its checkpoints would hold no text ids",
+            )
+        try:
+            mcfg = model_config_from_hf(
+                hf_cfg,
+                cfg.model,
+                text_vocab_size=rows - non_text,
+                codebook_size=cfg.model.codebook_size,
+            )
+        except (FamilyError, ConfigError) as e:
+            raise ConfigError("train.hf_model", f"{self.path}: {e}") from None
+        if cfg.data.seq_len > mcfg.max_seq_len and mcfg.rope_scaling.type != "dynamic":
+            mcfg = replace(mcfg, max_seq_len=cfg.data.seq_len)
+        return replace(cfg, model=mcfg)
 
     def build(self, cfg: Config, *, init_from: Optional[str], fresh: bool, log) -> nn.Module:
         if not Path(self.path).is_dir():
@@ -76,6 +119,7 @@ class TransformersDecoder:
             raise ConfigError(
                 "train.init_from", "with train.hf_model the run starts from that model's weights"
             )
+        self.checkpoint_config(cfg)  # a model no tool could read is refused before it loads
         try:
             model = HFCausalLM.from_pretrained(
                 self.path, seq_len=cfg.data.seq_len, loss_chunk=cfg.runtime.loss_chunk

@@ -125,6 +125,8 @@ class Trainer:
         model = self.kind.build(
             cfg, init_from=init_from, fresh=self.resume_from is None, log=self._say
         )
+        # what checkpoints carry (a transformers directory's architecture in the project's terms)
+        self.cfg = cfg = self.kind.checkpoint_config(cfg)
         self.optimizer = SkippableAdamW(
             self._param_groups(model),
             lr=tc.lr,
