@@ -104,11 +104,45 @@ class Engine:
             )
 
 
-def consolidate_zero_checkpoint(checkpoints: Path, tag: str) -> dict[str, torch.Tensor]:
-    """Full fp32 weights of a checkpoint written without model.safetensors, from its ZeRO shards
-    (DeepSpeed's utility; it reads torch pickles: only load runs you wrote)."""
-    _deepspeed()
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+class _WeightsOnlyTorch:
+    """torch as DeepSpeed's zero_to_fp32 sees it while consolidating: ``torch.load`` is torch's
+    weights-only unpickler (tensors, containers and the few DeepSpeed records ZeRO files hold;
+    nothing that runs code), whatever DeepSpeed asks for."""
 
-    sd = get_fp32_state_dict_from_zero_checkpoint(str(checkpoints), tag=tag)
+    def __init__(self, safe: list):
+        self._safe = safe
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def load(self, *args, **kwargs):
+        kwargs["weights_only"] = True
+        with torch.serialization.safe_globals(self._safe):
+            return torch.load(*args, **kwargs)
+
+
+def consolidate_zero_checkpoint(
+    checkpoints: Path, tag: str, *, trust_pickle: bool = False
+) -> dict[str, torch.Tensor]:
+    """Full fp32 weights of a checkpoint written without model.safetensors, from its ZeRO shards
+    (DeepSpeed's zero_to_fp32 utility). The shards are torch pickles: they are read with torch's
+    weights-only unpickler, which refuses anything that would run code
+    (``pickle.UnpicklingError``); ``trust_pickle=True`` reads them as DeepSpeed does, with the
+    full unpickler: only for runs you wrote."""
+    _deepspeed()
+    from deepspeed.utils import zero_to_fp32
+
+    if trust_pickle:
+        sd = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(checkpoints), tag=tag)
+    else:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        safe = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+        saved, zero_to_fp32.torch = zero_to_fp32.torch, _WeightsOnlyTorch(safe)
+        try:
+            sd = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(checkpoints), tag=tag)
+        finally:
+            zero_to_fp32.torch = saved
     return {own_name(k): v.float() for k, v in sd.items()}
