@@ -120,23 +120,23 @@ def _ffmpeg_probe():
 def detect_format(head: bytes, filename: str = "") -> Optional[str]:
     """The demuxer FFmpeg's probe picks for a file that starts with ``head`` (and is called
     ``filename``: some probes weigh the extension), as ``avformat_open_input`` does: windows of
-    2 KiB doubling to 1 MiB until one scores above the retry threshold. None: nothing matched, or
-    the probe cannot be called here."""
+    2 KiB doubling to 1 MiB (or the end of the data), the first format that scores above the
+    retry threshold (above 0 in the 1 MiB window). None: nothing matched, or the probe cannot be
+    called here."""
     fn = _ffmpeg_probe()
     if fn is None:
         return None
     head = bytes(head[:_PROBE_MAX])
     size = _PROBE_MIN
     while True:
-        size = min(size, len(head))
-        buf = ctypes.create_string_buffer(head[:size] + bytes(_PADDING), size + _PADDING)
-        pd = _ProbeData(os.fsencode(filename), ctypes.cast(buf, ctypes.c_void_p), size, None)
+        n = min(size, len(head))
+        buf = ctypes.create_string_buffer(head[:n] + bytes(_PADDING), n + _PADDING)
+        pd = _ProbeData(os.fsencode(filename), ctypes.cast(buf, ctypes.c_void_p), n, None)
         score = ctypes.c_int(0)
         fmt = fn(ctypes.byref(pd), 1, ctypes.byref(score))
-        last = size >= len(head)
-        if fmt and (score.value > _PROBE_RETRY or last):
+        if fmt and score.value > (_PROBE_RETRY if size < _PROBE_MAX else 0):
             return ctypes.cast(fmt, ctypes.POINTER(ctypes.c_char_p))[0].decode()
-        if last:
+        if n >= len(head) or size >= _PROBE_MAX:
             return None
         size *= 2
 
