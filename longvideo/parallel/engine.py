@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
@@ -69,6 +70,13 @@ class Engine:
     def grad_norm(self) -> float:
         norm = self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
+
+    def step_grad_norm(self) -> Optional[float]:
+        """The global gradient norm (over every rank) of the step being taken, as DeepSpeed's
+        ZeRO optimizer computed it before it runs the wrapped optimizer (which may read it then)
+        and as the engine itself reads it afterwards; None when it computed none."""
+        norm = getattr(self.ds.optimizer, "_global_grad_norm", None)
+        return None if norm is None else float(norm)
 
     def full_state(self, keep: bool) -> dict[str, torch.Tensor]:
         """Full fp32 weights under the model's own names, from ZeRO's fp32 master copy when it holds
