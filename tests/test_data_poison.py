@@ -181,7 +181,7 @@ class _Boom:
 
 
 def _poison_npys(trap):
-    """(name, bytes) of .npy members that are not plain arrays; none may allocate much or unpickle."""
+    """(name, bytes) of .npy members that are no plain array; none may allocate much or unpickle."""
     long_header = b"\x93NUMPY\x01\x00" + (60000).to_bytes(2, "little") + b" " * 60000
     return [
         ("empty", b""),

@@ -339,7 +339,7 @@ def test_tiny_root_config_carries_the_tiny_vq_shape():
         assert getattr(root, f) == getattr(vq, f), f
 
 
-# ---- a non-finite gradient norm skips the step ----------------------------------------------------
+# ---- a non-finite gradient norm skips the step ------------------------------------------------
 
 
 def test_skippable_adamw_skips_on_a_non_finite_gradient_norm():
