@@ -244,7 +244,10 @@ def _worker_main(conn, vq_dir: str, threads: int) -> None:
 
 def _death(code: Optional[int]) -> str:
     if code is not None and code < 0:
-        name = signal.Signals(-code).name
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
         hint = {"SIGKILL": ", as the OOM killer does", "SIGSEGV": ": a segfault"}.get(name, "")
         return f"killed by {name}{hint}"
     return f"exit status {code}"
@@ -289,10 +292,11 @@ MAX_START_FAILURES = 3
 
 
 def _remove_partial(dst: str) -> None:
-    """The temporary file a killed writer left beside ``dst`` (longvideo.atomic)."""
-    for tmp in Path(dst).parent.glob(f"{TMP_PREFIX}{Path(dst).name}.*"):
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+    """The temporary files a killed writer left beside ``dst`` and its stats (longvideo.atomic)."""
+    for name in (Path(dst).name, stats_path(dst).name):
+        for tmp in Path(dst).parent.glob(f"{TMP_PREFIX}{name}.*"):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
 def _run_workers(vq_dir, jobs, workers, threads, done_shard, bar) -> None:
@@ -313,10 +317,10 @@ def _run_workers(vq_dir, jobs, workers, threads, done_shard, bar) -> None:
             for i, w in enumerate(slots):
                 alive = True
                 try:
-                    while alive and w.conn.poll():
-                        alive = _message(w, w.conn.recv(), done_shard, bar)
+                    while w.conn.poll():
+                        _message(w, w.conn.recv(), done_shard, bar)
                 except (EOFError, OSError, pickle.UnpicklingError):
-                    alive = False
+                    alive = False  # the pipe closed, or a message was cut short: it died
                 if alive and w.proc.is_alive():
                     continue
                 w.proc.join(timeout=10)
@@ -347,8 +351,8 @@ def _run_workers(vq_dir, jobs, workers, threads, done_shard, bar) -> None:
             w.stop()
 
 
-def _message(w: _Slot, msg: tuple, done_shard, bar) -> bool:
-    """Act on one message of worker ``w``; False once it has stopped."""
+def _message(w: _Slot, msg: tuple, done_shard, bar) -> None:
+    """Act on one message of worker ``w``."""
     kind = msg[0]
     if kind == "ready":
         w.ready = True
@@ -366,7 +370,6 @@ def _message(w: _Slot, msg: tuple, done_shard, bar) -> bool:
         raise RuntimeError(f"a tokenize worker could not start:\n{msg[1]}")
     elif kind == "error":
         raise RuntimeError(f"tokenizing {w.job.src} failed:\n{msg[1]}")
-    return True
 
 
 def tokenize_shards(
@@ -402,6 +405,7 @@ def tokenize_shards(
                     {k: v for k, v in json.loads(sp.read_text()).items() if k != "seconds"}
                 )
         else:
+            _remove_partial(str(dst))  # what a killed run left behind
             jobs.append((src, str(dst), opts))
     bar = tqdm(
         total=sum(_count_samples(j[0]) for j in jobs) or None,
