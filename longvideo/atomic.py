@@ -3,6 +3,8 @@
     with atomic_open("out/shard.tar", "wb") as f:   # a temporary file beside the target, fsynced and
         f.write(...)                                  # renamed over it when the block ends cleanly
     write_json_atomic("out/stats.json", counts)
+    with atomic_dir("exported", marker="config.json") as tmp:   # a directory's files, marker last
+        write(tmp)
 
 The rename never crosses file systems; an exception inside the block leaves the target untouched.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator
@@ -60,6 +63,37 @@ def atomic_open(
             os.remove(tmp)
         raise
     fsync_path(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike, marker: str) -> Iterator[Path]:
+    """A temporary directory beside `path` to write a directory's files into. On a clean exit they
+    move into `path` (made if needed; other files there stay) one rename each, with `marker` (the
+    file that says the directory is complete, such as config.json) removed from `path` first and
+    moved in last: whoever sees `marker` sees a complete set of files, the old one or the new.
+    An exception (or a killed process) leaves `path` as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{path.name}.", dir=path.parent))
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        path.mkdir(exist_ok=True)
+        names = sorted(os.listdir(tmp), key=lambda n: n == marker)  # the marker last
+        if marker in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path / marker)
+            fsync_path(path)
+        for name in names:
+            dst = path / name
+            if (tmp / name).is_dir() and dst.is_dir() and not dst.is_symlink():
+                shutil.rmtree(dst)  # a directory is replaced whole
+            os.replace(tmp / name, dst)
+            if name == marker:
+                fsync_path(path)
+        fsync_path(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:

@@ -1,6 +1,7 @@
 """The checkpoint formats on disk, in one place: project checkpoints, training runs and exported
 directories (docs/export.md, "The formats on disk"), all read by `load_pretrained`. Writes are
-atomic; weights are read with safetensors only, except ZeRO shards (train.save_weights=false).
+atomic; weights are read with safetensors only: ZeRO shards (train.save_weights=false) are torch
+pickles, read only on request and with torch's weights-only unpickler (`consolidate_checkpoint`).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import pickle
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,23 +245,75 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return ckpt
 
 
-def load_project_state(path: str | Path) -> tuple[dict[str, torch.Tensor], Config]:
+class PickleRefusedError(CheckpointError):
+    """A checkpoint's weights are only in torch pickles, and reading them was not allowed (or
+    torch's weights-only unpickler refused them)."""
+
+
+def _consolidate(ckpt: Path, trust_pickle: bool) -> dict[str, torch.Tensor]:
+    try:
+        return consolidate_zero_checkpoint(ckpt.parent, ckpt.name, trust_pickle=trust_pickle)
+    except pickle.UnpicklingError as e:
+        why = (str(e).strip().splitlines() or ["refused"])[0][:300]
+        raise PickleRefusedError(
+            f"{ckpt}: torch's weights-only unpickler refused its ZeRO shards ({why}). Nothing "
+            "was run. Only if you wrote this run yourself: `longvideo consolidate --ckpt "
+            f"{ckpt} --trust-pickle` reads them with the full unpickler and writes {WEIGHTS_FILE}"
+        ) from None
+
+
+def _zero_state(ckpt: Path, cfg: Config, trust_pickle: bool) -> dict[str, torch.Tensor]:
+    """The model's state (own names, tied) from a checkpoint's ZeRO shards; a `train.hf_model`
+    run's shards hold a transformers decoder's names behind "model." (hf.HFCausalLM)."""
+    sd = _consolidate(ckpt, trust_pickle)
+    if cfg.train.hf_model:
+        prefix = "model."
+        sd = {k.removeprefix(prefix): v for k, v in sd.items() if k.startswith(prefix)}
+        return from_hf_names(sd, cfg.model)
+    return tie(sd, cfg.model)
+
+
+def load_project_state(
+    path: str | Path, *, allow_pickle: bool = False
+) -> tuple[dict[str, torch.Tensor], Config]:
     """(state dict with the model's own names, tied where the config ties, Config) of a project
     checkpoint, or of the latest checkpoint of a training run (a `train.hf_model` run's too: its
-    `hf/` directory, under config.yaml's model section)."""
+    `hf/` directory, under config.yaml's model section). Weights come from model.safetensors; a
+    checkpoint that holds only DeepSpeed's ZeRO shards (torch pickles, train.save_weights=false) is
+    refused unless ``allow_pickle``, and then read with torch's weights-only unpickler
+    (docs/security.md, "Checkpoints")."""
     ckpt = resolve_checkpoint(path)
     cfg = load_config(ckpt / CONFIG_FILE)
     if (ckpt / HF_DIR / "config.json").is_file() and not (ckpt / WEIGHTS_FILE).is_file():
         return from_hf_names(read_safetensors_dir(ckpt / HF_DIR), cfg.model), cfg
     if (ckpt / WEIGHTS_FILE).is_file():
         sd = load_file(str(ckpt / WEIGHTS_FILE))
-    else:  # ZeRO shards only
-        sd = consolidate_zero_checkpoint(ckpt.parent, ckpt.name)
-        if cfg.train.hf_model:  # a transformers decoder's names behind "model." (hf.HFCausalLM)
-            prefix = "model."
-            sd = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
-            return from_hf_names(sd, cfg.model), cfg
+    elif not allow_pickle:
+        raise PickleRefusedError(
+            f"{ckpt} holds no {WEIGHTS_FILE}, only DeepSpeed's ZeRO shards: torch pickles, which "
+            "can run code when read, so they are not read. Consolidate them once into "
+            f"{WEIGHTS_FILE} with `longvideo consolidate --ckpt {ckpt}` (torch's weights-only "
+            "unpickler: tensors only, nothing runs), or pass allow_pickle=True to read them so"
+        )
+    else:
+        return _zero_state(ckpt, cfg, trust_pickle=False), cfg
     return tie(sd, cfg.model), cfg
+
+
+def consolidate_checkpoint(path: str | Path, *, trust_pickle: bool = False) -> Path:
+    """Write model.safetensors into a checkpoint (or a run's latest) that holds only DeepSpeed's
+    ZeRO shards, consolidated to fp32 and read with torch's weights-only unpickler
+    (``trust_pickle``: the full one, for runs you wrote). Returns the weights file; a checkpoint
+    that has one already is left as it is."""
+    ckpt = resolve_checkpoint(path)
+    out = ckpt / WEIGHTS_FILE
+    if out.is_file():
+        return out
+    cfg = load_config(ckpt / CONFIG_FILE)
+    sd = _zero_state(ckpt, cfg, trust_pickle)
+    check_shapes(sd, cfg.model, str(ckpt))
+    write_weights(out, untie(sd, cfg.model))
+    return out
 
 
 def to_hf_names(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -321,8 +375,11 @@ class Pretrained:
     path: Optional[Path] = None
 
 
-def load_pretrained(path: str | Path, device: str | torch.device = "cpu") -> Pretrained:
-    """Load a project checkpoint, a training run, or an exported Hugging Face directory (eval mode)."""
+def load_pretrained(
+    path: str | Path, device: str | torch.device = "cpu", *, allow_pickle: bool = False
+) -> Pretrained:
+    """Load a project checkpoint, a training run, or an exported Hugging Face directory (eval mode).
+    Weights are read from safetensors only; ``allow_pickle``: see :func:`load_project_state`."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model directory not found: {path}")
@@ -333,7 +390,7 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu") -> Pre
         sd = from_hf_names(read_safetensors_dir(path), cfg.model)
         tok_dir = path
     else:
-        sd, cfg = load_project_state(path)
+        sd, cfg = load_project_state(path, allow_pickle=allow_pickle)
         tok_dir = path / TOKENIZER_DIR
     check_shapes(sd, cfg.model, str(path))
     model = build_model(cfg)

@@ -26,6 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "convert LWM's released JAX chat checkpoints",
     ),
     "export": ("longvideo.export.cli:export_main", "write a Hugging Face checkpoint"),
+    "consolidate": (
+        "longvideo.export.consolidate_cli:main",
+        "write model.safetensors from a checkpoint's ZeRO shards (no code in them runs)",
+    ),
     "train-tokenizer": ("longvideo.tokenizer:cli_main", "train a small BPE text tokenizer"),
 }
 

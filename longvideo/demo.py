@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
+from longvideo.atomic import write_bytes_atomic, write_text_atomic
 from longvideo.checkpoint import latest_checkpoint
 from longvideo.config import load_config
 from longvideo.configtools import (
@@ -320,7 +321,7 @@ class Demo:
             )
             texts += text_corpus(n=400 // len(p.sets) + 1, seed=v.seed, spec=spec)
         corpus = self.out / "tokenizer_corpus.txt"
-        corpus.write_text("\n".join(texts) + "\n")
+        write_text_atomic(corpus, "\n".join(texts) + "\n")
         self.lv(
             "train-tokenizer",
             "--texts",
@@ -347,6 +348,8 @@ class Demo:
             *self.q,
             *([] if p.vq_seed is None else [f"seed={p.vq_seed}"]),
         )
+        (self.out / "vq").mkdir(parents=True, exist_ok=True)
+        (self.out / "vq/.done").touch()  # train-vq finished its steps (a rerun resumes it)
         if p.vq_warn_seconds and time.time() - t0 > p.vq_warn_seconds:
             print(
                 f"warning: the VQ's {p.vq_steps} steps took {time.time() - t0:.0f} s, more than the plan's "
@@ -413,7 +416,7 @@ class Demo:
             )
             self.torchrun(p.nproc, "train", "--config", config_arg(st.config), *overrides)
             prev = run_dir
-        (self.out / "lm/final").write_text(str(prev))
+        write_text_atomic(self.out / "lm/final", str(prev))
 
     def export(self) -> None:
         self.lv(
@@ -487,7 +490,7 @@ class Demo:
         )
         sample = make_sample(seed=7, index=0, spec=spec)
         video, qa = self.out / "held_out.mp4", sample.meta["qa"][0]
-        video.write_bytes(sample.mp4())
+        write_bytes_atomic(video, sample.mp4())
         self.lv(
             "chat",
             "--model",
@@ -523,8 +526,9 @@ class Demo:
             f"(truth: {truth})",
             flush=True,
         )
-        (self.out / "chat.json").write_text(
-            json.dumps({"question": question, "answer": answer, "truth": truth})
+        write_text_atomic(
+            self.out / "chat.json",
+            json.dumps({"question": question, "answer": answer, "truth": truth}),
         )
 
     def check_plan(self) -> None:
@@ -545,7 +549,7 @@ class Demo:
                 "pass --fresh to start it again, or --out for a new directory"
             )
         self.out.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps(plan, indent=2))
+        write_text_atomic(marker, json.dumps(plan, indent=2))
 
     INPUTS = ("data", "tokenizer", "vq", "tokens")
     """What a run shares with a run of another LM seed: the videos, both tokenizers, the token shards."""
@@ -587,7 +591,8 @@ class Demo:
         print(f"machine: {describe(self.machine)}", flush=True)
         self.stage("1/8 make-data: synthetic shards", self.out / "data/.done", self.make_data)
         self.stage("2/8 text tokenizer", self.out / "tokenizer/tokenizer.json", self.tokenizer)
-        self.stage("3/8 train-vq", self.out / "vq/model.safetensors", self.train_vq)
+        # the VQ's files are written at every periodic save: only .done says training finished
+        self.stage("3/8 train-vq", self.out / "vq/.done", self.train_vq)
         self.stage("4/8 tokenize", self.out / "tokens/.done", self.tokenize)
         zero = " and ".join(
             f"ZeRO-{z}" for z in sorted({r["zero_stage"] for r in self.plan.ladder})
@@ -599,10 +604,14 @@ class Demo:
             self.train_lm,
         )
         self.stage("6/8 export a Hugging Face directory", self.out / "hf/config.json", self.export)
-        self.stage("7/8 evaluate on held-out videos", self.out / "eval/video_niah", self.evaluate)
+        self.stage(  # the needle evaluation's JSON, written last (atomically)
+            "7/8 evaluate on held-out videos",
+            self.out / "eval/video_niah/video_needle.json",
+            self.evaluate,
+        )
         self.stage("8/8 chat", self.out / "chat.json", self.chat)
         summary = self.summary(time.time() - t0)
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=2))
         self.report(summary)
         return summary
 

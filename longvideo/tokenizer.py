@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Iterable, Optional
 
+from longvideo.atomic import atomic_dir
 from longvideo.vocab import LAYOUTS, SPECIAL_TOKENS, Vocab
 
 
@@ -112,8 +113,10 @@ class TextTokenizer:
         return cls(hf, layout)
 
     def save(self, path: str | Path) -> None:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        self.hf.save_pretrained(str(path))
+        """transformers' files into `path`, moved in one rename each with tokenizer.json last
+        (longvideo.atomic.atomic_dir): a tokenizer.json is never beside a partial save."""
+        with atomic_dir(path, marker="tokenizer.json") as tmp:
+            self.hf.save_pretrained(str(tmp))
 
     @property
     def bos_id(self) -> Optional[int]:

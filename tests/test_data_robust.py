@@ -139,6 +139,7 @@ def _entry_points(data, path, backend):
                 "video_empty",
                 "video_corrupt",
                 "video_unsupported",
+                "video_disallowed_container",
                 "decoder_crash",
                 "decoder_timeout",
             )

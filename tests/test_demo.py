@@ -225,12 +225,12 @@ def test_a_seed_reaches_every_lm_stage_and_another_seed_reuses_the_inputs(tmp_pa
         second.link_inputs(first)
     (first / "tokens/.done").touch()
     (first / "vq/model.safetensors").write_bytes(b"weights")
+    (first / "vq/.done").touch()
     second.link_inputs(first)
     second.link_inputs(first)  # linked already: nothing to do
     assert all((second.out / n).is_symlink() for n in Demo.INPUTS)
-    assert (
-        second.out / "vq/model.safetensors"
-    ).read_bytes() == b"weights"  # the VQ stage is done there
+    assert (second.out / "vq/model.safetensors").read_bytes() == b"weights"
+    assert (second.out / "vq/.done").exists()  # the VQ stage is done there
     other = Demo(tmp_path / "other", replace(QUICK, eval_samples=QUICK.eval_samples + 1))
     other.check_plan()
     with pytest.raises(DemoError, match="another plan"):

@@ -179,7 +179,12 @@ def test_sp2_zero3_loss_falls_and_matches_golden(sp2_run):
 def test_checkpoints_hold_weights_state_and_consolidate(sp2_run, tmp_path):
     import shutil
 
-    from longvideo.checkpoint import latest_checkpoint, load_project_state as load_model_state
+    from longvideo.checkpoint import (
+        PickleRefusedError,
+        consolidate_checkpoint,
+        latest_checkpoint,
+        load_project_state as load_model_state,
+    )
 
     run = sp2_run / "run"
     ckpts = run / "checkpoints"
@@ -205,10 +210,16 @@ def test_checkpoints_hold_weights_state_and_consolidate(sp2_run, tmp_path):
     shutil.copytree(last, copy / last.name)
     (copy / last.name / "model.safetensors").unlink()
     (copy / "latest").write_text(last.name)
-    sd2, _ = load_model_state(tmp_path)
+    with pytest.raises(PickleRefusedError, match="longvideo consolidate --ckpt"):
+        load_model_state(tmp_path)  # torch pickles only: not read without asking
+    sd2, _ = load_model_state(tmp_path, allow_pickle=True)  # torch's weights-only unpickler
     assert set(sd) == set(sd2)
     for k in sd:
         assert torch.equal(sd[k], sd2[k].float()), k
+    written = consolidate_checkpoint(tmp_path)  # `longvideo consolidate`
+    assert written == copy / last.name / "model.safetensors"
+    sd3, _ = load_model_state(tmp_path)
+    assert set(sd3) == set(sd) and all(torch.equal(sd[k], sd3[k]) for k in sd)
     assert (run / "metrics.jsonl").is_file() and (run / "config.yaml").is_file()
 
 
@@ -416,7 +427,12 @@ def _spawn_expecting_death(fn, world, args, timeout):
 
 
 def test_kill_during_checkpoint_then_resume_gives_identical_losses(sp2_run, tmp_path):
-    from longvideo.checkpoint import latest_checkpoint, load_project_state as load_model_state
+    from longvideo.checkpoint import (
+        PickleRefusedError,
+        consolidate_checkpoint,
+        latest_checkpoint,
+        load_project_state as load_model_state,
+    )
     from longvideo.train.logging import read_metrics
 
     codes, hung = _spawn_expecting_death(_killed_while_saving, 2, (str(tmp_path),), timeout=300)

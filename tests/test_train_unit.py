@@ -337,3 +337,86 @@ def test_tiny_root_config_carries_the_tiny_vq_shape():
         "codes_per_frame",
     ):
         assert getattr(root, f) == getattr(vq, f), f
+
+
+# ---- a non-finite gradient norm skips the step ------------------------------------------------
+
+
+def test_skippable_adamw_skips_on_a_non_finite_gradient_norm():
+    """The optimizer the trainer hands DeepSpeed: with an inf in a gradient (so an inf global norm)
+    nothing moves, neither the weights nor AdamW's moments; with a finite norm it steps."""
+    from longvideo.train.trainer import SkippableAdamW
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    opt = SkippableAdamW([w], lr=0.1, weight_decay=0.01)
+    w.grad = torch.ones_like(w)
+    opt.step()  # a normal step first: AdamW's moments exist
+    w.grad = torch.ones_like(w)
+    w.grad[1, 2] = float("inf")
+    opt.grad_norm = lambda: float(torch.linalg.vector_norm(w.grad))
+    before, moments = w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()}
+    opt.step()
+    assert torch.equal(w, before)
+    assert all(torch.equal(opt.state[w][k], v) for k, v in moments.items())
+    for bad in (float("nan"), float("-inf")):
+        opt.grad_norm = lambda: bad
+        opt.step()
+        assert torch.equal(w, before)
+    w.grad = torch.ones_like(w)
+    opt.grad_norm = lambda: float(torch.linalg.vector_norm(w.grad))
+    opt.step()
+    assert not torch.equal(w, before) and torch.isfinite(w).all()
+    opt.grad_norm = lambda: None  # DeepSpeed computed no norm: nothing to judge, it steps
+    after = w.detach().clone()
+    opt.step()
+    assert not torch.equal(w, after)
+
+
+def _inf_gradient(rank, world, out, stages, deepspeed_checks):
+    """One process: a tiny model under ZeRO `stages`; a hook puts an inf into one gradient of the
+    first step. With `deepspeed_checks=False` DeepSpeed's own overflow test is switched off (as in
+    versions and precisions without one), so the trainer's check alone must skip the step."""
+    import deepspeed.runtime.zero.stage3 as z3
+    import deepspeed.runtime.zero.stage_1_and_2 as z12
+
+    from test_train_distributed import TINY
+    from longvideo.train.trainer import Trainer
+
+    if not deepspeed_checks:
+        z12.is_invalid_grad_norm = z3.is_invalid_grad_norm = lambda norm: False
+        z12.DeepSpeedZeroOptimizer.check_overflow = lambda self, *a, **k: None
+    for stage in stages:
+        overrides = ["parallel.sp=1", f"train.zero_stage={stage}", "train.steps=4"]
+        t = Trainer(load_config(None, TINY + overrides + [f"train.out_dir={out}/z{stage}"]))
+        before = t.engine.full_state(keep=True)
+        param = next(p for n, p in t.model.named_parameters() if "w_up" in n)
+
+        def poison(g):
+            g = g.clone()
+            g.view(-1)[0] = float("inf")
+            return g
+
+        hook = param.register_hook(poison)
+        stats = t.forward_backward(t.next_micro_batches())
+        hook.remove()
+        m = t.optimizer_step(stats)
+        assert math.isfinite(m["loss"]) and not math.isfinite(m["grad_norm"]), m
+        assert m["skipped"] and t.bad_in_a_row == 1, m
+        after = t.engine.full_state(keep=True)
+        assert all(torch.equal(before[k], after[k]) for k in before), stage
+        m = t.train_step()  # the next, ordinary step is applied
+        assert not m["skipped"] and math.isfinite(m["grad_norm"]) and t.bad_in_a_row == 0
+        moved = t.engine.full_state(keep=True)
+        assert any(not torch.equal(before[k], moved[k]) for k in before)
+        assert all(torch.isfinite(v).all() for v in moved.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("deepspeed_checks", [True, False])
+def test_an_inf_gradient_skips_the_step_under_every_zero_stage(tmp_path, deepspeed_checks):
+    from distributed import run_ranks
+
+    run_ranks(
+        _inf_gradient, world=1, args=(str(tmp_path), (1, 2, 3), deepspeed_checks), timeout=900
+    )

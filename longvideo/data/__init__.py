@@ -26,6 +26,7 @@ _MODULES = {
     ),
     "video": (
         "CorruptVideoError",
+        "DisallowedContainerError",
         "EmptyVideoError",
         "UnsupportedVideoError",
         "VideoClip",

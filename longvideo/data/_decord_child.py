@@ -1,10 +1,12 @@
 """The decord decoder's child process (longvideo/data/isolate.py). Run as a script, not imported.
 
-It imports numpy, decord, PyAV and the leaf ``video_base`` (not torch), so it starts fast. PyAV reads
-beside decord what decord does not apply: display matrix, rotate tag, sample aspect ratio and
-declared duration (``facts``). Requests come one at a time on stdin, replies go to stdout (anything
-the C libraries print goes to stderr): a 4-byte big-endian length, a JSON header and, when the header
-names ``nbytes``, that many raw bytes; never a pickle.
+It imports numpy, decord, PyAV, the leaf ``video_base`` and ``containers`` (not torch), so it starts
+fast. PyAV reads beside decord what decord does not apply: display matrix, rotate tag, sample aspect
+ratio and declared duration (``facts``); it opens the file first, by the container allow-list's
+rules, so decord never opens a format outside it (the parent checked it too). Requests come one at
+a time on stdin, replies go to stdout (anything the C libraries print goes to stderr): a 4-byte
+big-endian length, a JSON header and, when the header names ``nbytes``, that many raw bytes; never
+a pickle.
 
     open  {"op": "open", "path": P} or {"op": "open", "nbytes": N} + N bytes
           -> {"ok": true, "num_frames", "fps", "width", "height", "facts": {"matrix", "rotate", "sar",
@@ -24,7 +26,13 @@ import struct
 import sys
 import tempfile
 
-from longvideo.data.video_base import display_matrix, frame_rate, stream_facts
+from longvideo.data.containers import SafeInput
+from longvideo.data.video_base import (
+    DisallowedContainerError,
+    display_matrix,
+    frame_rate,
+    stream_facts,
+)
 
 
 def _read_exact(f, n):
@@ -39,19 +47,24 @@ def _read_exact(f, n):
 
 
 def _facts(path):
-    """What PyAV reads of how the video is shown (see video_base.Orientation); an error message instead."""
+    """What PyAV reads of how the video is shown (see video_base.Orientation); an error message
+    instead. Opened by the container allow-list's rules (longvideo.data.containers): a format
+    outside it raises DisallowedContainerError, and decord is not given the file."""
+    src = path.getvalue() if hasattr(path, "getvalue") else path
     try:
-        import av
-
-        if hasattr(path, "seek"):
-            path.seek(0)
-        with av.open(path) as c:
-            s = c.streams.video[0]
-            declared, tag, sar = stream_facts(c, s, frame_rate(s) or 1.0)
-            matrix = None
-            for f in c.decode(s):
-                matrix = display_matrix(f)
-                break
+        inp = SafeInput(src, "<child>")
+    except DisallowedContainerError:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which refuses the video
+        return None, (str(e).splitlines() or [type(e).__name__])[0][:200]
+    try:
+        c = inp.container
+        s = c.streams.video[0]
+        declared, tag, sar = stream_facts(c, s, frame_rate(s) or 1.0)
+        matrix = None
+        for f in c.decode(s):
+            matrix = display_matrix(f)
+            break
         return {
             "matrix": matrix,
             "rotate": tag,
@@ -60,6 +73,8 @@ def _facts(path):
         }, None
     except Exception as e:  # noqa: BLE001 - reported to the parent, which refuses the video
         return None, (str(e).splitlines() or [type(e).__name__])[0][:200]
+    finally:
+        inp.close()
 
 
 def main():
@@ -116,11 +131,11 @@ def main():
                     with os.fdopen(fd, "wb") as f:
                         f.write(data)
                     path, data = spool, None
+                facts, why = _facts(path)  # first: decord only opens an allowed container
                 vr = decord.VideoReader(path, ctx=decord.cpu(0), num_threads=0)
                 count, fps = len(vr), float(vr.get_avg_fps())
                 h, w = vr[0].shape[:2] if count > 0 else (0, 0)
                 vr.seek(0)
-                facts, why = _facts(path)
                 reply(
                     {
                         "ok": True,

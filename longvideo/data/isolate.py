@@ -24,6 +24,7 @@ from typing import Optional
 
 import numpy as np
 
+from longvideo.data.containers import check_container
 from longvideo.data.video_base import (
     CorruptVideoError,
     EmptyVideoError,
@@ -226,7 +227,11 @@ class IsolatedDecordBackend:
 
     def __init__(self, src: VideoSource, label: str, max_resolution: int):
         self.label = label
-        self._w: Optional[_Worker] = _acquire()
+        self._w: Optional[_Worker] = None
+        # decord's own FFmpeg would open any format (concat scripts, playlists, image
+        # sequences): the child is given only what PyAV opens as an allowed container
+        check_container(src, label)
+        self._w = _acquire()
         self._w.reset_log()
         if isinstance(src, (bytes, bytearray, memoryview)):
             req, payload = {"op": "open"}, bytes(src)

@@ -18,8 +18,14 @@ import torch
 
 from longvideo.data.templates import Doc, LayoutOptions, build_docs, sample_rng
 from longvideo.data.packing import Packer, pack_row
-from longvideo.data.shards import TOKEN_EXTS, ShardError, SkipStats, TokenShard, decode_token_sample
-from longvideo.data.streams import expand_sources, is_url, iter_tar
+from longvideo.data.shards import (
+    ShardError,
+    SkipStats,
+    TokenShard,
+    decode_token_sample,
+    iter_token_tar,
+)
+from longvideo.data.streams import expand_sources, is_url
 from longvideo.distributed import fail_together
 
 log = logging.getLogger(__name__)
@@ -176,7 +182,7 @@ class TokenLoader:
                 by_shard.setdefault(s, set()).add(i)
         for s, want in sorted(by_shard.items()):
             last = max(want)
-            for i, item in enumerate(iter_tar(self.paths[s], SkipStats(), TOKEN_EXTS)):
+            for i, item in enumerate(iter_token_tar(self.paths[s], SkipStats())):
                 if i in want:
                     self._data[(s, i)] = item
                     self._keys[(s, i)] = item[0]
@@ -199,7 +205,7 @@ class TokenLoader:
         if self._stream_at != (k, i):
             self._close_stream()
             counts = _Forward()  # what the part read before a resume held was counted then
-            self._stream = iter_tar(self.paths[self.order[k]], counts, TOKEN_EXTS)
+            self._stream = iter_token_tar(self.paths[self.order[k]], counts)
             for _ in range(i):  # a shard now shorter than i ends at the read below
                 next(self._stream, None)
             counts.sink = self.stats
@@ -232,7 +238,7 @@ class TokenLoader:
     def _len(self, s: int) -> int:
         if s not in self._lengths:
             if self._remote[s]:  # the whole stream is read to count its samples
-                self._lengths[s] = sum(1 for _ in iter_tar(self.paths[s], SkipStats(), TOKEN_EXTS))
+                self._lengths[s] = sum(1 for _ in iter_token_tar(self.paths[s], SkipStats()))
             else:
                 self._shard(s)
         return self._lengths[s]

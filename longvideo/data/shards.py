@@ -25,6 +25,7 @@ from longvideo.data.streams import (
     iter_tar,
     part_bytes,
     split_name,
+    unique_keys,
     usable_member,
 )
 from longvideo.data.video_base import VIDEO_EXTS  # the one list of accepted video extensions
@@ -91,12 +92,33 @@ def read_member(f, m: Member, limit: int) -> bytes:
     return data
 
 
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of lists and objects a sample's json may have (the fields it uses need 3)."""
+
+
+def json_depth(obj, limit: int = MAX_JSON_DEPTH) -> int:
+    """Nesting depth of decoded json (0 for a scalar), counted without recursion; stops once over
+    ``limit``."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack and deepest <= limit:
+        o, d = stack.pop()
+        if isinstance(o, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return deepest
+
+
 def parse_json(data: bytes, key: str) -> dict:
-    """Decode and check a sample's json (see docs/data.md for the fields)."""
+    """Decode and check a sample's json (see docs/data.md for the fields); anything else, however
+    deep or odd, is a ShardError (``bad_json``)."""
     try:
         meta = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ShardError("bad_json", f"{key}.json is not valid JSON ({e})") from None
+    except ValueError as e:  # not UTF-8, not JSON, an integer of more than 4300 digits
+        raise ShardError("bad_json", f"{key}.json is not valid JSON ({str(e)[:200]})") from None
+    except RecursionError:
+        raise ShardError("bad_json", f"{key}.json is nested too deeply") from None
+    if json_depth(meta) > MAX_JSON_DEPTH:
+        raise ShardError("bad_json", f"{key}.json is nested deeper than {MAX_JSON_DEPTH} levels")
     if not isinstance(meta, dict):
         raise ShardError("bad_json", f"{key}.json must hold an object")
     if "caption" in meta and not isinstance(meta["caption"], str):
@@ -122,7 +144,8 @@ def parse_json(data: bytes, key: str) -> dict:
             raise ShardError(
                 "bad_json", f"{key}.json: segments must be a list of {{start <= end, text}}"
             )
-    if "fps" in meta and not (isinstance(meta["fps"], (int, float)) and meta["fps"] > 0):
+    fps = meta.get("fps", 1.0)
+    if not (isinstance(fps, (int, float)) and not isinstance(fps, bool) and 0 < fps < math.inf):
         raise ShardError("bad_json", f"{key}.json: fps must be a positive number")
     return meta
 
@@ -136,9 +159,9 @@ class RawSample:
 
 
 def iter_raw_samples(path: str, stats: SkipStats) -> Iterator[RawSample]:
-    """Samples of a raw shard (a path or URL, streamed) with a video and a valid json; the rest,
-    and failures of the shard itself, are counted in ``stats``."""
-    for key, parts in iter_tar(path, stats, VIDEO_EXTS + ("json",)):
+    """Samples of a raw shard (a path or URL, streamed) with a usable key (each key once), a video
+    and a valid json; the rest, and failures of the shard itself, are counted in ``stats``."""
+    for key, parts in unique_keys(iter_tar(path, stats, VIDEO_EXTS + ("json",)), stats, path):
         where = f"{path}:{key}"
         videos = [e for e in VIDEO_EXTS if e in parts]
         if "json" not in parts:
@@ -166,15 +189,41 @@ class TokenSample:
     meta: dict
 
 
+NPY_KINDS = "biuf"
+"""dtype kinds a token shard's arrays may have: bool, signed and unsigned integers, floats."""
+
+
 def load_npy(data: bytes, key: str) -> np.ndarray:
+    """A plain numeric array from a .npy member, checked before anything is allocated: numpy's
+    header reader (versions 1 and 2, at most 10,000 header bytes) gives the dtype, which must be
+    of :data:`NPY_KINDS`, and the shape, whose bytes must be exactly the rest of the member; the
+    array is a read-only view of them. Anything else (an empty member, a damaged or absurd
+    header, an object array, which would need pickle) is a ShardError (``bad_array``)."""
+    f = io.BytesIO(data)
     try:
-        return np.load(io.BytesIO(data), allow_pickle=False)
-    except (
-        ValueError,
-        OSError,
-        EOFError,
-    ) as e:  # allow_pickle=False raises ValueError for object arrays
-        raise ShardError("bad_array", f"{key}: not a plain .npy array ({e})") from None
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"unsupported .npy format version {version}")
+    except Exception as e:  # noqa: BLE001 - numpy's header parser raises many kinds on damage
+        why = f"{type(e).__name__}: {str(e)[:200]}"
+        raise ShardError("bad_array", f"{key}: not a plain .npy array ({why})") from None
+    if dtype.hasobject or dtype.kind not in NPY_KINDS or dtype.shape or dtype.names:
+        raise ShardError("bad_array", f"{key}: .npy dtype {dtype} is not plain numbers")
+    count = math.prod(shape)
+    body = len(data) - f.tell()
+    if any(d < 0 for d in shape) or count * dtype.itemsize != body:
+        raise ShardError(
+            "bad_array",
+            f"{key}: .npy header says {dtype} {tuple(shape)} ({count * dtype.itemsize} bytes) "
+            f"but {body} bytes follow it",
+        )
+    if count == 0:
+        return np.zeros(shape, dtype)
+    return np.frombuffer(data, dtype, count, f.tell()).reshape(shape, order="F" if fortran else "C")
 
 
 def decode_token_sample(key: str, parts: dict, codebook_size: Optional[int] = None) -> TokenSample:
@@ -186,10 +235,11 @@ def decode_token_sample(key: str, parts: dict, codebook_size: Optional[int] = No
             raise ShardError(f"missing_{ext.split('.')[0]}", f"{key}: no {ext} member")
     codes = load_npy(blobs["codes.npy"], key)
     stamps = load_npy(blobs["timestamps.npy"], key)
-    if codes.ndim != 3 or not np.issubdtype(codes.dtype, np.integer) or codes.shape[0] == 0:
+    if codes.ndim != 3 or not np.issubdtype(codes.dtype, np.integer) or codes.size == 0:
         raise ShardError(
             "bad_array",
-            f"{key}: codes must be integer (G, h, w) with G > 0, got {codes.dtype} {codes.shape}",
+            f"{key}: codes must be integer (G, h, w) with G, h, w > 0, got {codes.dtype} "
+            f"{codes.shape}",
         )
     if (
         stamps.shape != codes.shape[:1]
@@ -219,7 +269,8 @@ class TokenShard:
 
     def __init__(self, path: str, stats: Optional[SkipStats] = None):
         self.path = path
-        self.samples = group_samples(index_tar(path, stats), TOKEN_EXTS)
+        samples = group_samples(index_tar(path, stats), TOKEN_EXTS)
+        self.samples = list(unique_keys(samples, stats, path))
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -230,6 +281,12 @@ class TokenShard:
         with open(self.path, "rb") as f:
             blobs = {ext: read_member(f, m, limits[ext]) for ext, m in parts.items()}
         return decode_token_sample(key, blobs, codebook_size)
+
+
+def iter_token_tar(src: str, stats: SkipStats) -> Iterator[tuple[str, dict]]:
+    """The samples of a token shard streamed front to back, as (key, parts), numbered as
+    :class:`TokenShard` numbers them (usable keys, each once)."""
+    return unique_keys(iter_tar(src, stats, TOKEN_EXTS), stats, src)
 
 
 def iter_token_samples(

@@ -22,9 +22,10 @@ import urllib.parse
 import urllib.request
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Union
+from typing import Iterable, Iterator, Optional, TypeVar, Union
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_JSON_BYTES = 16 << 20  # largest member accepted, per kind
 MAX_VIDEO_BYTES = 8 << 30
@@ -71,7 +72,10 @@ def expand_shards(spec: str | os.PathLike | Iterable[str]) -> list[str]:
 
 
 def split_name(name: str) -> tuple[str, str]:
-    """'dir/abc.codes.npy' -> ('dir/abc', 'codes.npy'): the key ends at the basename's first dot."""
+    """'dir/abc.codes.npy' -> ('dir/abc', 'codes.npy'): the key ends at the basename's first dot.
+    A leading './' (tar's name for members of the current directory) is not part of the key."""
+    while name.startswith("./"):
+        name = name[2:]
     head, _, base = name.rpartition("/")
     stem, dot, ext = base.partition(".")
     return (f"{head}/{stem}" if head else stem), (ext.lower() if dot else "")
@@ -87,6 +91,23 @@ def usable_member(info: tarfile.TarInfo, stats: Optional[SkipStats], where: str)
     if stats is not None and not info.isdir():
         stats.skip("unsafe_member", f"{where}:{name!r}")
     return False
+
+
+def unique_keys(samples: Iterable[tuple[str, T]], stats: Optional[SkipStats], where: str):
+    """The samples of one shard whose key is usable, each key once: a key with an empty name (a
+    member called '.mp4' or 'dir/.json') is counted as ``empty_key``, a key met before in the
+    shard as ``duplicate_key`` (the first is kept), and both are skipped."""
+    seen: set[str] = set()
+    for key, parts in samples:
+        reason = (
+            "empty_key" if not key.rpartition("/")[2] else "duplicate_key" if key in seen else None
+        )
+        if reason is not None:
+            if stats is not None:
+                stats.skip(reason, f"{where}:{key!r}")
+            continue
+        seen.add(key)
+        yield key, parts
 
 
 HTTP_TIMEOUT_S = (

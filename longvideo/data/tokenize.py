@@ -1,26 +1,32 @@
 """``longvideo tokenize``: raw shards (video + json) -> token shards (VQ codes + timestamps + json).
 
 Each input shard becomes one output shard of the same name, written atomically (a rerun skips
-finished ones), by worker processes that each hold one VQ. What is skipped, kept partly and counted
-where: docs/data.md, "Commands" and "Partial videos".
+finished ones), by worker processes that each hold one VQ. A worker killed on a sample (a segfault,
+the OOM killer) costs that sample only. What is skipped, kept partly and counted where:
+docs/data.md, "Commands", "Partial videos" and "Untrusted shards".
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing as mp
 import os
+import pickle
+import signal
 import time
-from collections import Counter
-from dataclasses import dataclass
+import traceback
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from tqdm import tqdm
 
-from longvideo.atomic import write_json_atomic
+from longvideo.atomic import TMP_PREFIX, write_json_atomic
 from longvideo.data.codes import video_to_codes
 from longvideo.data.shards import (
     VIDEO_EXTS,
@@ -78,31 +84,41 @@ def trim_meta(meta: dict, end: float) -> tuple[dict, dict]:
     return out, dropped
 
 
-_VQ = _QUEUE = None  # the worker's VQ model (loaded once per process) and its progress queue
-
-
-def _init_worker(vq_dir: str, threads: int, queue) -> None:
-    global _VQ, _QUEUE
-    torch.set_num_threads(max(1, threads))
-    _VQ = load_vq(vq_dir)
-    _QUEUE = queue
-
-
 class _StreamFailed(Exception):
     """The shard's source failed part-way: its output is not kept, so a rerun reads it again."""
 
 
-def tokenize_shard(vq, src: str, dst: str, opts: TokenizeOptions, progress=None) -> dict:
+def tokenize_shard(
+    vq,
+    src: str,
+    dst: str,
+    opts: TokenizeOptions,
+    progress=None,
+    *,
+    skip: Optional[dict[int, str]] = None,
+    on_sample: Optional[Callable[[int, str], None]] = None,
+) -> dict:
     """Tokenize one raw shard (a path or URL) into ``dst`` (atomically). Returns its counts.
 
     When the source fails part-way (``shard_io_error``, e.g. a dropped connection) no output is
-    written, so that a rerun tokenizes the shard again.
+    written, so that a rerun tokenizes the shard again. ``on_sample(n, key)`` is called before the
+    n-th sample (0-based, in the shard's order) is handled, ``progress(1)`` after it; the samples
+    numbered in ``skip`` are counted as ``worker_crash`` with their message and not decoded (a
+    worker died on them: see :func:`tokenize_shards`).
     """
     stats = SkipStats()
     t0 = time.time()
+    skip = skip or {}
     try:
         with ShardWriter(dst) as writer:
-            for sample in iter_raw_samples(src, stats):
+            for n, sample in enumerate(iter_raw_samples(src, stats)):
+                if on_sample is not None:
+                    on_sample(n, sample.key)
+                if n in skip:
+                    stats.skip("worker_crash", f"{src}:{sample.key}", skip[n])
+                    if progress is not None:
+                        progress(1)
+                    continue
                 try:
                     vc = video_to_codes(
                         vq,
@@ -165,7 +181,11 @@ def _write(writer, stats: SkipStats, sample, vc, vq, opts: TokenizeOptions, wher
         }
         log.warning("kept %s partly: %s", where, lost)
     members = token_sample_members(sample.key, vc.codes, vc.timestamps, meta)
-    writer.write(sample.key.replace("/", "_"), members)
+    key = sample.key.replace("/", "_")
+    if key.startswith("."):  # would read back with an empty key ('dir/.x' gives '._x')
+        stats.skip("empty_key", where, f"the output name {key!r} would have no key")
+        return
+    writer.write(key, members)
     stats["truncated" if rep.truncated else "gaps" if rep.gaps else "ok"] += 1
 
 
@@ -187,9 +207,169 @@ def _skipped(counts) -> int:
     return sum(v for k, v in counts.items() if k not in kept)
 
 
-def _worker_job(args) -> dict:
-    src, dst, opts = args
-    return tokenize_shard(_VQ, src, dst, opts, progress=lambda n: _QUEUE.put(n))
+def _worker_main(conn, vq_dir: str, threads: int) -> None:
+    """A tokenize worker process: loads the VQ once, then tokenizes the shards it is sent
+    (``(src, dst, opts, skip)``; None ends it), telling the parent over ``conn`` which sample it
+    starts and finishes, so that a worker killed on a sample costs that sample only."""
+    try:
+        torch.set_num_threads(max(1, threads))
+        vq = load_vq(vq_dir)
+    except BaseException:  # noqa: BLE001 - reported to the parent, which stops the run
+        conn.send(("fatal", traceback.format_exc()))
+        return
+    conn.send(("ready",))
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        src, dst, opts, skip = job
+        try:
+            res = tokenize_shard(
+                vq,
+                src,
+                dst,
+                opts,
+                progress=lambda n: conn.send(("sample_done",)),
+                skip=skip,
+                on_sample=lambda n, key: conn.send(("sample", n, key)),
+            )
+        except BaseException:  # noqa: BLE001 - a bug, not a bad sample: the parent stops the run
+            conn.send(("error", traceback.format_exc()))
+            return
+        conn.send(("result", res))
+
+
+def _death(code: Optional[int]) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = {"SIGKILL": ", as the OOM killer does", "SIGSEGV": ": a segfault"}.get(name, "")
+        return f"killed by {name}{hint}"
+    return f"exit status {code}"
+
+
+@dataclass
+class _Job:
+    src: str
+    dst: str
+    opts: TokenizeOptions
+    skip: dict[int, str] = field(default_factory=dict)  # samples a worker died on
+    blind_deaths: int = 0  # worker deaths outside any sample
+    reported: int = -1  # the newest sample counted on the progress bar
+
+
+class _Slot:
+    """One worker process as the parent sees it: its pipe, its job and the sample it is on."""
+
+    def __init__(self, ctx, vq_dir: str, threads: int):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, vq_dir, threads), daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready, self.job, self.sample = False, None, None
+
+    def give(self, job: _Job) -> None:
+        self.job, self.sample = job, None
+        self.conn.send((job.src, job.dst, job.opts, dict(job.skip)))
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError, BrokenPipeError):
+            self.conn.send(None)
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+MAX_START_FAILURES = 3
+"""Workers that may die before loading the VQ, in a row, before ``tokenize`` gives up."""
+
+
+def _remove_partial(dst: str) -> None:
+    """The temporary files a killed writer left beside ``dst`` and its stats (longvideo.atomic)."""
+    for name in (Path(dst).name, stats_path(dst).name):
+        for tmp in Path(dst).parent.glob(f"{TMP_PREFIX}{name}.*"):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+def _run_workers(vq_dir, jobs, workers, threads, done_shard, bar) -> None:
+    """Tokenize ``jobs`` in ``workers`` processes. A worker that dies (a segfault, the OOM killer)
+    while encoding a sample costs that sample: it is counted under ``worker_crash`` and its shard
+    is tokenized again without it by a fresh worker; a worker that dies outside any sample costs
+    its shard one more try, then the shard (``shards_failed``, no output: a rerun tries again)."""
+    ctx = mp.get_context("spawn")
+    pending = deque(_Job(*j) for j in jobs)
+    slots = [_Slot(ctx, vq_dir, threads) for _ in range(workers)]
+    start_failures = 0
+    try:
+        while pending or any(w.job is not None for w in slots):
+            for w in slots:
+                if w.ready and w.job is None and pending:
+                    w.give(pending.popleft())
+            wait([w.conn for w in slots] + [w.proc.sentinel for w in slots], timeout=1.0)
+            for i, w in enumerate(slots):
+                alive = True
+                try:
+                    while w.conn.poll():
+                        _message(w, w.conn.recv(), done_shard, bar)
+                except (EOFError, OSError, pickle.UnpicklingError):
+                    alive = False  # the pipe closed, or a message was cut short: it died
+                if alive and w.proc.is_alive():
+                    continue
+                w.proc.join(timeout=10)
+                how = _death(w.proc.exitcode)
+                job, started = w.job, w.ready
+                w.conn.close()
+                slots[i] = _Slot(ctx, vq_dir, threads)
+                if job is None:
+                    start_failures = 0 if started else start_failures + 1
+                    if start_failures >= MAX_START_FAILURES:
+                        raise RuntimeError(f"tokenize workers die before starting ({how})")
+                    continue
+                _remove_partial(job.dst)
+                if w.sample is not None:
+                    n, key = w.sample
+                    job.skip[n] = f"the tokenize worker died ({how}) while encoding it"
+                    log.error("a tokenize worker died (%s) on %s:%s", how, job.src, key)
+                    pending.appendleft(job)
+                elif job.blind_deaths == 0:
+                    job.blind_deaths += 1
+                    log.error("a tokenize worker died (%s) on %s; retrying it", how, job.src)
+                    pending.appendleft(job)
+                else:
+                    log.error("tokenize workers died twice (%s) on %s: not kept", how, job.src)
+                    done_shard({"worker_crash": 1, "shard_io_error": 0}, failed=True)
+    finally:
+        for w in slots:
+            w.stop()
+
+
+def _message(w: _Slot, msg: tuple, done_shard, bar) -> None:
+    """Act on one message of worker ``w``."""
+    kind = msg[0]
+    if kind == "ready":
+        w.ready = True
+    elif kind == "sample":
+        w.sample = (msg[1], msg[2])
+    elif kind == "sample_done":
+        if w.sample is not None and w.sample[0] > w.job.reported:  # not twice for a shard redone
+            w.job.reported = w.sample[0]
+            bar.update(1)
+        w.sample = None
+    elif kind == "result":
+        w.job = w.sample = None
+        done_shard(msg[1])
+    elif kind == "fatal":
+        raise RuntimeError(f"a tokenize worker could not start:\n{msg[1]}")
+    elif kind == "error":
+        raise RuntimeError(f"tokenizing {w.job.src} failed:\n{msg[1]}")
 
 
 def tokenize_shards(
@@ -225,6 +405,7 @@ def tokenize_shards(
                     {k: v for k, v in json.loads(sp.read_text()).items() if k != "seconds"}
                 )
         else:
+            _remove_partial(str(dst))  # what a killed run left behind
             jobs.append((src, str(dst), opts))
     bar = tqdm(
         total=sum(_count_samples(j[0]) for j in jobs) or None,
@@ -235,9 +416,10 @@ def tokenize_shards(
     cores = os.cpu_count() or 1
     workers = max(1, min(workers, len(jobs) or 1))
 
-    def done_shard(res: dict) -> None:
-        total.update({k: v for k, v in res.items() if k != "seconds"})
-        total["shards_failed" if res.get("shard_io_error") else "shards_done"] += 1
+    def done_shard(res: dict, failed: bool = False) -> None:
+        total.update({k: v for k, v in res.items() if k != "seconds" and v})
+        failed = failed or bool(res.get("shard_io_error"))
+        total["shards_failed" if failed else "shards_done"] += 1
         bar.set_postfix(
             ok=total["ok"], partial=total["truncated"] + total["gaps"], skipped=_skipped(total)
         )
@@ -247,23 +429,7 @@ def tokenize_shards(
         for src, dst, o in jobs:
             done_shard(tokenize_shard(vq, src, dst, o, progress=bar.update))
     else:
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        with ctx.Pool(
-            workers, initializer=_init_worker, initargs=(vq_dir, max(1, cores // workers), queue)
-        ) as pool:
-            pending = [pool.apply_async(_worker_job, (job,)) for job in jobs]
-            while pending:
-                while not queue.empty():
-                    bar.update(queue.get())
-                done = [r for r in pending if r.ready()]
-                for r in done:
-                    done_shard(r.get())  # re-raises a worker's exception here
-                    pending.remove(r)
-                if not done:
-                    time.sleep(0.05)
-            while not queue.empty():
-                bar.update(queue.get())
+        _run_workers(vq_dir, jobs, workers, max(1, cores // workers), done_shard, bar)
     bar.close()
     result = dict(total)
     write_json_atomic(out / "tokenize_stats.json", result)

@@ -14,7 +14,6 @@ bounds") and every failure raises a :class:`VideoError` subclass, counted under 
 from __future__ import annotations
 
 import ctypes
-import io
 import math
 import os
 from dataclasses import dataclass
@@ -25,10 +24,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from longvideo.data.containers import SafeInput
 from longvideo.data.isolate import IsolatedDecordBackend
 from longvideo.data.video_base import (  # noqa: F401 (VIDEO_EXTS and the errors: re-exported public names)
     VIDEO_EXTS,
     CorruptVideoError,
+    DisallowedContainerError,
     EmptyVideoError,
     Orientation,
     ReadReport,
@@ -134,8 +135,8 @@ class _PyAVBackend:
 
     def __init__(self, src: VideoSource, label: str, max_resolution: int):
         self.label = label
-        data = bytes(src) if isinstance(src, (bytes, bytearray, memoryview)) else None
-        self._file = (lambda: io.BytesIO(data)) if data is not None else (lambda: str(src))
+        self._src = bytes(src) if isinstance(src, (bytes, bytearray, memoryview)) else src
+        self._input: Optional[SafeInput] = None
         self._seekable = True
         # FFmpeg refuses larger frames before allocating them (docs/data.md, "What crashes decord")
         self._options = {"max_pixels": str(max_resolution * max_resolution)}
@@ -161,7 +162,7 @@ class _PyAVBackend:
             self.start = float(s.start_time * s.time_base) if has_start else 0.0
             n, duration, keys, matrix = self._scan()
             declared, tag, sar = stream_facts(self.container, s, fps)
-            self.container.close()
+            self._input.close()
             self._open_container()
         except VideoError:
             self.close()
@@ -194,10 +195,10 @@ class _PyAVBackend:
         self.gaps: list[tuple[float, float]] = []
 
     def _open_container(self) -> None:
-        try:
-            self.container = av.open(self._file(), mode="r", options=self._options)
-        except Exception as e:
-            raise CorruptVideoError(f"PyAV cannot open it: {str(e)[:200]}", self.label) from e
+        # only allowed containers, no protocol: longvideo.data.containers
+        self._input = None  # until the open below succeeds
+        self._input = SafeInput(self._src, self.label, self._options)
+        self.container = self._input.container
         if not self.container.streams.video:
             raise UnsupportedVideoError("no video stream", self.label)
         self.stream = self.container.streams.video[0]
@@ -325,7 +326,7 @@ class _PyAVBackend:
                 break
         key = self._run_key if self._seekable else None
         if key is None:
-            self.container.close()
+            self._input.close()
             self._open_container()
         else:
             self._seek(key)
@@ -387,8 +388,9 @@ class _PyAVBackend:
         return np.stack(out), np.asarray(times, np.float64)
 
     def close(self) -> None:
-        if self.container is not None:
-            self.container.close()
+        if self._input is not None:
+            self._input.close()
+            self._input = None
 
 
 def _open(src: VideoSource, max_resolution: int, backend: str = "auto"):

@@ -68,6 +68,23 @@ class UnsupportedVideoError(VideoError):
     reason = "video_unsupported"
 
 
+class DisallowedContainerError(UnsupportedVideoError):
+    """FFmpeg detects a format outside the allow-list (longvideo.data.containers.ALLOWED_FORMATS):
+    a concat script, a playlist, an image sequence, ...; ``format`` names it ("" when the probe
+    that names it is unavailable). Nothing of it is opened."""
+
+    reason = "video_disallowed_container"
+
+    def __init__(self, format: str, source: str = "<bytes>"):
+        self.format = format
+        what = f"FFmpeg detects the format {format!r}" if format else "FFmpeg detects a format"
+        super().__init__(
+            f"{what}, which is not an allowed video container (allowed: mp4/mov, matroska/webm, "
+            "avi, mpegts, ogg, flv, mpeg-ps, gif, raw video streams); it was not opened",
+            source,
+        )
+
+
 @dataclass(frozen=True)
 class Orientation:
     """How stored frames become what a player shows: a transpose and flips (the display matrix, or

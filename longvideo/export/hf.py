@@ -16,7 +16,9 @@ from typing import Optional
 import torch
 from transformers import AutoTokenizer
 
+from longvideo.atomic import atomic_dir
 from longvideo.checkpoint import (
+    CONFIG_FILE,
     EXPORT_CONFIG,
     TOKENIZER_DIR,
     VQ_DIR,
@@ -98,13 +100,15 @@ def import_hf(
     root = load_config(base_config) if base_config else Config()
     if (hf_dir / EXPORT_CONFIG).is_file():  # one of ours: the vocabulary is already unified
         root = load_config(hf_dir / EXPORT_CONFIG)
-        return save_project_checkpoint(
-            out_dir,
-            from_hf_names(read_safetensors_dir(hf_dir), root.model),
-            root,
-            tokenizer=TextTokenizer.from_dir(hf_dir, root.model.vocab_layout),
-            vq=load_vq(hf_dir / VQ_DIR) if (hf_dir / VQ_DIR).is_dir() else None,
-        )
+        with atomic_dir(out_dir, marker=CONFIG_FILE) as tmp:  # config.yaml last: then it is whole
+            save_project_checkpoint(
+                tmp,
+                from_hf_names(read_safetensors_dir(hf_dir), root.model),
+                root,
+                tokenizer=TextTokenizer.from_dir(hf_dir, root.model.vocab_layout),
+                vq=load_vq(hf_dir / VQ_DIR) if (hf_dir / VQ_DIR).is_dir() else None,
+            )
+        return Path(out_dir)
     K = codebook_size or root.vq.codebook_size
     sd_hf = read_safetensors_dir(hf_dir)
     emb_key = "model.embed_tokens.weight"
@@ -141,7 +145,9 @@ def import_hf(
         )
     sd = tie(sd, mcfg)
     check_shapes(sd, mcfg, str(hf_dir))
-    return save_project_checkpoint(out_dir, sd, root, tokenizer=tokenizer)
+    with atomic_dir(out_dir, marker=CONFIG_FILE) as tmp:  # config.yaml last: then it is whole
+        save_project_checkpoint(tmp, sd, root, tokenizer=tokenizer)
+    return Path(out_dir)
 
 
 def export_hf(
@@ -151,7 +157,20 @@ def export_hf(
     vq_dir: Optional[str | Path] = None,
 ) -> Path:
     """Write a Hugging Face directory (config.json, model.safetensors, tokenizer, generation config,
-    longvideo.yaml, vq/ and the processor config) from a project checkpoint or training run."""
+    longvideo.yaml, vq/ and the processor config) from a project checkpoint or training run.
+    Atomic (longvideo.atomic.atomic_dir): the files are written beside `out_dir` and moved in
+    with config.json last, so a directory with config.json holds a whole export."""
+    with atomic_dir(out_dir, marker="config.json") as tmp:
+        _export_into(ckpt, tmp, tokenizer_dir, vq_dir)
+    return Path(out_dir)
+
+
+def _export_into(
+    ckpt: str | Path,
+    out_dir: str | Path,
+    tokenizer_dir: Optional[str | Path] = None,
+    vq_dir: Optional[str | Path] = None,
+) -> Path:
     ckpt = Path(ckpt)
     sd, cfg = load_project_state(ckpt)
     check_shapes(sd, cfg.model, str(ckpt))

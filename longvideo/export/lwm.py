@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from longvideo.atomic import atomic_dir
 from longvideo.checkpoint import (
     CONFIG_FILE,
     TOKENIZER_DIR,
@@ -307,12 +308,12 @@ def import_lwm(
             f"the tokenizer in {tokenizer} has {tok.text_size} ids, LWM's text embedding "
             f"{mcfg.text_vocab_size} rows"
         )
+    with atomic_dir(out_dir, marker=CONFIG_FILE) as out:  # moved in whole, config.yaml last
+        write_weights(tree, mcfg, out / WEIGHTS_FILE, progress)
+        tok.save(out / TOKENIZER_DIR)
+        vq.save(out / VQ_DIR)
+        save_config(cfg, out / CONFIG_FILE)  # a directory without it is not a checkpoint
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_weights(tree, mcfg, out / WEIGHTS_FILE, progress)
-    tok.save(out / TOKENIZER_DIR)
-    vq.save(out / VQ_DIR)
-    save_config(cfg, out / CONFIG_FILE)  # last: a directory without it is not a checkpoint
     if progress:
         progress(f"done in {time.perf_counter() - t0:.1f} s")
     return out

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from longvideo.atomic import write_text_atomic
 from longvideo.config import Config
 from longvideo.data.codes import video_to_codes
 from longvideo.data.templates import PromptOptions, build_prompt, parse_answer
@@ -105,9 +106,9 @@ class LongVideoProcessor:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         cfg = {"processor_class": "LongVideoProcessor", **asdict(self.settings)}
-        (path / PROCESSOR_CONFIG).write_text(json.dumps(cfg, indent=2))
         self.tokenizer.save(path)
         self.vq.save(path / "vq")
+        write_text_atomic(path / PROCESSOR_CONFIG, json.dumps(cfg, indent=2))  # last
 
     def encode_video(self, video, fps: Optional[float] = None, max_frames: Optional[int] = None):
         """codes (G, h, w) and per-group timestamps (G,) of a video path or bytes."""

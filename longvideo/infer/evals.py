@@ -17,6 +17,7 @@ import torch.distributed as dist
 from PIL import Image
 from tqdm.auto import tqdm
 
+from longvideo.atomic import write_text_atomic
 from longvideo.data.codes import video_to_codes
 from longvideo.data.templates import build_prompt, parse_answer
 from longvideo.data.shards import index_tar, iter_raw_samples, iter_token_samples
@@ -106,7 +107,7 @@ def _write(
     out.mkdir(parents=True, exist_ok=True)
     result["json"], result["png"] = str(out / f"{name}.json"), str(out / f"{name}.png")
     save_heatmap(values, xlabels, ylabels, out / f"{name}.png", **labels)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_text_atomic(out / f"{name}.json", json.dumps(result, indent=2) + "\n")  # last
     return result
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
@@ -70,6 +71,13 @@ class Engine:
         norm = self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
+    def step_grad_norm(self) -> Optional[float]:
+        """The global gradient norm (over every rank) of the step being taken, as DeepSpeed's
+        ZeRO optimizer computed it before it runs the wrapped optimizer (which may read it then)
+        and as the engine itself reads it afterwards; None when it computed none."""
+        norm = getattr(self.ds.optimizer, "_global_grad_norm", None)
+        return None if norm is None else float(norm)
+
     def full_state(self, keep: bool) -> dict[str, torch.Tensor]:
         """Full fp32 weights under the model's own names, from ZeRO's fp32 master copy when it holds
         one. Collective under ZeRO: one full parameter gathered at a time; only ranks with `keep`
@@ -104,11 +112,45 @@ class Engine:
             )
 
 
-def consolidate_zero_checkpoint(checkpoints: Path, tag: str) -> dict[str, torch.Tensor]:
-    """Full fp32 weights of a checkpoint written without model.safetensors, from its ZeRO shards
-    (DeepSpeed's utility; it reads torch pickles: only load runs you wrote)."""
-    _deepspeed()
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+class _WeightsOnlyTorch:
+    """torch as DeepSpeed's zero_to_fp32 sees it while consolidating: ``torch.load`` is torch's
+    weights-only unpickler (tensors, containers and the few DeepSpeed records ZeRO files hold;
+    nothing that runs code), whatever DeepSpeed asks for."""
 
-    sd = get_fp32_state_dict_from_zero_checkpoint(str(checkpoints), tag=tag)
+    def __init__(self, safe: list):
+        self._safe = safe
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def load(self, *args, **kwargs):
+        kwargs["weights_only"] = True
+        with torch.serialization.safe_globals(self._safe):
+            return torch.load(*args, **kwargs)
+
+
+def consolidate_zero_checkpoint(
+    checkpoints: Path, tag: str, *, trust_pickle: bool = False
+) -> dict[str, torch.Tensor]:
+    """Full fp32 weights of a checkpoint written without model.safetensors, from its ZeRO shards
+    (DeepSpeed's zero_to_fp32 utility). The shards are torch pickles: they are read with torch's
+    weights-only unpickler, which refuses anything that would run code
+    (``pickle.UnpicklingError``); ``trust_pickle=True`` reads them as DeepSpeed does, with the
+    full unpickler: only for runs you wrote."""
+    _deepspeed()
+    from deepspeed.utils import zero_to_fp32
+
+    if trust_pickle:
+        sd = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(checkpoints), tag=tag)
+    else:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        safe = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+        saved, zero_to_fp32.torch = zero_to_fp32.torch, _WeightsOnlyTorch(safe)
+        try:
+            sd = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(checkpoints), tag=tag)
+        finally:
+            zero_to_fp32.torch = saved
     return {own_name(k): v.float() for k, v in sd.items()}

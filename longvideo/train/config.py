@@ -58,9 +58,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """Keep the newest N checkpoints (0 = keep all)."""
     save_weights: bool = True
-    """Also write model.safetensors (full fp32) into each checkpoint; false leaves consolidation to export."""
+    """Also write model.safetensors (full fp32) into each checkpoint; false: `longvideo consolidate` writes it."""
     max_bad_steps: int = 5
-    """A NaN/inf loss skips the step; this many in a row stops the run."""
+    """A NaN/inf loss or gradient norm skips the step; this many in a row stops the run."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for MFU; 0 = look the GPU up by name (no MFU when unknown)."""
     log_every: int = 1

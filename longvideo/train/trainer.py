@@ -1,7 +1,7 @@
 """The trainer: dp x sp mesh, ring attention, DeepSpeed ZeRO, exact loss normalisation, checkpoints,
 built and run in the order docs/training.md ("What one run does, in order") gives. A NaN/inf loss,
-seen by every rank through the all-reduced loss, skips the step on all of them, and max_bad_steps
-in a row stop the run.
+seen by every rank through the all-reduced loss, or a NaN/inf global gradient norm skips the step
+on all of them, and max_bad_steps in a row stop the run.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class TrainingError(RuntimeError):
 
 
 class LossDiverged(TrainingError):
-    """max_bad_steps NaN/inf losses in a row; the last good checkpoint is kept."""
+    """max_bad_steps NaN/inf losses or gradient norms in a row; the last good checkpoint is kept."""
 
 
 @dataclass
@@ -61,14 +61,23 @@ class TrainResult:
 
 class SkippableAdamW(torch.optim.AdamW):
     """AdamW whose update (of every partition ZeRO calls `step()` on) is suppressed while `skip` is
-    set: DeepSpeed itself skips on overflow only for fp16, or bf16 at ZeRO-1/2."""
+    set (a non-finite loss), or when `grad_norm()` (the global gradient norm DeepSpeed computed
+    for this step, the same on every rank) is not finite: DeepSpeed's own overflow check depends
+    on its version, precision and ZeRO stage."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.skip = False
+        self.grad_norm: Callable[[], Optional[float]] = lambda: None
 
     def step(self, closure=None):
-        return None if self.skip else super().step(closure)
+        if self.skip or not finite_or_unknown(self.grad_norm()):
+            return None
+        return super().step(closure)
+
+
+def finite_or_unknown(x: Optional[float]) -> bool:
+    return x is None or math.isfinite(x)
 
 
 class Trainer:
@@ -137,6 +146,7 @@ class Trainer:
         self.engine = parallelize(
             model, self.mesh, cfg, optimizer=self.optimizer, ds_config=ds_config
         )
+        self.optimizer.grad_norm = self.engine.step_grad_norm
         self.model = self.engine.module
         self.device = self.engine.device
         self.schedule = WarmupCosine(
@@ -264,7 +274,8 @@ class Trainer:
         return {"loss_sum": loss_sum, "total_weight": total_weight}
 
     def optimizer_step(self, stats: dict) -> dict:
-        """Apply the step (or skip it on a NaN/inf loss), advance the schedule; return metrics."""
+        """Apply the step (or skip it on a NaN/inf loss or gradient norm: every rank sees the same
+        all-reduced values), advance the schedule; return metrics."""
         # one all-reduce: the loss (every rank then makes the same skip decision) and a stop request
         summed = torch.stack(
             [
@@ -282,7 +293,8 @@ class Trainer:
             self.engine.step()
         finally:
             self.optimizer.skip = False
-        applied = ok and self.engine.was_step_applied()
+        norm_ok = finite_or_unknown(self.engine.step_grad_norm())
+        applied = ok and norm_ok and self.engine.was_step_applied()
         lr = self.schedule.current()
         grad_norm = self.engine.grad_norm()
         self.schedule.step()
@@ -423,8 +435,9 @@ class Trainer:
                     self._emit("step_end", step=self.step, metrics=m)
                     if m["skipped"]:
                         log.write(
-                            f"warning: step {self.step}: loss {m['loss']}; update skipped "
-                            f"({self.bad_in_a_row} in a row, the run stops at {tc.max_bad_steps})"
+                            f"warning: step {self.step}: loss {m['loss']}, gradient norm "
+                            f"{m['grad_norm']}; update skipped ({self.bad_in_a_row} in a row, "
+                            f"the run stops at {tc.max_bad_steps})"
                         )
                         if self.bad_in_a_row >= tc.max_bad_steps:
                             kept = (
@@ -433,7 +446,8 @@ class Trainer:
                                 else "none written"
                             )
                             raise LossDiverged(
-                                f"{self.bad_in_a_row} non-finite losses in a row (step "
+                                f"{self.bad_in_a_row} non-finite losses or gradient norms in "
+                                f"a row (step "
                                 f"{self.step}); stopping. Last good checkpoint: {kept}"
                             )
                     if m["stop"]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from longvideo.atomic import atomic_open
 from longvideo.configtools import to_dict
 from longvideo.data.frames import FrameSource, Source, build_frame_source
 from longvideo.data.video import resize_crop
@@ -263,9 +264,8 @@ def train_vq(
         }
         if disc is not None:
             state["disc"], state["disc_optimizer"] = disc.state_dict(), d_opt.state_dict()
-        tmp = state_path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(state_path)
+        with atomic_open(state_path, "wb") as f:  # fsynced and renamed: never a partial state
+            torch.save(state, f)
 
     if step == 0 and not history:
         run_eval()  # the untrained baseline

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from longvideo.atomic import write_bytes_atomic, write_text_atomic
 from longvideo.configtools import ConfigError, from_dict, to_dict
 from longvideo.vq.config import VQConfig
 
@@ -38,14 +39,16 @@ class VideoTokenizer(nn.Module):
         return self.decode(zq), codes, aux
 
     def save(self, out_dir: str | Path) -> None:
-        """Write `model.safetensors` (the state dict) and `config.json` (cfg) into out_dir."""
-        from safetensors.torch import save_file
+        """Write `config.json` (cfg) and then `model.safetensors` (the state dict) into out_dir,
+        each atomically (longvideo.atomic): an interrupted save leaves the old file or none,
+        never a partial one."""
+        from safetensors.torch import save
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-        (out / CONFIG_FILE).write_text(json.dumps(to_dict(self.cfg), indent=2) + "\n")
+        write_text_atomic(out / CONFIG_FILE, json.dumps(to_dict(self.cfg), indent=2) + "\n")
+        write_bytes_atomic(out / WEIGHTS_FILE, save(tensors, metadata={"format": "pt"}))
 
 
 def read_vq_config(path: str | Path) -> VQConfig:
