@@ -111,6 +111,16 @@ class Server:
                 self.url = m.group(1)
                 got.set()
 
+    def logged(self, text: str, timeout: float = 30) -> bool:
+        """Whether the server has printed a line containing ``text`` (its output is read by a
+        thread, so a line may arrive after the response it belongs to: wait for it)."""
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def get(self, path: str, headers: dict | None = None) -> dict:
         req = urllib.request.Request(self.url + path, headers=headers or {})
         with urllib.request.urlopen(req, timeout=30) as r:
