@@ -213,32 +213,32 @@ def _encode_value(value, where: str, parts: list) -> None:
         )
 
 
-def _decode_value(arr: np.ndarray, at: int):
-    """The value whose tag is at `arr[at]`, and where the next one starts."""
-    tag = int(arr[at])
+def _decode_value(arr: np.ndarray, pos: int):
+    """The value whose tag is pos `arr[pos]`, and where the next one starts."""
+    tag = int(arr[pos])
     if tag in (_NONE, _FALSE, _TRUE):
-        return (None, False, True)[tag], at + 1
+        return (None, False, True)[tag], pos + 1
     if tag == _INT:
-        return int(arr[at + 1]), at + 2
+        return int(arr[pos + 1]), pos + 2
     if tag == _FLOAT:
-        return float(arr[at + 1 : at + 2].view(np.float64)[0]), at + 2
+        return float(arr[pos + 1 : pos + 2].view(np.float64)[0]), pos + 2
     if tag == _TEXT:
-        n = int(arr[at + 1])
-        return arr[at + 2 : at + 2 + n].astype(np.uint8).tobytes().decode("utf-8"), at + 2 + n
+        n = int(arr[pos + 1])
+        return arr[pos + 2 : pos + 2 + n].astype(np.uint8).tobytes().decode("utf-8"), pos + 2 + n
     if tag in (_INTS, _FLOATS):
-        ndim = int(arr[at + 1])
-        shape = tuple(int(x) for x in arr[at + 2 : at + 2 + ndim])
-        start = at + 2 + ndim
+        ndim = int(arr[pos + 1])
+        shape = tuple(int(x) for x in arr[pos + 2 : pos + 2 + ndim])
+        start = pos + 2 + ndim
         size = int(np.prod(shape, dtype=np.int64))
         data = arr[start : start + size].copy()
         return (data.view(np.float64) if tag == _FLOATS else data).reshape(shape), start + size
     if tag == _TUPLE:
-        items, at = [], at + 2
-        for _ in range(int(arr[at - 1])):
-            item, at = _decode_value(arr, at)
+        items, pos = [], pos + 2
+        for _ in range(int(arr[pos - 1])):
+            item, pos = _decode_value(arr, pos)
             items.append(item)
-        return tuple(items), at
-    raise ValueError(f"not a rank record: unknown tag {tag} at {at}")
+        return tuple(items), pos
+    raise ValueError(f"not a rank record: unknown tag {tag} pos {pos}")
 
 
 def encode_record(record) -> np.ndarray:
@@ -262,11 +262,13 @@ def decode_record(kind: type[R], arr: np.ndarray) -> R:
             f"the array is not a {kind.__name__} record (another record type, or another "
             "version of this one: the ranks run different code)"
         )
-    values, at = {}, 1
+    values, pos = {}, 1
     for f in dataclasses.fields(kind):
-        values[f.name], at = _decode_value(arr, at)
-    if at != len(arr):
-        raise ValueError(f"{len(arr) - at} values after the last field of a {kind.__name__} record")
+        values[f.name], pos = _decode_value(arr, pos)
+    if pos != len(arr):
+        raise ValueError(
+            f"{len(arr) - pos} values after the last field of a {kind.__name__} record"
+        )
     return kind(**values)
 
 
@@ -294,14 +296,14 @@ def fail_together(error: Optional[BaseException], group=None) -> None:
         if error is not None:
             raise error
         return
-    dev, world, me = comm_device(group), dist.get_world_size(group), dist.get_rank(group)
-    first = torch.tensor([me if error is not None else world], dtype=torch.long, device=dev)
+    dev, world, my_rank = comm_device(group), dist.get_world_size(group), dist.get_rank(group)
+    first = torch.tensor([my_rank if error is not None else world], dtype=torch.long, device=dev)
     dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
     src = int(first)
     if src == world:
         return
     text = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=dev)
-    if me == src:
+    if my_rank == src:
         raw = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:_MESSAGE_BYTES]
         text[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)
     dist.broadcast(
@@ -320,11 +322,11 @@ def together(items: Iterable, group=None) -> Iterator:
     if group is None:
         yield from items
         return
-    it = iter(items)
+    iterator = iter(items)
     while True:
         item, error, done = None, None, False
         try:
-            item = next(it)
+            item = next(iterator)
         except StopIteration:
             done = True
         except Exception as e:  # noqa: BLE001 - raised on every rank by fail_together

@@ -150,14 +150,14 @@ def save_heatmap(
     values = np.asarray(values, dtype=float)
     fig = Figure(figsize=(1.2 + 0.9 * len(xlabels), 1.2 + 0.55 * len(ylabels)))
     ax = fig.subplots()
-    im = ax.imshow(values, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    image = ax.imshow(values, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(xlabels)), [str(x) for x in xlabels])
     ax.set_yticks(range(len(ylabels)), [str(y) for y in ylabels])
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     for (i, j), v in np.ndenumerate(values):
         if np.isfinite(v):
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
-    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
     fig.savefig(
         path, dpi=120, bbox_inches="tight"
     )  # long question labels: grow the canvas, not squeeze
@@ -366,8 +366,12 @@ class QAEvaluation:
             dtype=float,
         )
         per_question = {
-            q: {"accuracy": _mean(rs, "exact"), "count": len(rs), "chance": _mean(rs, "chance")}
-            for q, rs in by_question.items()
+            q: {
+                "accuracy": _mean(asked, "exact"),
+                "count": len(asked),
+                "chance": _mean(asked, "chance"),
+            }
+            for q, asked in by_question.items()
         }
         result = {
             "task": "qa",
@@ -523,9 +527,10 @@ def text_needle_prompt(
         hay.append(s)
         counts.append(n)
     offsets = np.concatenate([[0], np.cumsum(counts)])
-    at = int(np.argmin(np.abs(offsets - depth * offsets[-1])))
-    ids = render(hay[:at] + [needle] + hay[at:])
-    return ids, {"tokens": len(ids), "needle_depth": float(offsets[at] / max(offsets[-1], 1))}
+    insert_at = int(np.argmin(np.abs(offsets - depth * offsets[-1])))
+    ids = render(hay[:insert_at] + [needle] + hay[insert_at:])
+    depth_at = float(offsets[insert_at] / max(offsets[-1], 1))
+    return ids, {"tokens": len(ids), "needle_depth": depth_at}
 
 
 @dataclass(frozen=True)

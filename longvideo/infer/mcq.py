@@ -127,9 +127,13 @@ def save_bars(summary: dict, path: str | Path, title: str) -> None:
     )
     for ax, (name, groups) in zip(axes[0], panels):
         acc = np.array([g["accuracy"] for g in groups.values()])
-        ci = np.array([g["ci95"] for g in groups.values()]).reshape(-1, 2)
+        interval = np.array([g["ci95"] for g in groups.values()]).reshape(-1, 2)
         ax.bar(
-            range(len(acc)), acc, yerr=[acc - ci[:, 0], ci[:, 1] - acc], capsize=3, color="tab:blue"
+            range(len(acc)),
+            acc,
+            yerr=[acc - interval[:, 0], interval[:, 1] - acc],
+            capsize=3,
+            color="tab:blue",
         )
         ax.axhline(summary["chance"], color="grey", ls="--", lw=1)
         ax.set_xticks(
