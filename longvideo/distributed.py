@@ -12,16 +12,29 @@ leaves the others waiting at the collective that follows (until the process grou
     fail_together(error, group)  # e on its rank, RankFailedError("rank 1 failed ...") elsewhere
     codes = broadcast_array(codes, src=0, group=group)
 
+A message with several parts is a typed record, a frozen dataclass sent whole by
+`broadcast_record` (one int64 array, its fields tagged; the receiver checks the record's type):
+
+    @dataclass(frozen=True)
+    class TrialCodes:
+        length: int
+        trial: int
+        codes: np.ndarray
+
+    got = broadcast_record(TrialCodes(16, 3, codes) if mine else None, TrialCodes, src=1)
+
 The ring's point-to-point exchange is attention's own (longvideo.parallel.comm).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
+import zlib
 from datetime import timedelta
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -29,6 +42,7 @@ import torch.distributed as dist
 
 _MESSAGE_BYTES = 2048
 _MAX_DIMS = 6
+R = TypeVar("R")
 
 
 class RankFailedError(RuntimeError):
@@ -150,6 +164,126 @@ def broadcast_text(text: Optional[str], src: int = 0, group=None) -> str:
     return bytes(broadcast_array(raw, src, group).astype(np.uint8).tolist()).decode("utf-8")
 
 
+# ---- typed records ---------------------------------------------------------------------------
+
+_NONE, _FALSE, _TRUE, _INT, _FLOAT, _TEXT, _INTS, _FLOATS, _TUPLE = range(9)
+_INT64 = np.iinfo(np.int64)
+RECORD_VALUES = "None, bool, int, float, str, integer or float numpy arrays, and tuples of these"
+"""What a field of a typed record may hold."""
+
+
+def _fingerprint(kind: type) -> int:
+    """A number for the record's type: its name and field names (a receiver expecting another
+    type, or another version of it, refuses the array)."""
+    names = ",".join(f.name for f in dataclasses.fields(kind))
+    return zlib.crc32(f"{kind.__qualname__}({names})".encode())
+
+
+def _encode_value(value, where: str, parts: list) -> None:
+    """Append `value` to `parts` (int64 arrays) behind its tag; `where` names it in errors."""
+    if value is None:
+        parts.append(np.asarray([_NONE], np.int64))
+    elif isinstance(value, (bool, np.bool_)):
+        parts.append(np.asarray([_TRUE if value else _FALSE], np.int64))
+    elif isinstance(value, (int, np.integer)):
+        if not _INT64.min <= int(value) <= _INT64.max:
+            raise ValueError(f"{where} = {value} does not fit in 64 bits")
+        parts.append(np.asarray([_INT, int(value)], np.int64))
+    elif isinstance(value, (float, np.floating)):
+        parts.append(np.asarray([_FLOAT], np.int64))
+        parts.append(np.asarray([value], np.float64).view(np.int64))
+    elif isinstance(value, str):
+        raw = np.frombuffer(value.encode("utf-8"), np.uint8).astype(np.int64)
+        parts.append(np.asarray([_TEXT, len(raw)], np.int64))
+        parts.append(raw)
+    elif isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        floating = value.dtype.kind == "f"
+        parts.append(
+            np.asarray([_FLOATS if floating else _INTS, value.ndim, *value.shape], np.int64)
+        )
+        data = np.ascontiguousarray(value, np.float64 if floating else np.int64).reshape(-1)
+        parts.append(data.view(np.int64))
+    elif isinstance(value, tuple):
+        parts.append(np.asarray([_TUPLE, len(value)], np.int64))
+        for i, item in enumerate(value):
+            _encode_value(item, f"{where}[{i}]", parts)
+    else:
+        raise TypeError(
+            f"{where} holds a {type(value).__name__}: a rank record carries {RECORD_VALUES}"
+        )
+
+
+def _decode_value(arr: np.ndarray, pos: int):
+    """The value whose tag is pos `arr[pos]`, and where the next one starts."""
+    tag = int(arr[pos])
+    if tag in (_NONE, _FALSE, _TRUE):
+        return (None, False, True)[tag], pos + 1
+    if tag == _INT:
+        return int(arr[pos + 1]), pos + 2
+    if tag == _FLOAT:
+        return float(arr[pos + 1 : pos + 2].view(np.float64)[0]), pos + 2
+    if tag == _TEXT:
+        n = int(arr[pos + 1])
+        return arr[pos + 2 : pos + 2 + n].astype(np.uint8).tobytes().decode("utf-8"), pos + 2 + n
+    if tag in (_INTS, _FLOATS):
+        ndim = int(arr[pos + 1])
+        shape = tuple(int(x) for x in arr[pos + 2 : pos + 2 + ndim])
+        start = pos + 2 + ndim
+        size = int(np.prod(shape, dtype=np.int64))
+        data = arr[start : start + size].copy()
+        return (data.view(np.float64) if tag == _FLOATS else data).reshape(shape), start + size
+    if tag == _TUPLE:
+        items, pos = [], pos + 2
+        for _ in range(int(arr[pos - 1])):
+            item, pos = _decode_value(arr, pos)
+            items.append(item)
+        return tuple(items), pos
+    raise ValueError(f"not a rank record: unknown tag {tag} pos {pos}")
+
+
+def encode_record(record) -> np.ndarray:
+    """A typed record (a dataclass instance whose fields hold RECORD_VALUES) as one int64 array:
+    its type's fingerprint, then each field tagged with its kind, in field order."""
+    if not dataclasses.is_dataclass(record) or isinstance(record, type):
+        raise TypeError(f"a rank record is a dataclass instance, got {type(record).__name__}")
+    kind = type(record)
+    parts = [np.asarray([_fingerprint(kind)], np.int64)]
+    for f in dataclasses.fields(kind):
+        _encode_value(getattr(record, f.name), f"{kind.__name__}.{f.name}", parts)
+    return np.concatenate(parts)
+
+
+def decode_record(kind: type[R], arr: np.ndarray) -> R:
+    """The `kind` record `encode_record` wrote into `arr`: integer arrays come back as int64,
+    float arrays as float64, sequences as tuples. ValueError when `arr` holds another type."""
+    arr = np.asarray(arr, np.int64)
+    if len(arr) == 0 or int(arr[0]) != _fingerprint(kind):
+        raise ValueError(
+            f"the array is not a {kind.__name__} record (another record type, or another "
+            "version of this one: the ranks run different code)"
+        )
+    values, pos = {}, 1
+    for f in dataclasses.fields(kind):
+        values[f.name], pos = _decode_value(arr, pos)
+    if pos != len(arr):
+        raise ValueError(
+            f"{len(arr) - pos} values after the last field of a {kind.__name__} record"
+        )
+    return kind(**values)
+
+
+def broadcast_record(record: Optional[R], kind: type[R], src: int = 0, group=None) -> R:
+    """Rank `src`'s `kind` record on every rank of `group` (src a global rank, as in
+    torch.distributed; `record` is read on src only). Every rank, src included, returns the record
+    decoded from what was sent, so all hold the same values (decode_record's types)."""
+    arr = None
+    if dist.get_rank() == src:
+        if not isinstance(record, kind):
+            raise TypeError(f"expected a {kind.__name__} to send, got {type(record).__name__}")
+        arr = encode_record(record)
+    return decode_record(kind, broadcast_array(arr, src=src, group=group))
+
+
 # ---- failure agreement ------------------------------------------------------------------------
 
 
@@ -162,14 +296,14 @@ def fail_together(error: Optional[BaseException], group=None) -> None:
         if error is not None:
             raise error
         return
-    dev, world, me = comm_device(group), dist.get_world_size(group), dist.get_rank(group)
-    first = torch.tensor([me if error is not None else world], dtype=torch.long, device=dev)
+    dev, world, my_rank = comm_device(group), dist.get_world_size(group), dist.get_rank(group)
+    first = torch.tensor([my_rank if error is not None else world], dtype=torch.long, device=dev)
     dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
     src = int(first)
     if src == world:
         return
     text = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=dev)
-    if me == src:
+    if my_rank == src:
         raw = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:_MESSAGE_BYTES]
         text[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)
     dist.broadcast(
@@ -188,11 +322,11 @@ def together(items: Iterable, group=None) -> Iterator:
     if group is None:
         yield from items
         return
-    it = iter(items)
+    iterator = iter(items)
     while True:
         item, error, done = None, None, False
         try:
-            item = next(it)
+            item = next(iterator)
         except StopIteration:
             done = True
         except Exception as e:  # noqa: BLE001 - raised on every rank by fail_together

@@ -690,6 +690,37 @@ def test_sequence_parallel_prefill_gives_the_single_process_answers(pre, samples
     )
 
 
+def _refused_resume_body(rank, world, data, out):
+    import torch.distributed as dist
+
+    from longvideo.distributed import RankFailedError
+
+    pre = tiny_pretrained(max_seq_len=512)
+    t0 = time.time()
+    with pytest.raises(ValueError if rank == 0 else RankFailedError) as e:
+        evaluate_mcq(
+            pre, "generic", data, out, mode="generate", progress=False, group=dist.group.WORLD
+        )
+    assert "continue it with the same settings" in str(e.value) and time.time() - t0 < 60
+
+
+@pytest.mark.distributed
+def test_a_resume_refused_on_rank_0_stops_every_rank(samples, tmp_path):
+    """Rank 0 alone reads OUT/run.json; when it refuses to continue a run of other settings, the
+    other ranks raise too instead of waiting for rank 0's list of questions."""
+    from distributed import run_ranks
+
+    write_generic(tmp_path / "data", samples[:1])
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "run.json").write_text(json.dumps({"benchmark": "generic"}))
+    run_ranks(
+        _refused_resume_body,
+        world=2,
+        args=(str(tmp_path / "data"), str(tmp_path / "out")),
+        timeout=120,
+    )
+
+
 # ----------------------------------------------------------------------------- the visual needle on the user's media
 
 

@@ -14,7 +14,15 @@ _MODULES = {
         "load_model",
     ),
     "config": ("InferConfig",),
-    "evals": ("evaluate_qa", "evaluate_text_needle", "evaluate_video_needle"),
+    "evals": (
+        "QASettings",
+        "Runtime",
+        "TextNeedleSettings",
+        "VideoNeedleSettings",
+        "evaluate_qa",
+        "evaluate_text_needle",
+        "evaluate_video_needle",
+    ),
     "generation": ("Engine", "Generation", "LocalEngine", "generate", "prefill", "sample_token"),
     "sp": ("MergedAttentionSeam", "SequenceParallelEngine", "sp_generate"),
 }

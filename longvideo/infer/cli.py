@@ -393,7 +393,7 @@ def _eval(args) -> int:
                     out_dir=out,
                     max_samples=args.max_samples,
                     fps=args.fps,
-                    encode_group=group,
+                    group=group,
                     **run,
                 )
                 line = (
@@ -426,7 +426,7 @@ def _eval(args) -> int:
                     trials=trials,
                     source_fps=args.source_fps,
                     out_dir=out,
-                    encode_group=group,
+                    group=group,
                     haystack=args.haystack,
                     needle=args.needle,
                     question=args.question,

@@ -1,15 +1,24 @@
 """Evaluations: QA accuracy on shards, text and video needle-in-a-haystack, a flash through the VQ;
-each returns a dict, written as OUT/NAME.json and a heatmap OUT/NAME.png when `out_dir` is given
-(docs/inference.md, "Evaluations"; one's own haystack and needle: docs/evaluation.md).
+each returns a dict, written as OUT/NAME.json and a heatmap OUT/NAME.png when its settings name an
+`out_dir` (docs/inference.md, "Evaluations"; one's own haystack and needle: docs/evaluation.md).
+
+Each evaluation is a class run in named steps, told what to do by frozen settings (QASettings,
+TextNeedleSettings, VideoNeedleSettings, VQNeedleSettings) and how to run by a Runtime (the
+engine, the ranks, the progress bar); `evaluate_qa`, `evaluate_text_needle`,
+`evaluate_video_needle` and `evaluate_vq_needle` build both from keywords and run it. What crosses
+ranks is a typed record (TrialCodes, longvideo.distributed.broadcast_record), and ranks agree on
+failures with longvideo.distributed.fail_together.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
 
 import numpy as np
 import torch
@@ -31,7 +40,7 @@ from longvideo.data.synthetic import (
     write_mp4,
 )
 from longvideo.data.video import VideoError, read_video, resize_crop
-from longvideo.distributed import broadcast_array, fail_together, together
+from longvideo.distributed import broadcast_record, fail_together, together
 from longvideo.infer.chat import (
     ChatSession,
     EncodedVideo,
@@ -45,6 +54,68 @@ from longvideo.vq.codec import SplicingEncoder, decode_codes, encode_video
 
 EngineFactory = Callable[[object], Engine]
 """Builds the engine for a loaded model (default: a LocalEngine with the config's prefill chunk)."""
+S = TypeVar("S")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """How an evaluation runs in this process, beside what it is told (its settings)."""
+
+    engine_factory: Optional[EngineFactory] = None
+    """Builds the engine for the loaded model (None: a LocalEngine)."""
+    group: Any = None
+    """The process group every rank of which runs the same evaluation (None: one process)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def size_rank(self) -> tuple[int, int]:
+        """(W, r) of the group; (1, 0) without one."""
+        if self.group is None:
+            return 1, 0
+        return dist.get_world_size(self.group), dist.get_rank(self.group)
+
+    def agree(self, error: Optional[BaseException]) -> None:
+        """Every rank of the group passes its own error or None: all return, or all raise
+        (longvideo.distributed.fail_together). Without a group, only re-raises `error`."""
+        if self.group is not None:
+            fail_together(error, self.group)
+        elif error is not None:
+            raise error
+
+
+RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(Runtime))
+OLD_NAMES = {"encode_group": "group"}
+"""Keywords the evaluate_* functions still take under their older name."""
+
+
+def settings_and_runtime(
+    kind: type[S], settings: Optional[S], options: dict, caller: str
+) -> tuple[S, Runtime]:
+    """`kind` settings (from `settings` with `options` replacing fields, or from `options`) and the
+    Runtime that `options`' engine_factory, group (or encode_group) and progress give; TypeError
+    naming any other keyword."""
+    options = dict(options)
+    for old, new in OLD_NAMES.items():
+        if old in options:
+            if new in options:
+                raise TypeError(f"{caller}() got both {old}= and {new}= (the same thing)")
+            options[new] = options.pop(old)
+    run = {k: options.pop(k) for k in RUNTIME_FIELDS if k in options}
+    known = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(
+            f"{caller}() got unexpected keywords {unknown}; {kind.__name__} has "
+            f"{sorted(known)}, Runtime has {list(RUNTIME_FIELDS)}"
+        )
+    if settings is not None and not isinstance(settings, kind):
+        raise TypeError(f"{caller}() takes a {kind.__name__}, got {type(settings).__name__}")
+    built = kind(**options) if settings is None else dataclasses.replace(settings, **options)
+    return built, Runtime(**run)
+
+
+def _floats(values) -> tuple[float, ...]:
+    return tuple(float(v) for v in values)
 
 
 def normalise(text: str) -> str:
@@ -72,20 +143,21 @@ def save_heatmap(
     xlabel: str,
     ylabel: str,
 ) -> None:
-    """values (len(ylabels), len(xlabels)) in [0, 1] as a red-to-green grid with the numbers written in."""
+    """values (len(ylabels), len(xlabels)) in [0, 1] as a red-to-green grid with the numbers
+    written in."""
     from matplotlib.figure import Figure  # here: only the plots pay for matplotlib's import
 
     values = np.asarray(values, dtype=float)
     fig = Figure(figsize=(1.2 + 0.9 * len(xlabels), 1.2 + 0.55 * len(ylabels)))
     ax = fig.subplots()
-    im = ax.imshow(values, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    image = ax.imshow(values, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(xlabels)), [str(x) for x in xlabels])
     ax.set_yticks(range(len(ylabels)), [str(y) for y in ylabels])
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     for (i, j), v in np.ndenumerate(values):
         if np.isfinite(v):
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
-    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
     fig.savefig(
         path, dpi=120, bbox_inches="tight"
     )  # long question labels: grow the canvas, not squeeze
@@ -100,7 +172,8 @@ def _write(
     ylabels: Sequence,
     **labels,
 ) -> dict:
-    """`result` as OUT/NAME.json and `values` as the heatmap OUT/NAME.png (save_heatmap's labels)."""
+    """`result` as OUT/NAME.json and `values` as the heatmap OUT/NAME.png (save_heatmap's
+    labels)."""
     if out_dir is None:
         return result
     out = Path(out_dir)
@@ -130,7 +203,8 @@ def open_session(pretrained, video: EncodedVideo, infer, engine_factory: Optiona
 def _qa_samples(
     pretrained, shards, *, fps: float, max_frames: Optional[int], batch_frames: int, stats
 ) -> Iterator[tuple[str, np.ndarray, np.ndarray, dict]]:
-    """(key, codes, timestamps, meta) of token shards, or of raw shards encoded with the model's VQ."""
+    """(key, codes, timestamps, meta) of token shards, or of raw shards encoded with the model's
+    VQ."""
     paths = expand_shards(shards)
     if not paths:
         raise FileNotFoundError(f"no shards match {shards!r}")
@@ -151,7 +225,7 @@ def _qa_samples(
             )
         for raw in iter_raw_samples(path, stats):
             try:
-                vc = video_to_codes(
+                video_codes = video_to_codes(
                     pretrained.vq,
                     raw.video,
                     fps=fps,
@@ -161,7 +235,7 @@ def _qa_samples(
             except VideoError as e:
                 stats.skip("video_error", f"{path}:{raw.key}", str(e))
                 continue
-            yield raw.key, vc.codes, vc.timestamps, raw.meta
+            yield raw.key, video_codes.codes, video_codes.timestamps, raw.meta
 
 
 def _mean(records: list[dict], key: str) -> Optional[float]:
@@ -170,63 +244,77 @@ def _mean(records: list[dict], key: str) -> Optional[float]:
     return float(np.mean(values)) if values else None
 
 
-def evaluate_qa(
-    model,
-    shards,
-    *,
-    out_dir: Optional[str | Path] = None,
-    max_samples: Optional[int] = None,
-    max_new_tokens: int = 16,
-    fps: float = 1.0,
-    max_frames: Optional[int] = 3600,
-    engine_factory: Optional[EngineFactory] = None,
-    progress: bool = True,
-    encode_group=None,
-) -> dict:
-    """Accuracy over every question of the samples in `shards` (token shards, or raw shards that the
-    model's VQ encodes). encode_group: the ranks of a sequence-parallel prefill; they read the
-    samples each and agree after every one (longvideo.distributed.together)."""
-    pretrained, infer = greedy(model, max_new_tokens)
-    stats = SkipStats()
-    records = []
-    t0 = time.time()
-    bar = tqdm(desc="QA eval", unit="sample", disable=not progress)
-    for n, (key, codes, stamps, meta) in enumerate(
-        together(
-            _qa_samples(
-                pretrained,
-                shards,
-                fps=fps,
-                max_frames=max_frames,
-                batch_frames=infer.encode_batch_frames,
-                stats=stats,
-            ),
-            encode_group,
+@dataclass(frozen=True)
+class QASettings:
+    """What `eval qa` is told (docs/inference.md, "Evaluations")."""
+
+    shards: Union[str, Path, Sequence[str]]
+    """Token shards, or raw shards the model's VQ encodes: a directory, glob, pattern or list."""
+    out_dir: Optional[Union[str, Path]] = None
+    """Where qa.json and qa.png are written (None: nowhere)."""
+    max_samples: Optional[int] = None
+    """Most samples read (None: all)."""
+    max_new_tokens: int = 16
+    """Most answer tokens."""
+    fps: float = 1.0
+    """Raw shards: frames per second read."""
+    max_frames: Optional[int] = 3600
+    """Raw shards: most frames read per video."""
+
+
+class QAEvaluation:
+    """`eval qa` in named steps: `samples` (the shards' samples, the ranks agreeing after each),
+    `ask` (one session per sample, every question), `summarise` (accuracy per question and length
+    bin), `write`. The group's ranks read the samples each and agree after every one."""
+
+    name = "qa"
+
+    def __init__(self, model, settings: QASettings, runtime: Runtime):
+        self.settings, self.runtime = settings, runtime
+        self.pretrained, self.infer = greedy(model, settings.max_new_tokens)
+        self.stats = SkipStats()
+
+    def samples(self) -> Iterator[tuple[str, np.ndarray, np.ndarray, dict]]:
+        """(key, codes, timestamps, meta) of every sample up to max_samples."""
+        s = self.settings
+        samples = _qa_samples(
+            self.pretrained,
+            s.shards,
+            fps=s.fps,
+            max_frames=s.max_frames,
+            batch_frames=self.infer.encode_batch_frames,
+            stats=self.stats,
         )
-    ):
-        if max_samples is not None and n >= max_samples:
-            break
+        for n, sample in enumerate(together(samples, self.runtime.group)):
+            if s.max_samples is not None and n >= s.max_samples:
+                break
+            yield sample
+
+    def ask(self, key: str, codes: np.ndarray, stamps: np.ndarray, meta: dict) -> list[dict]:
+        """One record per question of the sample (none when it has no QA)."""
         qa = [
             x
             for x in meta.get("qa", [])
             if isinstance(x, dict) and "question" in x and "answer" in x
         ]
         if not qa:
-            stats.skip("no_qa", key)
-            continue
+            self.stats.skip("no_qa", key)
+            return []
         duration = float(meta.get("duration", stamps[-1] if len(stamps) else 0.0))
         longest = max(qa, key=lambda x: len(x["question"]))["question"]
-        fc, ft, _ = fit_codes(pretrained, codes, stamps, longest, infer.max_new_tokens)
-        video = EncodedVideo(
-            codes=fc,
-            timestamps=ft,
-            num_frames=len(ft),
-            duration=duration,
-            fps=len(ft) / max(duration, 1e-9),
+        kept_codes, kept_stamps, _ = fit_codes(
+            self.pretrained, codes, stamps, longest, self.infer.max_new_tokens
         )
-        session = open_session(
-            pretrained, video, infer, engine_factory
-        )  # the video is prefilled once
+        video = EncodedVideo(
+            codes=kept_codes,
+            timestamps=kept_stamps,
+            num_frames=len(kept_stamps),
+            duration=duration,
+            fps=len(kept_stamps) / max(duration, 1e-9),
+        )
+        # the video is prefilled once
+        session = open_session(self.pretrained, video, self.infer, self.runtime.engine_factory)
+        records = []
         for x in qa:
             pred = session.ask(x["question"])
             choices = x.get("choices")
@@ -240,68 +328,107 @@ def evaluate_qa(
                     "substring": substring_match(pred, str(x["answer"])),
                     "chance": 1.0 / len(choices) if choices else None,
                     "duration": duration,
-                    "groups": int(fc.shape[0]),
-                    "groups_dropped": int(codes.shape[0] - fc.shape[0]),
+                    "groups": int(kept_codes.shape[0]),
+                    "groups_dropped": int(codes.shape[0] - kept_codes.shape[0]),
                 }
             )
-        bar.update(1)
-    bar.close()
-    if not records:
-        raise ValueError(f"no QA samples found in {shards!r} (skipped: {dict(stats)})")
-    questions = sorted({r["question"] for r in records})
-    by_question = {q: [r for r in records if r["question"] == q] for q in questions}
-    durations = np.array([r["duration"] for r in records])
-    edges = (
-        np.unique(np.quantile(durations, [0, 1 / 3, 2 / 3, 1]))
-        if len(records) > 1
-        else durations[:1]
-    )
-    bins = [(float(a), float(b)) for a, b in zip(edges[:-1], edges[1:])] or [
-        (float(durations[0]),) * 2
-    ]
-    col = np.searchsorted(
-        [b for _, b in bins[:-1]], durations, side="right"
-    )  # [a, b), the last [a, b]
-    grid = np.array(
-        [
+        return records
+
+    def summarise(self, records: list[dict], seconds: float) -> tuple[dict, np.ndarray, list]:
+        """The result, its grid (question x duration bin; nan: no record) and the bins."""
+        if not records:
+            raise ValueError(
+                f"no QA samples found in {self.settings.shards!r} (skipped: {dict(self.stats)})"
+            )
+        questions = sorted({r["question"] for r in records})
+        by_question = {q: [r for r in records if r["question"] == q] for q in questions}
+        durations = np.array([r["duration"] for r in records])
+        edges = (
+            np.unique(np.quantile(durations, [0, 1 / 3, 2 / 3, 1]))
+            if len(records) > 1
+            else durations[:1]
+        )
+        bins = [(float(a), float(b)) for a, b in zip(edges[:-1], edges[1:])] or [
+            (float(durations[0]),) * 2
+        ]
+        # [a, b), the last [a, b]
+        col = np.searchsorted([b for _, b in bins[:-1]], durations, side="right")
+        grid = np.array(
             [
-                _mean([r for r, c in zip(records, col) if r["question"] == q and c == j], "exact")
-                for j in range(len(bins))
-            ]
-            for q in questions
-        ],
-        dtype=float,
-    )  # nan: no record
-    per_question = {
-        q: {"accuracy": _mean(rs, "exact"), "count": len(rs), "chance": _mean(rs, "chance")}
-        for q, rs in by_question.items()
-    }
-    result = {
-        "task": "qa",
-        "accuracy": _mean(records, "exact"),
-        "substring_accuracy": _mean(records, "substring"),
-        "chance": _mean(records, "chance"),
-        "questions": len(records),
-        "samples": len({r["key"] for r in records}),
-        "per_question": per_question,
-        "duration_bins": bins,
-        "grid": [[None if not np.isfinite(v) else float(v) for v in row] for row in grid],
-        "skipped": {k: v for k, v in stats.items() if k != "ok"},
-        "seconds": round(time.time() - t0, 2),
-        "records": records,
-    }
-    xl = [f"{a:.0f}-{b:.0f}s" for a, b in bins]
-    return _write(
-        result,
-        out_dir,
-        "qa",
-        grid,
-        xl,
-        questions,
-        xlabel="video length",
-        ylabel="question",
-        title=f"QA accuracy (chance {result['chance'] or float('nan'):.2f})",
-    )
+                [
+                    _mean(
+                        [r for r, c in zip(records, col) if r["question"] == q and c == j], "exact"
+                    )
+                    for j in range(len(bins))
+                ]
+                for q in questions
+            ],
+            dtype=float,
+        )
+        per_question = {
+            q: {
+                "accuracy": _mean(asked, "exact"),
+                "count": len(asked),
+                "chance": _mean(asked, "chance"),
+            }
+            for q, asked in by_question.items()
+        }
+        result = {
+            "task": "qa",
+            "accuracy": _mean(records, "exact"),
+            "substring_accuracy": _mean(records, "substring"),
+            "chance": _mean(records, "chance"),
+            "questions": len(records),
+            "samples": len({r["key"] for r in records}),
+            "per_question": per_question,
+            "duration_bins": bins,
+            "grid": [[None if not np.isfinite(v) else float(v) for v in row] for row in grid],
+            "skipped": {k: v for k, v in self.stats.items() if k != "ok"},
+            "seconds": round(seconds, 2),
+            "records": records,
+        }
+        return result, grid, bins
+
+    def write(self, result: dict, grid: np.ndarray, bins: list) -> dict:
+        xlabels = [f"{a:.0f}-{b:.0f}s" for a, b in bins]
+        return _write(
+            result,
+            self.settings.out_dir,
+            "qa",
+            grid,
+            xlabels,
+            sorted(result["per_question"]),
+            xlabel="video length",
+            ylabel="question",
+            title=f"QA accuracy (chance {result['chance'] or float('nan'):.2f})",
+        )
+
+    def run(self) -> dict:
+        t0 = time.time()
+        records = []
+        bar = tqdm(desc="QA eval", unit="sample", disable=not self.runtime.progress)
+        for sample in self.samples():
+            records += self.ask(*sample)
+            bar.update(1)
+        bar.close()
+        return self.write(*self.summarise(records, time.time() - t0))
+
+
+def evaluate_qa(model, shards, /, **options) -> dict:
+    """Accuracy over every question of the samples in `shards` (token shards, or raw shards that
+    the model's VQ encodes); `shards` may be a QASettings. options: QASettings fields (out_dir,
+    max_samples, max_new_tokens, fps, max_frames) and Runtime fields (engine_factory, group: the
+    ranks of a sequence-parallel prefill, which read the samples each and agree after every one;
+    progress)."""
+    if isinstance(shards, QASettings):
+        settings, runtime = settings_and_runtime(QASettings, shards, options, "evaluate_qa")
+    else:
+        if "shards" in options:
+            raise TypeError("evaluate_qa() got the shards twice")
+        settings, runtime = settings_and_runtime(
+            QASettings, None, {"shards": shards, **options}, "evaluate_qa"
+        )
+    return QAEvaluation(model, settings, runtime).run()
 
 
 CITIES: tuple[str, ...] = (
@@ -400,95 +527,149 @@ def text_needle_prompt(
         hay.append(s)
         counts.append(n)
     offsets = np.concatenate([[0], np.cumsum(counts)])
-    at = int(np.argmin(np.abs(offsets - depth * offsets[-1])))
-    ids = render(hay[:at] + [needle] + hay[at:])
-    return ids, {"tokens": len(ids), "needle_depth": float(offsets[at] / max(offsets[-1], 1))}
+    insert_at = int(np.argmin(np.abs(offsets - depth * offsets[-1])))
+    ids = render(hay[:insert_at] + [needle] + hay[insert_at:])
+    depth_at = float(offsets[insert_at] / max(offsets[-1], 1))
+    return ids, {"tokens": len(ids), "needle_depth": depth_at}
+
+
+@dataclass(frozen=True)
+class TextNeedleSettings:
+    """What `eval text-niah` is told (docs/inference.md, "Evaluations")."""
+
+    lengths: tuple[int, ...] = (256, 512, 1024)
+    """Context lengths in tokens (the grid's columns)."""
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    """Needle depths in [0, 1] (the grid's rows)."""
+    rounds: int = 2
+    """Needles per cell."""
+    seed: int = 0
+    """Seed of the needles and the haystacks."""
+    max_new_tokens: int = 16
+    """Most answer tokens."""
+    out_dir: Optional[Union[str, Path]] = None
+    """Where text_needle.json and text_needle.png are written (None: nowhere)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
+        object.__setattr__(self, "depths", _floats(self.depths))
+
+
+class TextNeedleEvaluation:
+    """LWM's needle retrieval in named steps: per cell of the length x depth grid `needle` (a city
+    and a 7-digit number), `prompt` (the haystack with the needle at the depth), `ask` (a fresh
+    engine), then `result` and `write`."""
+
+    def __init__(self, model, settings: TextNeedleSettings, runtime: Runtime):
+        self.settings, self.runtime = settings, runtime
+        self.pretrained, self.infer = greedy(
+            model, settings.max_new_tokens, ("tokenizer",), "the text needle evaluation"
+        )
+        self.rng = np.random.default_rng(settings.seed)
+        self.device = next(self.pretrained.model.parameters()).device
+
+    def needle(self) -> tuple[str, int]:
+        """The next round's city and number (7 digits, as in LWM)."""
+        city = CITIES[int(self.rng.integers(len(CITIES)))]
+        return city, int(self.rng.integers(1_000_000, 10_000_000))
+
+    def engine(self) -> Engine:
+        if self.runtime.engine_factory:
+            return self.runtime.engine_factory(self.pretrained)
+        return LocalEngine(self.pretrained.model, prefill_chunk=self.infer.prefill_chunk)
+
+    def ask(self, column: int, depth: float, round_: int) -> dict:
+        """One needle of the cell (column's length, depth), asked on a fresh engine."""
+        length = self.settings.lengths[column]
+        city, number = self.needle()
+        ids, facts = text_needle_prompt(
+            self.pretrained,
+            length,
+            depth,
+            city,
+            number,
+            seed=self.settings.seed + 1000 * column + round_,
+        )
+        engine = self.engine()
+        engine.set_prefix(torch.tensor([ids[:-1]], device=self.device))
+        pred, gen = generate_answer(self.pretrained, engine, ids[-1:], self.infer)
+        return {
+            "context": length,
+            "depth": float(depth),
+            "round": round_,
+            "number": number,
+            "city": city,
+            "prediction": pred,
+            "correct": str(number) in pred,
+            "tokens": facts["tokens"],
+            "needle_depth": facts["needle_depth"],
+            "ttft_s": round(engine.prefix_s + gen.ttft_s, 4),
+        }
+
+    def write(self, cells: list[dict], grid: np.ndarray) -> dict:
+        s = self.settings
+        result = {
+            "task": "text_needle",
+            "protocol": "LWM needle retrieval (substring match of the number)",
+            "lengths": list(s.lengths),
+            "depths": [float(d) for d in s.depths],
+            "rounds": s.rounds,
+            "accuracy": float(grid.mean()),
+            "chance": 0.0,
+            "grid": grid.tolist(),
+            "cells": cells,
+        }
+        return _write(
+            result,
+            s.out_dir,
+            "text_needle",
+            grid,
+            list(s.lengths),
+            [f"{d:.2f}" for d in s.depths],
+            title="Text needle retrieval",
+            xlabel="context length (tokens)",
+            ylabel="needle depth",
+        )
+
+    def run(self) -> dict:
+        s = self.settings
+        grid = np.zeros((len(s.depths), len(s.lengths)))
+        cells = []
+        bar = tqdm(
+            total=len(s.depths) * len(s.lengths) * s.rounds,
+            desc="text needle",
+            disable=not self.runtime.progress,
+        )
+        for j in range(len(s.lengths)):
+            for i, depth in enumerate(s.depths):
+                hits = []
+                for round_ in range(s.rounds):
+                    cells.append(self.ask(j, depth, round_))
+                    hits.append(cells[-1]["correct"])
+                    bar.update(1)
+                grid[i, j] = float(np.mean(hits))
+        bar.close()
+        return self.write(cells, grid)
 
 
 def evaluate_text_needle(
-    model,
-    *,
-    lengths: Sequence[int] = (256, 512, 1024),
-    depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
-    rounds: int = 2,
-    seed: int = 0,
-    max_new_tokens: int = 16,
-    out_dir: Optional[str | Path] = None,
-    engine_factory: Optional[EngineFactory] = None,
-    progress: bool = True,
+    model, settings: Optional[TextNeedleSettings] = None, /, **options
 ) -> dict:
     """LWM's needle retrieval over a context-length x depth grid; a cell's score is the fraction of
-    its `rounds` needles whose number appears in the answer."""
-    pretrained, infer = greedy(model, max_new_tokens, ("tokenizer",), "the text needle evaluation")
-    rng = np.random.default_rng(seed)
-    device = next(pretrained.model.parameters()).device
-    grid = np.zeros((len(depths), len(lengths)))
-    cells = []
-    bar = tqdm(total=len(depths) * len(lengths) * rounds, desc="text needle", disable=not progress)
-    for j, L in enumerate(lengths):
-        for i, d in enumerate(depths):
-            hits = []
-            for r in range(rounds):
-                city = CITIES[int(rng.integers(len(CITIES)))]
-                number = int(rng.integers(1_000_000, 10_000_000))  # 7 digits, as in LWM
-                ids, facts = text_needle_prompt(
-                    pretrained, L, d, city, number, seed=seed + 1000 * j + r
-                )
-                engine = (
-                    engine_factory(pretrained)
-                    if engine_factory
-                    else LocalEngine(pretrained.model, prefill_chunk=infer.prefill_chunk)
-                )
-                engine.set_prefix(torch.tensor([ids[:-1]], device=device))
-                pred, gen = generate_answer(pretrained, engine, ids[-1:], infer)
-                ok = str(number) in pred
-                hits.append(ok)
-                cells.append(
-                    {
-                        "context": L,
-                        "depth": float(d),
-                        "round": r,
-                        "number": number,
-                        "city": city,
-                        "prediction": pred,
-                        "correct": ok,
-                        "tokens": facts["tokens"],
-                        "needle_depth": facts["needle_depth"],
-                        "ttft_s": round(engine.prefix_s + gen.ttft_s, 4),
-                    }
-                )
-                bar.update(1)
-            grid[i, j] = float(np.mean(hits))
-    bar.close()
-    result = {
-        "task": "text_needle",
-        "protocol": "LWM needle retrieval (substring match of the number)",
-        "lengths": list(lengths),
-        "depths": [float(d) for d in depths],
-        "rounds": rounds,
-        "accuracy": float(grid.mean()),
-        "chance": 0.0,
-        "grid": grid.tolist(),
-        "cells": cells,
-    }
-    return _write(
-        result,
-        out_dir,
-        "text_needle",
-        grid,
-        list(lengths),
-        [f"{d:.2f}" for d in depths],
-        title="Text needle retrieval",
-        xlabel="context length (tokens)",
-        ylabel="needle depth",
+    its `rounds` needles whose number appears in the answer. options: TextNeedleSettings fields
+    (replacing those of `settings`) and Runtime fields (engine_factory, progress)."""
+    settings, runtime = settings_and_runtime(
+        TextNeedleSettings, settings, options, "evaluate_text_needle"
     )
+    return TextNeedleEvaluation(model, settings, runtime).run()
 
 
 def haystack_frames(
     num_frames: int, size: int, seed: int, source_fps: int = 8, *, decoded: bool = False
 ) -> np.ndarray:
-    """A moving-shapes video of `num_frames` seconds at 1 fps (uint8 (T, size, size, 3)), rendered at
-    `source_fps`; decoded: through the training videos' writer and read back, else exactly as drawn."""
+    """A moving-shapes video of `num_frames` seconds at 1 fps (uint8 (T, size, size, 3)), rendered
+    at `source_fps`; decoded: through the training videos' writer and read back, else exactly as
+    drawn."""
     spec = SyntheticSpec(
         size=size,
         fps=source_fps,
@@ -506,8 +687,8 @@ def haystack_frames(
 def flash_frame(
     colour: str, size: int, source_fps: int = 8, *, decoded: bool = False
 ) -> torch.Tensor:
-    """A full-frame flash of a needle colour, uint8 (size, size, 3); decoded: as a training video carries
-    it, through the codec (docs/inference.md, "Evaluations")."""
+    """A full-frame flash of a needle colour, uint8 (size, size, 3); decoded: as a training video
+    carries it, through the codec (docs/inference.md, "Evaluations")."""
     if not decoded:
         return torch.tensor(COLOURS[colour], dtype=torch.uint8).expand(size, size, 3).clone()
     src = np.zeros((2 * source_fps, size, size, 3), np.uint8)
@@ -523,7 +704,8 @@ def needle_index(num_frames: int, depth: float) -> int:
 
 
 def window_start(frames: int, length: int, trial: int, trials: int) -> int:
-    """Where trial `trial` of `trials` cuts `length` frames from a haystack of `frames`: spread evenly."""
+    """Where trial `trial` of `trials` cuts `length` frames from a haystack of `frames`: spread
+    evenly."""
     return int(round(trial * (frames - length) / max(trials - 1, 1)))
 
 
@@ -541,177 +723,306 @@ def trials_per_length(lengths: Sequence[int], trials) -> list[int]:
     return per
 
 
-def evaluate_video_needle(
-    model,
-    *,
-    lengths: Sequence[int] = (16, 32, 64),
-    depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
-    colours: Optional[Sequence[str]] = None,
-    trials=None,
-    seed: int = 0,
-    source_fps: int = 8,
-    max_new_tokens: int = 8,
-    out_dir: Optional[str | Path] = None,
-    engine_factory: Optional[EngineFactory] = None,
-    progress: bool = True,
-    encode_group=None,
-    haystack=None,
-    needle=None,
-    question: Optional[str] = None,
-    answer: Optional[str] = None,
-    decoded: bool = True,
-) -> dict:
-    """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid: per cell, the fraction
-    of its trials whose needle is named (exact match). The trials, encode_group, haystack, needle and
-    decoded: docs/inference.md, "Evaluations" (one's own media: docs/evaluation.md)."""
-    pretrained, infer = greedy(
-        model, max_new_tokens, ("vq", "tokenizer"), "the video needle evaluation"
-    )
-    vq = pretrained.vq
-    colours = list(colours or NEEDLE_CHOICES)
-    unknown = [c for c in colours if c not in COLOURS]
-    if unknown:
-        raise ValueError(f"unknown needle colours {unknown}; choose from {list(COLOURS)}")
-    per_length = trials_per_length(lengths, len(colours) if trials is None else trials)
-    size = vq.cfg.resolution
-    if (needle is None) != (question is None) or (needle is None) != (answer is None):
-        raise ValueError(
-            "a needle image needs its question and answer (needle=, question=, answer=)"
-        )
-    if needle is not None:
-        img = torch.from_numpy(np.asarray(Image.open(needle).convert("RGB")).copy())
-        needles = [(answer, resize_crop(img[None], size)[0])]
-    else:
-        needles = [(c, flash_frame(c, size, source_fps, decoded=decoded)) for c in colours]
-    hay = (
-        read_video(str(haystack), fps=1.0, size=size).frames.numpy()
-        if haystack is not None
-        else None
-    )
-    if hay is not None and max(lengths) > len(hay):
-        raise ValueError(
-            f"{haystack} gives {len(hay)} frames at 1 fps, fewer than the longest length "
-            f"{max(lengths)}"
-        )
-    question = question or NEEDLE_QUESTION
-    hits = np.zeros((len(depths), len(lengths)))
-    cells = []
-    world, rank = (
-        (1, 0)
-        if encode_group is None
-        else (dist.get_world_size(encode_group), dist.get_rank(encode_group))
-    )
-    bar = tqdm(total=len(depths) * sum(per_length), desc="video needle", disable=not progress)
-    for j, (T, n_trials) in enumerate(zip(lengths, per_length)):
-        groups = vq.group_frame_index(T)
-        stamps_all = np.asarray(
-            [float(g[0]) for g in groups]
-        )  # 1 fps: a group's first frame's second
+@dataclass(frozen=True)
+class VideoNeedleSettings:
+    """What `eval video-niah` is told (docs/inference.md, "Evaluations"; one's own haystack and
+    needle: docs/evaluation.md)."""
 
-        def depth_codes(trial: int) -> np.ndarray:
-            """(depths, G, h, w) codes of the trial's background with its flash at each depth."""
-            frames = (
-                haystack_frames(T, size, seed + 1000 * j + trial, source_fps, decoded=decoded)
-                if hay is None
-                else hay[window_start(len(hay), T, trial, n_trials) :][:T]
-            )
-            background = SplicingEncoder(vq, frames, batch_frames=infer.encode_batch_frames)
-            frame = needles[trial % len(needles)][1]
-            return np.stack(
-                [
-                    background.codes_with({needle_index(T, d): frame}).numpy().astype(np.int64)
-                    for d in depths
-                ]
+    lengths: tuple[int, ...] = (16, 32, 64)
+    """Video lengths in frames at 1 fps (the grid's columns)."""
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    """Needle depths in [0, 1] (the grid's rows)."""
+    colours: Optional[tuple[str, ...]] = None
+    """Needle colours, taken in turn by the trials (None: every colour the needle question asks)."""
+    trials: Union[None, int, tuple[int, ...]] = None
+    """Trials per cell: one number, one per length, or None for one per colour."""
+    seed: int = 0
+    """Seed of the generated backgrounds."""
+    source_fps: int = 8
+    """Frame rate the backgrounds and flashes are rendered at before 1 fps sampling."""
+    max_new_tokens: int = 8
+    """Most answer tokens."""
+    out_dir: Optional[Union[str, Path]] = None
+    """Where video_needle.json, video_needle.png and the needle frames go (None: nowhere)."""
+    haystack: Optional[Union[str, Path]] = None
+    """A video the backgrounds are cut from (read at 1 fps; None: generated moving shapes)."""
+    needle: Optional[Union[str, Path]] = None
+    """An image inserted instead of the colour flashes (needs question and answer)."""
+    question: Optional[str] = None
+    """The question about the needle image (None: the colour flash question)."""
+    answer: Optional[str] = None
+    """The needle image's answer (exact match)."""
+    decoded: bool = True
+    """Generated backgrounds and flashes pass through the training videos' codec first."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
+        object.__setattr__(self, "depths", _floats(self.depths))
+        if self.colours is not None:
+            object.__setattr__(self, "colours", tuple(self.colours))
+        if self.trials is not None and not isinstance(self.trials, (int, np.integer)):
+            object.__setattr__(self, "trials", tuple(self.trials))
+        unknown = [c for c in self.colour_names() if c not in COLOURS]
+        if unknown:
+            raise ValueError(f"unknown needle colours {unknown}; choose from {list(COLOURS)}")
+        self.trials_per_length()
+        given = (self.needle is None, self.question is None, self.answer is None)
+        if len(set(given)) > 1:
+            raise ValueError(
+                "a needle image needs its question and answer (needle=, question=, answer=)"
             )
 
-        # every rank encodes its trials of this length at once, and all learn of any failure first
-        mine, error = {}, None
-        if world > 1:
-            try:
-                mine = {t: depth_codes(t) for t in range(n_trials) if t % world == rank}
-            except Exception as e:  # noqa: BLE001 - raised on every rank by fail_together
-                error = e
-            fail_together(error, encode_group)
-        for trial in range(n_trials):
-            c = needles[trial % len(needles)][0]
-            start = 0 if hay is None else window_start(len(hay), T, trial, n_trials)
-            if world > 1:
-                src = dist.get_global_rank(encode_group, trial % world)
-                trial_codes = broadcast_array(mine.pop(trial, None), src=src, group=encode_group)
-            else:
-                trial_codes = depth_codes(trial)
-            for i, d in enumerate(depths):
-                k = needle_index(T, d)
-                kept, stamps, keep = fit_codes(
-                    pretrained, trial_codes[i], stamps_all, question, infer.max_new_tokens
+    def colour_names(self) -> list[str]:
+        return list(self.colours or NEEDLE_CHOICES)
+
+    def trials_per_length(self) -> list[int]:
+        trials = len(self.colour_names()) if self.trials is None else self.trials
+        return trials_per_length(self.lengths, trials)
+
+
+@dataclass(frozen=True)
+class TrialCodes:
+    """What the rank that encoded a trial sends the others (broadcast_record): the codes of the
+    trial's background with its needle spliced in at every depth."""
+
+    length: int
+    """The trial's video length in frames (checked on receipt: the ranks walk the grid in step)."""
+    trial: int
+    """The trial's index among the trials of its length."""
+    codes: np.ndarray
+    """int64 (depths, G, h, w)."""
+
+
+@dataclass(frozen=True)
+class Column:
+    """One video length of the needle grid."""
+
+    index: int
+    """Its column in the grid."""
+    frames: int
+    """Video length in frames at 1 fps."""
+    trials: int
+    """Trials of this length."""
+    groups: list
+    """The VQ's code groups: the frame indices of each."""
+    stamps: np.ndarray
+    """Each group's timestamp (1 fps: the second of its first frame)."""
+
+
+class VideoNeedleEvaluation:
+    """Needle-frame retrieval in named steps: on construction the model, the needles and the
+    haystack video; per length its `column`; per trial `encode` (the background with the needle
+    spliced in at every depth), shared between the group's ranks by `shared_trials` (each rank
+    encodes trials r, r + W, ... and sends them as TrialCodes); per depth `ask`; then `result`
+    and `write`."""
+
+    def __init__(self, model, settings: VideoNeedleSettings, runtime: Runtime):
+        self.settings, self.runtime = settings, runtime
+        self.pretrained, self.infer = greedy(
+            model, settings.max_new_tokens, ("vq", "tokenizer"), "the video needle evaluation"
+        )
+        self.vq = self.pretrained.vq
+        self.size = self.vq.cfg.resolution
+        self.per_length = settings.trials_per_length()
+        self.needles = self.load_needles()
+        self.hay = self.read_haystack()
+        self.question = settings.question or NEEDLE_QUESTION
+
+    def load_needles(self) -> list[tuple[str, torch.Tensor]]:
+        """(answer, uint8 frame at the VQ's resolution) of the needle image, or of each colour."""
+        s = self.settings
+        if s.needle is not None:
+            img = torch.from_numpy(np.asarray(Image.open(s.needle).convert("RGB")).copy())
+            return [(s.answer, resize_crop(img[None], self.size)[0])]
+        return [
+            (c, flash_frame(c, self.size, s.source_fps, decoded=s.decoded))
+            for c in s.colour_names()
+        ]
+
+    def read_haystack(self) -> Optional[np.ndarray]:
+        """The haystack video's frames at 1 fps (None: generated backgrounds)."""
+        s = self.settings
+        if s.haystack is None:
+            return None
+        hay = read_video(str(s.haystack), fps=1.0, size=self.size).frames.numpy()
+        if max(s.lengths) > len(hay):
+            raise ValueError(
+                f"{s.haystack} gives {len(hay)} frames at 1 fps, fewer than the longest length "
+                f"{max(s.lengths)}"
+            )
+        return hay
+
+    def column(self, index: int) -> Column:
+        frames = self.settings.lengths[index]
+        groups = self.vq.group_frame_index(frames)
+        stamps = np.asarray([float(g[0]) for g in groups])
+        return Column(index, frames, self.per_length[index], groups, stamps)
+
+    def window(self, column: Column, trial: int) -> int:
+        """Where the trial's background starts in the haystack video (0 for generated ones)."""
+        if self.hay is None:
+            return 0
+        return window_start(len(self.hay), column.frames, trial, column.trials)
+
+    def encode(self, column: Column, trial: int) -> np.ndarray:
+        """(depths, G, h, w) codes of the trial's background with its needle at each depth."""
+        s = self.settings
+        if self.hay is None:
+            seed = s.seed + 1000 * column.index + trial
+            frames = haystack_frames(
+                column.frames, self.size, seed, s.source_fps, decoded=s.decoded
+            )
+        else:
+            frames = self.hay[self.window(column, trial) :][: column.frames]
+        background = SplicingEncoder(self.vq, frames, batch_frames=self.infer.encode_batch_frames)
+        needle = self.needles[trial % len(self.needles)][1]
+        return np.stack(
+            [
+                background.codes_with({needle_index(column.frames, d): needle})
+                .numpy()
+                .astype(np.int64)
+                for d in s.depths
+            ]
+        )
+
+    def shared_trials(self, column: Column) -> Iterator[np.ndarray]:
+        """Every trial's codes in turn. With several ranks, each encodes its trials (t % W == r)
+        at once, all agree on any failure first, then each trial's codes go from its rank to all
+        as TrialCodes; one process encodes each trial when it comes."""
+        world, rank = self.runtime.size_rank()
+        if world == 1:
+            for trial in range(column.trials):
+                yield self.encode(column, trial)
+            return
+        group, mine, error = self.runtime.group, {}, None
+        try:
+            mine = {t: self.encode(column, t) for t in range(column.trials) if t % world == rank}
+        except Exception as e:  # noqa: BLE001 - raised on every rank by fail_together
+            error = e
+        self.runtime.agree(error)
+        for trial in range(column.trials):
+            sent = TrialCodes(column.frames, trial, mine.pop(trial)) if trial in mine else None
+            src = dist.get_global_rank(group, trial % world)
+            got = broadcast_record(sent, TrialCodes, src=src, group=group)
+            if (got.length, got.trial) != (column.frames, trial):
+                raise RuntimeError(
+                    f"rank {src} sent trial {got.trial} of length {got.length} where trial "
+                    f"{trial} of length {column.frames} was due: the ranks' settings differ"
                 )
-                video = EncodedVideo(
-                    codes=kept, timestamps=stamps, num_frames=T, duration=float(T), fps=1.0
-                )
-                session = open_session(pretrained, video, infer, engine_factory)
-                pred = session.ask(question)
-                ok = exact_match(pred, c)
-                hits[i, j] += ok
-                group = next(g for g, members in enumerate(groups) if k in members)
-                cells.append(
-                    {
-                        "frames": T,
-                        "depth": float(d),
-                        "trial": trial,
-                        "needle_frame": k,
-                        "needle_group": group,
-                        "frame_in_group": groups[group].index(k),
-                        "colour": c,
-                        "prediction": pred,
-                        "correct": ok,
-                        "substring": substring_match(pred, c),
-                        "groups": int(kept.shape[0]),
-                        "needle_kept": group in set(keep),
-                        "window_start": start,
-                        "tokens": session.last.prompt_len,
-                    }
-                )
-                bar.update(1)
-    bar.close()
-    grid = hits / np.asarray(per_length)[None, :]
-    dropped = sum(not c["needle_kept"] for c in cells)
-    result = {
-        "task": "video_needle",
-        "lengths": list(lengths),
-        "depths": [float(d) for d in depths],
-        "colours": [a for a, _ in needles],
-        "trials": per_length,
-        "accuracy": float(hits.sum() / (len(depths) * sum(per_length))),
-        "chance": 1.0 / len(colours) if needle is None else 0.0,
-        "grid": grid.tolist(),
-        "needles_dropped": dropped,
-        "context": pretrained.model.cfg.max_seq_len,
-        "cells": cells,
-        "vq_mode": vq.cfg.mode,
-        "question": question,
-        "decoded": decoded,
-        "haystack": None if haystack is None else str(haystack),
-        "haystack_frames": None if hay is None else len(hay),
-    }
-    if out_dir is not None:  # the exact frames inserted, at the tokenizer's resolution
-        frames_dir = Path(out_dir) / "video_needle_frames"
-        frames_dir.mkdir(parents=True, exist_ok=True)
-        result["needle_frames"] = {
-            a: str(frames_dir / f"needle_{k}.png") for k, (a, _) in enumerate(needles)
+            yield got.codes
+
+    def ask(self, column: Column, trial: int, depth_index: int, codes: np.ndarray) -> dict:
+        """The cell record of one trial at one depth (codes: that depth's)."""
+        depth = self.settings.depths[depth_index]
+        answer = self.needles[trial % len(self.needles)][0]
+        frame = needle_index(column.frames, depth)
+        kept, stamps, keep = fit_codes(
+            self.pretrained, codes, column.stamps, self.question, self.infer.max_new_tokens
+        )
+        video = EncodedVideo(
+            codes=kept,
+            timestamps=stamps,
+            num_frames=column.frames,
+            duration=float(column.frames),
+            fps=1.0,
+        )
+        session = open_session(self.pretrained, video, self.infer, self.runtime.engine_factory)
+        pred = session.ask(self.question)
+        group = next(g for g, members in enumerate(column.groups) if frame in members)
+        return {
+            "frames": column.frames,
+            "depth": float(depth),
+            "trial": trial,
+            "needle_frame": frame,
+            "needle_group": group,
+            "frame_in_group": column.groups[group].index(frame),
+            "colour": answer,
+            "prediction": pred,
+            "correct": exact_match(pred, answer),
+            "substring": substring_match(pred, answer),
+            "groups": int(kept.shape[0]),
+            "needle_kept": group in set(keep),
+            "window_start": self.window(column, trial),
+            "tokens": session.last.prompt_len,
         }
-        for a, frame in needles:
-            Image.fromarray(frame.numpy()).save(result["needle_frames"][a])
-    return _write(
-        result,
-        out_dir,
-        "video_needle",
-        grid,
-        list(lengths),
-        [f"{d:.2f}" for d in depths],
-        title=f"Video needle retrieval (chance {result['chance']:.2f})",
-        xlabel="video length (frames at 1 fps)",
-        ylabel="needle depth",
+
+    def result(self, cells: list[dict], hits: np.ndarray) -> dict:
+        s = self.settings
+        per_length = np.asarray(self.per_length)
+        return {
+            "task": "video_needle",
+            "lengths": list(s.lengths),
+            "depths": [float(d) for d in s.depths],
+            "colours": [a for a, _ in self.needles],
+            "trials": self.per_length,
+            "accuracy": float(hits.sum() / (len(s.depths) * sum(self.per_length))),
+            "chance": 1.0 / len(s.colour_names()) if s.needle is None else 0.0,
+            "grid": (hits / per_length[None, :]).tolist(),
+            "needles_dropped": sum(not c["needle_kept"] for c in cells),
+            "context": self.pretrained.model.cfg.max_seq_len,
+            "cells": cells,
+            "vq_mode": self.vq.cfg.mode,
+            "question": self.question,
+            "decoded": s.decoded,
+            "haystack": None if s.haystack is None else str(s.haystack),
+            "haystack_frames": None if self.hay is None else len(self.hay),
+        }
+
+    def write(self, result: dict) -> dict:
+        s = self.settings
+        if s.out_dir is not None:  # the exact frames inserted, at the tokenizer's resolution
+            frames_dir = Path(s.out_dir) / "video_needle_frames"
+            frames_dir.mkdir(parents=True, exist_ok=True)
+            result["needle_frames"] = {
+                a: str(frames_dir / f"needle_{k}.png") for k, (a, _) in enumerate(self.needles)
+            }
+            for a, frame in self.needles:
+                Image.fromarray(frame.numpy()).save(result["needle_frames"][a])
+        return _write(
+            result,
+            s.out_dir,
+            "video_needle",
+            np.asarray(result["grid"]),
+            list(s.lengths),
+            [f"{d:.2f}" for d in s.depths],
+            title=f"Video needle retrieval (chance {result['chance']:.2f})",
+            xlabel="video length (frames at 1 fps)",
+            ylabel="needle depth",
+        )
+
+    def run(self) -> dict:
+        depths = self.settings.depths
+        hits = np.zeros((len(depths), len(self.per_length)))
+        cells = []
+        bar = tqdm(
+            total=len(depths) * sum(self.per_length),
+            desc="video needle",
+            disable=not self.runtime.progress,
+        )
+        for j in range(len(self.per_length)):
+            column = self.column(j)
+            for trial, codes in enumerate(self.shared_trials(column)):
+                for i in range(len(depths)):
+                    cells.append(self.ask(column, trial, i, codes[i]))
+                    hits[i, j] += cells[-1]["correct"]
+                    bar.update(1)
+        bar.close()
+        return self.write(self.result(cells, hits))
+
+
+def evaluate_video_needle(
+    model, settings: Optional[VideoNeedleSettings] = None, /, **options
+) -> dict:
+    """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid: per cell, the
+    fraction of its trials whose needle is named (exact match). options: VideoNeedleSettings
+    fields (replacing those of `settings`: lengths, depths, colours, trials, seed, source_fps,
+    max_new_tokens, out_dir, haystack, needle, question, answer, decoded) and Runtime fields
+    (engine_factory; group, or its older name encode_group: the ranks that all run the call and
+    share the encoding; progress). docs/inference.md, "Evaluations"."""
+    settings, runtime = settings_and_runtime(
+        VideoNeedleSettings, settings, options, "evaluate_video_needle"
     )
+    return VideoNeedleEvaluation(model, settings, runtime).run()
 
 
 def nearest_colour(frame: np.ndarray, colours: Sequence[str]) -> str:
@@ -722,71 +1033,109 @@ def nearest_colour(frame: np.ndarray, colours: Sequence[str]) -> str:
     )
 
 
-def evaluate_vq_needle(
-    vq,
-    *,
-    num_frames: int = 120,
-    trials: int = 32,
-    seed: int = 0,
-    source_fps: int = 8,
-    colours: Optional[Sequence[str]] = None,
-    batch_frames: int = 64,
-    out_dir: Optional[str | Path] = None,
-    progress: bool = True,
-) -> dict:
-    """Does a one-frame flash survive the video tokenizer? The rate of flashes decoded nearest their
-    colour, overall and per position in the code group (docs/hour.md, "The needle through the
-    tokenizer"). vq: a VQModel, or a model directory whose vq/ is used."""
-    if isinstance(vq, (str, Path)):
-        vq = load_model(vq).vq
-    colours = list(colours or NEEDLE_CHOICES)
-    size, rng = vq.cfg.resolution, np.random.default_rng(seed)
-    groups = vq.group_frame_index(num_frames)
-    offset_of = {k: g.index(k) for g in groups for k in g}
-    cells = []
-    for trial in tqdm(range(trials), desc="needle through the VQ", disable=not progress):
-        frames = haystack_frames(num_frames, size, seed + 7919 * (trial + 1), source_fps)
-        k = int(
-            rng.integers(1, num_frames)
-        )  # frame 0 of causal3d is a group of its own: counted apart
-        c = colours[trial % len(colours)]
-        frames[k] = np.asarray(COLOURS[c], np.uint8)
-        codes = encode_video(vq, torch.from_numpy(frames), batch_frames=batch_frames)
-        decoded = decode_codes(vq, codes)[:num_frames].numpy()
-        got = nearest_colour(decoded[k], colours)
-        cells.append(
-            {
-                "trial": trial,
-                "frame": k,
-                "offset_in_group": offset_of[k],
-                "colour": c,
-                "decoded": got,
-                "correct": got == c,
-            }
+@dataclass(frozen=True)
+class VQNeedleSettings:
+    """What `eval vq-needle` is told (docs/hour.md, "The needle through the tokenizer")."""
+
+    num_frames: int = 120
+    """Video length in frames (1 fps)."""
+    trials: int = 32
+    """Flashes, one per video."""
+    seed: int = 0
+    """Seed of the backgrounds and of the flash positions."""
+    source_fps: int = 8
+    """Frame rate the backgrounds are rendered at before 1 fps sampling."""
+    colours: Optional[tuple[str, ...]] = None
+    """Flash colours, taken in turn (None: every colour the needle question asks)."""
+    batch_frames: int = 64
+    """Frames the VQ encodes per call."""
+    out_dir: Optional[Union[str, Path]] = None
+    """Where vq_needle.json and vq_needle.png are written (None: nowhere)."""
+
+    def __post_init__(self):
+        if self.colours is not None:
+            object.__setattr__(self, "colours", tuple(self.colours))
+
+
+class VQNeedleEvaluation:
+    """Does a one-frame flash survive the video tokenizer? In named steps: per trial `flash` (a
+    background with one frame a solid colour, through the VQ and back, and the colour nearest
+    the decoded frame), then `result` (the rate overall and per position in the code group) and
+    `write`."""
+
+    def __init__(self, vq, settings: VQNeedleSettings, runtime: Runtime):
+        self.vq = load_model(vq).vq if isinstance(vq, (str, Path)) else vq
+        self.settings, self.runtime = settings, runtime
+        self.colours = list(settings.colours or NEEDLE_CHOICES)
+        self.rng = np.random.default_rng(settings.seed)
+        groups = self.vq.group_frame_index(settings.num_frames)
+        self.offset_of = {k: g.index(k) for g in groups for k in g}
+
+    def flash(self, trial: int) -> dict:
+        s, size = self.settings, self.vq.cfg.resolution
+        frames = haystack_frames(s.num_frames, size, s.seed + 7919 * (trial + 1), s.source_fps)
+        # frame 0 of causal3d is a group of its own: counted apart
+        frame = int(self.rng.integers(1, s.num_frames))
+        colour = self.colours[trial % len(self.colours)]
+        frames[frame] = np.asarray(COLOURS[colour], np.uint8)
+        codes = encode_video(self.vq, torch.from_numpy(frames), batch_frames=s.batch_frames)
+        decoded = decode_codes(self.vq, codes)[: s.num_frames].numpy()
+        got = nearest_colour(decoded[frame], self.colours)
+        return {
+            "trial": trial,
+            "frame": frame,
+            "offset_in_group": self.offset_of[frame],
+            "colour": colour,
+            "decoded": got,
+            "correct": got == colour,
+        }
+
+    def result(self, cells: list[dict]) -> dict:
+        offsets = sorted({x["offset_in_group"] for x in cells})
+        per = {
+            o: float(np.mean([x["correct"] for x in cells if x["offset_in_group"] == o]))
+            for o in offsets
+        }
+        return {
+            "task": "vq_needle",
+            "frames": self.settings.num_frames,
+            "trials": self.settings.trials,
+            "vq_mode": self.vq.cfg.mode,
+            "frames_per_group": self.vq.cfg.frames_per_group,
+            "rate": float(np.mean([x["correct"] for x in cells])),
+            "rate_by_offset": {str(o): r for o, r in per.items()},
+            "cells": cells,
+        }
+
+    def write(self, result: dict) -> dict:
+        by_offset = result["rate_by_offset"]
+        return _write(
+            result,
+            self.settings.out_dir,
+            "vq_needle",
+            [list(by_offset.values())],
+            list(by_offset),
+            ["decoded"],
+            title=f"Flash colour after the tokenizer ({result['rate']:.1%} of {result['trials']})",
+            xlabel="flash frame's position in its code group",
+            ylabel="",
         )
-    offsets = sorted({x["offset_in_group"] for x in cells})
-    per = {
-        o: float(np.mean([x["correct"] for x in cells if x["offset_in_group"] == o]))
-        for o in offsets
-    }
-    result = {
-        "task": "vq_needle",
-        "frames": num_frames,
-        "trials": trials,
-        "vq_mode": vq.cfg.mode,
-        "frames_per_group": vq.cfg.frames_per_group,
-        "rate": float(np.mean([x["correct"] for x in cells])),
-        "rate_by_offset": {str(o): r for o, r in per.items()},
-        "cells": cells,
-    }
-    return _write(
-        result,
-        out_dir,
-        "vq_needle",
-        [[per[o] for o in offsets]],
-        [str(o) for o in offsets],
-        ["decoded"],
-        title=f"Flash colour after the tokenizer ({result['rate']:.1%} of {trials})",
-        xlabel="flash frame's position in its code group",
-        ylabel="",
+
+    def run(self) -> dict:
+        trials = range(self.settings.trials)
+        progress = self.runtime.progress
+        cells = [
+            self.flash(t) for t in tqdm(trials, desc="needle through the VQ", disable=not progress)
+        ]
+        return self.write(self.result(cells))
+
+
+def evaluate_vq_needle(vq, settings: Optional[VQNeedleSettings] = None, /, **options) -> dict:
+    """Does a one-frame flash survive the video tokenizer? The rate of flashes decoded nearest
+    their colour, overall and per position in the code group (docs/hour.md, "The needle through
+    the tokenizer"). vq: a VQModel, or a model directory whose vq/ is used. options:
+    VQNeedleSettings fields (replacing those of `settings`) and progress."""
+    settings, runtime = settings_and_runtime(
+        VQNeedleSettings, settings, options, "evaluate_vq_needle"
     )
+    return VQNeedleEvaluation(vq, settings, runtime).run()

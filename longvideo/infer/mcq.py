@@ -1,5 +1,7 @@
 """`eval mcq`: answer every question of a benchmark, score them, and write OUT/predictions.jsonl (a
-killed run resumes), OUT/summary.json and OUT/summary.png (docs/evaluation.md).
+killed run resumes), OUT/summary.json and OUT/summary.png (docs/evaluation.md). MCQEvaluation runs
+it in named steps from frozen MCQSettings; under a sequence-parallel group rank 0 reads and sends
+typed records (PendingQuestions, VideoMessage) and the ranks agree on every step's failure.
 """
 
 from __future__ import annotations
@@ -8,8 +10,9 @@ import json
 import os
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch.distributed as dist
@@ -18,7 +21,7 @@ from tqdm.auto import tqdm
 from longvideo.atomic import write_json_atomic
 from longvideo.data.templates import ANSWER_TEXT, parse_answer
 from longvideo.data.video import VideoError, probe_video, sample_indices
-from longvideo.distributed import broadcast_text
+from longvideo.distributed import broadcast_record
 from longvideo.infer.benchmarks import (
     LETTERS,
     Question,
@@ -26,8 +29,8 @@ from longvideo.infer.benchmarks import (
     read_subtitles,
     subtitles_at,
 )
-from longvideo.infer.chat import encode_video_file, share_video
-from longvideo.infer.evals import greedy, open_session
+from longvideo.infer.chat import EncodedVideo, encode_video_file
+from longvideo.infer.evals import Runtime, greedy, open_session, settings_and_runtime
 
 MODES: tuple[str, ...] = ("likelihood", "generate")
 LETTER_PROMPT = "Answer with the option's letter from the given choices directly."
@@ -124,9 +127,13 @@ def save_bars(summary: dict, path: str | Path, title: str) -> None:
     )
     for ax, (name, groups) in zip(axes[0], panels):
         acc = np.array([g["accuracy"] for g in groups.values()])
-        ci = np.array([g["ci95"] for g in groups.values()]).reshape(-1, 2)
+        interval = np.array([g["ci95"] for g in groups.values()]).reshape(-1, 2)
         ax.bar(
-            range(len(acc)), acc, yerr=[acc - ci[:, 0], ci[:, 1] - acc], capsize=3, color="tab:blue"
+            range(len(acc)),
+            acc,
+            yerr=[acc - interval[:, 0], interval[:, 1] - acc],
+            capsize=3,
+            color="tab:blue",
         )
         ax.axhline(summary["chance"], color="grey", ls="--", lw=1)
         ax.set_xticks(
@@ -202,161 +209,317 @@ def _subtitles(q: Question, fps: float, max_frames) -> str:
     return subtitles_at(read_subtitles(q.subtitles, q.subtitle_offset), times)
 
 
-def evaluate_mcq(
-    model,
-    benchmark: str,
-    data,
-    out_dir,
-    *,
-    mode: str = "likelihood",
-    subtitles: bool = False,
-    fps: float = 1.0,
-    max_frames: Optional[int] = None,
-    max_new_tokens: int = 16,
-    limit: Optional[int] = None,
-    engine_factory: Optional[Callable] = None,
-    group=None,
-    progress: bool = True,
-) -> dict:
-    """Answer and score benchmark `benchmark` released under `data`; rank 0 writes the files and
-    returns the summary. group: the sequence-parallel group every rank of which runs this call (with
-    an engine_factory that builds a SequenceParallelEngine); None: one process."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    pretrained, infer = greedy(
-        model, max_new_tokens, ("vq", "tokenizer"), "multiple-choice evaluation"
-    )
-    tok, t0 = pretrained.tokenizer, time.time()
-    rank, src = (
-        (dist.get_rank(group), dist.get_global_rank(group, 0)) if group is not None else (0, 0)
-    )
-    questions = read_benchmark(benchmark, data)[:limit]
-    out = Path(out_dir)
-    name = model if isinstance(model, (str, Path)) else pretrained.path or ""
-    settings = {
-        "benchmark": benchmark,
-        "mode": mode,
-        "subtitles": subtitles,
-        "fps": fps,
-        "max_frames": max_frames,
-        "model": str(name),
-        "data": str(data),
-    }
-    pending = ""
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        _check_settings(out, settings)
-        done = {r["question_id"] for r in read_predictions(out / "predictions.jsonl")}
-        pending = json.dumps([q.qid for q in questions if q.qid not in done])
-    if group is not None:
-        pending = broadcast_text(pending, src=src, group=group)
-    todo, skipped, encoded = set(json.loads(pending)), {}, 0
+@dataclass(frozen=True)
+class MCQSettings:
+    """What `eval mcq` is told (docs/evaluation.md)."""
 
-    def skip(q: Question, reason: str, detail: str) -> None:
-        skipped.setdefault(reason, []).append(
+    benchmark: str
+    """The benchmark's name (longvideo.infer.benchmarks.BENCHMARKS)."""
+    data: Union[str, Path]
+    """The benchmark's folder as released (generic: a .jsonl)."""
+    out_dir: Union[str, Path]
+    """Where predictions.jsonl, run.json, summary.json and summary.png go (a rerun resumes)."""
+    mode: str = "likelihood"
+    """likelihood: score each option's text; generate: parse the letter the model writes."""
+    subtitles: bool = False
+    """Put the subtitles at the sampled frames before the question."""
+    fps: float = 1.0
+    """Frames per second read from each video."""
+    max_frames: Optional[int] = None
+    """Most frames read per video, spread over all of it (None: no limit)."""
+    max_new_tokens: int = 16
+    """Most answer tokens (generate mode)."""
+    limit: Optional[int] = None
+    """Ask the first N questions only (None: all)."""
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+
+
+@dataclass(frozen=True)
+class PendingQuestions:
+    """Rank 0 to the others, once: the questions its predictions file does not answer yet."""
+
+    todo: tuple[str, ...]
+    """Their question ids."""
+
+
+@dataclass(frozen=True)
+class VideoMessage:
+    """Rank 0 to the others, once per video: its encoding, or why its questions are skipped."""
+
+    video: str
+    """The video's path (checked on receipt: the ranks walk the videos in step)."""
+    skip_reason: str = ""
+    """missing_video, unreadable_video or does_not_fit ("": encoded)."""
+    skip_detail: str = ""
+    """What went wrong, for summary.json."""
+    codes: Optional[np.ndarray] = None
+    """int64 (G, h, w) codes of the video fitted to the context."""
+    timestamps: Optional[np.ndarray] = None
+    """float64 (G,) seconds of each group's first frame."""
+    num_frames: int = 0
+    """Frames read."""
+    duration: float = 0.0
+    """The video's duration in seconds."""
+    fps: float = 0.0
+    """The frame rate actually sampled."""
+    subtitles: tuple[tuple[str, str], ...] = ()
+    """(question id, subtitle lines at the sampled frames) of the video's questions."""
+
+    @classmethod
+    def of(cls, video: str, encoded: EncodedVideo, subtitles: dict) -> "VideoMessage":
+        return cls(
+            video=video,
+            codes=np.asarray(encoded.codes),
+            timestamps=np.asarray(encoded.timestamps),
+            num_frames=int(encoded.num_frames),
+            duration=float(encoded.duration),
+            fps=float(encoded.fps),
+            subtitles=tuple(subtitles.items()),
+        )
+
+    def encoded(self) -> Optional[EncodedVideo]:
+        """The encoded video (None when its questions are skipped)."""
+        if self.skip_reason:
+            return None
+        return EncodedVideo(self.codes, self.timestamps, self.num_frames, self.duration, self.fps)
+
+
+class MCQEvaluation:
+    """`eval mcq` in named steps: `resume` (rank 0 checks run.json and reads the predictions so
+    far; the questions still to ask go to every rank as PendingQuestions), per video `encode`
+    (rank 0 reads, fits and VQ-encodes it, or says why its questions are skipped: a VideoMessage
+    to every rank) and `answer` (each question scored or generated on every rank, its record
+    appended by rank 0), then `summarise` (rank 0: summary.json and summary.png). The ranks agree
+    on every step's failure (longvideo.distributed.fail_together)."""
+
+    def __init__(self, model, settings: MCQSettings, runtime: Runtime):
+        self.settings, self.runtime = settings, runtime
+        self.pretrained, self.infer = greedy(
+            model, settings.max_new_tokens, ("vq", "tokenizer"), "multiple-choice evaluation"
+        )
+        self.tokenizer, self.t0 = self.pretrained.tokenizer, time.time()
+        group = runtime.group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.src = dist.get_global_rank(group, 0) if group is not None else 0
+        self.questions = read_benchmark(settings.benchmark, settings.data)[: settings.limit]
+        self.out = Path(settings.out_dir)
+        name = model if isinstance(model, (str, Path)) else self.pretrained.path or ""
+        self.run_json = {
+            "benchmark": settings.benchmark,
+            "mode": settings.mode,
+            "subtitles": settings.subtitles,
+            "fps": settings.fps,
+            "max_frames": settings.max_frames,
+            "model": str(name),
+            "data": str(settings.data),
+        }
+        self.skipped: dict[str, list[dict]] = {}
+        self.encoded = 0
+
+    def skip(self, q: Question, reason: str, detail: str) -> None:
+        self.skipped.setdefault(reason, []).append(
             {"question_id": q.qid, "video": q.video, "detail": detail}
         )
 
-    by_video: dict[str, list[Question]] = {}
-    for q in questions:
-        if q.problem and q.qid in todo:
-            skip(q, "malformed_options", q.problem)
-        elif not q.problem:
-            by_video.setdefault(q.video, []).append(q)
-    bar = tqdm(
-        total=len(todo),
-        desc=f"{benchmark} ({mode})",
-        unit="question",
-        disable=not progress or rank != 0,
-    )
-    for video, qs in by_video.items():
-        ask = [q for q in qs if q.qid in todo]
-        if not ask:
-            continue
-        enc, error, subs = None, "", {}
-        if rank == 0:
+    def resume(self) -> set[str]:
+        """The ids of the questions still to ask (a new run: all)."""
+        pending, error = None, None
+        if self.rank == 0:
             try:
-                if not Path(video).is_file():
-                    raise FileNotFoundError(video)
-                subs = {q.qid: _subtitles(q, fps, max_frames) for q in qs} if subtitles else {}
-                texts = [question_text(q, mode, subs.get(q.qid, "")) for q in qs]
-                room = (
-                    infer.max_new_tokens
-                    if mode == "generate"
-                    else max(len(option_ids(tok, o)) for q in qs for o in q.options)
+                self.out.mkdir(parents=True, exist_ok=True)
+                _check_settings(self.out, self.run_json)
+                done = {r["question_id"] for r in read_predictions(self.out / "predictions.jsonl")}
+                pending = PendingQuestions(
+                    tuple(q.qid for q in self.questions if q.qid not in done)
                 )
-                enc = fit_and_encode(
-                    pretrained, video, texts, room, fps, max_frames, infer.encode_batch_frames
-                )
-                encoded += 1
-            except FileNotFoundError:
-                error = f"missing_video\tno such file: {video}"
-            except VideoError as e:
-                error = f"unreadable_video\t{e.reason}: {e}"
-            except ValueError as e:  # not one frame fits the context with the question
-                error = f"does_not_fit\t{e}"
-        if group is not None:  # rank 0's encoding, or its error, on every rank
-            error = broadcast_text(error, src=src, group=group)
-            enc = None if error else share_video(enc, group)
-            subs = json.loads(broadcast_text(json.dumps(subs), src=src, group=group))
-        if error:
-            for q in ask:
-                skip(q, *error.split("\t", 1))
-            bar.update(len(ask))
-            continue
-        session = open_session(pretrained, enc, infer, engine_factory)
-        for q in ask:
-            text = question_text(q, mode, subs.get(q.qid, ""))
-            rec = {
-                "question_id": q.qid,
-                "answer": q.answer,
-                "options": len(q.options),
-                "video": video,
-                "groups": q.groups,
-                "frames": int(enc.codes.shape[0]),
-            }
-            if mode == "likelihood":
-                scored = session.score(text, [option_ids(tok, o) for o in q.options])
-                norm = [s / len(o) for (s, _, _), o in zip(scored, q.options)]
-                rec.update(
-                    prediction=LETTERS[int(np.argmax(norm))],
-                    scores=norm,
-                    logprobs=[s for s, _, _ in scored],
-                    tokens=[n for _, n, _ in scored],
-                )
-            else:
-                rec["response"] = session.ask(text)
-                rec.update(prediction=parse_letter(rec["response"], q.options), scores=None)
-            rec["correct"] = rec["prediction"] == q.answer
-            if rank == 0:
-                append_line(out / "predictions.jsonl", rec)
-            bar.update(1)
-    bar.close()
-    if rank != 0:
-        return {}
-    asked = {q.qid for q in questions}
-    records = [r for r in read_predictions(out / "predictions.jsonl") if r["question_id"] in asked]
-    if not records:
-        raise ValueError(
-            f"no question of {benchmark} under {data} could be asked "
-            f"(skipped: { {k: len(v) for k, v in skipped.items()} })"
+            except Exception as e:  # noqa: BLE001 - raised on every rank by fail_together
+                error = e
+        self.runtime.agree(error)
+        if self.runtime.group is not None:
+            pending = broadcast_record(
+                pending, PendingQuestions, src=self.src, group=self.runtime.group
+            )
+        return set(pending.todo)
+
+    def read_video(self, video: str, questions: list[Question]) -> VideoMessage:
+        """Rank 0: the video fitted to the longest of its questions and encoded, or the reason
+        its questions are skipped."""
+        s, subs = self.settings, {}
+        try:
+            if not Path(video).is_file():
+                raise FileNotFoundError(video)
+            if s.subtitles:
+                subs = {q.qid: _subtitles(q, s.fps, s.max_frames) for q in questions}
+            texts = [question_text(q, s.mode, subs.get(q.qid, "")) for q in questions]
+            room = (
+                self.infer.max_new_tokens
+                if s.mode == "generate"
+                else max(len(option_ids(self.tokenizer, o)) for q in questions for o in q.options)
+            )
+            encoded = fit_and_encode(
+                self.pretrained,
+                video,
+                texts,
+                room,
+                s.fps,
+                s.max_frames,
+                self.infer.encode_batch_frames,
+            )
+        except FileNotFoundError:
+            return VideoMessage(video, "missing_video", f"no such file: {video}")
+        except VideoError as e:
+            return VideoMessage(video, "unreadable_video", f"{e.reason}: {e}")
+        except ValueError as e:  # not one frame fits the context with the question
+            return VideoMessage(video, "does_not_fit", str(e))
+        self.encoded += 1
+        return VideoMessage.of(video, encoded, subs)
+
+    def encode(self, video: str, questions: list[Question]) -> VideoMessage:
+        """Rank 0's VideoMessage about `video` on every rank; any other error of rank 0's stops
+        every rank."""
+        message, error = None, None
+        if self.rank == 0:
+            try:
+                message = self.read_video(video, questions)
+            except Exception as e:  # noqa: BLE001 - raised on every rank by fail_together
+                error = e
+        self.runtime.agree(error)
+        if self.runtime.group is None:
+            return message
+        message = broadcast_record(message, VideoMessage, src=self.src, group=self.runtime.group)
+        if message.video != video:
+            raise RuntimeError(
+                f"rank 0 sent {message.video} where {video} was due: the ranks read different "
+                "benchmarks"
+            )
+        return message
+
+    def answer(self, session, q: Question, message: VideoMessage) -> dict:
+        """The prediction record of one question about the message's video."""
+        mode = self.settings.mode
+        text = question_text(q, mode, dict(message.subtitles).get(q.qid, ""))
+        record = {
+            "question_id": q.qid,
+            "answer": q.answer,
+            "options": len(q.options),
+            "video": message.video,
+            "groups": q.groups,
+            "frames": int(message.codes.shape[0]),
+        }
+        if mode == "likelihood":
+            scored = session.score(text, [option_ids(self.tokenizer, o) for o in q.options])
+            norm = [score / len(o) for (score, _, _), o in zip(scored, q.options)]
+            record.update(
+                prediction=LETTERS[int(np.argmax(norm))],
+                scores=norm,
+                logprobs=[score for score, _, _ in scored],
+                tokens=[n for _, n, _ in scored],
+            )
+        else:
+            record["response"] = session.ask(text)
+            record.update(prediction=parse_letter(record["response"], q.options), scores=None)
+        record["correct"] = record["prediction"] == q.answer
+        return record
+
+    def write(self, record: dict) -> None:
+        """Rank 0 appends the record; the ranks agree on its failure."""
+        error = None
+        if self.rank == 0:
+            try:
+                append_line(self.out / "predictions.jsonl", record)
+            except Exception as e:  # noqa: BLE001 - raised on every rank by fail_together
+                error = e
+        self.runtime.agree(error)
+
+    def summarise(self) -> dict:
+        """Rank 0: the summary of every prediction of this benchmark's questions, written as
+        summary.json and summary.png."""
+        s, out = self.settings, self.out
+        asked = {q.qid for q in self.questions}
+        records = [
+            r for r in read_predictions(out / "predictions.jsonl") if r["question_id"] in asked
+        ]
+        if not records:
+            raise ValueError(
+                f"no question of {s.benchmark} under {s.data} could be asked "
+                f"(skipped: { {k: len(v) for k, v in self.skipped.items()} })"
+            )
+        summary = {
+            "benchmark": s.benchmark,
+            "mode": s.mode,
+            **summarise(records),
+            "settings": self.run_json,
+            "skipped": {k: {"count": len(v), "questions": v} for k, v in self.skipped.items()},
+            "bootstrap": {"resamples": BOOTSTRAP_RESAMPLES, "seed": 0, "unit": "video"},
+            "seconds_this_run": round(time.time() - self.t0, 2),
+            "videos_encoded": self.encoded,
+            "json": str(out / "summary.json"),
+            "png": str(out / "summary.png"),
+        }
+        save_bars(
+            summary,
+            out / "summary.png",
+            f"{s.benchmark} ({s.mode}): {summary['accuracy']:.1%} of {summary['questions']} "
+            "questions",
         )
-    summary = {
-        "benchmark": benchmark,
-        "mode": mode,
-        **summarise(records),
-        "settings": settings,
-        "skipped": {k: {"count": len(v), "questions": v} for k, v in skipped.items()},
-        "bootstrap": {"resamples": BOOTSTRAP_RESAMPLES, "seed": 0, "unit": "video"},
-        "seconds_this_run": round(time.time() - t0, 2),
-        "videos_encoded": encoded,
-        "json": str(out / "summary.json"),
-        "png": str(out / "summary.png"),
-    }
-    save_bars(
-        summary,
-        out / "summary.png",
-        f"{benchmark} ({mode}): {summary['accuracy']:.1%} of {summary['questions']} questions",
-    )
-    write_json_atomic(out / "summary.json", summary, indent=1)
-    return summary
+        write_json_atomic(out / "summary.json", summary, indent=1)
+        return summary
+
+    def run(self) -> dict:
+        todo = self.resume()
+        by_video: dict[str, list[Question]] = {}
+        for q in self.questions:
+            if q.problem and q.qid in todo:
+                self.skip(q, "malformed_options", q.problem)
+            elif not q.problem:
+                by_video.setdefault(q.video, []).append(q)
+        bar = tqdm(
+            total=len(todo),
+            desc=f"{self.settings.benchmark} ({self.settings.mode})",
+            unit="question",
+            disable=not self.runtime.progress or self.rank != 0,
+        )
+        for video, questions in by_video.items():
+            ask = [q for q in questions if q.qid in todo]
+            if not ask:
+                continue
+            message = self.encode(video, questions)
+            if message.skip_reason:
+                for q in ask:
+                    self.skip(q, message.skip_reason, message.skip_detail)
+                bar.update(len(ask))
+                continue
+            session = open_session(
+                self.pretrained, message.encoded(), self.infer, self.runtime.engine_factory
+            )
+            for q in ask:
+                self.write(self.answer(session, q, message))
+                bar.update(1)
+        bar.close()
+        return self.summarise() if self.rank == 0 else {}
+
+
+def evaluate_mcq(model, benchmark, data=None, out_dir=None, /, **options) -> dict:
+    """Answer and score benchmark `benchmark` released under `data`; rank 0 writes the files into
+    `out_dir` and returns the summary (the other ranks {}). `benchmark` may be an MCQSettings
+    (then without data and out_dir). options: MCQSettings fields (mode, subtitles, fps,
+    max_frames, max_new_tokens, limit) and Runtime fields (engine_factory; group: the
+    sequence-parallel group every rank of which runs this call, with an engine_factory that builds
+    a SequenceParallelEngine; progress)."""
+    if isinstance(benchmark, MCQSettings):
+        if data is not None or out_dir is not None:
+            raise TypeError("evaluate_mcq() takes data and out_dir in its MCQSettings")
+        settings, runtime = settings_and_runtime(MCQSettings, benchmark, options, "evaluate_mcq")
+    else:
+        given = {"benchmark": benchmark, "data": data, "out_dir": out_dir}
+        given = {k: v for k, v in given.items() if v is not None}
+        twice = sorted(set(given) & set(options))
+        if twice:
+            raise TypeError(f"evaluate_mcq() got {twice} twice")
+        settings, runtime = settings_and_runtime(
+            MCQSettings, None, {**given, **options}, "evaluate_mcq"
+        )
+    return MCQEvaluation(model, settings, runtime).run()

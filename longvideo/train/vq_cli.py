@@ -16,7 +16,7 @@ import json
 import sys
 
 from longvideo.data.frames import synthetic_videos
-from longvideo.train.vq import train_vq
+from longvideo.train.vq import VQTrainer, VQTrainSettings
 from longvideo.vq.config import load_vq_config
 
 
@@ -62,7 +62,15 @@ def main(argv: list[str]) -> int:
         "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. lr=1e-3"
     )
     a = p.parse_args(argv)
-
+    settings = VQTrainSettings(
+        out_dir=a.out,
+        steps=a.steps,
+        time_budget_s=a.time_budget,
+        resume=not a.no_resume,
+        device=a.device,
+        progress=not a.quiet,
+        tensorboard=not a.no_tensorboard,
+    )
     try:  # a config error (ConfigError is a ValueError) or unusable data: one line, exit status 2
         cfg = load_vq_config(a.config, a.overrides)
         source = (
@@ -70,17 +78,7 @@ def main(argv: list[str]) -> int:
             if not a.synthetic
             else synthetic_videos(a.synthetic, cfg, fps=a.synthetic_fps, seed=cfg.seed)
         )
-        result = train_vq(
-            cfg,
-            source,
-            a.out,
-            steps=a.steps,
-            time_budget_s=a.time_budget,
-            resume=not a.no_resume,
-            device=a.device,
-            progress=not a.quiet,
-            tensorboard=not a.no_tensorboard,
-        )
+        result = VQTrainer(cfg, settings).run(source)
     except (FileNotFoundError, ValueError) as e:
         print(f"train-vq: {e}", file=sys.stderr)
         return 2
