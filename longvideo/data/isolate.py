@@ -9,6 +9,7 @@ memory limit, replies that are never unpickled and bytes spooled to a file: docs
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
 import os
 import select
@@ -226,7 +227,13 @@ class IsolatedDecordBackend:
 
     def __init__(self, src: VideoSource, label: str, max_resolution: int):
         self.label = label
-        self._w: Optional[_Worker] = _acquire()
+        self._w: Optional[_Worker] = None
+        if importlib.util.find_spec("decord") is None:  # a set-up error, not a bad video
+            raise ImportError(
+                "the decord video backend needs decord, an optional extra: "
+                "pip install 'longvideo[decord]' (or use the default backend, pyav)"
+            )
+        self._w = _acquire()
         self._w.reset_log()
         if isinstance(src, (bytes, bytearray, memoryview)):
             req, payload = {"op": "open"}, bytes(src)
