@@ -24,6 +24,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 LIBRARY = {"longvideo": REPO / "longvideo", "longvideo.kernels": REPO / "kernels"}
 OTHERS = [REPO / "scripts", REPO / "tests"]
@@ -229,3 +231,38 @@ def test_the_scan_sees_what_it_must():
     )
     assert distribution_of("json", installed, core) is None
     assert "lmms-eval" in extras["lmms"] and "diffusers" in extras["lwm"]
+
+
+def _lwm_vqgan():
+    from longvideo.vq import VQConfig
+    from longvideo.vq.vqgan import LWMVQGAN
+
+    LWMVQGAN(VQConfig(arch="lwm-vqgan", quantizer="vq"))
+
+
+def _videomme(tmp_path):
+    from longvideo.infer.benchmarks import _videomme
+
+    _videomme(tmp_path)
+
+
+def _decord(tmp_path):
+    from longvideo.data.video import read_video
+
+    (tmp_path / "a.mp4").write_bytes(b"not read")
+    read_video(tmp_path / "a.mp4", backend="decord")
+
+
+@pytest.mark.parametrize(
+    "hidden, call, extra",
+    [
+        ("diffusers", lambda tmp: _lwm_vqgan(), "lwm"),
+        ("pyarrow.parquet", _videomme, "videomme"),
+        ("decord", _decord, "decord"),
+    ],
+    ids=["lwm", "videomme", "second-video-backend"],  # runs where decord is missing
+)
+def test_a_missing_extra_is_named_by_the_error(hidden, call, extra, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, hidden, None)  # as if not installed
+    with pytest.raises(ImportError, match=re.escape(f"pip install 'longvideo[{extra}]'")):
+        call(tmp_path)

@@ -100,7 +100,7 @@ def import_lwm_main(argv: list[str]) -> int:
             overrides=a.overrides,
             progress=say,
         ),
-        ERRORS + (UnsafePickleError,),
+        ERRORS + (UnsafePickleError, ImportError),
     )
 
 
