@@ -113,7 +113,8 @@ class TextTokenizer:
 
     def save(self, path: str | Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
-        self.hf.save_pretrained(str(path))
+        # a chat template goes into tokenizer_config.json, where every transformers reads it
+        self.hf.save_pretrained(str(path), save_jinja_files=False)
 
     @property
     def bos_id(self) -> Optional[int]:
