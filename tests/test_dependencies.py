@@ -266,3 +266,17 @@ def test_a_missing_extra_is_named_by_the_error(hidden, call, extra, monkeypatch,
     monkeypatch.setitem(sys.modules, hidden, None)  # as if not installed
     with pytest.raises(ImportError, match=re.escape(f"pip install 'longvideo[{extra}]'")):
         call(tmp_path)
+
+
+def test_one_version(capsys):
+    """The version lives in longvideo/__init__.py: the metadata and `longvideo --version` read it."""
+    import longvideo
+    from longvideo import cli
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    attr = project["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    assert attr == "longvideo.__version__"
+    assert importlib.metadata.version("longvideo") == longvideo.__version__
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"longvideo {longvideo.__version__}\n"
