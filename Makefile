@@ -11,7 +11,7 @@ LMMS_LOCK := requirements-lmms.lock
 LOCK_EXTRAS := --extra dev --extra decord --extra wandb
 # A constraint file pip is configured with (a machine whose local wheels cap torch) binds the lock too,
 # so that the lock stays installable there.
-PIP_CONSTRAINT_FILE = $(shell $(BIN)/python -m pip config list 2>/dev/null \
+PIP_CONSTRAINT_FILE = $(shell $(PY) -m pip config list 2>/dev/null \
 	| sed -n "s/^[^=]*[.]constraint='\(.*\)'$$/\1/p")
 UV_COMPILE = pip compile pyproject.toml --universal --python-version 3.11 --quiet \
 	--custom-compile-command "make lock" $(foreach c,$(PIP_CONSTRAINT_FILE),-c $(c))
