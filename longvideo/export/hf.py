@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
+from longvideo.atomic import write_bytes_atomic
 from longvideo.checkpoint import (
     EXPORT_CONFIG,
     TOKENIZER_DIR,
@@ -227,9 +228,8 @@ def write_hf_weights(
     index = out / WEIGHTS_INDEX
     if n > 1:
         weight_map = {k: f for f, names in zip(files, shards) for k in names}
-        index.write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-        )
+        doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        write_bytes_atomic(index, json.dumps(doc, indent=2).encode())
     for old in [index] * (n == 1) + list(out.glob("model-*-of-*.safetensors")):
         if old.name not in files:
             old.unlink(missing_ok=True)
