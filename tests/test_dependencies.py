@@ -33,7 +33,6 @@ OTHERS = [REPO / "scripts", REPO / "tests"]
 # Packages declared for work that is not an import of them (the test checks that each is declared
 # and, where it says so, never imported: a stale entry fails).
 NOT_IMPORTED = {
-    "accelerate": "a launcher: `accelerate launch` with configs/accelerate/ (tests/test_accelerate.py)",
     "sentencepiece": "transformers reads LWM's tokenizer.model with it (tests/test_lwm.py)",
     "protobuf": "transformers parses tokenizer.model with it (releases before 7 cannot)",
     "scikit-image": "its sample photographs, read by path (tests/material/photo_videos.py)",
