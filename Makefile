@@ -72,6 +72,8 @@ decord-env: $(STAMP)
 
 # Not in CI: the suite on the newest releases pyproject.toml allows, resolved now (not the lock) into
 # .venv-latest (its versions.txt lists them). The README records when it last passed.
+# LATEST_TESTS="-m 'not slow' tests" runs a part.
+LATEST_TESTS ?= tests
 test-latest:
 	rm -rf .venv-latest
 	$(PY) -m venv .venv-latest
@@ -79,7 +81,7 @@ test-latest:
 	.venv-latest/bin/python -m uv $(UV_COMPILE) $(LOCK_EXTRAS) --upgrade -o .venv-latest/latest.lock
 	$(call install_from,.venv-latest,.venv-latest/latest.lock)
 	.venv-latest/bin/python -m pip freeze --exclude-editable > .venv-latest/versions.txt
-	.venv-latest/bin/python -m pytest -q -x --timeout=900 $(PYTEST_ARGS) tests
+	.venv-latest/bin/python -m pytest -q -x --timeout=900 $(LATEST_TESTS)
 
 demo: $(STAMP)
 	$(BIN)/python -m longvideo.demo
