@@ -279,3 +279,53 @@ def test_one_version(capsys):
     assert importlib.metadata.version("longvideo") == longvideo.__version__
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"longvideo {longvideo.__version__}\n"
+
+
+def _pins(lock: Path) -> dict[str, list[tuple[str, str]]]:
+    """name -> [(version, marker)] of a lock's `name==version ; marker` lines."""
+    out = defaultdict(list)
+    for line in lock.read_text().splitlines():
+        m = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;]+)\s*(?:;\s*(.*))?$", line)
+        if m:
+            out[norm(m.group(1))].append((m.group(2), m.group(3) or ""))
+    return out
+
+
+@pytest.mark.parametrize(
+    "lock, extras",
+    [
+        (
+            "requirements.lock",
+            ("dev", "decord", "wandb", "lwm", "videomme", "accelerate", "triton"),
+        ),
+        ("requirements-lmms.lock", ("lmms",)),
+    ],
+)
+def test_the_lock_holds_every_declared_package_inside_its_range(lock, extras):
+    """`make lock` ran after pyproject.toml last changed: every dependency of the environment the
+    lock builds is pinned there, at a version its range allows (Python 3.11 on Linux)."""
+    from packaging.markers import Marker
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    reqs = [Requirement(r) for r in project["dependencies"]]
+    for extra in extras:
+        reqs += [Requirement(r) for r in project["optional-dependencies"][extra]]
+    env = {"python_version": "3.11", "python_full_version": "3.11.7", "sys_platform": "linux"}
+    env |= {"platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}
+    pins = _pins(REPO / lock)
+    bad = []
+    for req in reqs:
+        name = norm(req.name)
+        if name == "longvideo" or (req.marker and not req.marker.evaluate(env)):
+            continue
+        versions = [
+            v for v, marker in pins.get(name, []) if not marker or Marker(marker).evaluate(env)
+        ]
+        if len(versions) != 1:
+            bad.append(f"{req}: {len(versions)} pins in {lock}")
+        elif lock == "requirements.lock" and not req.specifier.contains(
+            versions[0], prereleases=True
+        ):
+            bad.append(f"{req}: {lock} pins {versions[0]}")
+    assert not bad, "run `make lock`:\n" + "\n".join(bad)
