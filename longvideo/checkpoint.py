@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, Iterator, Optional
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from longvideo.atomic import atomic_open, write_bytes_atomic
@@ -28,6 +29,7 @@ from longvideo.vq import VQModel, load_vq
 
 CONFIG_FILE = "config.yaml"
 WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded Hugging Face directory's
 EXPORT_CONFIG = "longvideo.yaml"
 TOKENIZER_DIR = "tokenizer"
 VQ_DIR = "vq"
@@ -200,11 +202,22 @@ def save_project_checkpoint(
     cfg: Config,
     tokenizer: Optional[TextTokenizer] = None,
     vq: Optional[VQModel] = None,
+    progress=None,
 ) -> Path:
-    """Write config.yaml + model.safetensors (+ tokenizer/, vq/) into out_dir."""
+    """Write config.yaml + model.safetensors (+ tokenizer/, vq/) into out_dir. progress: a tqdm
+    bar (or None), advanced by each tensor's bytes as it is written (one at a time)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_weights(out / WEIGHTS_FILE, untie(state_dict, cfg.model))
+    weights = untie(state_dict, cfg.model)
+    if progress is None:
+        write_weights(out / WEIGHTS_FILE, weights)
+    else:
+        specs = {k: (v.dtype, tuple(v.shape)) for k, v in weights.items()}
+        with progress, streaming_weights(out / WEIGHTS_FILE, specs) as w:
+            progress.reset(total=sum(v.numel() * v.element_size() for v in weights.values()))
+            for k, v in weights.items():
+                w.write(k, v)
+                progress.update(v.numel() * v.element_size())
     save_config(cfg, out / CONFIG_FILE)
     if tokenizer is not None:
         tokenizer.save(out / TOKENIZER_DIR)
@@ -347,21 +360,36 @@ def from_hf_names(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
     return tie(untie(out, cfg), cfg)
 
 
-def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors, or the shards listed in model.safetensors.index.json."""
+def read_safetensors_dir(path: Path, progress=None) -> dict[str, torch.Tensor]:
+    """model.safetensors, or the shards listed in model.safetensors.index.json. progress: a tqdm
+    bar (or None) advanced by each tensor's bytes."""
     single = path / WEIGHTS_FILE
+    index = path / WEIGHTS_INDEX
     if single.is_file():
-        return load_file(str(single))
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [single]
+    elif index.is_file():
+        files = [
+            path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        ]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"shard listed in {index} is missing: {f}")
+    else:
+        raise FileNotFoundError(f"no {WEIGHTS_FILE} (or {WEIGHTS_INDEX}) in {path}")
+    if progress is None:
         sd = {}
         for f in files:
-            if not (path / f).is_file():
-                raise FileNotFoundError(f"shard listed in {index} is missing: {path / f}")
-            sd.update(load_file(str(path / f)))
+            sd.update(load_file(str(f)))
         return sd
-    raise FileNotFoundError(f"no {WEIGHTS_FILE} (or model.safetensors.index.json) in {path}")
+    with progress:
+        progress.reset(total=sum(f.stat().st_size for f in files))
+        sd = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    sd[k] = st.get_tensor(k)
+                    progress.update(sd[k].numel() * sd[k].element_size())
+        return sd
 
 
 @dataclass

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from longvideo import __version__
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-data": ("longvideo.data.cli:make_data_main", "write synthetic video-text shards"),
     "tokenize": ("longvideo.data.cli:tokenize_main", "VQ-encode raw shards into token shards"),
@@ -36,7 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def usage() -> str:
     width = max(len(c) for c in COMMANDS)
-    lines = ["usage: longvideo <command> [options]", "", "commands:"]
+    lines = ["usage: longvideo <command> [options]", "       longvideo --version", "", "commands:"]
     lines += [f"  {name:<{width}}  {desc}" for name, (_, desc) in COMMANDS.items()]
     lines += ["", "`longvideo <command> --help` describes a command's options."]
     return "\n".join(lines)
@@ -49,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"longvideo {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

@@ -114,9 +114,10 @@ class TextTokenizer:
 
     def save(self, path: str | Path) -> None:
         """transformers' files into `path`, moved in one rename each with tokenizer.json last
-        (longvideo.atomic.atomic_dir): a tokenizer.json is never beside a partial save."""
+        (longvideo.atomic.atomic_dir): a tokenizer.json is never beside a partial save. A chat
+        template goes into tokenizer_config.json, where every transformers reads it."""
         with atomic_dir(path, marker="tokenizer.json") as tmp:
-            self.hf.save_pretrained(str(tmp))
+            self.hf.save_pretrained(str(tmp), save_jinja_files=False)
 
     @property
     def bos_id(self) -> Optional[int]:

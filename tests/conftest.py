@@ -4,6 +4,9 @@
 * DeepSpeed uses its CPU accelerator.
 * Threads are capped so several spawned ranks share the 2-core CI machine well.
 * DeepSpeed's JIT-built ops go under the venv, so two checkouts' venvs never rebuild each other's.
+* Tests of the decord backend (marked `decord`, or named after it, or taking it as a parameter) are
+  skipped where decord is not installed, the main environment (`pip check` calls its wheel
+  unsupported); tests/test_decord.py runs them in the decord extra's own environment.
 * With LONGVIDEO_SUITE_JSON=PATH, a session that passes writes its wall time, test counts and the
   machine there (`make results` puts `make test` / `make check` times in the README from it).
 """
@@ -31,9 +34,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+import importlib.util  # noqa: E402
+
 import pytest  # noqa: E402
 
 _START = time.time()
+HAVE_DECORD = importlib.util.find_spec("decord") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(
+        reason="decord is an optional extra, not in the main environment: tests/test_decord.py "
+        "runs these in its own"
+    )
+    for item in items:
+        if item.path.name == "test_decord.py":  # the runner of the others
+            continue
+        if "decord" in item.name or item.get_closest_marker("decord"):
+            item.add_marker(pytest.mark.decord)
+            if not HAVE_DECORD:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,8 @@ def modules() -> dict[str, Path]:
                 parts = parts[:-1]
             name = ".".join([pkg, *parts])
             if pkg == "longvideo" and parts and parts[0] in ("kernels", "configs"):
-                continue
+                if parts != ["kernels"]:  # longvideo/kernels/__init__.py: the kernels' surface
+                    continue
             out[name] = path
     return out
 
@@ -432,6 +433,23 @@ print(kernels.__file__, ours.__file__, kernels is not ours and hasattr(ours, "ge
 """
 
 
+def test_the_kernels_folder_is_no_regular_package():
+    """The top-level kernels/ folder has no __init__.py, so from the checkout's root it is at most a
+    namespace portion, which Python ranks below a regular package anywhere on sys.path; the surface
+    of `longvideo.kernels` is longvideo/kernels/__init__.py, which finds the folder's modules."""
+    assert not list((REPO / "kernels").glob("__init__.*"))
+    code = (
+        "import importlib.util, sys; "
+        "sys.path[:] = [p for p in sys.path if 'site-packages' not in p]; "
+        "s = importlib.util.find_spec('kernels'); "
+        "print(s.origin, list(s.submodule_search_locations))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    origin, locations = done.stdout.split(" ", 1)
+    assert origin == "None" and str(REPO / "kernels") in locations  # a namespace, nothing more
+
+
 @pytest.mark.parametrize("other", [True, False], ids=["another-kernels-package", "none-other"])
 def test_the_checkouts_kernels_folder_never_takes_the_top_level_name(tmp_path, other):
     """Run from the repository's root, `import kernels` gets another distribution's package (PyPI's
@@ -443,14 +461,11 @@ def test_the_checkouts_kernels_folder_never_takes_the_top_level_name(tmp_path, o
     done = subprocess.run(
         [sys.executable, "-c", _SHADOW, str(tmp_path)], cwd=REPO, capture_output=True, text=True
     )
-    assert done.returncode == 0, done.stderr[
-        -2000:
-    ]  # transformers imports, whatever `kernels` it finds
+    # transformers imports, whatever `kernels` it finds
+    assert done.returncode == 0, done.stderr[-2000:]
     theirs, ours, distinct = done.stdout.split()
-    assert Path(ours) == REPO / "kernels" / "__init__.py" and distinct == "True"
-    if (
-        other
-    ):  # an installed `kernels` (here the test's, or Hugging Face's) always wins over the folder
-        assert Path(theirs).parent != REPO / "kernels", theirs
+    assert Path(ours) == REPO / "longvideo" / "kernels" / "__init__.py" and distinct == "True"
+    # an installed `kernels` (here the test's, or Hugging Face's) always wins over the folder
+    assert Path(theirs).parent != REPO / "kernels", theirs
     if other and Path(theirs).parent.parent == tmp_path:
         assert Path(theirs) == tmp_path / "kernels" / "__init__.py"

@@ -186,6 +186,7 @@ def _fake_child(tmp_path, body):
     return str(path)
 
 
+@pytest.mark.decord  # the backend is decord's, even with a stand-in child
 def test_child_that_dies_or_hangs_costs_one_video(good, tmp_path, monkeypatch):
     monkeypatch.setattr(
         isolate,

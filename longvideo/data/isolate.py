@@ -9,6 +9,7 @@ memory limit, replies that are never unpickled and bytes spooled to a file: docs
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
 import os
 import select
@@ -228,6 +229,11 @@ class IsolatedDecordBackend:
     def __init__(self, src: VideoSource, label: str, max_resolution: int):
         self.label = label
         self._w: Optional[_Worker] = None
+        if importlib.util.find_spec("decord") is None:  # a set-up error, not a bad video
+            raise ImportError(
+                "the decord video backend needs decord, an optional extra: "
+                "pip install 'longvideo[decord]' (or use the default backend, pyav)"
+            )
         # decord's own FFmpeg would open any format (concat scripts, playlists, image
         # sequences): the child is given only what PyAV opens as an allowed container
         check_container(src, label)

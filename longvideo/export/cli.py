@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from longvideo.export.hf import export_hf, import_hf
+from longvideo.export.hf import DEFAULT_MAX_SHARD_SIZE, DTYPES, export_hf, import_hf
 from longvideo.export.lwm import import_lwm
 from longvideo.safepickle import UnsafePickleError
 
@@ -48,10 +48,17 @@ def import_main(argv: list[str]) -> int:
     p.add_argument(
         "--codebook-size", type=int, default=None, help="VQ codebook size (default: the config's)"
     )
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     a = p.parse_args(argv)
     return _run(
         "import-hf",
-        lambda: import_hf(a.hf, a.out, base_config=a.config, codebook_size=a.codebook_size),
+        lambda: import_hf(
+            a.hf,
+            a.out,
+            base_config=a.config,
+            codebook_size=a.codebook_size,
+            progress=False if a.quiet else None,
+        ),
     )
 
 
@@ -101,16 +108,32 @@ def import_lwm_main(argv: list[str]) -> int:
             overrides=a.overrides,
             progress=say,
         ),
-        ERRORS + (UnsafePickleError,),
+        ERRORS + (UnsafePickleError, ImportError),
     )
+
+
+EXPORT_EPILOG = """\
+Loading the directory:
+  AutoModelForCausalLM.from_pretrained(OUT)   a plain LlamaForCausalLM: no trust_remote_code.
+    A model trained with model.attn_logn_base > 0 (the hour models) scales its queries with
+    their position, which transformers' Llama cannot: it is written as LongVideoLlamaForCausalLM
+    with its code (modeling_longvideo.py) and loads with trust_remote_code=True only.
+  AutoProcessor.from_pretrained(OUT, trust_remote_code=True)   (with a VQ in the checkpoint)
+    the processor is longvideo's own (processing_longvideo.py imports it: pip install longvideo);
+    longvideo.export.LongVideoProcessor.from_pretrained(OUT) needs no remote code.
+  AutoTokenizer.from_pretrained(OUT)   with the QA prompt as its chat template.
+See docs/export.md."""
 
 
 def export_main(argv: list[str]) -> int:
     p = _parser(
         "export",
-        "Write a Hugging Face directory that transformers loads with no custom code.",
+        "Write a Hugging Face directory: config.json, safetensors weights (sharded with an index "
+        "past --max-shard-size), tokenizer, generation config, VQ and processor.",
         "output directory",
     )
+    p.epilog = EXPORT_EPILOG
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument(
         "--ckpt",
         required=True,
@@ -122,9 +145,30 @@ def export_main(argv: list[str]) -> int:
     p.add_argument(
         "--vq", default=None, help="VQ tokenizer directory (default: CKPT/vq if present)"
     )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="fp32",
+        help="the weights' dtype in the files and config.json (default fp32)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help="largest weight file, e.g. 5GB, 500MB, 2GiB (default %(default)s); past it the "
+        "weights are shards with model.safetensors.index.json",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     return _run(
         "export",
-        lambda: export_hf(a.ckpt, a.out, tokenizer_dir=a.tokenizer, vq_dir=a.vq),
+        lambda: export_hf(
+            a.ckpt,
+            a.out,
+            tokenizer_dir=a.tokenizer,
+            vq_dir=a.vq,
+            dtype=a.dtype,
+            max_shard_size=a.max_shard_size,
+            progress=False if a.quiet else None,
+        ),
         done="exported",
     )

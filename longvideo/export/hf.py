@@ -8,21 +8,25 @@ module converts between them. docs/export.md, docs/models.md.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import torch
+from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from longvideo.atomic import atomic_dir
+from longvideo.atomic import atomic_dir, write_bytes_atomic
 from longvideo.checkpoint import (
     CONFIG_FILE,
     EXPORT_CONFIG,
     TOKENIZER_DIR,
     VQ_DIR,
     WEIGHTS_FILE,
+    WEIGHTS_INDEX,
     CheckpointError,
     check_shapes,
     from_hf_names,
@@ -34,7 +38,7 @@ from longvideo.checkpoint import (
     to_hf_names,
 )
 from longvideo.config import Config, load_config, save_config
-from longvideo.export.processor import LongVideoProcessor, ProcessorSettings
+from longvideo.export.processor import LongVideoProcessor, ProcessorSettings, chat_template
 from longvideo.model import ModelConfig, families
 from longvideo.model.families import LOGN_MODULE
 from longvideo.tokenizer import TextTokenizer
@@ -83,15 +87,102 @@ def generation_config(cfg: ModelConfig, tokenizer) -> dict:
     return gen
 
 
+# export's --dtype: the weights' dtype on disk and config.json's
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # as transformers' save_pretrained
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+def parse_size(size: str | int) -> int:
+    """Bytes of a size such as 5GB, 500MB, 2GiB or 1000000 (transformers' spelling)."""
+    if isinstance(size, int):
+        n = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
+        if not m or m.group(2).upper() not in _UNITS:
+            raise ValueError(f"max shard size: expected e.g. 5GB, 500MB or 2GiB, got {size!r}")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n <= 0:
+        raise ValueError(f"max shard size must be positive, got {size!r}")
+    return n
+
+
+def shard_names(
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], max_bytes: int
+) -> list[list[str]]:
+    """Tensor names per shard, in order, each shard at most `max_bytes` (a larger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, (dtype, shape) in specs.items():
+        n = dtype.itemsize * int(torch.Size(shape).numel())
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def write_hf_weights(
+    out: Path,
+    hf_sd: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = parse_size(DEFAULT_MAX_SHARD_SIZE),
+    progress: Optional[bool] = None,
+) -> list[str]:
+    """model.safetensors, or shards model-0000i-of-0000n.safetensors with
+    model.safetensors.index.json once the weights pass `max_shard_bytes`, as transformers writes
+    them; one tensor at a time (a bf16 checkpoint is never held twice in fp32). Weight files of an
+    earlier export in `out` that this one does not write are removed. The file names."""
+    specs = {k: (dtype, tuple(v.shape)) for k, v in hf_sd.items()}
+    shards = shard_names(specs, max_shard_bytes)
+    n = len(shards)
+    files = (
+        [WEIGHTS_FILE]
+        if n == 1
+        else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    )
+    total = sum(dtype.itemsize * int(torch.Size(s).numel()) for _, s in specs.values())
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc="export", disable=_quiet(progress)
+    ) as bar:
+        for file, names in zip(files, shards):
+            with streaming_weights(
+                out / file, {k: specs[k] for k in names}, metadata={"format": "pt"}
+            ) as w:
+                for k in names:
+                    w.write(k, hf_sd[k].to(dtype))
+                    bar.update(dtype.itemsize * hf_sd[k].numel())
+    index = out / WEIGHTS_INDEX
+    if n > 1:
+        weight_map = {k: f for f, names in zip(files, shards) for k in names}
+        doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        write_bytes_atomic(index, json.dumps(doc, indent=2).encode())
+    for old in [index] * (n == 1) + list(out.glob("model-*-of-*.safetensors")):
+        if old.name not in files:
+            old.unlink(missing_ok=True)
+    if n > 1:
+        (out / WEIGHTS_FILE).unlink(missing_ok=True)
+    return files
+
+
+def _quiet(progress: Optional[bool]) -> Optional[bool]:
+    """tqdm's `disable`: progress True shows a bar, False hides it, None shows it on a terminal."""
+    return None if progress is None else not progress
+
+
 def import_hf(
     hf_dir: str | Path,
     out_dir: str | Path,
     base_config: Optional[str] = None,
     codebook_size: Optional[int] = None,
+    progress: Optional[bool] = None,
 ) -> Path:
     """Read a local transformers decoder of a supported family (safetensors) into a project
     checkpoint, extending the vocabulary by the vision tokens and the VQ codes (new rows = mean of
-    the existing rows)."""
+    the existing rows). progress: bars for reading and writing the weights (None: on a terminal
+    only)."""
     hf_dir = Path(hf_dir)
     cfg_file = hf_dir / "config.json"
     if not cfg_file.is_file():
@@ -103,14 +194,17 @@ def import_hf(
         with atomic_dir(out_dir, marker=CONFIG_FILE) as tmp:  # config.yaml last: then it is whole
             save_project_checkpoint(
                 tmp,
-                from_hf_names(read_safetensors_dir(hf_dir), root.model),
+                from_hf_names(
+                    read_safetensors_dir(hf_dir, progress=_bar("read", progress)), root.model
+                ),
                 root,
                 tokenizer=TextTokenizer.from_dir(hf_dir, root.model.vocab_layout),
                 vq=load_vq(hf_dir / VQ_DIR) if (hf_dir / VQ_DIR).is_dir() else None,
+                progress=_bar("write", progress),
             )
         return Path(out_dir)
     K = codebook_size or root.vq.codebook_size
-    sd_hf = read_safetensors_dir(hf_dir)
+    sd_hf = read_safetensors_dir(hf_dir, progress=_bar("read", progress))
     emb_key = "model.embed_tokens.weight"
     if emb_key not in sd_hf:
         raise CheckpointError(f"{hf_dir}: no tensor '{emb_key}'")
@@ -146,8 +240,14 @@ def import_hf(
     sd = tie(sd, mcfg)
     check_shapes(sd, mcfg, str(hf_dir))
     with atomic_dir(out_dir, marker=CONFIG_FILE) as tmp:  # config.yaml last: then it is whole
-        save_project_checkpoint(tmp, sd, root, tokenizer=tokenizer)
+        save_project_checkpoint(
+            tmp, sd, root, tokenizer=tokenizer, progress=_bar("write", progress)
+        )
     return Path(out_dir)
+
+
+def _bar(what: str, progress: Optional[bool]) -> tqdm:
+    return tqdm(unit="B", unit_scale=True, desc=f"import-hf: {what}", disable=_quiet(progress))
 
 
 def export_hf(
@@ -155,21 +255,38 @@ def export_hf(
     out_dir: str | Path,
     tokenizer_dir: Optional[str | Path] = None,
     vq_dir: Optional[str | Path] = None,
+    dtype: str = "fp32",
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    progress: Optional[bool] = None,
 ) -> Path:
-    """Write a Hugging Face directory (config.json, model.safetensors, tokenizer, generation config,
-    longvideo.yaml, vq/ and the processor config) from a project checkpoint or training run.
-    Atomic (longvideo.atomic.atomic_dir): the files are written beside `out_dir` and moved in
-    with config.json last, so a directory with config.json holds a whole export."""
+    """Write a Hugging Face directory (config.json, the weights in `dtype` (bf16, fp16 or fp32),
+    sharded past `max_shard_size`, the tokenizer with its chat template, generation config,
+    longvideo.yaml, vq/ and the processor) from a project checkpoint or training run. Atomic
+    (longvideo.atomic.atomic_dir): the files are written beside `out_dir` and moved in with
+    config.json last, so a directory with config.json holds a whole export."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    weights = WeightsFormat(DTYPES[dtype], parse_size(max_shard_size), progress)
     with atomic_dir(out_dir, marker="config.json") as tmp:
-        _export_into(ckpt, tmp, tokenizer_dir, vq_dir)
+        _export_into(ckpt, tmp, tokenizer_dir, vq_dir, weights)
     return Path(out_dir)
+
+
+@dataclass(frozen=True)
+class WeightsFormat:
+    """How an export writes its weights: their dtype, the largest shard (bytes), progress bars."""
+
+    dtype: torch.dtype
+    max_shard_bytes: int
+    progress: Optional[bool]
 
 
 def _export_into(
     ckpt: str | Path,
     out_dir: str | Path,
-    tokenizer_dir: Optional[str | Path] = None,
-    vq_dir: Optional[str | Path] = None,
+    tokenizer_dir: Optional[str | Path],
+    vq_dir: Optional[str | Path],
+    weights: WeightsFormat,
 ) -> Path:
     ckpt = Path(ckpt)
     sd, cfg = load_project_state(ckpt)
@@ -186,22 +303,24 @@ def _export_into(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf_sd = to_hf_names(sd, cfg.model)
-    specs = {k: (torch.float32, tuple(v.shape)) for k, v in hf_sd.items()}
-    with streaming_weights(out / WEIGHTS_FILE, specs, metadata={"format": "pt"}) as w:
-        for k, v in hf_sd.items():
-            w.write(k, v.float())
-    (out / "config.json").write_text(json.dumps(hf_config_dict(cfg.model, tokenizer), indent=2))
+    write_hf_weights(out, hf_sd, weights.dtype, weights.max_shard_bytes, weights.progress)
+    hf_cfg = hf_config_dict(cfg.model, tokenizer)
+    name = str(weights.dtype).removeprefix("torch.")
+    hf_cfg.update(torch_dtype=name, dtype=name)
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
     if cfg.model.attn_logn_base:
         shutil.copyfile(Path(__file__).with_name(f"{LOGN_MODULE}.py"), out / f"{LOGN_MODULE}.py")
     (out / "generation_config.json").write_text(
         json.dumps(generation_config(cfg.model, tokenizer), indent=2)
     )
+    settings = ProcessorSettings.from_config(cfg)
+    template = chat_template(settings)
+    if template is not None:  # the text side's prompt, for tokenizer.apply_chat_template
+        tokenizer.hf.chat_template = template
     tokenizer.save(out)
     save_config(cfg, out / EXPORT_CONFIG)
     vq_src = Path(vq_dir) if vq_dir else ckpt / VQ_DIR
     if vq_src.is_dir():  # with a video tokenizer the directory also serves LongVideoProcessor
-        processor = LongVideoProcessor(
-            tokenizer, load_vq(vq_src), ProcessorSettings.from_config(cfg)
-        )
+        processor = LongVideoProcessor(tokenizer, load_vq(vq_src), settings)
         processor.save_pretrained(out)
     return out

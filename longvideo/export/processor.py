@@ -1,7 +1,11 @@
 """LongVideoProcessor: (video, question) -> input_ids for `AutoModelForCausalLM.generate`, and back
 (docs/lwm.md shows its use). The prompt is the template the model was trained with
 (longvideo.data.templates; LWM's vision-chat prompt for an imported LWM model), with positions
-0..L-1 and one segment: no custom code is needed.
+0..L-1 and one segment: the model needs no custom code. An export's processor_config.json names
+it for `AutoProcessor.from_pretrained(path, trust_remote_code=True)`, through the two-line
+processing_longvideo.py written beside it (which imports this class: the longvideo package must be
+installed); `LongVideoProcessor.from_pretrained(path)` is the same without remote code.
+`chat_template` is the text side's prompt as a Jinja template for the tokenizer.
 """
 
 from __future__ import annotations
@@ -22,6 +26,35 @@ from longvideo.tokenizer import TextTokenizer
 from longvideo.vq import VQModel, load_vq
 
 PROCESSOR_CONFIG = "processor_config.json"
+PROCESSOR_MODULE = "processing_longvideo"  # the file AutoProcessor's auto_map names
+_PROCESSOR_CODE = f'''"""The processor of an exported longvideo model, for
+AutoProcessor.from_pretrained(path, trust_remote_code=True). It is longvideo's LongVideoProcessor
+(pip install longvideo): it VQ-encodes videos and lays out the prompt the model was trained with."""
+
+from {__name__} import LongVideoProcessor  # noqa: F401
+'''
+# the text side of the QA template (longvideo.data.templates.qa_parts) for apply_chat_template:
+# BOS, then per user turn "Question: ...\nAnswer:", per assistant turn " ..." and EOS
+QA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}"
+    "{{ 'Question: ' + message['content'] | trim + '\\nAnswer:' }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ ' ' + message['content'] | trim + eos_token }}"
+    "{% else %}"
+    "{{ raise_exception('the QA template has user and assistant turns only, not '"
+    " + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+)
+
+
+def chat_template(settings: "ProcessorSettings") -> Optional[str]:
+    """The tokenizer's chat template for a model's text side: the QA template's; None for LWM's
+    prompt, whose pieces are tokenized one by one (LWM's BOS tokens and SentencePiece word-boundary
+    markers), which no template string reproduces: use LongVideoProcessor there."""
+    return QA_CHAT_TEMPLATE if settings.prompt_template == "qa" else None
 
 
 @dataclass(frozen=True)
@@ -71,6 +104,21 @@ class ProcessorSettings:
         )
 
 
+# what AutoProcessor.from_pretrained passes on to a processor class, besides the path
+_HUB_KEYWORDS = {
+    "trust_remote_code",
+    "cache_dir",
+    "force_download",
+    "local_files_only",
+    "proxies",
+    "revision",
+    "subfolder",
+    "token",
+    "code_revision",
+    "_from_auto",
+}
+
+
 class LongVideoProcessor:
     def __init__(
         self,
@@ -87,14 +135,19 @@ class LongVideoProcessor:
         self.vocab = tokenizer.vocab(vq.cfg.codebook_size, settings.vision_vocab_size)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "LongVideoProcessor":
+    def from_pretrained(cls, path: str | Path, **kwargs) -> "LongVideoProcessor":
+        """The processor of an exported directory (local). Accepts, and ignores, the keywords
+        AutoProcessor passes on (trust_remote_code, cache and hub options); others raise."""
+        unknown = sorted(set(kwargs) - _HUB_KEYWORDS)
+        if unknown:
+            raise TypeError(f"LongVideoProcessor.from_pretrained: unexpected keywords {unknown}")
         path = Path(path)
         cfg_file = path / PROCESSOR_CONFIG
         if not cfg_file.is_file():
             raise FileNotFoundError(f"no {PROCESSOR_CONFIG} in {path}")
         raw = json.loads(cfg_file.read_text())
         known = set(ProcessorSettings.__dataclass_fields__)
-        unknown = sorted(set(raw) - known - {"processor_class"})
+        unknown = sorted(set(raw) - known - {"processor_class", "auto_map"})
         if unknown:
             raise ValueError(f"{cfg_file}: unknown keys {unknown}; allowed: {sorted(known)}")
         settings = ProcessorSettings(**{k: v for k, v in raw.items() if k in known})
@@ -102,10 +155,19 @@ class LongVideoProcessor:
             TextTokenizer.from_dir(path, settings.vocab_layout), load_vq(path / "vq"), settings
         )
 
+    @classmethod
+    def register_for_auto_class(cls, auto_class: str = "AutoProcessor") -> None:
+        """Called by AutoProcessor on a class it loaded as remote code; nothing to register."""
+
     def save_pretrained(self, path: str | Path) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        cfg = {"processor_class": "LongVideoProcessor", **asdict(self.settings)}
+        cfg = {
+            "processor_class": "LongVideoProcessor",
+            "auto_map": {"AutoProcessor": f"{PROCESSOR_MODULE}.LongVideoProcessor"},
+            **asdict(self.settings),
+        }
+        write_text_atomic(path / f"{PROCESSOR_MODULE}.py", _PROCESSOR_CODE)
         self.tokenizer.save(path)
         self.vq.save(path / "vq")
         write_text_atomic(path / PROCESSOR_CONFIG, json.dumps(cfg, indent=2))  # last

@@ -126,7 +126,13 @@ def split_inline(question: str) -> tuple[str, list[str]]:
 
 
 def _videomme(root: Path) -> list[Question]:
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError(
+            "Video-MME's questions are a parquet file, read with pyarrow, in the videomme extra: "
+            "pip install 'longvideo[videomme]'"
+        ) from e
 
     files = sorted(root.glob("**/*.parquet"))
     if not files:

@@ -53,7 +53,13 @@ class LWMVQGAN(VideoTokenizer):
         super().__init__()
         if cfg.arch != "lwm-vqgan":
             raise ConfigError("arch", f"LWMVQGAN implements arch lwm-vqgan, got {cfg.arch!r}")
-        from diffusers import VQModel as DiffusersVQModel  # a heavy import, needed only here
+        try:  # a heavy import, needed only here
+            from diffusers import VQModel as DiffusersVQModel
+        except ImportError as e:
+            raise ImportError(
+                "LWM's VQGAN runs on diffusers' VQModel, in the lwm extra: "
+                "pip install 'longvideo[lwm]'"
+            ) from e
 
         self.cfg = cfg
         self.net = DiffusersVQModel(**diffusers_config(cfg))
