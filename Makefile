@@ -16,7 +16,7 @@ PIP_CONSTRAINT_FILE = $(shell $(PY) -m pip config list 2>/dev/null \
 UV_COMPILE = pip compile pyproject.toml --universal --python-version 3.11 --quiet \
 	--custom-compile-command "make lock" $(foreach c,$(PIP_CONSTRAINT_FILE),-c $(c))
 
-.PHONY: demo demo-hour test check test-latest lock lmms-env decord-env bench results gpu-check \
+.PHONY: demo demo-hour test check lint test-latest lock lmms-env decord-env bench results gpu-check \
 	install clean
 
 $(BIN)/python:
@@ -40,12 +40,17 @@ $(STAMP): pyproject.toml $(LOCK) | $(BIN)/python
 
 install: $(STAMP)
 
-test: $(STAMP)
+# The formatter and the linter first ([tool.ruff] in pyproject.toml): a tree they would change fails.
+lint: $(STAMP)
+	$(BIN)/python -m ruff format --check --quiet .
+	$(BIN)/python -m ruff check --quiet .
+
+test: lint
 	$(BIN)/python -m pytest -q -x --timeout=900 tests
 
 # The fast loop: everything but the tests marked slow (multi-rank training runs, the demos' plans,
 # compiler builds). LONGVIDEO_SUITE_JSON=docs/bench/suite-check.json records its time for the README.
-check: $(STAMP)
+check: lint
 	$(BIN)/python -m pytest -q -x --timeout=900 -m "not slow" tests
 
 # Refresh both locks from pyproject.toml's ranges (the newest releases inside them). The lmms lock

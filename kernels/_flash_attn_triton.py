@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, replace
-from typing import Optional
 
 import torch
 import triton
@@ -1112,7 +1111,7 @@ def table_from_json(rows: list[dict]) -> dict[tuple[int, str], TileConfig]:
     return out
 
 
-def set_tile_table(table: Optional[dict[tuple[int, str], TileConfig]] = None) -> None:
+def set_tile_table(table: dict[tuple[int, str], TileConfig] | None = None) -> None:
     """Replace the launch-shape table entries given (None: back to DEFAULT_TABLE)."""
     _table.clear()
     _table.update(DEFAULT_TABLE)
@@ -1121,7 +1120,7 @@ def set_tile_table(table: Optional[dict[tuple[int, str], TileConfig]] = None) ->
 
 
 def set_backward(
-    variant: Optional[str] = None, per_head: Optional[bool] = None, kv_smem: Optional[bool] = None
+    variant: str | None = None, per_head: bool | None = None, kv_smem: bool | None = None
 ) -> None:
     """Force a backward variant ("fused" / "split"), GQA program layout and K/V operand placement
     for every shape (None: each table entry's own). "split" implies per_head=False unless given, so
@@ -1274,7 +1273,7 @@ def _decode(
     v: Tensor,
     meta: AttentionMeta,
     c: LaunchConfig,
-    splits: Optional[int] = None,
+    splits: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The decode kernel (split-K over `splits` programs per head group, merged); no plan."""
     q_pos, k_pos, q_seg, k_seg = _int32(meta)

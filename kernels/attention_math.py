@@ -12,8 +12,8 @@ key has out = 0 and lse = -inf. Only `dense_pieces` reads device values on the h
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -159,7 +159,7 @@ def _merge_pieces(pieces: list[Piece]) -> list[Piece]:
 
 def dense_pieces(
     queries: Side, keys: Side, causal: bool, max_pieces: int = 4
-) -> Optional[list[Piece]]:
+) -> list[Piece] | None:
     """The block's visible pairs as at most `max_pieces` rectangles a dense kernel computes exactly,
     or None when the block needs the element mask. Host tensors (B, S); reads their values.
 

@@ -9,7 +9,7 @@ serves a name with another object (tests record calls that way).
 from __future__ import annotations
 
 import importlib
-from typing import NamedTuple, Optional, Protocol
+from typing import NamedTuple, Protocol
 
 from torch import Tensor
 
@@ -76,7 +76,7 @@ def get_backend(name: str = "auto") -> BlockBackend:
     return _INSTANCES[name]
 
 
-def register_backend(name: str, backend: Optional[BlockBackend]) -> Optional[BlockBackend]:
+def register_backend(name: str, backend: BlockBackend | None) -> BlockBackend | None:
     """Serve `name` with `backend` (a new name, or in place of a built-in one: every caller of
     get_backend(name), the dispatch's routes included, then gets it); None restores the built-in
     (or removes a new name). Returns the object it replaces, if one was made."""

@@ -14,7 +14,11 @@ from torch import Tensor
 
 from .attention_math import (
     FULL as _FULL,
+)
+from .attention_math import (
     SKIP as _SKIP,
+)
+from .attention_math import (
     accum_dtype,
     classify_tiles,
     lse_merge_,

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Sequence, TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -161,7 +162,7 @@ class DispatchBackend:
         """Forward calls per (block kind, implementation): kinds causal, dense (one rectangle), pieces,
         empty, masked (needs the element mask), decode; e.g. ("causal", "cudnn"), ("masked", "triton")."""
 
-    def _pieces(self, q: Tensor, meta: AttentionMeta) -> Optional[list[Piece]]:
+    def _pieces(self, q: Tensor, meta: AttentionMeta) -> list[Piece] | None:
         """The block's dense pieces (None: it needs the mask), kept in the metadata's plans."""
         if q.device.type == "cuda" and q.shape[1] <= DECODE_MAX_Q:
             return None
@@ -202,7 +203,7 @@ class DispatchBackend:
         if self.routes[(kind, impl)] == 1:
             log.info("attention dispatch: %s blocks -> %s", kind, impl)
 
-    def _try(self, q: Tensor, pieces, run: Callable[[DenseRoute], T]) -> Optional[tuple[str, T]]:
+    def _try(self, q: Tensor, pieces, run: Callable[[DenseRoute], T]) -> tuple[str, T] | None:
         """(kernel name, run(route)) on the first dense kernel that takes the pieces, else None."""
         for name in self._kernels(q) if pieces else ():
             try:

@@ -6,8 +6,6 @@ autograd.Function) and the `triton` block backend. Nothing on this path reads th
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -66,7 +64,7 @@ def flash_attn_fwd(
     meta: list[Tensor],
     scale: float,
     causal: bool,
-    plan: Optional[Tensor] = None,
+    plan: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """out (B, Sq, Hq, D) in q.dtype and lse (B, Hq, Sq) float32 (-inf on empty rows). meta: the
     metadata's tensors (AttentionMeta.tensors()); plan: the int32 tile plan of this shape's
@@ -95,8 +93,8 @@ def flash_attn_bwd(
     meta: list[Tensor],
     scale: float,
     causal: bool,
-    kv_plan: Optional[Tensor] = None,
-    q_plan: Optional[Tensor] = None,
+    kv_plan: Tensor | None = None,
+    q_plan: Tensor | None = None,
     variant: str = "",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D), float32. out/lse may be global (ring).
@@ -136,7 +134,7 @@ def flash_attn(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    meta: Optional[AttentionMeta] = None,
+    meta: AttentionMeta | None = None,
     *,
     return_lse: bool = False,
 ):

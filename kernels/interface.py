@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -32,7 +30,7 @@ class _BlockAttention(torch.autograd.Function):
 
 
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, meta: Optional[AttentionMeta], backend: str
+    q: Tensor, k: Tensor, v: Tensor, meta: AttentionMeta | None, backend: str
 ) -> tuple[Tensor, Tensor]:
     """(out, lse (B, Hq, Sq)) of `block_attention`'s arguments; meta None: the default metadata."""
     meta = meta if meta is not None else AttentionMeta.default(q, k)
@@ -43,7 +41,7 @@ def block_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    meta: Optional[AttentionMeta] = None,
+    meta: AttentionMeta | None = None,
     *,
     backend: str = "auto",
 ) -> Tensor:

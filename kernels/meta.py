@@ -19,15 +19,15 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from .plans import AttentionPlan
 
-_LIVE: "weakref.WeakValueDictionary[int, AttentionMeta]" = weakref.WeakValueDictionary()
+_LIVE: weakref.WeakValueDictionary[int, AttentionMeta] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
 
 
@@ -89,7 +89,7 @@ class AttentionMeta:
     queries: Side
     keys: Side
     causal: bool = True
-    scale: Optional[float] = None
+    scale: float | None = None
     plans: AttentionPlan = field(default_factory=AttentionPlan, repr=False)
     handle: Tensor = field(init=False, repr=False)
 
@@ -105,7 +105,7 @@ class AttentionMeta:
         segment_ids: Tensor,
         *,
         causal: bool = True,
-        scale: Optional[float] = None,
+        scale: float | None = None,
     ) -> AttentionMeta:
         """Queries and keys are the same tokens (training, a prefill, a ring shard)."""
         side = Side(positions, segment_ids)
@@ -113,7 +113,7 @@ class AttentionMeta:
 
     @classmethod
     def default(
-        cls, q: Tensor, k: Tensor, *, causal: bool = True, scale: Optional[float] = None
+        cls, q: Tensor, k: Tensor, *, causal: bool = True, scale: float | None = None
     ) -> AttentionMeta:
         """Positions 0..S-1 and one segment on both sides of q (B, Sq, ...) and k (B, Sk, ...)."""
         return cls(Side.default(q), Side.default(k), causal, scale)
@@ -129,7 +129,7 @@ class AttentionMeta:
             self.queries, keys, self.causal, self.scale, self.plans.nested(("ring step", step))
         )
 
-    def with_scale(self, scale: Optional[float]) -> AttentionMeta:
+    def with_scale(self, scale: float | None) -> AttentionMeta:
         """The same metadata and plans with another softmax scale."""
         if scale == self.scale:
             return self
@@ -157,7 +157,7 @@ class AttentionMeta:
 
     @classmethod
     def from_tensors(
-        cls, tensors: Sequence[Tensor], *, causal: bool, scale: Optional[float] = None
+        cls, tensors: Sequence[Tensor], *, causal: bool, scale: float | None = None
     ) -> AttentionMeta:
         """The metadata of `tensors()` (inside a custom op), with a store of its own."""
         q_positions, k_positions, q_segment_ids, k_segment_ids = tensors
@@ -166,6 +166,6 @@ class AttentionMeta:
         )
 
     @staticmethod
-    def find(handle: Tensor) -> Optional[AttentionMeta]:
+    def find(handle: Tensor) -> AttentionMeta | None:
         """The live object whose `handle` this is, else None (a CPU read, no device sync)."""
         return _LIVE.get(int(handle))

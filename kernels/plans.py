@@ -6,7 +6,8 @@ is (kind, tile shape); which metadata it belongs to is the store's owner, never 
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, TypeVar
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 T = TypeVar("T")
 

@@ -3,8 +3,6 @@ It materialises the (B, Sq, Sk) mask and scores, affordable at test sizes only."
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -16,7 +14,7 @@ def flash_attn_ref(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    meta: Optional[AttentionMeta] = None,
+    meta: AttentionMeta | None = None,
     *,
     upcast: bool = True,
 ) -> tuple[Tensor, Tensor]:

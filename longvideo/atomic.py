@@ -16,8 +16,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
 
 TMP_PREFIX = ".tmp_"
 """Prefix of temporary files and directories that a killed writer may leave behind."""

@@ -11,9 +11,10 @@ import json
 import math
 import pickle
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterator, Optional
+from typing import IO
 
 import torch
 from safetensors import safe_open
@@ -93,7 +94,7 @@ def check_shapes(sd: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> 
 
 
 def write_weights(
-    path: str | Path, sd: dict[str, torch.Tensor], metadata: Optional[dict] = None
+    path: str | Path, sd: dict[str, torch.Tensor], metadata: dict | None = None
 ) -> None:
     """A safetensors file, atomically (contiguous CPU copies; no shared storage)."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in sd.items()}
@@ -124,7 +125,7 @@ class StreamingWeights:
         self,
         f: IO[bytes],
         specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-        metadata: Optional[dict[str, str]] = None,
+        metadata: dict[str, str] | None = None,
     ):
         self.f, self.specs = f, dict(specs)
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
@@ -187,7 +188,7 @@ class StreamingWeights:
 def streaming_weights(
     path: str | Path,
     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-    metadata: Optional[dict[str, str]] = None,
+    metadata: dict[str, str] | None = None,
 ) -> Iterator[StreamingWeights]:
     """Write a safetensors file atomically, tensor by tensor (see StreamingWeights)."""
     with atomic_open(path, "w+b") as f:
@@ -200,8 +201,8 @@ def save_project_checkpoint(
     out_dir: str | Path,
     state_dict: dict[str, torch.Tensor],
     cfg: Config,
-    tokenizer: Optional[TextTokenizer] = None,
-    vq: Optional[VQModel] = None,
+    tokenizer: TextTokenizer | None = None,
+    vq: VQModel | None = None,
     progress=None,
 ) -> Path:
     """Write config.yaml + model.safetensors (+ tokenizer/, vq/) into out_dir. progress: a tqdm
@@ -226,7 +227,7 @@ def save_project_checkpoint(
     return out
 
 
-def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The checkpoint `latest` names in RUN/checkpoints (or in a checkpoints dir); None if none."""
     run_dir = Path(run_dir)
     for ckpts in (run_dir / CHECKPOINTS, run_dir):
@@ -398,9 +399,9 @@ class Pretrained:
 
     model: Transformer
     config: Config
-    tokenizer: Optional[TextTokenizer] = None
-    vq: Optional[VQModel] = None
-    path: Optional[Path] = None
+    tokenizer: TextTokenizer | None = None
+    vq: VQModel | None = None
+    path: Path | None = None
 
 
 def load_pretrained(

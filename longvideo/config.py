@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
@@ -64,7 +63,7 @@ class Config:
         )
 
 
-def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a root config from YAML (or defaults when path is None) and apply dotted overrides."""
     data = load_yaml(resolve_config_path(path)) if path is not None else {}
     return from_dict(Config, apply_overrides(data, overrides or []))

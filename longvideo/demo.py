@@ -21,7 +21,6 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional
 
 from longvideo.atomic import write_bytes_atomic, write_text_atomic
 from longvideo.checkpoint import latest_checkpoint
@@ -37,9 +36,9 @@ from longvideo.configtools import (
 from longvideo.data.synthetic import SyntheticSpec, make_sample, text_corpus
 from longvideo.export import LongVideoProcessor
 from longvideo.machine import describe, machine_info
+from longvideo.parallel.deepspeed_config import load_base, resolve_zero_stage
 from longvideo.tokenizer import TextTokenizer
 from longvideo.train.run_state import STATE_FILE
-from longvideo.parallel.deepspeed_config import load_base, resolve_zero_stage
 from longvideo.vq import load_vq_config
 
 
@@ -116,7 +115,7 @@ class DemoPlan:
     vq_steps: int = 1500
     """VQ steps, where it stops: never on a clock, whose learning rate would follow the machine's load
     (docs/experiments.md, "make demo: the VQ stops at its steps, not on the clock")."""
-    vq_seed: Optional[int] = None
+    vq_seed: int | None = None
     """The VQ's seed (initial weights and frame sampling); None keeps the VQ config's (0)."""
     vq_warn_seconds: float = 0.0
     """A VQ stage longer than this (wall time) warns: the machine is slower or busier than the plan
@@ -139,7 +138,7 @@ class DemoPlan:
     """Processes of the language-model training."""
     lm_overrides: tuple[str, ...] = ()
     """Dotted overrides of every rung's config (the plan's runtime choices)."""
-    lm_seed: Optional[int] = None
+    lm_seed: int | None = None
     """`train.seed` of every rung; None keeps the configs' (0). The videos and the VQ do not depend
     on it, so runs of several seeds (`--seed`, `--inputs-from`) compare the language model alone."""
     ladder: tuple[dict, ...] = field(init=False, repr=False, compare=False)
@@ -580,7 +579,7 @@ class Demo:
             dst.symlink_to(run / name, target_is_directory=True)
         print(f"inputs (data, tokenizers, token shards) linked from {run}", flush=True)
 
-    def main(self, inputs_from: Optional[Path] = None) -> dict:
+    def main(self, inputs_from: Path | None = None) -> dict:
         t0 = time.time()
         self.check_plan()
         if inputs_from is not None:

@@ -33,8 +33,9 @@ import dataclasses
 import os
 import socket
 import zlib
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
-from typing import Iterable, Iterator, Optional, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -83,7 +84,7 @@ def init_distributed(timeout_s: float) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
-def local_device(arg: Optional[str] = None) -> torch.device:
+def local_device(arg: str | None = None) -> torch.device:
     """`arg`, else this rank's GPU (LOCAL_RANK) when there is one, else the CPU."""
     if arg is not None:
         return torch.device(arg)
@@ -128,7 +129,7 @@ def comm_device(group=None) -> torch.device:
 # ---- broadcasts -------------------------------------------------------------------------------
 
 
-def broadcast_array(arr: Optional[np.ndarray], src: int = 0, group=None) -> np.ndarray:
+def broadcast_array(arr: np.ndarray | None, src: int = 0, group=None) -> np.ndarray:
     """Rank `src`'s integer or float array on every rank of `group` (src a global rank, as in
     torch.distributed; sent as int64 / float64 tensors, no pickling)."""
     dev = comm_device(group)
@@ -154,7 +155,7 @@ def broadcast_array(arr: Optional[np.ndarray], src: int = 0, group=None) -> np.n
     return data.cpu().numpy()
 
 
-def broadcast_text(text: Optional[str], src: int = 0, group=None) -> str:
+def broadcast_text(text: str | None, src: int = 0, group=None) -> str:
     """Rank `src`'s string on every rank of `group` (src a global rank)."""
     raw = (
         np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
@@ -272,7 +273,7 @@ def decode_record(kind: type[R], arr: np.ndarray) -> R:
     return kind(**values)
 
 
-def broadcast_record(record: Optional[R], kind: type[R], src: int = 0, group=None) -> R:
+def broadcast_record(record: R | None, kind: type[R], src: int = 0, group=None) -> R:
     """Rank `src`'s `kind` record on every rank of `group` (src a global rank, as in
     torch.distributed; `record` is read on src only). Every rank, src included, returns the record
     decoded from what was sent, so all hold the same values (decode_record's types)."""
@@ -287,7 +288,7 @@ def broadcast_record(record: Optional[R], kind: type[R], src: int = 0, group=Non
 # ---- failure agreement ------------------------------------------------------------------------
 
 
-def fail_together(error: Optional[BaseException], group=None) -> None:
+def fail_together(error: BaseException | None, group=None) -> None:
     """Every rank of ``group`` (None: the default group) calls this with its own error (or None).
     Returns when none failed; otherwise re-raises this rank's error, or raises RankFailedError with
     the first failing rank's message on the others. Two collectives on failure, one otherwise.

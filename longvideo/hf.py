@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Iterable, Mapping, Optional
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,7 @@ class DeferredMask:
         self.kwargs = kwargs
 
     @property
-    def padding(self) -> Optional[Tensor]:
+    def padding(self) -> Tensor | None:
         """The 2D (B, kv_length) mask the user passed (True = real token), or None."""
         return self.kwargs.get("attention_mask")
 
@@ -253,7 +254,7 @@ def _register(name: str, seam, group) -> str:
 def check_model(
     model_or_config,
     *,
-    seq_len: Optional[int] = None,
+    seq_len: int | None = None,
     training: bool = True,
     allow_untested: bool = False,
 ) -> None:
@@ -294,7 +295,7 @@ def check_model(
         )
 
 
-def _active_window(cfg) -> Optional[int]:
+def _active_window(cfg) -> int | None:
     window = getattr(cfg, "sliding_window", None)
     if not window:
         return None
@@ -343,7 +344,7 @@ def shard_batch(
     count: bool = True,
     grad_group=None,
     grad_reduction: str = "mean",
-    pad_values: Optional[Mapping[str, Any]] = None,
+    pad_values: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """This rank's zigzag shard of an HF-style batch of whole sequences (B, S), the same batch on
     every rank of the ring (docs/hf.md, "The batch").
@@ -436,7 +437,7 @@ def ring_loss(
     logits_or_outputs,
     shift_labels: Tensor,
     *,
-    num_items: Optional[Tensor] = None,
+    num_items: Tensor | None = None,
     grad_group=None,
     grad_reduction: str = "mean",
 ) -> Tensor:
@@ -492,10 +493,10 @@ class HFCausalLM(nn.Module):
         cls,
         path: str,
         *,
-        seq_len: Optional[int] = None,
+        seq_len: int | None = None,
         loss_chunk: int = 4096,
         dtype: torch.dtype = torch.float32,
-    ) -> "HFCausalLM":
+    ) -> HFCausalLM:
         """Load a local transformers decoder for training; RingAttentionUnsupported when the ring could
         not compute it exactly. Its attention is sdpa until `set_attention`."""
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -526,7 +527,7 @@ class HFCausalLM(nn.Module):
         positions: Tensor,
         segment_ids: Tensor,
         targets: Tensor,
-        loss_weights: Optional[Tensor] = None,
+        loss_weights: Tensor | None = None,
     ):
         decoder = self.model.get_decoder()
         out = decoder(

@@ -7,8 +7,8 @@ lwm layout adds nothing and encodes as LWM's SentencePiece tokenizer did (docs/l
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
 
 from longvideo.atomic import atomic_dir
 from longvideo.vocab import LAYOUTS, SPECIAL_TOKENS, Vocab
@@ -82,7 +82,7 @@ class TextTokenizer:
         self._sp_model = _sentencepiece_model(self.hf)
 
     @classmethod
-    def from_dir(cls, path: str | Path, layout: str = "longvideo") -> "TextTokenizer":
+    def from_dir(cls, path: str | Path, layout: str = "longvideo") -> TextTokenizer:
         """Load a local tokenizer directory: tokenizer.json, or only a LLaMA `tokenizer.model` (as LWM's
         releases ship it; converting it needs the `sentencepiece` package)."""
         from transformers import AutoTokenizer
@@ -120,11 +120,11 @@ class TextTokenizer:
             self.hf.save_pretrained(str(tmp), save_jinja_files=False)
 
     @property
-    def bos_id(self) -> Optional[int]:
+    def bos_id(self) -> int | None:
         return self.hf.bos_token_id
 
     @property
-    def eos_id(self) -> Optional[int]:
+    def eos_id(self) -> int | None:
         return self.hf.eos_token_id
 
     @property
@@ -132,7 +132,7 @@ class TextTokenizer:
         pid = self.hf.pad_token_id
         return pid if pid is not None else (self.eos_id or 0)
 
-    def vocab(self, codebook_size: int, vision_size: Optional[int] = None) -> Vocab:
+    def vocab(self, codebook_size: int, vision_size: int | None = None) -> Vocab:
         """The unified vocabulary of this tokenizer's layout (vision_size: lwm layout only)."""
         return Vocab(
             text_size=self.text_size,
@@ -162,7 +162,7 @@ class TextTokenizer:
 
 
 def train_text_tokenizer(
-    texts: Iterable[str], vocab_size: int = 1024, out_dir: Optional[str | Path] = None
+    texts: Iterable[str], vocab_size: int = 1024, out_dir: str | Path | None = None
 ) -> TextTokenizer:
     """Train a byte-level BPE on `texts` (offline); round trips any string exactly."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

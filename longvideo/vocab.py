@@ -8,7 +8,7 @@ vocabulary (K codes, <eof>, <eov>, unused ids); <vision> and </vision> are text 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the token space is plain integers: no torch needed to compose a config
     import torch
@@ -31,7 +31,7 @@ class Vocab:
     text_size: int
     codebook_size: int
     layout: str = "longvideo"
-    vision_size: Optional[int] = None
+    vision_size: int | None = None
 
     def __post_init__(self):
         if self.text_size <= 0 or self.codebook_size <= 0:
@@ -54,12 +54,12 @@ class Vocab:
         return self.layout == "lwm"
 
     @property
-    def vision_start(self) -> Optional[int]:
+    def vision_start(self) -> int | None:
         """The id of <vision>; None in the lwm layout, where it is text."""
         return None if self.is_lwm else self.text_size
 
     @property
-    def vision_end(self) -> Optional[int]:
+    def vision_end(self) -> int | None:
         """The id of </vision>; None in the lwm layout, where it is text."""
         return None if self.is_lwm else self.text_size + 1
 
@@ -91,7 +91,7 @@ class Vocab:
         return self.eov if self.is_lwm else self.text_size + 1
 
     @property
-    def answer_limit(self) -> Optional[int]:
+    def answer_limit(self) -> int | None:
         """Answers are sampled from the ids below this one; None: from the whole vocabulary. LWM
         samples its answers from its text head alone, so in the lwm layout this is text_size."""
         return self.text_size if self.is_lwm else None

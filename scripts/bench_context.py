@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from benchreport import (
     LayoutError,
     Section,
@@ -43,6 +42,7 @@ from benchreport import (
     subplots,
     yes_no,
 )
+
 from longvideo.config import load_config
 from longvideo.machine import machine_info
 

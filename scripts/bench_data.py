@@ -18,9 +18,9 @@ from pathlib import Path
 import av
 import numpy as np
 import torch
+from benchreport import Section, Target, arg_parser, md_table, req, req_list, save, yes_no
 from tqdm import tqdm
 
-from benchreport import Section, Target, arg_parser, md_table, req, req_list, save, yes_no
 from longvideo.data.config import DataConfig
 from longvideo.data.loader import TokenLoader
 from longvideo.data.shards import ShardWriter, token_sample_members

@@ -17,7 +17,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from benchreport import (
     LayoutError,
     Section,

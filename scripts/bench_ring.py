@@ -18,7 +18,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from benchreport import (
     Section,
     Target,
@@ -154,6 +153,7 @@ def _exposed_transfer(timeline: list, group) -> float:
 
 def _rank(rank, world, args, layout) -> dict:
     import torch.nn.functional as F
+
     from longvideo.kernels import AttentionMeta
     from longvideo.parallel import CommStats, ring_attention, zigzag_indices
 
@@ -288,7 +288,7 @@ def main(argv=None) -> None:
         ap.error(f"--seq {args.seq} must be a multiple of 2 x {max(worlds)}")
     load_before, t0, rows, single = os.getloadavg(), time.perf_counter(), [], None
     layouts = ("zigzag",) if args.no_contiguous else ("zigzag", "contiguous")
-    for w, layout in ((w, lay) for w in worlds for lay in layouts[: 1 if w == 1 else 2]):
+    for w, layout in ((n, lay) for n in worlds for lay in layouts[: 1 if n == 1 else 2]):
         ranks = spawn_ranks(_rank, w, args, layout, label=f"W={w} {layout}")
         rows.append(r := summarise(w, layout, ranks, single))
         single = single or ranks[0]

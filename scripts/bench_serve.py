@@ -139,6 +139,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     import openai
     import psutil
+
     from longvideo.machine import describe, machine_info
 
     model = a.model or str(ROOT / "runs" / "demo-quick" / "hf")

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from benchreport import (
     ROOT,
     LayoutError,
@@ -35,6 +34,7 @@ from benchreport import (
     save,
     subplots,
 )
+
 from longvideo.data.frames import FrameSource, build_frame_source, synthetic_videos
 from longvideo.machine import machine_info
 from longvideo.train.vq import psnr, train_vq

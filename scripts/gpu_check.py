@@ -38,6 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 import triton  # noqa: E402
 from benchreport import BENCH_DIR, ROOT, md_table  # noqa: E402
+from longvideo.kernels.dispatch import DispatchBackend  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -54,7 +55,6 @@ from longvideo.kernels import (  # noqa: E402
     lse_merge_,
 )
 from longvideo.kernels import _flash_attn_triton as tk  # noqa: E402
-from longvideo.kernels.dispatch import DispatchBackend  # noqa: E402
 from longvideo.model import Transformer  # noqa: E402
 from longvideo.parallel import apply_activation_checkpointing, zigzag_indices  # noqa: E402
 
@@ -88,25 +88,26 @@ PEAK_BF16_TFLOPS = {
 """Dense bf16 tensor-core peaks (TFLOP/s) from the vendors' data sheets."""
 
 
-device_peak = lambda name: next(
-    (
-        PEAK_BF16_TFLOPS[k]
-        for k in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True)  # noqa: E731
-        if k.lower() in name.lower()
-    ),
-    None,
-)
+def device_peak(name: str):
+    """The data-sheet peak of the device named ``name`` (the longest matching key), or None."""
+    keys = sorted(PEAK_BF16_TFLOPS, key=len, reverse=True)
+    return next((PEAK_BF16_TFLOPS[k] for k in keys if k.lower() in name.lower()), None)
+
+
 _sync = lambda: None if DRY else torch.cuda.synchronize()  # noqa: E731
 _peak_gib = lambda: None if DRY else torch.cuda.max_memory_allocated() / 2**30  # noqa: E731
 _oom = lambda e: isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()  # noqa: E731
 _f = lambda x, fmt=".1f": "-" if x is None else format(x, fmt)  # noqa: E731
 _met = lambda x, good: "unknown" if x is None else "yes" if good(x) else "**no**"  # noqa: E731
-TIME = lambda fn, warm=1, reps=5: (
-    1e3 * statistics.median(time_fn(fn, 0 if DRY else warm, 1 if DRY else reps))
-)  # noqa
-_free = lambda: (
-    gc.collect() or DRY or (torch.cuda.empty_cache(), torch.cuda.reset_peak_memory_stats())
-)  # noqa: E731
+
+
+def TIME(fn, warm=1, reps=5):  # noqa: N802 (a constant-like helper, as the tables name it)
+    """Median milliseconds of ``fn`` (one untimed run in a dry run)."""
+    return 1e3 * statistics.median(time_fn(fn, 0 if DRY else warm, 1 if DRY else reps))
+
+
+def _free():
+    return gc.collect() or DRY or (torch.cuda.empty_cache(), torch.cuda.reset_peak_memory_stats())
 
 
 class PartTimeout(Exception):

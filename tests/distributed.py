@@ -40,7 +40,7 @@ def _worker(rank, world, init_file, fn, args, errq, threads):
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
         errq.put((rank, traceback.format_exc()))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     # The rank passed and its process group is down. Leave without the interpreter's teardown:
     # native threads that gloo or DeepSpeed's CPU communication leave behind have aborted a rank
     # there now and then ("terminate called without an active exception", exit -6) after every

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from longvideo import checkpoint
 from longvideo.atomic import TMP_PREFIX, atomic_dir

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from attn_cases import packed_meta
 from distributed import run_ranks
+
 from longvideo.kernels import AttentionMeta, Side, block_attention, get_backend, register_backend
 from longvideo.kernels import _flash_attn_triton as tk
 from longvideo.model import ModelConfig, Transformer

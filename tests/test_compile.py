@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import run_ranks
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     checkpoint_wrapper,
 )
 
-from distributed import run_ranks
 from longvideo.kernels import AttentionMeta
 from longvideo.model import ModelConfig, Transformer
 from longvideo.model.attention import LocalAttention

@@ -1,9 +1,9 @@
 """Config: YAML + dotted overrides, and errors that name the offending key."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
-
 from config_docs import OUT, render
 
 from longvideo.config import CONFIG_DIR, Config, load_config
@@ -21,7 +21,7 @@ def test_defaults_and_overrides(tmp_path):
     cfg = load_config(p, ["model.n_layers=3", "train.lr=1e-3", "name=x"])
     assert cfg.model.n_layers == 3 and cfg.model.dim == 64 and cfg.model.head_dim == 16
     assert cfg.train.lr == 1e-3 and cfg.name == "x"
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.model.dim = 3  # frozen
 
 

@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
-
 from attn_cases import assert_within, meta_of, packed_meta, reference
-from longvideo.kernels import AttentionMeta, Side, block_attention, get_backend
 from longvideo.kernels.cpu_backend import CAUSAL, FULL, MASKED, CpuBackend, lse_merge_, make_tiles
+
+from longvideo.kernels import AttentionMeta, Side, block_attention, get_backend
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 

@@ -14,6 +14,8 @@ import tarfile
 
 import pytest
 import torch
+from material.attacks import CONCAT, frames_via_ffmpeg, plant
+from material.corpus import CONTAINERS, encode
 
 from longvideo.data import containers, isolate
 from longvideo.data.codes import video_to_codes
@@ -35,8 +37,6 @@ from longvideo.data.video import (
     read_video,
 )
 from longvideo.vq import VQConfig, VQModel
-from material.attacks import CONCAT, frames_via_ffmpeg, plant
-from material.corpus import CONTAINERS, encode
 
 
 @pytest.fixture
@@ -151,7 +151,7 @@ def test_decord_child_is_never_given_a_refused_input(planted, monkeypatch):
         raise AssertionError("a decord child was asked to open a refused input")
 
     monkeypatch.setattr(isolate, "_acquire", no_child)
-    for name, src, detected in _attacks(planted):
+    for _name, src, detected in _attacks(planted):
         _refused(lambda: read_video(src, backend="decord"), detected)
     monkeypatch.undo()
     monkeypatch.chdir(planted.folder)

@@ -2,7 +2,9 @@
 
 import numpy as np
 import pytest
+from vision_ids import is_vision
 
+from longvideo.data.synthetic import make_sample, text_corpus
 from longvideo.data.templates import (
     LayoutOptions,
     PromptOptions,
@@ -13,10 +15,8 @@ from longvideo.data.templates import (
     sample_rng,
     uniform_keep,
 )
-from longvideo.data.synthetic import make_sample, text_corpus
 from longvideo.tokenizer import train_text_tokenizer
 from longvideo.vocab import SPECIAL_TOKENS
-from vision_ids import is_vision
 
 H = W = 2
 K = 32  # codebook

@@ -111,7 +111,7 @@ def test_dp_split_disjoint_and_complete(shards, tok):
 def test_deterministic_by_seed(shards, tok):
     a, b, c = (_loader(shards, tok, seed=s) for s in (1, 1, 2))
     for _ in range(6):
-        x, y, z = next(a), next(b), next(c)
+        x, y, _ = next(a), next(b), next(c)
         for k in x:
             assert torch.equal(x[k], y[k])
     order = lambda ld: [ld.key_of(r) for r in epoch_refs(ld, 0)]  # noqa: E731

@@ -15,9 +15,12 @@ import tarfile
 import numpy as np
 import pytest
 import torch
+from material import killer
+from material.corpus import Encoding, corpus_frames, encode
 
 from longvideo.data import tokenize
 from longvideo.data.cli import tokenize_main
+from longvideo.data.codes import video_to_codes
 from longvideo.data.config import DataConfig
 from longvideo.data.loader import TokenLoader
 from longvideo.data.shards import (
@@ -32,9 +35,6 @@ from longvideo.data.synthetic import SyntheticSpec, text_corpus
 from longvideo.data.tokenize import TokenizeOptions, tokenize_shards
 from longvideo.tokenizer import train_text_tokenizer
 from longvideo.vq import VQConfig, VQModel, load_vq
-from longvideo.data.codes import video_to_codes
-from material import killer
-from material.corpus import Encoding, corpus_frames, encode
 
 CLIP = Encoding("mp4", "mp4", "mp4", "libx264", frames=16, size=32)
 
@@ -243,7 +243,7 @@ def _token_shard(path, trap):
     for i in range(3):
         add(f"good{i}", _good_members(f"good{i}", i))
         good.append(f"good{i}")
-    for j, (name, data) in enumerate(_poison_npys(trap)):
+    for j, (_name, data) in enumerate(_poison_npys(trap)):
         add(f"npy{j}", {**_good_members(f"npy{j}", 50 + j), "codes.npy": data})
     add("stamps", {**_good_members("stamps", 90), "timestamps.npy": _npy("<f8", (10**12,))})
     add("zero", {**_good_members("zero", 91), "codes.npy": npy_bytes(np.zeros((4, 0, 2), "u2"))})

@@ -17,15 +17,15 @@ import time
 import numpy as np
 import pytest
 import torch
+from material.corpus import CONTAINERS, damaged, encode, not_videos
 
 from longvideo.data import isolate
-from material.corpus import CONTAINERS, damaged, encode, not_videos
+from longvideo.data.frames import build_frame_source
 from longvideo.data.shards import SkipStats, iter_token_samples
 from longvideo.data.synthetic import decode_frame_index
 from longvideo.data.tokenize import MEASURES, OUTCOMES, TokenizeOptions, tokenize_shard
 from longvideo.data.video import VIDEO_EXTS, VideoError, iter_video, probe_video, read_video
 from longvideo.vq import VQConfig, VQModel, load_vq
-from longvideo.data.frames import build_frame_source
 
 # decord 0.6 cannot open these containers at all (it finds no frame count), so with it they are skipped
 DECORD_CANNOT = {"ogv", "ogg", "gif"}
@@ -71,8 +71,7 @@ def _expected(n, src_fps, fps):
 
 
 def test_one_list_of_extensions():
-    from longvideo.data import shards
-    from longvideo.data import frames
+    from longvideo.data import frames, shards
 
     assert shards.VIDEO_EXTS is VIDEO_EXTS
     assert frames.VIDEO_SUFFIXES == tuple("." + e for e in VIDEO_EXTS)
@@ -150,7 +149,7 @@ def _entry_points(data, path, backend):
 @pytest.mark.parametrize("backend", ["pyav", "decord"])
 def test_damaged_corpus_every_entry_point_survives(corpus, backend):
     reasons = {}
-    for name, ext, data, path in corpus:
+    for _name, _ext, data, path in corpus:
         for r in _entry_points(data, path, backend):
             reasons[r] = reasons.get(r, 0) + 1
     assert reasons.get("ok", 0) > 0 and sum(reasons.values()) == 3 * len(corpus)
@@ -323,8 +322,9 @@ def test_train_vq_frames_from_corpus_folder(tmp_path, good, corpus, backend, mon
 
 
 def test_chat_reads_every_container(good, tmp_path):
-    from longvideo.infer.chat import encode_video_file
     from test_infer_chat import tiny_pretrained
+
+    from longvideo.infer.chat import encode_video_file
 
     pre = tiny_pretrained()
     for enc in CONTAINERS:

@@ -12,6 +12,8 @@ import threading
 import numpy as np
 import pytest
 import torch
+from test_data_loader import epoch_refs
+from test_data_shards import _add, _raw_shard
 
 from longvideo.data.config import DataConfig
 from longvideo.data.loader import TokenLoader
@@ -27,8 +29,6 @@ from longvideo.data.synthetic import SyntheticSpec, make_sample, text_corpus
 from longvideo.data.tokenize import TokenizeOptions, tokenize_shards
 from longvideo.tokenizer import train_text_tokenizer
 from longvideo.vq import VQConfig
-from test_data_loader import epoch_refs
-from test_data_shards import _add, _raw_shard
 
 K = 16
 SPEC = SyntheticSpec(min_seconds=2, max_seconds=6, long_fraction=0.15, long_seconds=20)

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from material.shapes import moving_shapes_video
 
 from longvideo.data.shards import SkipStats, iter_raw_samples
 from longvideo.data.synthetic import (
@@ -13,7 +14,6 @@ from longvideo.data.synthetic import (
     write_synthetic_shards,
 )
 from longvideo.data.video import read_video
-from material.shapes import moving_shapes_video
 
 
 def test_moving_shapes_video():

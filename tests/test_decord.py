@@ -12,7 +12,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 import sideenv
 from conftest import HAVE_DECORD
 

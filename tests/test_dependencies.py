@@ -155,7 +155,6 @@ _LOCAL = _local_names()
 
 def findings() -> dict[str, list[str]]:
     core, extras = declared()
-    dev = extras.get("dev", set())
     extra_of = defaultdict(set)
     for extra, dists in extras.items():
         for d in dists:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from attn_cases import assert_within, meta_of, packed_meta, reference
 from distributed import run_ranks
+from longvideo.kernels.attention_math import dense_pieces
+
 from longvideo.kernels import AttentionMeta, Side, block_attention, get_backend
 from longvideo.kernels import dispatch as dp
-from longvideo.kernels.attention_math import dense_pieces
 from longvideo.parallel import ring_attention, shard_sequence, zigzag_indices
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from test_infer_chat import tiny_pretrained
 
 from longvideo.checkpoint import save_project_checkpoint
@@ -729,9 +728,9 @@ def test_video_needle_on_a_user_haystack_and_needle_image_writes_what_it_inserte
 ):
     """Any haystack video and needle image: each cell's prompt holds exactly the codes of the
     haystack's window (read at 1 fps) with the written needle PNG at its depth."""
+    from material.photo_videos import pan_zoom_video
     from PIL import Image
 
-    from material.photo_videos import pan_zoom_video
     from longvideo.data.synthetic import write_mp4
     from longvideo.data.video import read_video
     from longvideo.infer.evals import evaluate_video_needle

@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from longvideo.config import Config
 from longvideo.checkpoint import CheckpointError, load_pretrained, save_project_checkpoint
+from longvideo.config import Config
 from longvideo.export import export_hf, import_hf
-from longvideo.model.families import FamilyError
 from longvideo.model import ModelConfig, Transformer
+from longvideo.model.families import FamilyError
 from longvideo.tokenizer import TextTokenizer, train_text_tokenizer
 from longvideo.vq.config import VQConfig
 

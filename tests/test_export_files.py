@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoProcessor, AutoTokenizer
-
 from test_infer_chat import tiny_pretrained, write_video
+from transformers import AutoModelForCausalLM, AutoProcessor, AutoTokenizer
 
 from longvideo import cli
 from longvideo.checkpoint import load_pretrained, save_project_checkpoint, to_hf_names

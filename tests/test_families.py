@@ -39,13 +39,13 @@ from longvideo.configtools import ConfigError
 from longvideo.export import export_hf, import_hf
 from longvideo.hf import HFCausalLM, keep_float64
 from longvideo.model import ModelConfig, Transformer
+from longvideo.model.config import RopeScaling
 from longvideo.model.families import (
     FAMILIES,
     FamilyError,
     architecture_fields,
     model_config_from_hf,
 )
-from longvideo.model.config import RopeScaling
 from longvideo.model.layers import rope_frequencies
 from longvideo.tokenizer import train_text_tokenizer
 
@@ -722,12 +722,12 @@ def test_chat_on_imported_models_answers_as_transformers_generate(tmp_path, tok,
     Qwen2.5 (yarn) and Llama 3.x model: its greedy answer ids are transformers' `generate` on the
     export with the same prompt ids (which the export's processor also builds), and a ring of 2
     prints the same answer."""
+    from distributed import run_ranks
+    from material.corpus import CONTAINERS, encode
     from transformers import AutoModelForCausalLM
 
-    from distributed import run_ranks
     from longvideo.export import LongVideoProcessor
     from longvideo.infer.chat import ChatSession, infer_config
-    from material.corpus import CONTAINERS, encode
 
     clip = tmp_path / "clip.mp4"
     clip.write_bytes(encode(CONTAINERS[0]))

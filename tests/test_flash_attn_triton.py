@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from attn_cases import assert_within, max_err, meta_of, packed_meta, reference
-from longvideo.kernels import _flash_attn_triton as tk
+from longvideo.kernels.flash_attn import TritonBackend, flash_attn
+from sync_guard import HostSync, no_host_sync
+
 from longvideo.kernels import (
     AttentionMeta,
     Side,
@@ -31,8 +32,7 @@ from longvideo.kernels import (
     visibility,
     visit_ranges,
 )
-from longvideo.kernels.flash_attn import TritonBackend, flash_attn
-from sync_guard import HostSync, no_host_sync
+from longvideo.kernels import _flash_attn_triton as tk
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or tk.INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1"
@@ -681,8 +681,8 @@ def test_kernels_compile_for_hopper(tmp_path):
 def _ring_case(group, seed, S, causal, dtype, heads, D):
     """Full-sequence inputs made on rank 0 and broadcast; the float64 reference on the whole
     sequence, sliced with the production layout (shard_sequence), against ring_attention."""
-    from longvideo.parallel.zigzag import shard_sequence, unshard_sequence
     from longvideo.parallel.ring import ring_attention
+    from longvideo.parallel.zigzag import shard_sequence, unshard_sequence
 
     g = torch.Generator().manual_seed(seed)
     Hq, Hkv = heads

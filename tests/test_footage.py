@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from material.footage import bad_packet_hour, ffmpeg_footage, footage, tokenize_peak_mib
 
 from longvideo.data import isolate
 from longvideo.data.cli import tokenize_main
 from longvideo.data.shards import SkipStats, iter_token_samples
 from longvideo.data.synthetic import decode_frame_index
-from longvideo.data.tokenize import MEASURES, OUTCOMES, TokenizeOptions, trim_meta, tokenize_shard
+from longvideo.data.tokenize import MEASURES, OUTCOMES, TokenizeOptions, tokenize_shard, trim_meta
 from longvideo.data.video import (
     CorruptVideoError,
     iter_video,
@@ -33,7 +34,6 @@ from longvideo.data.video import (
     sample_indices,
 )
 from longvideo.vq import VQConfig, VQModel, load_vq
-from material.footage import bad_packet_hour, ffmpeg_footage, footage, tokenize_peak_mib
 
 # decord 0.6 picks other frames than the one on screen in these (VFR, HEVC seeks, MPEG-TS) or
 # converts odd sizes differently; elsewhere it returns PyAV's frames exactly
@@ -295,8 +295,9 @@ def test_trim_meta_drops_what_falls_past_the_end():
 
 
 def test_chat_reads_footage_as_shown_and_warns_of_a_cut(corpus, tmp_path):
-    from longvideo.infer.chat import encode_video_file
     from test_infer_chat import tiny_pretrained
+
+    from longvideo.infer.chat import encode_video_file
 
     pre = tiny_pretrained()
     for f in list(valid(corpus)) + [corpus["cut_mkv"]]:
@@ -412,11 +413,11 @@ def test_fail_together_in_one_process_only_reraises():
 
 def _needle_body(rank, world):
     import torch.distributed as dist
+    from test_infer_chat import tiny_pretrained
+    from test_infer_evals import ConstantEngine
 
     from longvideo.data.ranks import RankFailedError
     from longvideo.infer import evals
-    from test_infer_evals import ConstantEngine
-    from test_infer_chat import tiny_pretrained
 
     pre = tiny_pretrained(max_seq_len=512)
     if rank == 1:

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from longvideo.config import load_config
-from longvideo.data.templates import PromptOptions, build_prompt
 from longvideo.data.shards import iter_token_samples
 from longvideo.data.streams import SkipStats
+from longvideo.data.templates import PromptOptions, build_prompt
 from longvideo.tokenizer import TextTokenizer
 from longvideo.vq import VQModel, load_vq_config
 

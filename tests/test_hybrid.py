@@ -22,13 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
-from safetensors.torch import load_file, save_file
-
 from attn_cases import assert_within, reference
 from distributed import run_ranks
+from safetensors.torch import load_file, save_file
 from test_ring_attention import _make_case
 from test_train_distributed import TINY, assert_grads_match, full_grads, reference_grads
+
 from longvideo.config import load_config
 from longvideo.configtools import ConfigError
 from longvideo.kernels import AttentionMeta

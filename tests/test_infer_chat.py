@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from longvideo.config import Config
-from longvideo.data.templates import build_prompt
-from longvideo.data.synthetic import NEEDLE_QUESTION, SyntheticSpec, make_sample
-from longvideo.data.video import read_video
 from longvideo.checkpoint import Pretrained, save_project_checkpoint
+from longvideo.config import Config
+from longvideo.data.synthetic import NEEDLE_QUESTION, SyntheticSpec, make_sample
+from longvideo.data.templates import build_prompt
+from longvideo.data.video import read_video
 from longvideo.infer import cli
 from longvideo.infer.chat import ChatSession, ContextWarning, answer, encode_video_file
 from longvideo.infer.config import InferConfig

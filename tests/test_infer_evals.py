@@ -5,13 +5,12 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from test_infer_chat import tiny_pretrained
 
+from longvideo.checkpoint import save_project_checkpoint
 from longvideo.data.shards import ShardWriter, token_sample_members
 from longvideo.data.synthetic import SyntheticSpec, make_sample
 from longvideo.data.video import read_video
-from longvideo.checkpoint import save_project_checkpoint
 from longvideo.infer import cli
 from longvideo.infer.evals import (
     evaluate_qa,

@@ -6,10 +6,9 @@ import math
 
 import pytest
 import torch
-
 from distributed import run_ranks
-from longvideo.kernels import AttentionMeta, Side, flash_attn_ref, get_backend
-from longvideo.kernels import merge_partials
+
+from longvideo.kernels import AttentionMeta, Side, flash_attn_ref, get_backend, merge_partials
 
 
 @pytest.fixture(autouse=True)
@@ -169,8 +168,8 @@ def test_sequence_parallel_w2_equals_single_process(tmp_path):
     tokens, and `longvideo chat --ulysses 2` the single-process answer."""
     from test_infer_chat import tiny_pretrained, write_video
 
-    from longvideo.data.synthetic import NEEDLE_QUESTION
     from longvideo.checkpoint import save_project_checkpoint
+    from longvideo.data.synthetic import NEEDLE_QUESTION
     from longvideo.infer.chat import answer
 
     pre = tiny_pretrained(max_seq_len=1024)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 import sideenv
 from test_eval_mcq import clips, write_generic
 from test_infer_chat import tiny_pretrained

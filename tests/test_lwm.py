@@ -20,8 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from lwm_files import (
     lm_shapes,
     lwm_logits,
@@ -36,6 +34,7 @@ from lwm_files import (
     write_params_streaming,
     write_vqgan,
 )
+from safetensors.torch import load_file
 from vision_ids import is_vision
 
 from longvideo import cli

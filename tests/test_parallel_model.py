@@ -5,9 +5,8 @@ loss normalised by the global weight total."""
 import pytest
 import torch
 import torch.distributed as dist
-
 from distributed import run_ranks
-from longvideo.parallel.engine import own_name
+
 from longvideo.model import LocalAttention, ModelConfig, Transformer, token_weights
 from longvideo.parallel import (
     Mesh,
@@ -17,6 +16,7 @@ from longvideo.parallel import (
     normalized_loss,
     shard_batch,
 )
+from longvideo.parallel.engine import own_name
 
 CFG = dict(
     text_vocab_size=60,

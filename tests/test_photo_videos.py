@@ -6,7 +6,6 @@ import importlib.util
 
 import numpy as np
 import pytest
-
 from material import photo_videos as rv
 from material.photo_videos import (
     HELDOUT_SCENES,

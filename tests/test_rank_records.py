@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ class Everything:
     count: int
     ratio: float
     name: str
-    nothing: Optional[str]
+    nothing: str | None
     ints: np.ndarray
     floats: np.ndarray
     nested: tuple

@@ -261,7 +261,7 @@ def _stop_after_parsing() -> list:
         "parse_known_intermixed_args",
     ):
 
-        def wrapped(self, *a, _orig=getattr(argparse.ArgumentParser, name), **k):
+        def wrapped(self, *a, _orig=getattr(argparse.ArgumentParser, name), **k):  # noqa: B008
             depth[0] += 1
             last[0] = last[0] if depth[0] > 1 else self
             try:

@@ -11,10 +11,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from attn_cases import assert_within, max_err, meta_of, reference
 from distributed import run_ranks
+
 from longvideo.configtools import ConfigError
+from longvideo.kernels import AttentionMeta, Side, visibility
 from longvideo.parallel import (
     CommStats,
     Mesh,
@@ -26,8 +27,6 @@ from longvideo.parallel import (
     unshard_sequence,
     zigzag_indices,
 )
-from longvideo.kernels import AttentionMeta, Side, visibility
-
 
 # ---- single-process pieces ------------------------------------------------------------------
 

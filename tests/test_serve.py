@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from test_infer_chat import tiny_pretrained, write_video
 
 from longvideo.checkpoint import save_project_checkpoint
 from longvideo.data.synthetic import NEEDLE_QUESTION
@@ -29,7 +30,6 @@ from longvideo.data.video import read_video
 from longvideo.infer import cli
 from longvideo.infer.serve import Answer
 from longvideo.vq import encode_video
-from test_infer_chat import tiny_pretrained, write_video
 
 openai = pytest.importorskip("openai")
 REPO = Path(__file__).resolve().parent.parent

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+from test_serve import QUESTION_2, REPO, Server, material, messages  # noqa: F401 (material: a fixture)
 
 from longvideo.data.synthetic import NEEDLE_QUESTION
-from test_serve import QUESTION_2, REPO, Server, material, messages  # noqa: F401 (material: a fixture)
 
 ARTEFACTS = Path(os.environ.get("LONGVIDEO_TEST_ARTEFACTS", REPO / "outputs" / "test-artefacts"))
 FLAGS = [

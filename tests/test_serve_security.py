@@ -26,13 +26,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_serve import Server, data_url, material, messages  # noqa: F401 (material: a fixture)
 
 from longvideo.data.synthetic import NEEDLE_QUESTION
 from longvideo.infer.api import Sampling
 from longvideo.infer.generation import sample_token
 from longvideo.infer.media import FetchError, MediaPolicy, fetch_remote, is_public
 from longvideo.infer.serve import Answer, Caches, Job, Kind, RankMessage, Stopped
-from test_serve import Server, data_url, material, messages  # noqa: F401 (material: a fixture)
 
 KEYS = ("key-one-0123456789", "key-two-9876543210")
 ENV_KEY = "key-from-the-environment"

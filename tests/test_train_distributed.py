@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from distributed import run_ranks
 from safetensors.torch import load_file, save_file
 
-from distributed import run_ranks
 from longvideo.config import load_config
 from longvideo.configtools import apply_overrides
 
@@ -183,6 +183,8 @@ def test_checkpoints_hold_weights_state_and_consolidate(sp2_run, tmp_path):
         PickleRefusedError,
         consolidate_checkpoint,
         latest_checkpoint,
+    )
+    from longvideo.checkpoint import (
         load_project_state as load_model_state,
     )
 
@@ -247,8 +249,8 @@ class NaNAt:
 
 
 def _many_trainers(rank, world, out):
-    from longvideo.configtools import ConfigError
     from longvideo.checkpoint import load_project_state as load_model_state
+    from longvideo.configtools import ConfigError
     from longvideo.train.synthetic_tokens import SyntheticTokens
     from longvideo.train.trainer import LossDiverged, Trainer
 
@@ -405,7 +407,6 @@ def _killed_while_saving(rank, world, out):
 
 def _spawn_expecting_death(fn, world, args, timeout):
     import torch.multiprocessing as mp
-
     from distributed import _worker
 
     ctx = mp.get_context("spawn")
@@ -428,9 +429,9 @@ def _spawn_expecting_death(fn, world, args, timeout):
 
 def test_kill_during_checkpoint_then_resume_gives_identical_losses(sp2_run, tmp_path):
     from longvideo.checkpoint import (
-        PickleRefusedError,
-        consolidate_checkpoint,
         latest_checkpoint,
+    )
+    from longvideo.checkpoint import (
         load_project_state as load_model_state,
     )
     from longvideo.train.logging import read_metrics

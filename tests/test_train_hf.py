@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_ranks
 from safetensors.torch import load_file, save_file
 
-from distributed import run_ranks
 from longvideo.config import load_config
 from longvideo.configtools import ConfigError
 

@@ -9,17 +9,16 @@ import math
 import pytest
 import torch
 
-from longvideo.config import CONFIG_DIR, load_config
-from longvideo.configtools import ConfigError
 from longvideo import checkpoint as fmt
 from longvideo.atomic import write_text_atomic
+from longvideo.config import CONFIG_DIR, load_config
+from longvideo.configtools import ConfigError
+from longvideo.parallel.deepspeed_config import build_deepspeed_config
 from longvideo.train import run_state as ck
 from longvideo.train.config import TrainConfig
-from longvideo.parallel.deepspeed_config import build_deepspeed_config
 from longvideo.train.logging import RunLogger, plot_losses, read_metrics
 from longvideo.train.schedule import WarmupCosine, lr_at
 from longvideo.train.synthetic_tokens import SyntheticTokens
-
 
 # ---- schedule -----------------------------------------------------------------------------------
 
@@ -379,8 +378,8 @@ def _inf_gradient(rank, world, out, stages, deepspeed_checks):
     versions and precisions without one), so the trainer's check alone must skip the step."""
     import deepspeed.runtime.zero.stage3 as z3
     import deepspeed.runtime.zero.stage_1_and_2 as z12
-
     from test_train_distributed import TINY
+
     from longvideo.train.trainer import Trainer
 
     if not deepspeed_checks:

@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from material.shapes import moving_shapes_video
 
 from longvideo.configtools import ConfigError
 from longvideo.train.vq import train_vq
 from longvideo.vq import VQConfig, VQModel, decode_codes, encode_video, load_vq
 from longvideo.vq.config import fsq_levels_for
 from longvideo.vq.quantizer import FSQ, EMAVectorQuantizer, codebook_usage, fsq_codebook
-from material.shapes import moving_shapes_video
 
 REPO = Path(__file__).resolve().parent.parent
 

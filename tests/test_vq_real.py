@@ -12,11 +12,10 @@ import logging
 import pytest
 import torch
 
-from longvideo.train.vq import train_vq
-from longvideo.vq import VQConfig
 from longvideo.data.frames import FrameSource, build_frame_source
+from longvideo.train.vq import random_crops, train_vq
+from longvideo.vq import VQConfig
 from longvideo.vq.monitor import USAGE_FLOOR, health_warnings, labelled_grid
-from longvideo.train.vq import random_crops
 
 needs_photos = pytest.mark.skipif(
     importlib.util.find_spec("skimage") is None,

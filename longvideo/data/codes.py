@@ -11,8 +11,8 @@ time, so memory does not grow with the video's length; `vc.report` says what the
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ class VideoCodes:
     codes: np.ndarray  # int64 (G, h, w)
     timestamps: np.ndarray  # float64 (G,), seconds of each group's first frame
     num_frames: int  # frames read from the video
-    report: Optional[ReadReport] = None  # what the read kept (video_to_codes)
+    report: ReadReport | None = None  # what the read kept (video_to_codes)
 
 
 def frames_to_codes(
@@ -66,13 +66,13 @@ def video_to_codes(
     video: VideoSource,
     *,
     fps: float = 1.0,
-    max_frames: Optional[int] = None,
+    max_frames: int | None = None,
     max_resolution: int = DEFAULT_MAX_RESOLUTION,
     batch_frames: int = 16,
     backend: str = "auto",
     progress: bool = False,
-    total_frames: Optional[int] = None,
-    on_frames: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
+    total_frames: int | None = None,
+    on_frames: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> VideoCodes:
     """Decode `video` (a path or the file's bytes) at `fps` (at most `max_frames`, spread over the
     whole video) and VQ-encode it; raises a VideoError for a missing or unreadable video. progress:

@@ -24,7 +24,6 @@ import ctypes
 import functools
 import io
 import os
-from typing import Optional
 
 import av
 
@@ -67,7 +66,7 @@ _PROBE_RETRY = 25  # AVPROBE_SCORE_RETRY: below this score FFmpeg reads more bef
 _PADDING = 64  # AVPROBE_PADDING_SIZE zero bytes after the probe buffer
 
 
-def input_options(options: Optional[dict] = None) -> dict[str, str]:
+def input_options(options: dict | None = None) -> dict[str, str]:
     """``options`` plus the two whitelists (which a caller cannot override)."""
     return {
         **(options or {}),
@@ -117,7 +116,7 @@ def _ffmpeg_probe():
     return None
 
 
-def detect_format(head: bytes, filename: str = "") -> Optional[str]:
+def detect_format(head: bytes, filename: str = "") -> str | None:
     """The demuxer FFmpeg's probe picks for a file that starts with ``head`` (and is called
     ``filename``: some probes weigh the extension), as ``avformat_open_input`` does: windows of
     2 KiB doubling to 1 MiB (or the end of the data), the first format that scores above the
@@ -151,7 +150,7 @@ def _head(src: VideoSource) -> bytes:
         return b""
 
 
-def refusal(src: VideoSource, label: str) -> Optional[DisallowedContainerError]:
+def refusal(src: VideoSource, label: str) -> DisallowedContainerError | None:
     """The error for ``src`` when FFmpeg detects a format outside the allow-list, else None."""
     name = "" if isinstance(src, (bytes, bytearray, memoryview)) else os.fspath(src)
     fmt = detect_format(_head(src), name)
@@ -164,7 +163,7 @@ class SafeInput:
     """An FFmpeg input opened by the allow-list's rules: ``container`` (a PyAV InputContainer) over
     a file object this class owns; ``close()`` closes both."""
 
-    def __init__(self, src: VideoSource, label: str, options: Optional[dict] = None):
+    def __init__(self, src: VideoSource, label: str, options: dict | None = None):
         if isinstance(src, (bytes, bytearray, memoryview)):
             self._file = io.BytesIO(bytes(src))
         else:

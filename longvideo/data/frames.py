@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence, Union
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ from longvideo.vq.config import VQConfig
 log = logging.getLogger(__name__)
 
 VIDEO_SUFFIXES = tuple(f".{e}" for e in VIDEO_EXTS)
-Source = Union[str, os.PathLike, torch.Tensor, np.ndarray, Sequence]
+Source = str | os.PathLike | torch.Tensor | np.ndarray | Sequence
 
 
 @dataclass

@@ -21,7 +21,6 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Optional
 
 import numpy as np
 
@@ -142,7 +141,7 @@ class _Worker:
         return out
 
     def call(
-        self, header: dict, payload: Optional[bytes], timeout: float, label: str
+        self, header: dict, payload: bytes | None, timeout: float, label: str
     ) -> tuple[dict, bytearray]:
         """Send one request and wait for its reply (header, raw bytes)."""
         if payload is not None:
@@ -228,7 +227,7 @@ class IsolatedDecordBackend:
 
     def __init__(self, src: VideoSource, label: str, max_resolution: int):
         self.label = label
-        self._w: Optional[_Worker] = None
+        self._w: _Worker | None = None
         if importlib.util.find_spec("decord") is None:  # a set-up error, not a bad video
             raise ImportError(
                 "the decord video backend needs decord, an optional extra: "
@@ -291,7 +290,7 @@ class IsolatedDecordBackend:
             self._w = None
         return DecoderCrashError("decord's process sent a malformed reply", self.label)
 
-    def _call(self, req: dict, payload: Optional[bytes], timeout: float) -> tuple[dict, bytearray]:
+    def _call(self, req: dict, payload: bytes | None, timeout: float) -> tuple[dict, bytearray]:
         if self._w is None:
             raise CorruptVideoError("the decoder was closed", self.label)
         try:

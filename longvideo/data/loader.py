@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Optional
 
 import numpy as np
 import torch
 
-from longvideo.data.templates import Doc, LayoutOptions, build_docs, sample_rng
 from longvideo.data.packing import Packer, pack_row
 from longvideo.data.shards import (
     ShardError,
@@ -26,6 +24,7 @@ from longvideo.data.shards import (
     iter_token_tar,
 )
 from longvideo.data.streams import expand_sources, is_url
+from longvideo.data.templates import Doc, LayoutOptions, build_docs, sample_rng
 from longvideo.distributed import fail_together
 
 log = logging.getLogger(__name__)
@@ -35,7 +34,7 @@ STATE_VERSION = 1
 class _Forward(SkipStats):
     """Skip counts that go to ``sink`` once it is set, and nowhere before."""
 
-    sink: Optional[SkipStats] = None
+    sink: SkipStats | None = None
 
     def skip(self, reason: str, where: str, detail: str = "") -> None:
         if self.sink is not None:
@@ -60,8 +59,8 @@ class TokenLoader:
         batch_size: int = 1,
         dp_rank: int = 0,
         dp_size: int = 1,
-        seed: Optional[int] = None,
-        seq_len: Optional[int] = None,
+        seed: int | None = None,
+        seq_len: int | None = None,
         max_indexed_shards: int = 512,
         group=None,
     ):
@@ -84,7 +83,7 @@ class TokenLoader:
         self._remote = [is_url(p) for p in self.paths]
         self._keys: dict[tuple[int, int], str] = {}  # keys of streamed samples
         self._stream = None  # the open stream of a remote shard ...
-        self._stream_at: Optional[tuple[int, int]] = (
+        self._stream_at: tuple[int, int] | None = (
             None  # ... and the (order index, sample) it reads next
         )
         self.stats = SkipStats()
@@ -200,7 +199,7 @@ class TokenLoader:
             self._stream.close()
         self._stream, self._stream_at = None, None
 
-    def _stream_next(self, k: int, i: int) -> Optional[tuple[str, dict]]:
+    def _stream_next(self, k: int, i: int) -> tuple[str, dict] | None:
         """Sample ``i`` of the remote shard ``order[k]`` as (key, parts), or None past its end."""
         if self._stream_at != (k, i):
             self._close_stream()
@@ -256,7 +255,7 @@ class TokenLoader:
             return self._keys[(ref[0], ref[1])]
         return self._shard(ref[0]).samples[ref[1]][0]
 
-    def _next_stream_ref(self) -> Optional[tuple[int, int]]:
+    def _next_stream_ref(self) -> tuple[int, int] | None:
         k, i = self._cursor
         while k < len(self.order):
             s = self.order[k]

@@ -8,7 +8,8 @@ packer: the layout drops whole frame groups until they fit (longvideo.data.templ
 
 from __future__ import annotations
 
-from typing import Generic, Hashable, Sequence, TypeVar
+from collections.abc import Hashable, Sequence
+from typing import Generic, TypeVar
 
 import numpy as np
 

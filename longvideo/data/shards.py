@@ -12,8 +12,8 @@ import logging
 import math
 import os
 import tarfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -43,7 +43,7 @@ class Member:
     size: int
 
 
-def index_tar(path: str, stats: Optional[SkipStats] = None) -> list[Member]:
+def index_tar(path: str, stats: SkipStats | None = None) -> list[Member]:
     """Headers of the regular-file members of a tar, in order, without reading their data."""
     out = []
     try:
@@ -226,7 +226,7 @@ def load_npy(data: bytes, key: str) -> np.ndarray:
     return np.frombuffer(data, dtype, count, f.tell()).reshape(shape, order="F" if fortran else "C")
 
 
-def decode_token_sample(key: str, parts: dict, codebook_size: Optional[int] = None) -> TokenSample:
+def decode_token_sample(key: str, parts: dict, codebook_size: int | None = None) -> TokenSample:
     """Check and decode the three members of a token-shard sample (bytes, or streamed parts: a
     part's ShardError is raised first)."""
     blobs = {ext: part_bytes(p) for ext, p in parts.items()}
@@ -267,7 +267,7 @@ def decode_token_sample(key: str, parts: dict, codebook_size: Optional[int] = No
 class TokenShard:
     """Random access to the samples of one token shard (headers indexed once, data read on demand)."""
 
-    def __init__(self, path: str, stats: Optional[SkipStats] = None):
+    def __init__(self, path: str, stats: SkipStats | None = None):
         self.path = path
         samples = group_samples(index_tar(path, stats), TOKEN_EXTS)
         self.samples = list(unique_keys(samples, stats, path))
@@ -275,7 +275,7 @@ class TokenShard:
     def __len__(self) -> int:
         return len(self.samples)
 
-    def read(self, i: int, codebook_size: Optional[int] = None) -> TokenSample:
+    def read(self, i: int, codebook_size: int | None = None) -> TokenSample:
         key, parts = self.samples[i]
         limits = default_limits(TOKEN_EXTS)
         with open(self.path, "rb") as f:
@@ -290,7 +290,7 @@ def iter_token_tar(src: str, stats: SkipStats) -> Iterator[tuple[str, dict]]:
 
 
 def iter_token_samples(
-    path: str, stats: SkipStats, codebook_size: Optional[int] = None
+    path: str, stats: SkipStats, codebook_size: int | None = None
 ) -> Iterator[TokenSample]:
     """The valid samples of a local token shard, read by random access (the loader streams remote ones)."""
     try:

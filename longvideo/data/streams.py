@@ -21,8 +21,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, TypeVar, Union
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,7 +82,7 @@ def split_name(name: str) -> tuple[str, str]:
     return (f"{head}/{stem}" if head else stem), (ext.lower() if dot else "")
 
 
-def usable_member(info: tarfile.TarInfo, stats: Optional[SkipStats], where: str) -> bool:
+def usable_member(info: tarfile.TarInfo, stats: SkipStats | None, where: str) -> bool:
     """Whether a member is a regular file with a relative name without '..' or NUL (usable as a key,
     never followed as a path); links, devices and escaping names are counted (``unsafe_member``)."""
     name = info.name
@@ -93,7 +94,7 @@ def usable_member(info: tarfile.TarInfo, stats: Optional[SkipStats], where: str)
     return False
 
 
-def unique_keys(samples: Iterable[tuple[str, T]], stats: Optional[SkipStats], where: str):
+def unique_keys(samples: Iterable[tuple[str, T]], stats: SkipStats | None, where: str):
     """The samples of one shard whose key is usable, each key once: a key with an empty name (a
     member called '.mp4' or 'dir/.json') is counted as ``empty_key``, a key met before in the
     shard as ``duplicate_key`` (the first is kept), and both are skipped."""
@@ -115,7 +116,7 @@ HTTP_TIMEOUT_S = (
 )
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):")
 
-Part = Union[bytes, ShardError]
+Part = bytes | ShardError
 
 
 def part_bytes(part: Part) -> bytes:
@@ -187,7 +188,7 @@ def shard_name(src: str) -> str:
 class _Guarded:
     """A binary reader whose failures surface as :class:`SourceIOError` (tar errors stay tar errors)."""
 
-    def __init__(self, f, where: str, length: Optional[int] = None):
+    def __init__(self, f, where: str, length: int | None = None):
         self.f, self.where, self.length, self.done = f, where, length, 0
 
     def read(self, n: int = -1) -> bytes:
@@ -245,7 +246,7 @@ def default_limits(exts: Iterable[str]) -> dict[str, int]:
 
 
 def iter_tar(
-    src: str, stats: SkipStats, exts: Iterable[str], limits: Optional[dict[str, int]] = None
+    src: str, stats: SkipStats, exts: Iterable[str], limits: dict[str, int] | None = None
 ) -> Iterator[tuple[str, dict[str, Part]]]:
     """The samples of one tar shard as ``(key, {ext: bytes})``, streamed front to back.
 

@@ -11,15 +11,16 @@ from __future__ import annotations
 import io
 import json
 import multiprocessing as mp
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Iterable, Optional
 
 import av
 import numpy as np
 from tqdm import tqdm
 
+from longvideo.data.shards import ShardWriter
 from longvideo.data.templates import (
     ANSWER_PROMPT,
     ANSWER_TEXT,
@@ -27,7 +28,6 @@ from longvideo.data.templates import (
     SEGMENT_TEXT,
     TIMESTAMP_TEXT,
 )
-from longvideo.data.shards import ShardWriter
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (230, 40, 40),
@@ -143,9 +143,9 @@ def write_mp4(
     *,
     codec: str = "libx264",
     crf: int = 18,
-    gop: Optional[int] = None,
+    gop: int | None = None,
     preset: str = "veryfast",
-) -> Optional[bytes]:
+) -> bytes | None:
     """Encode uint8 frame chunks (T, H, W, 3) (or single (H, W, 3) frames) to mp4 with PyAV.
 
     dst: a path to write, or None to return the bytes. Encoding is single-threaded so that the same
@@ -200,7 +200,7 @@ class SyntheticSpec:
     needle_fraction: float = 0.5  # fraction of samples that carry the needle (flash frame) question
     scene_seconds: tuple[int, int] = (2, 4)  # inclusive range of a scene's duration
     gop_seconds: float = 1.0  # keyframe interval of the written mp4
-    needle_at: Optional[float] = (
+    needle_at: float | None = (
         None  # depth of the needle in [0, 1] (0 = first second); None: at random
     )
     # extra one-second flashes of random colours, with no question about them (tokenizer training
@@ -238,7 +238,7 @@ class SyntheticSample:
     spec: SyntheticSpec
     duration: int
     scenes: list[tuple[int, int, Shape]]  # (start second, end second, shape)
-    needle: Optional[tuple[int, str]]  # (second, colour)
+    needle: tuple[int, str] | None  # (second, colour)
     meta: dict = field(default_factory=dict)
     flashes: list[tuple[int, str]] = field(
         default_factory=list
@@ -248,7 +248,7 @@ class SyntheticSample:
     def num_frames(self) -> int:
         return self.duration * self.spec.fps
 
-    def frames(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
+    def frames(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Frames [start, stop) as uint8 (T, H, W, 3)."""
         stop = self.num_frames if stop is None else min(stop, self.num_frames)
         return self.frames_at(np.arange(start, stop))

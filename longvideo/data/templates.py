@@ -12,8 +12,8 @@ layout of one question, ending where the answer starts, or LWM's vision-chat pro
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import numpy as np
 
@@ -53,7 +53,7 @@ class Eos:
 
 
 def qa_parts(
-    pairs: Sequence[tuple[str, Optional[str]]],
+    pairs: Sequence[tuple[str, str | None]],
     groups: Sequence[int],
     *,
     question_first: bool,
@@ -127,8 +127,8 @@ def _render(
     parts: list,
     tok,
     vocab,
-    codes: Optional[np.ndarray],
-    timestamps: Optional[np.ndarray],
+    codes: np.ndarray | None,
+    timestamps: np.ndarray | None,
     text_w: float,
     vision_w: float,
     every: int,
@@ -216,7 +216,7 @@ class LayoutOptions:
     qa_order: str = "shuffle"
 
     @classmethod
-    def from_config(cls, cfg: DataConfig) -> "LayoutOptions":
+    def from_config(cls, cfg: DataConfig) -> LayoutOptions:
         return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
 
 
@@ -263,7 +263,7 @@ def layout_doc(
     text_first: bool,
     opts: LayoutOptions,
     max_len: int,
-) -> Optional[Doc]:
+) -> Doc | None:
     """Lay out one template, dropping whole groups uniformly until it fits ``max_len``; None when
     even one group does not fit (the text alone is too long)."""
     num_groups = int(codes.shape[0])
@@ -362,7 +362,7 @@ class PromptOptions:
             )
 
     @classmethod
-    def from_config(cls, data: DataConfig) -> "PromptOptions":
+    def from_config(cls, data: DataConfig) -> PromptOptions:
         """The options a model trained with `data` expects (a 'random' question position trained
         both orders; the prompt then asks after the video)."""
         return cls(

@@ -18,10 +18,10 @@ import signal
 import time
 import traceback
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 from tqdm import tqdm
@@ -49,7 +49,7 @@ class TokenizeOptions:
     """How ``tokenize`` reads and encodes videos (``--config`` takes them from ``data`` and ``infer``)."""
 
     fps: float = 1.0  # frames per second sampled from each video
-    max_frames: Optional[int] = 3600  # most frames per video (uniform sampling when the cap binds)
+    max_frames: int | None = 3600  # most frames per video (uniform sampling when the cap binds)
     max_resolution: int = 4096  # longest frame side accepted
     batch_frames: int = 16  # frames the VQ encodes at once
     backend: str = "auto"  # auto (= pyav, in this process), pyav, or decord (in a child process)
@@ -95,8 +95,8 @@ def tokenize_shard(
     opts: TokenizeOptions,
     progress=None,
     *,
-    skip: Optional[dict[int, str]] = None,
-    on_sample: Optional[Callable[[int, str], None]] = None,
+    skip: dict[int, str] | None = None,
+    on_sample: Callable[[int, str], None] | None = None,
 ) -> dict:
     """Tokenize one raw shard (a path or URL) into ``dst`` (atomically). Returns its counts.
 
@@ -242,7 +242,7 @@ def _worker_main(conn, vq_dir: str, threads: int) -> None:
         conn.send(("result", res))
 
 
-def _death(code: Optional[int]) -> str:
+def _death(code: int | None) -> str:
     if code is not None and code < 0:
         try:
             name = signal.Signals(-code).name

@@ -16,8 +16,8 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 import av
 import numpy as np
@@ -76,7 +76,7 @@ class VideoClip:
 
 
 def sample_indices(
-    num_frames: int, src_fps: float, fps: Optional[float] = 1.0, max_frames: Optional[int] = None
+    num_frames: int, src_fps: float, fps: float | None = 1.0, max_frames: int | None = None
 ) -> np.ndarray:
     """Frame indices (int64, increasing) to take from a video of ``num_frames`` at ``src_fps``: the
     frame on screen at t_k = k / fps (fps=None: every frame), or, when more than ``max_frames``
@@ -101,7 +101,7 @@ def sample_indices(
 
 
 def resize_crop(
-    frames: torch.Tensor, size: Optional[int], shown: Optional[tuple[int, int]] = None
+    frames: torch.Tensor, size: int | None, shown: tuple[int, int] | None = None
 ) -> torch.Tensor:
     """Resize the short side to ``size`` (antialiased bilinear) and centre-crop to size x size.
 
@@ -136,7 +136,7 @@ class _PyAVBackend:
     def __init__(self, src: VideoSource, label: str, max_resolution: int):
         self.label = label
         self._src = bytes(src) if isinstance(src, (bytes, bytearray, memoryview)) else src
-        self._input: Optional[SafeInput] = None
+        self._input: SafeInput | None = None
         self._seekable = True
         # FFmpeg refuses larger frames before allocating them (docs/data.md, "What crashes decord")
         self._options = {"max_pixels": str(max_resolution * max_resolution)}
@@ -208,7 +208,7 @@ class _PyAVBackend:
         if self.stream.codec_context is not None:
             self.stream.codec_context.options = dict(self._options)
 
-    def _scan(self) -> tuple[int, float, np.ndarray, Optional[list[int]]]:
+    def _scan(self) -> tuple[int, float, np.ndarray, list[int] | None]:
         """Frame count, duration and keyframe times from one pass over the packets (demuxing only),
         and the display matrix, which travels on decoded frames: the first is decoded for it."""
         count, end, keys, matrix, probe = 0, 0.0, [], None, 64
@@ -431,11 +431,11 @@ class VideoChunks:
         self,
         src: VideoSource,
         *,
-        fps: Optional[float] = 1.0,
-        max_frames: Optional[int] = None,
-        size: Optional[int] = None,
+        fps: float | None = 1.0,
+        max_frames: int | None = None,
+        size: int | None = None,
         max_resolution: int = DEFAULT_MAX_RESOLUTION,
-        chunk_frames: Optional[int] = None,
+        chunk_frames: int | None = None,
         backend: str = "auto",
     ):
         self._reader = _open(src, max_resolution, backend)
@@ -444,7 +444,7 @@ class VideoChunks:
         h, w = self._reader.stored
         self._chunk = chunk_frames or max(1, min(256, _CHUNK_BYTES // (w * h * 3)))
         self._size = size
-        self.report: Optional[ReadReport] = None
+        self.report: ReadReport | None = None
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         reader, info, o = self._reader, self.info, self.info.orientation
@@ -491,9 +491,9 @@ iter_video = VideoChunks
 def read_video(
     src: VideoSource,
     *,
-    fps: Optional[float] = 1.0,
-    max_frames: Optional[int] = None,
-    size: Optional[int] = None,
+    fps: float | None = 1.0,
+    max_frames: int | None = None,
+    size: int | None = None,
     max_resolution: int = DEFAULT_MAX_RESOLUTION,
     backend: str = "auto",
 ) -> VideoClip:

@@ -9,11 +9,10 @@ import math
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 import numpy as np
 
-VideoSource = Union[str, os.PathLike, bytes, bytearray, memoryview]
+VideoSource = str | os.PathLike | bytes | bytearray | memoryview
 
 
 VIDEO_EXTS: tuple[str, ...] = (
@@ -99,11 +98,11 @@ class Orientation:
     @classmethod
     def from_container(
         cls,
-        matrix: Optional[list[int]] = None,
-        rotate_tag: Optional[str] = None,
+        matrix: list[int] | None = None,
+        rotate_tag: str | None = None,
         sar=None,
         flips: bool = True,
-    ) -> "Orientation":
+    ) -> Orientation:
         """``matrix``: FFmpeg's display matrix (9 ints, row-major), which maps a stored pixel
         (column x, row y) to (a x + c y, b x + d y); ``rotate_tag``: degrees clockwise, used when
         there is no matrix; ``sar``: a number, a Fraction or None. ``flips=False``: the turn
@@ -139,7 +138,7 @@ class Orientation:
             frames = frames[..., ::-1, :, :]
         return frames[..., ::-1, :] if self.flip_cols else frames
 
-    def after(self, done: "Orientation") -> "Orientation":
+    def after(self, done: Orientation) -> Orientation:
         """What is left to apply to frames that another reader already turned by ``done``."""
         probe = np.arange(6).reshape(2, 3, 1)
         want = self.apply(probe)
@@ -155,7 +154,7 @@ class Orientation:
         return (height, w) if self.transpose else (w, height)
 
 
-def display_matrix(frame) -> Optional[list[int]]:
+def display_matrix(frame) -> list[int] | None:
     """The display matrix a decoded PyAV frame carries as side data, or None."""
     for sd in getattr(frame, "side_data", ()):
         if getattr(sd.type, "name", "") == "DISPLAYMATRIX" and sd.buffer_size == 36:
@@ -163,7 +162,7 @@ def display_matrix(frame) -> Optional[list[int]]:
     return None
 
 
-def stream_facts(container, stream, fps: float) -> tuple[Optional[float], Optional[str], object]:
+def stream_facts(container, stream, fps: float) -> tuple[float | None, str | None, object]:
     """(declared duration in seconds or None, legacy rotate tag or None, sample aspect ratio) of a
     PyAV stream: only headers that state a duration declare one (docs/data.md, "Damaged and
     partial videos")."""
@@ -192,12 +191,12 @@ class VideoInfo:
     height: int
     duration: float
     """Seconds of frames in the file (from its packets)."""
-    declared: Optional[float] = None
+    declared: float | None = None
     """Seconds the container's header claims (None where it claims nothing)."""
     orientation: Orientation = Orientation()
 
     @classmethod
-    def of_stored(cls, width: int, height: int, orientation: Orientation, **kw) -> "VideoInfo":
+    def of_stored(cls, width: int, height: int, orientation: Orientation, **kw) -> VideoInfo:
         """The info of frames stored at width x height, shown as ``orientation`` says."""
         shown_w, shown_h = orientation.shown(width, height)
         return cls(width=shown_w, height=shown_h, orientation=orientation, **kw)
@@ -210,7 +209,7 @@ class ReadReport:
     ``gaps``, the (start, end) seconds lost inside the video to packets the decoder refused."""
 
     duration: float
-    declared: Optional[float] = None
+    declared: float | None = None
     gaps: list[tuple[float, float]] = field(default_factory=list)
     fps: float = 0.0
 

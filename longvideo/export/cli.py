@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from longvideo.export.hf import DEFAULT_MAX_SHARD_SIZE, DTYPES, export_hf, import_hf
 from longvideo.export.lwm import import_lwm

@@ -8,12 +8,10 @@ module converts between them. docs/export.md, docs/models.md.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 import re
 import shutil
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -129,7 +127,7 @@ def write_hf_weights(
     hf_sd: dict[str, torch.Tensor],
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = parse_size(DEFAULT_MAX_SHARD_SIZE),
-    progress: Optional[bool] = None,
+    progress: bool | None = None,
 ) -> list[str]:
     """model.safetensors, or shards model-0000i-of-0000n.safetensors with
     model.safetensors.index.json once the weights pass `max_shard_bytes`, as transformers writes
@@ -167,7 +165,7 @@ def write_hf_weights(
     return files
 
 
-def _quiet(progress: Optional[bool]) -> Optional[bool]:
+def _quiet(progress: bool | None) -> bool | None:
     """tqdm's `disable`: progress True shows a bar, False hides it, None shows it on a terminal."""
     return None if progress is None else not progress
 
@@ -175,9 +173,9 @@ def _quiet(progress: Optional[bool]) -> Optional[bool]:
 def import_hf(
     hf_dir: str | Path,
     out_dir: str | Path,
-    base_config: Optional[str] = None,
-    codebook_size: Optional[int] = None,
-    progress: Optional[bool] = None,
+    base_config: str | None = None,
+    codebook_size: int | None = None,
+    progress: bool | None = None,
 ) -> Path:
     """Read a local transformers decoder of a supported family (safetensors) into a project
     checkpoint, extending the vocabulary by the vision tokens and the VQ codes (new rows = mean of
@@ -246,18 +244,18 @@ def import_hf(
     return Path(out_dir)
 
 
-def _bar(what: str, progress: Optional[bool]) -> tqdm:
+def _bar(what: str, progress: bool | None) -> tqdm:
     return tqdm(unit="B", unit_scale=True, desc=f"import-hf: {what}", disable=_quiet(progress))
 
 
 def export_hf(
     ckpt: str | Path,
     out_dir: str | Path,
-    tokenizer_dir: Optional[str | Path] = None,
-    vq_dir: Optional[str | Path] = None,
+    tokenizer_dir: str | Path | None = None,
+    vq_dir: str | Path | None = None,
     dtype: str = "fp32",
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-    progress: Optional[bool] = None,
+    progress: bool | None = None,
 ) -> Path:
     """Write a Hugging Face directory (config.json, the weights in `dtype` (bf16, fp16 or fp32),
     sharded past `max_shard_size`, the tokenizer with its chat template, generation config,
@@ -278,14 +276,14 @@ class WeightsFormat:
 
     dtype: torch.dtype
     max_shard_bytes: int
-    progress: Optional[bool]
+    progress: bool | None
 
 
 def _export_into(
     ckpt: str | Path,
     out_dir: str | Path,
-    tokenizer_dir: Optional[str | Path],
-    vq_dir: Optional[str | Path],
+    tokenizer_dir: str | Path | None,
+    vq_dir: str | Path | None,
     weights: WeightsFormat,
 ) -> Path:
     ckpt = Path(ckpt)

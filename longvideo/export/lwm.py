@@ -12,8 +12,8 @@ import dataclasses
 import math
 import re
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -144,7 +144,7 @@ def read_tree(path: str | Path) -> LWMTree:
 
 
 def model_config_from_tree(
-    tree: LWMTree, base: ModelConfig, codebook_size: int, n_heads: Optional[int] = None
+    tree: LWMTree, base: ModelConfig, codebook_size: int, n_heads: int | None = None
 ) -> ModelConfig:
     """The ModelConfig of the arrays (widths, depth, vocabularies) on top of `base` (theta, context,
     epsilon). n_heads: given, else base's when its width matches, else LWM's standard value."""
@@ -251,7 +251,7 @@ def write_weights(
     tree: LWMTree,
     cfg: ModelConfig,
     out_file: Path,
-    progress: Optional[Callable[[str], None]] = None,
+    progress: Callable[[str], None] | None = None,
 ) -> None:
     """Stream the params file's arrays, converted, into `out_file` (safetensors, ours names)."""
     specs = _plan(tree, cfg)
@@ -286,7 +286,7 @@ def import_lwm(
     out_dir: str | Path,
     config: str | Path = "lwm-chat-1m",
     overrides: Sequence[str] = (),
-    progress: Optional[Callable[[str], None]] = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Convert LWM's `params` + `vqgan` + tokenizer into a project checkpoint at out_dir."""
     t0 = time.perf_counter()

@@ -14,7 +14,6 @@ import json
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -50,7 +49,7 @@ QA_CHAT_TEMPLATE = (
 )
 
 
-def chat_template(settings: "ProcessorSettings") -> Optional[str]:
+def chat_template(settings: ProcessorSettings) -> str | None:
     """The tokenizer's chat template for a model's text side: the QA template's; None for LWM's
     prompt, whose pieces are tokenized one by one (LWM's BOS tokens and SentencePiece word-boundary
     markers), which no template string reproduces: use LongVideoProcessor there."""
@@ -75,11 +74,11 @@ class ProcessorSettings:
     """qa: the QA training template; lwm: LWM's vision-chat prompt."""
     vocab_layout: str = "longvideo"
     """The model's token space (longvideo.vocab): longvideo, or lwm for imported LWM models."""
-    vision_vocab_size: Optional[int] = None
+    vision_vocab_size: int | None = None
     """lwm layout only: ids of LWM's vision vocabulary."""
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "ProcessorSettings":
+    def from_config(cls, cfg: Config) -> ProcessorSettings:
         """What a model trained with `cfg` expects (its data section, its vocabulary)."""
         d = cfg.data
         prompt = PromptOptions.from_config(d)
@@ -135,7 +134,7 @@ class LongVideoProcessor:
         self.vocab = tokenizer.vocab(vq.cfg.codebook_size, settings.vision_vocab_size)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs) -> "LongVideoProcessor":
+    def from_pretrained(cls, path: str | Path, **kwargs) -> LongVideoProcessor:
         """The processor of an exported directory (local). Accepts, and ignores, the keywords
         AutoProcessor passes on (trust_remote_code, cache and hub options); others raise."""
         unknown = sorted(set(kwargs) - _HUB_KEYWORDS)
@@ -172,7 +171,7 @@ class LongVideoProcessor:
         self.vq.save(path / "vq")
         write_text_atomic(path / PROCESSOR_CONFIG, json.dumps(cfg, indent=2))  # last
 
-    def encode_video(self, video, fps: Optional[float] = None, max_frames: Optional[int] = None):
+    def encode_video(self, video, fps: float | None = None, max_frames: int | None = None):
         """codes (G, h, w) and per-group timestamps (G,) of a video path or bytes."""
         s = self.settings
         vc = video_to_codes(
@@ -185,7 +184,8 @@ class LongVideoProcessor:
         )
         if vc.report.describe():
             warnings.warn(
-                f"the video is partly unreadable ({vc.report.describe()}); encoding what was read"
+                f"the video is partly unreadable ({vc.report.describe()}); encoding what was read",
+                stacklevel=2,
             )
         return vc.codes, vc.timestamps
 
@@ -198,8 +198,8 @@ class LongVideoProcessor:
         self,
         video,
         question: str,
-        fps: Optional[float] = None,
-        max_frames: Optional[int] = None,
+        fps: float | None = None,
+        max_frames: int | None = None,
         return_tensors: str = "pt",
     ) -> dict:
         if isinstance(video, (str, Path)) and not Path(video).is_file():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
@@ -27,12 +27,12 @@ class ApiError(Exception):
     """A refused request: HTTP `status`, the message, the request field it is about."""
 
     def __init__(
-        self, status: int, message: str, param: Optional[str] = None, headers: Optional[dict] = None
+        self, status: int, message: str, param: str | None = None, headers: dict | None = None
     ):
         super().__init__(f"{param}: {message}" if param else message)
         self.status, self.param, self.headers = status, param, headers or {}
 
-    def body(self, request_id: Optional[str] = None) -> dict:
+    def body(self, request_id: str | None = None) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         err = {"message": str(self), "type": kind, "param": self.param, "code": self.status}
         if request_id is not None:
@@ -54,8 +54,8 @@ class VideoURL(_Strict):
 class ContentPart(_Strict):
     model_config = ConfigDict(extra="allow")  # image_url, input_audio ...: refused by name below
     type: str
-    text: Optional[str] = None
-    video_url: Optional[VideoURL] = None
+    text: str | None = None
+    video_url: VideoURL | None = None
 
     @field_validator("video_url", mode="before")
     @classmethod
@@ -85,20 +85,20 @@ class ChatCompletionBody(_Strict):
     """The body of POST /v1/chat/completions, as far as this server reads it."""
 
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
-    model: Optional[str] = None
+    model: str | None = None
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    max_tokens: Optional[int] = Field(None, ge=1, le=INT64[1])
-    max_completion_tokens: Optional[int] = Field(None, ge=1, le=INT64[1])
-    temperature: Optional[float] = Field(None, ge=0)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=-1, le=INT64[1])
-    seed: Optional[int] = Field(None, ge=INT64[0], le=INT64[1])
-    stop: Optional[list[str]] = Field(None, max_length=4)
-    n: Optional[int] = Field(None, ge=1, le=1)
-    fps: Optional[float] = Field(None, gt=0, le=1000)
-    max_frames: Optional[int] = Field(None, ge=1, le=INT64[1])
-    cache_salt: Optional[str] = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT64[1])
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64[1])
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=INT64[1])
+    seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
+    stop: list[str] | None = Field(None, max_length=4)
+    n: int | None = Field(None, ge=1, le=1)
+    fps: float | None = Field(None, gt=0, le=1000)
+    max_frames: int | None = Field(None, ge=1, le=INT64[1])
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -107,7 +107,7 @@ class ChatCompletionBody(_Strict):
 
     @field_validator("stop")
     @classmethod
-    def _stop_strings(cls, v: Optional[list[str]]) -> Optional[list[str]]:
+    def _stop_strings(cls, v: list[str] | None) -> list[str] | None:
         if v is not None and not all(0 < len(s) <= MAX_STOP_CHARS for s in v):
             raise PydanticCustomError(
                 "stop",
@@ -180,25 +180,25 @@ class Sampling:
 
 @dataclass
 class ChatRequest:
-    turns: list[tuple[str, Optional[str]]]
+    turns: list[tuple[str, str | None]]
     """(question, answer) per user turn; the last answer is None (to be generated)."""
     video_url: str
     video_field: str
-    model: Optional[str] = None
+    model: str | None = None
     stream: bool = False
     include_usage: bool = False
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    seed: Optional[int] = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    fps: Optional[float] = None
+    fps: float | None = None
     """Extensions (openai-python: extra_body): fps and max_frames, else the server's --fps and
     --max-frames."""
-    max_frames: Optional[int] = None
-    top_k: Optional[int] = None
+    max_frames: int | None = None
+    top_k: int | None = None
     """vLLM's extension: -1 or 0 for every token."""
-    cache_salt: Optional[str] = None
+    cache_salt: str | None = None
     """vLLM's extension: requests with different salts never share a cache."""
 
 

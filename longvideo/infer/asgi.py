@@ -31,7 +31,6 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import anyio
 import h11
@@ -44,7 +43,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from longvideo.infer.api import ApiError, parse_request
 from longvideo.infer.media import FetchError, load_video
-from longvideo.infer.serve import Job, Service, ServeSettings, log, new_request_id
+from longvideo.infer.serve import Job, ServeSettings, Service, log, new_request_id
 
 MAX_HEADER_BYTES = 32 * 1024
 """Largest request head (request line and headers) uvicorn's h11 parser accepts."""
@@ -113,7 +112,7 @@ class ClientGone(Exception):
     pass
 
 
-def _header(scope, name: bytes) -> Optional[str]:
+def _header(scope, name: bytes) -> str | None:
     for k, v in scope["headers"]:
         if k == name:
             return v.decode("latin-1")
@@ -153,7 +152,7 @@ async def drain(scope, receive, body: BodyState) -> bool:
     return True
 
 
-async def send_json(send, status: int, payload: dict, headers: Optional[dict] = None, close=False):
+async def send_json(send, status: int, payload: dict, headers: dict | None = None, close=False):
     raw = json.dumps(payload).encode()
     hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
     hdrs += [(k.lower().encode(), str(v).encode()) for k, v in (headers or {}).items()]
@@ -173,7 +172,7 @@ async def refuse(scope, receive, send, err: ApiError) -> None:
     )
 
 
-def _host_ok(scope, allowed: Optional[tuple[str, ...]]) -> bool:
+def _host_ok(scope, allowed: tuple[str, ...] | None) -> bool:
     if allowed is None:
         return True
     value = (_header(scope, b"host") or "").strip().lower()
@@ -532,7 +531,7 @@ class Responder:
             await self.write(b"data: [DONE]\n\n")
         await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def chunk(self, delta: Optional[dict], finish=None, **extra) -> None:
+    async def chunk(self, delta: dict | None, finish=None, **extra) -> None:
         choices = (
             []
             if delta is None

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
 
 LETTERS = "ABCDEFGHIJ"
 
@@ -28,7 +28,7 @@ class Question:
     """The correct option's letter."""
     groups: dict = field(default_factory=dict)
     """Breakdown name -> label (or a list of labels: the question counts in each)."""
-    subtitles: Optional[str] = None
+    subtitles: str | None = None
     """Path of the subtitle file (.srt or LongVideoBench's .json)."""
     subtitle_offset: float = 0.0
     """Seconds subtracted from subtitle times (LongVideoBench clips cut from longer videos)."""

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import bisect
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -90,7 +90,7 @@ def groups_that_fit(length_of: Callable[[int], int], num_groups: int, budget: in
 def fit_frames(
     pretrained,
     num_frames: int,
-    question: Optional[str],
+    question: str | None,
     max_new_tokens: int,
     duration: float = 0.0,
     history: Sequence[tuple[str, str]] = (),
@@ -138,13 +138,13 @@ def encode_video_file(
     video,
     *,
     fps: float = 1.0,
-    max_frames: Optional[int] = None,
-    question: Optional[str] = None,
+    max_frames: int | None = None,
+    question: str | None = None,
     max_new_tokens: int = 64,
     batch_frames: int = 16,
     progress: bool = True,
     history: Sequence[tuple[str, str]] = (),
-    on_frames: Optional[Callable] = None,
+    on_frames: Callable | None = None,
 ) -> EncodedVideo:
     """Decode `video` (path or bytes) at `fps`, fitted to the context (with the question after
     `history`), and VQ-encode it in batches; on_frames sees the frames (longvideo.data.codes).
@@ -198,7 +198,7 @@ def encode_video_file(
     )
 
 
-def share_video(video: Optional[EncodedVideo], group=None) -> EncodedVideo:
+def share_video(video: EncodedVideo | None, group=None) -> EncodedVideo:
     """The encoded video of `group`'s rank 0 on every rank of it (tensors, no pickling); collective."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     parts = (
@@ -225,7 +225,7 @@ def generate_answer(
     engine: Engine,
     ids: Sequence[int],
     infer: InferConfig,
-    generator: Optional[torch.Generator] = None,
+    generator: torch.Generator | None = None,
 ) -> tuple[str, Generation]:
     """Generate after the engine's prefix and `ids` up to the end of sequence; the answer's text.
     Only LWM's layout restricts the answer's ids (Vocab.answer_limit): other engines need not know it."""
@@ -253,8 +253,8 @@ class ChatSession:
         pretrained,
         video: EncodedVideo,
         *,
-        infer: Optional[InferConfig] = None,
-        engine: Optional[Engine] = None,
+        infer: InferConfig | None = None,
+        engine: Engine | None = None,
     ):
         self.pretrained, self.video = pretrained, video
         self.infer = infer or pretrained.config.infer
@@ -264,8 +264,8 @@ class ChatSession:
             pretrained.model, prefill_chunk=self.infer.prefill_chunk
         )
         self.generator = torch.Generator(device=self.device).manual_seed(self.infer.seed)
-        self._prefix: Optional[list[int]] = None
-        self.last: Optional[Generation] = None  # the last answer's, for timings
+        self._prefix: list[int] | None = None
+        self.last: Generation | None = None  # the last answer's, for timings
 
     @classmethod
     def from_video(
@@ -274,12 +274,12 @@ class ChatSession:
         video,
         *,
         fps: float = 1.0,
-        max_frames: Optional[int] = None,
-        question: Optional[str] = None,
-        infer: Optional[InferConfig] = None,
-        engine: Optional[Engine] = None,
+        max_frames: int | None = None,
+        question: str | None = None,
+        infer: InferConfig | None = None,
+        engine: Engine | None = None,
         progress: bool = True,
-    ) -> "ChatSession":
+    ) -> ChatSession:
         infer = infer or pretrained.config.infer
         enc = encode_video_file(
             pretrained,
@@ -377,12 +377,12 @@ def answer(
     question: str,
     *,
     fps: float = 1.0,
-    max_frames: Optional[int] = None,
-    max_new_tokens: Optional[int] = None,
-    temperature: Optional[float] = None,
-    top_p: Optional[float] = None,
-    prefill_chunk: Optional[int] = None,
-    seed: Optional[int] = None,
+    max_frames: int | None = None,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    prefill_chunk: int | None = None,
+    seed: int | None = None,
     device: str | torch.device = "cpu",
     progress: bool = False,
 ) -> str:

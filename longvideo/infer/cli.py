@@ -8,9 +8,9 @@ import argparse
 import contextlib
 import sys
 import warnings
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator, Optional
 
 import torch.distributed as dist
 
@@ -50,9 +50,7 @@ def _plain_warnings():
         warnings.formatwarning = saved
 
 
-def _shared_args(
-    p: argparse.ArgumentParser, max_new_tokens: Optional[int], help_tokens: str
-) -> None:
+def _shared_args(p: argparse.ArgumentParser, max_new_tokens: int | None, help_tokens: str) -> None:
     """The flags chat and every eval task share."""
     p.add_argument(
         "--model", required=True, help="exported Hugging Face directory or project checkpoint"
@@ -210,7 +208,7 @@ def eval_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="task", required=True)
 
-    def task(name: str, help: str, lengths: Optional[list[int]] = None, unit: str = ""):
+    def task(name: str, help: str, lengths: list[int] | None = None, unit: str = ""):
         sp = sub.add_parser(name, help=help)
         _shared_args(sp, 16, "most answer tokens (default 16)")
         sp.add_argument("--out", required=True, help="output directory for the JSON and the PNG")

@@ -16,9 +16,10 @@ import dataclasses
 import json
 import re
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -28,7 +29,6 @@ from tqdm.auto import tqdm
 
 from longvideo.atomic import write_text_atomic
 from longvideo.data.codes import video_to_codes
-from longvideo.data.templates import build_prompt, parse_answer
 from longvideo.data.shards import index_tar, iter_raw_samples, iter_token_samples
 from longvideo.data.streams import ShardError, SkipStats, expand_shards
 from longvideo.data.synthetic import (
@@ -39,6 +39,7 @@ from longvideo.data.synthetic import (
     make_sample,
     write_mp4,
 )
+from longvideo.data.templates import build_prompt, parse_answer
 from longvideo.data.video import VideoError, read_video, resize_crop
 from longvideo.distributed import broadcast_record, fail_together, together
 from longvideo.infer.chat import (
@@ -61,7 +62,7 @@ S = TypeVar("S")
 class Runtime:
     """How an evaluation runs in this process, beside what it is told (its settings)."""
 
-    engine_factory: Optional[EngineFactory] = None
+    engine_factory: EngineFactory | None = None
     """Builds the engine for the loaded model (None: a LocalEngine)."""
     group: Any = None
     """The process group every rank of which runs the same evaluation (None: one process)."""
@@ -74,7 +75,7 @@ class Runtime:
             return 1, 0
         return dist.get_world_size(self.group), dist.get_rank(self.group)
 
-    def agree(self, error: Optional[BaseException]) -> None:
+    def agree(self, error: BaseException | None) -> None:
         """Every rank of the group passes its own error or None: all return, or all raise
         (longvideo.distributed.fail_together). Without a group, only re-raises `error`."""
         if self.group is not None:
@@ -89,7 +90,7 @@ OLD_NAMES = {"encode_group": "group"}
 
 
 def settings_and_runtime(
-    kind: type[S], settings: Optional[S], options: dict, caller: str
+    kind: type[S], settings: S | None, options: dict, caller: str
 ) -> tuple[S, Runtime]:
     """`kind` settings (from `settings` with `options` replacing fields, or from `options`) and the
     Runtime that `options`' engine_factory, group (or encode_group) and progress give; TypeError
@@ -165,7 +166,7 @@ def save_heatmap(
 
 def _write(
     result: dict,
-    out_dir: Optional[str | Path],
+    out_dir: str | Path | None,
     name: str,
     values,
     xlabels: Sequence,
@@ -194,14 +195,14 @@ def greedy(model, max_new_tokens: int, needs: Sequence[str] = (), what: str = ""
     return pretrained, infer_config(pretrained, max_new_tokens=max_new_tokens, temperature=0.0)
 
 
-def open_session(pretrained, video: EncodedVideo, infer, engine_factory: Optional[EngineFactory]):
+def open_session(pretrained, video: EncodedVideo, infer, engine_factory: EngineFactory | None):
     """A ChatSession on the factory's engine (default: the session's LocalEngine)."""
     engine = engine_factory(pretrained) if engine_factory is not None else None
     return ChatSession(pretrained, video, infer=infer, engine=engine)
 
 
 def _qa_samples(
-    pretrained, shards, *, fps: float, max_frames: Optional[int], batch_frames: int, stats
+    pretrained, shards, *, fps: float, max_frames: int | None, batch_frames: int, stats
 ) -> Iterator[tuple[str, np.ndarray, np.ndarray, dict]]:
     """(key, codes, timestamps, meta) of token shards, or of raw shards encoded with the model's
     VQ."""
@@ -238,7 +239,7 @@ def _qa_samples(
             yield raw.key, video_codes.codes, video_codes.timestamps, raw.meta
 
 
-def _mean(records: list[dict], key: str) -> Optional[float]:
+def _mean(records: list[dict], key: str) -> float | None:
     """The mean of the records' `key`, those that are None left out; None when all are."""
     values = [r[key] for r in records if r[key] is not None]
     return float(np.mean(values)) if values else None
@@ -248,17 +249,17 @@ def _mean(records: list[dict], key: str) -> Optional[float]:
 class QASettings:
     """What `eval qa` is told (docs/inference.md, "Evaluations")."""
 
-    shards: Union[str, Path, Sequence[str]]
+    shards: str | Path | Sequence[str]
     """Token shards, or raw shards the model's VQ encodes: a directory, glob, pattern or list."""
-    out_dir: Optional[Union[str, Path]] = None
+    out_dir: str | Path | None = None
     """Where qa.json and qa.png are written (None: nowhere)."""
-    max_samples: Optional[int] = None
+    max_samples: int | None = None
     """Most samples read (None: all)."""
     max_new_tokens: int = 16
     """Most answer tokens."""
     fps: float = 1.0
     """Raw shards: frames per second read."""
-    max_frames: Optional[int] = 3600
+    max_frames: int | None = 3600
     """Raw shards: most frames read per video."""
 
 
@@ -547,7 +548,7 @@ class TextNeedleSettings:
     """Seed of the needles and the haystacks."""
     max_new_tokens: int = 16
     """Most answer tokens."""
-    out_dir: Optional[Union[str, Path]] = None
+    out_dir: str | Path | None = None
     """Where text_needle.json and text_needle.png are written (None: nowhere)."""
 
     def __post_init__(self):
@@ -652,9 +653,7 @@ class TextNeedleEvaluation:
         return self.write(cells, grid)
 
 
-def evaluate_text_needle(
-    model, settings: Optional[TextNeedleSettings] = None, /, **options
-) -> dict:
+def evaluate_text_needle(model, settings: TextNeedleSettings | None = None, /, **options) -> dict:
     """LWM's needle retrieval over a context-length x depth grid; a cell's score is the fraction of
     its `rounds` needles whose number appears in the answer. options: TextNeedleSettings fields
     (replacing those of `settings`) and Runtime fields (engine_factory, progress)."""
@@ -732,9 +731,9 @@ class VideoNeedleSettings:
     """Video lengths in frames at 1 fps (the grid's columns)."""
     depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     """Needle depths in [0, 1] (the grid's rows)."""
-    colours: Optional[tuple[str, ...]] = None
+    colours: tuple[str, ...] | None = None
     """Needle colours, taken in turn by the trials (None: every colour the needle question asks)."""
-    trials: Union[None, int, tuple[int, ...]] = None
+    trials: None | int | tuple[int, ...] = None
     """Trials per cell: one number, one per length, or None for one per colour."""
     seed: int = 0
     """Seed of the generated backgrounds."""
@@ -742,15 +741,15 @@ class VideoNeedleSettings:
     """Frame rate the backgrounds and flashes are rendered at before 1 fps sampling."""
     max_new_tokens: int = 8
     """Most answer tokens."""
-    out_dir: Optional[Union[str, Path]] = None
+    out_dir: str | Path | None = None
     """Where video_needle.json, video_needle.png and the needle frames go (None: nowhere)."""
-    haystack: Optional[Union[str, Path]] = None
+    haystack: str | Path | None = None
     """A video the backgrounds are cut from (read at 1 fps; None: generated moving shapes)."""
-    needle: Optional[Union[str, Path]] = None
+    needle: str | Path | None = None
     """An image inserted instead of the colour flashes (needs question and answer)."""
-    question: Optional[str] = None
+    question: str | None = None
     """The question about the needle image (None: the colour flash question)."""
-    answer: Optional[str] = None
+    answer: str | None = None
     """The needle image's answer (exact match)."""
     decoded: bool = True
     """Generated backgrounds and flashes pass through the training videos' codec first."""
@@ -839,7 +838,7 @@ class VideoNeedleEvaluation:
             for c in s.colour_names()
         ]
 
-    def read_haystack(self) -> Optional[np.ndarray]:
+    def read_haystack(self) -> np.ndarray | None:
         """The haystack video's frames at 1 fps (None: generated backgrounds)."""
         s = self.settings
         if s.haystack is None:
@@ -1010,9 +1009,7 @@ class VideoNeedleEvaluation:
         return self.write(self.result(cells, hits))
 
 
-def evaluate_video_needle(
-    model, settings: Optional[VideoNeedleSettings] = None, /, **options
-) -> dict:
+def evaluate_video_needle(model, settings: VideoNeedleSettings | None = None, /, **options) -> dict:
     """Needle-frame retrieval over a video-length (frames at 1 fps) x depth grid: per cell, the
     fraction of its trials whose needle is named (exact match). options: VideoNeedleSettings
     fields (replacing those of `settings`: lengths, depths, colours, trials, seed, source_fps,
@@ -1045,11 +1042,11 @@ class VQNeedleSettings:
     """Seed of the backgrounds and of the flash positions."""
     source_fps: int = 8
     """Frame rate the backgrounds are rendered at before 1 fps sampling."""
-    colours: Optional[tuple[str, ...]] = None
+    colours: tuple[str, ...] | None = None
     """Flash colours, taken in turn (None: every colour the needle question asks)."""
     batch_frames: int = 64
     """Frames the VQ encodes per call."""
-    out_dir: Optional[Union[str, Path]] = None
+    out_dir: str | Path | None = None
     """Where vq_needle.json and vq_needle.png are written (None: nowhere)."""
 
     def __post_init__(self):
@@ -1130,7 +1127,7 @@ class VQNeedleEvaluation:
         return self.write(self.result(cells))
 
 
-def evaluate_vq_needle(vq, settings: Optional[VQNeedleSettings] = None, /, **options) -> dict:
+def evaluate_vq_needle(vq, settings: VQNeedleSettings | None = None, /, **options) -> dict:
     """Does a one-frame flash survive the video tokenizer? The rate of flashes decoded nearest
     their colour, overall and per position in the code group (docs/hour.md, "The needle through
     the tokenizer"). vq: a VQModel, or a model directory whose vq/ is used. options:

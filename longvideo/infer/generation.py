@@ -7,14 +7,13 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from longvideo.model import KVCache, Transformer
-
 
 GREEDY_BELOW = 1e-5
 """A temperature below this is greedy decoding (vLLM's `_SAMPLING_EPS`)."""
@@ -34,7 +33,7 @@ def sample_token(
     logits: Tensor,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    generator: Optional[torch.Generator] = None,
+    generator: torch.Generator | None = None,
     top_k: int = 0,
 ) -> Tensor:
     """One token per row of logits (B, V) -> (B,) long: the argmax when greedy, else a sample of
@@ -172,7 +171,7 @@ class CachedEngine:
 
     prefix_len = local_prefix_len = 0
     prefix_s = 0.0
-    sharded: Optional[int] = None
+    sharded: int | None = None
     """The first held tokens `keep` may not drop (the sequence-parallel engine's ring-sharded prefix)."""
 
     @property
@@ -208,8 +207,8 @@ class CachedEngine:
         temperature: float = 0.0,
         top_p: float = 1.0,
         stop_ids: Sequence[int] = (),
-        generator: Optional[torch.Generator] = None,
-        vocab_limit: Optional[int] = None,
+        generator: torch.Generator | None = None,
+        vocab_limit: int | None = None,
         top_k: int = 0,
     ) -> Generation:
         """Prefill ids (B, Q >= 1) after the prefix and decode (collective for the sequence-parallel
@@ -272,7 +271,7 @@ class LocalEngine(CachedEngine):
         *,
         prefill_chunk: int = 4096,
         spare: int = 256,
-        cache: Optional[KVCache] = None,
+        cache: KVCache | None = None,
     ):
         self.model, self.prefill_chunk, self.spare, self.cache = model, prefill_chunk, spare, cache
         self.prefix_len = self.local_prefix_len = cache.length if cache is not None else 0
@@ -308,8 +307,8 @@ def generate(
     top_p: float = 1.0,
     stop_ids: Sequence[int] = (),
     prefill_chunk: int = 4096,
-    generator: Optional[torch.Generator] = None,
-    cache: Optional[KVCache] = None,
+    generator: torch.Generator | None = None,
+    cache: KVCache | None = None,
 ) -> Generation:
     """Prefill ids (B, S) in chunks into a KV cache, then decode with the cache. `cache`: continue an
     existing cache (its tokens precede ids); by default a fresh one of S + max_new_tokens."""

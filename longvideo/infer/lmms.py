@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
 
 from lmms_eval.api.instance import GenerationResult
 from lmms_eval.api.model import lmms
@@ -29,7 +28,7 @@ class LongVideoLMM(lmms):
     def __init__(
         self,
         pretrained: str,
-        device: Optional[str] = "cpu",
+        device: str | None = "cpu",
         fps=1.0,
         max_frames=None,
         max_new_tokens=16,

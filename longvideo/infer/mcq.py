@@ -12,7 +12,6 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
 
 import numpy as np
 import torch.distributed as dist
@@ -49,7 +48,7 @@ def question_text(q: Question, mode: str, subtitles: str = "") -> str:
     return f"{head}{q.question}\n{opts}\n{LETTER_PROMPT}"
 
 
-def parse_letter(text: str, options) -> Optional[str]:
+def parse_letter(text: str, options) -> str | None:
     """The option letter an answer names: a leading letter ("B", "(B) ...", "B."), an option's
     exact text, or "answer is B" anywhere; None when it names none."""
     s, letters = parse_answer(text), LETTERS[: len(options)]
@@ -215,9 +214,9 @@ class MCQSettings:
 
     benchmark: str
     """The benchmark's name (longvideo.infer.benchmarks.BENCHMARKS)."""
-    data: Union[str, Path]
+    data: str | Path
     """The benchmark's folder as released (generic: a .jsonl)."""
-    out_dir: Union[str, Path]
+    out_dir: str | Path
     """Where predictions.jsonl, run.json, summary.json and summary.png go (a rerun resumes)."""
     mode: str = "likelihood"
     """likelihood: score each option's text; generate: parse the letter the model writes."""
@@ -225,11 +224,11 @@ class MCQSettings:
     """Put the subtitles at the sampled frames before the question."""
     fps: float = 1.0
     """Frames per second read from each video."""
-    max_frames: Optional[int] = None
+    max_frames: int | None = None
     """Most frames read per video, spread over all of it (None: no limit)."""
     max_new_tokens: int = 16
     """Most answer tokens (generate mode)."""
-    limit: Optional[int] = None
+    limit: int | None = None
     """Ask the first N questions only (None: all)."""
 
     def __post_init__(self):
@@ -255,9 +254,9 @@ class VideoMessage:
     """missing_video, unreadable_video or does_not_fit ("": encoded)."""
     skip_detail: str = ""
     """What went wrong, for summary.json."""
-    codes: Optional[np.ndarray] = None
+    codes: np.ndarray | None = None
     """int64 (G, h, w) codes of the video fitted to the context."""
-    timestamps: Optional[np.ndarray] = None
+    timestamps: np.ndarray | None = None
     """float64 (G,) seconds of each group's first frame."""
     num_frames: int = 0
     """Frames read."""
@@ -269,7 +268,7 @@ class VideoMessage:
     """(question id, subtitle lines at the sampled frames) of the video's questions."""
 
     @classmethod
-    def of(cls, video: str, encoded: EncodedVideo, subtitles: dict) -> "VideoMessage":
+    def of(cls, video: str, encoded: EncodedVideo, subtitles: dict) -> VideoMessage:
         return cls(
             video=video,
             codes=np.asarray(encoded.codes),
@@ -280,7 +279,7 @@ class VideoMessage:
             subtitles=tuple(subtitles.items()),
         )
 
-    def encoded(self) -> Optional[EncodedVideo]:
+    def encoded(self) -> EncodedVideo | None:
         """The encoded video (None when its questions are skipped)."""
         if self.skip_reason:
             return None

@@ -19,9 +19,9 @@ import socket
 import ssl
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 from longvideo.infer.api import ApiError
 
@@ -41,7 +41,7 @@ def system_resolver(host: str, port: int) -> list[str]:
 class MediaPolicy:
     max_bytes: int
     """Largest video accepted (413 above it)."""
-    media_dir: Optional[Path] = None
+    media_dir: Path | None = None
     """file:// URLs are read from inside it only (403 otherwise, and without it)."""
     allow_remote: bool = False
     """http(s) URLs are fetched only when set (403 otherwise)."""
@@ -62,7 +62,7 @@ class FetchError(ApiError):
         self.detail = detail
 
 
-def _embedded_v4(ip: ipaddress.IPv6Address) -> Optional[ipaddress.IPv4Address]:
+def _embedded_v4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
     """The IPv4 address an IPv6 one carries (mapped, 6to4, Teredo, NAT64): where it goes."""
     if ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
@@ -90,7 +90,7 @@ def is_public(address: str) -> bool:
     return ip.is_global and not (ip.is_multicast or ip.is_reserved or ip.is_unspecified)
 
 
-def _literal(host: str) -> Optional[str]:
+def _literal(host: str) -> str | None:
     """The canonical form of an IP address literal, else None."""
     try:
         return str(ipaddress.ip_address(host.strip("[]")))
@@ -139,7 +139,7 @@ def _allowed(t: _Target, policy: MediaPolicy) -> tuple[bool, bool]:
     return False, False
 
 
-def _split_entry(entry: str) -> tuple[str, Optional[int]]:
+def _split_entry(entry: str) -> tuple[str, int | None]:
     """'host', 'host:port', '[v6]:port', 'v6' -> (host, port or None)."""
     e = entry.strip().rstrip(".").lower()
     if e.startswith("["):

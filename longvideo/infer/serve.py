@@ -24,10 +24,10 @@ import time
 import traceback
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from importlib import resources
-from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -63,7 +63,7 @@ class ServeSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     fps: float = 1.0
-    max_frames: Optional[int] = None
+    max_frames: int | None = None
     max_upload_mb: float = 256.0
     max_queue: int = 16
     cache_gb: float = 4.0
@@ -80,11 +80,11 @@ class ServeSettings:
     """Open connections at most; beyond, new requests are answered 503."""
     api_keys: tuple[str, ...] = ()
     """Bearer keys, any of which opens /v1/... (none: no key asked)."""
-    allowed_hosts: Optional[tuple[str, ...]] = None
+    allowed_hosts: tuple[str, ...] | None = None
     """Host header values accepted (HOST or HOST:PORT; '*' any); None: the loopback names when
     bound to a loopback address, any otherwise."""
     cors_origins: tuple[str, ...] = ()
-    device: Optional[str] = None
+    device: str | None = None
     backend: str = "auto"
     quiet: bool = False
 
@@ -110,7 +110,7 @@ class ServeSettings:
         """Largest request body: a video of --max-upload-mb as base64, and the JSON around it."""
         return self.media.max_bytes * 4 // 3 + (1 << 20)
 
-    def host_allow_list(self) -> Optional[tuple[str, ...]]:
+    def host_allow_list(self) -> tuple[str, ...] | None:
         """The Host header values accepted (None: any)."""
         if self.allowed_hosts is not None:
             return None if "*" in self.allowed_hosts else self.allowed_hosts
@@ -181,7 +181,7 @@ class Caches:
 
     def __init__(self, budget: int):
         self.budget = budget
-        self.entries: OrderedDict[tuple[str, str], Union[VideoEntry, KVState]] = OrderedDict()
+        self.entries: OrderedDict[tuple[str, str], VideoEntry | KVState] = OrderedDict()
         self.lock = threading.Lock()
 
     def get(self, kind: str, key: str):
@@ -263,7 +263,7 @@ class RankMessage:
         )
 
     @classmethod
-    def decode(cls, arr: np.ndarray) -> "RankMessage":
+    def decode(cls, arr: np.ndarray) -> RankMessage:
         kind, video_end, reuse, seed, top_k, max_tokens, n_ids, *n_text = arr[:10].tolist()
         temperature, top_p = arr[10:12].astype(np.int64).view(np.float64).tolist()
         at, texts = 12 + n_ids, []
@@ -285,7 +285,7 @@ class RankMessage:
         broadcast_array(self.encode(), src=0)
 
     @classmethod
-    def receive(cls) -> "RankMessage":
+    def receive(cls) -> RankMessage:
         return cls.decode(broadcast_array(None, src=0))
 
 
@@ -349,7 +349,7 @@ class Answer:
         show = self.raw.lstrip()
         return self._send(show[: max(0, len(show) - self.hold)].rstrip())
 
-    def flush(self, show: Optional[str] = None) -> str:
+    def flush(self, show: str | None = None) -> str:
         return self._send(self.text() if show is None else show)
 
     def _send(self, show: str) -> str:
@@ -377,7 +377,7 @@ class Ticket:
     """A request's place in the queue, taken when its headers arrive (before its body is read or
     decoded) and given back once (by the worker taking it up, or when it is refused or leaves)."""
 
-    def __init__(self, service: "Service"):
+    def __init__(self, service: Service):
         self.service, self.held = service, True
 
     def release(self) -> None:
@@ -403,10 +403,10 @@ class Service:
         """Bytes of one token in a KV cache (a bound for the sequence-parallel ranks' shards)."""
         self.waiting: deque[tuple[Job, Ticket]] = deque()
         self.cond, self.admitted = threading.Condition(), 0
-        self.busy_since: Optional[float] = None
+        self.busy_since: float | None = None
         self.times = deque(maxlen=20)
         self.stats = Stats()
-        self.last_failure: Optional[dict] = None
+        self.last_failure: dict | None = None
         self.worker_alive = True
         self.evicted: list[str] = []
         """KV states dropped since the last message (the other ranks drop them with the next)."""
@@ -487,7 +487,7 @@ class Service:
         h.update(data)
         return h.hexdigest()[:32]
 
-    def thumbnails(self, key: str) -> Optional[bytes]:
+    def thumbnails(self, key: str) -> bytes | None:
         entry = self.caches.peek("video", key)
         return entry.jpeg if entry is not None else None
 
@@ -707,7 +707,7 @@ class Service:
             evict=evict,
         )
 
-    def _answer(self, job: Job, prompt) -> tuple[int, "Answer", int]:
+    def _answer(self, job: Job, prompt) -> tuple[int, Answer, int]:
         """Generate on every rank; (cached prompt tokens, the answer, tokens generated)."""
         msg = self._plan(job, prompt.ids, prompt.video_end)
         answer, eos, count = (
@@ -772,7 +772,7 @@ class Service:
             error = e
         self._agree(error, msg.key)
 
-    def _agree(self, error: Optional[BaseException], key: str) -> None:
+    def _agree(self, error: BaseException | None, key: str) -> None:
         """Every rank learns whether one failed (one all-reduce under torchrun); a failure drops
         the key's KV state on every rank (it may hold a half-fed token) and raises everywhere."""
         try:

@@ -5,7 +5,6 @@ it replicated and merged exactly over the shards (docs/inference.md, "Sequence-p
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -68,16 +67,16 @@ class SequenceParallelEngine(CachedEngine):
         *,
         backend: str = "auto",
         spare: int = 256,
-        ulysses: Optional[UlyssesGroups] = None,
+        ulysses: UlyssesGroups | None = None,
     ):
         self.model, self.group, self.spare, self.backend = model, group, spare, backend
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.owner = self.world - 1  # holds the keys of the replicated tokens
         self.ring = RingAttentionSeam(group, backend, ulysses)
-        self.merged: Optional[MergedAttentionSeam] = (
+        self.merged: MergedAttentionSeam | None = (
             None  # built for each prefix (it knows its length)
         )
-        self.cache: Optional[KVCache] = None
+        self.cache: KVCache | None = None
 
     @torch.no_grad()
     def set_prefix(self, ids: Tensor) -> None:
@@ -130,7 +129,7 @@ def sp_generate(
     *,
     tail: int = 1,
     backend: str = "auto",
-    ulysses: Optional[UlyssesGroups] = None,
+    ulysses: UlyssesGroups | None = None,
     **sampling,
 ) -> Generation:
     """Sequence-parallel `generate`: ring prefill of ids[:, :S-tail], replicated rest, sharded

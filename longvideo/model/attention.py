@@ -8,7 +8,7 @@ AttentionMeta (built once per forward by the Transformer) -> out (B, Sq, Hq, D).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import Tensor, nn
 

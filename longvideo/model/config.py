@@ -8,7 +8,7 @@ longvideo.parallel.config.RuntimeConfig, applied from outside the model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 from longvideo.configtools import check, check_positive
 from longvideo.vocab import LAYOUTS, Vocab
@@ -35,15 +35,15 @@ class RopeScaling:
     """llama3: wavelengths above original_max_seq_len / low_freq_factor are divided by factor."""
     high_freq_factor: float = 4.0
     """llama3: wavelengths below original_max_seq_len / high_freq_factor are kept."""
-    beta_fast: Optional[float] = None
+    beta_fast: float | None = None
     """yarn: rotations where the ramp starts extrapolating (null = transformers' 32)."""
-    beta_slow: Optional[float] = None
+    beta_slow: float | None = None
     """yarn: rotations where the ramp ends (null = transformers' 1)."""
-    attention_factor: Optional[float] = None
+    attention_factor: float | None = None
     """yarn: multiplies cos and sin (null = 0.1 ln(factor) + 1, or the mscale ratio)."""
-    mscale: Optional[float] = None
+    mscale: float | None = None
     """yarn: with mscale_all_dim, the attention factor's numerator scale (transformers' key)."""
-    mscale_all_dim: Optional[float] = None
+    mscale_all_dim: float | None = None
     """yarn: with mscale, the attention factor's denominator scale (transformers' key)."""
     truncate: bool = True
     """yarn: round the ramp's bounds to whole dimensions (transformers' default)."""
@@ -75,7 +75,7 @@ class ModelConfig:
     """VQ codebook size; codes follow the special tokens in the unified vocabulary."""
     vocab_layout: Literal["longvideo", "lwm"] = "longvideo"
     """Token space (longvideo/vocab.py): the project's, or LWM's (text ids, then its vision vocabulary)."""
-    vision_vocab_size: Optional[int] = None
+    vision_vocab_size: int | None = None
     """lwm layout only: ids of LWM's vision vocabulary (docs/vocabulary.md); null = codebook_size + 256."""
     dim: int = 4096
     """Hidden size."""
@@ -83,9 +83,9 @@ class ModelConfig:
     """Number of decoder layers."""
     n_heads: int = 32
     """Query heads; must divide dim unless attn_head_dim is set."""
-    n_kv_heads: Optional[int] = None
+    n_kv_heads: int | None = None
     """Key/value heads (GQA); must divide n_heads. null means n_heads (MHA)."""
-    ffn_dim: Optional[int] = None
+    ffn_dim: int | None = None
     """SwiGLU hidden size; null derives LLaMA's int(8*dim/3) rounded up to multiple_of."""
     multiple_of: int = 256
     """Rounding of the derived ffn_dim."""
@@ -95,7 +95,7 @@ class ModelConfig:
     """RoPE base; LWM raises it with the context stage (1e6 at 32K ... 5e7 at 1M)."""
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     """RoPE frequency scaling of an imported model (linear, dynamic, yarn, llama3; models.md)."""
-    attn_head_dim: Optional[int] = None
+    attn_head_dim: int | None = None
     """Width of each attention head where it is not dim / n_heads (Qwen3); null = dim // n_heads."""
     qkv_bias: bool = False
     """Biases on the query, key and value projections (Qwen2; Llama's attention_bias)."""

@@ -7,8 +7,9 @@ writes. Nothing outside this module branches on a family.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 from longvideo.configtools import ConfigError
 from longvideo.model.config import ModelConfig, RopeScaling
@@ -120,7 +121,7 @@ class Family:
     defaults: Mapping[str, Any]
     read: Callable[[dict, Callable], dict]
     write: Callable[[ModelConfig], dict]
-    check: Callable[[ModelConfig], Optional[tuple[str, str]]]
+    check: Callable[[ModelConfig], tuple[str, str] | None]
 
 
 def _head_dim(hf: dict, get) -> dict:
@@ -209,11 +210,11 @@ def _no_window_qwen(cfg: ModelConfig) -> dict:
     )
 
 
-def _need(cond: bool, key: str, why: str) -> Optional[tuple[str, str]]:
+def _need(cond: bool, key: str, why: str) -> tuple[str, str] | None:
     return None if cond else (key, why)
 
 
-def _first(*problems) -> Optional[tuple[str, str]]:
+def _first(*problems) -> tuple[str, str] | None:
     return next((p for p in problems if p is not None), None)
 
 
@@ -645,7 +646,7 @@ _INV_TOP = {v: k for k, v in TOP_NAMES.items()}
 _INV_LAYER = {v: k for k, v in LAYER_NAMES.items()}
 
 
-def own_name(name: str) -> Optional[str]:
+def own_name(name: str) -> str | None:
     """Our name of a transformers tensor; None for buffers some versions save (rotary_emb);
     KeyError for a name no family has."""
     if "rotary_emb" in name:

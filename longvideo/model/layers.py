@@ -4,7 +4,6 @@ transformers' `modeling_rope_utils`), SwiGLU (blockwise)."""
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +31,7 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def rope_frequencies(
-    head_dim: int, theta: float, scaling: Optional[RopeScaling] = None, max_seq_len: int = 0
+    head_dim: int, theta: float, scaling: RopeScaling | None = None, max_seq_len: int = 0
 ) -> tuple[Tensor, float]:
     """(inverse frequencies float32 (head_dim/2,) on the CPU, attention factor) of RoPE with
     `scaling`, in the arithmetic of transformers' `modeling_rope_utils` (the same float32 and

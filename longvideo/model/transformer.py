@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -100,12 +99,12 @@ class Transformer(nn.Module):
     def forward(
         self,
         input_ids: Tensor,
-        positions: Optional[Tensor] = None,
-        segment_ids: Optional[Tensor] = None,
-        targets: Optional[Tensor] = None,
-        loss_weights: Optional[Tensor] = None,
-        cache: Optional[KVCache] = None,
-        attention_fn: Optional[AttentionFn] = None,
+        positions: Tensor | None = None,
+        segment_ids: Tensor | None = None,
+        targets: Tensor | None = None,
+        loss_weights: Tensor | None = None,
+        cache: KVCache | None = None,
+        attention_fn: AttentionFn | None = None,
     ):
         """input_ids (B, S). positions / segment_ids (B, S) default to 0..S-1 (after the cache) and
         one segment. Without targets: hidden states (B, S, dim) after the final norm. With targets

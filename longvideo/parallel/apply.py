@@ -7,8 +7,6 @@ longvideo.hf.HFCausalLM).
 
 from __future__ import annotations
 
-from typing import Optional
-
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -75,7 +73,7 @@ def parallelize(
     cfg,
     *,
     optimizer,
-    ds_config: Optional[dict] = None,
+    ds_config: dict | None = None,
     bf16: bool = False,
 ) -> Engine:
     """Apply the seam, activation checkpointing, torch.compile and ZeRO to `model` (module docstring)

@@ -6,8 +6,8 @@ before the compute, `Pending.wait` after it; the wait is recorded in `CommStats.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ class CommStats:
     hops: int = 0  # exchanges posted
     blocks: int = 0  # blocks computed
     skipped: int = 0  # blocks skipped as provably empty
-    timeline: Optional[list] = field(default=None)
+    timeline: list | None = field(default=None)
     """Set to a list to record (posted, wait started, wait ended) perf_counter times per exchange, in
     the same order on every rank (the ring benchmark tells transfer time from a late neighbour)."""
 
@@ -42,7 +42,7 @@ class CommStats:
 class Pending:
     """Posted sends and receives of one hop."""
 
-    def __init__(self, works: list, stats: Optional[CommStats]):
+    def __init__(self, works: list, stats: CommStats | None):
         self.works, self.stats = works, stats
         self.posted = time.perf_counter()
 
@@ -75,7 +75,7 @@ class RingComm:
         self,
         send: Sequence[Tensor],
         recv: Sequence[Tensor],
-        stats: Optional[CommStats] = None,
+        stats: CommStats | None = None,
         tag: int = 0,
     ) -> Pending:
         """Post send[i] -> next and prev -> recv[i] for every i (tags tag + i keep them apart)."""

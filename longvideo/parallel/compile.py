@@ -20,7 +20,7 @@ from longvideo.model.attention import LocalAttention
 from longvideo.parallel.ring import Ring
 from longvideo.parallel.seam import RingAttentionSeam
 
-_SEAMS: "weakref.WeakValueDictionary[int, OpaqueSeam]" = weakref.WeakValueDictionary()
+_SEAMS: weakref.WeakValueDictionary[int, OpaqueSeam] = weakref.WeakValueDictionary()
 """The live OpaqueSeams by handle: how the custom ops (which take no Python objects) reach theirs."""
 _HANDLES = itertools.count()
 

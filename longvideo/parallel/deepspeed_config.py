@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Optional
+from typing import Any
 
 from longvideo.configtools import ConfigError, resolve_config_path
 from longvideo.train.config import TrainConfig
@@ -79,7 +79,7 @@ def _set_owned(cfg: dict, path: tuple[str, ...], value: Any, source: str) -> Non
 
 
 def build_deepspeed_config(
-    train: TrainConfig, *, world_size: int, bf16: bool, base: Optional[dict] = None
+    train: TrainConfig, *, world_size: int, bf16: bool, base: dict | None = None
 ) -> dict:
     """The dict handed to deepspeed.initialize. `world_size` = dp x sp (DeepSpeed's dp world)."""
     base = load_base(train.deepspeed_config) if base is None else base

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import nn
@@ -71,7 +70,7 @@ class Engine:
         norm = self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
-    def step_grad_norm(self) -> Optional[float]:
+    def step_grad_norm(self) -> float | None:
         """The global gradient norm (over every rank) of the step being taken, as DeepSpeed's
         ZeRO optimizer computed it before it runs the wrapped optimizer (which may read it then)
         and as the engine itself reads it afterwards; None when it computed none."""

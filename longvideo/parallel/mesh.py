@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -24,7 +24,7 @@ class UlyssesGroups:
     ring: Any  # the sp / U ranks at this rank's place in every Ulysses group: the ring across them
 
 
-def split_group(group, ulysses: int, timeout_s: Optional[float] = None) -> Optional[UlyssesGroups]:
+def split_group(group, ulysses: int, timeout_s: float | None = None) -> UlyssesGroups | None:
     """This rank's UlyssesGroups of its sp `group` (None: the world), or None for ulysses = 1. Every
     rank of the world calls it, each with its own sp group of the same size (groups made with
     local synchronisation keep torch's group names in step only while every rank makes as many).
@@ -57,7 +57,7 @@ class Mesh:
     dp_rank: int  # index of this rank's sp group (which slice of the batch it reads)
     sp_rank: int  # position of this rank in its sp group (which zigzag chunks it holds)
     ulysses: int = 1  # head-parallel size inside the sp group (1: one ring over the sp group)
-    ulysses_groups: Optional[UlyssesGroups] = (
+    ulysses_groups: UlyssesGroups | None = (
         None  # this rank's Ulysses group and ring when ulysses > 1
     )
     sp_group: Any = None  # this rank's ring (None when the world is a single process)
@@ -66,8 +66,8 @@ class Mesh:
 
     @classmethod
     def build(
-        cls, dp: int = -1, sp: int = 1, timeout_s: Optional[float] = None, ulysses: int = 1
-    ) -> "Mesh":
+        cls, dp: int = -1, sp: int = 1, timeout_s: float | None = None, ulysses: int = 1
+    ) -> Mesh:
         """Create the groups (collective: every rank calls it with the same arguments). Without an
         initialised process group only dp * sp == 1 is allowed (a single process)."""
         if sp < 1:
@@ -113,7 +113,7 @@ class Mesh:
         )
 
     @classmethod
-    def from_config(cls, cfg) -> "Mesh":
+    def from_config(cls, cfg) -> Mesh:
         """From a ParallelConfig (dp, sp, ulysses, timeout_s)."""
         return cls.build(dp=cfg.dp, sp=cfg.sp, timeout_s=cfg.timeout_s, ulysses=cfg.ulysses)
 

@@ -8,7 +8,6 @@ keys, with that step's plans kept in the metadata object for every layer and the
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -39,7 +38,7 @@ class Ring:
     the same tokens); stats: an optional CommStats the calls add to. Collective: every rank of
     `group` calls the same methods in the same order."""
 
-    def __init__(self, group, backend: str = "auto", stats: Optional[CommStats] = None):
+    def __init__(self, group, backend: str = "auto", stats: CommStats | None = None):
         self.comm = RingComm(group)
         self.backend = get_backend(backend)
         self.stats = stats
@@ -196,11 +195,11 @@ def ring_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    meta: Optional[AttentionMeta] = None,
+    meta: AttentionMeta | None = None,
     *,
     group,
     backend: str = "auto",
-    comm_stats: Optional[CommStats] = None,
+    comm_stats: CommStats | None = None,
 ) -> Tensor:
     """Exact masked attention of a sequence sharded over `group` (collective: every rank calls it);
     the arguments as in docs/ring_attention.md. q (B, S, Hq, D); k, v (B, S, Hkv, D), S the same on

@@ -3,8 +3,6 @@ longvideo.infer.sp reuse it)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 from torch import Tensor
 
 from longvideo.kernels import AttentionMeta
@@ -19,7 +17,7 @@ class RingAttentionSeam:
     the metadata object the model builds once per step, so its layers and their backward share
     them."""
 
-    def __init__(self, group, backend: str = "auto", ulysses: Optional[UlyssesGroups] = None):
+    def __init__(self, group, backend: str = "auto", ulysses: UlyssesGroups | None = None):
         self.group, self.backend, self.ulysses = group, backend, ulysses
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMeta) -> Tensor:

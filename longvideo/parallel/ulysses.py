@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -20,7 +19,7 @@ from longvideo.parallel.mesh import UlyssesGroups
 from longvideo.parallel.ring import Ring, check_shard, layout_meta
 
 
-def head_split(hq: int, hkv: int, ulysses: int, sp: Optional[int] = None) -> tuple[int, Tensor]:
+def head_split(hq: int, hkv: int, ulysses: int, sp: int | None = None) -> tuple[int, Tensor]:
     """(query heads per member Qu, the key/value head index (U * Hkv',) each member's slot reads).
     Query heads are padded to U * Qu; member u's query heads u * Qu .. read its key/value slots
     u * Hkv' .. in groups of Qu / Hkv'. Raises ValueError when U > Hq (a member without a head)."""
@@ -37,7 +36,7 @@ def head_split(hq: int, hkv: int, ulysses: int, sp: Optional[int] = None) -> tup
     return qu, torch.tensor(idx)
 
 
-def _a2a(x: Tensor, group, to_heads: bool, stats: Optional[CommStats]) -> Tensor:
+def _a2a(x: Tensor, group, to_heads: bool, stats: CommStats | None) -> Tensor:
     """(..., S, U*h, D) -> (..., U*S, h, D) when to_heads (the group's tokens, in member order, for
     this member's h heads), else the inverse."""
     U = dist.get_world_size(group)
@@ -100,7 +99,7 @@ class _HeadsRing(torch.autograd.Function):
 
 
 def group_meta(
-    meta: AttentionMeta, group: UlyssesGroups, stats: Optional[CommStats] = None
+    meta: AttentionMeta, group: UlyssesGroups, stats: CommStats | None = None
 ) -> AttentionMeta:
     """The Ulysses group's metadata: every member's positions and segment ids (B, U * S) in member
     order, queries and keys alike, with this shard's causal and scale. Gathered once per metadata
@@ -133,11 +132,11 @@ def hybrid_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    meta: Optional[AttentionMeta] = None,
+    meta: AttentionMeta | None = None,
     *,
     group: UlyssesGroups,
     backend: str = "auto",
-    comm_stats: Optional[CommStats] = None,
+    comm_stats: CommStats | None = None,
 ) -> Tensor:
     """Exact attention of a sequence sharded over a Ulysses x ring split (collective over the sp
     group), with ring_attention's arguments: q (B, S, Hq, D); k, v (B, S, Hkv, D); meta this rank's

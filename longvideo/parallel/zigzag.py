@@ -5,8 +5,6 @@ marked with segment id -1) is cut into 2W chunks, rank r holding chunks r and 2W
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -57,7 +55,7 @@ def shard_positions(local_len: int, world: int, rank: int, device=None) -> Tenso
     return zigzag_indices(local_len * world, world, rank, device=device)
 
 
-def shard_sequence(x: Tensor, group, dim: int = 1, pad_value: Optional[float] = None) -> Tensor:
+def shard_sequence(x: Tensor, group, dim: int = 1, pad_value: float | None = None) -> Tensor:
     """This rank's zigzag shard of x along `dim` (length S -> padded_length(S, W) / W), differentiable.
     Without pad_value S must be a multiple of 2W; with it, x is first padded at the end along dim."""
     W, r = group_size_rank(group)
@@ -76,7 +74,7 @@ def shard_sequence(x: Tensor, group, dim: int = 1, pad_value: Optional[float] = 
     return x.index_select(dim, zigzag_indices(P, W, r, device=x.device))
 
 
-def unshard_sequence(x: Tensor, group, dim: int = 1, length: Optional[int] = None) -> Tensor:
+def unshard_sequence(x: Tensor, group, dim: int = 1, length: int | None = None) -> Tensor:
     """The whole sequence from every rank's shard (collective over `group`; not differentiable).
     length: drop padding beyond it (the S given to shard_sequence)."""
     W, _ = group_size_rank(group)
@@ -100,7 +98,7 @@ def unshard_sequence(x: Tensor, group, dim: int = 1, length: Optional[int] = Non
 
 
 def shard_batch(
-    batch: dict[str, Tensor], group, pad_values: Optional[dict[str, float]] = None
+    batch: dict[str, Tensor], group, pad_values: dict[str, float] | None = None
 ) -> dict[str, Tensor]:
     """Shard every (B, S, ...) tensor of a training batch along dim 1 with the zigzag layout, padded
     by key (BATCH_PAD_VALUES, updated by pad_values). Positions (0..S-1) and one segment are added

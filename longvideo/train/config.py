@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 from longvideo.configtools import check, check_at_least, check_positive
 
@@ -38,7 +38,7 @@ class TrainConfig:
     """Where checkpoints, logs and plots go."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto = bf16 on GPU, fp32 on CPU."""
-    zero_stage: Optional[int] = None
+    zero_stage: int | None = None
     """DeepSpeed ZeRO stage 1, 2 or 3; null = the stage in deepspeed_config, else 3."""
     deepspeed_config: str = ""
     """Optional DeepSpeed JSON (relative to configs/ or a path) for tuning keys: buckets, overlap, offload."""

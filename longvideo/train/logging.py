@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -53,7 +52,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_losses(run_dir: str | Path, out: Optional[str | Path] = None) -> Optional[Path]:
+def plot_losses(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
     """loss.png from metrics.jsonl (skipped steps leave gaps); None when there is nothing to plot."""
     rows = [r for r in read_metrics(run_dir) if "loss" in r]
     if not rows:
@@ -89,7 +88,7 @@ class RunLogger:
         wandb_mode: str = "disabled",
         wandb_project: str = "longvideo",
         run_name: str = "",
-        config: Optional[dict] = None,
+        config: dict | None = None,
     ):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
@@ -162,7 +161,7 @@ class RunLogger:
         else:
             print(msg, flush=True)
 
-    def close(self, plot: bool = True) -> Optional[Path]:
+    def close(self, plot: bool = True) -> Path | None:
         if not self.enabled:
             return None
         for handle in (self.bar, self.tb, self.metrics):

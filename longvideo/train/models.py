@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import nn
@@ -35,7 +34,7 @@ class ProjectDecoder:
 
     name = "longvideo"
 
-    def build(self, cfg: Config, *, init_from: Optional[str], fresh: bool, log) -> nn.Module:
+    def build(self, cfg: Config, *, init_from: str | None, fresh: bool, log) -> nn.Module:
         device = (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
@@ -112,7 +111,7 @@ class TransformersDecoder:
             mcfg = replace(mcfg, max_seq_len=cfg.data.seq_len)
         return replace(cfg, model=mcfg)
 
-    def build(self, cfg: Config, *, init_from: Optional[str], fresh: bool, log) -> nn.Module:
+    def build(self, cfg: Config, *, init_from: str | None, fresh: bool, log) -> nn.Module:
         if not Path(self.path).is_dir():
             raise ConfigError("train.hf_model", f"not a directory: {self.path}")
         if init_from:

@@ -11,8 +11,8 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -102,8 +102,8 @@ def save_training_checkpoint(
     loader_state: dict,
     barrier: Callable[[], None],
     save_weights: Callable[[Path, dict, object, object], None],
-    assets: Optional[dict[str, Path]] = None,
-    on_staged: Optional[Callable[[Path], None]] = None,
+    assets: dict[str, Path] | None = None,
+    on_staged: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write OUT/checkpoints/step_N atomically (a collective: every rank calls it). `engine`: a
     longvideo.parallel.Engine; `save_weights(dir, full_state, cfg, module)` writes the weights as

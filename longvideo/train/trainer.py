@@ -13,16 +13,16 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
+from longvideo.checkpoint import latest_checkpoint
 from longvideo.config import Config, save_config
 from longvideo.configtools import ConfigError, to_dict
-from longvideo.checkpoint import latest_checkpoint
 from longvideo.data.loader import TokenLoader
 from longvideo.distributed import init_distributed
 from longvideo.model import token_weights
@@ -54,8 +54,8 @@ class TrainResult:
     """The optimizer step reached."""
     losses: list[float] = field(default_factory=list)
     """The global loss of each step run by this call (NaN for skipped steps)."""
-    run_dir: Optional[Path] = None
-    checkpoint: Optional[Path] = None
+    run_dir: Path | None = None
+    checkpoint: Path | None = None
     """The newest checkpoint written."""
 
 
@@ -68,7 +68,7 @@ class SkippableAdamW(torch.optim.AdamW):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.skip = False
-        self.grad_norm: Callable[[], Optional[float]] = lambda: None
+        self.grad_norm: Callable[[], float | None] = lambda: None
 
     def step(self, closure=None):
         if self.skip or not finite_or_unknown(self.grad_norm()):
@@ -76,7 +76,7 @@ class SkippableAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def finite_or_unknown(x: Optional[float]) -> bool:
+def finite_or_unknown(x: float | None) -> bool:
     return x is None or math.isfinite(x)
 
 
@@ -93,8 +93,8 @@ class Trainer:
         cfg: Config,
         *,
         resume: bool = False,
-        init_from: Optional[str] = None,
-        batches: Optional[Iterable[dict]] = None,
+        init_from: str | None = None,
+        batches: Iterable[dict] | None = None,
         callbacks: Iterable[Callable] = (),
     ):
         self.cfg = cfg
@@ -160,8 +160,8 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.bad_in_a_row = 0
-        self.last_saved: Optional[int] = None
-        self.last_checkpoint: Optional[Path] = None
+        self.last_saved: int | None = None
+        self.last_checkpoint: Path | None = None
         self.stop_requested = False
         self.seq_len = cfg.data.seq_len
         self.peak_flops = peak_flops_per_device(tc.peak_flops)
@@ -480,8 +480,8 @@ def train(
     cfg: Config,
     *,
     resume: bool = False,
-    init_from: Optional[str] = None,
-    batches: Optional[Iterable[dict]] = None,
+    init_from: str | None = None,
+    batches: Iterable[dict] | None = None,
     callbacks: Iterable[Callable] = (),
 ) -> TrainResult:
     """Train `cfg` in this process as one rank of the launcher's world (or a world of one).

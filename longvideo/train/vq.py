@@ -13,7 +13,6 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
 
 import torch
 
@@ -153,16 +152,16 @@ class _Batches:
 class VQTrainSettings:
     """How `longvideo train-vq` runs, beside the VQConfig (the CLI builds it from its flags)."""
 
-    out_dir: Union[str, Path]
+    out_dir: str | Path
     """Where the tokenizer, train_state.pt, metrics.jsonl, samples/ and tb/ go."""
-    steps: Optional[int] = None
+    steps: int | None = None
     """Overrides the config's steps (None: the config's)."""
-    time_budget_s: Optional[float] = None
+    time_budget_s: float | None = None
     """Also stop after this much training time (the learning-rate decay follows whichever of
     steps and time ends first)."""
     resume: bool = True
     """Continue the run in out_dir when it holds one."""
-    device: Optional[str] = None
+    device: str | None = None
     """cpu, cuda, cuda:1 ... (None: cuda when available)."""
     progress: bool = True
     """Show progress bars."""
@@ -314,7 +313,7 @@ class VQTrainer:
         budget = self.settings.time_budget_s
         return self.steps_done >= self.cfg.steps or (budget is not None and self.elapsed >= budget)
 
-    def step(self) -> Optional[dict]:
+    def step(self) -> dict | None:
         """One optimizer step (and the discriminator's); its scalars on log steps, else None."""
         cfg, budget = self.cfg, self.settings.time_budget_s
         t0 = time.perf_counter()

@@ -6,15 +6,15 @@ then on group boundaries, so the codes are those of the whole video at once.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Iterator
 from itertools import chain, repeat
-from typing import Iterable, Iterator, Union
 
 import numpy as np
 import torch
 
 from longvideo.vq.model import VQModel
 
-Frames = Union[torch.Tensor, np.ndarray, Iterable[Union[torch.Tensor, np.ndarray]]]
+Frames = torch.Tensor | np.ndarray | Iterable[torch.Tensor | np.ndarray]
 
 
 @contextlib.contextmanager

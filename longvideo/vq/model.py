@@ -20,8 +20,8 @@ from longvideo.vq.files import (
     read_vq_config,
 )
 from longvideo.vq.layers import Conv, Downsample, ResBlock, Upsample, norm
-from longvideo.vq.vqgan import LWMVQGAN
 from longvideo.vq.quantizer import build_quantizer
+from longvideo.vq.vqgan import LWMVQGAN
 
 __all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "VQModel", "build_vq", "load_vq"]
 

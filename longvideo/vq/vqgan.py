@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,7 +68,7 @@ class LWMVQGAN(VideoTokenizer):
     def codebook(self) -> torch.Tensor:
         return self.net.quantize.embedding.weight
 
-    def encode(self, x: torch.Tensor, state: Optional[dict] = None):
+    def encode(self, x: torch.Tensor, state: dict | None = None):
         """(B, 3, T, H, W) -> latents zq (B, D, T, h, w), codes (B, T, h, w), auxiliary loss (0): the
         nearest codebook entries of the encoder's output, as LWM's quantizer picks them."""
         B, C, T, H, W = x.shape
@@ -80,7 +80,7 @@ class LWMVQGAN(VideoTokenizer):
         zq = self.codebook[codes].reshape(B, T, h, w, D).permute(0, 4, 1, 2, 3)
         return zq, codes.reshape(B, T, h, w), torch.zeros((), device=x.device)
 
-    def decode(self, zq: torch.Tensor, state: Optional[dict] = None) -> torch.Tensor:
+    def decode(self, zq: torch.Tensor, state: dict | None = None) -> torch.Tensor:
         """(B, D, G, h, w) -> (B, 3, G, H, W) in [-1, 1] (post_quant_conv, then the decoder)."""
         B, D, G, h, w = zq.shape
         z = zq.movedim(2, 1).reshape(B * G, D, h, w)
@@ -109,7 +109,7 @@ def _levels(flat: dict[str, np.ndarray], pattern: str) -> list[int]:
     return sorted({int(m.group(1)) for k in flat if (m := re.match(pattern, k))})
 
 
-def vq_config_from_flax(params: dict, base: Optional[VQConfig] = None) -> VQConfig:
+def vq_config_from_flax(params: dict, base: VQConfig | None = None) -> VQConfig:
     """The VQConfig of LWM's VQGAN parameters: widths, levels, residual blocks and codebook read
     from the arrays; the frame resolution (which the weights do not hold) from `base` (256)."""
     flat = flatten(params)
@@ -244,7 +244,7 @@ def state_dict_from_flax(params: dict, cfg: VQConfig) -> dict[str, torch.Tensor]
     return sd
 
 
-def vqgan_from_flax(params: dict, base: Optional[VQConfig] = None) -> LWMVQGAN:
+def vqgan_from_flax(params: dict, base: VQConfig | None = None) -> LWMVQGAN:
     """An LWMVQGAN (eval mode, fp32) holding LWM's flax VQGAN parameters."""
     cfg = vq_config_from_flax(params, base)
     model = LWMVQGAN(cfg)

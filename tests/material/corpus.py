@@ -14,9 +14,9 @@ from __future__ import annotations
 import io
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Iterator
 
 import numpy as np
 

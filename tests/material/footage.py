@@ -21,10 +21,10 @@ import io
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
 
 import av
 import numpy as np
@@ -76,16 +76,16 @@ def encode(
     codec: str,
     times: Sequence[float],
     pix_fmt: str = "yuv420p",
-    options: Optional[dict] = None,
-    mux_options: Optional[dict] = None,
-    rotation: Optional[float] = None,
+    options: dict | None = None,
+    mux_options: dict | None = None,
+    rotation: float | None = None,
     hflip: bool = False,
-    rotate_tag: Optional[str] = None,
-    sar: Optional[Fraction] = None,
-    keys: Optional[set] = None,
+    rotate_tag: str | None = None,
+    sar: Fraction | None = None,
+    keys: set | None = None,
     fake_keys: Sequence[int] = (),
     rate: Fraction = Fraction(25),
-    tb: Optional[Fraction] = None,
+    tb: Fraction | None = None,
 ) -> bytes:
     """Encode uint8 (T, H, W, 3) frames shown at ``times`` (seconds), single-threaded.
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import importlib.util
 import math
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 
@@ -78,7 +78,7 @@ def _package_dirs(package: str) -> list[Path]:
     return [Path(p) for p in (spec.submodule_search_locations or [])]
 
 
-def find_photos(scenes: Optional[Sequence[str]] = None) -> dict[str, list[Path]]:
+def find_photos(scenes: Sequence[str] | None = None) -> dict[str, list[Path]]:
     """Files of each scene that is installed: {scene: [path, ...]} in SCENES order.
 
     scenes: restrict to these names (unknown names raise ValueError). Raises PhotosNotFoundError
@@ -237,7 +237,7 @@ def real_videos(
     size: int = 64,
     seed: int = 0,
     camera: Camera = Camera(),
-    scenes: Optional[Sequence[str]] = None,
+    scenes: Sequence[str] | None = None,
     heldout: Sequence[str] = HELDOUT_SCENES,
 ) -> list[np.ndarray]:
     """Videos over the photographs of `split` ("train", "heldout" or "all"): uint8 (T, size, size, 3) each.
@@ -301,8 +301,9 @@ def write_real_videos(
 
 
 def _write_webm(video: np.ndarray, fps: float, dst: Path, crf: int) -> None:
-    import av
     from fractions import Fraction
+
+    import av
 
     h, w = video.shape[1:3]
     if h % 2 or w % 2:
