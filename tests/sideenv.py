@@ -1,4 +1,5 @@
-"""Environments for the extras that cannot join the main one, layered over it (docs/dependencies.md).
+"""Environments for the extras that cannot join the main one, layered over it
+(docs/dependencies.md).
 
 lmms-eval 0.7.3 pins PyAV < 16 (the project needs 16 or later) and decord's wheel declares a tag
 `pip check` calls unsupported: each goes into its own virtual environment beside the checkout,

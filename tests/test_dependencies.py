@@ -80,7 +80,7 @@ class Import:
 
 
 def _local_names() -> set[str]:
-    """Top-level names of the scripts' and tests' own modules (benchreport, conftest, material...)."""
+    """Top-level names of the scripts' and tests' own modules (benchreport, conftest, ...)."""
     out = set()
     for root in OTHERS:
         for p in root.rglob("*.py"):
@@ -267,7 +267,8 @@ def test_a_missing_extra_is_named_by_the_error(hidden, call, extra, monkeypatch,
 
 
 def test_one_version(capsys):
-    """The version lives in longvideo/__init__.py: the metadata and `longvideo --version` read it."""
+    """The version lives in longvideo/__init__.py; the metadata and `longvideo --version` read it
+    from there."""
     import longvideo
     from longvideo import cli
 

@@ -5,8 +5,8 @@ pure-PyTorch reference. Installed as `longvideo.kernels`; imports nothing else o
 import os as _os
 
 # The modules live beside this file in an installed wheel, and in the repository's top-level
-# kernels/ folder in a checkout. That folder has no __init__.py: from a checkout's root it is at most
-# a namespace portion, which Python ranks below any installed regular package, so a top-level
+# kernels/ folder in a checkout. That folder has no __init__.py: from a checkout's root it is at
+# most a namespace portion, which Python ranks below any installed regular package, so a top-level
 # `import kernels` there still finds Hugging Face's `kernels` (docs/architecture.md, "Packaging").
 if not _os.path.isfile(_os.path.join(_os.path.dirname(__file__), "attention_math.py")):
     __path__.append(
