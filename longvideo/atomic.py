@@ -67,11 +67,13 @@ def atomic_open(
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike, marker: str) -> Iterator[Path]:
+def atomic_dir(path: str | os.PathLike, marker: str, clear: tuple[str, ...] = ()) -> Iterator[Path]:
     """A temporary directory beside `path` to write a directory's files into. On a clean exit they
     move into `path` (made if needed; other files there stay) one rename each, with `marker` (the
     file that says the directory is complete, such as config.json) removed from `path` first and
     moved in last: whoever sees `marker` sees a complete set of files, the old one or the new.
+    `clear`: glob patterns of files in `path` that the old set had and the new one may not (an
+    earlier export's weight shards), removed once the marker is gone, before the new files move in.
     An exception (or a killed process) leaves `path` as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,6 +87,8 @@ def atomic_dir(path: str | os.PathLike, marker: str) -> Iterator[Path]:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path / marker)
             fsync_path(path)
+        for stale in {p for pattern in clear for p in path.glob(pattern)}:
+            stale.unlink(missing_ok=True)
         for name in names:
             dst = path / name
             if (tmp / name).is_dir() and dst.is_dir() and not dst.is_symlink():

@@ -40,6 +40,7 @@ NOT_IMPORTED = {
     "pip": "the packaging tests run it (wheels, --dry-run --report)",
     "setuptools": "the build backend, used without isolation by the Makefile and the tests",
     "uv": "`make lock` runs it",
+    "ruff": "`make lint` runs it (format and lint, in make check and make test)",
     "filelock": "a pin for lmms-eval, which imports filelock._api (gone in filelock 4)",
 }
 # An import of the first name needs the distribution of the second (not the first's own).

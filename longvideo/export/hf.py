@@ -131,8 +131,7 @@ def write_hf_weights(
 ) -> list[str]:
     """model.safetensors, or shards model-0000i-of-0000n.safetensors with
     model.safetensors.index.json once the weights pass `max_shard_bytes`, as transformers writes
-    them; one tensor at a time (a bf16 checkpoint is never held twice in fp32). Weight files of an
-    earlier export in `out` that this one does not write are removed. The file names."""
+    them; one tensor at a time (a bf16 checkpoint is never held twice in fp32). The file names."""
     specs = {k: (dtype, tuple(v.shape)) for k, v in hf_sd.items()}
     shards = shard_names(specs, max_shard_bytes)
     n = len(shards)
@@ -152,16 +151,10 @@ def write_hf_weights(
                 for k in names:
                     w.write(k, hf_sd[k].to(dtype))
                     bar.update(dtype.itemsize * hf_sd[k].numel())
-    index = out / WEIGHTS_INDEX
     if n > 1:
         weight_map = {k: f for f, names in zip(files, shards) for k in names}
         doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        write_bytes_atomic(index, json.dumps(doc, indent=2).encode())
-    for old in [index] * (n == 1) + list(out.glob("model-*-of-*.safetensors")):
-        if old.name not in files:
-            old.unlink(missing_ok=True)
-    if n > 1:
-        (out / WEIGHTS_FILE).unlink(missing_ok=True)
+        write_bytes_atomic(out / WEIGHTS_INDEX, json.dumps(doc, indent=2).encode())
     return files
 
 
@@ -265,7 +258,9 @@ def export_hf(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     weights = WeightsFormat(DTYPES[dtype], parse_size(max_shard_size), progress)
-    with atomic_dir(out_dir, marker="config.json") as tmp:
+    # an earlier export's weights go with its config.json: one file and shards never mix
+    stale = (WEIGHTS_FILE, WEIGHTS_INDEX, "model-*-of-*.safetensors")
+    with atomic_dir(out_dir, marker="config.json", clear=stale) as tmp:
         _export_into(ckpt, tmp, tokenizer_dir, vq_dir, weights)
     return Path(out_dir)
 
