@@ -12,8 +12,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Iterator, Optional
 
+import numpy as np
 import torch.distributed as dist
 
+from longvideo.atomic import atomic_open
 from longvideo.data.ranks import fail_together
 from longvideo.data.video import VIDEO_EXTS, VideoError
 from longvideo.infer import evals, mcq
@@ -26,6 +28,7 @@ from longvideo.infer.chat import (
     share_video,
 )
 from longvideo.infer.sp import SequenceParallelEngine, broadcast_text, local_device, torchrun_world
+from longvideo.infer.t2v import OUTPUT_EXTS, generate_video, write_frames
 from longvideo.parallel import split_group
 from longvideo.vq import load_vq
 
@@ -457,3 +460,115 @@ def _eval(args) -> int:
         except KNOWN_ERRORS as e:
             return _error("longvideo eval", e)
     return 0
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="longvideo generate",
+        description="Generate a video (or an image) from text with classifier-free guidance "
+        "(docs/generation.md); under torchrun the sampling is sequence-parallel.",
+    )
+    p.add_argument(
+        "--model", required=True, help="exported Hugging Face directory or project checkpoint"
+    )
+    p.add_argument("--prompt", required=True, help="the caption of the video")
+    p.add_argument("--frames", type=int, default=1, help="frames to generate (default 1: an image)")
+    p.add_argument(
+        "--out", required=True, help="FILE.mp4, FILE.gif or FILE.png (several frames: a grid)"
+    )
+    p.add_argument(
+        "--cfg-scale",
+        type=float,
+        default=1.0,
+        help="classifier-free guidance scale (1: none; default 1)",
+    )
+    p.add_argument(
+        "--cfg-scale-video",
+        type=float,
+        default=None,
+        help="LWM models: the scale of the frames after the first (default: --cfg-scale)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="sample among the k most likely codes (1: greedy; default: none, LWM models 8192 for "
+        "the first frame and 100 after it, as LWM's script)",
+    )
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1)"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature (0: greedy; default 1)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same video)")
+    p.add_argument(
+        "--model-ends",
+        action="store_true",
+        help="the model may end the video with <eov> before --frames (not for LWM models)",
+    )
+    p.add_argument(
+        "--save-codes", default=None, help="also write the sampled codes (frames, h, w) as .npy"
+    )
+    p.add_argument("--fps", type=float, default=None, help="frame rate written (default: model's)")
+    p.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)"
+    )
+    p.add_argument("--backend", default="auto", help="block-attention backend under torchrun")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def generate_main(argv: list[str]) -> int:
+    args = generate_parser().parse_args(argv)
+    with _plain_warnings():
+        return _generate(args)
+
+
+def _generate(args) -> int:
+    """One process, or every rank of a torchrun world sampling together; rank 0 writes the files."""
+    if Path(args.out).suffix.lower() not in OUTPUT_EXTS:
+        return _error(
+            "longvideo generate", ValueError(f"--out must end with one of {', '.join(OUTPUT_EXTS)}")
+        )
+    device = local_device(args.device)
+    with torchrun_world(device, timedelta(minutes=30)) as distributed:
+        rank = dist.get_rank() if distributed else 0
+        try:
+            error, pretrained = None, None
+            try:
+                pretrained = load_model(args.model, device)
+            except KNOWN_ERRORS as e:
+                error = e
+            fail_together(error)
+            out = generate_video(
+                pretrained,
+                args.prompt,
+                frames=args.frames,
+                cfg_scale=args.cfg_scale,
+                cfg_scale_video=args.cfg_scale_video,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                temperature=args.temperature,
+                seed=args.seed,
+                model_ends=args.model_ends,
+                decode=rank == 0,
+                group=dist.group.WORLD if distributed else None,
+                backend=args.backend,
+                progress=not args.quiet and rank == 0,
+            )
+            if rank == 0:
+                write_frames(out.frames, args.out, args.fps or out.fps)
+                if args.save_codes:
+                    with atomic_open(args.save_codes, "wb") as f:
+                        np.save(f, out.codes)
+                print(
+                    f"wrote {args.out}: {len(out.codes)} frames of {out.codes.shape[1]}x"
+                    f"{out.codes.shape[2]} codes, {len(out.ids)} tokens in {out.seconds:.1f} s "
+                    f"({out.tokens_per_s:.1f} tokens/s)"
+                )
+            return 0
+        except KNOWN_ERRORS as e:
+            where = f" (rank {rank})" if distributed else ""
+            print(f"longvideo generate: error{where}: {e}", file=sys.stderr)
+            return EXIT_ERROR
