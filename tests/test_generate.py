@@ -38,7 +38,14 @@ from longvideo.data.templates import (
 )
 from longvideo.data.video import read_video
 from longvideo.export.lwm import import_lwm
-from longvideo.infer.t2v import Sampling, draw, frame_grid, generate_video, guided
+from longvideo.infer.t2v import (
+    Sampling,
+    draw,
+    frame_grid,
+    generate_video,
+    generate_videos,
+    guided,
+)
 
 HEADS, DIM, LAYERS, FFN, KV_DIM, V_VISION, CODEBOOK = 4, 64, 2, 96, 32, 24, 16
 PER = 16  # 4 x 4 codes a frame (16 x 16 frames)
@@ -281,6 +288,26 @@ def test_guidance_one_is_no_guidance(project):
     assert one.ids == both.ids
 
 
+def test_a_batch_samples_what_each_video_would_alone(project, lwm):
+    """Several prompts in one batched forward (left-padded rows, a generator per video): video i is
+    the video generated alone with seed + i, sampled or greedy, in both layouts."""
+    prompts = [
+        PROMPT,
+        "a green triangle",
+        "a yellow circle, then a red triangle, then a blue square",
+    ]
+    for ckpt in (project, lwm["ckpt"]):
+        pre = load_pretrained(ckpt)
+        pre.model.double()
+        for kw in (dict(top_k=1), dict(temperature=1.0, top_k=6, top_p=0.95)):
+            kw.update(frames=3, cfg_scale=2.5, seed=11, decode=False)
+            batch = generate_videos(pre, prompts, **kw)
+            assert len(batch) == 3 and batch[0].batch == 3
+            for i, p in enumerate(prompts):
+                alone = generate_video(pre, p, **{**kw, "seed": 11 + i})
+                assert batch[i].ids == alone.ids and batch[i].prompt_ids == alone.prompt_ids
+
+
 def test_seeds_reproduce_and_differ(project):
     pre = load_pretrained(project)
     kw = dict(frames=3, cfg_scale=3.0, temperature=1.0, top_p=0.9, top_k=8, decode=False)
@@ -396,13 +423,13 @@ def _sp_body(rank, world, ckpt, want_ids):
         reshard_min=8,
         backend="torch",
     )
-    assert got.ids == want_ids and got.reshards >= 4
+    assert got.ids == want_ids and got.reshards >= 2
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_sequence_parallel_sampling_equals_one_process(project, lwm):
-    """Two gloo ranks: the rows ring-prefilled and sharded again every 8 tokens give the codes of one
+    """Two gloo ranks: the rows ring-prefilled and sharded again as they grow (every 8 tokens at first) give the codes of one
     process, for the project's layout and LWM's two prompts."""
     from distributed import run_ranks
 

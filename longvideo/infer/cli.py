@@ -29,6 +29,7 @@ from longvideo.infer.chat import (
 )
 from longvideo.infer.sp import SequenceParallelEngine, broadcast_text, local_device, torchrun_world
 from longvideo.infer.t2v import OUTPUT_EXTS, generate_video, write_frames
+from longvideo.infer.t2v_eval import evaluate_t2v
 from longvideo.parallel import split_group
 from longvideo.vq import load_vq
 
@@ -304,6 +305,25 @@ def eval_parser() -> argparse.ArgumentParser:
         "--max-frames", type=int, default=None, help="most frames a video, spread over all of it"
     )
     mc.add_argument("--limit", type=int, default=None, help="the first N questions only")
+    t2v = sub.add_parser(
+        "t2v",
+        help="text to video: generate from held-out captions, read each frame's colour and shape "
+        "(docs/generation.md); writes t2v.json and t2v.png",
+    )
+    t2v.add_argument("--model", required=True, help="a checkpoint or export that generates video")
+    t2v.add_argument("--shards", required=True, help="held-out shards (raw or token) with captions")
+    t2v.add_argument("--out", required=True, help="output directory for the JSON and the PNG")
+    t2v.add_argument("--samples", type=int, default=32, help="captions generated from (default 32)")
+    t2v.add_argument("--max-frames", type=int, default=8, help="most frames a video (default 8)")
+    t2v.add_argument("--cfg-scale", type=float, default=3.0, help="guidance scale (default 3)")
+    t2v.add_argument("--top-k", type=int, default=None, help="top-k of the codes (default none)")
+    t2v.add_argument("--top-p", type=float, default=1.0)
+    t2v.add_argument("--temperature", type=float, default=1.0)
+    t2v.add_argument("--seed", type=int, default=0, help="video i is sampled with seed + i")
+    t2v.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)"
+    )
+    t2v.add_argument("--quiet", action="store_true", help="no progress bar")
     vq = sub.add_parser(
         "vq-needle",
         help="does a one-frame flash survive the video tokenizer (per offset in a group)",
@@ -326,6 +346,31 @@ def eval_main(argv: list[str]) -> int:
 
 def _eval(args) -> int:
     """One process, or every rank of a torchrun world running the same evaluation (rank 0 writes)."""
+    if args.task == "t2v":
+        try:
+            res = evaluate_t2v(
+                args.model,
+                args.shards,
+                out_dir=args.out,
+                samples=args.samples,
+                max_frames=args.max_frames,
+                cfg_scale=args.cfg_scale,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                temperature=args.temperature,
+                seed=args.seed,
+                progress=not args.quiet,
+                device=local_device(args.device),
+            )
+        except KNOWN_ERRORS as e:
+            return _error("longvideo eval", e)
+        print(
+            f"text to video: colours in order {res['accuracy']:.1%} of {res['n']} videos (chance "
+            f"{res['chance']:.1%}); colours and shapes in order {res['shapes_in_order']:.1%} "
+            f"(chance {res['chance_shapes']:.1%}); first frame {res['first_scene']:.1%}"
+        )
+        print(f"wrote {res['json']} and {res['png']}")
+        return 0
     if args.task == "vq-needle":
         model = Path(args.model)
         vq_dir = (

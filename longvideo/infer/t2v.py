@@ -146,16 +146,14 @@ class LocalRows:
         return _logits(self.model, h)
 
     @torch.no_grad()
-    def feed(self, tokens: Sequence[int]) -> Tensor:
-        """The same tokens after every row, each row at its own next positions; last logits (B, V)."""
-        dev = next(self.model.parameters()).device
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=dev)
-        ids = ids.expand(self.cache.positions.shape[0], -1)
+    def feed(self, ids: Tensor) -> Tensor:
+        """ids (B, n) after the rows, each row at its own next positions; the last logits (B, V)."""
+        ids = ids.to(next(self.model.parameters()).device)
         self.cache = grown(self.model, self.cache, self.cache.length + ids.shape[1], 256)
         return _logits(self.model, self.model(ids, cache=self.cache))
 
-    def agree(self, token: int) -> int:
-        return token
+    def agree(self, tokens: Tensor) -> Tensor:
+        return tokens
 
 
 class ShardedRows(SequenceParallelEngine):
@@ -171,7 +169,7 @@ class ShardedRows(SequenceParallelEngine):
         self.reshards = 0
 
     def _shard(self) -> None:
-        """Ring-prefill self.rows (all but nothing: the caller feeds at least one token after)."""
+        """Ring-prefill self.rows (the caller feeds at least one token after them)."""
         ids, pos, seg = (t.to(self._device) for t in left_pad(self.rows))
         B, P = ids.shape
         ids, pos = (shard_sequence(t, self.group, dim=1, pad_value=0) for t in (ids, pos))
@@ -192,34 +190,29 @@ class ShardedRows(SequenceParallelEngine):
         self._device = next(self.model.parameters()).device
         self.spare = min(room, max(self.reshard_min, 256)) + 64
         self.rows = [list(p[:-1]) for p in prompts]
-        last = [p[-1] for p in prompts]
-        if (
-            len(set(last)) != 1
-        ):  # the rows end alike in every layout (<vision>); else feed one by one
-            raise ValueError("the prompts must end with the same token")
-        self._shard()
-        return self.feed([last[0]], reshard=False)
+        self._shard()  # all but each row's last token, which is fed replicated
+        last = torch.tensor([[p[-1]] for p in prompts], dtype=torch.long)
+        return self.feed(last, reshard=False)
 
     @torch.no_grad()
-    def feed(self, tokens: Sequence[int], *, reshard: bool = True) -> Tensor:
-        n = len(tokens)
+    def feed(self, ids: Tensor, *, reshard: bool = True) -> Tensor:
+        n = ids.shape[1]
         if reshard and self.tail + n > max(self.reshard_min, self.prefix_len // self.world):
             self._shard()  # the replicated tokens so far join the sharded prefix
             self.reshards += 1
-        B = len(self.rows)
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self._device).expand(B, n)
+        ids = ids.to(self._device)
         pos = self.next_pos[:, None] + torch.arange(n, device=self._device)
         self.cache = grown(self.model, self.cache, self.cache.length + n, self.spare)
         h = self.model(ids, pos, torch.zeros_like(ids), cache=self.cache, attention_fn=self.merged)
         self.next_pos += n
         self.tail += n
-        for r in self.rows:
-            r.extend(tokens)
+        for r, new in zip(self.rows, ids.tolist()):
+            r.extend(new)
         return _logits(self.model, h)
 
-    def agree(self, token: int) -> int:
-        """Rank 0's token on every rank."""
-        return int(self._pick(torch.tensor([token], device=self._device))[0])
+    def agree(self, tokens: Tensor) -> Tensor:
+        """Rank 0's tokens on every rank."""
+        return self._pick(tokens.to(self._device)).cpu()
 
 
 def sample_slots(
@@ -228,34 +221,46 @@ def sample_slots(
     slots: Sequence[int],
     vocab,
     s: Sampling,
-    generator: Optional[torch.Generator],
+    generators: Sequence[torch.Generator],
     *,
-    on_token: Optional[Callable[[], None]] = None,
-) -> list[int]:
-    """The ids of `slots` (video_slots) sampled after the prompts (cond, and uncond when guided),
-    each sampled id fed back with the forced ones before the next sampled slot. Stops after an <eov>
-    sampled at an END_SLOT."""
-    guide = s.cfg_scale != 1.0 and len(prompts) > 1
-    prompts = prompts if guide else prompts[:1]
+    on_token: Optional[Callable[[int], None]] = None,
+) -> list[list[int]]:
+    """The ids of `slots` (video_slots) for each of V = len(generators) videos, sampled after the
+    prompts: the V conditional ones, then (guided: 2V prompts) the V unconditional ones. Each
+    video's sampled ids are fed back, with the forced ones, before the next sampled slot; video v
+    draws from generators[v] alone, so a batch samples what its videos would one by one. A video
+    ends after an <eov> sampled at an END_SLOT."""
+    V = len(generators)
+    if len(prompts) not in (V, 2 * V):
+        raise ValueError(f"{len(prompts)} prompts for {V} videos: give V or 2V")
+    guide = len(prompts) == 2 * V
     logits = rows.start(prompts, room=len(slots))
-    out: list[int] = []
-    pending: list[int] = []
+    out: list[list[int]] = [[] for _ in range(V)]
+    done = torch.zeros(V, dtype=torch.bool)
+    pending: list[Tensor] = []
     for slot in slots:
         if slot >= 0:
-            out.append(slot)
-            pending.append(slot)
-            continue
-        if pending:
-            logits = rows.feed(pending)
-            pending = []
-        mixed = guided(logits[0], logits[1] if guide else None, s.cfg_scale)
-        token = rows.agree(pick(mixed, slot, vocab, s, generator))
-        out.append(token)
-        pending.append(token)
-        if on_token is not None:
-            on_token()
-        if slot == END_SLOT and token == vocab.eov:
-            break
+            tokens = torch.full((V,), slot, dtype=torch.long)
+        else:
+            if pending:
+                fed = torch.stack(pending, 1)
+                logits = rows.feed(torch.cat([fed, fed]) if guide else fed)
+                pending = []
+            mixed = guided(logits[:V], logits[V:] if guide else None, s.cfg_scale)
+            tokens = torch.tensor(
+                [pick(mixed[v], slot, vocab, s, generators[v]) for v in range(V)], dtype=torch.long
+            )
+            tokens = rows.agree(tokens)
+            if on_token is not None:
+                on_token(int((~done).sum()))
+        for v in range(V):
+            if not done[v]:
+                out[v].append(int(tokens[v]))
+        pending.append(tokens)
+        if slot == END_SLOT:
+            done |= tokens == vocab.eov
+            if bool(done.all()):
+                break
     return out
 
 
@@ -263,8 +268,8 @@ def sample_slots(
 class GeneratedVideo:
     """codes int64 (G, h, w); frames uint8 (T, H, W, 3) (None when not decoded); ids: every
     generated id after the conditional prompt (forced ones too); prompt_ids: the conditional and the
-    unconditional prompt (of the last phase: LWM's video prompt after its first frame's);
-    seconds: sampling time; tokens_per_s: generated ids per second."""
+    unconditional prompt (of the last phase: LWM's video prompt after its first frame's); seconds:
+    the sampling time of the call that made it, which sampled `batch` videos together."""
 
     codes: np.ndarray
     frames: Optional[torch.Tensor]
@@ -272,28 +277,35 @@ class GeneratedVideo:
     prompt_ids: tuple[list[int], list[int]]
     seconds: float
     fps: float
+    batch: int = 1
+    reshards: int = 0
+    """Sequence-parallel only: how often the replicated tokens were sharded again."""
 
     @property
     def tokens_per_s(self) -> float:
-        return len(self.ids) / max(self.seconds, 1e-9)
+        """Generated ids a second over the call (all of its `batch` videos)."""
+        return self.batch * len(self.ids) / max(self.seconds, 1e-9)
 
 
 def codes_of(ids: Sequence[int], vocab, codes_per_group: int, side: int) -> np.ndarray:
     """The codes (G, side, side) in generated ids: runs of codes_per_group code ids."""
-    codes = [
-        i - vocab.vq_offset
-        for i in ids
-        if vocab.vq_offset <= i < vocab.vq_offset + vocab.codebook_size
-    ]
+    lo, hi = vocab.vq_offset, vocab.vq_offset + vocab.codebook_size
+    codes = [i - lo for i in ids if lo <= i < hi]
     if len(codes) % codes_per_group:
         raise ValueError(f"{len(codes)} codes are not whole groups of {codes_per_group}")
     return np.asarray(codes, np.int64).reshape(-1, side, side)
 
 
 @torch.no_grad()
-def generate_video(
+def generate_video(model, prompt: str, **settings) -> GeneratedVideo:
+    """Sample one video from `prompt` (generate_videos' settings; its seed is this video's)."""
+    return generate_videos(model, [prompt], **settings)[0]
+
+
+@torch.no_grad()
+def generate_videos(
     model,
-    prompt: str,
+    prompts: Sequence[str],
     *,
     frames: int = 1,
     cfg_scale: float = 1.0,
@@ -309,14 +321,16 @@ def generate_video(
     backend: str = "auto",
     device: str | torch.device = "cpu",
     progress: bool = False,
-) -> GeneratedVideo:
-    """Sample a video of `frames` frames from `prompt` (docs/generation.md). model: a `Pretrained` or
-    a directory. A model of LWM's layout follows LWM's script: the first frame from its image
-    prompt (top_k default 8192), the others after its video prompt and the first frame's tokens
+) -> list[GeneratedVideo]:
+    """Sample a video of `frames` frames from each prompt, all in one batched forward (video i with
+    seed + i: the same video as alone with that seed; docs/generation.md). model: a `Pretrained` or
+    a directory. A model of LWM's layout follows LWM's script: the first frame from its image prompt
+    (top_k default 8192), the others after its video prompt and the first frame's tokens
     (cfg_scale_video, default cfg_scale; top_k default 100), every frame ending with <eof>; other
     models put the caption before the video as the caption template does (top_k default: none),
     frames ending with <eof> and the last with <eov> (model_ends: the model may end it earlier).
-    group: a process group to sample sequence-parallel over (every rank calls alike)."""
+    cfg_scale 1 runs no unconditional row. group: a process group to sample sequence-parallel over
+    (every rank calls alike)."""
     pre = load_model(model, device)
     if pre.tokenizer is None:
         raise ValueError(f"{pre.path or 'the model'} has no text tokenizer (tokenizer/)")
@@ -324,6 +338,8 @@ def generate_video(
         raise ValueError(f"{pre.path or 'the model'} has no video tokenizer (vq/) to decode frames")
     if frames < 1:
         raise ValueError(f"frames must be >= 1, got {frames}")
+    if not prompts:
+        raise ValueError("no prompts")
     net, vocab, tok, cfg = pre.model, pre.model.cfg.vocab, pre.tokenizer, pre.config
     vq_cfg = pre.vq.cfg if pre.vq is not None else cfg.vq
     side = vq_cfg.resolution // vq_cfg.downsample
@@ -335,26 +351,50 @@ def generate_video(
     groups = _num_groups(vq_cfg, frames)
     lwm = vocab.is_lwm
     fps = 4.0 if lwm else cfg.data.fps  # LWM's script writes 4 fps; ours: a group per 1/fps s
-    gen = torch.Generator().manual_seed(seed)
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
+    engines: list = []
 
-    def rows():
-        if group is None:
-            return LocalRows(net, prefill_chunk=cfg.infer.prefill_chunk)
-        return ShardedRows(net, group, reshard_min=reshard_min, backend=backend)
-
-    phases = []  # (prompts, slots, sampling)
-    if lwm:
-        first = generation_prompts(tok, vocab, prompt, template="lwm", video=False)
-        phases.append(
-            (
-                first,
-                video_slots(tok, vocab, groups=1, codes_per_group=per_group),
-                Sampling(
-                    cfg_scale, temperature, LWM_TOP_K_IMAGE if top_k is None else top_k, top_p
-                ),
-            )
+    def run(pairs, slots, samp: Sampling) -> list[list[int]]:
+        rows = (
+            LocalRows(net, prefill_chunk=cfg.infer.prefill_chunk)
+            if group is None
+            else ShardedRows(net, group, reshard_min=reshard_min, backend=backend)
         )
+        engines.append(rows)
+        conds = [c for c, _ in pairs]
+        guide = samp.cfg_scale != 1.0
+        return sample_slots(
+            rows,
+            conds + ([u for _, u in pairs] if guide else []),
+            slots,
+            vocab,
+            samp,
+            gens,
+            on_token=bar.update,
+        )
+
+    bar = tqdm(
+        total=len(prompts) * groups * per_group, unit="code", desc="generate", disable=not progress
+    )
+    t0 = time.perf_counter()
+    if lwm:
+        pairs = [generation_prompts(tok, vocab, p, template="lwm", video=False) for p in prompts]
+        k = LWM_TOP_K_IMAGE if top_k is None else top_k
+        first = video_slots(tok, vocab, groups=1, codes_per_group=per_group)
+        ids = run(pairs, first, Sampling(cfg_scale, temperature, k, top_p))
+        if groups > 1:  # the other frames after LWM's video prompt and the first frame
+            video = [generation_prompts(tok, vocab, p, template="lwm", video=True) for p in prompts]
+            pairs = [(c + i, u + i) for (c, u), i in zip(video, ids)]
+            samp = Sampling(
+                cfg_scale if cfg_scale_video is None else cfg_scale_video,
+                temperature,
+                LWM_TOP_K_VIDEO if top_k is None else top_k,
+                top_p,
+            )
+            rest = video_slots(tok, vocab, groups=groups - 1, codes_per_group=per_group)
+            ids = [a + b for a, b in zip(ids, run(pairs, rest, samp))]
     else:
+        pairs = [generation_prompts(tok, vocab, p, template="qa") for p in prompts]
         stamps = [g[0] / fps for g in _group_frames(vq_cfg, frames)]
         slots = video_slots(
             tok,
@@ -365,44 +405,30 @@ def generate_video(
             timestamp_every=cfg.data.timestamp_every,
             model_ends=model_ends,
         )
-        phases.append(
-            (
-                generation_prompts(tok, vocab, prompt, template="qa"),
-                slots,
-                Sampling(cfg_scale, temperature, top_k, top_p),
-            )
-        )
-    bar = tqdm(total=groups * per_group, unit="code", desc="generate", disable=not progress)
-    t0 = time.perf_counter()
-    prompts, slots, samp = phases[0]
-    ids = sample_slots(rows(), prompts, slots, vocab, samp, gen, on_token=bar.update)
-    if lwm and groups > 1:  # the other frames after LWM's video prompt and the first frame
-        cond, uncond = generation_prompts(tok, vocab, prompt, template="lwm", video=True)
-        prompts = (cond + ids, uncond + ids)
-        samp = Sampling(
-            cfg_scale if cfg_scale_video is None else cfg_scale_video,
-            temperature,
-            LWM_TOP_K_VIDEO if top_k is None else top_k,
-            top_p,
-        )
-        slots = video_slots(tok, vocab, groups=groups - 1, codes_per_group=per_group)
-        ids = ids + sample_slots(rows(), prompts, slots, vocab, samp, gen, on_token=bar.update)
+        ids = run(pairs, slots, Sampling(cfg_scale, temperature, top_k, top_p))
     seconds = time.perf_counter() - t0
     bar.close()
-    codes = codes_of(ids, vocab, per_group, side)
-    out_frames = None
-    if decode:
-        out_frames = decode_codes(pre.vq, codes)
-        if len(codes) == groups:  # causal3d: the last group's padding frames dropped
-            out_frames = out_frames[:frames]
-    return GeneratedVideo(
-        codes=codes,
-        frames=out_frames,
-        ids=ids,
-        prompt_ids=(list(prompts[0]), list(prompts[1])),
-        seconds=seconds,
-        fps=fps,
-    )
+    out = []
+    for (cond, uncond), got in zip(pairs, ids):
+        codes = codes_of(got, vocab, per_group, side)
+        video = None
+        if decode:
+            video = decode_codes(pre.vq, codes)
+            if len(codes) == groups:  # causal3d: the last group's padding frames dropped
+                video = video[:frames]
+        out.append(
+            GeneratedVideo(
+                codes=codes,
+                frames=video,
+                ids=got,
+                prompt_ids=(list(cond), list(uncond)),
+                seconds=seconds,
+                fps=fps,
+                batch=len(prompts),
+                reshards=sum(getattr(e, "reshards", 0) for e in engines),
+            )
+        )
+    return out
 
 
 def _group_frames(vq_cfg, frames: int) -> list[list[int]]:
