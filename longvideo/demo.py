@@ -493,25 +493,31 @@ class Demo:
     def evaluate_t2v(self) -> None:
         """Videos generated from held-out captions, each frame's colour and shape read (eval t2v)."""
         p = self.plan
-        self.lv(
-            "eval",
-            "t2v",
-            "--model",
-            (self.out / "lm/t2v").read_text().strip(),
-            "--shards",
-            self.out / "tokens" / p.t2v_held_out,
-            "--out",
-            self.out / "eval/t2v",
-            "--samples",
-            p.t2v_samples,
-            "--max-frames",
-            p.t2v_max_frames,
-            "--cfg-scale",
-            p.t2v_cfg_scale,
-            "--temperature",
-            p.t2v_temperature,
-            *([] if p.t2v_top_k is None else ["--top-k", p.t2v_top_k]),
-            *self.q,
+        self.run(  # one thread: sampling is many small forwards, which threads only slow down
+            [
+                sys.executable,
+                "-m",
+                "longvideo",
+                "eval",
+                "t2v",
+                "--model",
+                (self.out / "lm/t2v").read_text().strip(),
+                "--shards",
+                self.out / "tokens" / p.t2v_held_out,
+                "--out",
+                self.out / "eval/t2v",
+                "--samples",
+                p.t2v_samples,
+                "--max-frames",
+                p.t2v_max_frames,
+                "--cfg-scale",
+                p.t2v_cfg_scale,
+                "--temperature",
+                p.t2v_temperature,
+                *([] if p.t2v_top_k is None else ["--top-k", p.t2v_top_k]),
+                *self.q,
+            ],
+            threads=1,
         )
 
     def export(self) -> None:

@@ -321,6 +321,12 @@ def eval_parser() -> argparse.ArgumentParser:
     t2v.add_argument("--temperature", type=float, default=1.0)
     t2v.add_argument("--seed", type=int, default=0, help="video i is sampled with seed + i")
     t2v.add_argument(
+        "--model-ends",
+        action="store_true",
+        help="the model ends each video (<eov>) within --max-frames; every captioned scene is "
+        "expected (default: the held-out video's length, the scenes that start within it)",
+    )
+    t2v.add_argument(
         "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)"
     )
     t2v.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -359,6 +365,7 @@ def _eval(args) -> int:
                 top_p=args.top_p,
                 temperature=args.temperature,
                 seed=args.seed,
+                model_ends=args.model_ends,
                 progress=not args.quiet,
                 device=local_device(args.device),
             )

@@ -313,7 +313,7 @@ def generate_videos(
     top_k: Optional[int] = None,
     top_p: float = 1.0,
     temperature: float = 1.0,
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     model_ends: bool = False,
     decode: bool = True,
     group=None,
@@ -323,7 +323,8 @@ def generate_videos(
     progress: bool = False,
 ) -> list[GeneratedVideo]:
     """Sample a video of `frames` frames from each prompt, all in one batched forward (video i with
-    seed + i: the same video as alone with that seed; docs/generation.md). model: a `Pretrained` or
+    seed + i, or with seed[i] given a list: the same video as alone with that seed;
+    docs/generation.md). model: a `Pretrained` or
     a directory. A model of LWM's layout follows LWM's script: the first frame from its image prompt
     (top_k default 8192), the others after its video prompt and the first frame's tokens
     (cfg_scale_video, default cfg_scale; top_k default 100), every frame ending with <eof>; other
@@ -351,7 +352,10 @@ def generate_videos(
     groups = _num_groups(vq_cfg, frames)
     lwm = vocab.is_lwm
     fps = 4.0 if lwm else cfg.data.fps  # LWM's script writes 4 fps; ours: a group per 1/fps s
-    gens = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
+    seeds = [seed + i for i in range(len(prompts))] if isinstance(seed, int) else list(seed)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
     engines: list = []
 
     def run(pairs, slots, samp: Sampling) -> list[list[int]]:

@@ -27,7 +27,7 @@ from longvideo.data.synthetic import (
     read_frame,
 )
 from longvideo.infer.chat import load_model
-from longvideo.infer.t2v import generate_video
+from longvideo.infer.t2v import generate_videos
 from longvideo.vq import decode_codes
 
 SCENE = re.compile(rf"\b({'|'.join(COLOUR_NAMES)}) ({'|'.join(SHAPE_KINDS)})\b")
@@ -173,39 +173,68 @@ def evaluate_t2v(
     top_p: float = 1.0,
     temperature: float = 1.0,
     seed: int = 0,
+    model_ends: bool = False,
+    batch: int = 16,
     group=None,
     progress: bool = True,
     device: str | torch.device = "cpu",
 ) -> dict:
     """Generate a video from each of the first `samples` captions of held-out shards (raw or token),
     as many frames as the video had at the model's fps (at most max_frames; the scenes that start
-    within them are expected), read every frame and score it (module docstring). With token shards
+    within them are expected) or, with model_ends, as many as the model makes before its <eov>
+    (at most max_frames; every scene is expected), read every frame and score it (module docstring). With token shards
     the frames the VQ decodes from the real codes are read too (`probe_on_real`: how well the reading
-    works on the tokenizer's own frames). Writes t2v.json and t2v.png into out_dir."""
+    works on the tokenizer's own frames). Videos of one length are sampled `batch` at a time in one
+    batched forward (video i with seed + i). Writes t2v.json and t2v.png into out_dir."""
     pre = load_model(model, device)
     fps = pre.config.data.fps
     records, videos, real = [], [], Counter()
     todo = list(held_out(shards, samples))
     if not todo:
         raise ValueError(f"no captioned samples in {shards!r}")
-    for i, (key, meta, codes) in enumerate(tqdm(todo, desc="t2v", disable=not progress)):
+
+    def frames_of(meta: dict) -> int:
+        if model_ends:  # the model ends each video (<eov>) within max_frames
+            return max_frames
         seconds = float(meta.get("duration") or max_frames / fps)
-        frames = max(1, min(max_frames, int(round(seconds * fps))))
-        scenes = scenes_within(meta, frames / fps)
-        gen = generate_video(
-            pre,
-            meta["caption"],
-            frames=frames,
-            cfg_scale=cfg_scale,
-            top_k=top_k,
-            top_p=top_p,
-            temperature=temperature,
-            seed=seed + i,
-            group=group,
+        return max(1, min(max_frames, int(round(seconds * fps))))
+
+    # videos of the same length are sampled together, one batched forward (video i with seed + i)
+    by_length: dict[int, list[int]] = {}
+    for i, (_, meta, _) in enumerate(todo):
+        by_length.setdefault(frames_of(meta), []).append(i)
+    generated: dict[int, object] = {}
+    bar = tqdm(total=len(todo), desc="t2v", unit="video", disable=not progress)
+    for frames, idx in sorted(by_length.items()):
+        for b in range(0, len(idx), batch):
+            part = idx[b : b + batch]
+            outs = generate_videos(
+                pre,
+                [todo[i][1]["caption"] for i in part],
+                frames=frames,
+                cfg_scale=cfg_scale,
+                top_k=top_k,
+                top_p=top_p,
+                temperature=temperature,
+                seed=[seed + i for i in part],
+                model_ends=model_ends,
+                group=group,
+            )
+            generated.update(zip(part, outs))
+            bar.update(len(part))
+    bar.close()
+    for i, (key, meta, codes) in enumerate(todo):
+        gen, frames = generated[i], frames_of(meta)
+        scenes = (
+            caption_scenes(meta["caption"]) if model_ends else scenes_within(meta, frames / fps)
         )
+        # chance: videos of the dataset as long as this one (as long as the frames asked for)
+        seconds = float(meta.get("duration") or frames / fps)
+        chance_len = max(1, int(round(seconds if model_ends else frames / fps)))
+        frames = len(gen.codes)
         video = gen.frames.numpy()
         readings = [read_frame(f) for f in video]
-        chance, chance_shapes = chance_of(scenes, int(round(frames / fps)))
+        chance, chance_shapes = chance_of(scenes, chance_len)
         records.append(
             {
                 "key": key,
@@ -247,6 +276,7 @@ def evaluate_t2v(
             "temperature": temperature,
             "seed": seed,
             "max_frames": max_frames,
+            "model_ends": model_ends,
         },
         "tokens_per_s": rate("tokens_per_s"),
         "probe_on_real": (
