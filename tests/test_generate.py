@@ -446,3 +446,87 @@ def test_generation_prompts_need_their_layout(project, lwm):
         generation_prompts(pre.tokenizer, pre.model.cfg.vocab, PROMPT, template="lwm")
     with pytest.raises(ValueError, match="longvideo layout"):
         generation_prompts(lw.tokenizer, lw.model.cfg.vocab, PROMPT, template="qa")
+
+
+# ----------------------------------------------------------------------------- faithfulness
+
+
+def test_read_frame_reads_what_the_renderer_drew():
+    """Colour and shape of rendered frames (every kind, colour, position), flashes, empty frames."""
+    from longvideo.data.synthetic import COLOURS, SyntheticSpec, make_sample, read_frame
+
+    spec = SyntheticSpec(needle_fraction=0.0, long_fraction=0.0)
+    seen, colour_ok, shape_ok = 0, 0, 0
+    for i in range(60):
+        s = make_sample(0, i, spec)
+        for t, frame in enumerate(s.frames_at(np.arange(0, s.num_frames, spec.fps))):
+            scene = next(sh for a, b, sh in s.scenes if a <= t < b)
+            r = read_frame(frame)
+            assert r["kind"] == "shape"
+            seen += 1
+            colour_ok += r["colour"] == scene.colour
+            shape_ok += r["shape"] == scene.kind
+    assert seen > 300 and colour_ok == seen and shape_ok >= 0.99 * seen, (seen, shape_ok)
+    for name, rgb in COLOURS.items():
+        flash = np.broadcast_to(np.asarray(rgb, np.uint8), (64, 64, 3))
+        assert read_frame(flash)["kind"] == "flash" and read_frame(flash)["colour"] == name
+    assert read_frame(np.zeros((64, 64, 3), np.uint8))["kind"] == "empty"
+
+
+def test_scoring_colours_in_order_and_chance():
+    from longvideo.infer.t2v_eval import caption_scenes, chance_of, collapse, score_video
+
+    scenes = caption_scenes("a red square, then a blue circle, then a red triangle.")
+    assert scenes == [("red", "square"), ("blue", "circle"), ("red", "triangle")]
+    assert collapse([1, 1, 2, 2, 1]) == [1, 2, 1]
+
+    def shape(colour, kind="square"):
+        return {"kind": "shape", "colour": colour, "shape": kind}
+
+    empty, flash = {"kind": "empty"}, {"kind": "flash", "colour": "green"}
+    good = [
+        shape("red"),
+        flash,
+        shape("red"),
+        empty,
+        shape("blue", "circle"),
+        shape("red", "triangle"),
+    ]
+    got = score_video(good, scenes)
+    assert got["colours_in_order"] and got["shapes_in_order"] and got["first_scene"]
+    assert not score_video([shape("blue"), shape("red")], scenes)["colours_in_order"]
+    assert not score_video([shape("red"), shape("blue")], scenes)["colours_in_order"]  # one missing
+    wrong_kind = score_video([shape("red"), shape("blue"), shape("red")], scenes)
+    assert wrong_kind["colours_in_order"] and not wrong_kind["shapes_in_order"]
+    # a 2-second video is one scene of a uniformly drawn colour and kind: chance 1/4 and 1/12
+    colour, pair = chance_of([("red", "square")], 2)
+    assert abs(colour - 0.25) < 0.03 and abs(pair - 1 / 12) < 0.02
+
+
+def test_eval_t2v_writes_its_json_and_grid(project, tmp_path, capsys):
+    """`longvideo eval t2v` on held-out raw shards: a video per caption, as long as its source at 1 fps
+    (at most --max-frames), read and scored, in batches that sample what each video would alone."""
+    import json
+
+    from longvideo.data.synthetic import SyntheticSpec, write_synthetic_shards
+    from longvideo.infer.t2v_eval import evaluate_t2v
+
+    spec = SyntheticSpec(size=16, min_seconds=2, max_seconds=4, long_fraction=0, needle_fraction=0)
+    write_synthetic_shards(tmp_path / "raw", 5, seed=4, spec=spec, progress=False)
+    args = ["eval", "t2v", "--model", str(project), "--shards", str(tmp_path / "raw")]
+    args += ["--out", str(tmp_path / "ev"), "--samples", "4", "--max-frames", "3", "--quiet"]
+    assert cli.main([*args, "--device", "cpu"]) == 0
+    assert "colours in order" in capsys.readouterr().out
+    res = json.loads((tmp_path / "ev/t2v.json").read_text())
+    assert res["n"] == 4 and 0 <= res["accuracy"] <= 1 and 0 < res["chance"] < 1
+    assert (tmp_path / "ev/t2v.png").is_file() and res["probe_on_real"] is None
+    one = res["samples"][1]
+    assert one["frames"] == min(3, len(one["read"])) and one["frames"] <= 3
+    alone = generate_video(project, one["caption"], frames=one["frames"], cfg_scale=3.0, seed=1)
+    from longvideo.data.synthetic import read_frame
+
+    assert [
+        [r["kind"], r["colour"], r["shape"]] for r in map(read_frame, alone.frames.numpy())
+    ] == one["read"]
+    again = evaluate_t2v(project, str(tmp_path / "raw"), samples=4, max_frames=3, batch=1)
+    assert [s["read"] for s in again["samples"]] == [s["read"] for s in res["samples"]]
