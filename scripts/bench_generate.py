@@ -76,9 +76,8 @@ def report(result: dict) -> Section:
         f"{cfg.get('kv_heads')} heads, vocabulary {cfg.get('vocab'):,}, fp32, {cfg.get('threads')} "
         f"thread(s); {cfg.get('codes_per_frame')} codes a frame, guidance scale "
         f"{cfg.get('cfg_scale')} (two rows a step), greedy.",
-        f"Same codes with the cache and recomputed: {result.get('same_codes')}.",
-        f"Machine: {(result.get('machine') or {}).get('cpus')} CPUs, load "
-        f"{(result.get('machine') or {}).get('loadavg_before')} before the run.",
+        f"Same codes with the cache and recomputed: {result.get('same_codes')}. Tokens a second "
+        "count the sampled codes (each frame's forced <eof> rides along with the next code).",
     ]
     headers = [
         "frames",
