@@ -73,6 +73,15 @@ def test_quick_demo_produces_every_artefact(tmp_path):
     assert chat["question"] and "answer" in chat
     summary = json.loads((out / "summary.json").read_text())
     assert summary["qa"]["chance"] == pytest.approx(qa["chance"])
+    # text to video: the rung's checkpoint, videos generated from every held-out caption, read
+    t2v_run = Path((out / "lm/t2v").read_text().strip())
+    assert (t2v_run / "checkpoints/latest").is_file() and (t2v_run / "loss.png").is_file()
+    t2v = json.loads((out / "eval/t2v/t2v.json").read_text())
+    assert t2v["n"] == 8 and 0 <= t2v["accuracy"] <= 1 and 0 < t2v["chance"] < 1
+    assert all(1 <= len(s["read"]) <= 4 for s in t2v["samples"])
+    assert t2v["probe_on_real"]["frames"] > 0 and (out / "eval/t2v/t2v.png").is_file()
+    assert summary["t2v"]["accuracy"] == pytest.approx(t2v["accuracy"])
+    assert "text to video, colours in order" in r.stdout
     assert "held-out QA accuracy" in r.stdout and "chance" in r.stdout
 
 
