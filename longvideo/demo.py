@@ -145,11 +145,13 @@ class DemoPlan:
     """`train.seed` of every rung; None keeps the configs' (0). The videos and the VQ do not depend
     on it, so runs of several seeds (`--seed`, `--inputs-from`) compare the language model alone."""
     t2v_stage: Optional[Stage] = None
-    """Text to video: a rung trained from the ladder's last weights on its sets' caption-before-video
-    documents (its stage config lays them out so: templates [caption], caption_position before),
-    a branch beside the ladder's model, which the QA and needle evaluations keep; None: none."""
+    """Text to video: a rung trained from the ladder's last weights on its sets'
+    caption-before-video documents (its stage config lays them out so: templates [caption],
+    caption_position before), a branch beside the ladder's model, which the QA and needle
+    evaluations keep; None: none."""
     t2v_held_out: Optional[str] = None
-    """The VideoSet whose captions the text-to-video evaluation generates from (never trained on)."""
+    """The VideoSet whose captions the text-to-video evaluation generates from (never trained
+    on)."""
     t2v_samples: int = 32
     """Held-out captions generated from."""
     t2v_max_frames: int = 8
@@ -204,8 +206,8 @@ class DemoPlan:
                 check(
                     c.data.templates == ("caption",) and c.data.caption_position == "before",
                     "t2v_stage.config",
-                    f"{st.config} must lay out caption-before-video documents only (data.templates: "
-                    f"[caption], data.caption_position: before)",
+                    f"{st.config} must lay out caption-before-video documents only "
+                    f"(data.templates: [caption], data.caption_position: before)",
                 )
             zero = resolve_zero_stage(c.train, load_base(c.train.deepspeed_config))
             ladder.append(
@@ -460,7 +462,8 @@ class Demo:
         (self.out / "lm/final").write_text(str(prev))
 
     def train_t2v(self) -> None:
-        """The text-to-video rung: from the ladder's last weights, on caption-before-video documents."""
+        """The text-to-video rung: from the ladder's last weights, on caption-before-video
+        documents."""
         p, rung = self.plan, self.plan.t2v_rung
         st = p.t2v_stage
         run_dir = self.out / f"lm/t2v-{rung['seq_len']}"
@@ -491,7 +494,8 @@ class Demo:
         (self.out / "lm/t2v").write_text(str(run_dir))
 
     def evaluate_t2v(self) -> None:
-        """Videos generated from held-out captions, each frame's colour and shape read (eval t2v)."""
+        """Videos generated from held-out captions, each frame's colour and shape read (eval
+        t2v)."""
         p = self.plan
         self.run(  # one thread: sampling is many small forwards, which threads only slow down
             [
@@ -803,9 +807,10 @@ class Demo:
         t2v = s.get("t2v")
         if t2v:
             print(
-                f"text to video, colours in order: {t2v['accuracy']:.1%}   (chance {t2v['chance']:.1%}) "
-                f"over {t2v['n']} held-out captions; colours and shapes in order "
-                f"{t2v['shapes_in_order']:.1%} (chance {t2v['chance_shapes']:.1%}); grid: eval/t2v/t2v.png"
+                f"text to video, colours in order: {t2v['accuracy']:.1%}   (chance "
+                f"{t2v['chance']:.1%}) over {t2v['n']} held-out captions; colours and shapes in "
+                f"order {t2v['shapes_in_order']:.1%} (chance {t2v['chance_shapes']:.1%}); grid: "
+                "eval/t2v/t2v.png"
             )
         print(
             f"artefacts under {self.out}: eval/*/ (JSON + PNG), hf/ (Hugging Face export), "

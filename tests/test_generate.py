@@ -1,8 +1,8 @@
 """Text to video (`longvideo generate`, docs/generation.md) against independent computations.
 
-* An imported LWM checkpoint (tiny random weights in LWM's formats, tests/lwm_files.py) against LWM's
-  rules restated on LWM's own forward pass in float64 numpy (`lwm_logits`), LWM's prompts tokenized
-  as its script does, its vision-head logits mixed, <eof> forced every h*w + 1 tokens.
+* An imported LWM checkpoint (tiny random weights in LWM's formats, tests/lwm_files.py) against
+  LWM's rules restated on LWM's own forward pass in float64 numpy (`lwm_logits`), LWM's prompts
+  tokenized as its script does, its vision-head logits mixed, <eof> forced every h*w + 1 tokens.
 * A project checkpoint against a full-recompute float64 loop over the caption template.
 * Forced <eof>/<eov>, guidance 1 against none, seeds, the files, the CLI, the export's generate,
   and sequence-parallel sampling on 2 ranks.
@@ -113,7 +113,8 @@ def lwm_reference(lwm, frames: int, cfg: float) -> tuple[list[int], list[int]]:
     out = sample(image, [False] * len(image), uncond, [False] * len(uncond), PER + 1)
     if frames > 1:
         video = hf.encode(
-            f"<s>You are a helpful assistant. USER: Generate a video of {PROMPT} ASSISTANT: <vision>"
+            "<s>You are a helpful assistant. USER: Generate a video of "
+            f"{PROMPT} ASSISTANT: <vision>"
         )
         first = [False] * len(video), [False] * len(uncond)
         out = out + sample(
@@ -128,7 +129,8 @@ def lwm_reference(lwm, frames: int, cfg: float) -> tuple[list[int], list[int]]:
 
 @pytest.mark.parametrize("frames, cfg", [(1, 3.0), (3, 3.0), (3, 1.0)])
 def test_lwm_checkpoint_follows_lwms_script(lwm, frames, cfg):
-    """Greedy (top_k 1) codes of an imported LWM checkpoint equal LWM's rules on LWM's own forward."""
+    """Greedy (top_k 1) codes of an imported LWM checkpoint equal LWM's rules on LWM's own
+    forward."""
     image, want = lwm_reference(lwm, frames, cfg)
     got = generate_video(lwm["ckpt"], PROMPT, frames=frames, cfg_scale=cfg, top_k=1)
     V = lwm["V"]
@@ -386,8 +388,8 @@ def test_cli_errors_are_named(project, tmp_path, capsys):
 
 @pytest.mark.parametrize("which", ["project_stamped", "lwm"])
 def test_export_generate_equals_the_command(which, request, tmp_path):
-    """The exported directory with transformers' generate and LongVideoProcessor's guidance gives the
-    codes and frames of `longvideo generate` (top_k 1)."""
+    """The exported directory with transformers' generate and LongVideoProcessor's guidance gives
+    the codes and frames of `longvideo generate` (top_k 1)."""
     from transformers import AutoModelForCausalLM
 
     from longvideo.export import LongVideoProcessor
@@ -429,7 +431,8 @@ def _sp_body(rank, world, ckpt, want_ids):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_sequence_parallel_sampling_equals_one_process(project, lwm):
-    """Two gloo ranks: the rows ring-prefilled and sharded again as they grow (every 8 tokens at first) give the codes of one
+    """Two gloo ranks: the rows ring-prefilled and sharded again as they grow (every 8 tokens at
+    first) give the codes of one
     process, for the project's layout and LWM's two prompts."""
     from distributed import run_ranks
 
@@ -504,8 +507,9 @@ def test_scoring_colours_in_order_and_chance():
 
 
 def test_eval_t2v_writes_its_json_and_grid(project, tmp_path, capsys):
-    """`longvideo eval t2v` on held-out raw shards: a video per caption, as long as its source at 1 fps
-    (at most --max-frames), read and scored, in batches that sample what each video would alone."""
+    """`longvideo eval t2v` on held-out raw shards: a video per caption, as long as its source at
+    1 fps (at most --max-frames), read and scored, in batches that sample what each video would
+    alone."""
     import json
 
     from longvideo.data.synthetic import SyntheticSpec, write_synthetic_shards

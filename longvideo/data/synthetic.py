@@ -137,12 +137,14 @@ def decode_frame_index(frame: np.ndarray) -> int:
 
 
 FOREGROUND_LEVEL = 96
-"""A pixel whose brightest channel exceeds this is drawn (shape or flash); the background is black."""
+"""A pixel whose brightest channel exceeds this is drawn (shape or flash); the background is
+black."""
 FLASH_COVERAGE = 0.6
 """A frame drawn over more than this fraction is a flash (a full-frame colour), not a shape."""
 SQUARE_FILL = 1.0
-"""A drawn shape that fills more than this of its box (its pixels' 1st to 99th percentiles along each
-axis, so more than all of it) is a square (about 1.09 when drawn); a disc fills about 0.88."""
+"""A drawn shape that fills more than this of its box (its pixels' 1st to 99th percentiles along
+each axis, so more than all of it) is a square (about 1.09 when drawn); a disc fills about
+0.88."""
 TRIANGLE_DROP = 0.56
 """A drawn shape whose mass centre lies lower than this share of its box's height is a triangle
 (apex up: about 0.63); a square or a disc has it in the middle (0.5)."""
@@ -157,11 +159,11 @@ def nearest_colour(rgb, colours: Iterable[str] = COLOUR_NAMES) -> str:
 
 
 def read_frame(frame: np.ndarray) -> dict:
-    """What a frame of the synthetic videos shows, read from its pixels (uint8 (H, W, 3)), the inverse
-    of the renderer: {"kind": "shape" | "flash" | "empty", "colour", "shape", "coverage"}. The colour is
-    the palette colour nearest the drawn pixels' mean (as the needle evaluation reads a flash); the
-    shape from where its mass lies in its box (TRIANGLE_DROP) and how much of the box it fills
-    (SQUARE_FILL)."""
+    """What a frame of the synthetic videos shows, read from its pixels (uint8 (H, W, 3)), the
+    inverse of the renderer: {"kind": "shape" | "flash" | "empty", "colour", "shape", "coverage"}.
+    The colour is the palette colour nearest the drawn pixels' mean (as the needle evaluation reads
+    a flash); the shape from where its mass lies in its box (TRIANGLE_DROP) and how much of the box
+    it fills (SQUARE_FILL)."""
     frame = np.asarray(frame)
     drawn = frame.max(-1) > FOREGROUND_LEVEL
     coverage = float(drawn.mean())

@@ -438,9 +438,10 @@ def generation_prompts(
     tokenizer, vocab, caption: str, *, template: str = "qa", video: bool = True
 ) -> tuple[list[int], list[int]]:
     """The (conditional, unconditional) prompts after which a video's first code is sampled
-    (docs/generation.md). template qa (the project's layout): the caption template with the caption
-    first, up to its <vision>, against <s><vision>; lwm: LWM's prompt of an image (video=False) or of
-    a video, <s> and BOS before it, against <s><vision>, as LWM's script tokenizes them."""
+    (docs/generation.md). template qa (the project's layout): the caption template with the
+    caption first, up to its <vision>, against <s><vision>; lwm: LWM's prompt of an image
+    (video=False) or of a video, <s> and BOS before it, against <s><vision>, as LWM's script
+    tokenizes them."""
     if template == "lwm":
         text = (LWM_VIDEO_PROMPT if video else LWM_IMAGE_PROMPT).format(prompt=caption)
         cond, uncond = (
@@ -455,9 +456,8 @@ def generation_prompts(
     else:
         raise ValueError(f"prompt template must be one of {PROMPT_TEMPLATES}, got {template!r}")
     if (template == "lwm") != vocab.is_lwm:
-        raise ValueError(
-            f"the {template} template needs the {'lwm' if template == 'lwm' else 'longvideo'} layout"
-        )
+        need = "lwm" if template == "lwm" else "longvideo"
+        raise ValueError(f"the {template} template needs the {need} layout")
     out = []
     for parts in (cond, uncond):
         ids, _, _ = _render(parts, tokenizer, vocab, None, None, 0.0, 0.0, 0)
@@ -476,10 +476,10 @@ def video_slots(
     model_ends: bool = False,
 ) -> list[int]:
     """The tokens of a generated video after its prompt, one slot each: CODE_SLOT (a code is
-    sampled), END_SLOT (<eof> or <eov> is sampled), or a forced id. The project's layout: each group's
-    timestamp text when due (as `_render` lays it out), its codes, then <eof> (<eov> after the last;
-    model_ends: sampled between the two, the last still <eov>). The lwm layout: codes then <eof>,
-    every group, as LWM's script forces it."""
+    sampled), END_SLOT (<eof> or <eov> is sampled), or a forced id. The project's layout: each
+    group's timestamp text when due (as `_render` lays it out), its codes, then <eof> (<eov> after
+    the last; model_ends: sampled between the two, the last still <eov>). The lwm layout: codes
+    then <eof>, every group, as LWM's script forces it."""
     if groups < 1 or codes_per_group < 1:
         raise ValueError(
             f"need groups >= 1 and codes_per_group >= 1, got {groups}, {codes_per_group}"

@@ -24,9 +24,10 @@ LWM_TOP_K_IMAGE, LWM_TOP_K_VIDEO = 8192, 100
 
 class VideoLogitsProcessor(LogitsProcessor):
     """For `model.generate` on one prompt: step i after `prompt_len` ids takes `slots[i]`
-    (longvideo.data.templates.video_slots). With cfg_scale != 1 the unconditional prompt `uncond_ids`
-    (1, U) and the ids generated so far are fed to `model` (its own KV cache, fed lazily: only before
-    a sampled slot) and the scores mixed as uncond + cfg_scale * (cond - uncond)."""
+    (longvideo.data.templates.video_slots). With cfg_scale != 1 the unconditional prompt
+    `uncond_ids` (1, U) and the ids generated so far are fed to `model` (its own KV cache, fed
+    lazily: only before a sampled slot) and the scores mixed as uncond + cfg_scale * (cond -
+    uncond)."""
 
     def __init__(
         self,

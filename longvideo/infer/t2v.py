@@ -2,8 +2,8 @@
 
 A conditional prompt (the caption) and an unconditional one run as the two rows of one batched
 forward, each row its own KV cache (the shorter prompt left-padded with invisible slots, every row
-at its own positions); a step's logits are mixed as ``uncond + cfg * (cond - uncond)``, restricted to
-what the slot allows (a code inside a frame; <eof> or <eov> at its end, or a forced id), and
+at its own positions); a step's logits are mixed as ``uncond + cfg * (cond - uncond)``, restricted
+to what the slot allows (a code inside a frame; <eof> or <eov> at its end, or a forced id), and
 sampled with temperature, top-k and top-p. Under torchrun the rows are sequence-parallel: the
 sequence so far is ring-prefilled and sharded, the new tokens replicated, and re-sharded as they
 grow, so a long video's KV cache is spread over the ranks.
@@ -77,7 +77,8 @@ def allowed_ids(slot: int, vocab) -> tuple[int, int] | list[int]:
 
 def draw(logits: Tensor, s: Sampling, generator: Optional[torch.Generator]) -> int:
     """One index of logits (n,): the argmax when greedy, else a sample of softmax(logits / T) among
-    the top_k most likely (ties with the k-th kept), then the smallest set whose mass reaches top_p."""
+    the top_k most likely (ties with the k-th kept), then the smallest set whose mass reaches
+    top_p."""
     if s.greedy or logits.numel() == 1:
         return int(logits.argmax())
     x = logits.double() / s.temperature
@@ -464,8 +465,8 @@ def frame_grid(frames: np.ndarray, columns: int = PNG_COLUMNS) -> np.ndarray:
 
 
 def write_frames(frames, path: str | Path, fps: float) -> Path:
-    """Frames uint8 (T, H, W, 3) to an mp4 (H.264, PyAV), a GIF (Pillow, looping) or a PNG (one frame
-    as it is; several as a grid, `frame_grid`), by the path's extension."""
+    """Frames uint8 (T, H, W, 3) to an mp4 (H.264, PyAV), a GIF (Pillow, looping) or a PNG (one
+    frame as it is; several as a grid, `frame_grid`), by the path's extension."""
     from PIL import Image
 
     path = Path(path)

@@ -67,7 +67,8 @@ def chance_of(
     scenes: Sequence[tuple[str, str]], seconds: int, seed: int = 0
 ) -> tuple[float, float]:
     """How often a video of `seconds` drawn from the synthetic set shows these colours in order, and
-    these (colour, shape) scenes in order (Monte Carlo over CHANCE_DRAWS videos; no pixels drawn)."""
+    these (colour, shape) scenes in order (Monte Carlo over CHANCE_DRAWS videos; no pixels
+    drawn)."""
     if seconds not in _CHANCE:
         spec = SyntheticSpec(
             min_seconds=seconds, max_seconds=seconds, long_fraction=0.0, needle_fraction=0.0
@@ -179,13 +180,14 @@ def evaluate_t2v(
     progress: bool = True,
     device: str | torch.device = "cpu",
 ) -> dict:
-    """Generate a video from each of the first `samples` captions of held-out shards (raw or token),
-    as many frames as the video had at the model's fps (at most max_frames; the scenes that start
-    within them are expected) or, with model_ends, as many as the model makes before its <eov>
-    (at most max_frames; every scene is expected), read every frame and score it (module docstring). With token shards
-    the frames the VQ decodes from the real codes are read too (`probe_on_real`: how well the reading
-    works on the tokenizer's own frames). Videos of one length are sampled `batch` at a time in one
-    batched forward (video i with seed + i). Writes t2v.json and t2v.png into out_dir."""
+    """Generate a video from each of the first `samples` captions of held-out shards (raw or
+    token), as many frames as the video had at the model's fps (at most max_frames; the scenes that
+    start within them are expected) or, with model_ends, as many as the model makes before its
+    <eov> (at most max_frames; every scene is expected), read every frame and score it (module
+    docstring). With token shards the frames the VQ decodes from the real codes are read too
+    (`probe_on_real`: how well the reading works on the tokenizer's own frames). Videos of one
+    length are sampled `batch` at a time in one batched forward (video i with seed + i). Writes
+    t2v.json and t2v.png into out_dir."""
     pre = load_model(model, device)
     fps = pre.config.data.fps
     records, videos, real = [], [], Counter()
