@@ -37,6 +37,8 @@ LWM_VIDEO_PROMPT = (
 LWM_UNCONDITIONAL = "<vision>"
 """LWM's text-to-image and text-to-video prompts (its vision_generation.py), each read after a
 literal <s> by a tokenizer that adds BOS too; the unconditional prompt is <s><vision>."""
+LWM_TOP_K_IMAGE, LWM_TOP_K_VIDEO = 8192, 100
+"""LWM's script's top-k defaults: of the first frame (an image) and of the frames after it."""
 CODE_SLOT = -1
 """A slot of `video_slots` sampled among the VQ codes."""
 END_SLOT = -2

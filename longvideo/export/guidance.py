@@ -15,11 +15,15 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from longvideo.data.templates import CODE_SLOT, END_SLOT, generation_prompts, video_slots
+from longvideo.data.templates import (
+    CODE_SLOT,
+    END_SLOT,
+    LWM_TOP_K_IMAGE,
+    LWM_TOP_K_VIDEO,
+    generation_prompts,
+    video_slots,
+)
 from longvideo.vq import decode_codes
-
-LWM_TOP_K_IMAGE, LWM_TOP_K_VIDEO = 8192, 100
-"""LWM's script's defaults, as `longvideo generate` takes them (longvideo.infer.t2v)."""
 
 
 class VideoLogitsProcessor(LogitsProcessor):

@@ -22,7 +22,14 @@ from torch import Tensor
 from tqdm import tqdm
 
 from longvideo.data.synthetic import write_mp4
-from longvideo.data.templates import CODE_SLOT, END_SLOT, generation_prompts, video_slots
+from longvideo.data.templates import (
+    CODE_SLOT,
+    END_SLOT,
+    LWM_TOP_K_IMAGE,
+    LWM_TOP_K_VIDEO,
+    generation_prompts,
+    video_slots,
+)
 from longvideo.infer.chat import load_model
 from longvideo.infer.generation import grown, new_cache
 from longvideo.infer.sp import MergedAttentionSeam, SequenceParallelEngine
@@ -30,8 +37,6 @@ from longvideo.model import KVCache, Transformer
 from longvideo.parallel import shard_sequence
 from longvideo.vq import decode_codes
 
-LWM_TOP_K_IMAGE, LWM_TOP_K_VIDEO = 8192, 100
-"""LWM's script's defaults: top-k of the first frame (an image) and of the frames after it."""
 OUTPUT_EXTS = (".mp4", ".gif", ".png")
 PNG_COLUMNS = 8
 """Frames per row of a PNG of several frames (a grid, left to right, then top to bottom)."""
