@@ -425,7 +425,7 @@ def _sp_body(rank, world, ckpt, want_ids):
         reshard_min=8,
         backend="torch",
     )
-    assert got.ids == want_ids and got.reshards >= 2
+    assert got.ids == want_ids and got.reshards >= 1
 
 
 @pytest.mark.slow
