@@ -534,3 +534,23 @@ def test_eval_t2v_writes_its_json_and_grid(project, tmp_path, capsys):
     ] == one["read"]
     again = evaluate_t2v(project, str(tmp_path / "raw"), samples=4, max_frames=3, batch=1)
     assert [s["read"] for s in again["samples"]] == [s["read"] for s in res["samples"]]
+
+
+def _sp_cli_body(rank, world, ckpt, out):
+    from longvideo.infer import cli as infer_cli
+
+    args = ["--model", ckpt, "--prompt", PROMPT, "--frames", "3", "--cfg-scale", "3"]
+    args += ["--top-k", "1", "--out", f"{out}.gif", "--save-codes", f"{out}.npy", "--quiet"]
+    assert infer_cli._generate(infer_cli.generate_parser().parse_args(args)) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_generate_under_torchrun_writes_what_one_process_writes(project, tmp_path):
+    """`longvideo generate` in a 2-rank world: rank 0 writes the video and the codes of one process."""
+    from distributed import run_ranks
+
+    want = generate_video(project, PROMPT, frames=3, cfg_scale=3.0, top_k=1)
+    run_ranks(_sp_cli_body, world=2, args=(str(project), str(tmp_path / "sp")), timeout=300)
+    assert np.array_equal(np.load(tmp_path / "sp.npy"), want.codes)
+    assert len(read_video(str(tmp_path / "sp.gif"), fps=None)) == 3
