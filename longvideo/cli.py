@@ -17,6 +17,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "train the language model (torchrun/deepspeed/accelerate)",
     ),
     "chat": ("longvideo.infer.cli:chat_main", "answer questions about a video"),
+    "generate": (
+        "longvideo.infer.cli:generate_main",
+        "generate a video or an image from text (classifier-free guidance)",
+    ),
     "serve": (
         "longvideo.infer.serve_cli:main",
         "an OpenAI-compatible chat server about videos, with a web page",

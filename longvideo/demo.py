@@ -67,6 +67,9 @@ class VideoSet:
     long_seconds: int = 60
     flashes_per_minute: float = 0.0
     """Extra flashes with no question (a set the video tokenizer trains on)."""
+    needle_fraction: float | None = None
+    """This set's fraction of videos with a flash frame; None: the plan's (text to video trains on
+    videos whose captions say everything they show: 0)."""
 
     def __post_init__(self):
         check(self.n >= 1, "n", f"a set needs videos, got {self.n}")
@@ -141,12 +144,38 @@ class DemoPlan:
     lm_seed: int | None = None
     """`train.seed` of every rung; None keeps the configs' (0). The videos and the VQ do not depend
     on it, so runs of several seeds (`--seed`, `--inputs-from`) compare the language model alone."""
+    t2v_stage: Stage | None = None
+    """Text to video: a rung trained from the ladder's last weights on its sets'
+    caption-before-video documents (its stage config lays them out so: templates [caption],
+    caption_position before), a branch beside the ladder's model, which the QA and needle
+    evaluations keep; None: none."""
+    t2v_held_out: str | None = None
+    """The VideoSet whose captions the text-to-video evaluation generates from (never trained
+    on)."""
+    t2v_samples: int = 32
+    """Held-out captions generated from."""
+    t2v_max_frames: int = 8
+    """Most frames of a generated video (a caption's video length at 1 fps, capped)."""
+    t2v_cfg_scale: float = 3.0
+    """Classifier-free guidance scale of the evaluation."""
+    t2v_top_k: int | None = None
+    """Top-k of the evaluation's sampling (None: every code)."""
+    t2v_temperature: float = 1.0
+    """Sampling temperature of the evaluation."""
     ladder: tuple[dict, ...] = field(init=False, repr=False, compare=False)
     """Per rung, what its config resolves to: seq_len, steps, rope_theta, sp, lr, zero_stage."""
+    t2v_rung: dict | None = field(default=None, init=False, repr=False, compare=False)
+    """The same of the text-to-video rung."""
 
     def __post_init__(self):
         names = [v.name for v in self.sets]
         check(len(set(names)) == len(names), "sets", f"set names repeat: {names}")
+        if self.t2v_stage is not None:
+            check(
+                self.t2v_held_out in names,
+                "t2v_held_out",
+                f"the t2v stage needs a held-out set; no set named {self.t2v_held_out!r}: {names}",
+            )
         for key in ("held_out", "vq_set"):
             check(
                 getattr(self, key) in names,
@@ -162,16 +191,24 @@ class DemoPlan:
         _named("lm_config", load_config, self.lm_config)
         _named("vq_config", load_vq_config, self.vq_config)
         ladder = []
-        for i, st in enumerate(self.stages):
+        rungs = [(f"stages[{i}]", st) for i, st in enumerate(self.stages)]
+        if self.t2v_stage is not None:
+            rungs.append(("t2v_stage", self.t2v_stage))
+        for key, st in rungs:
             unknown = [s for s in st.sets if s not in names]
             check(
                 bool(st.sets) and not unknown,
-                f"stages[{i}].sets",
+                f"{key}.sets",
                 f"no set named {unknown}; sets: {names}",
             )
-            c = _named(
-                f"stages[{i}].config", load_config, st.config, [*self.lm_overrides, *st.overrides]
-            )
+            c = _named(f"{key}.config", load_config, st.config, [*self.lm_overrides, *st.overrides])
+            if key == "t2v_stage":
+                check(
+                    c.data.templates == ("caption",) and c.data.caption_position == "before",
+                    "t2v_stage.config",
+                    f"{st.config} must lay out caption-before-video documents only "
+                    f"(data.templates: [caption], data.caption_position: before)",
+                )
             zero = resolve_zero_stage(c.train, load_base(c.train.deepspeed_config))
             ladder.append(
                 dict(
@@ -183,6 +220,8 @@ class DemoPlan:
                     zero_stage=zero,
                 )
             )
+        if self.t2v_stage is not None:
+            object.__setattr__(self, "t2v_rung", ladder.pop())
         object.__setattr__(self, "ladder", tuple(ladder))
 
     def record(self) -> dict:
@@ -191,6 +230,9 @@ class DemoPlan:
         rec = to_dict(self)
         for st, rung in zip(rec["stages"], self.ladder):
             st.update(rung)
+        if self.t2v_rung is not None:
+            rec["t2v_stage"].update(self.t2v_rung)
+        rec.pop("t2v_rung", None)
         return rec
 
 
@@ -296,7 +338,7 @@ class Demo:
                 "--long-seconds",
                 v.long_seconds,
                 "--needle-fraction",
-                self.plan.needle_fraction,
+                self.plan.needle_fraction if v.needle_fraction is None else v.needle_fraction,
                 "--flashes-per-minute",
                 v.flashes_per_minute,
                 "--samples-per-shard",
@@ -316,7 +358,9 @@ class Demo:
                 max_seconds=v.max_seconds,
                 long_fraction=v.long_fraction,
                 long_seconds=v.long_seconds,
-                needle_fraction=p.needle_fraction,
+                needle_fraction=p.needle_fraction
+                if v.needle_fraction is None
+                else v.needle_fraction,
             )
             texts += text_corpus(n=400 // len(p.sets) + 1, seed=v.seed, spec=spec)
         corpus = self.out / "tokenizer_corpus.txt"
@@ -358,7 +402,9 @@ class Demo:
             )
 
     def tokenize(self) -> None:
-        used = {name for st in self.plan.stages for name in st.sets} | {self.plan.held_out}
+        p = self.plan
+        t2v = [*p.t2v_stage.sets, p.t2v_held_out] if p.t2v_stage is not None else []
+        used = {name for st in p.stages for name in st.sets} | {p.held_out, *t2v}
         for v in (
             v for v in self.plan.sets if v.name in used
         ):  # a set only the VQ trains on is not tokenized
@@ -416,6 +462,69 @@ class Demo:
             self.torchrun(p.nproc, "train", "--config", config_arg(st.config), *overrides)
             prev = run_dir
         write_text_atomic(self.out / "lm/final", str(prev))
+
+    def train_t2v(self) -> None:
+        """The text-to-video rung: from the ladder's last weights, on caption-before-video
+        documents."""
+        p, rung = self.plan, self.plan.t2v_rung
+        st = p.t2v_stage
+        run_dir = self.out / f"lm/t2v-{rung['seq_len']}"
+        reached = finished_step(run_dir)
+        if reached < rung["steps"]:
+            names = st.sets[0] if len(st.sets) == 1 else "{" + ",".join(st.sets) + "}"
+            overrides = [
+                f"model.text_vocab_size={self.text_size()}",
+                f"data.train_shards={self.out / 'tokens' / names}",
+                *p.lm_overrides,
+                *st.overrides,
+                *([] if p.lm_seed is None else [f"train.seed={p.lm_seed}"]),
+                f"train.tokenizer_dir={self.out / 'tokenizer'}",
+                f"train.vq_dir={self.out / 'vq'}",
+                f"train.out_dir={run_dir}",
+                *(["train.progress=false"] if self.quiet else []),
+            ]
+            if reached > 0:
+                overrides.append("--resume")
+            else:
+                overrides += ["--init-from", (self.out / "lm/final").read_text().strip()]
+            print(
+                f"--- text to video: context {rung['seq_len']}, {rung['steps']} steps from the "
+                f"ladder's weights on caption-before-video documents",
+                flush=True,
+            )
+            self.torchrun(p.nproc, "train", "--config", config_arg(st.config), *overrides)
+        (self.out / "lm/t2v").write_text(str(run_dir))
+
+    def evaluate_t2v(self) -> None:
+        """Videos generated from held-out captions, each frame's colour and shape read (eval
+        t2v)."""
+        p = self.plan
+        self.run(  # one thread: sampling is many small forwards, which threads only slow down
+            [
+                sys.executable,
+                "-m",
+                "longvideo",
+                "eval",
+                "t2v",
+                "--model",
+                (self.out / "lm/t2v").read_text().strip(),
+                "--shards",
+                self.out / "tokens" / p.t2v_held_out,
+                "--out",
+                self.out / "eval/t2v",
+                "--samples",
+                p.t2v_samples,
+                "--max-frames",
+                p.t2v_max_frames,
+                "--cfg-scale",
+                p.t2v_cfg_scale,
+                "--temperature",
+                p.t2v_temperature,
+                *([] if p.t2v_top_k is None else ["--top-k", p.t2v_top_k]),
+                *self.q,
+            ],
+            threads=1,
+        )
 
     def export(self) -> None:
         self.lv(
@@ -588,27 +697,54 @@ class Demo:
             machine_info()
         )  # measured idle, before the run: what its times are relative to
         print(f"machine: {describe(self.machine)}", flush=True)
-        self.stage("1/8 make-data: synthetic shards", self.out / "data/.done", self.make_data)
-        self.stage("2/8 text tokenizer", self.out / "tokenizer/tokenizer.json", self.tokenizer)
-        # the VQ's files are written at every periodic save: only .done says training finished
-        self.stage("3/8 train-vq", self.out / "vq/.done", self.train_vq)
-        self.stage("4/8 tokenize", self.out / "tokens/.done", self.tokenize)
         zero = " and ".join(
             f"ZeRO-{z}" for z in sorted({r["zero_stage"] for r in self.plan.ladder})
         )
-        self.stage(
-            f"5/8 train the LM (ring attention over up to {max(r['sp'] for r in self.plan.ladder)} processes, "
-            f"{zero})",
-            self.out / "lm/final",
-            self.train_lm,
-        )
-        self.stage("6/8 export a Hugging Face directory", self.out / "hf/config.json", self.export)
-        self.stage(  # the needle evaluation's JSON, written last (atomically)
-            "7/8 evaluate on held-out videos",
-            self.out / "eval/video_niah/video_needle.json",
-            self.evaluate,
-        )
-        self.stage("8/8 chat", self.out / "chat.json", self.chat)
+        t2v = self.plan.t2v_stage is not None
+        stages = [
+            ("make-data: synthetic shards", self.out / "data/.done", self.make_data),
+            ("text tokenizer", self.out / "tokenizer/tokenizer.json", self.tokenizer),
+            # the VQ's files are written at every periodic save: only .done says training finished
+            ("train-vq", self.out / "vq/.done", self.train_vq),
+            ("tokenize", self.out / "tokens/.done", self.tokenize),
+            (
+                f"train the LM (ring attention over up to "
+                f"{max(r['sp'] for r in self.plan.ladder)} processes, {zero})",
+                self.out / "lm/final",
+                self.train_lm,
+            ),
+            *(
+                [
+                    (
+                        "train text to video (caption before video)",
+                        self.out / "lm/t2v",
+                        self.train_t2v,
+                    )
+                ]
+                if t2v
+                else []
+            ),
+            ("export a Hugging Face directory", self.out / "hf/config.json", self.export),
+            (  # the needle evaluation's JSON, written last (atomically)
+                "evaluate on held-out videos",
+                self.out / "eval/video_niah/video_needle.json",
+                self.evaluate,
+            ),
+            *(
+                [
+                    (
+                        "generate videos from held-out captions",
+                        self.out / "eval/t2v/t2v.json",
+                        self.evaluate_t2v,
+                    )
+                ]
+                if t2v
+                else []
+            ),
+            ("chat", self.out / "chat.json", self.chat),
+        ]
+        for i, (name, done, fn) in enumerate(stages):
+            self.stage(f"{i + 1}/{len(stages)} {name}", done, fn)
         summary = self.summary(time.time() - t0)
         write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=2))
         self.report(summary)
@@ -635,6 +771,18 @@ class Demo:
                 "video_niah", "accuracy", "chance", "n", "lengths", "grid", "needles_dropped"
             ),
             "vq_needle": load("vq_needle", "rate", "rate_by_offset"),
+            "t2v": load(
+                "t2v",
+                "accuracy",
+                "chance",
+                "n",
+                "shapes_in_order",
+                "chance_shapes",
+                "first_scene",
+                "probe_on_real",
+                "settings",
+                "tokens_per_s",
+            ),
             "chat": chat,
         }
 
@@ -664,6 +812,14 @@ class Demo:
                 print(
                     f"    warning: {niah['needles_dropped']} needles did not fit the model's context (guesses)"
                 )
+        t2v = s.get("t2v")
+        if t2v:
+            print(
+                f"text to video, colours in order: {t2v['accuracy']:.1%}   (chance "
+                f"{t2v['chance']:.1%}) over {t2v['n']} held-out captions; colours and shapes in "
+                f"order {t2v['shapes_in_order']:.1%} (chance {t2v['chance_shapes']:.1%}); grid: "
+                "eval/t2v/t2v.png"
+            )
         print(
             f"artefacts under {self.out}: eval/*/ (JSON + PNG), hf/ (Hugging Face export), "
             "lm/ (checkpoints, loss curves)"

@@ -344,6 +344,18 @@ def demo_blocks(bench_dir: Path) -> dict[str, str]:
             if vq
             else []
         )
+        t2v = (s or {}).get("t2v") or {}
+        found += (
+            [
+                (
+                    "text to video: the captioned colours in order",
+                    _pct(t2v.get("accuracy")),
+                    t2v["chance"],
+                )
+            ]
+            if t2v.get("chance") is not None
+            else []
+        )
         for task, value, chance in found:
             if value != "-":
                 row = rows.setdefault(task, {"chance": set()})

@@ -347,9 +347,10 @@ TOKENIZER_TEXTS = [
 ] * 4
 
 
-def lwm_tokenizer(vocab_size: int = 260):
+def lwm_tokenizer(vocab_size: int = 260, texts: list[str] | None = None):
     """A small BPE tokenizer with LLaMA's (LWM's) behaviour: a "▁" prepended to each encoded string
-    and spaces as "▁" (transformers 4.x's LLaMA normalizer), BOS added by `encode`, `<s>` special."""
+    and spaces as "▁" (transformers 4.x's LLaMA normalizer), BOS added by `encode`, `<s>` special.
+    texts: what it is trained on (default TOKENIZER_TEXTS)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -361,7 +362,7 @@ def lwm_tokenizer(vocab_size: int = 260):
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
     )
-    tok.train_from_iterator(TOKENIZER_TEXTS, trainer)
+    tok.train_from_iterator(TOKENIZER_TEXTS if texts is None else texts, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"

@@ -73,6 +73,15 @@ def test_quick_demo_produces_every_artefact(tmp_path):
     assert chat["question"] and "answer" in chat
     summary = json.loads((out / "summary.json").read_text())
     assert summary["qa"]["chance"] == pytest.approx(qa["chance"])
+    # text to video: the rung's checkpoint, videos generated from every held-out caption, read
+    t2v_run = Path((out / "lm/t2v").read_text().strip())
+    assert (t2v_run / "checkpoints/latest").is_file() and (t2v_run / "loss.png").is_file()
+    t2v = json.loads((out / "eval/t2v/t2v.json").read_text())
+    assert t2v["n"] == 8 and 0 <= t2v["accuracy"] <= 1 and 0 < t2v["chance"] < 1
+    assert all(1 <= len(s["read"]) <= 4 for s in t2v["samples"])
+    assert t2v["probe_on_real"]["frames"] > 0 and (out / "eval/t2v/t2v.png").is_file()
+    assert summary["t2v"]["accuracy"] == pytest.approx(t2v["accuracy"])
+    assert "text to video, colours in order" in r.stdout
     assert "held-out QA accuracy" in r.stdout and "chance" in r.stdout
 
 
@@ -255,8 +264,10 @@ def plan_commands(demo) -> list[list[str]]:
         demo.train_vq,
         demo.tokenize,
         demo.train_lm,
+        *([demo.train_t2v] if demo.plan.t2v_stage is not None else []),
         demo.export,
         demo.evaluate,
+        *([demo.evaluate_t2v] if demo.plan.t2v_stage is not None else []),
         demo.chat,
     ):
         stage()
@@ -279,10 +290,10 @@ def test_every_plan_file_runs_commands_bounded_by_steps(tmp_path):
         assert vq[vq.index("--steps") + 1] == str(plan.vq_steps)
         tokenized = {Path(c[c.index("--out") + 1]).name for c in cmds if "tokenize" in c}
         train = [c for c in cmds if "train" in c and "torch.distributed.run" in c]
-        assert len(train) == len(plan.stages) and tokenized >= {
-            s for st in plan.stages for s in st.sets
-        }
-        for cmd, rung in zip(train, plan.ladder):
+        stages = [*plan.stages, *([plan.t2v_stage] if plan.t2v_stage else [])]
+        rungs = [*plan.ladder, *([plan.t2v_rung] if plan.t2v_rung else [])]
+        assert len(train) == len(stages) and tokenized >= {s for st in stages for s in st.sets}
+        for cmd, rung in zip(train, rungs):
             i = cmd.index("--config")
             j = next((k for k in range(i + 2, len(cmd)) if cmd[k].startswith("--")), len(cmd))
             cfg = load_config(cmd[i + 1], cmd[i + 2 : j])
@@ -312,6 +323,9 @@ def test_every_plan_file_runs_commands_bounded_by_steps(tmp_path):
         ),
         ("{base}vq_config: vq/no-such-vq\n", "vq_config"),
         ("{base}needle_trials: [1, 2, 3]\n", "needle_trials"),
+        ("{base}t2v_held_out: nowhere\n", "t2v_held_out"),
+        ("{base}t2v_stage: {{config: stages/demo-quick-512, sets: [t2v]}}\n", "t2v_stage.config"),
+        ("{base}t2v_stage: {{config: stages/demo-quick-t2v, sets: [t3v]}}\n", "t2v_stage.sets"),
     ],
 )
 def test_a_bad_plan_file_names_its_key_before_anything_runs(tmp_path, capsys, text, key):
@@ -343,7 +357,9 @@ def test_a_users_plan_and_stage_config_are_found_from_its_directory(tmp_path, mo
     plan = load_plan("plan.yaml")
     assert (plan.ladder[0]["steps"], plan.ladder[0]["lr"]) == (7, 0.002)
     (cmd,) = [
-        c for c in plan_commands(Demo(tmp_path / "out", plan)) if "torch.distributed.run" in c
+        c
+        for c in plan_commands(Demo(tmp_path / "out", plan))
+        if "torch.distributed.run" in c and str(tmp_path / "rung.yaml") in c
     ]
     assert cmd[cmd.index("--config") + 1] == str(tmp_path / "rung.yaml") and "train.lr=0.002" in cmd
 
@@ -369,3 +385,48 @@ def test_a_vq_seed_reaches_the_vq_and_the_plan(tmp_path):
             0 if seed is None else seed
         )
         assert demo.plan.record()["vq_seed"] == seed and "--time-budget" not in cmd
+
+
+def test_text_to_video_rungs_train_on_caption_first_videos_and_evaluate_held_out_captions(tmp_path):
+    """make demo's (and the quick demo's) text-to-video branch: a rung from the ladder's last
+    weights (same RoPE theta) on caption-before-video documents of flash-free sets, evaluated on
+    held-out captions of another flash-free set with one thread, its figures in summary.json."""
+    from longvideo.config import load_config
+    from longvideo.demo import Demo, load_plan
+
+    for name in ("demo", "demo-quick"):
+        plan = load_plan(f"demos/{name}")
+        cfg = load_config(plan.t2v_stage.config)
+        assert cfg.data.templates == ("caption",) and cfg.data.caption_position == "before"
+        assert plan.t2v_rung["rope_theta"] == plan.ladder[-1]["rope_theta"]
+        assert plan.t2v_rung["seq_len"] == cfg.data.seq_len and plan.t2v_rung["sp"] == 1
+        sets = {v.name: v for v in plan.sets}
+        flash_free = [*plan.t2v_stage.sets, plan.t2v_held_out]
+        assert all(sets[s].needle_fraction == 0.0 for s in flash_free)
+        trained = {s for st in [*plan.stages, plan.t2v_stage] for s in st.sets}
+        assert plan.t2v_held_out not in trained
+        # a document of the longest t2v video fits the rung's rows
+        longest = max(sets[s].max_seconds for s in plan.t2v_stage.sets)
+        assert longest * (8 * 8 + 1) + 40 <= cfg.data.seq_len
+        demo = Demo(tmp_path / name, plan)
+        cmds = []
+        demo.run = lambda cmd, threads=None: cmds.append((cmd, threads))
+        demo.text_size = lambda: 300
+        (demo.out / "lm").mkdir(parents=True)
+        (demo.out / "lm/final").write_text(str(tmp_path / "ladder"))
+        demo.train_t2v()
+        demo.evaluate_t2v()
+        (train, _), (ev, threads) = cmds
+        train = [str(a) for a in train]
+        assert train[train.index("--init-from") + 1] == str(tmp_path / "ladder")
+        ev = [str(a) for a in ev]
+        assert ev[ev.index("--model") + 1] == str(demo.out / f"lm/t2v-{cfg.data.seq_len}")
+        assert ev[ev.index("--shards") + 1] == str(demo.out / "tokens" / plan.t2v_held_out)
+        assert threads == 1 and ev[ev.index("--samples") + 1] == str(plan.t2v_samples)
+        assert "summary" not in plan.record() and plan.record()["t2v_stage"]["steps"] > 0
+        (demo.out / "eval/t2v").mkdir(parents=True)
+        (demo.out / "eval/t2v/t2v.json").write_text(
+            json.dumps({"accuracy": 0.9, "chance": 0.04, "n": 48, "samples": []})
+        )
+        t2v = demo.summary(1.0)["t2v"]
+        assert t2v == {"accuracy": 0.9, "chance": 0.04, "n": 48}

@@ -211,6 +211,7 @@ def test_pages_from_fabricated_results(rb, tmp_path):
         "| [infer: TTFT and peak memory vs context",
         "| [vq: throughput and held-out quality after training",
         "| [data: 1 fps sampling from an hour of video",
+        "| [generate: cost per token, 16 frames / 1 frame (KV cache, guidance)",
         "| [hybrid: bytes per rank, U = 2 x ring 2 / ring of 4",
         "| [mcq: 1,000 questions over 1-minute videos",
         "| [serve: follow-up / first question, 10-minute video",
@@ -301,6 +302,13 @@ def test_demo_blocks_from_a_summary(rb, tmp_path):
         "| video needle, the longest videos | 97.0 % (40 frames) | not measured yet | 25.0 % |",
         '| QA: "What shape came first?" | 82.8 % | not measured yet | 33.3 % |',
     ]
+    # a demo that also generates videos: its colours-in-order figure, with its chance
+    _write(
+        bench, "demo", {**_summary_json(), "t2v": {"accuracy": 0.8125, "chance": 0.035, "n": 48}}
+    )
+    assert rb.demo_blocks(bench)["demo-results"].splitlines()[-1] == (
+        "| text to video: the captioned colours in order | 81.2 % | not measured yet | 3.5 % |"
+    )
     _write(bench, "demo", "{broken")
     assert (
         "not measured yet (demo.json is not readable JSON: JSONDecodeError)"

@@ -136,6 +136,61 @@ def decode_frame_index(frame: np.ndarray) -> int:
     return value
 
 
+FOREGROUND_LEVEL = 96
+"""A pixel whose brightest channel exceeds this is drawn (shape or flash); the background is
+black."""
+FLASH_COVERAGE = 0.6
+"""A frame drawn over more than this fraction is a flash (a full-frame colour), not a shape."""
+SQUARE_FILL = 1.0
+"""A drawn shape that fills more than this of its box (its pixels' 1st to 99th percentiles along
+each axis, so more than all of it) is a square (about 1.09 when drawn); a disc fills about
+0.88."""
+TRIANGLE_DROP = 0.56
+"""A drawn shape whose mass centre lies lower than this share of its box's height is a triangle
+(apex up: about 0.63); a square or a disc has it in the middle (0.5)."""
+
+
+def nearest_colour(rgb, colours: Iterable[str] = COLOUR_NAMES) -> str:
+    """The colour of COLOURS closest (RGB distance) to `rgb`."""
+    rgb = np.asarray(rgb, np.float64)
+    return min(
+        colours, key=lambda c: float(((rgb - np.asarray(COLOURS[c], np.float64)) ** 2).sum())
+    )
+
+
+def read_frame(frame: np.ndarray) -> dict:
+    """What a frame of the synthetic videos shows, read from its pixels (uint8 (H, W, 3)), the
+    inverse of the renderer: {"kind": "shape" | "flash" | "empty", "colour", "shape", "coverage"}.
+    The colour is the palette colour nearest the drawn pixels' mean (as the needle evaluation reads
+    a flash); the shape from where its mass lies in its box (TRIANGLE_DROP) and how much of the box
+    it fills (SQUARE_FILL)."""
+    frame = np.asarray(frame)
+    drawn = frame.max(-1) > FOREGROUND_LEVEL
+    coverage = float(drawn.mean())
+    if coverage < 0.005:
+        return {"kind": "empty", "colour": None, "shape": None, "coverage": coverage}
+    if coverage > FLASH_COVERAGE:
+        colour = nearest_colour(frame.reshape(-1, 3).mean(0))
+        return {"kind": "flash", "colour": colour, "shape": None, "coverage": coverage}
+    colour = nearest_colour(frame[drawn].mean(0))
+    # robust to the stray pixels of a decoded frame: the box of the drawn pixels' 1st to 99th
+    # percentiles, the share of it they fill and where their mass centre lies in it
+    ys, xs = np.nonzero(drawn)
+    (y0, y1), (x0, x1) = np.percentile(ys, [1, 99]), np.percentile(xs, [1, 99])
+    height, width = max(y1 - y0, 1.0), max(x1 - x0, 1.0)
+    fill = 0.98 * len(ys) / (height * width)
+    drop = (ys.mean() - y0) / height
+    shape = "triangle" if drop > TRIANGLE_DROP else "square" if fill > SQUARE_FILL else "circle"
+    return {
+        "kind": "shape",
+        "colour": colour,
+        "shape": shape,
+        "coverage": coverage,
+        "fill": fill,
+        "drop": float(drop),
+    }
+
+
 def write_mp4(
     chunks: Iterable[np.ndarray],
     fps: float,

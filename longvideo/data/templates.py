@@ -28,6 +28,21 @@ PROMPT_TEMPLATES: tuple[str, ...] = ("qa", "lwm")
 LWM_USER_TEXT = "You are a helpful assistant. USER: {question}\n"
 LWM_VISION_START, LWM_VISION_END = "<vision>", "</vision>"
 LWM_ASSISTANT_TEXT = " ASSISTANT:"
+LWM_IMAGE_PROMPT = (
+    "You are a helpful assistant. USER: Generate an image of {prompt} ASSISTANT: <vision>"
+)
+LWM_VIDEO_PROMPT = (
+    "You are a helpful assistant. USER: Generate a video of {prompt} ASSISTANT: <vision>"
+)
+LWM_UNCONDITIONAL = "<vision>"
+"""LWM's text-to-image and text-to-video prompts (its vision_generation.py), each read after a
+literal <s> by a tokenizer that adds BOS too; the unconditional prompt is <s><vision>."""
+LWM_TOP_K_IMAGE, LWM_TOP_K_VIDEO = 8192, 100
+"""LWM's script's top-k defaults: of the first frame (an image) and of the frames after it."""
+CODE_SLOT = -1
+"""A slot of `video_slots` sampled among the VQ codes."""
+END_SLOT = -2
+"""A slot of `video_slots` sampled between <eof> and <eov>: the model may end the video there."""
 
 
 @dataclass(frozen=True)
@@ -419,6 +434,71 @@ def build_prompt(
         parts, tokenizer, vocab, codes, timestamps, 0.0, 0.0, options.timestamp_every
     )
     return Prompt(ids=ids.tolist(), video_end=video_end)
+
+
+def generation_prompts(
+    tokenizer, vocab, caption: str, *, template: str = "qa", video: bool = True
+) -> tuple[list[int], list[int]]:
+    """The (conditional, unconditional) prompts after which a video's first code is sampled
+    (docs/generation.md). template qa (the project's layout): the caption template with the
+    caption first, up to its <vision>, against <s><vision>; lwm: LWM's prompt of an image
+    (video=False) or of a video, <s> and BOS before it, against <s><vision>, as LWM's script
+    tokenizes them."""
+    if template == "lwm":
+        text = (LWM_VIDEO_PROMPT if video else LWM_IMAGE_PROMPT).format(prompt=caption)
+        cond, uncond = (
+            [Bos(), Bos(), Text(text, False)],
+            [Bos(), Bos(), Text(LWM_UNCONDITIONAL, False)],
+        )
+        tail: list[int] = []
+    elif template in PROMPT_TEMPLATES:
+        if not caption.strip():
+            raise ValueError("the caption is empty")
+        cond, uncond, tail = [Bos(), Text(caption.strip(), False)], [Bos()], [vocab.vision_start]
+    else:
+        raise ValueError(f"prompt template must be one of {PROMPT_TEMPLATES}, got {template!r}")
+    if (template == "lwm") != vocab.is_lwm:
+        need = "lwm" if template == "lwm" else "longvideo"
+        raise ValueError(f"the {template} template needs the {need} layout")
+    out = []
+    for parts in (cond, uncond):
+        ids, _, _ = _render(parts, tokenizer, vocab, None, None, 0.0, 0.0, 0)
+        out.append(ids.tolist() + tail)
+    return out[0], out[1]
+
+
+def video_slots(
+    tokenizer,
+    vocab,
+    *,
+    groups: int,
+    codes_per_group: int,
+    timestamps: Sequence[float] | None = None,
+    timestamp_every: int = 0,
+    model_ends: bool = False,
+) -> list[int]:
+    """The tokens of a generated video after its prompt, one slot each: CODE_SLOT (a code is
+    sampled), END_SLOT (<eof> or <eov> is sampled), or a forced id. The project's layout: each
+    group's timestamp text when due (as `_render` lays it out), its codes, then <eof> (<eov> after
+    the last; model_ends: sampled between the two, the last still <eov>). The lwm layout: codes
+    then <eof>, every group, as LWM's script forces it."""
+    if groups < 1 or codes_per_group < 1:
+        raise ValueError(
+            f"need groups >= 1 and codes_per_group >= 1, got {groups}, {codes_per_group}"
+        )
+    slots: list[int] = []
+    for i in range(groups):
+        if vocab.is_lwm:
+            slots += [CODE_SLOT] * codes_per_group + [vocab.eof]
+            continue
+        if timestamp_every and i % timestamp_every == 0:
+            if timestamps is None or len(timestamps) < groups:
+                raise ValueError("timestamp text needs each group's timestamp")
+            slots += tokenizer.encode(TIMESTAMP_TEXT.format(t=float(timestamps[i])))
+        last = i == groups - 1
+        slots += [CODE_SLOT] * codes_per_group
+        slots.append(vocab.eov if last else END_SLOT if model_ends else vocab.eof)
+    return slots
 
 
 def parse_answer(text: str) -> str:

@@ -21,6 +21,7 @@ from longvideo.atomic import write_text_atomic
 from longvideo.config import Config
 from longvideo.data.codes import video_to_codes
 from longvideo.data.templates import PromptOptions, build_prompt, parse_answer
+from longvideo.export.guidance import HFGeneratedVideo, generate_video_hf
 from longvideo.tokenizer import TextTokenizer
 from longvideo.vq import VQModel, load_vq
 
@@ -219,3 +220,9 @@ class LongVideoProcessor:
             ids = ids[: ids.index(self.tokenizer.eos_id)]
         text = self.tokenizer.decode(ids)
         return text.strip() if self.settings.prompt_template == "lwm" else parse_answer(text)
+
+    def generate_video(self, model, prompt: str, **settings) -> HFGeneratedVideo:
+        """Text to video through `model.generate` (an AutoModelForCausalLM of this directory) with
+        the prompts, slots and classifier-free guidance of `longvideo generate`; settings as
+        longvideo.export.guidance.generate_video_hf takes them (docs/generation.md)."""
+        return generate_video_hf(model, self, prompt, **settings)

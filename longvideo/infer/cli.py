@@ -12,8 +12,10 @@ from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch.distributed as dist
 
+from longvideo.atomic import atomic_open
 from longvideo.data.video import VIDEO_EXTS, VideoError
 from longvideo.distributed import broadcast_text, fail_together, local_device, torchrun_world
 from longvideo.infer import evals, mcq
@@ -26,6 +28,8 @@ from longvideo.infer.chat import (
     share_video,
 )
 from longvideo.infer.sp import SequenceParallelEngine
+from longvideo.infer.t2v import OUTPUT_EXTS, generate_video, write_frames
+from longvideo.infer.t2v_eval import evaluate_t2v
 from longvideo.parallel import split_group
 from longvideo.vq import load_vq
 
@@ -299,6 +303,31 @@ def eval_parser() -> argparse.ArgumentParser:
         "--max-frames", type=int, default=None, help="most frames a video, spread over all of it"
     )
     mc.add_argument("--limit", type=int, default=None, help="the first N questions only")
+    t2v = sub.add_parser(
+        "t2v",
+        help="text to video: generate from held-out captions, read each frame's colour and shape "
+        "(docs/generation.md); writes t2v.json and t2v.png",
+    )
+    t2v.add_argument("--model", required=True, help="a checkpoint or export that generates video")
+    t2v.add_argument("--shards", required=True, help="held-out shards (raw or token) with captions")
+    t2v.add_argument("--out", required=True, help="output directory for the JSON and the PNG")
+    t2v.add_argument("--samples", type=int, default=32, help="captions generated from (default 32)")
+    t2v.add_argument("--max-frames", type=int, default=8, help="most frames a video (default 8)")
+    t2v.add_argument("--cfg-scale", type=float, default=3.0, help="guidance scale (default 3)")
+    t2v.add_argument("--top-k", type=int, default=None, help="top-k of the codes (default none)")
+    t2v.add_argument("--top-p", type=float, default=1.0)
+    t2v.add_argument("--temperature", type=float, default=1.0)
+    t2v.add_argument("--seed", type=int, default=0, help="video i is sampled with seed + i")
+    t2v.add_argument(
+        "--model-ends",
+        action="store_true",
+        help="the model ends each video (<eov>) within --max-frames; every captioned scene is "
+        "expected (default: the held-out video's length, the scenes that start within it)",
+    )
+    t2v.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)"
+    )
+    t2v.add_argument("--quiet", action="store_true", help="no progress bar")
     vq = sub.add_parser(
         "vq-needle",
         help="does a one-frame flash survive the video tokenizer (per offset in a group)",
@@ -321,6 +350,32 @@ def eval_main(argv: list[str]) -> int:
 
 def _eval(args) -> int:
     """One process, or every rank of a torchrun world running the same evaluation (rank 0 writes)."""
+    if args.task == "t2v":
+        try:
+            res = evaluate_t2v(
+                args.model,
+                args.shards,
+                out_dir=args.out,
+                samples=args.samples,
+                max_frames=args.max_frames,
+                cfg_scale=args.cfg_scale,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                temperature=args.temperature,
+                seed=args.seed,
+                model_ends=args.model_ends,
+                progress=not args.quiet,
+                device=local_device(args.device),
+            )
+        except KNOWN_ERRORS as e:
+            return _error("longvideo eval", e)
+        print(
+            f"text to video: colours in order {res['accuracy']:.1%} of {res['n']} videos (chance "
+            f"{res['chance']:.1%}); colours and shapes in order {res['shapes_in_order']:.1%} "
+            f"(chance {res['chance_shapes']:.1%}); first frame {res['first_scene']:.1%}"
+        )
+        print(f"wrote {res['json']} and {res['png']}")
+        return 0
     if args.task == "vq-needle":
         model = Path(args.model)
         vq_dir = (
@@ -455,3 +510,115 @@ def _eval(args) -> int:
         except KNOWN_ERRORS as e:
             return _error("longvideo eval", e)
     return 0
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="longvideo generate",
+        description="Generate a video (or an image) from text with classifier-free guidance "
+        "(docs/generation.md); under torchrun the sampling is sequence-parallel.",
+    )
+    p.add_argument(
+        "--model", required=True, help="exported Hugging Face directory or project checkpoint"
+    )
+    p.add_argument("--prompt", required=True, help="the caption of the video")
+    p.add_argument("--frames", type=int, default=1, help="frames to generate (default 1: an image)")
+    p.add_argument(
+        "--out", required=True, help="FILE.mp4, FILE.gif or FILE.png (several frames: a grid)"
+    )
+    p.add_argument(
+        "--cfg-scale",
+        type=float,
+        default=1.0,
+        help="classifier-free guidance scale (1: none; default 1)",
+    )
+    p.add_argument(
+        "--cfg-scale-video",
+        type=float,
+        default=None,
+        help="LWM models: the scale of the frames after the first (default: --cfg-scale)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="sample among the k most likely codes (1: greedy; default: none, LWM models 8192 for "
+        "the first frame and 100 after it, as LWM's script)",
+    )
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1)"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature (0: greedy; default 1)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same video)")
+    p.add_argument(
+        "--model-ends",
+        action="store_true",
+        help="the model may end the video with <eov> before --frames (not for LWM models)",
+    )
+    p.add_argument(
+        "--save-codes", default=None, help="also write the sampled codes (frames, h, w) as .npy"
+    )
+    p.add_argument("--fps", type=float, default=None, help="frame rate written (default: model's)")
+    p.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)"
+    )
+    p.add_argument("--backend", default="auto", help="block-attention backend under torchrun")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def generate_main(argv: list[str]) -> int:
+    args = generate_parser().parse_args(argv)
+    with _plain_warnings():
+        return _generate(args)
+
+
+def _generate(args) -> int:
+    """One process, or every rank of a torchrun world sampling together; rank 0 writes the files."""
+    if Path(args.out).suffix.lower() not in OUTPUT_EXTS:
+        return _error(
+            "longvideo generate", ValueError(f"--out must end with one of {', '.join(OUTPUT_EXTS)}")
+        )
+    device = local_device(args.device)
+    with torchrun_world(device, timedelta(minutes=30)) as distributed:
+        rank = dist.get_rank() if distributed else 0
+        try:
+            error, pretrained = None, None
+            try:
+                pretrained = load_model(args.model, device)
+            except KNOWN_ERRORS as e:
+                error = e
+            fail_together(error)
+            out = generate_video(
+                pretrained,
+                args.prompt,
+                frames=args.frames,
+                cfg_scale=args.cfg_scale,
+                cfg_scale_video=args.cfg_scale_video,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                temperature=args.temperature,
+                seed=args.seed,
+                model_ends=args.model_ends,
+                decode=rank == 0,
+                group=dist.group.WORLD if distributed else None,
+                backend=args.backend,
+                progress=not args.quiet and rank == 0,
+            )
+            if rank == 0:
+                write_frames(out.frames, args.out, args.fps or out.fps)
+                if args.save_codes:
+                    with atomic_open(args.save_codes, "wb") as f:
+                        np.save(f, out.codes)
+                print(
+                    f"wrote {args.out}: {len(out.codes)} frames of {out.codes.shape[1]}x"
+                    f"{out.codes.shape[2]} codes, {len(out.ids)} tokens in {out.seconds:.1f} s "
+                    f"({out.tokens_per_s:.1f} tokens/s)"
+                )
+            return 0
+        except KNOWN_ERRORS as e:
+            where = f" (rank {rank})" if distributed else ""
+            print(f"longvideo generate: error{where}: {e}", file=sys.stderr)
+            return EXIT_ERROR
