@@ -345,8 +345,8 @@ def _loader_body(rank, world, root):
 
     from longvideo.data.config import DataConfig
     from longvideo.data.loader import TokenLoader
-    from longvideo.data.ranks import RankFailedError
     from longvideo.data.shards import ShardWriter, token_sample_members
+    from longvideo.distributed import RankFailedError
     from longvideo.tokenizer import train_text_tokenizer
 
     tok = train_text_tokenizer(["a red circle", "a blue square"] * 20, vocab_size=280)
@@ -403,7 +403,7 @@ def test_a_rank_whose_shard_vanishes_stops_every_rank(tmp_path):
 
 
 def test_fail_together_in_one_process_only_reraises():
-    from longvideo.data.ranks import fail_together
+    from longvideo.distributed import fail_together
 
     assert not torch.distributed.is_initialized()
     assert fail_together(None) is None
@@ -416,7 +416,7 @@ def _needle_body(rank, world):
     from test_infer_chat import tiny_pretrained
     from test_infer_evals import ConstantEngine
 
-    from longvideo.data.ranks import RankFailedError
+    from longvideo.distributed import RankFailedError
     from longvideo.infer import evals
 
     pre = tiny_pretrained(max_seq_len=512)

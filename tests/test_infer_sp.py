@@ -91,7 +91,8 @@ def _sp_body(rank, world, ref, chat_case):
     import contextlib
     import io
 
-    from longvideo.infer.sp import SequenceParallelEngine, broadcast_text, sp_generate
+    from longvideo.distributed import broadcast_text
+    from longvideo.infer.sp import SequenceParallelEngine, sp_generate
     from longvideo.parallel import split_group
 
     heads = split_group(None, 2)

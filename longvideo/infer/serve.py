@@ -9,7 +9,7 @@ take it from the cache), `_prompt` (the conversation's ids, refused when too lon
 cached KV state to keep, what to evict so the budget holds), then on every rank `_generation`:
 `_prepare` (no collective), an agreement, the prefill and the tokens (each token's step agreed by
 one all-reduce of rank 0's stop and every rank's failure), and one last agreement on the outcome
-(longvideo.data.ranks.fail_together): a request that fails on any rank fails on all, its KV state is
+(longvideo.distributed.fail_together): a request that fails on any rank fails on all, its KV state is
 dropped everywhere, and every rank is ready for the next.
 """
 
@@ -35,13 +35,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from PIL import Image
 
-from longvideo.data.ranks import comm_device, fail_together
 from longvideo.data.video import VideoError
+from longvideo.distributed import broadcast_array, comm_device, fail_together
 from longvideo.infer.api import ApiError, ChatRequest, Sampling, resolve_sampling
 from longvideo.infer.chat import EncodedVideo, encode_video_file, fit_frames, prompt_of
 from longvideo.infer.generation import Engine, LocalEngine, new_cache, prefill
 from longvideo.infer.media import MediaPolicy
-from longvideo.infer.sp import SequenceParallelEngine, broadcast_array
+from longvideo.infer.sp import SequenceParallelEngine
 
 THUMB, MAX_THUMBS = 48, 512
 """Thumbnail side (pixels); most thumbnails in a strip (spread evenly over the frames)."""

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from longvideo.data.ranks import fail_together
+from longvideo.distributed import fail_together, local_device, torchrun_world
 from longvideo.infer.asgi import bind, start_http
 from longvideo.infer.chat import load_model
 from longvideo.infer.media import MediaPolicy, check_domains
 from longvideo.infer.serve import ServeSettings, Service, log
-from longvideo.infer.sp import local_device, torchrun_world
 
 API_KEY_ENV = "LONGVIDEO_API_KEY"
 

@@ -10,12 +10,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# the helpers ranks share live in longvideo.distributed; these names are kept for existing imports
-from longvideo.distributed import broadcast_array as broadcast_array
-from longvideo.distributed import broadcast_text as broadcast_text
-from longvideo.distributed import comm_device as comm_device
-from longvideo.distributed import local_device as local_device
-from longvideo.distributed import torchrun_world as torchrun_world
 from longvideo.infer.generation import CachedEngine, Generation, logits_of, new_cache
 from longvideo.kernels import AttentionMeta, Side, get_backend, merge_partials
 from longvideo.model import KVCache, Transformer
