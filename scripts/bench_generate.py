@@ -14,6 +14,7 @@ sample the same codes (greedy here: `same_codes`). Writes docs/bench/generate.js
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 import torch
@@ -44,6 +45,13 @@ CODES = 256
 """Codes a frame (16 x 16, as LWM's VQGAN gives)."""
 
 
+def spread(t: dict) -> str:
+    """A timing's median ms/token and its range over the repeats (older records: the one run)."""
+    lo, hi = t.get("ms_per_token_min"), t.get("ms_per_token_max")
+    text = fmt_num(t["ms_per_token"], ".2f")
+    return text if lo is None else f"{text} ({lo:.2f}-{hi:.2f})"
+
+
 def report(result: dict) -> Section:
     rows = req_list(result, "rows")
     by = {req(r, "frames"): r for r in rows}
@@ -55,9 +63,9 @@ def report(result: dict) -> Section:
                 str(r["frames"]),
                 f"{r['tokens']:,}",
                 fmt_num(req(r, "cache", "tokens_per_s"), ".1f"),
-                fmt_num(req(r, "cache", "ms_per_token"), ".2f"),
+                spread(req(r, "cache")),
                 fmt_num(rec and rec["tokens_per_s"], ".1f"),
-                fmt_num(rec and rec["ms_per_token"], ".2f"),
+                spread(rec) if rec else fmt_num(None),
                 fmt_num(rec and ratio(r["cache"]["tokens_per_s"], rec["tokens_per_s"]), ".1f", "x"),
             ]
         )
@@ -73,7 +81,7 @@ def report(result: dict) -> Section:
     notes = [
         f"Model: dim {cfg.get('dim')}, {cfg.get('layers')} layers, {cfg.get('heads')} / "
         f"{cfg.get('kv_heads')} heads, vocabulary {cfg.get('vocab'):,}, fp32, {cfg.get('threads')} "
-        f"thread(s); {cfg.get('codes_per_frame')} codes a frame, guidance scale "
+        f"thread(s), medians of {cfg.get('repeats', 1)} run(s); {cfg.get('codes_per_frame')} codes a frame, guidance scale "
         f"{cfg.get('cfg_scale')} (two rows a step), greedy.",
         f"Same codes with the cache and recomputed: {result.get('same_codes')}. Tokens a second "
         "count the sampled codes (each frame's forced <eof> rides along with the next code).",
@@ -82,9 +90,9 @@ def report(result: dict) -> Section:
         "frames",
         "tokens",
         "KV cache: tokens/s",
-        "ms/token",
+        "ms/token (median, range)",
         "recompute: tokens/s",
-        "ms/token",
+        "ms/token (median, range)",
         "speed-up",
     ]
     return Section(md_table(headers, body), [t], notes)
@@ -158,6 +166,19 @@ def build(args):
     return SimpleNamespace(model=model, tokenizer=tok)
 
 
+def timing(seconds: list[float], sampled: int) -> dict:
+    """Median and spread of repeated runs that each sample `sampled` codes."""
+    ms = sorted(1e3 * t / sampled for t in seconds)
+    median = statistics.median(ms)
+    return {
+        "seconds": [round(t, 3) for t in seconds],
+        "ms_per_token": median,
+        "ms_per_token_min": ms[0],
+        "ms_per_token_max": ms[-1],
+        "tokens_per_s": 1e3 / median,
+    }
+
+
 def run_once(pre, frames: int, cfg_scale: float, recompute: bool) -> tuple[float, list[int]]:
     """(seconds, ids) of one video sampled greedily."""
     from longvideo.data.templates import generation_prompts, video_slots
@@ -192,6 +213,7 @@ def main(argv=None) -> None:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--codebook", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each row; medians are reported")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     load_before, t0 = os.getloadavg(), time.time()
@@ -199,25 +221,15 @@ def main(argv=None) -> None:
     run_once(pre, 1, args.cfg_scale, False)  # warm-up
     rows, same = [], []
     for F in args.frames:
-        secs, ids = run_once(pre, F, args.cfg_scale, False)
         sampled = F * CODES
-        row = {
-            "frames": F,
-            "tokens": len(ids),
-            "cache": {
-                "seconds": secs,
-                "tokens_per_s": sampled / secs,
-                "ms_per_token": 1e3 * secs / sampled,
-            },
-        }
+        runs = [run_once(pre, F, args.cfg_scale, False) for _ in range(args.repeats)]
+        ids = runs[0][1]
+        same.extend(r[1] == ids for r in runs)  # greedy: every repeat samples the same codes
+        row = {"frames": F, "tokens": len(ids), "cache": timing([r[0] for r in runs], sampled)}
         if F in args.recompute_frames:
-            rsecs, rids = run_once(pre, F, args.cfg_scale, True)
-            row["recompute"] = {
-                "seconds": rsecs,
-                "tokens_per_s": sampled / rsecs,
-                "ms_per_token": 1e3 * rsecs / sampled,
-            }
-            same.append(rids == ids)
+            reruns = [run_once(pre, F, args.cfg_scale, True) for _ in range(args.repeats)]
+            row["recompute"] = timing([r[0] for r in reruns], sampled)
+            same.extend(r[1] == ids for r in reruns)
         rows.append(row)
         print(
             f"{F:>3} frames: KV cache {row['cache']['tokens_per_s']:.1f} tokens/s"
@@ -225,7 +237,8 @@ def main(argv=None) -> None:
                 f", recompute {row['recompute']['tokens_per_s']:.1f} tokens/s"
                 if "recompute" in row
                 else ""
-            ),
+            )
+            + f" (medians of {args.repeats})",
             flush=True,
         )
     cfg = pre.model.cfg
@@ -240,6 +253,7 @@ def main(argv=None) -> None:
             "codes_per_frame": CODES,
             "cfg_scale": args.cfg_scale,
             "threads": args.threads,
+            "repeats": args.repeats,
             "dtype": "float32",
         },
         "machine": {

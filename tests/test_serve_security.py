@@ -517,6 +517,15 @@ def test_request_deadline_covers_generation_and_500s_carry_only_an_id(open_serve
     code, again, _ = s.post(body(url))
     assert code == 200 and again["choices"][0]["message"] == ok["choices"][0]["message"]
     assert s.get("/health")["status"] == "ok"
+    # a body that trickles past the 4 s deadline (before the default --body-timeout): the 408
+    # names the limit that fired
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+            "application/json\r\nContent-Length: 1000\r\n\r\n{".encode()
+        )
+        reply = read_all(sock)
+    assert reply.startswith(b"HTTP/1.1 408 ") and b"--request-timeout 4 s" in reply, reply[:300]
     # unknown paths and methods: JSON, with an id
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(s.url + "/etc/passwd")

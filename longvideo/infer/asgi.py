@@ -430,8 +430,9 @@ class ChatCompletions:
         if declared is not None and int(declared) > limit:
             raise too_big(int(declared))
         chunks = []
+        left = max(0.0, deadline - time.monotonic())
+        by_deadline = left < self.settings.body_timeout  # which of the two limits can fire
         try:
-            left = max(0.0, deadline - time.monotonic())
             with anyio.fail_after(min(self.settings.body_timeout, left)):
                 while not body.done:
                     msg = await receive_body(receive, body)
@@ -441,10 +442,13 @@ class ChatCompletions:
                     if body.received > limit:
                         raise too_big(body.received)
         except TimeoutError:
+            limit_name, seconds = (
+                ("--request-timeout", self.settings.request_timeout)
+                if by_deadline
+                else ("--body-timeout", self.settings.body_timeout)
+            )
             raise ApiError(
-                408,
-                f"the request body did not arrive within --body-timeout "
-                f"{self.settings.body_timeout:g} s",
+                408, f"the request body did not arrive within {limit_name} {seconds:g} s"
             ) from None
         return b"".join(chunks)
 
