@@ -328,6 +328,7 @@ class _no_warning:
         self._w.__exit__(*exc)
 
 
+@pytest.mark.slow  # out of make check's five minutes; make test runs it
 def test_tokenizing_ten_minutes_stays_small_and_flat(tmp_path):
     """Peak memory above the start of tokenizing 256 x 256 video (the hour tokenizer's VQ); 11-25 s."""
     short, long = tokenize_peak_mib(120, tmp_path), tokenize_peak_mib(600, tmp_path)

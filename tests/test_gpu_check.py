@@ -16,6 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # out of make check's five minutes; make test runs it
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="on a GPU machine run the real check: make gpu-check"
 )

@@ -535,6 +535,7 @@ def test_queue_full_is_429_and_a_client_that_leaves_frees_its_slot(server, mater
     assert server.get("/health")["queued"] == 0
 
 
+@pytest.mark.slow  # out of make check's five minutes; make test runs it
 @pytest.mark.distributed
 def test_sequence_parallel_server_answers_as_one_process(server, material):
     """Under torchrun (2 gloo ranks) the ring-prefilled, sharded answers are the single process's,
@@ -560,6 +561,7 @@ def test_sequence_parallel_server_answers_as_one_process(server, material):
         sp.stop()
 
 
+@pytest.mark.slow  # out of make check's five minutes; make test runs it
 @pytest.mark.distributed
 def test_one_rank_failing_at_start_up_stops_every_rank(material, tmp_path):
     """Under torchrun, a rank that cannot load the model makes every rank stop at start-up with one
