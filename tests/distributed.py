@@ -78,3 +78,20 @@ def run_ranks(fn, world: int, args: tuple = (), timeout: float = 300.0, threads:
         bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
         if bad:
             raise AssertionError(f"ranks exited with non-zero codes: {bad}")
+
+
+def chat_lines(ckpt: str, clip: str, question: str, max_new_tokens: int = 8) -> list[str]:
+    """What `longvideo chat --quiet` prints on this rank for one question about `clip` (CPU); the
+    command's return code must be 0. Rank bodies compare it with one process's answer."""
+    import contextlib
+    import io
+
+    from longvideo.infer import cli
+
+    argv = ["--model", ckpt, "--video", clip, "--question", question, "--quiet"]
+    argv += ["--device", "cpu", "--max-new-tokens", str(max_new_tokens)]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli._chat(cli.chat_parser().parse_args(argv))
+    assert rc == 0, f"longvideo chat returned {rc}"
+    return buf.getvalue().splitlines()

@@ -24,8 +24,6 @@ head_dim) and Mistral (no window). Checked:
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -689,30 +687,11 @@ def _chat_checkpoint(name: str, tmp_path: Path, tok) -> Path:
 
 
 def _chat_ring_body(rank, world, cases):
-    from longvideo.infer import cli
+    from distributed import chat_lines
 
     for ckpt, clip, expected in cases:
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            rc = cli._chat(
-                cli.chat_parser().parse_args(
-                    [
-                        "--model",
-                        ckpt,
-                        "--video",
-                        clip,
-                        "--question",
-                        QUESTION,
-                        "--quiet",
-                        "--device",
-                        "cpu",
-                        "--max-new-tokens",
-                        "8",
-                    ]
-                )
-            )
-        assert rc == 0
-        assert buf.getvalue().splitlines() == ([expected] if rank == 0 else []), ckpt
+        lines = chat_lines(ckpt, clip, QUESTION)
+        assert lines == ([expected] if rank == 0 else []), ckpt
 
 
 @pytest.mark.slow

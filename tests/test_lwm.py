@@ -494,29 +494,9 @@ def test_import_chat_export_generate_end_to_end(files, ckpt, chat_case, tmp_path
 
 
 def _sp_body(rank, world, ckpt, clip, expected):
-    from longvideo.infer import cli as infer_cli
+    from distributed import chat_lines
 
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        rc = infer_cli._chat(
-            infer_cli.chat_parser().parse_args(
-                [
-                    "--model",
-                    ckpt,
-                    "--video",
-                    clip,
-                    "--question",
-                    QUESTION,
-                    "--quiet",
-                    "--device",
-                    "cpu",
-                    "--max-new-tokens",
-                    "8",
-                ]
-            )
-        )
-    assert rc == 0
-    assert buf.getvalue().splitlines() == ([expected] if rank == 0 else [])
+    assert chat_lines(ckpt, clip, QUESTION) == ([expected] if rank == 0 else [])
 
 
 @pytest.mark.slow
