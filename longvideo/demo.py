@@ -33,8 +33,10 @@ from longvideo.configtools import (
     resolve_config_path,
     to_dict,
 )
+from longvideo.data.questions import BASIC_QUESTIONS
 from longvideo.data.synthetic import SyntheticSpec, make_sample, text_corpus
 from longvideo.export import LongVideoProcessor
+from longvideo.infer.scoring import length_label
 from longvideo.machine import describe, machine_info
 from longvideo.parallel.deepspeed_config import load_base, resolve_zero_stage
 from longvideo.tokenizer import TextTokenizer
@@ -70,6 +72,30 @@ class VideoSet:
     needle_fraction: float | None = None
     """This set's fraction of videos with a flash frame; None: the plan's (text to video trains on
     videos whose captions say everything they show: 0)."""
+    max_flashes: int = 1
+    """A video with the needle carries 1 to this many flashes of distinct colours."""
+    questions: tuple[str, ...] = BASIC_QUESTIONS
+    """The question types its videos carry (longvideo/data/questions.py)."""
+    durations: tuple[int, ...] = ()
+    """Video i lasts durations[i % len] seconds (a held-out set at fixed lengths); empty: drawn
+    between min_seconds and max_seconds."""
+
+    def spec(self, fps: int, needle_fraction: float) -> SyntheticSpec:
+        """The SyntheticSpec its videos are drawn with (its fields checked there)."""
+        return SyntheticSpec(
+            fps=fps,
+            min_seconds=self.min_seconds,
+            max_seconds=self.max_seconds,
+            long_fraction=self.long_fraction,
+            long_seconds=self.long_seconds,
+            needle_fraction=needle_fraction
+            if self.needle_fraction is None
+            else self.needle_fraction,
+            flashes_per_minute=self.flashes_per_minute,
+            max_flashes=self.max_flashes,
+            questions=self.questions,
+            durations=self.durations,
+        )
 
     def __post_init__(self):
         check(self.n >= 1, "n", f"a set needs videos, got {self.n}")
@@ -78,6 +104,10 @@ class VideoSet:
             "max_seconds",
             f"need 1 <= min_seconds <= max_seconds, got {self.min_seconds} and {self.max_seconds}",
         )
+        try:
+            self.spec(1, 1.0)
+        except ValueError as e:
+            raise ConfigError(f"sets[{self.name}]", str(e)) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +155,9 @@ class DemoPlan:
     assumes. It never stops the VQ. 0: no warning."""
     eval_samples: int = 64
     """Held-out QA samples scored."""
+    qa_lengths: tuple[int, ...] = ()
+    """Video lengths (seconds) the QA evaluation scores apart, per question type (the held-out
+    set's `durations`); empty: three bins of its own durations."""
     needle_lengths: tuple[int, ...] = (8, 16, 40)
     """Video lengths (frames at 1 fps) of the video needle grid."""
     needle_depths: tuple[float, ...] = (0.0, 0.5, 1.0)
@@ -319,6 +352,7 @@ class Demo:
 
     def make_data(self) -> None:
         for v in self.plan.sets:
+            spec = v.spec(self.plan.source_fps, self.plan.needle_fraction)
             self.lv(
                 "make-data",
                 "synthetic",
@@ -329,19 +363,26 @@ class Demo:
                 "--seed",
                 v.seed,
                 "--fps",
-                self.plan.source_fps,
+                spec.fps,
                 "--min-seconds",
-                v.min_seconds,
+                spec.min_seconds,
                 "--max-seconds",
-                v.max_seconds,
+                spec.max_seconds,
                 "--long-fraction",
-                v.long_fraction,
+                spec.long_fraction,
                 "--long-seconds",
-                v.long_seconds,
+                spec.long_seconds,
                 "--needle-fraction",
-                self.plan.needle_fraction if v.needle_fraction is None else v.needle_fraction,
+                spec.needle_fraction,
                 "--flashes-per-minute",
-                v.flashes_per_minute,
+                spec.flashes_per_minute,
+                *(["--max-flashes", spec.max_flashes] if spec.max_flashes > 1 else []),
+                *(
+                    ["--questions", ",".join(spec.questions)]
+                    if spec.questions != BASIC_QUESTIONS
+                    else []
+                ),
+                *(["--durations", ",".join(map(str, spec.durations))] if spec.durations else []),
                 "--samples-per-shard",
                 64,
                 "--workers",
@@ -353,16 +394,7 @@ class Demo:
     def tokenizer(self) -> None:
         p, texts = self.plan, []
         for v in p.sets:
-            spec = SyntheticSpec(
-                fps=p.source_fps,
-                min_seconds=v.min_seconds,
-                max_seconds=v.max_seconds,
-                long_fraction=v.long_fraction,
-                long_seconds=v.long_seconds,
-                needle_fraction=p.needle_fraction
-                if v.needle_fraction is None
-                else v.needle_fraction,
-            )
+            spec = v.spec(p.source_fps, p.needle_fraction)
             texts += text_corpus(n=400 // len(p.sets) + 1, seed=v.seed, spec=spec)
         corpus = self.out / "tokenizer_corpus.txt"
         write_text_atomic(corpus, "\n".join(texts) + "\n")
@@ -547,6 +579,7 @@ class Demo:
             p.eval_samples,
             "--out",
             self.out / "eval/qa",
+            *(["--lengths", ",".join(map(str, p.qa_lengths))] if p.qa_lengths else []),
             *quiet,
         )
         needle = [
@@ -765,11 +798,29 @@ class Demo:
             "machine": self.machine,
             "seconds": round(seconds, 1),
             "stage_seconds": self.timings,
-            "qa": load("qa", "accuracy", "chance", "n", "per_question"),
+            "qa": load(
+                "qa",
+                "accuracy",
+                "chance",
+                "n",
+                "per_question",
+                "per_type",
+                "lengths",
+                "type_grid",
+                "chance_grid",
+            ),
             "video_niah": load(
                 "video_niah", "accuracy", "chance", "n", "lengths", "grid", "needles_dropped"
             ),
-            "vq_needle": load("vq_needle", "rate", "rate_by_offset"),
+            "vq_needle": load(
+                "vq_needle",
+                "rate",
+                "rate_by_offset",
+                "shape_colour_rate",
+                "shape_colour_chance",
+                "shape_kind_rate",
+                "shape_kind_chance",
+            ),
             "t2v": load(
                 "t2v",
                 "accuracy",
@@ -793,10 +844,26 @@ class Demo:
         qa, niah, vq_needle = s["qa"], s["video_niah"], s.get("vq_needle")
         if vq_needle:
             print(f"flash colour after the tokenizer: {vq_needle['rate']:.1%}")
+            if "shape_kind_rate" in vq_needle:
+                print(
+                    f"shapes after the tokenizer:      colour {vq_needle['shape_colour_rate']:.1%} "
+                    f"(chance {vq_needle['shape_colour_chance']:.1%}), kind "
+                    f"{vq_needle['shape_kind_rate']:.1%} (chance {vq_needle['shape_kind_chance']:.1%})"
+                )
         if qa:
             print(f"held-out QA accuracy:          {score(qa)}")
-            for q, r in (qa.get("per_question") or {}).items():
-                print(f"    {q:<40} {score(r)}")
+            if qa.get("lengths"):  # per question type and video length, chance beside each
+                print("    " + " " * 14 + "".join(f"{length_label(x):>10}" for x in qa["lengths"]))
+                for t, r in qa["per_type"].items():
+                    cells = [c["accuracy"] for c in r["by_length"].values()]
+                    print(
+                        f"    {t:<14}"
+                        + "".join("         -" if c is None else f"{c:>10.1%}" for c in cells)
+                        + f"   (chance {r['chance']:.1%})"
+                    )
+            else:
+                for q, r in (qa.get("per_question") or {}).items():
+                    print(f"    {q:<40} {score(r)}")
         if niah:
             print(f"video needle retrieval:        {score(niah)}")
             if niah.get("grid") and niah.get(

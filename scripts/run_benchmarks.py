@@ -335,15 +335,33 @@ def demo_blocks(bench_dir: Path) -> dict[str, str]:
                     niah.get("chance"),
                 )
             )
-        found += [
-            (f'QA: "{q}"', _pct(r.get("accuracy")), r.get("chance"))
-            for q, r in (qa.get("per_question") or {}).items()
-        ]
+        if qa.get("lengths"):  # per question type, its accuracy at each video length
+            found += [
+                (
+                    f"QA: {t}, by video length",
+                    " · ".join(
+                        f"{_pct(c['accuracy'])} ({float(k) / 60:g} min)"
+                        for k, c in r["by_length"].items()
+                    ),
+                    r.get("chance"),
+                )
+                for t, r in qa["per_type"].items()
+            ]
+        else:
+            found += [
+                (f'QA: "{q}"', _pct(r.get("accuracy")), r.get("chance"))
+                for q, r in (qa.get("per_question") or {}).items()
+            ]
         found += (
             [("VQ alone: flash colour kept through encode + decode", _pct(vq.get("rate")), None)]
             if vq
             else []
         )
+        found += [
+            (f"VQ alone: a shape's {what} kept", _pct(vq[f"shape_{what}_rate"]), vq[key])
+            for what, key in (("colour", "shape_colour_chance"), ("kind", "shape_kind_chance"))
+            if vq.get(f"shape_{what}_rate") is not None
+        ]
         t2v = (s or {}).get("t2v") or {}
         found += (
             [

@@ -147,6 +147,45 @@ def test_hour_plan_fits_an_hour_in_its_last_stage():
     ]
 
 
+def test_hour_plan_asks_every_question_type_and_holds_out_every_length():
+    """Every set the ladder trains on carries 1-3 flashes and every question type; the held-out set
+    has videos of each length the QA evaluation scores apart, from a seed no training set uses."""
+    from longvideo.data.questions import HOUR_QUESTIONS
+    from longvideo.demo import load_plan
+
+    HOUR = load_plan("demos/demo-hour")
+    sets = {v.name: v for v in HOUR.sets}
+    trained = {name for st in HOUR.stages for name in st.sets}
+    for name in trained | {HOUR.held_out}:
+        assert sets[name].questions == HOUR_QUESTIONS and sets[name].max_flashes == 3
+    test = sets[HOUR.held_out]
+    assert HOUR.held_out not in trained and test.seed not in {sets[n].seed for n in trained}
+    assert tuple(test.durations) == tuple(HOUR.qa_lengths) == (60, 300, 900, 1800, 3600)
+    assert HOUR.eval_samples == test.n and test.n % len(test.durations) == 0
+
+
+def test_sets_reach_make_data_as_the_plan_draws_them(tmp_path, monkeypatch):
+    """The command line the demo writes for each set parses back to the SyntheticSpec the plan's
+    VideoSet draws its videos with (questions, flashes, durations included)."""
+    from longvideo.data import cli as data_cli
+    from longvideo.demo import Demo, load_plan
+
+    for name in ("demo-hour", "demo-quick"):
+        plan = load_plan(f"demos/{name}")
+        demo = Demo(tmp_path / name, plan)
+        (demo.out / "data").mkdir(parents=True)
+        cmds, specs = [], []
+        monkeypatch.setattr(demo, "run", lambda cmd, threads=None: cmds.append(cmd))
+        monkeypatch.setattr(
+            data_cli, "write_synthetic_shards", lambda out, n, spec, **kw: specs.append(spec) or []
+        )
+        demo.make_data()
+        for cmd in cmds:
+            args = [str(a) for a in cmd]
+            assert data_cli.make_data_main(args[args.index("make-data") + 1 :]) == 0
+        assert specs == [v.spec(plan.source_fps, plan.needle_fraction) for v in plan.sets]
+
+
 def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_path):
     """Resuming a run directory under a changed plan (a newer ladder, other video sets) would mix
     the two runs silently: the demo stops with a clear error and leaves the directory as it was."""

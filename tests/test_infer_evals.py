@@ -9,7 +9,7 @@ from test_infer_chat import tiny_pretrained
 
 from longvideo.checkpoint import save_project_checkpoint
 from longvideo.data.shards import ShardWriter, token_sample_members
-from longvideo.data.synthetic import SyntheticSpec, make_sample
+from longvideo.data.synthetic import SyntheticSpec, make_sample, read_frame
 from longvideo.data.video import read_video
 from longvideo.infer import cli
 from longvideo.infer.evals import (
@@ -444,13 +444,30 @@ def test_vq_needle_scores_what_the_decoder_returns(pre, tmp_path, monkeypatch):
     assert (tmp_path / "vq_needle.png").is_file() and (tmp_path / "vq_needle.json").is_file()
     monkeypatch.setattr(evals, "encode_video", lambda vq, frames, batch_frames: frames.clone())
     monkeypatch.setattr(evals, "decode_codes", lambda vq, codes: codes)
-    assert evaluate_vq_needle(causal.vq, num_frames=13, trials=6, progress=False)["rate"] == 1.0
+    same = evaluate_vq_needle(causal.vq, num_frames=13, trials=6, progress=False)
+    assert same["rate"] == 1.0 and same["shape_frames"] > 0
+    assert same["shape_colour_rate"] == 1.0 and same["shape_kind_rate"] == 1.0
     monkeypatch.setattr(
         evals, "decode_codes", lambda vq, codes: codes.flip(-1)
-    )  # RGB -> BGR: red and blue swap
-    assert (
-        evaluate_vq_needle(
-            causal.vq, num_frames=13, trials=6, progress=False, colours=("red", "blue")
-        )["rate"]
-        == 0.0
+    )  # RGB -> BGR: red and blue swap (yellow reads blue, green stays green), shapes keep their kind
+    swapped = evaluate_vq_needle(
+        causal.vq, num_frames=13, trials=6, progress=False, colours=("red", "blue")
     )
+    assert swapped["rate"] == 0.0 and swapped["shape_kind_rate"] == 1.0
+    drawn = [
+        read_frame(f)["colour"]
+        for t in range(6)
+        for f in evals.haystack_frames(13, causal.vq.cfg.resolution, 7919 * (t + 1))
+        if read_frame(f)["kind"] == "shape"
+    ]
+    assert swapped["shape_colour_rate"] == pytest.approx(
+        sum(c == "green" for c in drawn) / len(drawn), abs=0.1
+    )
+    # every shape's position blurred into the mean colour of its frame: no shape left to read
+    monkeypatch.setattr(
+        evals,
+        "decode_codes",
+        lambda vq, codes: codes.float().mean((1, 2), keepdim=True).expand_as(codes).to(codes.dtype),
+    )
+    flat = evaluate_vq_needle(causal.vq, num_frames=13, trials=6, progress=False)
+    assert flat["shape_kind_rate"] == 0.0

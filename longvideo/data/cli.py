@@ -9,8 +9,22 @@ import logging
 import sys
 
 from longvideo.config import load_config
+from longvideo.data.questions import QUESTION_TYPES
 from longvideo.data.synthetic import SyntheticSpec, write_synthetic_shards
 from longvideo.data.tokenize import TokenizeOptions, tokenize_shards
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in _names(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def make_data_main(argv: list[str]) -> int:
@@ -56,6 +70,30 @@ def make_data_main(argv: list[str]) -> int:
         type=float,
         default=None,
         help="needle depth in [0, 1] (0 = first second, 1 = last; default: random)",
+    )
+    s.add_argument(
+        "--max-flashes",
+        type=int,
+        default=d.max_flashes,
+        help="a video with the needle carries 1 to this many flashes of distinct colours",
+    )
+    s.add_argument(
+        "--questions",
+        type=_names,
+        default=d.questions,
+        help=f"question types asked, comma-separated (of {', '.join(QUESTION_TYPES)})",
+    )
+    s.add_argument(
+        "--durations",
+        type=_ints,
+        default=d.durations,
+        help="comma-separated seconds: video i lasts durations[i %% len] (default: drawn)",
+    )
+    s.add_argument(
+        "--shape-scale",
+        type=float,
+        default=d.shape_scale,
+        help="shapes' radii times this (1: 14-22 %% of the frame side)",
     )
     s.add_argument("--samples-per-shard", type=int, default=64)
     s.add_argument("--workers", type=int, default=1)

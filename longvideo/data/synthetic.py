@@ -20,6 +20,13 @@ import av
 import numpy as np
 from tqdm import tqdm
 
+from longvideo.data.questions import (
+    BASIC_QUESTIONS,
+    QUESTION_TYPES,
+    Story,
+    ask,
+    check_question_names,
+)
 from longvideo.data.shards import ShardWriter
 from longvideo.data.templates import (
     ANSWER_PROMPT,
@@ -38,9 +45,9 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 """Shape and needle colours (RGB), far apart so that a small VQ keeps them apart."""
 COLOUR_NAMES: tuple[str, ...] = tuple(COLOURS)
 SHAPE_KINDS: tuple[str, ...] = ("square", "circle", "triangle")
-NEEDLE_QUESTION = "What colour was the flash frame?"
-FIRST_SHAPE_QUESTION = "What shape came first?"
-LAST_COLOUR_QUESTION = "What colour was the last shape?"
+NEEDLE_QUESTION = QUESTION_TYPES["needle"].text
+FIRST_SHAPE_QUESTION = QUESTION_TYPES["first_shape"].text
+LAST_COLOUR_QUESTION = QUESTION_TYPES["last_colour"].text
 NEEDLE_CHOICES: tuple[str, ...] = COLOUR_NAMES
 """Answers of the needle question; chance level is 1 / len(NEEDLE_CHOICES)."""
 
@@ -69,11 +76,12 @@ class Shape:
         return bounce(self.x0, self.vx), bounce(self.y0, self.vy)
 
 
-def random_shape(rng: np.random.Generator, size: int) -> Shape:
-    """A shape with random kind, colour, start, velocity (about 1-3 % of the frame per frame)."""
+def random_shape(rng: np.random.Generator, size: int, scale: float = 1.0) -> Shape:
+    """A shape with random kind, colour, start, velocity (about 1-3 % of the frame per frame) and
+    a radius of 14-22 % of the frame, times `scale`."""
     kind = SHAPE_KINDS[rng.integers(len(SHAPE_KINDS))]
     colour = COLOUR_NAMES[rng.integers(len(COLOUR_NAMES))]
-    radius = size * rng.uniform(0.14, 0.22)
+    radius = size * rng.uniform(0.14, 0.22) * scale
     speed = size * rng.uniform(0.01, 0.03)
     angle = rng.uniform(0, 2 * np.pi)
     return Shape(
@@ -261,6 +269,13 @@ class SyntheticSpec:
     # extra one-second flashes of random colours, with no question about them (tokenizer training
     # data: a tokenizer that rarely sees a flash learns to drop it)
     flashes_per_minute: float = 0.0
+    # a video with the needle carries 1 to max_flashes flash frames of distinct colours (as many
+    # equally often), each a second of its own; the questions about them (count, order, between)
+    # are those of `questions` that are defined for that many
+    max_flashes: int = 1
+    questions: tuple[str, ...] = BASIC_QUESTIONS  # question types asked (data/questions.py)
+    durations: tuple[int, ...] = ()  # sample i lasts durations[i % len] seconds (empty: drawn)
+    shape_scale: float = 1.0  # shapes' radii times this (1: 14-22 % of the frame side)
 
     def __post_init__(self):
         if self.size <= 0 or self.size % 2:
@@ -280,6 +295,24 @@ class SyntheticSpec:
             raise ValueError(f"needle_at must be in [0, 1], got {self.needle_at}")
         if self.flashes_per_minute < 0:
             raise ValueError(f"flashes_per_minute must be >= 0, got {self.flashes_per_minute}")
+        if not 1 <= self.max_flashes <= len(COLOUR_NAMES) - 1:
+            raise ValueError(
+                f"max_flashes must be in [1, {len(COLOUR_NAMES) - 1}] (flashes of distinct "
+                f"colours), got {self.max_flashes}"
+            )
+        object.__setattr__(self, "questions", tuple(self.questions))
+        object.__setattr__(self, "durations", tuple(int(d) for d in self.durations))
+        check_question_names(self.questions)
+        if not 0.25 <= self.shape_scale <= 2.2:
+            raise ValueError(f"shape_scale must be in [0.25, 2.2], got {self.shape_scale}")
+        if any(d < 1 for d in self.durations):
+            raise ValueError(f"durations must be whole seconds >= 1, got {list(self.durations)}")
+        counting = {"count", "order", "between"} & set(self.questions)
+        if counting and self.flashes_per_minute > 0:
+            raise ValueError(
+                f"questions {sorted(counting)} count the flashes: they cannot be asked with "
+                f"flashes_per_minute > 0 (unasked flashes), got {self.flashes_per_minute}"
+            )
         for name in ("long_fraction", "needle_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
@@ -344,6 +377,8 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
     duration = (
         spec.long_seconds if long else int(rng.integers(spec.min_seconds, spec.max_seconds + 1))
     )
+    if spec.durations:
+        duration = spec.durations[index % len(spec.durations)]
     scenes: list[tuple[int, int, Shape]] = []
     t = 0
     prev = None
@@ -351,9 +386,9 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
         length = min(
             int(rng.integers(spec.scene_seconds[0], spec.scene_seconds[1] + 1)), duration - t
         )
-        shape = random_shape(rng, spec.size)
+        shape = random_shape(rng, spec.size, spec.shape_scale)
         while prev is not None and (shape.kind, shape.colour) == (prev.kind, prev.colour):
-            shape = random_shape(rng, spec.size)  # consecutive scenes differ, so cuts are visible
+            shape = random_shape(rng, spec.size, spec.shape_scale)  # consecutive scenes differ, so cuts are visible
         scenes.append((t, t + length, shape))
         prev, t = shape, t + length
     needle = None
@@ -362,29 +397,27 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
         if spec.needle_at is not None:
             second = int(round(spec.needle_at * (duration - 1)))
         needle = (second, NEEDLE_CHOICES[rng.integers(len(NEEDLE_CHOICES))])
+    events = [needle] if needle is not None else []
+    if needle is not None and spec.max_flashes > 1:  # a stream of its own: the rest is unchanged
+        erng = np.random.default_rng([seed, index, 2])
+        extra = int(erng.integers(0, spec.max_flashes)) if duration > 1 else 0
+        free = np.setdiff1d(np.arange(duration), [needle[0]])
+        seconds = erng.choice(free, size=min(extra, len(free)), replace=False).tolist()
+        colours = erng.permutation([c for c in NEEDLE_CHOICES if c != needle[1]]).tolist()
+        events += [(int(t), str(c)) for t, c in zip(seconds, colours)]
+        events.sort()
 
     segments = [
         {"start": float(a), "end": float(b), "text": f"a {s.colour} {s.kind}"} for a, b, s in scenes
     ]
-    qa = []
-    if needle is not None:
-        qa.append(
-            {"question": NEEDLE_QUESTION, "answer": needle[1], "choices": list(NEEDLE_CHOICES)}
-        )
-    qa.append(
-        {
-            "question": FIRST_SHAPE_QUESTION,
-            "answer": scenes[0][2].kind,
-            "choices": list(SHAPE_KINDS),
-        }
+    story = Story(
+        scenes=[(a, b, sh.kind, sh.colour) for a, b, sh in scenes],
+        flashes=events,
+        colours=NEEDLE_CHOICES,
+        kinds=SHAPE_KINDS,
+        max_flashes=spec.max_flashes,
     )
-    qa.append(
-        {
-            "question": LAST_COLOUR_QUESTION,
-            "answer": scenes[-1][2].colour,
-            "choices": list(COLOUR_NAMES),
-        }
-    )
+    qa = ask(story, spec.questions, np.random.default_rng([seed, index, 3]))
     key = f"{seed:04d}_{index:08d}"
     meta = {
         "caption": ", then ".join(seg["text"] for seg in segments) + ".",
@@ -395,7 +428,9 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
         "task": "needle" if needle is not None else "scenes",
         "duration": float(duration),
     }
-    if needle is not None:
+    if len(events) > 1:
+        meta["events"] = [{"start": float(t), "end": float(t + 1), "colour": c} for t, c in events]
+    if needle is not None and len(events) == 1:
         meta["needle"] = {
             "start": float(needle[0]),
             "end": float(needle[0] + 1),
@@ -422,7 +457,7 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
         scenes=scenes,
         needle=needle,
         meta=meta,
-        flashes=flashes,
+        flashes=flashes + [e for e in events if e != needle],  # painted like the needle
     )
 
 

@@ -233,6 +233,13 @@ def eval_parser() -> argparse.ArgumentParser:
     qa.add_argument("--shards", required=True, help="directory, glob or brace pattern of shards")
     qa.add_argument("--max-samples", type=int, default=None)
     qa.add_argument("--fps", type=float, default=1.0, help="raw shards: frames per second read")
+    qa.add_argument(
+        "--lengths",
+        type=_floats,
+        default=(),
+        help="video lengths in seconds, comma separated: accuracy per question type and length "
+        "(a video counts at the shortest length it does not exceed)",
+    )
     tn = task(
         "text-niah",
         "text needle in a haystack (LWM's protocol)",
@@ -397,7 +404,10 @@ def _eval(args) -> int:
             return _error("longvideo eval", e)
         print(
             f"flash colour after the tokenizer: {res['rate']:.1%} of {res['trials']} "
-            f"(by position in the group: {res['rate_by_offset']})"
+            f"(by position in the group: {res['rate_by_offset']}); shapes in the other "
+            f"{res['shape_frames']} frames: colour {res['shape_colour_rate']:.1%} (chance "
+            f"{res['shape_colour_chance']:.1%}), kind {res['shape_kind_rate']:.1%} (chance "
+            f"{res['shape_kind_chance']:.1%})"
         )
         print(f"wrote {res['json']} and {res['png']}")
         return 0
@@ -446,6 +456,7 @@ def _eval(args) -> int:
                     out_dir=out,
                     max_samples=args.max_samples,
                     fps=args.fps,
+                    lengths=tuple(args.lengths),
                     group=group,
                     **run,
                 )
@@ -453,6 +464,11 @@ def _eval(args) -> int:
                     f"QA accuracy {res['accuracy']:.3f} (chance {res['chance'] or float('nan'):.3f}; "
                     f"substring {res['substring_accuracy']:.3f}) over {res['questions']} questions "
                     f"of {res['samples']} videos"
+                    + "".join(
+                        f"\n  {t}: {r['accuracy']:.3f} (chance {r['chance'] or float('nan'):.3f}, "
+                        f"{r['count']} asked)"
+                        for t, r in res["per_type"].items()
+                    )
                 )
             elif args.task == "text-niah":
                 res = evals.evaluate_text_needle(

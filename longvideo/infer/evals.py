@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,17 +28,21 @@ from tqdm.auto import tqdm
 
 from longvideo.atomic import write_text_atomic
 from longvideo.data.codes import video_to_codes
+from longvideo.data.questions import question_type
 from longvideo.data.shards import index_tar, iter_raw_samples, iter_token_samples
 from longvideo.data.streams import ShardError, SkipStats, expand_shards
 from longvideo.data.synthetic import (
+    COLOUR_NAMES,
     COLOURS,
     NEEDLE_CHOICES,
     NEEDLE_QUESTION,
+    SHAPE_KINDS,
     SyntheticSpec,
     make_sample,
+    read_frame,
     write_mp4,
 )
-from longvideo.data.templates import build_prompt, parse_answer
+from longvideo.data.templates import build_prompt
 from longvideo.data.video import VideoError, read_video, resize_crop
 from longvideo.distributed import broadcast_record, fail_together, together
 from longvideo.infer.chat import (
@@ -51,6 +54,7 @@ from longvideo.infer.chat import (
     load_model,
 )
 from longvideo.infer.generation import Engine, LocalEngine
+from longvideo.infer.scoring import exact_match, length_label, score_answers, substring_match
 from longvideo.vq.codec import SplicingEncoder, decode_codes, encode_video
 
 EngineFactory = Callable[[object], Engine]
@@ -117,21 +121,6 @@ def settings_and_runtime(
 
 def _floats(values) -> tuple[float, ...]:
     return tuple(float(v) for v in values)
-
-
-def normalise(text: str) -> str:
-    return re.sub(r"\s+", " ", parse_answer(text).lower()).strip()
-
-
-def exact_match(prediction: str, reference: str) -> bool:
-    """The parsed answer equals the reference (case- and whitespace-insensitive)."""
-    return normalise(prediction) == normalise(reference) and normalise(reference) != ""
-
-
-def substring_match(prediction: str, reference: str) -> bool:
-    """The reference occurs in the prediction (case-insensitive)."""
-    ref = reference.strip().lower()
-    return bool(ref) and ref in prediction.lower()
 
 
 def save_heatmap(
@@ -261,6 +250,10 @@ class QASettings:
     """Raw shards: frames per second read."""
     max_frames: int | None = 3600
     """Raw shards: most frames read per video."""
+    lengths: tuple[float, ...] = ()
+    """Video lengths (seconds, ascending) to score apart: a video counts at the shortest length it
+    does not exceed; per question type and length in qa.json and qa_lengths.png. Empty: the
+    records' own durations in three bins of equal counts."""
 
 
 class QAEvaluation:
@@ -323,6 +316,8 @@ class QAEvaluation:
                 {
                     "key": key,
                     "question": x["question"],
+                    "type": question_type(x),
+                    "choices": list(choices) if choices else None,
                     "answer": str(x["answer"]),
                     "prediction": pred,
                     "exact": exact_match(pred, str(x["answer"])),
@@ -374,6 +369,7 @@ class QAEvaluation:
             }
             for q, asked in by_question.items()
         }
+        typed = score_answers(records, self.settings.lengths)
         result = {
             "task": "qa",
             "accuracy": _mean(records, "exact"),
@@ -382,6 +378,11 @@ class QAEvaluation:
             "questions": len(records),
             "samples": len({r["key"] for r in records}),
             "per_question": per_question,
+            "per_type": typed["per_type"],
+            "lengths": typed["lengths"],
+            "type_grid": typed["grid"],
+            "chance_grid": typed["chance_grid"],
+            "beyond_lengths": typed["beyond"],
             "duration_bins": bins,
             "grid": [[None if not np.isfinite(v) else float(v) for v in row] for row in grid],
             "skipped": {k: v for k, v in self.stats.items() if k != "ok"},
@@ -392,6 +393,19 @@ class QAEvaluation:
 
     def write(self, result: dict, grid: np.ndarray, bins: list) -> dict:
         xlabels = [f"{a:.0f}-{b:.0f}s" for a, b in bins]
+        if self.settings.out_dir is not None and result["lengths"]:
+            save_heatmap(  # question type x video length, chance beside each type
+                np.array(result["type_grid"], dtype=float),
+                [length_label(x) for x in result["lengths"]],
+                [
+                    f"{t} (chance {r['chance']:.2f})" if r["chance"] is not None else t
+                    for t, r in result["per_type"].items()
+                ],
+                Path(self.settings.out_dir) / "qa_lengths.png",
+                title=f"QA accuracy by question type and video length ({result['samples']} videos)",
+                xlabel="video length",
+                ylabel="question type",
+            )
         return _write(
             result,
             self.settings.out_dir,
@@ -1078,6 +1092,10 @@ class VQNeedleEvaluation:
         codes = encode_video(self.vq, torch.from_numpy(frames), batch_frames=s.batch_frames)
         decoded = decode_codes(self.vq, codes)[: s.num_frames].numpy()
         got = nearest_colour(decoded[frame], self.colours)
+        # the other frames' shapes, read from the drawn and the decoded frame: what the questions
+        # about shapes need the codes to keep (docs/hour.md, "What the tokenizer keeps")
+        read = [(read_frame(frames[t]), read_frame(decoded[t])) for t in range(s.num_frames)]
+        shapes = [(a, b) for t, (a, b) in enumerate(read) if t != frame and a["kind"] == "shape"]
         return {
             "trial": trial,
             "frame": frame,
@@ -1085,6 +1103,9 @@ class VQNeedleEvaluation:
             "colour": colour,
             "decoded": got,
             "correct": got == colour,
+            "shape_frames": len(shapes),
+            "shape_colour": sum(a["colour"] == b["colour"] for a, b in shapes),
+            "shape_kind": sum(b["kind"] == "shape" and a["shape"] == b["shape"] for a, b in shapes),
         }
 
     def result(self, cells: list[dict]) -> dict:
@@ -1093,6 +1114,7 @@ class VQNeedleEvaluation:
             o: float(np.mean([x["correct"] for x in cells if x["offset_in_group"] == o]))
             for o in offsets
         }
+        shapes = sum(x["shape_frames"] for x in cells)
         return {
             "task": "vq_needle",
             "frames": self.settings.num_frames,
@@ -1101,6 +1123,11 @@ class VQNeedleEvaluation:
             "frames_per_group": self.vq.cfg.frames_per_group,
             "rate": float(np.mean([x["correct"] for x in cells])),
             "rate_by_offset": {str(o): r for o, r in per.items()},
+            "shape_frames": shapes,
+            "shape_colour_rate": sum(x["shape_colour"] for x in cells) / max(shapes, 1),
+            "shape_colour_chance": 1.0 / len(COLOUR_NAMES),
+            "shape_kind_rate": sum(x["shape_kind"] for x in cells) / max(shapes, 1),
+            "shape_kind_chance": 1.0 / len(SHAPE_KINDS),
             "cells": cells,
         }
 
@@ -1113,7 +1140,8 @@ class VQNeedleEvaluation:
             [list(by_offset.values())],
             list(by_offset),
             ["decoded"],
-            title=f"Flash colour after the tokenizer ({result['rate']:.1%} of {result['trials']})",
+            title=f"Flash colour after the tokenizer ({result['rate']:.1%} of {result['trials']}); "
+            f"shapes: colour {result['shape_colour_rate']:.0%}, kind {result['shape_kind_rate']:.0%}",
             xlabel="flash frame's position in its code group",
             ylabel="",
         )
