@@ -80,7 +80,7 @@ class VideoSet:
     """Video i lasts durations[i % len] seconds (a held-out set at fixed lengths); empty: drawn
     between min_seconds and max_seconds."""
 
-    def spec(self, fps: int, needle_fraction: float) -> SyntheticSpec:
+    def spec(self, fps: int, needle_fraction: float, shape_scale: float = 1.0) -> SyntheticSpec:
         """The SyntheticSpec its videos are drawn with (its fields checked there)."""
         return SyntheticSpec(
             fps=fps,
@@ -95,6 +95,7 @@ class VideoSet:
             max_flashes=self.max_flashes,
             questions=self.questions,
             durations=self.durations,
+            shape_scale=shape_scale,
         )
 
     def __post_init__(self):
@@ -135,6 +136,9 @@ class DemoPlan:
     """The context ladder."""
     source_fps: int = 8
     """Frame rate of the written videos (all are read at 1 fps)."""
+    shape_scale: float = 1.0
+    """Every video's shapes (the sets', the needle evaluations' backgrounds, chat's): radii times
+    this; larger shapes keep their kind through a tokenizer of few codes per frame."""
     needle_fraction: float = 1.0
     """Fraction of videos with a flash frame and its question."""
     tokenizer_vocab: int = 384
@@ -298,6 +302,8 @@ class Demo:
     def __init__(self, out: Path, plan: DemoPlan, quiet: bool = False):
         self.out, self.plan, self.quiet = out, plan, quiet
         self.q = ["--quiet"] if quiet else []  # every command's progress bars off
+        # the shapes' size, for every command that draws videos (none when the default)
+        self.scale = ["--shape-scale", plan.shape_scale] if plan.shape_scale != 1.0 else []
         self.timings: dict[str, float] = {}
         self.machine: dict | None = None
         self.env = dict(
@@ -352,7 +358,7 @@ class Demo:
 
     def make_data(self) -> None:
         for v in self.plan.sets:
-            spec = v.spec(self.plan.source_fps, self.plan.needle_fraction)
+            spec = v.spec(self.plan.source_fps, self.plan.needle_fraction, self.plan.shape_scale)
             self.lv(
                 "make-data",
                 "synthetic",
@@ -383,6 +389,7 @@ class Demo:
                     else []
                 ),
                 *(["--durations", ",".join(map(str, spec.durations))] if spec.durations else []),
+                *self.scale,
                 "--samples-per-shard",
                 64,
                 "--workers",
@@ -394,7 +401,7 @@ class Demo:
     def tokenizer(self) -> None:
         p, texts = self.plan, []
         for v in p.sets:
-            spec = v.spec(p.source_fps, p.needle_fraction)
+            spec = v.spec(p.source_fps, p.needle_fraction, p.shape_scale)
             texts += text_corpus(n=400 // len(p.sets) + 1, seed=v.seed, spec=spec)
         corpus = self.out / "tokenizer_corpus.txt"
         write_text_atomic(corpus, "\n".join(texts) + "\n")
@@ -595,6 +602,7 @@ class Demo:
             ",".join(map(str, p.needle_depths)),
             "--source-fps",
             p.source_fps,
+            *self.scale,
             *quiet,
         ]
         if p.vq_needle_trials:
@@ -609,6 +617,9 @@ class Demo:
                 120,
                 "--trials",
                 p.vq_needle_trials,
+                "--source-fps",
+                p.source_fps,
+                *self.scale,
                 *quiet,
             )
         if p.needle_trials:
@@ -627,6 +638,7 @@ class Demo:
             max_seconds=self.plan.chat_seconds,
             needle_fraction=1.0,
             long_fraction=0.0,
+            shape_scale=self.plan.shape_scale,
         )
         sample = make_sample(seed=7, index=0, spec=spec)
         video, qa = self.out / "held_out.mp4", sample.meta["qa"][0]

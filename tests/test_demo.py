@@ -183,7 +183,9 @@ def test_sets_reach_make_data_as_the_plan_draws_them(tmp_path, monkeypatch):
         for cmd in cmds:
             args = [str(a) for a in cmd]
             assert data_cli.make_data_main(args[args.index("make-data") + 1 :]) == 0
-        assert specs == [v.spec(plan.source_fps, plan.needle_fraction) for v in plan.sets]
+        assert specs == [
+            v.spec(plan.source_fps, plan.needle_fraction, plan.shape_scale) for v in plan.sets
+        ]
 
 
 def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_path):

@@ -388,7 +388,9 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
         )
         shape = random_shape(rng, spec.size, spec.shape_scale)
         while prev is not None and (shape.kind, shape.colour) == (prev.kind, prev.colour):
-            shape = random_shape(rng, spec.size, spec.shape_scale)  # consecutive scenes differ, so cuts are visible
+            shape = random_shape(
+                rng, spec.size, spec.shape_scale
+            )  # consecutive scenes differ, so cuts are visible
         scenes.append((t, t + length, shape))
         prev, t = shape, t + length
     needle = None

@@ -264,6 +264,12 @@ def eval_parser() -> argparse.ArgumentParser:
         "before 1 fps sampling (as the training videos)",
     )
     vn.add_argument(
+        "--shape-scale",
+        type=float,
+        default=1.0,
+        help="generated backgrounds' shapes: radii times this (as the training videos')",
+    )
+    vn.add_argument(
         "--trials",
         type=_ints,
         default=None,
@@ -345,6 +351,12 @@ def eval_parser() -> argparse.ArgumentParser:
     vq.add_argument("--trials", type=int, default=64)
     vq.add_argument("--seed", type=int, default=0)
     vq.add_argument("--source-fps", type=int, default=8)
+    vq.add_argument(
+        "--shape-scale",
+        type=float,
+        default=1.0,
+        help="generated backgrounds' shapes: radii times this (as the training videos')",
+    )
     vq.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -397,6 +409,7 @@ def _eval(args) -> int:
                 trials=args.trials,
                 seed=args.seed,
                 source_fps=args.source_fps,
+                shape_scale=args.shape_scale,
                 out_dir=args.out,
                 progress=not args.quiet,
             )
@@ -494,6 +507,7 @@ def _eval(args) -> int:
                     colours=colours,
                     trials=trials,
                     source_fps=args.source_fps,
+                    shape_scale=args.shape_scale,
                     out_dir=out,
                     group=group,
                     haystack=args.haystack,

@@ -678,7 +678,13 @@ def evaluate_text_needle(model, settings: TextNeedleSettings | None = None, /, *
 
 
 def haystack_frames(
-    num_frames: int, size: int, seed: int, source_fps: int = 8, *, decoded: bool = False
+    num_frames: int,
+    size: int,
+    seed: int,
+    source_fps: int = 8,
+    *,
+    decoded: bool = False,
+    shape_scale: float = 1.0,
 ) -> np.ndarray:
     """A moving-shapes video of `num_frames` seconds at 1 fps (uint8 (T, size, size, 3)), rendered
     at `source_fps`; decoded: through the training videos' writer and read back, else exactly as
@@ -690,6 +696,7 @@ def haystack_frames(
         max_seconds=num_frames,
         long_fraction=0.0,
         needle_fraction=0.0,
+        shape_scale=shape_scale,
     )
     sample = make_sample(seed, 0, spec)
     if decoded:
@@ -767,6 +774,8 @@ class VideoNeedleSettings:
     """The needle image's answer (exact match)."""
     decoded: bool = True
     """Generated backgrounds and flashes pass through the training videos' codec first."""
+    shape_scale: float = 1.0
+    """Generated backgrounds: the shapes' radii times this (as the training videos')."""
 
     def __post_init__(self):
         object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
@@ -883,7 +892,12 @@ class VideoNeedleEvaluation:
         if self.hay is None:
             seed = s.seed + 1000 * column.index + trial
             frames = haystack_frames(
-                column.frames, self.size, seed, s.source_fps, decoded=s.decoded
+                column.frames,
+                self.size,
+                seed,
+                s.source_fps,
+                decoded=s.decoded,
+                shape_scale=s.shape_scale,
             )
         else:
             frames = self.hay[self.window(column, trial) :][: column.frames]
@@ -1056,6 +1070,8 @@ class VQNeedleSettings:
     """Seed of the backgrounds and of the flash positions."""
     source_fps: int = 8
     """Frame rate the backgrounds are rendered at before 1 fps sampling."""
+    shape_scale: float = 1.0
+    """The backgrounds' shapes: radii times this (as the training videos')."""
     colours: tuple[str, ...] | None = None
     """Flash colours, taken in turn (None: every colour the needle question asks)."""
     batch_frames: int = 64
@@ -1084,7 +1100,9 @@ class VQNeedleEvaluation:
 
     def flash(self, trial: int) -> dict:
         s, size = self.settings, self.vq.cfg.resolution
-        frames = haystack_frames(s.num_frames, size, s.seed + 7919 * (trial + 1), s.source_fps)
+        frames = haystack_frames(
+            s.num_frames, size, s.seed + 7919 * (trial + 1), s.source_fps, shape_scale=s.shape_scale
+        )
         # frame 0 of causal3d is a group of its own: counted apart
         frame = int(self.rng.integers(1, s.num_frames))
         colour = self.colours[trial % len(self.colours)]
