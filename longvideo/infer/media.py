@@ -272,9 +272,14 @@ def _get(t: _Target, address: str, deadline: float, policy, where, cancelled):
         raise
     except (OSError, http.client.HTTPException, ssl.SSLError) as e:
         timeout = isinstance(e, (socket.timeout, TimeoutError))
+        late = timeout and time.monotonic() >= deadline  # the socket's wait ended at the deadline
         raise FetchError(
             504 if timeout else 400,
-            "the media server did not answer in time" if timeout else "the download failed",
+            f"the download took longer than {policy.timeout_s:g} s"
+            if late
+            else "the media server did not answer in time"
+            if timeout
+            else "the download failed",
             where,
             f"{t.host} ({address}): {e!r}",
         ) from None
