@@ -62,9 +62,15 @@ class ConstantEngine:
         )
 
 
-def write_qa_shards(pre, tmp_path, n=3):
+def write_qa_shards(pre, tmp_path, n=3, **options):
     spec = SyntheticSpec(
-        size=16, fps=2, min_seconds=3, max_seconds=6, long_fraction=0.0, needle_fraction=0.5
+        size=16,
+        fps=2,
+        min_seconds=3,
+        max_seconds=6,
+        long_fraction=0.0,
+        needle_fraction=0.5,
+        **options,
     )
     samples = [make_sample(7, i, spec) for i in range(n)]
     with ShardWriter(tmp_path / "tokens-000.tar") as w:
@@ -156,6 +162,46 @@ def test_scores_follow_the_answers_with_a_constant_engine(pre, tmp_path):
         progress=False,
     )
     assert right["accuracy"] == 1.0  # same seed: the same first needle
+
+
+def test_qa_by_question_type_and_length_follows_the_answers(pre, tmp_path):
+    """Every question type at two video lengths, answered "red" by a constant engine: each cell's
+    accuracy is the share of its answers that are "red", and the type x length plot is written
+    into a directory that did not exist."""
+    from longvideo.data.questions import HOUR_QUESTIONS
+
+    samples = write_qa_shards(
+        pre, tmp_path / "shards", n=8, max_flashes=3, questions=HOUR_QUESTIONS, durations=(3, 6)
+    )
+    factory = lambda p: ConstantEngine(p.tokenizer, " red")  # noqa: E731
+    out = tmp_path / "new" / "qa"
+    qa = evaluate_qa(
+        pre,
+        str(tmp_path / "shards"),
+        engine_factory=factory,
+        lengths=(3, 6),
+        out_dir=out,
+        progress=False,
+    )
+    assert (out / "qa_lengths.png").read_bytes()[:8] == PNG_MAGIC
+    assert json.loads((out / "qa.json").read_text())["per_type"] == qa["per_type"]
+    for t, r in qa["per_type"].items():
+        for length, cell in r["by_length"].items():
+            asked = [
+                x
+                for s in samples
+                for x in s.meta["qa"]
+                if x["type"] == t and s.duration == int(float(length))
+            ]
+            assert cell["count"] == len(asked)
+            if asked:
+                assert cell["accuracy"] == pytest.approx(
+                    np.mean([x["answer"] == "red" for x in asked])
+                )
+                assert cell["chance"] == pytest.approx(
+                    np.mean([1 / len(x["choices"]) for x in asked])
+                )
+    assert set(qa["per_type"]) == {x["type"] for s in samples for x in s.meta["qa"]}
 
 
 def test_eval_harness_on_a_tiny_model_writes_json_and_png(pre, tmp_path, capsys):

@@ -394,6 +394,7 @@ class QAEvaluation:
     def write(self, result: dict, grid: np.ndarray, bins: list) -> dict:
         xlabels = [f"{a:.0f}-{b:.0f}s" for a, b in bins]
         if self.settings.out_dir is not None and result["lengths"]:
+            Path(self.settings.out_dir).mkdir(parents=True, exist_ok=True)
             save_heatmap(  # question type x video length, chance beside each type
                 np.array(result["type_grid"], dtype=float),
                 [length_label(x) for x in result["lengths"]],
