@@ -147,13 +147,15 @@ def test_hour_plan_fits_an_hour_in_its_last_stage():
     ]
 
 
-def test_hour_plan_asks_every_question_type_and_holds_out_every_length():
-    """Every set the ladder trains on carries 1-3 flashes and every question type; the held-out set
-    has videos of each length the QA evaluation scores apart, from a seed no training set uses."""
+def test_hour_questions_plan_asks_every_type_and_holds_out_every_length():
+    """The hour plan with questions: every set its ladder trains on carries 1-3 flashes and every
+    question type; the held-out set has videos of each length the QA evaluation scores apart, from
+    a seed no training set uses; its shapes are drawn larger (docs/hour.md)."""
     from longvideo.data.questions import HOUR_QUESTIONS
     from longvideo.demo import load_plan
 
-    HOUR = load_plan("demos/demo-hour")
+    HOUR = load_plan("demos/demo-hour-questions")
+    assert HOUR.shape_scale == 1.8 and load_plan("demos/demo-hour").shape_scale == 1.0
     sets = {v.name: v for v in HOUR.sets}
     trained = {name for st in HOUR.stages for name in st.sets}
     for name in trained | {HOUR.held_out}:
@@ -170,7 +172,7 @@ def test_sets_reach_make_data_as_the_plan_draws_them(tmp_path, monkeypatch):
     from longvideo.data import cli as data_cli
     from longvideo.demo import Demo, load_plan
 
-    for name in ("demo-hour", "demo-quick"):
+    for name in ("demo-hour", "demo-hour-questions", "demo-quick"):
         plan = load_plan(f"demos/{name}")
         demo = Demo(tmp_path / name, plan)
         (demo.out / "data").mkdir(parents=True)
@@ -322,7 +324,7 @@ def test_every_plan_file_runs_commands_bounded_by_steps(tmp_path):
     from longvideo.demo import Demo, load_plan
 
     names = sorted(f.stem for f in (ROOT / "configs/demos").glob("*.yaml"))
-    assert names == ["demo", "demo-hour", "demo-quick"]
+    assert names == ["demo", "demo-hour", "demo-hour-questions", "demo-quick"]
     for name in names:
         plan = load_plan(f"demos/{name}")
         cmds = plan_commands(Demo(tmp_path / name, plan))
