@@ -93,9 +93,10 @@ def score_answers(records: Sequence[dict], lengths: Sequence[float] = ()) -> dic
                     beyond += 1
                 else:
                     cols[j].append(r)
-            cell["by_length"] = {f"{length:g}": _cell(c) for length, c in zip(lengths, cols)}
-            grid.append([_cell(c)["accuracy"] for c in cols])
-            chance_grid.append([_cell(c)["chance"] for c in cols])
+            cells = [_cell(c) for c in cols]
+            cell["by_length"] = {f"{length:g}": c for length, c in zip(lengths, cells)}
+            grid.append([c["accuracy"] for c in cells])
+            chance_grid.append([c["chance"] for c in cells])
         per_type[t] = cell
     total = _cell(scored)
     return {
