@@ -134,7 +134,7 @@ def save_heatmap(
     ylabel: str,
 ) -> None:
     """values (len(ylabels), len(xlabels)) in [0, 1] as a red-to-green grid with the numbers
-    written in."""
+    written in, at `path` (its directory created when missing)."""
     from matplotlib.figure import Figure  # here: only the plots pay for matplotlib's import
 
     values = np.asarray(values, dtype=float)
@@ -148,6 +148,7 @@ def save_heatmap(
         if np.isfinite(v):
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(
         path, dpi=120, bbox_inches="tight"
     )  # long question labels: grow the canvas, not squeeze
@@ -394,7 +395,6 @@ class QAEvaluation:
     def write(self, result: dict, grid: np.ndarray, bins: list) -> dict:
         xlabels = [f"{a:.0f}-{b:.0f}s" for a, b in bins]
         if self.settings.out_dir is not None and result["lengths"]:
-            Path(self.settings.out_dir).mkdir(parents=True, exist_ok=True)
             save_heatmap(  # question type x video length, chance beside each type
                 np.array(result["type_grid"], dtype=float),
                 [length_label(x) for x in result["lengths"]],
