@@ -7,6 +7,7 @@ lwm layout adds nothing and encodes as LWM's SentencePiece tokenizer did (docs/l
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -33,6 +34,22 @@ def _sentencepiece_model(hf):
     ):
         return backend.model
     return None
+
+
+def _config_kwargs(path: Path) -> dict:
+    """{"config": an empty config} when the directory's config.json names a model type transformers
+    does not know (an export's `longvideo_llama`): the tokenizer needs no model config, and loading
+    that one would only warn that it is of another type."""
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        return {"config": PretrainedConfig()}
+    return {}
 
 
 class TextTokenizer:
@@ -98,7 +115,11 @@ class TextTokenizer:
             # the tokenizer never needs a directory's model code (an export with attn_logn_base has
             # some): without this transformers would stop and ask whether to run it
             hf = AutoTokenizer.from_pretrained(
-                str(path), local_files_only=True, use_fast=True, trust_remote_code=False
+                str(path),
+                local_files_only=True,
+                use_fast=True,
+                trust_remote_code=False,
+                **_config_kwargs(path),
             )
         else:
             from transformers import LlamaTokenizer

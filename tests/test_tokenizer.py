@@ -57,3 +57,20 @@ def test_missing_dir_is_a_clear_error(tmp_path):
         TextTokenizer.from_dir(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         TextTokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("model_type", ["longvideo_llama", "llama"])
+def test_a_checkpoint_directory_loads_its_tokenizer_without_a_warning(tmp_path, tok, model_type):
+    import json
+
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging as hf_logging
+
+    t, _ = tok
+    t.save(tmp_path)  # beside the model's config.json, as an export writes it
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with CaptureLogger(hf_logging.get_logger("transformers")) as cap:
+        again = TextTokenizer.from_dir(tmp_path)
+    assert "model of type" not in cap.out
+    for s in TEXTS[:4]:
+        assert again.encode(s + " <eof>") == t.encode(s + " <eof>")
