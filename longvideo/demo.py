@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 from longvideo.atomic import write_bytes_atomic, write_text_atomic
@@ -74,6 +74,8 @@ class VideoSet:
     videos whose captions say everything they show: 0)."""
     max_flashes: int = 1
     """A video with the needle carries 1 to this many flashes of distinct colours."""
+    needle_edge_fraction: float = 0.0
+    """Fraction of its needles on the video's first or last second (the rest at a uniform second)."""
     questions: tuple[str, ...] = BASIC_QUESTIONS
     """The question types its videos carry (longvideo/data/questions.py)."""
     durations: tuple[int, ...] = ()
@@ -93,6 +95,7 @@ class VideoSet:
             else self.needle_fraction,
             flashes_per_minute=self.flashes_per_minute,
             max_flashes=self.max_flashes,
+            needle_edge_fraction=self.needle_edge_fraction,
             questions=self.questions,
             durations=self.durations,
             shape_scale=shape_scale,
@@ -274,6 +277,20 @@ class DemoPlan:
         return rec
 
 
+def _with_set_defaults(record: dict) -> dict:
+    """A recorded plan with each set's fields that it predates at their defaults: a set field added
+    since, left at its default, draws the same videos, so an older run stays this plan's."""
+    defaults = {
+        f.name: json.loads(json.dumps(f.default))
+        for f in fields(VideoSet)
+        if f.default is not MISSING
+    }
+    sets = record.get("sets")
+    if isinstance(sets, list):
+        record = {**record, "sets": [{**defaults, **s} if isinstance(s, dict) else s for s in sets]}
+    return record
+
+
 def load_plan(path: str | Path) -> DemoPlan:
     """A plan file: a path, or one under configs/ (`demos/demo`). Errors name the key."""
     return from_dict(DemoPlan, load_yaml(resolve_config_path(path)))
@@ -383,6 +400,11 @@ class Demo:
                 "--flashes-per-minute",
                 spec.flashes_per_minute,
                 *(["--max-flashes", spec.max_flashes] if spec.max_flashes > 1 else []),
+                *(
+                    ["--needle-edge-fraction", spec.needle_edge_fraction]
+                    if spec.needle_edge_fraction
+                    else []
+                ),
                 *(
                     ["--questions", ",".join(spec.questions)]
                     if spec.questions != BASIC_QUESTIONS
@@ -695,7 +717,7 @@ class Demo:
             if summary.exists()
             else None
         )
-        if before is not None and before != plan:
+        if before is not None and _with_set_defaults(before) != plan:
             raise DemoError(
                 f"{self.out} holds a run of another plan (its videos, ladder or sizes differ); "
                 "pass --fresh to start it again, or --out for a new directory"
@@ -715,7 +737,7 @@ class Demo:
             raise DemoError(
                 f"{run} has no finished tokens (tokens/.done) and plan.json to take inputs from"
             )
-        mine, theirs = self.plan.record(), json.loads(marker.read_text())
+        mine, theirs = self.plan.record(), _with_set_defaults(json.loads(marker.read_text()))
         for record in (mine, theirs):
             record.pop("lm_seed", None)
         if mine != theirs:

@@ -106,3 +106,40 @@ def test_extra_flashes_leave_the_rest_of_the_sample_unchanged():
     for t, c in b.flashes:
         assert (fb[2 * t] == np.asarray(COLOURS[c], np.uint8)).all()
     assert (b.frames_at(np.arange(len(fb))) == fb).all()
+
+
+def test_edge_needles_move_only_the_needle_to_the_first_or_last_second():
+    """needle_edge_fraction puts that share of the needles on a video's first or last second, as
+    often each, from a random stream of its own: the scenes and the needle's colour are unchanged,
+    and the frames show the needle where its meta says."""
+    import dataclasses
+
+    plain = SyntheticSpec(
+        fps=1, min_seconds=20, max_seconds=60, long_fraction=0.0, needle_fraction=1.0
+    )
+    edged = dataclasses.replace(plain, needle_edge_fraction=0.5)
+    first = last = 0
+    n = 400
+    for i in range(n):
+        a, b = make_sample(6, i, plain), make_sample(6, i, edged)
+        assert (
+            b.scenes == a.scenes
+            and b.needle[1] == a.needle[1]
+            and b.meta["qa"][0]["answer"] == a.meta["qa"][0]["answer"]
+        )
+        t = b.needle[0]
+        assert b.meta["needle"]["start"] == t
+        assert (b.frames(t, t + 1)[0] == np.asarray(COLOURS[b.needle[1]], np.uint8)).all()
+        if b.needle != a.needle:
+            assert t in (0, b.duration - 1)
+        first += t == 0
+        last += t == b.duration - 1
+    # 0.5 * 0.5 of the needles on each edge, plus the uniform draws that land there (1/20-1/60)
+    for k in (first, last):
+        assert 0.2 * n <= k <= 0.34 * n, (first, last)
+    assert (
+        make_sample(6, 3, dataclasses.replace(plain, needle_edge_fraction=0.0)).meta
+        == make_sample(6, 3, plain).meta
+    )
+    with pytest.raises(ValueError, match="needle_edge_fraction"):
+        SyntheticSpec(needle_edge_fraction=1.5)

@@ -169,11 +169,19 @@ def test_hour_questions_plan_asks_every_type_and_holds_out_every_length():
 def test_sets_reach_make_data_as_the_plan_draws_them(tmp_path, monkeypatch):
     """The command line the demo writes for each set parses back to the SyntheticSpec the plan's
     VideoSet draws its videos with (questions, flashes, durations included)."""
+    from dataclasses import replace
+
     from longvideo.data import cli as data_cli
     from longvideo.demo import Demo, load_plan
 
-    for name in ("demo-hour", "demo-hour-questions", "demo-quick"):
-        plan = load_plan(f"demos/{name}")
+    hour = load_plan("demos/demo-hour")
+    edged = replace(hour, sets=tuple(replace(v, needle_edge_fraction=0.2) for v in hour.sets))
+    for name, plan in (
+        ("demo-hour", hour),
+        ("demo-hour-questions", load_plan("demos/demo-hour-questions")),
+        ("demo-quick", load_plan("demos/demo-quick")),
+        ("edged", edged),
+    ):
         demo = Demo(tmp_path / name, plan)
         (demo.out / "data").mkdir(parents=True)
         cmds, specs = [], []
@@ -215,6 +223,18 @@ def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_pat
     Demo(old, QUICK).check_plan()
     with pytest.raises(DemoError, match="--fresh"):
         Demo(old, other).check_plan()
+    # a run recorded before a set field existed is this plan's while the field keeps its default,
+    # and another plan's once a set changes it
+    older = tmp_path / "older"
+    older.mkdir()
+    record = json.loads(recorded)
+    for s in record["sets"]:
+        del s["needle_edge_fraction"]
+    (older / "plan.json").write_text(json.dumps(record))
+    Demo(older, QUICK).check_plan()
+    edged = replace(QUICK, sets=tuple(replace(v, needle_edge_fraction=0.2) for v in QUICK.sets))
+    with pytest.raises(DemoError, match="another plan"):
+        Demo(older, edged).check_plan()
 
 
 def test_a_run_records_the_machine_it_ran_on(monkeypatch):

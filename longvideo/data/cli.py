@@ -72,6 +72,12 @@ def make_data_main(argv: list[str]) -> int:
         help="needle depth in [0, 1] (0 = first second, 1 = last; default: random)",
     )
     s.add_argument(
+        "--needle-edge-fraction",
+        type=float,
+        default=d.needle_edge_fraction,
+        help="fraction of the needles on the first or last second (half each; default: none)",
+    )
+    s.add_argument(
         "--max-flashes",
         type=int,
         default=d.max_flashes,

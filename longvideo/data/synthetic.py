@@ -266,6 +266,9 @@ class SyntheticSpec:
     needle_at: float | None = (
         None  # depth of the needle in [0, 1] (0 = first second); None: at random
     )
+    # fraction of the needles put on the video's first or last second (as often each), the rest at
+    # a uniform second: a flash on the last frame is otherwise about 1 in `duration` (docs/hour.md)
+    needle_edge_fraction: float = 0.0
     # extra one-second flashes of random colours, with no question about them (tokenizer training
     # data: a tokenizer that rarely sees a flash learns to drop it)
     flashes_per_minute: float = 0.0
@@ -313,7 +316,7 @@ class SyntheticSpec:
                 f"questions {sorted(counting)} count the flashes: they cannot be asked with "
                 f"flashes_per_minute > 0 (unasked flashes), got {self.flashes_per_minute}"
             )
-        for name in ("long_fraction", "needle_fraction"):
+        for name in ("long_fraction", "needle_fraction", "needle_edge_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
@@ -398,6 +401,10 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
         second = int(rng.integers(0, duration))
         if spec.needle_at is not None:
             second = int(round(spec.needle_at * (duration - 1)))
+        elif spec.needle_edge_fraction > 0:  # a stream of its own: the rest is unchanged
+            edge = np.random.default_rng([seed, index, 4])
+            if edge.random() < spec.needle_edge_fraction:
+                second = 0 if edge.random() < 0.5 else duration - 1
         needle = (second, NEEDLE_CHOICES[rng.integers(len(NEEDLE_CHOICES))])
     events = [needle] if needle is not None else []
     if needle is not None and spec.max_flashes > 1:  # a stream of its own: the rest is unchanged
