@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 
 from longvideo.atomic import write_bytes_atomic, write_text_atomic
@@ -277,17 +277,32 @@ class DemoPlan:
         return rec
 
 
-def _with_set_defaults(record: dict) -> dict:
-    """A recorded plan with each set's fields that it predates at their defaults: a set field added
-    since, left at its default, draws the same videos, so an older run stays this plan's."""
-    defaults = {
-        f.name: json.loads(json.dumps(f.default))
-        for f in fields(VideoSet)
-        if f.default is not MISSING
+def _defaults(cls) -> dict:
+    """The JSON form of a plan dataclass's field defaults (fields without one are left out)."""
+    return {
+        f.name: json.loads(json.dumps(to_dict(f.default) if is_dataclass(f.default) else f.default))
+        for f in fields(cls)
+        if f.init and f.default is not MISSING
     }
-    sets = record.get("sets")
-    if isinstance(sets, list):
-        record = {**record, "sets": [{**defaults, **s} if isinstance(s, dict) else s for s in sets]}
+
+
+def _with_defaults(record: dict) -> dict:
+    """A recorded plan with every field it predates at its default: the plan's own, each set's and
+    each rung's. A field added since, left at its default, draws the same videos and trains the
+    same ladder, so an older run stays this plan's."""
+    if not isinstance(record, dict):
+        return record
+
+    def each(items, cls):
+        if not isinstance(items, list):
+            return items
+        return [{**_defaults(cls), **x} if isinstance(x, dict) else x for x in items]
+
+    record = {**_defaults(DemoPlan), **record}
+    record["sets"] = each(record.get("sets"), VideoSet)
+    record["stages"] = each(record.get("stages"), Stage)
+    if isinstance(record.get("t2v_stage"), dict):
+        record["t2v_stage"] = {**_defaults(Stage), **record["t2v_stage"]}
     return record
 
 
@@ -717,7 +732,7 @@ class Demo:
             if summary.exists()
             else None
         )
-        if before is not None and _with_set_defaults(before) != plan:
+        if before is not None and _with_defaults(before) != plan:
             raise DemoError(
                 f"{self.out} holds a run of another plan (its videos, ladder or sizes differ); "
                 "pass --fresh to start it again, or --out for a new directory"
@@ -737,7 +752,7 @@ class Demo:
             raise DemoError(
                 f"{run} has no finished tokens (tokens/.done) and plan.json to take inputs from"
             )
-        mine, theirs = self.plan.record(), _with_set_defaults(json.loads(marker.read_text()))
+        mine, theirs = self.plan.record(), _with_defaults(json.loads(marker.read_text()))
         for record in (mine, theirs):
             record.pop("lm_seed", None)
         if mine != theirs:

@@ -223,18 +223,28 @@ def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_pat
     Demo(old, QUICK).check_plan()
     with pytest.raises(DemoError, match="--fresh"):
         Demo(old, other).check_plan()
-    # a run recorded before a set field existed is this plan's while the field keeps its default,
-    # and another plan's once a set changes it
-    older = tmp_path / "older"
-    older.mkdir()
+    # a run recorded before a field existed (the plan's, a set's, a rung's) is this plan's while
+    # the field keeps its default, and another plan's once the plan changes it
     record = json.loads(recorded)
     for s in record["sets"]:
         del s["needle_edge_fraction"]
-    (older / "plan.json").write_text(json.dumps(record))
-    Demo(older, QUICK).check_plan()
+    for st in record["stages"]:
+        del st["overrides"]
+    del record["shape_scale"]
     edged = replace(QUICK, sets=tuple(replace(v, needle_edge_fraction=0.2) for v in QUICK.sets))
-    with pytest.raises(DemoError, match="another plan"):
-        Demo(older, edged).check_plan()
+    larger = replace(QUICK, shape_scale=1.8)
+    tuned = replace(
+        QUICK,
+        stages=(replace(QUICK.stages[0], overrides=("train.lr=1e-4",)), *QUICK.stages[1:]),
+    )
+    older = tmp_path / "older"
+    older.mkdir()
+    for changed in (edged, larger, tuned):
+        (older / "plan.json").write_text(json.dumps(record))
+        with pytest.raises(DemoError, match="another plan"):
+            Demo(older, changed).check_plan()
+        assert json.loads((older / "plan.json").read_text()) == record  # left as it was
+        Demo(older, QUICK).check_plan()
 
 
 def test_a_run_records_the_machine_it_ran_on(monkeypatch):
