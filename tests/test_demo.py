@@ -147,6 +147,32 @@ def test_hour_plan_fits_an_hour_in_its_last_stage():
     ]
 
 
+def test_the_hour_recipe_table_is_the_plans_ladder():
+    """docs/hour.md's recipe table states each rung of `make demo-hour` as its configs resolve it:
+    stage config, context, ring size, RoPE theta, steps and the lengths of the videos it reads."""
+    import re
+
+    from longvideo.demo import load_plan
+
+    HOUR = load_plan("demos/demo-hour")
+    sets = {v.name: v for v in HOUR.sets}
+    text = (ROOT / "docs/hour.md").read_text()
+    table = text[text.index("| rung | config |") :].split("\n\n")[0].splitlines()[2:]
+    assert len(table) == len(HOUR.stages)
+    for i, (row, st, rung) in enumerate(zip(table, HOUR.stages, HOUR.ladder)):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[0] == str(i) and cells[1] == f"`{st.config}.yaml`", row
+        assert int(cells[2].replace(",", "")) == rung["seq_len"], row
+        assert int(re.search(r"sp = (\d+)", cells[3]).group(1)) == rung["sp"], row
+        assert float(cells[4]) == rung["rope_theta"], row
+        assert int(cells[5].replace(",", "")) == rung["steps"], row
+        lo, hi, unit = re.fullmatch(r"(\d+)-(\d+) (seconds|minutes)", cells[6]).groups()
+        scale = 60 if unit == "minutes" else 1
+        read = [sets[name] for name in st.sets]
+        assert int(lo) * scale == min(v.min_seconds for v in read), row
+        assert int(hi) * scale == max(v.max_seconds for v in read), row
+
+
 def test_hour_questions_plan_asks_every_type_and_holds_out_every_length():
     """The hour plan with questions: every set its ladder trains on carries 1-3 flashes and every
     question type; the held-out set has videos of each length the QA evaluation scores apart, from
