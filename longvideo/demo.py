@@ -859,7 +859,14 @@ class Demo:
                 "chance_grid",
             ),
             "video_niah": load(
-                "video_niah", "accuracy", "chance", "n", "lengths", "grid", "needles_dropped"
+                "video_niah",
+                "accuracy",
+                "chance",
+                "n",
+                "lengths",
+                "grid",
+                "needles_dropped",
+                "misses",
             ),
             "vq_needle": load(
                 "vq_needle",
@@ -922,6 +929,15 @@ class Demo:
                 print(
                     "    by length: "
                     + ", ".join(f"{n} frames {sum(c) / len(c):.0%}" for n, c in cols)
+                )
+            misses = niah.get("misses")
+            if misses and any(m["wrong"] for m in misses.values()):
+                print(
+                    "    trials missed at every depth (the background, not the flash, read): "
+                    + ", ".join(
+                        f"{m['trials_missed_at_every_depth']} of {m['trials']}"
+                        for m in misses.values()
+                    )
                 )
             if niah.get("needles_dropped"):
                 print(

@@ -300,6 +300,33 @@ def test_a_run_records_the_machine_it_ran_on(monkeypatch):
     assert demo.summary(1.0)["machine"] == m
 
 
+def test_the_summary_keeps_the_needle_misses_and_the_report_prints_them(tmp_path, capsys):
+    """The needle evaluation's miss table reaches summary.json, and the report names, per length,
+    the trials missed at every depth (printed only when something was missed)."""
+    from longvideo.demo import Demo, load_plan
+
+    demo = Demo(tmp_path / "run", load_plan("demos/demo-quick"))
+    demo.machine = None
+    (demo.out / "eval/video_niah").mkdir(parents=True)
+    misses = {
+        "8": {"wrong": 0, "trials": 4, "trials_missed_at_every_depth": 0},
+        "40": {"wrong": 5, "trials": 4, "trials_missed_at_every_depth": 1},
+    }
+    grid = [[1.0, 0.25]] * 3
+    niah = {"accuracy": 0.75, "chance": 0.25, "lengths": [8, 40], "grid": grid, "misses": misses}
+    (demo.out / "eval/video_niah/video_needle.json").write_text(json.dumps({**niah, "cells": []}))
+    s = demo.summary(1.0)
+    assert s["video_niah"] == niah
+    demo.report(s)
+    assert "trials missed at every depth (the background, not the flash, read): 0 of 4, 1 of 4" in (
+        capsys.readouterr().out
+    )
+    for m in misses.values():
+        m.update(wrong=0, trials_missed_at_every_depth=0)
+    demo.report({**s, "video_niah": niah})
+    assert "missed at every depth" not in capsys.readouterr().out
+
+
 def test_a_seed_reaches_every_lm_stage_and_another_seed_reuses_the_inputs(tmp_path, monkeypatch):
     """`--seed` sets train.seed on every rung (shipped stage configs too); `--inputs-from` links a
     finished run's videos, tokenizers and token shards into a new run of the same plan up to the

@@ -9,7 +9,7 @@ from test_infer_chat import tiny_pretrained
 
 from longvideo.checkpoint import save_project_checkpoint
 from longvideo.data.shards import ShardWriter, token_sample_members
-from longvideo.data.synthetic import SyntheticSpec, make_sample, read_frame
+from longvideo.data.synthetic import COLOURS, SyntheticSpec, make_sample, read_frame
 from longvideo.data.video import read_video
 from longvideo.infer import cli
 from longvideo.infer.evals import (
@@ -20,6 +20,8 @@ from longvideo.infer.evals import (
     exact_match,
     flash_frame,
     haystack_frames,
+    haystack_story,
+    miss_table,
     needle_index,
     substring_match,
     text_needle_prompt,
@@ -305,6 +307,16 @@ def test_video_needle_trials_per_length_and_exact_splices(pre):
     assert res["trials"] == [3, 2] and len(res["cells"]) == 3 * 5
     assert [c["colour"] for c in res["cells"] if c["frames"] == 4][::3] == ["red", "blue", "red"]
     assert np.allclose(res["grid"], [[1 / 3, 1 / 2]] * 3)
+    size = pre.vq.cfg.resolution
+    for c in res["cells"]:  # each cell names the background it was asked over
+        j = (4, 7).index(c["frames"])
+        assert c["background"] == haystack_story(c["frames"], size, seed=1000 * j + c["trial"])
+    # " blue" to every question: each red trial is missed at every depth, no blue one
+    assert {k: v["trials_missed_at_every_depth"] for k, v in res["misses"].items()} == {
+        "4": 2,
+        "7": 1,
+    }
+    assert [v["wrong"] for v in res["misses"].values()] == [6, 3]
     causal = tiny_pretrained(max_seq_len=512, mode="causal3d")
     vocab, size = causal.model.cfg.vocab, causal.vq.cfg.resolution
     for decoded in (
@@ -333,6 +345,74 @@ def test_video_needle_trials_per_length_and_exact_splices(pre):
         codes = encode_video(causal.vq, torch.from_numpy(frames)).numpy()
         got = [t - vocab.vq_offset for t in seen[0] if vocab.vq_offset <= t < vocab.size]
         assert got == codes.reshape(-1).tolist()
+
+
+def test_haystack_story_is_what_the_background_shows():
+    """The description of a generated background agrees with its pixels: each frame's shape has
+    the colour of the scene it falls in, so the first frame shows the first scene's colour, the
+    last frame the last's, and each colour's frames add up to its seconds on screen."""
+    by_rgb = {tuple(v): k for k, v in COLOURS.items()}
+    for seed, frames in ((0, 9), (3, 40), (11, 120)):
+        story = haystack_story(frames, 32, seed)
+        drawn = haystack_frames(frames, 32, seed)  # exactly as drawn
+        shown = []
+        for f in drawn:
+            painted = {tuple(p) for p in f.reshape(-1, 3) if p.any()}
+            assert len(painted) == 1  # one shape a frame, one colour
+            shown.append(by_rgb[painted.pop()])
+        assert story["seed"] == seed
+        assert story["first"].split()[1] == shown[0] and story["last"].split()[1] == shown[-1]
+        assert story["colour_seconds"] == {c: shown.count(c) for c in set(shown)}
+        counts = list(story["colour_seconds"].values())
+        assert counts == sorted(counts, reverse=True) and sum(counts) == frames
+
+
+def test_miss_table_counts_a_hand_made_grid():
+    """Wrong answers sorted by what they name, against a grid written by hand: two trials of 60
+    frames (one missed at every depth), one of 300 read right."""
+    bg0 = {
+        "first": "a red circle",
+        "last": "a blue square",
+        "colour_seconds": {"green": 30, "red": 20, "blue": 10},
+    }
+    bg1 = {"first": "a yellow circle", "last": "a yellow square", "colour_seconds": {"yellow": 60}}
+    cells = [
+        # trial 0 (red flash): "green" the most-seen colour, "blue" its last scene's, "triangle"
+        dict(frames=60, trial=0, prediction="green", correct=False, background=bg0),
+        dict(frames=60, trial=0, prediction=" Blue.", correct=False, background=bg0),
+        dict(frames=60, trial=0, prediction="triangle", correct=False, background=bg0),
+        # trial 1 (blue flash): right once, "red" a colour the background never shows
+        dict(frames=60, trial=1, prediction="blue", correct=True, background=bg1),
+        dict(frames=60, trial=1, prediction="red", correct=False, background=bg1),
+        dict(frames=60, trial=1, prediction="yellow", correct=False, background=bg1),
+        dict(frames=300, trial=0, prediction="red", correct=True, background=bg1),
+    ]
+    assert miss_table(cells) == {
+        "60": {
+            "wrong": 5,
+            "trials": 2,
+            "trials_missed_at_every_depth": 1,
+            "wrong_answers_naming": {
+                "most_seen": 2,
+                "first_or_last": 1,
+                "other_colour": 1,
+                "no_colour": 1,
+            },
+        },
+        "300": {
+            "wrong": 0,
+            "trials": 1,
+            "trials_missed_at_every_depth": 0,
+            "wrong_answers_naming": {
+                "most_seen": 0,
+                "first_or_last": 0,
+                "other_colour": 0,
+                "no_colour": 0,
+            },
+        },
+    }
+    # a haystack video has no generated background to name
+    assert "wrong_answers_naming" not in miss_table([{**cells[0], "background": None}])["60"]
 
 
 @pytest.mark.parametrize("fps", [1, 8])

@@ -37,6 +37,7 @@ from longvideo.data.synthetic import (
     NEEDLE_CHOICES,
     NEEDLE_QUESTION,
     SHAPE_KINDS,
+    SyntheticSample,
     SyntheticSpec,
     make_sample,
     read_frame,
@@ -690,6 +691,15 @@ def haystack_frames(
     """A moving-shapes video of `num_frames` seconds at 1 fps (uint8 (T, size, size, 3)), rendered
     at `source_fps`; decoded: through the training videos' writer and read back, else exactly as
     drawn."""
+    sample = _haystack_sample(num_frames, size, seed, source_fps, shape_scale)
+    if decoded:
+        return read_video(sample.mp4(), fps=1.0, size=size).frames.numpy()[:num_frames].copy()
+    return sample.frames_at(np.arange(num_frames) * source_fps)
+
+
+def _haystack_sample(
+    num_frames: int, size: int, seed: int, source_fps: int, shape_scale: float
+) -> SyntheticSample:
     spec = SyntheticSpec(
         size=size,
         fps=source_fps,
@@ -699,10 +709,26 @@ def haystack_frames(
         needle_fraction=0.0,
         shape_scale=shape_scale,
     )
-    sample = make_sample(seed, 0, spec)
-    if decoded:
-        return read_video(sample.mp4(), fps=1.0, size=size).frames.numpy()[:num_frames].copy()
-    return sample.frames_at(np.arange(num_frames) * source_fps)
+    return make_sample(seed, 0, spec)
+
+
+def haystack_story(
+    num_frames: int, size: int, seed: int, source_fps: int = 8, *, shape_scale: float = 1.0
+) -> dict:
+    """What the background haystack_frames draws shows, for reading a needle grid's misses: its
+    seed, its first and last scene ("a red circle"), and the seconds each colour is on screen,
+    most first (a wrong answer that names one of them read the background, not the flash)."""
+    sample = _haystack_sample(num_frames, size, seed, source_fps, shape_scale)
+    seconds: dict[str, int] = {}
+    for a, b, shape in sample.scenes:
+        seconds[shape.colour] = seconds.get(shape.colour, 0) + b - a
+    first, last = sample.scenes[0][2], sample.scenes[-1][2]
+    return {
+        "seed": seed,
+        "first": f"a {first.colour} {first.kind}",
+        "last": f"a {last.colour} {last.kind}",
+        "colour_seconds": dict(sorted(seconds.items(), key=lambda kv: (-kv[1], kv[0]))),
+    }
 
 
 def flash_frame(
@@ -887,11 +913,28 @@ class VideoNeedleEvaluation:
             return 0
         return window_start(len(self.hay), column.frames, trial, column.trials)
 
+    def background_seed(self, column: Column, trial: int) -> int:
+        """The seed of a trial's generated background."""
+        return self.settings.seed + 1000 * column.index + trial
+
+    def background(self, column: Column, trial: int) -> dict | None:
+        """What the trial's generated background shows (haystack_story); None for a haystack video."""
+        if self.hay is not None:
+            return None
+        s = self.settings
+        return haystack_story(
+            column.frames,
+            self.size,
+            self.background_seed(column, trial),
+            s.source_fps,
+            shape_scale=s.shape_scale,
+        )
+
     def encode(self, column: Column, trial: int) -> np.ndarray:
         """(depths, G, h, w) codes of the trial's background with its needle at each depth."""
         s = self.settings
         if self.hay is None:
-            seed = s.seed + 1000 * column.index + trial
+            seed = self.background_seed(column, trial)
             frames = haystack_frames(
                 column.frames,
                 self.size,
@@ -972,6 +1015,7 @@ class VideoNeedleEvaluation:
             "needle_kept": group in set(keep),
             "window_start": self.window(column, trial),
             "tokens": session.last.prompt_len,
+            "background": self.background(column, trial),
         }
 
     def result(self, cells: list[dict], hits: np.ndarray) -> dict:
@@ -994,6 +1038,7 @@ class VideoNeedleEvaluation:
             "decoded": s.decoded,
             "haystack": None if s.haystack is None else str(s.haystack),
             "haystack_frames": None if self.hay is None else len(self.hay),
+            "misses": miss_table(cells),
         }
 
     def write(self, result: dict) -> dict:
@@ -1036,6 +1081,44 @@ class VideoNeedleEvaluation:
                     bar.update(1)
         bar.close()
         return self.write(self.result(cells, hits))
+
+
+def miss_table(cells: list[dict]) -> dict:
+    """How a needle grid's wrong answers fall: per length, the trials (backgrounds) missed at every
+    depth, and the wrong answers that name the background's most-seen colour, the colour of its
+    first or last scene, another colour, or no colour at all (a shape word, an empty answer). A
+    model that read the flash misses at random depths and colours; one that read the background
+    misses whole trials, naming what the background shows."""
+    out = {}
+    for frames in sorted({c["frames"] for c in cells}):
+        mine = [c for c in cells if c["frames"] == frames]
+        trials: dict[int, list[bool]] = {}
+        for c in mine:
+            trials.setdefault(c["trial"], []).append(bool(c["correct"]))
+        row = {
+            "wrong": sum(not c["correct"] for c in mine),
+            "trials": len(trials),
+            "trials_missed_at_every_depth": sum(not any(v) for v in trials.values()),
+        }
+        if all(c.get("background") for c in mine):
+            kinds = dict.fromkeys(("most_seen", "first_or_last", "other_colour", "no_colour"), 0)
+            for c in mine:
+                if c["correct"]:
+                    continue
+                said = c["prediction"].strip().lower().rstrip(".")
+                bg = c["background"]
+                ends = {bg["first"].split()[1], bg["last"].split()[1]}
+                if said not in COLOUR_NAMES:
+                    kinds["no_colour"] += 1
+                elif said == next(iter(bg["colour_seconds"])):
+                    kinds["most_seen"] += 1
+                elif said in ends:
+                    kinds["first_or_last"] += 1
+                else:
+                    kinds["other_colour"] += 1
+            row["wrong_answers_naming"] = kinds
+        out[str(frames)] = row
+    return out
 
 
 def evaluate_video_needle(model, settings: VideoNeedleSettings | None = None, /, **options) -> dict:
