@@ -296,7 +296,8 @@ def _with_defaults(record: dict) -> dict:
     def each(items, cls):
         if not isinstance(items, list):
             return items
-        return [{**_defaults(cls), **x} if isinstance(x, dict) else x for x in items]
+        defaults = _defaults(cls)
+        return [{**defaults, **x} if isinstance(x, dict) else x for x in items]
 
     record = {**_defaults(DemoPlan), **record}
     record["sets"] = each(record.get("sets"), VideoSet)

@@ -875,6 +875,7 @@ class VideoNeedleEvaluation:
         self.per_length = settings.trials_per_length()
         self.needles = self.load_needles()
         self.hay = self.read_haystack()
+        self.stories: dict[tuple[int, int], dict] = {}  # (column, trial) -> haystack_story
         self.question = settings.question or NEEDLE_QUESTION
 
     def load_needles(self) -> list[tuple[str, torch.Tensor]]:
@@ -921,14 +922,16 @@ class VideoNeedleEvaluation:
         """What the trial's generated background shows (haystack_story); None for a haystack video."""
         if self.hay is not None:
             return None
-        s = self.settings
-        return haystack_story(
-            column.frames,
-            self.size,
-            self.background_seed(column, trial),
-            s.source_fps,
-            shape_scale=s.shape_scale,
-        )
+        key, s = (column.index, trial), self.settings
+        if key not in self.stories:  # asked once per depth: drawn once per trial
+            self.stories[key] = haystack_story(
+                column.frames,
+                self.size,
+                self.background_seed(column, trial),
+                s.source_fps,
+                shape_scale=s.shape_scale,
+            )
+        return self.stories[key]
 
     def encode(self, column: Column, trial: int) -> np.ndarray:
         """(depths, G, h, w) codes of the trial's background with its needle at each depth."""
