@@ -362,6 +362,7 @@ def test_haystack_story_is_what_the_background_shows():
             shown.append(by_rgb[painted.pop()])
         assert story["seed"] == seed
         assert story["first"].split()[1] == shown[0] and story["last"].split()[1] == shown[-1]
+        assert (story["first_colour"], story["last_colour"]) == (shown[0], shown[-1])
         assert story["colour_seconds"] == {c: shown.count(c) for c in set(shown)}
         counts = list(story["colour_seconds"].values())
         assert counts == sorted(counts, reverse=True) and sum(counts) == frames
@@ -369,10 +370,13 @@ def test_haystack_story_is_what_the_background_shows():
 
 def test_miss_table_counts_a_hand_made_grid():
     """Wrong answers sorted by what they name, against a grid written by hand: two trials of 60
-    frames (one missed at every depth), one of 300 read right."""
+    frames (one missed at every depth), one of 300 read right. bg1 is a story written before the
+    scenes' colours had fields of their own: the table reads them from the words."""
     bg0 = {
         "first": "a red circle",
         "last": "a blue square",
+        "first_colour": "red",
+        "last_colour": "blue",
         "colour_seconds": {"green": 30, "red": 20, "blue": 10},
     }
     bg1 = {"first": "a yellow circle", "last": "a yellow square", "colour_seconds": {"yellow": 60}}

@@ -716,8 +716,9 @@ def haystack_story(
     num_frames: int, size: int, seed: int, source_fps: int = 8, *, shape_scale: float = 1.0
 ) -> dict:
     """What the background haystack_frames draws shows, for reading a needle grid's misses: its
-    seed, its first and last scene ("a red circle"), and the seconds each colour is on screen,
-    most first (a wrong answer that names one of them read the background, not the flash)."""
+    seed, its first and last scene ("a red circle") and their colours, and the seconds each colour
+    is on screen, most first (a wrong answer that names one of them read the background, not the
+    flash)."""
     sample = _haystack_sample(num_frames, size, seed, source_fps, shape_scale)
     seconds: dict[str, int] = {}
     for a, b, shape in sample.scenes:
@@ -727,6 +728,8 @@ def haystack_story(
         "seed": seed,
         "first": f"a {first.colour} {first.kind}",
         "last": f"a {last.colour} {last.kind}",
+        "first_colour": first.colour,
+        "last_colour": last.colour,
         "colour_seconds": dict(sorted(seconds.items(), key=lambda kv: (-kv[1], kv[0]))),
     }
 
@@ -1086,6 +1089,12 @@ class VideoNeedleEvaluation:
         return self.write(self.result(cells, hits))
 
 
+def _scene_colour(story: dict, end: str) -> str:
+    """The colour of a background story's first or last scene; stories written before the colour
+    had a field of its own carry it only in the scene's words ("a red circle")."""
+    return story.get(f"{end}_colour") or story[end].split()[1]
+
+
 def miss_table(cells: list[dict]) -> dict:
     """How a needle grid's wrong answers fall: per length, the trials (backgrounds) missed at every
     depth, and the wrong answers that name the background's most-seen colour, the colour of its
@@ -1110,7 +1119,7 @@ def miss_table(cells: list[dict]) -> dict:
                     continue
                 said = c["prediction"].strip().lower().rstrip(".")
                 bg = c["background"]
-                ends = {bg["first"].split()[1], bg["last"].split()[1]}
+                ends = {_scene_colour(bg, "first"), _scene_colour(bg, "last")}
                 if said not in COLOUR_NAMES:
                     kinds["no_colour"] += 1
                 elif said == next(iter(bg["colour_seconds"])):
