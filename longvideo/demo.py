@@ -934,12 +934,18 @@ class Demo:
             misses = niah.get("misses")
             if misses and any(m["wrong"] for m in misses.values()):
                 print(
-                    "    trials missed at every depth (the background, not the flash, read): "
+                    "    trials missed at every depth (one background, one colour): "
                     + ", ".join(
                         f"{m['trials_missed_at_every_depth']} of {m['trials']}"
                         for m in misses.values()
                     )
                 )
+                longest = misses[max(misses, key=int)].get("by_colour")
+                if longest:
+                    print(
+                        f"    by flash colour at {max(misses, key=int)} frames: "
+                        + ", ".join(f"{c} {v['right']}/{v['asked']}" for c, v in longest.items())
+                    )
             if niah.get("needles_dropped"):
                 print(
                     f"    warning: {niah['needles_dropped']} needles did not fit the model's context (guesses)"

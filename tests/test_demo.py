@@ -302,7 +302,8 @@ def test_a_run_records_the_machine_it_ran_on(monkeypatch):
 
 def test_the_summary_keeps_the_needle_misses_and_the_report_prints_them(tmp_path, capsys):
     """The needle evaluation's miss table reaches summary.json, and the report names, per length,
-    the trials missed at every depth (printed only when something was missed)."""
+    the trials missed at every depth and, at the longest length, each flash colour's rate (printed
+    only when something was missed)."""
     from longvideo.demo import Demo, load_plan
 
     demo = Demo(tmp_path / "run", load_plan("demos/demo-quick"))
@@ -310,7 +311,12 @@ def test_the_summary_keeps_the_needle_misses_and_the_report_prints_them(tmp_path
     (demo.out / "eval/video_niah").mkdir(parents=True)
     misses = {
         "8": {"wrong": 0, "trials": 4, "trials_missed_at_every_depth": 0},
-        "40": {"wrong": 5, "trials": 4, "trials_missed_at_every_depth": 1},
+        "40": {
+            "wrong": 5,
+            "trials": 4,
+            "trials_missed_at_every_depth": 1,
+            "by_colour": {"red": {"right": 7, "asked": 8}, "blue": {"right": 0, "asked": 4}},
+        },
     }
     grid = [[1.0, 0.25]] * 3
     niah = {"accuracy": 0.75, "chance": 0.25, "lengths": [8, 40], "grid": grid, "misses": misses}
@@ -318,9 +324,9 @@ def test_the_summary_keeps_the_needle_misses_and_the_report_prints_them(tmp_path
     s = demo.summary(1.0)
     assert s["video_niah"] == niah
     demo.report(s)
-    assert "trials missed at every depth (the background, not the flash, read): 0 of 4, 1 of 4" in (
-        capsys.readouterr().out
-    )
+    out = capsys.readouterr().out
+    assert "trials missed at every depth (one background, one colour): 0 of 4, 1 of 4" in out
+    assert "by flash colour at 40 frames: red 7/8, blue 0/4" in out
     for m in misses.values():
         m.update(wrong=0, trials_missed_at_every_depth=0)
     demo.report({**s, "video_niah": niah})

@@ -317,6 +317,14 @@ def test_video_needle_trials_per_length_and_exact_splices(pre):
         "7": 1,
     }
     assert [v["wrong"] for v in res["misses"].values()] == [6, 3]
+    assert res["misses"]["4"]["by_colour"] == {
+        "red": {"right": 0, "asked": 6},
+        "blue": {"right": 3, "asked": 3},
+    }
+    assert res["misses"]["7"]["by_colour"] == {
+        "red": {"right": 0, "asked": 3},
+        "blue": {"right": 3, "asked": 3},
+    }
     causal = tiny_pretrained(max_seq_len=512, mode="causal3d")
     vocab, size = causal.model.cfg.vocab, causal.vq.cfg.resolution
     for decoded in (
@@ -382,20 +390,23 @@ def test_miss_table_counts_a_hand_made_grid():
     bg1 = {"first": "a yellow circle", "last": "a yellow square", "colour_seconds": {"yellow": 60}}
     cells = [
         # trial 0 (red flash): "green" the most-seen colour, "blue" its last scene's, "triangle"
-        dict(frames=60, trial=0, prediction="green", correct=False, background=bg0),
-        dict(frames=60, trial=0, prediction=" Blue.", correct=False, background=bg0),
-        dict(frames=60, trial=0, prediction="triangle", correct=False, background=bg0),
+        dict(frames=60, trial=0, colour="red", prediction="green", correct=False, background=bg0),
+        dict(frames=60, trial=0, colour="red", prediction=" Blue.", correct=False, background=bg0),
+        dict(
+            frames=60, trial=0, colour="red", prediction="triangle", correct=False, background=bg0
+        ),
         # trial 1 (blue flash): right once, "red" a colour the background never shows
-        dict(frames=60, trial=1, prediction="blue", correct=True, background=bg1),
-        dict(frames=60, trial=1, prediction="red", correct=False, background=bg1),
-        dict(frames=60, trial=1, prediction="yellow", correct=False, background=bg1),
-        dict(frames=300, trial=0, prediction="red", correct=True, background=bg1),
+        dict(frames=60, trial=1, colour="blue", prediction="blue", correct=True, background=bg1),
+        dict(frames=60, trial=1, colour="blue", prediction="red", correct=False, background=bg1),
+        dict(frames=60, trial=1, colour="blue", prediction="yellow", correct=False, background=bg1),
+        dict(frames=300, trial=0, colour="red", prediction="red", correct=True, background=bg1),
     ]
     assert miss_table(cells) == {
         "60": {
             "wrong": 5,
             "trials": 2,
             "trials_missed_at_every_depth": 1,
+            "by_colour": {"red": {"right": 0, "asked": 3}, "blue": {"right": 1, "asked": 3}},
             "wrong_answers_naming": {
                 "most_seen": 2,
                 "first_or_last": 1,
@@ -407,6 +418,7 @@ def test_miss_table_counts_a_hand_made_grid():
             "wrong": 0,
             "trials": 1,
             "trials_missed_at_every_depth": 0,
+            "by_colour": {"red": {"right": 1, "asked": 1}},
             "wrong_answers_naming": {
                 "most_seen": 0,
                 "first_or_last": 0,

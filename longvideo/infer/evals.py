@@ -1100,7 +1100,9 @@ def miss_table(cells: list[dict]) -> dict:
     depth, and the wrong answers that name the background's most-seen colour, the colour of its
     first or last scene, another colour, or no colour at all (a shape word, an empty answer). A
     model that read the flash misses at random depths and colours; one that read the background
-    misses whole trials, naming what the background shows."""
+    misses whole trials, naming what the background shows. Each trial has one flash colour, so a
+    trial missed at every depth is the background's doing or the colour's: `by_colour` (per length,
+    each colour's flashes named right of those asked) tells the two apart."""
     out = {}
     for frames in sorted({c["frames"] for c in cells}):
         mine = [c for c in cells if c["frames"] == frames]
@@ -1111,6 +1113,13 @@ def miss_table(cells: list[dict]) -> dict:
             "wrong": sum(not c["correct"] for c in mine),
             "trials": len(trials),
             "trials_missed_at_every_depth": sum(not any(v) for v in trials.values()),
+            "by_colour": {
+                colour: {
+                    "right": sum(bool(c["correct"]) for c in mine if c["colour"] == colour),
+                    "asked": sum(c["colour"] == colour for c in mine),
+                }
+                for colour in dict.fromkeys(c["colour"] for c in mine)
+            },
         }
         if all(c.get("background") for c in mine):
             kinds = dict.fromkeys(("most_seen", "first_or_last", "other_colour", "no_colour"), 0)
