@@ -940,11 +940,11 @@ class Demo:
                         for m in misses.values()
                     )
                 )
-                longest = misses[max(misses, key=int)].get("by_colour")
-                if longest:
+                longest = max(misses, key=int)
+                if by_colour := misses[longest].get("by_colour"):
                     print(
-                        f"    by flash colour at {max(misses, key=int)} frames: "
-                        + ", ".join(f"{c} {v['right']}/{v['asked']}" for c, v in longest.items())
+                        f"    by flash colour at {longest} frames: "
+                        + ", ".join(f"{c} {v['right']}/{v['asked']}" for c, v in by_colour.items())
                     )
             if niah.get("needles_dropped"):
                 print(

@@ -717,8 +717,8 @@ def haystack_story(
 ) -> dict:
     """What the background haystack_frames draws shows, for reading a needle grid's misses: its
     seed, its first and last scene ("a red circle") and their colours, and the seconds each colour
-    is on screen, most first (a wrong answer that names one of them read the background, not the
-    flash)."""
+    is on screen, most first (a wrong answer that names one of them may have read the background
+    rather than the flash; miss_table counts them)."""
     sample = _haystack_sample(num_frames, size, seed, source_fps, shape_scale)
     seconds: dict[str, int] = {}
     for a, b, shape in sample.scenes:
