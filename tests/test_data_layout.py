@@ -292,6 +292,67 @@ def test_qa_pairs_shuffled_per_epoch_unless_given_order(tok, vocab):
     }
 
 
+def test_qa_types_keep_only_those_questions(tok, vocab):
+    """qa_types lays out only the pairs of the named types (each once, with its answer); a sample
+    left with none falls to its next template; a pair with no type is dropped; an unknown name
+    is refused naming the key."""
+    from longvideo.config import ConfigError, load_config
+    from longvideo.data.questions import HOUR_QUESTIONS
+    from longvideo.data.synthetic import SyntheticSpec
+
+    spec = SyntheticSpec(
+        fps=1,
+        min_seconds=30,
+        max_seconds=40,
+        needle_fraction=1.0,
+        max_flashes=3,
+        questions=HOUR_QUESTIONS,
+    )
+    metas = [make_sample(7, i, spec).meta for i in range(12)]
+    assert {len(m["qa"]) for m in metas} >= {6, 7}  # one flash: needle; two or three: order
+    codes, ts = _codes(2), np.arange(2.0)
+
+    def pairs(meta, opts):
+        docs, _ = build_docs(tok, vocab, codes, ts, meta, opts, 10_000, sample_rng(0, 0, "k"))
+        doc = docs[0]
+        text = tok.decode([i for i in doc.ids.tolist() if i < tok.text_size])
+        return doc.template, text
+
+    for m in metas:
+        every = {x["type"]: x for x in m["qa"]}
+        for keep in (("needle",), ("count", "last_colour"), ("order", "between")):
+            template, text = pairs(m, LayoutOptions(qa_types=keep))
+            kept = [every[t] for t in keep if t in every]
+            if not kept:  # no such question for this video: the segments template instead
+                assert template == "segments" and "Question:" not in text
+                continue
+            assert template == "qa" and text.count("Question:") == len(kept)
+            for x in kept:
+                assert f"Question: {x['question']}\nAnswer: {x['answer']}" in text
+        template, text = pairs(m, LayoutOptions())
+        assert text.count("Question:") == len(m["qa"])  # empty: every pair
+    untyped = {"qa": [{"question": "What colour was the flash frame?", "answer": "red"}]}
+    assert (
+        build_docs(
+            tok,
+            vocab,
+            codes,
+            ts,
+            untyped,
+            LayoutOptions(qa_types=("needle",)),
+            10_000,
+            sample_rng(0, 0, "k"),
+        )[0]
+        == []
+    )
+    assert load_config("tiny", ["data.qa_types=[needle,count]"]).data.qa_types == (
+        "needle",
+        "count",
+    )
+    with pytest.raises(ConfigError, match="data.qa_types.*needl"):
+        load_config("tiny", ["data.qa_types=[needl]"])
+
+
 def test_uniform_keep_spreads_evenly_and_keeps_both_ends():
     for n in range(1, 70):
         assert uniform_keep(n, n) == list(range(n)) == uniform_keep(n, n + 3)

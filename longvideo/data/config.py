@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from longvideo.configtools import check
+from longvideo.data.questions import QUESTION_TYPES
 
 TEMPLATES: tuple[str, ...] = ("qa", "segments", "caption")
 
@@ -46,6 +47,9 @@ class DataConfig:
     """Caption: after the video (captioning), before it (text to video), or either at random."""
     qa_order: Literal["shuffle", "given"] = "shuffle"
     """QA pairs of a sample in a new random order per epoch, or in the order the json gives them."""
+    qa_types: tuple[str, ...] = ()
+    """QA: only the pairs of these question types (longvideo/data/questions.py; a pair without a
+    type is dropped); a sample left with none has no qa template. Empty: every pair."""
     prompt_template: Literal["qa", "lwm"] = "qa"
     """Inference prompt: the QA template above, or LWM's vision-chat prompt (imported LWM models)."""
     loss_norm: Literal["token", "sample"] = "token"
@@ -70,6 +74,12 @@ class DataConfig:
             len(self.templates) > 0 and all(t in TEMPLATES for t in self.templates),
             "templates",
             f"must be a non-empty list of {', '.join(TEMPLATES)}; got {list(self.templates)}",
+        )
+        unknown = [t for t in self.qa_types if t not in QUESTION_TYPES]
+        check(
+            not unknown,
+            "qa_types",
+            f"unknown question types {unknown}; expected some of {list(QUESTION_TYPES)}",
         )
         check(self.shuffle_buffer >= 1, "shuffle_buffer", "must be >= 1")
         check(self.pack_bins >= 1, "pack_bins", "must be >= 1")

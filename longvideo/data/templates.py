@@ -229,6 +229,7 @@ class LayoutOptions:
     question_position: str = "after"
     caption_position: str = "after"
     qa_order: str = "shuffle"
+    qa_types: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, cfg: DataConfig) -> LayoutOptions:
@@ -343,6 +344,8 @@ def build_docs(
 ) -> tuple[list[Doc], int]:
     """All documents of one sample; returns (docs, number of templates that did not fit)."""
     docs, too_long = [], 0
+    if opts.qa_types and meta.get("qa"):  # a rung trained on some questions only
+        meta = dict(meta, qa=[x for x in meta["qa"] if x.get("type") in opts.qa_types])
     for template, first in choose_templates(meta, opts, rng):
         m = meta
         if template == "qa" and opts.qa_order == "shuffle" and len(meta["qa"]) > 1:
