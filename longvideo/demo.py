@@ -74,6 +74,8 @@ class VideoSet:
     videos whose captions say everything they show: 0)."""
     max_flashes: int = 1
     """A video with the needle carries 1 to this many flashes of distinct colours."""
+    decoys_per_minute: float = 0.0
+    """One-second decoys with no question: one or two quadrants in a flash colour (docs/hour.md)."""
     needle_edge_fraction: float = 0.0
     """Fraction of its needles on the video's first or last second (the rest at a uniform second)."""
     questions: tuple[str, ...] = BASIC_QUESTIONS
@@ -95,6 +97,7 @@ class VideoSet:
             else self.needle_fraction,
             flashes_per_minute=self.flashes_per_minute,
             max_flashes=self.max_flashes,
+            decoys_per_minute=self.decoys_per_minute,
             needle_edge_fraction=self.needle_edge_fraction,
             questions=self.questions,
             durations=self.durations,
@@ -416,6 +419,11 @@ class Demo:
                 "--flashes-per-minute",
                 spec.flashes_per_minute,
                 *(["--max-flashes", spec.max_flashes] if spec.max_flashes > 1 else []),
+                *(
+                    ["--decoys-per-minute", spec.decoys_per_minute]
+                    if spec.decoys_per_minute
+                    else []
+                ),
                 *(
                     ["--needle-edge-fraction", spec.needle_edge_fraction]
                     if spec.needle_edge_fraction
@@ -877,6 +885,7 @@ class Demo:
                 "shape_colour_chance",
                 "shape_kind_rate",
                 "shape_kind_chance",
+                "lookalikes",
             ),
             "t2v": load(
                 "t2v",
@@ -906,6 +915,14 @@ class Demo:
                     f"shapes after the tokenizer:      colour {vq_needle['shape_colour_rate']:.1%} "
                     f"(chance {vq_needle['shape_colour_chance']:.1%}), kind "
                     f"{vq_needle['shape_kind_rate']:.1%} (chance {vq_needle['shape_kind_chance']:.1%})"
+                )
+            if vq_needle.get("lookalikes"):  # docs/hour.md, "Look-alike codes"
+                print(
+                    "ordinary frames holding a flash's code: "
+                    + ", ".join(
+                        f"{c} {r['share_any']:.1%} ({r['unique_codes']} of its own)"
+                        for c, r in vq_needle["lookalikes"].items()
+                    )
                 )
         if qa:
             print(f"held-out QA accuracy:          {score(qa)}")

@@ -201,7 +201,13 @@ def test_sets_reach_make_data_as_the_plan_draws_them(tmp_path, monkeypatch):
     from longvideo.demo import Demo, load_plan
 
     hour = load_plan("demos/demo-hour")
-    edged = replace(hour, sets=tuple(replace(v, needle_edge_fraction=0.2) for v in hour.sets))
+    edged = replace(
+        hour,
+        sets=tuple(
+            replace(v, needle_edge_fraction=0.2, decoys_per_minute=3.0 * (v.name != "vq"))
+            for v in hour.sets
+        ),
+    )
     for name, plan in (
         ("demo-hour", hour),
         ("demo-hour-questions", load_plan("demos/demo-hour-questions")),
@@ -253,11 +259,12 @@ def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_pat
     # the field keeps its default, and another plan's once the plan changes it
     record = json.loads(recorded)
     for s in record["sets"]:
-        del s["needle_edge_fraction"]
+        del s["needle_edge_fraction"], s["decoys_per_minute"]
     for st in record["stages"]:
         del st["overrides"]
     del record["shape_scale"]
     edged = replace(QUICK, sets=tuple(replace(v, needle_edge_fraction=0.2) for v in QUICK.sets))
+    decoyed = replace(QUICK, sets=tuple(replace(v, decoys_per_minute=2.0) for v in QUICK.sets))
     larger = replace(QUICK, shape_scale=1.8)
     tuned = replace(
         QUICK,
@@ -265,7 +272,7 @@ def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_pat
     )
     older = tmp_path / "older"
     older.mkdir()
-    for changed in (edged, larger, tuned):
+    for changed in (edged, decoyed, larger, tuned):
         (older / "plan.json").write_text(json.dumps(record))
         with pytest.raises(DemoError, match="another plan"):
             Demo(older, changed).check_plan()
@@ -301,7 +308,8 @@ def test_a_run_records_the_machine_it_ran_on(monkeypatch):
 
 
 def test_the_summary_keeps_the_needle_misses_and_the_report_prints_them(tmp_path, capsys):
-    """The needle evaluation's miss table reaches summary.json, and the report names, per length,
+    """The needle evaluation's miss table and the tokenizer's look-alike table reach summary.json,
+    and the report prints the look-alikes and names, per length,
     the trials missed at every depth and, at the longest length, each flash colour's rate (printed
     only when something was missed)."""
     from longvideo.demo import Demo, load_plan
@@ -321,10 +329,17 @@ def test_the_summary_keeps_the_needle_misses_and_the_report_prints_them(tmp_path
     grid = [[1.0, 0.25]] * 3
     niah = {"accuracy": 0.75, "chance": 0.25, "lengths": [8, 40], "grid": grid, "misses": misses}
     (demo.out / "eval/video_niah/video_needle.json").write_text(json.dumps({**niah, "cells": []}))
+    (demo.out / "eval/vq_needle").mkdir(parents=True)
+    row = {"codes": [3] * 4, "tuples": 1, "share_per_code": [0.0] * 4, "unique_codes": 1}
+    lookalikes = {"red": {**row, "share_any": 0.0}, "blue": {**row, "share_any": 0.125}}
+    lookalikes["blue"]["unique_codes"] = 0
+    vq = {"rate": 1.0, "rate_by_offset": {"0": 1.0}, "lookalikes": lookalikes}
+    (demo.out / "eval/vq_needle/vq_needle.json").write_text(json.dumps({**vq, "cells": []}))
     s = demo.summary(1.0)
-    assert s["video_niah"] == niah
+    assert s["video_niah"] == niah and s["vq_needle"]["lookalikes"] == lookalikes
     demo.report(s)
     out = capsys.readouterr().out
+    assert "flash's code: red 0.0% (1 of its own), blue 12.5% (0 of its own)" in out
     assert "trials missed at every depth (one background, one colour): 0 of 4, 1 of 4" in out
     assert "by flash colour at 40 frames: red 7/8, blue 0/4" in out
     for m in misses.values():

@@ -571,6 +571,79 @@ def test_video_needle_counts_needles_the_context_dropped(pre, tmp_path, capsys):
     assert rc == 0 and f"warning: {res['needles_dropped']} of 9 needles were dropped" in out
 
 
+def test_lookalike_table_counts_a_hand_made_codebook():
+    """Per colour: the most frequent flash tuple, each code's share of ordinary frames holding it
+    in any cell, the share holding any, and the codes no ordinary frame holds; counted by hand."""
+    from longvideo.infer.evals import lookalike_table
+
+    red = [np.array([[5, 6], [7, 5]])] * 2 + [np.array([[5, 6], [7, 8]])]
+    blue = [np.array([[1, 1], [2, 2]])]
+    ordinary = np.array([[[1, 3], [3, 3]], [[3, 3], [3, 6]], [[0, 0], [0, 0]], [[2, 9], [9, 9]]])
+    t = lookalike_table({"red": red, "blue": blue}, ordinary)
+    assert t["red"] == {
+        "codes": [5, 6, 7, 5],
+        "tuples": 2,
+        "share_per_code": [0.0, 0.25, 0.0, 0.0],
+        "share_any": 0.25,
+        "unique_codes": 2,
+        "ordinary_frames": 4,
+    }
+    assert t["blue"]["share_per_code"] == [0.25] * 4
+    assert t["blue"]["share_any"] == 0.5 and t["blue"]["unique_codes"] == 0
+    empty = lookalike_table({"red": red}, np.zeros((0, 2, 2), np.int64))["red"]
+    assert empty["share_any"] == 0.0 and empty["unique_codes"] == 3  # 5, 6 and 7
+
+
+def test_vq_needle_lookalikes_read_the_plain_backgrounds(monkeypatch):
+    """The evaluation's look-alike table takes each flash's own code group and every frame of the
+    backgrounds encoded without it: a codec that codes a cell by its solid palette colour gives
+    each flash a code no ordinary frame holds; one that also gives every ordinary frame's top
+    left cell the red flash's code takes red's uniqueness away and leaves the others'."""
+    from longvideo.data.synthetic import NEEDLE_CHOICES
+    from longvideo.infer import evals
+
+    palette = [np.asarray(COLOURS[c], np.uint8) for c in NEEDLE_CHOICES]
+
+    def cells(frames):  # (T, 16, 16, 3) -> (T, 2, 2): palette index of a solid cell, else 4 or 5
+        f = frames.numpy().reshape(len(frames), 2, 8, 2, 8, 3).transpose(0, 1, 3, 2, 4, 5)
+        f = f.reshape(len(frames), 2, 2, 64, 3)
+        codes = np.where((f.max(-1) > 0).any(-1), 4, 5)
+        for i, rgb in enumerate(palette):
+            codes[(f == rgb).all(-1).mean(-1) >= 0.9] = i
+        return torch.from_numpy(codes)
+
+    def decode(vq, codes):
+        out = np.zeros((len(codes), 16, 16, 3), np.uint8)
+        for t, y, x in zip(*np.nonzero(codes.numpy() < 4)):
+            out[t, 8 * y : 8 * y + 8, 8 * x : 8 * x + 8] = palette[int(codes[t, y, x])]
+        return torch.from_numpy(out)
+
+    vq = tiny_pretrained(max_seq_len=512).vq
+    monkeypatch.setattr(evals, "encode_video", lambda vq, frames, batch_frames: cells(frames))
+    monkeypatch.setattr(evals, "decode_codes", decode)
+    res = evaluate_vq_needle(vq, num_frames=13, trials=8, progress=False)
+    assert res["rate"] == 1.0
+    for i, colour in enumerate(NEEDLE_CHOICES):
+        row = res["lookalikes"][colour]
+        assert row["codes"] == [i] * 4 and row["tuples"] == 1 and row["unique_codes"] == 1
+        assert row["share_any"] == 0.0 and row["ordinary_frames"] == 8 * 13
+    assert [c["flash_codes"] for c in res["cells"]][:2] == [[0] * 4, [1] * 4]
+
+    def red_corner(frames):
+        codes = cells(frames)
+        plain = ~(codes < 4).all(-1).all(-1)  # frames that are not a flash
+        codes[plain, 0, 0] = 0
+        return codes
+
+    monkeypatch.setattr(evals, "encode_video", lambda vq, frames, batch_frames: red_corner(frames))
+    res = evaluate_vq_needle(vq, num_frames=13, trials=8, progress=False)
+    red = res["lookalikes"]["red"]
+    assert (
+        red["unique_codes"] == 0 and red["share_any"] == 1.0 and red["share_per_code"] == [1.0] * 4
+    )
+    assert all(res["lookalikes"][c]["unique_codes"] == 1 for c in NEEDLE_CHOICES[1:])
+
+
 def test_vq_needle_scores_what_the_decoder_returns(pre, tmp_path, monkeypatch):
     """The flash is scored on the decoded frame at its own index, per offset in its group: a codec
     that returns the video unchanged scores 100 %, one that swaps red and blue 0 %."""

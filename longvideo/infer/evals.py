@@ -1163,6 +1163,37 @@ def nearest_colour(frame: np.ndarray, colours: Sequence[str]) -> str:
     )
 
 
+def lookalike_table(flashes: dict[str, list], ordinary) -> dict:
+    """How alike each colour's flash is, in codes, to frames without a flash. `flashes`: colour ->
+    the code groups (any shape) of its flash frames; `ordinary`: the code groups of frames with no
+    flash, (N, ...). Per colour: `codes`, its flash's most frequent code tuple (`tuples`: how many
+    tuples its flashes had); `share_per_code`, for each of those codes the share of ordinary frames
+    that hold it in any cell (a language model's code embedding does not know the cell);
+    `share_any`, the share holding at least one of them; `unique_codes`, how many of them no
+    ordinary frame holds: a flash with one is found by that code alone (docs/hour.md, "Look-alike
+    codes")."""
+    ordinary = np.asarray(ordinary)
+    flat = ordinary.reshape(len(ordinary), int(np.prod(ordinary.shape[1:])))
+    table = {}
+    for colour, groups in flashes.items():
+        tuples: dict[tuple, int] = {}
+        for g in groups:
+            key = tuple(int(c) for c in np.asarray(g).reshape(-1))
+            tuples[key] = tuples.get(key, 0) + 1
+        codes = max(tuples, key=tuples.get)
+        held = {c: (flat == c).any(1) for c in set(codes)}  # per distinct code: which frames
+        anywhere = np.logical_or.reduce(list(held.values()))
+        table[colour] = {
+            "codes": list(codes),
+            "tuples": len(tuples),
+            "share_per_code": [float(held[c].mean()) if len(flat) else 0.0 for c in codes],
+            "share_any": float(anywhere.mean()) if len(flat) else 0.0,
+            "unique_codes": sum(not h.any() for h in held.values()),
+            "ordinary_frames": len(flat),
+        }
+    return table
+
+
 @dataclass(frozen=True)
 class VQNeedleSettings:
     """What `eval vq-needle` is told (docs/hour.md, "The needle through the tokenizer")."""
@@ -1202,6 +1233,9 @@ class VQNeedleEvaluation:
         self.rng = np.random.default_rng(settings.seed)
         groups = self.vq.group_frame_index(settings.num_frames)
         self.offset_of = {k: g.index(k) for g in groups for k in g}
+        self.group_of = {k: i for i, g in enumerate(groups) for k in g}
+        self.flash_codes: dict[str, list[np.ndarray]] = {}  # colour -> its flash groups' codes
+        self.ordinary: list[np.ndarray] = []  # the plain backgrounds' code groups
 
     def flash(self, trial: int) -> dict:
         s, size = self.settings, self.vq.cfg.resolution
@@ -1211,8 +1245,12 @@ class VQNeedleEvaluation:
         # frame 0 of causal3d is a group of its own: counted apart
         frame = int(self.rng.integers(1, s.num_frames))
         colour = self.colours[trial % len(self.colours)]
+        plain = encode_video(self.vq, torch.from_numpy(frames.copy()), batch_frames=s.batch_frames)
+        self.ordinary.append(plain.numpy())  # the background's codes without a flash
         frames[frame] = np.asarray(COLOURS[colour], np.uint8)
         codes = encode_video(self.vq, torch.from_numpy(frames), batch_frames=s.batch_frames)
+        group = codes[self.group_of[frame]].numpy()
+        self.flash_codes.setdefault(colour, []).append(group)
         decoded = decode_codes(self.vq, codes)[: s.num_frames].numpy()
         got = nearest_colour(decoded[frame], self.colours)
         # the other frames' shapes, read from the drawn and the decoded frame: what the questions
@@ -1224,6 +1262,7 @@ class VQNeedleEvaluation:
             "frame": frame,
             "offset_in_group": self.offset_of[frame],
             "colour": colour,
+            "flash_codes": [int(c) for c in group.reshape(-1)],
             "decoded": got,
             "correct": got == colour,
             "shape_frames": len(shapes),
@@ -1251,6 +1290,10 @@ class VQNeedleEvaluation:
             "shape_colour_chance": 1.0 / len(COLOUR_NAMES),
             "shape_kind_rate": sum(x["shape_kind"] for x in cells) / max(shapes, 1),
             "shape_kind_chance": 1.0 / len(SHAPE_KINDS),
+            "lookalikes": lookalike_table(
+                self.flash_codes,
+                np.concatenate(self.ordinary) if self.ordinary else np.zeros((0, 1), np.int64),
+            ),
             "cells": cells,
         }
 
