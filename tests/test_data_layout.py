@@ -297,7 +297,10 @@ def test_qa_types_keep_only_those_questions(tok, vocab):
     left with none falls to its next template; a pair with no type is dropped; an unknown name
     is refused naming the key."""
     from longvideo.config import ConfigError, load_config
-    from longvideo.data.questions import HOUR_QUESTIONS
+    from longvideo.data.config import QUESTION_NAMES
+    from longvideo.data.questions import HOUR_QUESTIONS, QUESTION_TYPES
+
+    assert QUESTION_NAMES == tuple(QUESTION_TYPES)  # what a config may name is what is asked
     from longvideo.data.synthetic import SyntheticSpec
 
     spec = SyntheticSpec(
