@@ -74,8 +74,6 @@ class VideoSet:
     videos whose captions say everything they show: 0)."""
     max_flashes: int = 1
     """A video with the needle carries 1 to this many flashes of distinct colours."""
-    decoys_per_minute: float = 0.0
-    """One-second decoys with no question: one or two quadrants in a flash colour (docs/hour.md)."""
     needle_edge_fraction: float = 0.0
     """Fraction of its needles on the video's first or last second (the rest at a uniform second)."""
     questions: tuple[str, ...] = BASIC_QUESTIONS
@@ -97,7 +95,6 @@ class VideoSet:
             else self.needle_fraction,
             flashes_per_minute=self.flashes_per_minute,
             max_flashes=self.max_flashes,
-            decoys_per_minute=self.decoys_per_minute,
             needle_edge_fraction=self.needle_edge_fraction,
             questions=self.questions,
             durations=self.durations,
@@ -419,11 +416,6 @@ class Demo:
                 "--flashes-per-minute",
                 spec.flashes_per_minute,
                 *(["--max-flashes", spec.max_flashes] if spec.max_flashes > 1 else []),
-                *(
-                    ["--decoys-per-minute", spec.decoys_per_minute]
-                    if spec.decoys_per_minute
-                    else []
-                ),
                 *(
                     ["--needle-edge-fraction", spec.needle_edge_fraction]
                     if spec.needle_edge_fraction

@@ -108,65 +108,6 @@ def test_extra_flashes_leave_the_rest_of_the_sample_unchanged():
     assert (b.frames_at(np.arange(len(fb))) == fb).all()
 
 
-def test_decoys_paint_one_or_two_quadrants_and_leave_the_rest_unchanged():
-    """decoys_per_minute paints one or two quadrants of a frame for one second in a flash colour
-    that is not the shape's on screen, from a random stream of its own: the scenes, the flashes,
-    the QA and every other second are those without them; never on the first or last second or a
-    flash's; and the decoy is what an x264 round trip shows (its quadrants in its colour, the
-    frame far from a full-frame flash)."""
-    import dataclasses
-
-    from longvideo.data.questions import HOUR_QUESTIONS
-    from longvideo.data.synthetic import nearest_colour
-
-    plain = SyntheticSpec(
-        fps=2,
-        min_seconds=90,
-        max_seconds=90,
-        needle_fraction=1.0,
-        max_flashes=3,
-        questions=HOUR_QUESTIONS,
-        long_fraction=0.0,
-    )
-    sizes = set()
-    for index in range(4):
-        a = make_sample(5, index, plain)
-        b = make_sample(5, index, dataclasses.replace(plain, decoys_per_minute=12))
-        assert {k: v for k, v in b.meta.items() if k != "decoys"} == a.meta
-        assert 8 <= len(b.decoys) == len(b.meta["decoys"]) <= 36
-        fa, fb = a.frames(), b.frames()
-        changed = sorted(
-            {int(i) // 2 for i in np.nonzero((fa != fb).reshape(len(fa), -1).any(1))[0]}
-        )
-        assert changed == [t for t, _, _ in b.decoys]  # every decoy second, nothing else
-        flash_seconds = {t for t, _ in b.flashes} | {b.needle[0]}
-        clip = read_video(b.mp4(), fps=1.0).frames.numpy().astype(int)
-        for (t, colour, quadrants), m in zip(b.decoys, b.meta["decoys"]):
-            assert (m["start"], m["colour"], m["quadrants"]) == (t, colour, list(quadrants))
-            assert t not in flash_seconds | {0, b.duration - 1}
-            sizes.add(len(quadrants))
-            shown = next(sh.colour for s0, s1, sh in b.scenes if s0 <= t < s1)
-            assert colour != shown and colour in NEEDLE_CHOICES
-            rgb = np.asarray(COLOURS[colour], np.uint8)
-            for frame in fb[2 * t : 2 * t + 2]:
-                painted = (frame == rgb).all(-1)
-                assert painted.mean() == len(quadrants) / 4  # exactly its quadrants
-                for q in range(4):
-                    y, x = divmod(q, 2)
-                    cell = painted[y * 32 : (y + 1) * 32, x * 32 : (x + 1) * 32]
-                    assert cell.all() == (q in quadrants)
-            decoded = clip[t]
-            near = np.abs(decoded - rgb.astype(int)).max(-1) < 40
-            assert near.mean() < 0.6  # not a flash of its colour after the codec
-            for q in quadrants:
-                y, x = divmod(q, 2)
-                cell = decoded[y * 32 + 4 : (y + 1) * 32 - 4, x * 32 + 4 : (x + 1) * 32 - 4]
-                assert nearest_colour(cell.reshape(-1, 3).mean(0)) == colour
-    assert sizes == {1, 2}
-    with pytest.raises(ValueError, match="decoys_per_minute"):
-        dataclasses.replace(plain, decoys_per_minute=-1)
-
-
 def test_edge_needles_move_only_the_needle_to_the_first_or_last_second():
     """needle_edge_fraction puts that share of the needles on a video's first or last second, as
     often each, from a random stream of its own: the scenes and the needle's colour are unchanged,

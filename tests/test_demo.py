@@ -201,13 +201,7 @@ def test_sets_reach_make_data_as_the_plan_draws_them(tmp_path, monkeypatch):
     from longvideo.demo import Demo, load_plan
 
     hour = load_plan("demos/demo-hour")
-    edged = replace(
-        hour,
-        sets=tuple(
-            replace(v, needle_edge_fraction=0.2, decoys_per_minute=3.0 * (v.name != "vq"))
-            for v in hour.sets
-        ),
-    )
+    edged = replace(hour, sets=tuple(replace(v, needle_edge_fraction=0.2) for v in hour.sets))
     for name, plan in (
         ("demo-hour", hour),
         ("demo-hour-questions", load_plan("demos/demo-hour-questions")),
@@ -259,12 +253,11 @@ def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_pat
     # the field keeps its default, and another plan's once the plan changes it
     record = json.loads(recorded)
     for s in record["sets"]:
-        del s["needle_edge_fraction"], s["decoys_per_minute"]
+        del s["needle_edge_fraction"]
     for st in record["stages"]:
         del st["overrides"]
     del record["shape_scale"]
     edged = replace(QUICK, sets=tuple(replace(v, needle_edge_fraction=0.2) for v in QUICK.sets))
-    decoyed = replace(QUICK, sets=tuple(replace(v, decoys_per_minute=2.0) for v in QUICK.sets))
     larger = replace(QUICK, shape_scale=1.8)
     tuned = replace(
         QUICK,
@@ -272,7 +265,7 @@ def test_a_run_directory_of_another_plan_is_refused_before_anything_runs(tmp_pat
     )
     older = tmp_path / "older"
     older.mkdir()
-    for changed in (edged, decoyed, larger, tuned):
+    for changed in (edged, larger, tuned):
         (older / "plan.json").write_text(json.dumps(record))
         with pytest.raises(DemoError, match="another plan"):
             Demo(older, changed).check_plan()

@@ -355,6 +355,67 @@ def test_video_needle_trials_per_length_and_exact_splices(pre):
         assert got == codes.reshape(-1).tolist()
 
 
+def test_edit_lookalikes_on_hand_made_codes():
+    """scrub: outside the flash's group and the two after it, every code of the flash becomes its
+    cell's most frequent other code (worked by hand); add: that share of the other groups gets
+    one flash code in its own cell, the protected groups never change."""
+    from longvideo.infer.evals import edit_lookalikes
+
+    codes = np.array([[7, 1], [1, 1], [2, 8], [7, 8], [7, 8], [8, 8], [1, 2], [7, 7]])[:, None, :]
+    rng = np.random.default_rng(0)
+    scrubbed = edit_lookalikes(codes, 3, "scrub", rng)[:, 0, :]
+    assert scrubbed.tolist() == [[1, 1], [1, 1], [2, 1], [7, 8], [7, 8], [8, 8], [1, 2], [1, 1]]
+    assert (edit_lookalikes(codes, 3, "keep", rng) == codes).all()
+    plain = np.array([[1, 2]] * 3 + [[7, 8]] + [[3, 4]] * 16)[:, None, :]  # no look-alike yet
+    added = edit_lookalikes(plain, 3, "add", np.random.default_rng(1), share=0.25)[:, 0, :]
+    changed = np.nonzero((added != plain[:, 0, :]).any(1))[0]
+    assert len(changed) == round(0.25 * 17) and not set(changed) & {3, 4, 5}
+    for g in changed:
+        (k,) = np.nonzero(added[g] != plain[g, 0])[0]
+        assert added[g, k] == (7, 8)[k]
+    again = edit_lookalikes(plain, 3, "add", np.random.default_rng(1), share=0.25)[:, 0, :]
+    assert (again == added).all()
+    with pytest.raises(ValueError, match="lookalikes"):
+        edit_lookalikes(codes, 3, "remove", rng)
+
+
+def test_video_needle_scrubbed_prompts_hold_no_lookalike(pre):
+    """With lookalikes="scrub" the prompt's codes are the encode's, except that no group outside
+    the flash's and the two after it holds any of the flash's codes; the result records the edit."""
+    seen = []
+
+    class Recording(ConstantEngine):
+        def set_prefix(self, ids):
+            seen.append(ids[0].tolist())
+            super().set_prefix(ids)
+
+    causal = tiny_pretrained(max_seq_len=512, mode="causal3d")
+    vocab, size = causal.model.cfg.vocab, causal.vq.cfg.resolution
+    res = evaluate_video_needle(
+        causal,
+        lengths=(13,),
+        depths=(0.5,),
+        colours=("yellow",),
+        trials=1,
+        engine_factory=lambda p: Recording(p.tokenizer, " blue"),
+        progress=False,
+        lookalikes="scrub",
+    )
+    cell = res["cells"][0]
+    assert res["lookalikes"] == "scrub"
+    frames = haystack_frames(13, size, seed=0, decoded=True)
+    frames[cell["needle_frame"]] = flash_frame("yellow", size, decoded=True).numpy()
+    codes = encode_video(causal.vq, torch.from_numpy(frames)).numpy()
+    got = np.asarray([t - vocab.vq_offset for t in seen[0] if vocab.vq_offset <= t < vocab.size])
+    got = got.reshape(len(codes), -1)
+    g, flat = cell["needle_group"], codes.reshape(len(codes), -1)
+    assert (got[g : g + 3] == flat[g : g + 3]).all()
+    others = [k for k in range(len(codes)) if not g <= k < g + 3]
+    assert not np.isin(got[others], flat[g]).any()
+    kept = ~np.isin(flat[others], flat[g])
+    assert (got[others][kept] == flat[others][kept]).all()  # nothing else changed
+
+
 def test_haystack_story_is_what_the_background_shows():
     """The description of a generated background agrees with its pixels: each frame's shape has
     the colour of the scene it falls in, so the first frame shows the first scene's colour, the

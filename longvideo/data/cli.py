@@ -66,12 +66,6 @@ def make_data_main(argv: list[str]) -> int:
         help="extra one-second flashes with no question (tokenizer training data)",
     )
     s.add_argument(
-        "--decoys-per-minute",
-        type=float,
-        default=d.decoys_per_minute,
-        help="one-second decoys with no question: 1-2 quadrants in a flash colour (hard negatives)",
-    )
-    s.add_argument(
         "--needle-at",
         type=float,
         default=None,

@@ -276,10 +276,6 @@ class SyntheticSpec:
     # equally often), each a second of its own; the questions about them (count, order, between)
     # are those of `questions` that are defined for that many
     max_flashes: int = 1
-    # one-second decoys with no question: one or two of the frame's four quadrants painted in a
-    # flash colour (never the first, last or a flash's second). A model that reads one corner of
-    # a frame takes them for the flash; hard negatives for the needle (docs/hour.md)
-    decoys_per_minute: float = 0.0
     questions: tuple[str, ...] = BASIC_QUESTIONS  # question types asked (data/questions.py)
     durations: tuple[int, ...] = ()  # sample i lasts durations[i % len] seconds (empty: drawn)
     shape_scale: float = 1.0  # shapes' radii times this (1: 14-22 % of the frame side)
@@ -302,8 +298,6 @@ class SyntheticSpec:
             raise ValueError(f"needle_at must be in [0, 1], got {self.needle_at}")
         if self.flashes_per_minute < 0:
             raise ValueError(f"flashes_per_minute must be >= 0, got {self.flashes_per_minute}")
-        if self.decoys_per_minute < 0:
-            raise ValueError(f"decoys_per_minute must be >= 0, got {self.decoys_per_minute}")
         if not 1 <= self.max_flashes <= len(COLOUR_NAMES) - 1:
             raise ValueError(
                 f"max_flashes must be in [1, {len(COLOUR_NAMES) - 1}] (flashes of distinct "
@@ -340,9 +334,6 @@ class SyntheticSample:
     flashes: list[tuple[int, str]] = field(
         default_factory=list
     )  # extra (second, colour), no question
-    decoys: list[tuple[int, str, tuple[int, ...]]] = field(
-        default_factory=list
-    )  # (second, colour, quadrants painted: 0 top left, 1 top right, 2 bottom left, 3 bottom right)
 
     @property
     def num_frames(self) -> int:
@@ -367,14 +358,6 @@ class SyntheticSample:
                 part = out[sel]
                 part[mask] = np.asarray(COLOURS[shape.colour], np.uint8)
                 out[sel] = part
-        half = size // 2
-        for sec, colour, quadrants in self.decoys:  # over the scene, under any flash
-            rows = np.nonzero((idx >= sec * fps) & (idx < (sec + 1) * fps))[0]
-            for q in quadrants:
-                y, x = divmod(q, 2)
-                out[rows, y * half : (y + 1) * half, x * half : (x + 1) * half] = np.asarray(
-                    COLOURS[colour], np.uint8
-                )
         painted = self.flashes + (
             [self.needle] if self.needle is not None else []
         )  # the needle wins
@@ -476,22 +459,6 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
         meta["flashes"] = [
             {"start": float(t), "end": float(t + 1), "colour": c} for t, c in flashes
         ]
-    decoys = []
-    if spec.decoys_per_minute > 0:  # a stream of its own: the rest of the sample is unchanged
-        drng = np.random.default_rng([seed, index, 5])
-        n = int(drng.poisson(spec.decoys_per_minute * duration / 60))
-        taken = {0, duration - 1} | {t for t, _ in events} | {t for t, _ in flashes}
-        for t in sorted({int(x) for x in drng.integers(0, duration, n)} - taken):
-            k = int(drng.integers(1, 3))
-            quadrants = tuple(sorted(drng.choice(4, size=k, replace=False).tolist()))
-            # not the colour of the shape on screen: a decoy frame is never mostly one colour
-            shown = next(sh.colour for a, b, sh in scenes if a <= t < b)
-            others = [c for c in NEEDLE_CHOICES if c != shown]
-            decoys.append((t, others[int(drng.integers(len(others)))], quadrants))
-        meta["decoys"] = [
-            {"start": float(t), "end": float(t + 1), "colour": c, "quadrants": list(q)}
-            for t, c, q in decoys
-        ]
     return SyntheticSample(
         key=key,
         spec=spec,
@@ -500,7 +467,6 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
         needle=needle,
         meta=meta,
         flashes=flashes + [e for e in events if e != needle],  # painted like the needle
-        decoys=decoys,
     )
 
 

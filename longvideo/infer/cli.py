@@ -286,6 +286,13 @@ def eval_parser() -> argparse.ArgumentParser:
     vn.add_argument("--question", default=None, help="the question about the needle image")
     vn.add_argument("--answer", default=None, help="its answer (exact match)")
     vn.add_argument(
+        "--lookalikes",
+        choices=("keep", "scrub", "add"),
+        default="keep",
+        help="a diagnostic: scrub the flash's codes from every other frame, or add 3%% more "
+        "frames holding one (docs/hour.md, 'Look-alike codes'); default: keep",
+    )
+    vn.add_argument(
         "--exact-frames",
         action="store_true",
         help="splice the generated backgrounds and "
@@ -515,6 +522,7 @@ def _eval(args) -> int:
                     question=args.question,
                     answer=args.answer,
                     decoded=not args.exact_frames,
+                    lookalikes=args.lookalikes,
                     **run,
                 )
                 line = (

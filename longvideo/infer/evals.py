@@ -806,8 +806,15 @@ class VideoNeedleSettings:
     """Generated backgrounds and flashes pass through the training videos' codec first."""
     shape_scale: float = 1.0
     """Generated backgrounds: the shapes' radii times this (as the training videos')."""
+    lookalikes: str = "keep"
+    """A diagnostic: "scrub" the flash's codes from every other frame, or "add" 3 % more frames
+    holding one (edit_lookalikes); "keep": the codes as encoded."""
 
     def __post_init__(self):
+        if self.lookalikes not in LOOKALIKE_EDITS:
+            raise ValueError(
+                f"lookalikes must be one of {LOOKALIKE_EDITS}, got {self.lookalikes!r}"
+            )
         object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
         object.__setattr__(self, "depths", _floats(self.depths))
         if self.colours is not None:
@@ -993,6 +1000,10 @@ class VideoNeedleEvaluation:
         depth = self.settings.depths[depth_index]
         answer = self.needles[trial % len(self.needles)][0]
         frame = needle_index(column.frames, depth)
+        group = next(g for g, members in enumerate(column.groups) if frame in members)
+        if self.settings.lookalikes != "keep":
+            rng = np.random.default_rng([self.settings.seed, column.index, trial, depth_index])
+            codes = edit_lookalikes(codes, group, self.settings.lookalikes, rng)
         kept, stamps, keep = fit_codes(
             self.pretrained, codes, column.stamps, self.question, self.infer.max_new_tokens
         )
@@ -1005,7 +1016,6 @@ class VideoNeedleEvaluation:
         )
         session = open_session(self.pretrained, video, self.infer, self.runtime.engine_factory)
         pred = session.ask(self.question)
-        group = next(g for g, members in enumerate(column.groups) if frame in members)
         return {
             "frames": column.frames,
             "depth": float(depth),
@@ -1042,6 +1052,7 @@ class VideoNeedleEvaluation:
             "vq_mode": self.vq.cfg.mode,
             "question": self.question,
             "decoded": s.decoded,
+            "lookalikes": s.lookalikes,
             "haystack": None if s.haystack is None else str(s.haystack),
             "haystack_frames": None if self.hay is None else len(self.hay),
             "misses": miss_table(cells),
@@ -1192,6 +1203,57 @@ def lookalike_table(flashes: dict[str, list], ordinary) -> dict:
             "ordinary_frames": len(flat),
         }
     return table
+
+
+LOOKALIKE_EDITS: tuple[str, ...] = ("keep", "scrub", "add")
+"""What `VideoNeedleSettings.lookalikes` may do to a trial's codes (edit_lookalikes)."""
+
+
+def edit_lookalikes(
+    codes: np.ndarray,
+    group: int,
+    mode: str,
+    rng: np.random.Generator,
+    share: float = 0.03,
+    reach: int = 3,
+) -> np.ndarray:
+    """A diagnostic edit of a needle trial's codes (G, h, w), the flash at group `group`. The
+    flash's own group and the `reach - 1` after it (which a causal tokenizer computes with the
+    flash in view) are never touched. "keep": unchanged. "scrub": in every other group, each code
+    that is one of the flash's codes becomes its cell's most frequent code that is not (no
+    ordinary frame then matches the flash in any code; a cell with no other code takes the most
+    frequent other code of any cell). "add": `share` of the other groups, drawn
+    at random, get one of the flash's codes in its own cell (look-alikes beyond those the
+    background has). docs/hour.md, "Look-alike codes"."""
+    if mode not in LOOKALIKE_EDITS:
+        raise ValueError(f"lookalikes must be one of {LOOKALIKE_EDITS}, got {mode!r}")
+    out = np.array(codes, copy=True)
+    if mode == "keep":
+        return out
+    flash = out[group].reshape(-1).copy()
+    others = np.setdiff1d(np.arange(len(out)), np.arange(group, group + reach))
+    cells = out.reshape(len(out), -1)  # a view: edits land in `out`
+    if mode == "scrub":
+
+        def most_frequent_other(values) -> int:
+            values, counts = np.unique(values, return_counts=True)
+            keep = ~np.isin(values, flash)
+            return int(values[keep][np.argmax(counts[keep])]) if keep.any() else -1
+
+        anywhere = most_frequent_other(cells[others])
+        if anywhere < 0:  # every code of every other group is the flash's: the lowest one not
+            anywhere = min(set(range(int(flash.max()) + 2)) - set(flash.tolist()))
+        for k in range(cells.shape[1]):
+            fill = most_frequent_other(cells[others, k])
+            fill = anywhere if fill < 0 else fill  # the cell holds only flash codes
+            col = cells[others, k]
+            cells[others, k] = np.where(np.isin(col, flash), fill, col)
+        return out
+    n = int(round(share * len(others)))
+    chosen = rng.choice(others, size=n, replace=False)
+    where = rng.integers(0, cells.shape[1], size=n)
+    cells[chosen, where] = flash[where]
+    return out
 
 
 @dataclass(frozen=True)
