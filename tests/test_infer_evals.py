@@ -747,3 +747,39 @@ def test_vq_needle_scores_what_the_decoder_returns(pre, tmp_path, monkeypatch):
     )
     flat = evaluate_vq_needle(causal.vq, num_frames=13, trials=6, progress=False)
     assert flat["shape_kind_rate"] == 0.0
+
+
+def test_needle_lookalikes_script_summarises_each_edit_by_colour(tmp_path):
+    """scripts/needle_lookalikes.py counts each edit's grid per length and flash colour (hand-made
+    cells) and draws the figure from the grids alone (--skip-run)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "needle_lookalikes.py"
+    spec = importlib.util.spec_from_file_location("needle_lookalikes", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def cell(frames, colour, correct):
+        return {"frames": frames, "colour": colour, "correct": correct}
+
+    keep = [cell(40, "red", True), cell(40, "green", False), cell(40, "green", False)]
+    scrub = [cell(40, "red", True), cell(40, "green", True), cell(40, "green", False)]
+    scrub += [cell(8, "red", False)]
+    for edit, cells in (("keep", keep), ("scrub", scrub)):
+        (tmp_path / edit).mkdir()
+        (tmp_path / edit / "video_needle.json").write_text(json.dumps({"cells": cells}))
+    assert script.main(["--out", str(tmp_path), "--skip-run", "--edits", "keep,scrub"]) == 0
+    got = json.loads((tmp_path / "lookalikes.json").read_text())["by_edit"]
+    assert got["keep"] == {
+        "40": {
+            "all": {"right": 1, "asked": 3},
+            "red": {"right": 1, "asked": 1},
+            "green": {"right": 0, "asked": 2},
+        }
+    }
+    assert got["scrub"]["40"]["green"] == {"right": 1, "asked": 2}
+    assert got["scrub"]["8"] == {"all": {"right": 0, "asked": 1}, "red": {"right": 0, "asked": 1}}
+    assert (tmp_path / "lookalikes.png").stat().st_size > 1000
+    with pytest.raises(SystemExit):
+        script.main(["--out", str(tmp_path), "--skip-run", "--edits", "keep,add"])  # no add grid
