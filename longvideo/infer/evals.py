@@ -1299,6 +1299,23 @@ class VQNeedleEvaluation:
         self.flash_codes: dict[str, list[np.ndarray]] = {}  # colour -> its flash groups' codes
         self.ordinary: list[np.ndarray] = []  # the plain backgrounds' code groups
 
+    def lookalike_codes(self, trial: int, frame: int, colour: str) -> np.ndarray:
+        """The trial's background and flash as a training video carries them (through the codec,
+        as `eval video-niah` splices them): its plain codes join `ordinary`, and the flash's code
+        group, returned, joins `flash_codes[colour]` (the look-alike table)."""
+        s, size = self.settings, self.vq.cfg.resolution
+        seed = s.seed + 7919 * (trial + 1)
+        frames = haystack_frames(
+            s.num_frames, size, seed, s.source_fps, decoded=True, shape_scale=s.shape_scale
+        )
+        plain = encode_video(self.vq, torch.from_numpy(frames.copy()), batch_frames=s.batch_frames)
+        self.ordinary.append(plain.numpy())
+        frames[frame] = flash_frame(colour, size, s.source_fps, decoded=True).numpy()
+        codes = encode_video(self.vq, torch.from_numpy(frames), batch_frames=s.batch_frames)
+        group = codes[self.group_of[frame]].numpy()
+        self.flash_codes.setdefault(colour, []).append(group)
+        return group
+
     def flash(self, trial: int) -> dict:
         s, size = self.settings, self.vq.cfg.resolution
         frames = haystack_frames(
@@ -1307,12 +1324,9 @@ class VQNeedleEvaluation:
         # frame 0 of causal3d is a group of its own: counted apart
         frame = int(self.rng.integers(1, s.num_frames))
         colour = self.colours[trial % len(self.colours)]
-        plain = encode_video(self.vq, torch.from_numpy(frames.copy()), batch_frames=s.batch_frames)
-        self.ordinary.append(plain.numpy())  # the background's codes without a flash
+        group = self.lookalike_codes(trial, frame, colour)
         frames[frame] = np.asarray(COLOURS[colour], np.uint8)
         codes = encode_video(self.vq, torch.from_numpy(frames), batch_frames=s.batch_frames)
-        group = codes[self.group_of[frame]].numpy()
-        self.flash_codes.setdefault(colour, []).append(group)
         decoded = decode_codes(self.vq, codes)[: s.num_frames].numpy()
         got = nearest_colour(decoded[frame], self.colours)
         # the other frames' shapes, read from the drawn and the decoded frame: what the questions
@@ -1324,7 +1338,7 @@ class VQNeedleEvaluation:
             "frame": frame,
             "offset_in_group": self.offset_of[frame],
             "colour": colour,
-            "flash_codes": [int(c) for c in group.reshape(-1)],
+            "flash_codes": [int(c) for c in group.reshape(-1)],  # through the codec
             "decoded": got,
             "correct": got == colour,
             "shape_frames": len(shapes),
