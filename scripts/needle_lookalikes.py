@@ -63,7 +63,7 @@ def plot(summary: dict, path: Path) -> None:
         ax.set_ylim(0, 1.05)
         ax.set_title(f"{int(n) / 60:g} minutes ({n} frames)")
         ax.set_ylabel("flashes named right")
-    axes[0][0].legend(title="look-alike codes", fontsize=8)
+    axes[0][0].legend(title="look-alike codes", fontsize=8, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
