@@ -299,9 +299,9 @@ def test_qa_types_keep_only_those_questions(tok, vocab):
     from longvideo.config import ConfigError, load_config
     from longvideo.data.config import QUESTION_NAMES
     from longvideo.data.questions import HOUR_QUESTIONS, QUESTION_TYPES
+    from longvideo.data.synthetic import SyntheticSpec
 
     assert QUESTION_NAMES == tuple(QUESTION_TYPES)  # what a config may name is what is asked
-    from longvideo.data.synthetic import SyntheticSpec
 
     spec = SyntheticSpec(
         fps=1,

@@ -64,6 +64,18 @@ class ConstantEngine:
         )
 
 
+def recording(prompts: list, text: str):
+    """An engine factory: a ConstantEngine answering `text` that appends each prefix it is given
+    (token ids) to `prompts`."""
+
+    class Recording(ConstantEngine):
+        def set_prefix(self, ids):
+            prompts.append(ids[0].tolist())
+            super().set_prefix(ids)
+
+    return lambda p: Recording(p.tokenizer, text)
+
+
 def write_qa_shards(pre, tmp_path, n=3, **options):
     spec = SyntheticSpec(
         size=16,
@@ -289,12 +301,7 @@ def test_video_needle_trials_per_length_and_exact_splices(pre):
     edited haystack exactly as a full encode gives them (2d and causal3d)."""
     seen = []
 
-    class Recording(ConstantEngine):
-        def set_prefix(self, ids):
-            seen.append(ids[0].tolist())
-            super().set_prefix(ids)
-
-    factory = lambda p: Recording(p.tokenizer, " blue")  # noqa: E731
+    factory = recording(seen, " blue")
     res = evaluate_video_needle(
         pre,
         lengths=(4, 7),
@@ -384,11 +391,6 @@ def test_video_needle_scrubbed_prompts_hold_no_lookalike(pre):
     the flash's and the two after it holds any of the flash's codes; the result records the edit."""
     seen = []
 
-    class Recording(ConstantEngine):
-        def set_prefix(self, ids):
-            seen.append(ids[0].tolist())
-            super().set_prefix(ids)
-
     causal = tiny_pretrained(max_seq_len=512, mode="causal3d")
     vocab, size = causal.model.cfg.vocab, causal.vq.cfg.resolution
     res = evaluate_video_needle(
@@ -397,7 +399,7 @@ def test_video_needle_scrubbed_prompts_hold_no_lookalike(pre):
         depths=(0.5,),
         colours=("yellow",),
         trials=1,
-        engine_factory=lambda p: Recording(p.tokenizer, " blue"),
+        engine_factory=recording(seen, " blue"),
         progress=False,
         lookalikes="scrub",
     )
@@ -520,18 +522,13 @@ def _shared_encoding_body(rank, world):
     causal = tiny_pretrained(max_seq_len=512, mode="causal3d")
     prompts = []
 
-    class Recording(ConstantEngine):
-        def set_prefix(self, ids):
-            prompts.append(ids[0].tolist())
-            super().set_prefix(ids)
-
     res = evaluate_video_needle(
         causal,
         lengths=(6, 9),
         depths=(0.0, 0.5, 1.0),
         colours=("green", "red"),
         trials=(3, 2),
-        engine_factory=lambda p: Recording(p.tokenizer, " red"),
+        engine_factory=recording(prompts, " red"),
         progress=False,
         encode_group=dist.group.WORLD,
     )
@@ -577,18 +574,13 @@ def test_video_needle_counts_needles_the_context_dropped(pre, tmp_path, capsys):
     depths = tuple(np.linspace(0.0, 1.0, 9))
     prompts = []
 
-    class Recording(ConstantEngine):
-        def set_prefix(self, ids):
-            prompts.append(ids[0].tolist())
-            super().set_prefix(ids)
-
     res = evaluate_video_needle(
         short,
         lengths=(40,),
         depths=depths,
         colours=("red",),
         trials=1,
-        engine_factory=lambda p: Recording(p.tokenizer, " red"),
+        engine_factory=recording(prompts, " red"),
         progress=False,
     )
     # independent of the bookkeeping: one background, so every prompt without its flash is the same

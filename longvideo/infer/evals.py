@@ -1299,14 +1299,21 @@ class VQNeedleEvaluation:
         self.flash_codes: dict[str, list[np.ndarray]] = {}  # colour -> its flash groups' codes
         self.ordinary: list[np.ndarray] = []  # the plain backgrounds' code groups
 
+    def background_seed(self, trial: int) -> int:
+        return self.settings.seed + 7919 * (trial + 1)
+
     def lookalike_codes(self, trial: int, frame: int, colour: str) -> np.ndarray:
         """The trial's background and flash as a training video carries them (through the codec,
         as `eval video-niah` splices them): its plain codes join `ordinary`, and the flash's code
         group, returned, joins `flash_codes[colour]` (the look-alike table)."""
         s, size = self.settings, self.vq.cfg.resolution
-        seed = s.seed + 7919 * (trial + 1)
         frames = haystack_frames(
-            s.num_frames, size, seed, s.source_fps, decoded=True, shape_scale=s.shape_scale
+            s.num_frames,
+            size,
+            self.background_seed(trial),
+            s.source_fps,
+            decoded=True,
+            shape_scale=s.shape_scale,
         )
         plain = encode_video(self.vq, torch.from_numpy(frames.copy()), batch_frames=s.batch_frames)
         self.ordinary.append(plain.numpy())
@@ -1319,7 +1326,7 @@ class VQNeedleEvaluation:
     def flash(self, trial: int) -> dict:
         s, size = self.settings, self.vq.cfg.resolution
         frames = haystack_frames(
-            s.num_frames, size, s.seed + 7919 * (trial + 1), s.source_fps, shape_scale=s.shape_scale
+            s.num_frames, size, self.background_seed(trial), s.source_fps, shape_scale=s.shape_scale
         )
         # frame 0 of causal3d is a group of its own: counted apart
         frame = int(self.rng.integers(1, s.num_frames))
