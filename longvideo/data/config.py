@@ -61,6 +61,10 @@ class DataConfig:
     qa_types: tuple[str, ...] = ()
     """QA: only the pairs of these question types (longvideo/data/questions.py; a pair without a
     type is dropped); a sample left with none has no qa template. Empty: every pair."""
+    needle_recolour: float = 0.0
+    """Share of one-flash samples whose flash gets a colour drawn afresh each epoch: that colour's
+    flash codes (the most frequent in these shards) over its group and in the needle answer, so the
+    answer cannot be learnt from which video it is (docs/data.md, "Needle recolouring"). 0: never."""
     prompt_template: Literal["qa", "lwm"] = "qa"
     """Inference prompt: the QA template above, or LWM's vision-chat prompt (imported LWM models)."""
     loss_norm: Literal["token", "sample"] = "token"
@@ -92,5 +96,6 @@ class DataConfig:
             "qa_types",
             f"unknown question types {unknown}; expected some of {list(QUESTION_NAMES)}",
         )
+        check(0.0 <= self.needle_recolour <= 1.0, "needle_recolour", "must be in [0, 1]")
         check(self.shuffle_buffer >= 1, "shuffle_buffer", "must be >= 1")
         check(self.pack_bins >= 1, "pack_bins", "must be >= 1")

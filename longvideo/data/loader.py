@@ -15,6 +15,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from longvideo.data.augment import flash_code_table, recolour_needle
 from longvideo.data.packing import Packer, pack_row
 from longvideo.data.shards import (
     ShardError,
@@ -89,7 +90,25 @@ class TokenLoader:
         self.stats = SkipStats()
         self.last_batch_keys: list[list[str]] = []
         self.last_batch_refs: list[list[tuple]] = []
+        self.flash_codes: dict[str, np.ndarray] = {}
+        if getattr(cfg, "needle_recolour", 0.0) > 0:
+            self.flash_codes = flash_code_table(self._all_samples())
+            log.info(
+                "needle recolouring (%.2f of one-flash samples) over the flash codes of %s",
+                cfg.needle_recolour,
+                ", ".join(self.flash_codes) or "no colour",
+            )
         self._reset()
+
+    def _all_samples(self):
+        """Every valid sample of every shard, front to back (one pass, for the flash code table)."""
+        stats = SkipStats()  # counted again when the samples are drawn
+        for path in self.paths:
+            for key, parts in iter_token_tar(path, stats):
+                try:
+                    yield decode_token_sample(key, parts, self.vocab.codebook_size)
+                except ShardError:
+                    continue
 
     def _reset(self) -> None:
         self._start_epoch(0)
@@ -319,13 +338,18 @@ class TokenLoader:
             if count:
                 self.stats.skip(e.reason, where, str(e))
             return []
+        codes, meta = sample.codes, sample.meta
+        if self.flash_codes:  # a stream of its own: every other choice is as without it
+            r = sample_rng(self.seed, epoch, sample.key + ":recolour")
+            if r.random() < self.cfg.needle_recolour:
+                codes, meta = recolour_needle(codes, sample.timestamps, meta, self.flash_codes, r)
         rng = sample_rng(self.seed, epoch, sample.key)
         docs, too_long = build_docs(
             self.tokenizer,
             self.vocab,
-            sample.codes,
+            codes,
             sample.timestamps,
-            sample.meta,
+            meta,
             self.opts,
             self.seq_len,
             rng,
