@@ -571,3 +571,48 @@ def test_text_to_video_rungs_train_on_caption_first_videos_and_evaluate_held_out
         )
         t2v = demo.summary(1.0)["t2v"]
         assert t2v == {"accuracy": 0.9, "chance": 0.04, "n": 48}
+
+
+def test_needle_by_length_script_reads_runs_and_replots_from_its_json(tmp_path, capsys):
+    """scripts/needle_by_length.py: each run's accuracy by length is its grid's column mean (the
+    grid's rows are depths), a run directory adds its rungs' losses, and --replot draws from the
+    JSON alone. Real summaries: two shipped hour runs' (docs/bench)."""
+    import importlib.util
+
+    path = ROOT / "scripts" / "needle_by_length.py"
+    spec = importlib.util.spec_from_file_location("needle_by_length", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    shipped = ROOT / "docs/bench/demo-hour-vq4.json"
+    run = tmp_path / "run"
+    (run / "lm/stage0-2048").mkdir(parents=True)
+    (run / "summary.json").write_text((ROOT / "docs/bench/demo-hour-vq0-avx2.json").read_text())
+    losses = [0.9, 0.5] + [0.1] * 19 + [0.3]
+    with open(run / "lm/stage0-2048/metrics.jsonl", "w") as f:
+        f.write(json.dumps({"event": "start"}) + "\n")  # lines without a loss are passed over
+        for i, x in enumerate(losses):
+            f.write(json.dumps({"step": i + 1, "loss": x, "step_time": 1.0 + i % 2}) + "\n")
+    out_json, png = tmp_path / "runs.json", tmp_path / "runs.png"
+    argv = ["--run", f"seed 4={shipped}", "--run", f"seed 0={run}", "--json", str(out_json)]
+    assert script.main([*argv, "--png", str(png), "--what", "two runs"]) == 0
+    data = json.loads(out_json.read_text())
+    assert data["what"] == "two runs" and list(data["variants"]) == ["seed 4", "seed 0"]
+    grid = json.loads(shipped.read_text())["video_niah"]["grid"]
+    four = data["variants"]["seed 4"]
+    for j, x in enumerate(four["by_length"]):
+        assert x == pytest.approx(sum(row[j] for row in grid) / len(grid), abs=1e-4)
+    assert four["by_length"][-1] == pytest.approx(0.875)  # 35 of 40 at 60 minutes
+    assert "rungs" not in four and four["qa"]["needle"] == 1.0
+    zero = data["variants"]["seed 0"]
+    assert zero["rungs"] == {
+        "stage0-2048": {"steps": 22, "loss_last_20": 0.11, "median_step_seconds": 1.5}
+    }
+    assert zero["by_colour"]["3600"]["blue"] == "10/10"
+    printed = capsys.readouterr().out
+    assert png.stat().st_size > 1000
+    png.unlink()
+    assert script.main(["--replot", str(out_json), "--png", str(png)]) == 0
+    assert png.stat().st_size > 1000 and capsys.readouterr().out == printed
+    with pytest.raises(SystemExit):
+        script.main(["--run", "no label", "--png", str(png)])
