@@ -286,6 +286,32 @@ def _defaults(cls) -> dict:
     }
 
 
+INPUT_KEYS = (
+    "sets",
+    "source_fps",
+    "shape_scale",
+    "needle_fraction",
+    "tokenizer_vocab",
+    "lm_config",
+    "vq_config",
+    "vq_set",
+    "vq_steps",
+    "vq_seed",
+)
+"""The plan keys a run's inputs (videos, both tokenizers, token shards) depend on; the others (the
+rungs' overrides and steps, `lm_overrides`, `lm_seed`, the evaluations) train or score a language
+model on them."""
+
+
+def _inputs_of(record: dict) -> tuple[dict, set[str]]:
+    """Of a recorded plan: the values of INPUT_KEYS, and the sets it tokenizes (those a rung, the
+    QA evaluation or text to video reads)."""
+    t2v = record.get("t2v_stage") or {}
+    used = {name for st in record["stages"] for name in st["sets"]} | {record["held_out"]}
+    used |= set(t2v.get("sets", ())) | ({record["t2v_held_out"]} if t2v else set())
+    return {k: record[k] for k in INPUT_KEYS}, used
+
+
 def _with_defaults(record: dict) -> dict:
     """A recorded plan with every field it predates at its default: the plan's own, each set's and
     each rung's. A field added since, left at its default, draws the same videos and trains the
@@ -480,9 +506,7 @@ class Demo:
             )
 
     def tokenize(self) -> None:
-        p = self.plan
-        t2v = [*p.t2v_stage.sets, p.t2v_held_out] if p.t2v_stage is not None else []
-        used = {name for st in p.stages for name in st.sets} | {p.held_out, *t2v}
+        used = _inputs_of(self.plan.record())[1]
         for v in (
             v for v in self.plan.sets if v.name in used
         ):  # a set only the VQ trains on is not tokenized
@@ -746,20 +770,24 @@ class Demo:
 
     def link_inputs(self, run: Path) -> None:
         """Link a finished run's inputs (INPUTS) into this one, whose LM stages then start at once.
-        The run must be of this plan up to the LM seed, and have tokenized everything."""
+        The run must agree with this plan in every key the inputs depend on (INPUT_KEYS) and have
+        tokenized every set this plan reads; the ladder's recipe and the evaluations may differ."""
         run = run.resolve()
         marker = run / "plan.json"
         if not (run / "tokens/.done").exists() or not marker.exists():
             raise DemoError(
                 f"{run} has no finished tokens (tokens/.done) and plan.json to take inputs from"
             )
-        mine, theirs = self.plan.record(), _with_defaults(json.loads(marker.read_text()))
-        for record in (mine, theirs):
-            record.pop("lm_seed", None)
-        if mine != theirs:
+        (mine, needed), (theirs, made) = (
+            _inputs_of(self.plan.record()),
+            _inputs_of(_with_defaults(json.loads(marker.read_text()))),
+        )
+        differ = [k for k in INPUT_KEYS if mine[k] != theirs[k]]
+        if differ or not needed <= made:
+            what = ", ".join(differ) or f"sets tokenized: {sorted(needed - made)} missing"
             raise DemoError(
-                f"{run} is a run of another plan (its videos, tokenizers or sizes differ): "
-                "its inputs are not this plan's"
+                f"{run} is a run of another plan (its videos, tokenizers or token shards differ: "
+                f"{what}): its inputs are not this plan's"
             )
         for name in self.INPUTS:
             dst = self.out / name
@@ -1020,7 +1048,8 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="RUN",
         help="link a finished run's videos, tokenizers and token shards instead of making them "
-        "(a run of the same plan, e.g. another --seed); --out must be new",
+        "(a run of the same videos and tokenizers: another --seed, other rung overrides); "
+        "--out must be new",
     )
     a = ap.parse_args(argv)
     path = a.plan or f"demos/demo{'-hour' if a.hour else '-quick' if a.quick else ''}"

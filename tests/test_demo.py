@@ -380,11 +380,47 @@ def test_a_seed_reaches_every_lm_stage_and_another_seed_reuses_the_inputs(tmp_pa
     assert all((second.out / n).is_symlink() for n in Demo.INPUTS)
     assert (second.out / "vq/model.safetensors").read_bytes() == b"weights"
     assert (second.out / "vq/.done").exists()  # the VQ stage is done there
-    other = Demo(tmp_path / "other", replace(QUICK, eval_samples=QUICK.eval_samples + 1))
-    other.check_plan()
-    with pytest.raises(DemoError, match="another plan"):
-        other.link_inputs(first)
-    assert not any(p.is_symlink() for p in other.out.iterdir())
+    # another recipe on the same inputs: rung overrides, every rung's overrides, the evaluations
+    recipe = replace(
+        QUICK,
+        lm_overrides=("data.needle_recolour=1.0",),
+        stages=(replace(QUICK.stages[0], overrides=("train.steps=7",)), *QUICK.stages[1:]),
+        eval_samples=QUICK.eval_samples + 1,
+    )
+    third = Demo(tmp_path / "third", recipe)
+    third.check_plan()
+    third.link_inputs(first)
+    assert all((third.out / n).is_symlink() for n in Demo.INPUTS)
+    # other videos, another VQ, or a set the first run never tokenized: refused, nothing linked
+    held = next(v for v in QUICK.sets if v.name == QUICK.held_out)
+    hour = tmp_path / "hour"  # the hour plan's VQ set is only the VQ's: never tokenized
+    Demo(hour, HOUR).check_plan()
+    for name in Demo.INPUTS:
+        (hour / name).mkdir()
+    (hour / "tokens/.done").touch()
+    others = {
+        "sets": (
+            first,
+            replace(
+                QUICK,
+                sets=tuple(replace(v, seed=v.seed + 1) if v is held else v for v in QUICK.sets),
+            ),
+        ),
+        "vq_seed": (first, replace(QUICK, vq_seed=7)),
+        "vq_set": (hour, replace(HOUR, vq_set=HOUR.held_out)),
+        "missing": (
+            hour,
+            replace(
+                HOUR, stages=(*HOUR.stages[:-1], replace(HOUR.stages[-1], sets=(HOUR.vq_set,)))
+            ),
+        ),
+    }
+    for key, (run, plan) in others.items():
+        other = Demo(tmp_path / f"other-{key}", plan)
+        other.check_plan()
+        with pytest.raises(DemoError, match=f"another plan .*{key}"):
+            other.link_inputs(run)
+        assert not any(p.is_symlink() for p in other.out.iterdir())
 
 
 def plan_commands(demo) -> list[list[str]]:
