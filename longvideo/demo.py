@@ -309,7 +309,10 @@ def _inputs_of(record: dict) -> tuple[dict, set[str]]:
     t2v = record.get("t2v_stage") or {}
     used = {name for st in record["stages"] for name in st["sets"]} | {record["held_out"]}
     used |= set(t2v.get("sets", ())) | ({record["t2v_held_out"]} if t2v else set())
-    return {k: record[k] for k in INPUT_KEYS}, used
+    keys = {k: record[k] for k in INPUT_KEYS}
+    if keys["vq_seed"] is None:  # the VQ config's own seed: `--vq-seed 0` is the default's VQ
+        keys["vq_seed"] = load_vq_config(config_arg(record["vq_config"])).seed
+    return keys, used
 
 
 def _with_defaults(record: dict) -> dict:

@@ -387,10 +387,12 @@ def test_a_seed_reaches_every_lm_stage_and_another_seed_reuses_the_inputs(tmp_pa
         stages=(replace(QUICK.stages[0], overrides=("train.steps=7",)), *QUICK.stages[1:]),
         eval_samples=QUICK.eval_samples + 1,
     )
-    third = Demo(tmp_path / "third", recipe)
-    third.check_plan()
-    third.link_inputs(first)
-    assert all((third.out / n).is_symlink() for n in Demo.INPUTS)
+    # `--vq-seed 0` names the VQ config's own seed: the first run's VQ
+    for name, plan in (("third", recipe), ("fourth", replace(QUICK, vq_seed=0))):
+        demo = Demo(tmp_path / name, plan)
+        demo.check_plan()
+        demo.link_inputs(first)
+        assert all((demo.out / n).is_symlink() for n in Demo.INPUTS)
     # other videos, another VQ, or a set the first run never tokenized: refused, nothing linked
     held = next(v for v in QUICK.sets if v.name == QUICK.held_out)
     hour = tmp_path / "hour"  # the hour plan's VQ set is only the VQ's: never tokenized
