@@ -303,16 +303,20 @@ rungs' overrides and steps, `lm_overrides`, `lm_seed`, the evaluations) train or
 model on them."""
 
 
-def _inputs_of(record: dict) -> tuple[dict, set[str]]:
-    """Of a recorded plan: the values of INPUT_KEYS, and the sets it tokenizes (those a rung, the
-    QA evaluation or text to video reads)."""
+def _tokenized(record: dict) -> set[str]:
+    """The sets a recorded plan tokenizes: those a rung, the QA evaluation or text to video reads."""
     t2v = record.get("t2v_stage") or {}
     used = {name for st in record["stages"] for name in st["sets"]} | {record["held_out"]}
-    used |= set(t2v.get("sets", ())) | ({record["t2v_held_out"]} if t2v else set())
+    return used | set(t2v.get("sets", ())) | ({record["t2v_held_out"]} if t2v else set())
+
+
+def _inputs_of(record: dict) -> dict:
+    """Of a recorded plan: the values of INPUT_KEYS, the VQ's seed resolved (None is the VQ
+    config's own, so `--vq-seed 0` names the default's VQ)."""
     keys = {k: record[k] for k in INPUT_KEYS}
-    if keys["vq_seed"] is None:  # the VQ config's own seed: `--vq-seed 0` is the default's VQ
+    if keys["vq_seed"] is None:
         keys["vq_seed"] = load_vq_config(config_arg(record["vq_config"])).seed
-    return keys, used
+    return keys
 
 
 def _with_defaults(record: dict) -> dict:
@@ -509,7 +513,7 @@ class Demo:
             )
 
     def tokenize(self) -> None:
-        used = _inputs_of(self.plan.record())[1]
+        used = _tokenized(self.plan.record())
         for v in (
             v for v in self.plan.sets if v.name in used
         ):  # a set only the VQ trains on is not tokenized
@@ -781,10 +785,9 @@ class Demo:
             raise DemoError(
                 f"{run} has no finished tokens (tokens/.done) and plan.json to take inputs from"
             )
-        (mine, needed), (theirs, made) = (
-            _inputs_of(self.plan.record()),
-            _inputs_of(_with_defaults(json.loads(marker.read_text()))),
-        )
+        ours, before = self.plan.record(), _with_defaults(json.loads(marker.read_text()))
+        mine, theirs = _inputs_of(ours), _inputs_of(before)
+        needed, made = _tokenized(ours), _tokenized(before)
         differ = [k for k in INPUT_KEYS if mine[k] != theirs[k]]
         if differ or not needed <= made:
             what = ", ".join(differ) or f"sets tokenized: {sorted(needed - made)} missing"
