@@ -310,7 +310,8 @@ def main(argv=None) -> None:
         )
     result = dict(
         benchmark="ring attention, causal fwd+bwd, CPU gloo",
-        args=vars(args),
+        # where it was written is the caller's machine, not a setting of the run
+        args={k: v for k, v in vars(args).items() if k not in ("out", "plot")},
         rows=rows,
         machine=dict(
             cpus=os.cpu_count(),
