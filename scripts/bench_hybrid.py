@@ -24,6 +24,7 @@ from benchreport import (
     req,
     req_list,
     save,
+    settings,
     spawn_ranks,
     yes_no,
 )
@@ -207,7 +208,7 @@ def main(argv=None) -> None:
                 },
             }
         )
-    cfg = {k: v for k, v in vars(args).items() if k != "out"} | {"cores": os.cpu_count()}
+    cfg = settings(args) | {"cores": os.cpu_count()}
     save({"config": cfg, "rows": rows}, args.out, report=report)
 
 

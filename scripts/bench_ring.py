@@ -27,6 +27,7 @@ from benchreport import (
     req,
     req_list,
     save,
+    settings,
     spawn_ranks,
     subplots,
     yes_no,
@@ -310,8 +311,7 @@ def main(argv=None) -> None:
         )
     result = dict(
         benchmark="ring attention, causal fwd+bwd, CPU gloo",
-        # where it was written is the caller's machine, not a setting of the run
-        args={k: v for k, v in vars(args).items() if k not in ("out", "plot")},
+        args=settings(args),
         rows=rows,
         machine=dict(
             cpus=os.cpu_count(),

@@ -125,6 +125,12 @@ def arg_parser(doc: str, name: str) -> argparse.ArgumentParser:
     return p
 
 
+def settings(args: argparse.Namespace) -> dict:
+    """A run's settings for its JSON: the parsed arguments without --out, which names a path on the
+    machine that ran it."""
+    return {k: v for k, v in vars(args).items() if k != "out"}
+
+
 def _rank_main(queue, target, rank, world, init_file, gloo_timeout_s, *args):
     try:
         if gloo_timeout_s is not None:

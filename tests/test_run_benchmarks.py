@@ -527,3 +527,13 @@ def test_every_script_keeps_the_contract_and_renders_its_committed_result(rb, ca
             assert r.why is None and r.section.targets, f"{name}.json: {r.why}"
     out, err = capfd.readouterr()
     assert out == "" and err == "", (out, err)
+
+
+def test_a_scripts_json_keeps_its_settings_but_not_where_it_was_written(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import benchreport
+
+    p = benchreport.arg_parser("A bench.", "ring")
+    p.add_argument("--seq", type=int, default=16)
+    args = p.parse_args(["--out", "/somewhere/on/this/machine/ring.json", "--seq", "64"])
+    assert benchreport.settings(args) == {"seq": 64}
