@@ -66,7 +66,12 @@ def corpus_frames(n: int, size: int = 64, seed: int = 0) -> np.ndarray:
 
 
 def encode(enc: Encoding, frames: np.ndarray | None = None) -> bytes:
-    """The bytes of ``frames`` (default: :func:`corpus_frames`) encoded as ``enc`` says (single-threaded)."""
+    """The bytes of ``frames`` (default: :func:`corpus_frames`) encoded as ``enc`` says (single-threaded).
+
+    Not always the same bytes: now and then two encodings of the same frames differ by a rounding
+    (seen in H.264 encodings made beside torch), so a test that compares what a pipeline made of
+    a clip with a reference encodes the clip once and gives both the same bytes.
+    """
     import av
 
     if frames is None:
