@@ -776,3 +776,96 @@ def test_needle_lookalikes_script_summarises_each_edit_by_colour(tmp_path):
     assert (tmp_path / "lookalikes.png").stat().st_size > 1000
     with pytest.raises(SystemExit):
         script.main(["--out", str(tmp_path), "--skip-run", "--edits", "keep,add"])  # no add grid
+
+
+def test_video_needle_control_tells_a_reading_from_a_default(pre):
+    """The control asks each trial over its bare background. An engine that answers " red" only
+    to the red trial's prompts with the flash in them (their codes, encoded here apart), " blue"
+    to any other, reads every red flash; its right answers to blue flashes are the bare
+    background's answer, so none is a reading. The control's prompt is the bare background's
+    codes exactly, one a trial, after its depths."""
+    lengths, depths, colours = (6,), (0.0, 0.5, 1.0), ("red", "blue")
+    size, vocab = pre.vq.cfg.resolution, pre.model.cfg.vocab
+    bare = haystack_frames(6, size, seed=0, decoded=True)
+    bare_codes = encode_video(pre.vq, torch.from_numpy(bare)).reshape(-1).tolist()
+    with_red = []
+    for d in depths:
+        frames = bare.copy()
+        frames[needle_index(6, d)] = flash_frame("red", size, decoded=True).numpy()
+        with_red.append(encode_video(pre.vq, torch.from_numpy(frames)).reshape(-1).tolist())
+    assert bare_codes not in with_red, "the red flash leaves this background's codes unchanged"
+    prompts = []
+
+    def codes_of(ids):
+        return [t - vocab.vq_offset for t in ids if vocab.vq_offset <= t < vocab.size]
+
+    class Peeking(ConstantEngine):
+        def set_prefix(self, ids):
+            prompts.append(ids[0].tolist())
+            answer = " red" if codes_of(prompts[-1]) in with_red else " blue"
+            self.ids = pre.tokenizer.encode(answer) + [pre.tokenizer.eos_id]
+            super().set_prefix(ids)
+
+    res = evaluate_video_needle(
+        pre,
+        lengths=lengths,
+        depths=depths,
+        colours=colours,
+        trials=2,
+        control=True,
+        engine_factory=lambda p: Peeking(p.tokenizer, " blue"),
+        progress=False,
+    )
+    assert res["control"] is True and len(prompts) == 2 * (len(depths) + 1)
+    assert codes_of(prompts[len(depths)]) == bare_codes  # trial 0's control: no flash
+    red_cells = [c for c in res["cells"] if c["colour"] == "red"]
+    blue_cells = [c for c in res["cells"] if c["colour"] == "blue"]
+    assert all(c["correct"] and not c["default"] and c["control"] == "blue" for c in red_cells)
+    assert all(c["correct"] and c["default"] for c in blue_cells)
+    row = res["misses"]["6"]
+    assert row["read"] == 3 and row["defaults"] == 3 and row["wrong"] == 0
+    assert row["decidable"] == 3  # the blue trial's bare background is answered "blue" already
+    assert row["by_colour"] == {
+        "red": {"right": 3, "asked": 3, "read": 3, "decidable": 3},
+        "blue": {"right": 3, "asked": 3, "read": 0, "decidable": 0},
+    }
+    plain = evaluate_video_needle(
+        pre,
+        lengths=lengths,
+        depths=depths,
+        colours=colours,
+        trials=2,
+        engine_factory=lambda p: ConstantEngine(p.tokenizer, " blue"),
+        progress=False,
+    )
+    assert "default" not in plain["cells"][0] and "read" not in plain["misses"]["6"]
+
+
+def test_miss_table_counts_readings_and_defaults_by_hand():
+    """A hand-made controlled column: right and not the default is a reading; a wrong answer that
+    is the default counts as a default, not a reading."""
+
+    def cell(trial, colour, prediction, control):
+        return dict(
+            frames=60,
+            trial=trial,
+            colour=colour,
+            prediction=prediction,
+            correct=prediction == colour,
+            default=prediction == control,
+            control_right=control == colour,
+        )
+
+    cells = [
+        cell(0, "red", "red", "blue"),  # read
+        cell(0, "red", "blue", "blue"),  # a default, wrong
+        cell(1, "blue", "blue", "blue"),  # a default that fits: not decidable
+        cell(1, "blue", "blue", "green"),  # read
+        cell(1, "blue", "red", "green"),  # wrong, not a default
+    ]
+    row = miss_table(cells)["60"]
+    assert (row["read"], row["defaults"], row["wrong"], row["decidable"]) == (2, 2, 2, 4)
+    assert row["by_colour"] == {
+        "red": {"right": 1, "asked": 2, "read": 1, "decidable": 2},
+        "blue": {"right": 2, "asked": 3, "read": 1, "decidable": 2},
+    }

@@ -293,6 +293,12 @@ def eval_parser() -> argparse.ArgumentParser:
         "frames holding one (docs/hour.md, 'Look-alike codes'); default: keep",
     )
     vn.add_argument(
+        "--control",
+        action="store_true",
+        help="also ask each trial over its background with no needle (one more prompt a trial): "
+        "answers the bare background also gets are counted as defaults, not readings",
+    )
+    vn.add_argument(
         "--exact-frames",
         action="store_true",
         help="splice the generated backgrounds and "
@@ -523,12 +529,20 @@ def _eval(args) -> int:
                     answer=args.answer,
                     decoded=not args.exact_frames,
                     lookalikes=args.lookalikes,
+                    control=args.control,
                     **run,
                 )
                 line = (
                     f"video needle accuracy {res['accuracy']:.3f} (chance {res['chance']:.3f}) "
                     f"over {len(res['cells'])} needles"
                 )
+                if args.control:
+                    read = sum(m["read"] for m in res["misses"].values())
+                    told = sum(m["decidable"] for m in res["misses"].values())
+                    line += (
+                        f"; read {read} of the {told} needles whose bare background "
+                        "gets another answer"
+                    )
                 if res["needles_dropped"]:
                     line += (
                         f"\nwarning: {res['needles_dropped']} of {len(res['cells'])} needles were dropped "

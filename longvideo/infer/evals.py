@@ -55,7 +55,13 @@ from longvideo.infer.chat import (
     load_model,
 )
 from longvideo.infer.generation import Engine, LocalEngine
-from longvideo.infer.scoring import exact_match, length_label, score_answers, substring_match
+from longvideo.infer.scoring import (
+    exact_match,
+    length_label,
+    normalise,
+    score_answers,
+    substring_match,
+)
 from longvideo.vq.codec import SplicingEncoder, decode_codes, encode_video
 
 EngineFactory = Callable[[object], Engine]
@@ -809,6 +815,10 @@ class VideoNeedleSettings:
     lookalikes: str = "keep"
     """A diagnostic: "scrub" the flash's codes from every other frame, or "add" 3 % more frames
     holding one (edit_lookalikes); "keep": the codes as encoded."""
+    control: bool = False
+    """Also ask each trial's question over its background with no needle (one more prompt a
+    trial): a cell answered as the bare background is answered is a default, not a reading
+    (`control` and `default` in each cell; `read` and `defaults` in `misses`)."""
 
     def __post_init__(self):
         if self.lookalikes not in LOOKALIKE_EDITS:
@@ -849,7 +859,7 @@ class TrialCodes:
     trial: int
     """The trial's index among the trials of its length."""
     codes: np.ndarray
-    """int64 (depths, G, h, w)."""
+    """int64 (depths, G, h, w); with the control, one more row last: the bare background."""
 
 
 @dataclass(frozen=True)
@@ -944,7 +954,8 @@ class VideoNeedleEvaluation:
         return self.stories[key]
 
     def encode(self, column: Column, trial: int) -> np.ndarray:
-        """(depths, G, h, w) codes of the trial's background with its needle at each depth."""
+        """(depths, G, h, w) codes of the trial's background with its needle at each depth (and,
+        with the control, the bare background's codes as one more row)."""
         s = self.settings
         if self.hay is None:
             seed = self.background_seed(column, trial)
@@ -960,14 +971,10 @@ class VideoNeedleEvaluation:
             frames = self.hay[self.window(column, trial) :][: column.frames]
         background = SplicingEncoder(self.vq, frames, batch_frames=self.infer.encode_batch_frames)
         needle = self.needles[trial % len(self.needles)][1]
-        return np.stack(
-            [
-                background.codes_with({needle_index(column.frames, d): needle})
-                .numpy()
-                .astype(np.int64)
-                for d in s.depths
-            ]
-        )
+        splices = [{needle_index(column.frames, d): needle} for d in s.depths]
+        if s.control:
+            splices.append({})
+        return np.stack([background.codes_with(x).numpy().astype(np.int64) for x in splices])
 
     def shared_trials(self, column: Column) -> Iterator[np.ndarray]:
         """Every trial's codes in turn. With several ranks, each encodes its trials (t % W == r)
@@ -1004,18 +1011,7 @@ class VideoNeedleEvaluation:
         if self.settings.lookalikes != "keep":
             rng = np.random.default_rng([self.settings.seed, column.index, trial, depth_index])
             codes = edit_lookalikes(codes, group, self.settings.lookalikes, rng)
-        kept, stamps, keep = fit_codes(
-            self.pretrained, codes, column.stamps, self.question, self.infer.max_new_tokens
-        )
-        video = EncodedVideo(
-            codes=kept,
-            timestamps=stamps,
-            num_frames=column.frames,
-            duration=float(column.frames),
-            fps=1.0,
-        )
-        session = open_session(self.pretrained, video, self.infer, self.runtime.engine_factory)
-        pred = session.ask(self.question)
+        pred, kept, keep, prompt_len = self.answer(column, codes)
         return {
             "frames": column.frames,
             "depth": float(depth),
@@ -1030,9 +1026,38 @@ class VideoNeedleEvaluation:
             "groups": int(kept.shape[0]),
             "needle_kept": group in set(keep),
             "window_start": self.window(column, trial),
-            "tokens": session.last.prompt_len,
+            "tokens": prompt_len,
             "background": self.background(column, trial),
         }
+
+    def answer(self, column: Column, codes: np.ndarray) -> tuple[str, np.ndarray, list[int], int]:
+        """The model's answer to the question over `codes` (G, h, w), cut to fit the context:
+        (answer, kept codes, kept group indices, prompt tokens)."""
+        kept, stamps, keep = fit_codes(
+            self.pretrained, codes, column.stamps, self.question, self.infer.max_new_tokens
+        )
+        video = EncodedVideo(
+            codes=kept,
+            timestamps=stamps,
+            num_frames=column.frames,
+            duration=float(column.frames),
+            fps=1.0,
+        )
+        session = open_session(self.pretrained, video, self.infer, self.runtime.engine_factory)
+        pred = session.ask(self.question)
+        return pred, kept, keep, session.last.prompt_len
+
+    def control(self, trial_cells: list[dict], codes: np.ndarray, column: Column) -> None:
+        """The control of one trial: the answer over its bare background (`codes`) goes into
+        each of its cells as `control`; `default` says whether the cell's answer is the same
+        (after the scorer's normalisation): such a cell, right or wrong, did not need the needle;
+        `control_right` whether the bare background's answer is the needle's (then a right answer
+        cannot tell a reading from the default)."""
+        bare = self.answer(column, codes)[0]
+        for cell in trial_cells:
+            cell["control"] = bare
+            cell["default"] = normalise(cell["prediction"]) == normalise(bare)
+            cell["control_right"] = exact_match(bare, cell["colour"])
 
     def result(self, cells: list[dict], hits: np.ndarray) -> dict:
         s = self.settings
@@ -1053,6 +1078,7 @@ class VideoNeedleEvaluation:
             "question": self.question,
             "decoded": s.decoded,
             "lookalikes": s.lookalikes,
+            "control": s.control,
             "haystack": None if s.haystack is None else str(s.haystack),
             "haystack_frames": None if self.hay is None else len(self.hay),
             "misses": miss_table(cells),
@@ -1096,6 +1122,8 @@ class VideoNeedleEvaluation:
                     cells.append(self.ask(column, trial, i, codes[i]))
                     hits[i, j] += cells[-1]["correct"]
                     bar.update(1)
+                if self.settings.control:
+                    self.control(cells[-len(depths) :], codes[len(depths)], column)
         bar.close()
         return self.write(self.result(cells, hits))
 
@@ -1113,13 +1141,24 @@ def miss_table(cells: list[dict]) -> dict:
     model that read the flash misses at random depths and colours; one that read the background
     misses whole trials, naming what the background shows. Each trial has one flash colour, so a
     trial missed at every depth is the background's doing or the colour's: `by_colour` (per length,
-    each colour's flashes named right of those asked) tells the two apart."""
+    each colour's flashes named right of those asked) tells the two apart. With the control
+    (cells holding `default`), `defaults` counts the cells answered as their bare background is,
+    `read` the right answers that are not (the needle changed the answer), and `decidable` the
+    cells whose bare background's answer is not the needle's (only there can a right answer be
+    told from a default: read / decidable is the reading rate); each colour of `by_colour` gets
+    its own `read` and `decidable`. A right answer that is the background's default is a guess
+    that happened to fit."""
     out = {}
     for frames in sorted({c["frames"] for c in cells}):
         mine = [c for c in cells if c["frames"] == frames]
         trials: dict[int, list[bool]] = {}
         for c in mine:
             trials.setdefault(c["trial"], []).append(bool(c["correct"]))
+        controlled = all("default" in c for c in mine)
+
+        def read(c) -> bool:
+            return bool(c["correct"]) and not c["default"]
+
         row = {
             "wrong": sum(not c["correct"] for c in mine),
             "trials": len(trials),
@@ -1128,10 +1167,24 @@ def miss_table(cells: list[dict]) -> dict:
                 colour: {
                     "right": sum(bool(c["correct"]) for c in mine if c["colour"] == colour),
                     "asked": sum(c["colour"] == colour for c in mine),
+                    **(
+                        {
+                            "read": sum(read(c) for c in mine if c["colour"] == colour),
+                            "decidable": sum(
+                                not c["control_right"] for c in mine if c["colour"] == colour
+                            ),
+                        }
+                        if controlled
+                        else {}
+                    ),
                 }
                 for colour in dict.fromkeys(c["colour"] for c in mine)
             },
         }
+        if controlled:
+            row["read"] = sum(read(c) for c in mine)
+            row["defaults"] = sum(bool(c["default"]) for c in mine)
+            row["decidable"] = sum(not c["control_right"] for c in mine)
         if all(c.get("background") for c in mine):
             kinds = dict.fromkeys(("most_seen", "first_or_last", "other_colour", "no_colour"), 0)
             for c in mine:
