@@ -12,6 +12,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-data": ("longvideo.data.cli:make_data_main", "write synthetic video-text shards"),
     "tokenize": ("longvideo.data.cli:tokenize_main", "VQ-encode raw shards into token shards"),
     "train-vq": ("longvideo.train.vq_cli:main", "train the VQ video tokenizer"),
+    "prune-codes": (
+        "longvideo.vq.prune:main",
+        "map a tokenizer's rare codes to their nearest kept code (and its token shards)",
+    ),
     "train": (
         "longvideo.train.cli:main",
         "train the language model (torchrun/deepspeed/accelerate)",

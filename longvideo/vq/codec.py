@@ -94,13 +94,13 @@ def _encode_piece(vq: VQModel, piece: torch.Tensor, state: dict, is_first: bool)
     device = next(vq.parameters()).device
     if vq.cfg.mode == "2d":
         _, codes, _ = vq.encode(frames_to_input(piece, device, as_clip=False))
-        return codes[:, 0].cpu()
+        return vq.emit(codes[:, 0]).cpu()
     t = vq.cfg.frames_per_group
     short = (t - (piece.shape[0] - (1 if is_first else 0)) % t) % t
     if short:
         piece = torch.cat([piece, piece[-1:].expand(short, -1, -1, -1)])
     _, codes, _ = vq.encode(frames_to_input(piece, device, as_clip=True), state)
-    return codes[0].cpu()
+    return vq.emit(codes[0]).cpu()
 
 
 def _check_batch(vq: VQModel, batch_frames: int) -> None:

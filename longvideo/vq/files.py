@@ -1,6 +1,6 @@
 """What every video-tokenizer implementation (`VQConfig.arch`) shares: its files, `config.json` (its
-VQConfig) and `model.safetensors`, and the `VideoTokenizer` base class; `longvideo.vq.load_vq`
-builds the implementation the config names."""
+VQConfig), `model.safetensors` and, once its rare codes are pruned, `codes.json`, and the
+`VideoTokenizer` base class; `longvideo.vq.load_vq` builds the implementation the config names."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from longvideo.vq.config import VQConfig
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+CODES_FILE = "codes.json"
+"""The codes the tokenizer emits (longvideo.vq.prune): absent, every code is emitted as itself."""
 
 
 class VideoTokenizer(nn.Module):
@@ -23,6 +25,18 @@ class VideoTokenizer(nn.Module):
     gives encode, decode, group_frame_index and `_lookup` (codes (...) -> latents (..., D))."""
 
     cfg: VQConfig
+    code_map: torch.Tensor | None = None
+    """int64 (codebook_size,): quantised code c is emitted as code_map[c] (CODES_FILE, written by
+    longvideo.vq.prune: a code too rare in the training data becomes its nearest kept code);
+    None: every code as itself. Training and `encode` see the raw codes; `emit` maps them."""
+    code_info: dict | None = None
+    """What CODES_FILE says beside the map (the counts and the threshold it was made from)."""
+
+    def emit(self, codes: torch.Tensor) -> torch.Tensor:
+        """The codes the tokenizer emits for quantised `codes` (any shape): code_map applied."""
+        if self.code_map is None:
+            return codes
+        return self.code_map.to(codes.device)[codes]
 
     def codes_to_latents(self, codes: torch.Tensor) -> torch.Tensor:
         """(B, G, h, w) long -> (B, D, G, h, w)."""
@@ -49,6 +63,37 @@ class VideoTokenizer(nn.Module):
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         write_text_atomic(out / CONFIG_FILE, json.dumps(to_dict(self.cfg), indent=2) + "\n")
         write_bytes_atomic(out / WEIGHTS_FILE, save(tensors, metadata={"format": "pt"}))
+        if self.code_map is not None:
+            write_code_map(out, self.code_map, self.code_info or {})
+        elif (out / CODES_FILE).is_file():  # the weights written are not those it was made for
+            (out / CODES_FILE).unlink()
+
+
+def write_code_map(path: str | Path, code_map, info: dict) -> None:
+    """Write `path/codes.json` atomically: {"map": [...], **info}."""
+    body = {**info, "map": [int(c) for c in code_map]}
+    write_text_atomic(Path(path) / CODES_FILE, json.dumps(body) + "\n")
+
+
+def read_code_map(path: str | Path, codebook_size: int) -> tuple[torch.Tensor, dict] | None:
+    """The code map of a saved tokenizer directory and the rest of its CODES_FILE (None without
+    one), checked: one entry per code, each a code, and every code it emits emitted as itself."""
+    file = Path(path) / CODES_FILE
+    if not file.is_file():
+        return None
+    try:
+        body = json.loads(file.read_text())
+        values = body.pop("map")
+    except (json.JSONDecodeError, AttributeError, KeyError, TypeError) as e:
+        raise ValueError(f"{file}: not a code map ({e})") from None
+    if not isinstance(values, list) or len(values) != codebook_size:
+        raise ValueError(f"{file}: the map needs {codebook_size} entries, one per code")
+    if not all(isinstance(c, int) and 0 <= c < codebook_size for c in values):
+        raise ValueError(f"{file}: every entry must be a code in [0, {codebook_size})")
+    code_map = torch.tensor(values, dtype=torch.long)
+    if not torch.equal(code_map[code_map], code_map):
+        raise ValueError(f"{file}: a code the map emits must be emitted as itself")
+    return code_map, body
 
 
 def read_vq_config(path: str | Path) -> VQConfig:

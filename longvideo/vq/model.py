@@ -17,6 +17,7 @@ from longvideo.vq.files import (
     WEIGHTS_FILE,
     VideoTokenizer,
     load_weights_into,
+    read_code_map,
     read_vq_config,
 )
 from longvideo.vq.layers import Conv, Downsample, ResBlock, Upsample, norm
@@ -151,4 +152,7 @@ def load_vq(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
     """Load a tokenizer saved by `.save` (eval mode): a VQModel, or the LWM VQGAN adapter."""
     model = build_vq(read_vq_config(path))
     load_weights_into(model, path)
+    found = read_code_map(path, model.cfg.codebook_size)
+    if found is not None:
+        model.code_map, model.code_info = found
     return model.to(device).eval()
