@@ -869,3 +869,27 @@ def test_miss_table_counts_readings_and_defaults_by_hand():
         "red": {"right": 1, "asked": 2, "read": 1, "decidable": 2},
         "blue": {"right": 2, "asked": 3, "read": 1, "decidable": 2},
     }
+
+
+def test_needle_attention_script_records_the_attention_the_model_used(pre):
+    """scripts/needle_attention.py's hook: the answer position's attention rows, recomputed in
+    float64 from each layer's queries and keys, give that layer's attention output when applied to
+    its values, sum to 1, and the hook leaves the model's output as it is."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "needle_attention.py"
+    spec = importlib.util.spec_from_file_location("needle_attention", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    torch.manual_seed(0)
+    ids = torch.randint(0, pre.model.cfg.vocab.size, (1, 48))
+    flash = torch.tensor([5, 6, 7])
+    with torch.no_grad():
+        plain = pre.model(ids)
+        hidden, shares, rows, gaps = script.flash_attention(pre.model, ids, flash)
+    assert torch.equal(hidden, plain) and len(rows) == pre.model.cfg.n_layers
+    assert max(gaps) < 1e-5
+    for share, row in zip(shares, rows):
+        assert torch.allclose(row.sum(-1), torch.ones(row.shape[0], dtype=row.dtype))
+        assert torch.allclose(share, row[:, flash].sum(-1))
