@@ -13,7 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tokenize": ("longvideo.data.cli:tokenize_main", "VQ-encode raw shards into token shards"),
     "train-vq": ("longvideo.train.vq_cli:main", "train the VQ video tokenizer"),
     "prune-codes": (
-        "longvideo.vq.prune:main",
+        "longvideo.data.prune:main",
         "map a tokenizer's rare codes to their nearest kept code (and its token shards)",
     ),
     "train": (

@@ -51,6 +51,7 @@ def flash_attention(model, ids: torch.Tensor, flash: torch.Tensor):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from longvideo.data.prune import count_codes
     from longvideo.data.streams import expand_shards
     from longvideo.infer.chat import prompt_of
     from longvideo.infer.evals import (
@@ -62,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
         needle_index,
     )
     from longvideo.vq.codec import SplicingEncoder
-    from longvideo.vq.prune import count_codes
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="an exported model directory (with vq/)")

@@ -17,7 +17,7 @@ from longvideo.vq.config import VQConfig
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 CODES_FILE = "codes.json"
-"""The codes the tokenizer emits (longvideo.vq.prune): absent, every code is emitted as itself."""
+"""The codes the tokenizer emits (longvideo.data.prune): absent, every code is emitted as itself."""
 
 
 class VideoTokenizer(nn.Module):
@@ -27,7 +27,7 @@ class VideoTokenizer(nn.Module):
     cfg: VQConfig
     code_map: torch.Tensor | None = None
     """int64 (codebook_size,): quantised code c is emitted as code_map[c] (CODES_FILE, written by
-    longvideo.vq.prune: a code too rare in the training data becomes its nearest kept code);
+    longvideo.data.prune: a code too rare in the training data becomes its nearest kept code);
     None: every code as itself. Training and `encode` see the raw codes; `emit` maps them."""
     code_info: dict | None = None
     """What CODES_FILE says beside the map (the counts and the threshold it was made from)."""

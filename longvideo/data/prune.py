@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from longvideo.atomic import atomic_open
 from longvideo.data.shards import ShardError, load_npy, npy_bytes
 from longvideo.data.streams import expand_shards
+from longvideo.vq import load_vq
 from longvideo.vq.files import CODES_FILE, write_code_map
 
 CODES_MEMBER = ".codes.npy"
@@ -127,8 +128,6 @@ def prune_codes(
     than `min_count` times to its nearest kept code, and (rewrite) rewrite those shards with the
     map. The counts are of the raw codes: a tokenizer already pruned is refused (its shards no
     longer hold the codes it maps away). Returns the summary also written in codes.json."""
-    from longvideo.vq import load_vq
-
     if min_count < 1:
         raise ValueError(f"min_count must be >= 1, got {min_count}")
     vq = load_vq(vq_dir)

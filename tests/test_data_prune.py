@@ -1,4 +1,4 @@
-"""Rare codes pruned (longvideo.vq.prune): the map against hand-made latents and counts, and the
+"""Rare codes pruned (longvideo.data.prune): the map against hand-made latents and counts, and the
 whole command on real H.264 clips tokenized here: the shards it rewrites hold exactly what the
 pruned tokenizer emits for the same clips, and nothing else changes."""
 
@@ -14,9 +14,9 @@ from material.corpus import Encoding, corpus_frames, encode
 from longvideo.cli import main as cli_main
 from longvideo.data.cli import tokenize_main
 from longvideo.data.codes import video_to_codes
+from longvideo.data.prune import nearest_kept_map, prune_codes
 from longvideo.data.shards import SkipStats, iter_token_samples
 from longvideo.vq import VQConfig, VQModel, load_vq
-from longvideo.vq.prune import nearest_kept_map, prune_codes
 
 CLIP = Encoding("mp4", "mp4", "mp4", "libx264", frames=16, size=32)
 
