@@ -4,6 +4,7 @@ pruned tokenizer emits for the same clips, and nothing else changes."""
 
 import io
 import json
+import shutil
 import tarfile
 
 import numpy as np
@@ -15,8 +16,8 @@ from longvideo.cli import main as cli_main
 from longvideo.data.cli import tokenize_main
 from longvideo.data.codes import video_to_codes
 from longvideo.data.prune import nearest_kept_map, prune_codes
-from longvideo.data.shards import SkipStats, iter_token_samples
-from longvideo.vq import VQConfig, VQModel, load_vq
+from longvideo.data.shards import ShardWriter, SkipStats, iter_token_samples
+from longvideo.vq import VQModel, load_vq
 
 CLIP = Encoding("mp4", "mp4", "mp4", "libx264", frames=16, size=32)
 
@@ -34,34 +35,21 @@ def test_nearest_kept_map_by_hand():
 
 
 @pytest.fixture()
-def tokenized(tmp_path):
-    """A small 2d tokenizer and two raw shards of real H.264 clips, tokenized."""
-    torch.manual_seed(0)
-    cfg = VQConfig(
-        mode="2d",
-        resolution=16,
-        downsample=4,
-        channels=8,
-        channel_mult=(1, 1, 1),
-        num_res_blocks=0,
-        codebook_size=64,
-    )
-    vq_dir = tmp_path / "vq"
-    VQModel(cfg).save(vq_dir)
+def tokenized(tmp_path, vq_dir):
+    """A copy of the tiny 2d tokenizer (conftest.vq_dir: pruning writes into it) and two raw
+    shards of real H.264 clips, tokenized."""
+    vq = tmp_path / "vq"
+    shutil.copytree(vq_dir, vq)
     clips = {f"c{i}": encode(CLIP, corpus_frames(CLIP.frames, CLIP.size, i)) for i in range(4)}
     raw = tmp_path / "raw"
-    raw.mkdir()
     for s, keys in enumerate((["c0", "c1"], ["c2", "c3"])):
-        with tarfile.open(raw / f"raw-{s}.tar", "w", format=tarfile.USTAR_FORMAT) as tf:
+        with ShardWriter(raw / f"raw-{s}.tar") as w:
             for k in keys:
-                for ext, data in (("mp4", clips[k]), ("json", b'{"caption": "x"}')):
-                    info = tarfile.TarInfo(f"{k}.{ext}")
-                    info.size = len(data)
-                    tf.addfile(info, io.BytesIO(data))
+                w.write(k, {"mp4": clips[k], "json": b'{"caption": "x"}'})
     tok = tmp_path / "tok"
-    argv = ["--vq", str(vq_dir), "--in", str(raw), "--out", str(tok), "--fps", "4", "--quiet"]
+    argv = ["--vq", str(vq), "--in", str(raw), "--out", str(tok), "--fps", "4", "--quiet"]
     assert tokenize_main(argv) == 0
-    return vq_dir, tok, clips
+    return vq, tok, clips
 
 
 def _samples(tok):
@@ -72,11 +60,24 @@ def _samples(tok):
 
 def test_prune_codes_rewrites_shards_to_what_the_pruned_tokenizer_emits(tokenized, capsys):
     vq_dir, tok, clips = tokenized
+    K = load_vq(vq_dir).cfg.codebook_size
     before = _samples(tok)
     held = np.bincount(
         np.concatenate([t.codes.reshape(-1).astype(np.int64) for t in before.values()]),
-        minlength=64,
+        minlength=K,
     )
+    # poison in a shard: a link named like a code array (never followed) and an object array
+    # (never unpickled; copied as it is)
+    shard = sorted(tok.glob("*.tar"))[0]
+    obj = io.BytesIO()
+    np.save(obj, np.array([{"x": 1}], dtype=object), allow_pickle=True)
+    with tarfile.open(shard, "a") as tf:
+        link = tarfile.TarInfo("evil.codes.npy")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tf.addfile(link)
+        info = tarfile.TarInfo("obj.codes.npy")
+        info.size = len(obj.getvalue())
+        tf.addfile(info, io.BytesIO(obj.getvalue()))
     min_count = int(np.sort(held[held > 0])[len(held[held > 0]) // 2])  # about half are kept
     argv = ["prune-codes", "--vq", str(vq_dir), "--tokens", str(tok), "--min-count", str(min_count)]
     assert cli_main([*argv, "--quiet"]) == 0
@@ -85,6 +86,11 @@ def test_prune_codes_rewrites_shards_to_what_the_pruned_tokenizer_emits(tokenize
     code_map = np.array(body["map"])
     kept = held >= min_count
     assert body["counts"] == held.tolist() and summary["codes_kept"] == int(kept.sum())
+    assert summary["bad_members"] == 2
+    with tarfile.open(shard) as tf:
+        names = tf.getnames()
+        assert "evil.codes.npy" not in names
+        assert tf.extractfile("obj.codes.npy").read() == obj.getvalue()
     assert summary["codes_pruned"] == int(((held > 0) & ~kept).sum()) > 0
     assert summary["share_pruned"] == pytest.approx(held[(held > 0) & ~kept].sum() / held.sum())
     assert (code_map[kept] == np.nonzero(kept)[0]).all() and kept[code_map].all()
@@ -113,17 +119,18 @@ def test_prune_codes_rewrites_shards_to_what_the_pruned_tokenizer_emits(tokenize
 def test_code_map_file_is_checked(tokenized):
     vq_dir, _, _ = tokenized
     assert load_vq(vq_dir).code_map is None
+    K = load_vq(vq_dir).cfg.codebook_size
     bad = {
         "short": {"map": [0, 1]},
-        "range": {"map": [64] * 64},
-        "not kept": {"map": [1, 2] + list(range(2, 64))},  # 0 -> 1, but 1 -> 2
+        "range": {"map": [K] * K},
+        "not kept": {"map": [1, 2] + list(range(2, K))},  # 0 -> 1, but 1 -> 2
         "no map": {"counts": []},
     }
     for body in bad.values():
         (vq_dir / "codes.json").write_text(json.dumps(body))
         with pytest.raises(ValueError, match="codes.json"):
             load_vq(vq_dir)
-    (vq_dir / "codes.json").write_text(json.dumps({"map": [0] + list(range(1, 64))}))
+    (vq_dir / "codes.json").write_text(json.dumps({"map": list(range(K))}))
     vq = load_vq(vq_dir)
     assert vq.code_map is not None
     # a tokenizer saved without a map (new weights) leaves no stale map behind

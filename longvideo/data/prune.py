@@ -16,54 +16,77 @@ it, member by member, so that they hold what the pruned tokenizer emits.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from longvideo.atomic import atomic_open
-from longvideo.data.shards import ShardError, load_npy, npy_bytes
-from longvideo.data.streams import expand_shards
+from longvideo.data.shards import (
+    ShardError,
+    ShardWriter,
+    index_tar,
+    load_npy,
+    npy_bytes,
+    read_member,
+)
+from longvideo.data.streams import SkipStats, default_limits, expand_shards
 from longvideo.vq import load_vq
 from longvideo.vq.files import CODES_FILE, write_code_map
 
-CODES_MEMBER = ".codes.npy"
+CODES_EXT = "codes.npy"
 
 
-def _members(path: str):
-    """(TarInfo, bytes) of every regular member of a tar shard, in order."""
-    with tarfile.open(path, "r") as tf:
-        for info in tf:
-            data = tf.extractfile(info).read() if info.isfile() else b""
-            yield info, data
+def _members(path: str, stats: SkipStats):
+    """(Member, its bytes or the ShardError that kept them unread) of the usable members of a tar
+    shard, in order: through the shard reader's own guards (index_tar: links, devices and
+    escaping names are counted in `stats` and never read; read_member: each within the bound of
+    its extension)."""
+    members = index_tar(path, stats)
+    with open(path, "rb") as f:
+        for m in members:
+            try:
+                yield m, read_member(f, m, default_limits([m.ext])[m.ext])
+            except ShardError as e:
+                yield m, e
+
+
+def _codes(m, data) -> np.ndarray | None:
+    """A codes member's array, None when it is not a plain array (or was not read)."""
+    if isinstance(data, ShardError):
+        return None
+    try:
+        return load_npy(data, f"{m.key}.{m.ext}")
+    except ShardError:
+        return None
 
 
 def count_codes(paths: list[str], codebook_size: int, progress: bool = False) -> dict:
     """Per code, how many times the token shards `paths` hold it (`counts`), with the samples and
-    codes counted and the members that are not a plain code array (`bad`, left as they are)."""
+    codes counted and the members passed over (`bad`: code members that are not a plain array,
+    members too large to read, and unusable members such as links)."""
     counts = np.zeros(codebook_size, np.int64)
     samples = bad = 0
+    stats = SkipStats()
     for path in tqdm(paths, desc="counting codes", unit="shard", disable=not progress):
-        for info, data in _members(path):
-            if not info.name.endswith(CODES_MEMBER):
+        for m, data in _members(path, stats):
+            if m.ext != CODES_EXT:
                 continue
-            try:
-                codes = load_npy(data, info.name).astype(np.int64).reshape(-1)
-            except ShardError:
+            codes = _codes(m, data)
+            if codes is None:
                 bad += 1
                 continue
+            codes = codes.astype(np.int64).reshape(-1)
             if codes.size and (codes.min() < 0 or codes.max() >= codebook_size):
                 raise ValueError(
-                    f"{path}:{info.name} holds codes outside [0, {codebook_size}): "
+                    f"{path}:{m.key}.{m.ext} holds codes outside [0, {codebook_size}): "
                     "shards of another tokenizer?"
                 )
             counts += np.bincount(codes, minlength=codebook_size)
             samples += 1
+    bad += sum(stats.values())
     return {"counts": counts, "samples": samples, "codes": int(counts.sum()), "bad": bad}
 
 
@@ -88,30 +111,27 @@ def nearest_kept_map(latents: np.ndarray, counts: np.ndarray, min_count: int) ->
 def code_latents(vq) -> np.ndarray:
     """(K, D) the quantiser's latent of every code."""
     with torch.no_grad():
-        codes = torch.arange(vq.cfg.codebook_size)
-        return vq._lookup(codes).double().cpu().numpy()
+        codes = torch.arange(vq.cfg.codebook_size).view(1, -1, 1, 1)  # (B, G, h, w)
+        return vq.codes_to_latents(codes)[0, :, :, 0, 0].T.double().cpu().numpy()
 
 
 def rewrite_shard(path: str, code_map: np.ndarray) -> int:
-    """Rewrite a token shard atomically with `code_map` applied to its code arrays (each in its
-    own dtype); every other member, and any code member that is not a plain array, is copied as
-    it is. Returns the codes changed."""
+    """Rewrite a token shard atomically (ShardWriter) with `code_map` applied to its code arrays
+    (each in its own dtype); every other usable member is copied as it is, a code member that is
+    not a plain array too. Members the shard reader passes over (links, escaping names, members
+    over their bound) are left out: no reader of token shards would read them. Returns the codes
+    changed."""
     changed = 0
-    with atomic_open(path, "wb") as f:
-        with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as out:
-            for info, data in _members(path):
-                if info.isfile() and info.name.endswith(CODES_MEMBER):
-                    try:
-                        codes = load_npy(data, info.name)
-                    except ShardError:
-                        codes = None
-                    if codes is not None:
-                        mapped = code_map[codes.astype(np.int64)].astype(codes.dtype)
-                        changed += int((mapped != codes).sum())
-                        data = npy_bytes(mapped)
-                        info = tarfile.TarInfo(info.name)
-                        info.size, info.mtime, info.mode = len(data), 0, 0o644
-                out.addfile(info, io.BytesIO(data) if info.isfile() else None)
+    with ShardWriter(path) as out:
+        for m, data in _members(path, SkipStats()):
+            if isinstance(data, ShardError):
+                continue
+            codes = _codes(m, data) if m.ext == CODES_EXT else None
+            if codes is not None:
+                mapped = code_map[codes.astype(np.int64)].astype(codes.dtype)
+                changed += int((mapped != codes).sum())
+                data = npy_bytes(mapped)
+            out.write(m.key, {m.ext: data})
     return changed
 
 
