@@ -42,6 +42,7 @@ from longvideo.parallel.deepspeed_config import load_base, resolve_zero_stage
 from longvideo.tokenizer import TextTokenizer
 from longvideo.train.run_state import STATE_FILE
 from longvideo.vq import load_vq_config
+from longvideo.vq.files import CODES_FILE
 
 
 def _named(key: str, load, *args):
@@ -160,6 +161,11 @@ class DemoPlan:
     vq_warn_seconds: float = 0.0
     """A VQ stage longer than this (wall time) warns: the machine is slower or busier than the plan
     assumes. It never stops the VQ. 0: no warning."""
+    prune_min_count: int = 0
+    """> 0: after the training sets are tokenized, `longvideo prune-codes` maps every code their
+    shards hold fewer than this many times to its nearest kept code, rewrites those shards, and the
+    held-out sets are tokenized with the pruned tokenizer (docs/hour.md, "Rare codes"); 0: no
+    pruning."""
     eval_samples: int = 64
     """Held-out QA samples scored."""
     qa_lengths: tuple[int, ...] = ()
@@ -224,6 +230,11 @@ class DemoPlan:
                 f"no set named {getattr(self, key)!r}; sets: {names}",
             )
         check(len(self.stages) > 0, "stages", "the ladder needs a rung")
+        check(
+            self.prune_min_count >= 0,
+            "prune_min_count",
+            f"a count (0: no pruning), got {self.prune_min_count}",
+        )
         check(
             not self.needle_trials or len(self.needle_trials) == len(self.needle_lengths),
             "needle_trials",
@@ -297,17 +308,23 @@ INPUT_KEYS = (
     "vq_set",
     "vq_steps",
     "vq_seed",
+    "prune_min_count",
 )
 """The plan keys a run's inputs (videos, both tokenizers, token shards) depend on; the others (the
 rungs' overrides and steps, `lm_overrides`, `lm_seed`, the evaluations) train or score a language
 model on them."""
 
 
+def _trained(record: dict) -> set[str]:
+    """The sets a recorded plan trains its language models on: those a rung reads."""
+    t2v = record.get("t2v_stage") or {}
+    return {name for st in record["stages"] for name in st["sets"]} | set(t2v.get("sets", ()))
+
+
 def _tokenized(record: dict) -> set[str]:
     """The sets a recorded plan tokenizes: those a rung, the QA evaluation or text to video reads."""
     t2v = record.get("t2v_stage") or {}
-    used = {name for st in record["stages"] for name in st["sets"]} | {record["held_out"]}
-    return used | set(t2v.get("sets", ())) | ({record["t2v_held_out"]} if t2v else set())
+    return _trained(record) | {record["held_out"]} | ({record["t2v_held_out"]} if t2v else set())
 
 
 def _inputs_of(record: dict) -> dict:
@@ -513,24 +530,47 @@ class Demo:
             )
 
     def tokenize(self) -> None:
-        used = _tokenized(self.plan.record())
-        for v in (
-            v for v in self.plan.sets if v.name in used
-        ):  # a set only the VQ trains on is not tokenized
+        """Tokenize every set the plan reads. With prune_min_count, the training sets first, then
+        `prune-codes` counts their codes, writes the VQ's code map and rewrites their shards, then
+        the held-out sets are tokenized by the pruned tokenizer (their codes never counted)."""
+        record, prune = self.plan.record(), self.plan.prune_min_count
+        used, trained = _tokenized(record), _trained(record)
+        codes = self.out / "vq" / CODES_FILE
+        if prune and codes.exists():  # an interrupted stage: count the raw codes again
+            codes.unlink()
+
+        def tokenize(names):
+            for v in (v for v in self.plan.sets if v.name in names):  # the VQ's own set: not read
+                self.lv(
+                    "tokenize",
+                    "--vq",
+                    self.out / "vq",
+                    "--in",
+                    self.out / "data" / v.name,
+                    "--out",
+                    self.out / "tokens" / v.name,
+                    "--config",
+                    config_arg(self.plan.lm_config),
+                    "--workers",
+                    2,
+                    *self.q,
+                )
+
+        if not prune:
+            tokenize(used)
+        else:
+            tokenize(trained)
             self.lv(
-                "tokenize",
+                "prune-codes",
                 "--vq",
                 self.out / "vq",
-                "--in",
-                self.out / "data" / v.name,
-                "--out",
-                self.out / "tokens" / v.name,
-                "--config",
-                config_arg(self.plan.lm_config),
-                "--workers",
-                2,
+                "--tokens",
+                *(self.out / "tokens" / v.name for v in self.plan.sets if v.name in trained),
+                "--min-count",
+                prune,
                 *self.q,
             )
+            tokenize(used - trained)
         (self.out / "tokens/.done").touch()
 
     def text_size(self) -> int:
@@ -877,6 +917,12 @@ class Demo:
             if (self.out / "chat.json").exists()
             else {}
         )
+        codes = self.out / "vq" / CODES_FILE
+        prune = (
+            {k: v for k, v in json.loads(codes.read_text()).items() if k not in ("map", "counts")}
+            if codes.exists()
+            else {}
+        )
         return {
             "plan": self.plan.record(),
             "machine": self.machine,
@@ -926,6 +972,7 @@ class Demo:
                 "tokens_per_s",
             ),
             "chat": chat,
+            "prune": prune,
         }
 
     def report(self, s: dict) -> None:
@@ -934,6 +981,12 @@ class Demo:
 
         print("\n=== results", flush=True)
         qa, niah, vq_needle = s["qa"], s["video_niah"], s.get("vq_needle")
+        if s.get("prune"):  # docs/hour.md, "Rare codes"
+            p = s["prune"]
+            print(
+                f"codes kept (held >= {p['min_count']} times): {p['codes_kept']} of {p['codes_held']} "
+                f"held; {p['share_pruned']:.2%} of the training codes mapped to a kept one"
+            )
         if vq_needle:
             print(f"flash colour after the tokenizer: {vq_needle['rate']:.1%}")
             if "shape_kind_rate" in vq_needle:

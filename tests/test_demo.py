@@ -483,6 +483,44 @@ def test_every_plan_file_runs_commands_bounded_by_steps(tmp_path):
             ), (name, cmd[i + 1])
 
 
+def test_a_pruning_plan_counts_the_training_sets_and_tokenizes_the_held_out_set_after(tmp_path):
+    """With prune_min_count, the tokenize stage tokenizes the sets the rungs read, prunes their
+    shards (and only theirs), then tokenizes the held-out set with the pruned tokenizer; a stage
+    interrupted after writing the code map counts the raw codes again. Without it, one pass."""
+    from dataclasses import replace
+
+    from longvideo.demo import INPUT_KEYS, Demo, load_plan
+
+    HOUR = load_plan("demos/demo-hour")
+    assert HOUR.prune_min_count == 20 and "prune_min_count" in INPUT_KEYS
+    demo = Demo(tmp_path / "hour", HOUR)
+    for d in ("vq", "tokens"):
+        (demo.out / d).mkdir(parents=True)
+    (demo.out / "vq/codes.json").write_text("{}")  # left by an interrupted stage
+    cmds = []
+    demo.run = lambda cmd, threads=None: cmds.append([str(a) for a in cmd])
+    demo.tokenize()
+    assert not (demo.out / "vq/codes.json").exists()
+    steps = [
+        ("prune", c) if "prune-codes" in c else (Path(c[c.index("--out") + 1]).name, c)
+        for c in cmds
+    ]
+    trained = ["brief", "short", "mid", "long"]
+    assert [n for n, _ in steps] == [*trained, "prune", HOUR.held_out]
+    prune = steps[4][1]
+    i = prune.index("--tokens")
+    assert [Path(t).name for t in prune[i + 1 : prune.index("--min-count")]] == trained
+    assert prune[prune.index("--min-count") + 1] == "20"
+    assert prune[prune.index("--vq") + 1] == str(demo.out / "vq")
+
+    plain = Demo(tmp_path / "plain", replace(HOUR, prune_min_count=0))
+    (plain.out / "tokens").mkdir(parents=True)
+    cmds.clear()
+    plain.run = lambda cmd, threads=None: cmds.append([str(a) for a in cmd])
+    plain.tokenize()
+    assert not any("prune-codes" in c for c in cmds) and len(cmds) == 5
+
+
 @pytest.mark.parametrize(
     "text, key",
     [
@@ -501,6 +539,7 @@ def test_every_plan_file_runs_commands_bounded_by_steps(tmp_path):
         ),
         ("{base}vq_config: vq/no-such-vq\n", "vq_config"),
         ("{base}needle_trials: [1, 2, 3]\n", "needle_trials"),
+        ("{base}prune_min_count: -1\n", "prune_min_count"),
         ("{base}t2v_held_out: nowhere\n", "t2v_held_out"),
         ("{base}t2v_stage: {{config: stages/demo-quick-512, sets: [t2v]}}\n", "t2v_stage.config"),
         ("{base}t2v_stage: {{config: stages/demo-quick-t2v, sets: [t3v]}}\n", "t2v_stage.sets"),
