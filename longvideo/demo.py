@@ -179,6 +179,10 @@ class DemoPlan:
     """Trials per length of the needle grid (empty: one per needle colour)."""
     eval_sp: int = 1
     """Processes of the needle evaluation (> 1: prefill by ring attention over them)."""
+    needle_control: bool = False
+    """The needle evaluation also asks each trial over its bare background (`--control`): its
+    misses then count the right answers the flash changed (`read`) of those a bare background
+    would not have got right anyway (`decidable`), per length and colour (docs/inference.md)."""
     vq_needle_trials: int = 0
     """Trials of `eval vq-needle` (does a flash survive the tokenizer?); 0: not run."""
     chat_seconds: int = 12
@@ -733,6 +737,8 @@ class Demo:
             )
         if p.needle_trials:
             needle += ["--trials", ",".join(map(str, p.needle_trials))]
+        if p.needle_control:
+            needle.append("--control")
         if p.eval_sp > 1:  # every prompt's video prefilled by ring attention over eval_sp processes
             self.torchrun(p.eval_sp, *needle)
         else:
@@ -1042,6 +1048,13 @@ class Demo:
                         f"    by flash colour at {longest} frames: "
                         + ", ".join(f"{c} {v['right']}/{v['asked']}" for c, v in by_colour.items())
                     )
+            if misses and all("read" in m for m in misses.values()):  # the control ran
+                print(
+                    "    read (the answer differs from the bare background's), of the decidable: "
+                    + ", ".join(
+                        f"{n} frames {m['read']}/{m['decidable']}" for n, m in misses.items()
+                    )
+                )
             if niah.get("needles_dropped"):
                 print(
                     f"    warning: {niah['needles_dropped']} needles did not fit the model's context (guesses)"

@@ -335,10 +335,26 @@ def test_the_summary_keeps_the_needle_misses_and_the_report_prints_them(tmp_path
     assert "flash's code: red 0.0% (1 of its own), blue 12.5% (0 of its own)" in out
     assert "trials missed at every depth (one background, one colour): 0 of 4, 1 of 4" in out
     assert "by flash colour at 40 frames: red 7/8, blue 0/4" in out
+    assert "read (the answer" not in out and "codes kept" not in out  # no control, no pruning
     for m in misses.values():
         m.update(wrong=0, trials_missed_at_every_depth=0)
     demo.report({**s, "video_niah": niah})
     assert "missed at every depth" not in capsys.readouterr().out
+    # with the control and a pruned tokenizer: reads of the decidable per length, the codes kept
+    misses["8"].update(read=10, defaults=2, decidable=10)
+    misses["40"].update(read=6, defaults=5, decidable=9)
+    (demo.out / "eval/video_niah/video_needle.json").write_text(json.dumps({**niah, "cells": []}))
+    info = {"min_count": 20, "codes_held": 875, "codes_kept": 754, "codes_pruned": 121}
+    (demo.out / "vq").mkdir()
+    (demo.out / "vq/codes.json").write_text(
+        json.dumps({**info, "share_pruned": 0.0017, "counts": [1] * 3, "map": [0, 1, 2]})
+    )
+    s = demo.summary(1.0)
+    assert s["prune"] == {**info, "share_pruned": 0.0017}  # no map, no counts
+    demo.report(s)
+    out = capsys.readouterr().out
+    assert "of the decidable: 8 frames 10/10, 40 frames 6/9" in out
+    assert "codes kept (held >= 20 times): 754 of 875 held; 0.17% of the training codes" in out
 
 
 def test_a_seed_reaches_every_lm_stage_and_another_seed_reuses_the_inputs(tmp_path, monkeypatch):
@@ -467,6 +483,8 @@ def test_every_plan_file_runs_commands_bounded_by_steps(tmp_path):
         (vq,) = [c for c in cmds if "train-vq" in c]
         assert vq[vq.index("--steps") + 1] == str(plan.vq_steps)
         tokenized = {Path(c[c.index("--out") + 1]).name for c in cmds if "tokenize" in c}
+        (niah,) = [c for c in cmds if "video-niah" in c]
+        assert ("--control" in niah) == plan.needle_control
         train = [c for c in cmds if "train" in c and "torch.distributed.run" in c]
         stages = [*plan.stages, *([plan.t2v_stage] if plan.t2v_stage else [])]
         rungs = [*plan.ladder, *([plan.t2v_rung] if plan.t2v_rung else [])]
