@@ -335,6 +335,18 @@ def demo_blocks(bench_dir: Path) -> dict[str, str]:
                     niah.get("chance"),
                 )
             )
+        misses = niah.get("misses") or {}
+        if misses and all("read" in m for m in misses.values()):  # the needle's control ran
+            read, told = (sum(m[k] for m in misses.values()) for k in ("read", "decidable"))
+            longest = misses[max(misses, key=int)]
+            found.append(
+                (
+                    "video needle, read (the answer is not the bare background's), of the "
+                    "decidable: all · the longest",
+                    f"{read:,} of {told:,} · {longest['read']} of {longest['decidable']}",
+                    None,
+                )
+            )
         if qa.get("lengths"):  # per question type, its accuracy at each video length
             found += [
                 (

@@ -302,6 +302,17 @@ def test_demo_blocks_from_a_summary(rb, tmp_path):
         "| video needle, the longest videos | 97.0 % (40 frames) | not measured yet | 25.0 % |",
         '| QA: "What shape came first?" | 82.8 % | not measured yet | 33.3 % |',
     ]
+    # a needle grid run with the control: the reads of the decidable, all and at the longest
+    controlled = _summary_json()
+    controlled["video_niah"]["misses"] = {
+        "8": {"wrong": 0, "read": 12, "defaults": 3, "decidable": 12},
+        "40": {"wrong": 1, "read": 9, "defaults": 4, "decidable": 10},
+    }
+    _write(bench, "demo", controlled)
+    assert rb.demo_blocks(bench)["demo-results"].splitlines()[4] == (
+        "| video needle, read (the answer is not the bare background's), of the decidable: "
+        "all · the longest | 21 of 22 · 9 of 10 | not measured yet | - |"
+    )
     # a demo that also generates videos: its colours-in-order figure, with its chance
     _write(
         bench, "demo", {**_summary_json(), "t2v": {"accuracy": 0.8125, "chance": 0.035, "n": 48}}
