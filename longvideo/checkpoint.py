@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save
 from longvideo.atomic import atomic_open, write_bytes_atomic
 from longvideo.config import Config, load_config, save_config
 from longvideo.model import ModelConfig, Transformer
-from longvideo.model.families import check_family, hf_name, own_name
+from longvideo.model.families import check_family, hf_config, hf_name, own_name
 from longvideo.parallel.engine import consolidate_zero_checkpoint
 from longvideo.tokenizer import TextTokenizer
 from longvideo.vq import VQModel, load_vq
@@ -393,6 +393,45 @@ def read_safetensors_dir(path: Path, progress=None) -> dict[str, torch.Tensor]:
         return sd
 
 
+EXPORT_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "attn_logn_base",
+)
+"""The config.json keys an exported directory's longvideo.yaml must agree with (those that change
+what the model computes); a key config.json leaves out is not compared."""
+
+
+def check_export_config(path: Path, cfg: Config) -> None:
+    """An exported directory is read through its longvideo.yaml, transformers through its
+    config.json: a value edited in one only would make the two run different models, so a
+    disagreement is refused, naming the keys."""
+    try:
+        on_disk = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path / 'config.json'}: not readable JSON ({e})") from None
+    ours = json.loads(json.dumps(hf_config(cfg.model)))
+    differ = [
+        f"{k} (config.json {on_disk[k]!r}, {EXPORT_CONFIG} {ours.get(k)!r})"
+        for k in EXPORT_KEYS
+        if k in on_disk and on_disk[k] != ours.get(k)
+    ]
+    if differ:
+        raise CheckpointError(
+            f"{path}: config.json and {EXPORT_CONFIG} disagree on {', '.join(differ)}; this "
+            f"project reads {EXPORT_CONFIG}, transformers config.json: edit both alike, or export "
+            "again (docs/export.md)"
+        )
+
+
 @dataclass
 class Pretrained:
     """A loaded model with what it needs to read videos and text."""
@@ -416,6 +455,7 @@ def load_pretrained(
         path / "config.json"
     ).is_file():  # an exported directory
         cfg = load_config(path / EXPORT_CONFIG)
+        check_export_config(path, cfg)
         sd = from_hf_names(read_safetensors_dir(path), cfg.model)
         tok_dir = path
     else:

@@ -79,6 +79,28 @@ def test_import_extends_vocab_and_export_round_trips(tmp_path, tok, tie, kv):
     assert b.keys() == c.keys() and all(torch.equal(b[k], c[k]) for k in b)
 
 
+def test_an_export_whose_config_json_disagrees_with_its_own_config_is_refused(tmp_path, tok):
+    """load_pretrained reads an export's longvideo.yaml, transformers its config.json: a value that
+    changes the model, edited in config.json only, is refused naming the key; a key config.json
+    leaves out, or one that does not change the model, is not."""
+    hf_dir = tmp_path / "hf"
+    foreign_llama(hf_dir, vocab=tok.text_size, tie=False, kv_heads=2, rope_theta=2e4)
+    tok.save(hf_dir)
+    import_hf(hf_dir, tmp_path / "ckpt", codebook_size=16)
+    out = export_hf(tmp_path / "ckpt", tmp_path / "out")
+    ref = load_pretrained(out)
+    assert ref.config.model.rope_theta == 2e4
+    exported = json.loads((out / "config.json").read_text())
+    for key, value in (("rope_theta", 1e6), ("num_key_value_heads", 4)):
+        (out / "config.json").write_text(json.dumps({**exported, key: value}))
+        with pytest.raises(CheckpointError, match=f"disagree on {key} \\(config.json {value}"):
+            load_pretrained(out)
+    loose = {k: v for k, v in exported.items() if k != "rms_norm_eps"}
+    (out / "config.json").write_text(json.dumps({**loose, "transformers_version": "0"}))
+    ids = torch.randint(0, tok.text_size, (1, 7))
+    torch.testing.assert_close(load_pretrained(out).model(ids), ref.model(ids), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("tie,kv", [(False, 2), (True, 4)])
 def test_transformers_loads_export_with_same_logits(tmp_path, tok, tie, kv):
     mc = ModelConfig(
