@@ -82,6 +82,9 @@ class VideoSet:
     durations: tuple[int, ...] = ()
     """Video i lasts durations[i % len] seconds (a held-out set at fixed lengths); empty: drawn
     between min_seconds and max_seconds."""
+    ask_no_flash: bool = False
+    """Its videos without a flash are asked the flash question too, answered "none" (with
+    needle_fraction < 1): a model that can say so has no colour to fall back on."""
 
     def spec(self, fps: int, needle_fraction: float, shape_scale: float = 1.0) -> SyntheticSpec:
         """The SyntheticSpec its videos are drawn with (its fields checked there)."""
@@ -100,6 +103,7 @@ class VideoSet:
             questions=self.questions,
             durations=self.durations,
             shape_scale=shape_scale,
+            ask_no_flash=self.ask_no_flash,
         )
 
     def __post_init__(self):
@@ -481,6 +485,7 @@ class Demo:
                     else []
                 ),
                 *(["--durations", ",".join(map(str, spec.durations))] if spec.durations else []),
+                *(["--ask-no-flash"] if spec.ask_no_flash else []),
                 *self.scale,
                 "--samples-per-shard",
                 64,

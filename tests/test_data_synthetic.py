@@ -143,3 +143,37 @@ def test_edge_needles_move_only_the_needle_to_the_first_or_last_second():
     )
     with pytest.raises(ValueError, match="needle_edge_fraction"):
         SyntheticSpec(needle_edge_fraction=1.5)
+
+
+def test_no_flash_answer_leaves_the_videos_and_every_other_question_unchanged():
+    """ask_no_flash asks the flash question of a video without a flash too, answered "none", and
+    gives every flash question "none" among its choices; the videos (scenes, flashes, frames) and
+    the other questions are those drawn without it, and a flashless video shows no flash colour."""
+    import dataclasses
+
+    from longvideo.data.questions import NO_FLASH
+
+    plain = SyntheticSpec(
+        fps=1, min_seconds=8, max_seconds=20, long_fraction=0.0, needle_fraction=0.5
+    )
+    absent = dataclasses.replace(plain, ask_no_flash=True)
+    kinds = {True: 0, False: 0}
+    for i in range(40):
+        a, b = make_sample(3, i, plain), make_sample(3, i, absent)
+        assert (b.scenes, b.needle, b.duration) == (a.scenes, a.needle, a.duration)
+        needle_b = [x for x in b.meta["qa"] if x["type"] == "needle"]
+        others_a = [x for x in a.meta["qa"] if x["type"] != "needle"]
+        assert [x for x in b.meta["qa"] if x["type"] != "needle"] == others_a
+        assert len(needle_b) == 1 and needle_b[0]["choices"] == [*NEEDLE_CHOICES, NO_FLASH]
+        if a.needle is None:
+            assert not [x for x in a.meta["qa"] if x["type"] == "needle"]
+            assert needle_b[0]["answer"] == NO_FLASH
+            frames = b.frames()
+            for c in NEEDLE_CHOICES:  # no frame is one flat flash colour
+                flat = (frames == np.asarray(COLOURS[c], np.uint8)).all(axis=(1, 2, 3))
+                assert not flat.any()
+        else:
+            assert needle_b[0]["answer"] == a.needle[1] == b.meta["needle"]["colour"]
+            assert (b.frames() == a.frames()).all()
+        kinds[a.needle is None] += 1
+    assert kinds[True] >= 8 and kinds[False] >= 8, kinds

@@ -202,8 +202,13 @@ def test_sets_reach_make_data_as_the_plan_draws_them(tmp_path, monkeypatch):
 
     hour = load_plan("demos/demo-hour")
     edged = replace(hour, sets=tuple(replace(v, needle_edge_fraction=0.2) for v in hour.sets))
+    absent = replace(
+        hour,
+        sets=tuple(replace(v, needle_fraction=0.8, ask_no_flash=True) for v in hour.sets),
+    )
     for name, plan in (
         ("demo-hour", hour),
+        ("absent", absent),
         ("demo-hour-questions", load_plan("demos/demo-hour-questions")),
         ("demo-quick", load_plan("demos/demo-quick")),
         ("edged", edged),

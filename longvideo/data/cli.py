@@ -84,6 +84,11 @@ def make_data_main(argv: list[str]) -> int:
         help="a video with the needle carries 1 to this many flashes of distinct colours",
     )
     s.add_argument(
+        "--ask-no-flash",
+        action="store_true",
+        help='ask the flash question of videos without a flash too, answered "none"',
+    )
+    s.add_argument(
         "--questions",
         type=_names,
         default=d.questions,

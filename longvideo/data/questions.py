@@ -16,6 +16,8 @@ import numpy as np
 
 COUNT_WORDS: tuple[str, ...] = ("zero", "one", "two", "three", "four", "five")
 """Answers of the counting question, by count."""
+NO_FLASH = "none"
+"""The flash question's answer for a video without a flash, where it is asked (Story.ask_no_flash)."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,9 @@ class Story:
     colours: Sequence[str]
     kinds: Sequence[str]
     max_flashes: int = 1
+    ask_no_flash: bool = False
+    """The flash question is also asked of a video without a flash, answered NO_FLASH, and every
+    flash question's choices hold NO_FLASH: no colour is right by default (docs/hour.md)."""
 
 
 @dataclass(frozen=True)
@@ -95,11 +100,13 @@ def ask(story: Story, names: Sequence[str], rng: np.random.Generator) -> list[di
     out = []
     for name in names:
         q = QUESTION_TYPES[name]
-        if not q.flashes[0] <= len(flashes) <= q.flashes[1]:
+        absent = name == "needle" and not flashes and story.ask_no_flash
+        if not (q.flashes[0] <= len(flashes) <= q.flashes[1] or absent):
             continue
         text = q.text
         if name == "needle":
-            answer, choices = flashes[0][1], list(story.colours)
+            answer = flashes[0][1] if flashes else NO_FLASH
+            choices = [*story.colours, *([NO_FLASH] if story.ask_no_flash else [])]
         elif name in ("first_shape", "last_shape"):
             answer, choices = (first if name == "first_shape" else last)[2], list(story.kinds)
         elif name in ("first_colour", "last_colour"):

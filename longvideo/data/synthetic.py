@@ -279,6 +279,10 @@ class SyntheticSpec:
     questions: tuple[str, ...] = BASIC_QUESTIONS  # question types asked (data/questions.py)
     durations: tuple[int, ...] = ()  # sample i lasts durations[i % len] seconds (empty: drawn)
     shape_scale: float = 1.0  # shapes' radii times this (1: 14-22 % of the frame side)
+    # a video without the needle is asked the flash question too, answered "none" (and the flash
+    # question's choices hold "none"): a model can say there was none, so no colour is right by
+    # default over a background (data/questions.py, Story.ask_no_flash)
+    ask_no_flash: bool = False
 
     def __post_init__(self):
         if self.size <= 0 or self.size % 2:
@@ -425,6 +429,7 @@ def make_sample(seed: int, index: int, spec: SyntheticSpec = SyntheticSpec()) ->
         colours=NEEDLE_CHOICES,
         kinds=SHAPE_KINDS,
         max_flashes=spec.max_flashes,
+        ask_no_flash=spec.ask_no_flash,
     )
     qa = ask(story, spec.questions, np.random.default_rng([seed, index, 3]))
     key = f"{seed:04d}_{index:08d}"
