@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save
 from longvideo.atomic import atomic_open, write_bytes_atomic
 from longvideo.config import Config, load_config, save_config
 from longvideo.model import ModelConfig, Transformer
-from longvideo.model.families import check_family, hf_config, hf_name, own_name
+from longvideo.model.families import COMMON, check_family, hf_config, hf_name, own_name
 from longvideo.parallel.engine import consolidate_zero_checkpoint
 from longvideo.tokenizer import TextTokenizer
 from longvideo.vq import VQModel, load_vq
@@ -393,19 +393,9 @@ def read_safetensors_dir(path: Path, progress=None) -> dict[str, torch.Tensor]:
         return sd
 
 
-EXPORT_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "rms_norm_eps",
-    "rope_theta",
-    "max_position_embeddings",
-    "tie_word_embeddings",
-    "attn_logn_base",
-)
+EXPORT_KEYS = tuple(
+    sorted(COMMON - {"architectures", "model_type", "rope_parameters", "rope_scaling"})
+) + ("attn_logn_base",)
 """The config.json keys an exported directory's longvideo.yaml must agree with (those that change
 what the model computes); a key config.json leaves out is not compared."""
 
